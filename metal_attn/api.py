@@ -1,0 +1,322 @@
+"""The public calls: `paged_attention`, `reshape_and_cache`, `explain`, `providers`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from metal_attn import diagnostics
+from metal_attn.constants import KERNEL_BLOCK_SIZES
+from metal_attn.device import DeviceInfo, current_device
+from metal_attn.errors import InvalidInputError
+from metal_attn.metadata import AttentionMetadata
+from metal_attn.plugins import get_registry, plugin_epoch
+from metal_attn.provider import AttentionInputs
+from metal_attn.registry import Explanation
+from metal_attn.request import AttentionRequest
+from metal_attn.settings import get_settings
+
+DTYPE_NAMES: dict[Any, str] = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``mx.float16`` -> ``"float16"`` (any MLX dtype)."""
+    return DTYPE_NAMES.get(dtype) or str(dtype).rsplit(".", 1)[-1]
+
+
+def kernel_block_size(page_size: int) -> int | None:
+    """The largest kernel block size (32/16/8) that divides ``page_size``, else ``None``."""
+    if page_size in KERNEL_BLOCK_SIZES:
+        return page_size
+    return next((b for b in KERNEL_BLOCK_SIZES if page_size % b == 0), None)
+
+
+def _check_attention_tensors(q: Any, k_cache: Any, v_cache: Any) -> None:
+    for name, x, ndim, layout in (
+        ("q", q, 3, "[total_q_tokens, num_heads, head_size]"),
+        ("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]"),
+        ("v_cache", v_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]"),
+    ):
+        if not isinstance(x, mx.array):
+            raise InvalidInputError(f"{name} must be an mx.array (got {type(x).__name__})")
+        if x.ndim != ndim:
+            raise InvalidInputError(f"{name} must have rank {ndim} {layout} (got shape {tuple(x.shape)})")
+        if x.dtype not in DTYPE_NAMES:
+            raise InvalidInputError(f"{name}.dtype={dtype_name(x.dtype)} (supported: float16, bfloat16, float32)")
+        if 0 in x.shape:
+            raise InvalidInputError(f"{name} has an empty dimension (shape {tuple(x.shape)})")
+    if k_cache.shape != v_cache.shape:
+        raise InvalidInputError(f"k_cache.shape={tuple(k_cache.shape)} and v_cache.shape={tuple(v_cache.shape)} must be equal")
+    if k_cache.dtype != v_cache.dtype:
+        raise InvalidInputError(
+            f"k_cache.dtype={dtype_name(k_cache.dtype)} and v_cache.dtype={dtype_name(v_cache.dtype)} must be equal"
+        )
+    if q.shape[2] != k_cache.shape[3]:
+        raise InvalidInputError(f"q head_size={q.shape[2]} differs from the cache's head_size={k_cache.shape[3]}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise InvalidInputError(
+            f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]} (GQA needs whole groups)"
+        )
+
+
+def _check_features(num_heads: int, scale: Any, sinks: Any, sliding_window: Any, softcap: Any) -> None:
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise InvalidInputError(f"scale={scale!r} (allowed: a finite number > 0, or None for head_size**-0.5)")
+    if sliding_window is not None and not (
+        isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool) and sliding_window >= 1
+    ):
+        raise InvalidInputError(f"sliding_window={sliding_window!r} (allowed: an int >= 1, or None)")
+    if softcap is not None and not (
+        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
+    ):
+        raise InvalidInputError(f"softcap={softcap!r} (allowed: a finite number > 0, or None)")
+    if sinks is not None:
+        if not isinstance(sinks, mx.array):
+            raise InvalidInputError(f"sinks must be an mx.array of shape [{num_heads}] (got {type(sinks).__name__})")
+        if tuple(sinks.shape) != (num_heads,):
+            raise InvalidInputError(f"sinks.shape={tuple(sinks.shape)} (allowed: [{num_heads}], one logit per query head)")
+        if not mx.issubdtype(sinks.dtype, mx.floating):
+            raise InvalidInputError(f"sinks.dtype={dtype_name(sinks.dtype)} (allowed: a floating dtype; float32 is used)")
+
+
+def _resolve_metadata(metadata: Any, block_tables: Any, seq_lens: Any, cu_seqlens_q: Any) -> AttentionMetadata:
+    if metadata is not None:
+        if not isinstance(metadata, AttentionMetadata):
+            raise InvalidInputError(f"metadata must be a metal_attn.AttentionMetadata (got {type(metadata).__name__})")
+        if block_tables is not None or seq_lens is not None or cu_seqlens_q is not None:
+            raise InvalidInputError("pass either metadata= or block_tables/seq_lens/cu_seqlens_q, not both")
+        return metadata
+    return AttentionMetadata.build(block_tables, seq_lens, cu_seqlens_q)
+
+
+def paged_attention(
+    q: mx.array,
+    k_cache: mx.array,
+    v_cache: mx.array,
+    *,
+    block_tables: Any = None,
+    seq_lens: Any = None,
+    cu_seqlens_q: Any = None,
+    metadata: AttentionMetadata | None = None,
+    scale: float | None = None,
+    sinks: mx.array | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    provider: str | None = None,
+) -> mx.array:
+    """Attention over a paged KV cache for a batch of decode rows and prefill chunks.
+
+    Shapes: ``q`` ``[total_q_tokens, num_heads, head_size]``; pools
+    ``[num_blocks, block_size, num_kv_heads, head_size]``; ``block_tables``
+    ``[num_seqs, max_blocks]``; ``seq_lens`` ``[num_seqs]`` (KV length including
+    this step's tokens); ``cu_seqlens_q`` ``[num_seqs + 1]``. Query row ``i`` of a
+    sequence with ``q_len`` rows attends to KV positions ``[0, seq_len - q_len + i + 1)``
+    (the last ``sliding_window`` of them when given). ``sinks`` is one float32
+    logit per query head; ``softcap`` applies ``c * tanh(s / c)``. ``provider``
+    forces one provider (checked alone; its reasons are raised if it refuses).
+
+    Returns ``[total_q_tokens, num_heads, head_size]`` in the query dtype (lazy).
+    """
+    md = _resolve_metadata(metadata, block_tables, seq_lens, cu_seqlens_q)
+    _check_attention_tensors(q, k_cache, v_cache)
+    if q.shape[0] != md.total_q_tokens:
+        raise InvalidInputError(
+            f"q has {q.shape[0]} rows but cu_seqlens_q[-1]={md.total_q_tokens} (they must be equal)"
+        )
+    num_heads = q.shape[1]
+    _check_features(num_heads, scale, sinks, sliding_window, softcap)
+    key = (q.dtype, k_cache.dtype, num_heads, tuple(k_cache.shape), sinks is not None, sliding_window,
+           softcap, provider, plugin_epoch())
+    hit = md._selections.get(key)
+    if hit is None:
+        hit = _select(md, q, k_cache, num_heads, sinks, sliding_window, softcap, provider)
+        md._selections[key] = hit
+    sel, eff_md, ratio, record = hit
+    if ratio > 1:
+        nb, bs, kvh, d = k_cache.shape
+        k_cache = k_cache.reshape(nb * ratio, bs // ratio, kvh, d)
+        v_cache = v_cache.reshape(nb * ratio, bs // ratio, kvh, d)
+    if sinks is not None and sinks.dtype != mx.float32:
+        sinks = sinks.astype(mx.float32)
+    inputs = AttentionInputs(
+        q, k_cache, v_cache, eff_md, float(scale) if scale is not None else q.shape[2] ** -0.5,
+        sinks, sliding_window, float(softcap) if softcap is not None else None,
+    )
+    out = sel.provider.run(inputs, sel.plan)
+    diagnostics.record(record)
+    return out
+
+
+def _select(md: AttentionMetadata, q: mx.array, k_cache: mx.array, num_heads: int, sinks: Any,
+            sliding_window: Any, softcap: Any, provider: str | None) -> tuple:
+    """Selection-cache miss: page-size translation, pool checks, request, registry."""
+    nb, page, kvh, head = k_cache.shape
+    kbs = kernel_block_size(page)
+    ratio = page // kbs if kbs else 1
+    eff = md.split_blocks(ratio)
+    eff.check_against_pool(nb * ratio, page // ratio)
+    device = current_device()
+    settings = get_settings()
+    request = AttentionRequest(
+        backend=device.backend,
+        phase=eff.phase,
+        dtype=dtype_name(q.dtype),
+        cache_dtype=dtype_name(k_cache.dtype),
+        num_heads=num_heads,
+        num_kv_heads=kvh,
+        head_size=head,
+        block_size=page // ratio,
+        num_seqs=eff.num_seqs,
+        total_q_tokens=eff.total_q_tokens,
+        max_q_len=eff.max_q_len,
+        max_seq_len=eff.max_seq_len,
+        length_plan=eff.length_plan,
+        num_decode_seqs=eff.num_decode_seqs,
+        max_decode_seq_len=eff.max_decode_seq_len,
+        sinks=sinks is not None,
+        sliding_window=int(sliding_window) if sliding_window is not None else None,
+        softcap=float(softcap) if softcap is not None else None,
+    )
+    sel = get_registry().select(request, device, settings, forced=provider)
+    record = diagnostics.DispatchRecord(
+        "paged_attention", sel.provider.name, sel.plan.route, sel.plan.partition_size, device.backend,
+        sel.fallbacks, request,
+    )
+    return sel, eff, ratio, record
+
+
+_slot_check_cache: list = [None, None]  # [slot_mapping array, (num_slots, num_tokens)]
+
+
+def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array:
+    if _slot_check_cache[0] is slot_mapping and _slot_check_cache[1] == (num_slots, num_tokens):
+        return slot_mapping
+    if isinstance(slot_mapping, mx.array):
+        if slot_mapping.dtype not in (mx.int64, mx.int32):
+            raise InvalidInputError(f"slot_mapping.dtype={dtype_name(slot_mapping.dtype)} (allowed: int64 or int32)")
+        host = np.array(slot_mapping, copy=False)
+    else:
+        host = np.asarray(slot_mapping)
+        if host.size and not np.issubdtype(host.dtype, np.integer):
+            raise InvalidInputError(f"slot_mapping must hold integers (got dtype {host.dtype})")
+    if host.shape != (num_tokens,):
+        raise InvalidInputError(f"slot_mapping.shape={tuple(host.shape)} (allowed: [{num_tokens}], one slot per token)")
+    valid = host[host >= 0]
+    if valid.size:
+        hi = int(valid.max())
+        if hi >= num_slots:
+            raise InvalidInputError(
+                f"slot_mapping holds slot {hi}, out of range (pool has {num_slots} slots: 0..{num_slots - 1}; "
+                "negative slots mean padding)"
+            )
+        if np.unique(valid).size != valid.size:
+            vals, counts = np.unique(valid, return_counts=True)
+            raise InvalidInputError(f"slot_mapping holds slot {int(vals[counts > 1][0])} more than once")
+    arr = slot_mapping if isinstance(slot_mapping, mx.array) and slot_mapping.dtype == mx.int64 else mx.array(host.astype(np.int64))
+    if isinstance(slot_mapping, mx.array):
+        _slot_check_cache[0], _slot_check_cache[1] = arr, (num_slots, num_tokens)
+    return arr
+
+
+def reshape_and_cache(
+    key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slot_mapping: Any
+) -> tuple[mx.array, mx.array]:
+    """Scatter new tokens' K/V into their pages: ``pool[slot] = kv``; negative slots are skipped.
+
+    ``key``/``value``: ``[num_tokens, num_kv_heads, head_size]`` in the pool dtype;
+    ``slot_mapping``: ``[num_tokens]`` ints, ``block_id * block_size + offset``.
+    Returns the updated ``(k_cache, v_cache)``: MLX arrays are values, so rebind
+    them (the write is in place when nothing else references the pools).
+    """
+    for name, x in (("key", key), ("value", value)):
+        if not isinstance(x, mx.array) or x.ndim != 3:
+            raise InvalidInputError(
+                f"{name} must be an mx.array of rank 3 [num_tokens, num_kv_heads, head_size] "
+                f"(got {type(x).__name__} {tuple(getattr(x, 'shape', ()))})"
+            )
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(x, mx.array) or x.ndim != 4:
+            raise InvalidInputError(
+                f"{name} must be an mx.array of rank 4 [num_blocks, block_size, num_kv_heads, head_size] "
+                f"(got {type(x).__name__} {tuple(getattr(x, 'shape', ()))})"
+            )
+    if key.shape != value.shape:
+        raise InvalidInputError(f"key.shape={tuple(key.shape)} and value.shape={tuple(value.shape)} must be equal")
+    if k_cache.shape != v_cache.shape:
+        raise InvalidInputError(f"k_cache.shape={tuple(k_cache.shape)} and v_cache.shape={tuple(v_cache.shape)} must be equal")
+    if tuple(key.shape[1:]) != tuple(k_cache.shape[2:]):
+        raise InvalidInputError(
+            f"key has [num_kv_heads, head_size]={list(key.shape[1:])} but the pool has {list(k_cache.shape[2:])}"
+        )
+    for name, x in (("key", key), ("value", value), ("v_cache", v_cache)):
+        if x.dtype != k_cache.dtype:
+            raise InvalidInputError(
+                f"{name}.dtype={dtype_name(x.dtype)} differs from k_cache.dtype={dtype_name(k_cache.dtype)} (they must match)"
+            )
+    if k_cache.dtype not in DTYPE_NAMES:
+        raise InvalidInputError(f"k_cache.dtype={dtype_name(k_cache.dtype)} (supported: float16, bfloat16, float32)")
+    slots = _check_slots(slot_mapping, key.shape[0], k_cache.shape[0] * k_cache.shape[1])
+    device = current_device()
+    writer = get_registry().select_cache_writer(dtype_name(k_cache.dtype), device, get_settings())
+    out = writer.write_cache(key, value, k_cache, v_cache, slots, device)
+    diagnostics.record(diagnostics.DispatchRecord("reshape_and_cache", writer.name, "reshape_and_cache", 0, device.backend))
+    return out
+
+
+def _device_arg(device: DeviceInfo | str | None) -> DeviceInfo:
+    if device is None:
+        return current_device()
+    if isinstance(device, str):
+        return DeviceInfo.preset(device)
+    return device
+
+
+def explain(
+    request: AttentionRequest | None = None,
+    *,
+    device: DeviceInfo | str | None = None,
+    provider: str | None = None,
+    **request_fields: Any,
+) -> Explanation:
+    """The decision table for a request: every provider in priority order, with reasons and plan.
+
+    Pass an `AttentionRequest`, or its fields as keywords for
+    `AttentionRequest.from_lengths` (``q_lens``, ``seq_lens``, ``num_heads``, ...).
+    ``device`` may be a `DeviceInfo` or a preset name (``"m5-max"``, ``"h200"``,
+    ``"m3-10core"``) to inspect routing on a machine you do not have.
+    """
+    dev = _device_arg(device)
+    if request is None:
+        request_fields.setdefault("backend", dev.backend)
+        request = AttentionRequest.from_lengths(**request_fields)
+    elif request_fields:
+        raise InvalidInputError("pass either an AttentionRequest or its fields, not both")
+    return get_registry().explain(request, dev, get_settings(), forced=provider)
+
+
+def providers(device: DeviceInfo | str | None = None) -> list[dict[str, Any]]:
+    """Every registered provider: origin, declaration, whether enabled and available here, and why not."""
+    dev = _device_arg(device)
+    reg = get_registry()
+    settings = get_settings()
+    out = []
+    for e in reg.entries:
+        avail = reg.availability_reasons(e.provider, dev)
+        disabled = settings.is_disabled(e.provider.name)
+        out.append(
+            dict(e.provider.info())
+            | {
+                "origin": e.origin.describe(),
+                "distribution": e.origin.distribution,
+                "version": e.origin.version,
+                "plugin": e.origin.plugin,
+                "enabled": disabled is None,
+                "disabled_reason": disabled,
+                "available": not avail,
+                "availability_reasons": list(avail),
+            }
+        )
+    return out

@@ -1,0 +1,49 @@
+"""Constants shared by the host code, the kernel sources and the C++ build.
+
+Every number that a kernel and the dispatch logic must agree on lives here and
+reaches kernels as template arguments or generated ``#define`` lines, and the
+native build as compile definitions. Never retype one of these elsewhere.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Final
+
+#: Tokens per split-KV partition of the classic kernel (and the GQA kernel's first tier).
+PARTITION_SIZE: Final[int] = 512
+
+#: Partition sizes the GQA decode kernel can launch, largest first.
+GQA_PARTITION_SIZES: Final[tuple[int, ...]] = (512, 256)
+
+#: Kernel block sizes (tokens per page as the kernels see them), largest first.
+#: A cache page of another size is served by the largest of these that divides it.
+KERNEL_BLOCK_SIZES: Final[tuple[int, ...]] = (32, 16, 8)
+
+#: Epsilon of the final normalisation ``acc / (l + SOFTMAX_EPS)``; part of the split contract.
+SOFTMAX_EPS: Final[float] = 1e-6
+
+#: log2(e): scores are multiplied by it so that every exponential is an ``exp2``.
+LOG2E: Final[float] = 1.4426950408889634
+
+#: Finite sentinel for masked scores (``-FLT_MAX``).
+NEG_FLT_MAX: Final[float] = -3.4028234663852886e38
+
+#: Upper bound on the split-KV scratch (tmp_out + max_logits + exp_sums) of one call.
+SCRATCH_CAP_BYTES: Final[int] = 512 * 1024 * 1024
+
+#: Simdgroups per GPU core in the GQA decode work budget, per backend.
+#: Apple: measured upstream on M-series chips. CUDA: measured on the H200 (see docs).
+SIMDGROUPS_PER_CORE: Final = MappingProxyType({"metal": 33})
+
+#: Split-KV occupancy gate of the classic kernel: split when
+#: ``num_heads * total_q_tokens < factor * gpu_cores`` (and the longest row spans
+#: at least two partitions). Apple value as measured upstream.
+SPLIT_GATE_FACTOR: Final = MappingProxyType({"metal": 8})
+
+#: Decode rows in a mixed batch whose context reaches this many tokens go
+#: through the decode path instead of the prefill tiles (``mixed_prefill_decode``).
+MIXED_DECODE_MIN_CONTEXT: Final[int] = 4096
+
+#: Supported query/cache dtypes, by name.
+DTYPES: Final[tuple[str, ...]] = ("float16", "bfloat16", "float32")

@@ -1,0 +1,94 @@
+"""Which provider and route ran, and why: process-wide, cheap when off.
+
+The last dispatch is always kept (one assignment of a record built on the
+selection-cache miss). Inside `collect()`, or with ``METAL_ATTN_DIAGNOSTICS=1``,
+every dispatch is appended to a list as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DispatchRecord:
+    """One dispatch: who ran, by which route, and the fallbacks taken on the way."""
+
+    op: str
+    provider: str
+    route: str
+    partition_size: int
+    backend: str
+    fallbacks: tuple[tuple[str, str], ...] = ()
+    request: object = None
+
+
+_state = threading.local()
+_last: DispatchRecord | None = None
+_last_cache_write: DispatchRecord | None = None
+_history: list[DispatchRecord] | None = None
+_history_lock = threading.Lock()
+
+
+def record(rec: DispatchRecord) -> None:
+    """Store ``rec`` as the last dispatch (and append it while collecting)."""
+    global _last, _last_cache_write
+    if rec.op == "reshape_and_cache":
+        _last_cache_write = rec
+    else:
+        _last = rec
+    if _history is not None:
+        with _history_lock:
+            if _history is not None:
+                _history.append(rec)
+
+
+def last_dispatch() -> DispatchRecord | None:
+    """The most recent `paged_attention` dispatch in this process."""
+    return _last
+
+
+def last_cache_write() -> DispatchRecord | None:
+    """The most recent `reshape_and_cache` dispatch in this process."""
+    return _last_cache_write
+
+
+def enable_history(on: bool = True) -> None:
+    """Start (or stop and drop) the process-wide history of dispatches."""
+    global _history
+    with _history_lock:
+        _history = [] if on else None
+
+
+def history() -> list[DispatchRecord]:
+    """Dispatches recorded since `enable_history` (empty when off)."""
+    return list(_history or ())
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[list[DispatchRecord]]:
+    """Collect every dispatch made inside the block into the yielded list."""
+    global _history
+    with _history_lock:
+        previous = _history
+        mine: list[DispatchRecord] = []
+        _history = mine
+    try:
+        yield mine
+    finally:
+        with _history_lock:
+            if previous is not None:
+                previous.extend(mine)
+            _history = previous
+
+
+def reset() -> None:
+    """Forget the last dispatch and the history."""
+    global _last, _last_cache_write, _history
+    _last = None
+    _last_cache_write = None
+    with _history_lock:
+        _history = None

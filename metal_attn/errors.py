@@ -1,0 +1,40 @@
+"""Exceptions raised by metal-attn. Every message names the argument, its value
+and what is allowed."""
+
+from __future__ import annotations
+
+
+class MetalAttnError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class InvalidInputError(MetalAttnError, ValueError):
+    """An argument of a public call is malformed (shape, dtype, value)."""
+
+
+class NoProviderError(MetalAttnError, RuntimeError):
+    """No provider admits the request; the message holds the decision table."""
+
+
+class ProviderRefusedError(NoProviderError):
+    """A provider forced by argument or setting refuses the request."""
+
+
+class KernelCompileError(MetalAttnError, RuntimeError):
+    """A kernel specialization failed to build or load.
+
+    Providers raise it from ``prepare``; the registry then marks that
+    specialization unavailable and falls back to the next admitted provider.
+    """
+
+
+class RegistryError(MetalAttnError, ValueError):
+    """A provider could not be registered (duplicate name, bad priority, ...)."""
+
+
+class SettingsError(MetalAttnError, ValueError):
+    """A ``METAL_ATTN_*`` variable or a settings override has a bad value."""
+
+
+class CacheExhaustedError(MetalAttnError, RuntimeError):
+    """The block allocator has fewer free blocks than a request needs."""

@@ -1,0 +1,200 @@
+"""`AttentionMetadata`: the per-step batch description, built once on the host.
+
+An engine builds one per scheduler step and passes it to every layer's
+`paged_attention` call. Host-side facts (lengths, phase, the per-partition
+length plan) and the value checks on the small metadata arrays are computed
+here once, never per layer; the selection cache per layer geometry lives here
+too, so a step's later layers dispatch with a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from metal_attn.errors import InvalidInputError
+from metal_attn.request import Phase, classify_phase, length_plan
+
+
+def _to_host_int(name: str, value: Any, ndim: int) -> np.ndarray:
+    """Convert an mx/numpy array or a (nested) list to an int64 numpy array, checking rank."""
+    if value is None:
+        raise InvalidInputError(f"{name} is required (got None): pass it or pass metadata=")
+    try:
+        arr = np.asarray(value) if not isinstance(value, mx.array) else np.array(value, copy=False)
+    except Exception as exc:  # noqa: BLE001 - anything unconvertible is bad input
+        raise InvalidInputError(f"{name} could not be read as an integer array: {exc}") from None
+    if arr.ndim != ndim:
+        raise InvalidInputError(f"{name} must have rank {ndim} (got shape {tuple(arr.shape)})")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidInputError(f"{name} must hold integers (got dtype {arr.dtype})")
+    return arr.astype(np.int64, copy=False)
+
+
+@dataclasses.dataclass(eq=False)
+class AttentionMetadata:
+    """Block tables, lengths and everything derived from them, for one batch."""
+
+    block_tables: mx.array  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: mx.array  # [num_seqs] int32
+    cu_seqlens_q: mx.array  # [num_seqs + 1] int32
+    seq_lens_host: tuple[int, ...]
+    q_lens_host: tuple[int, ...]
+    phase: Phase
+    num_decode_seqs: int
+    length_plan: tuple[tuple[int, int], ...]
+    max_blocks_per_seq: int
+    validate: bool = True
+    _block_tables_host: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    #: (num_blocks, block_size) pairs the block table was already checked against.
+    _checked_pools: set = dataclasses.field(default_factory=set, repr=False)
+    #: Selection cache: per-layer geometry key -> (provider, plan, record).
+    _selections: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: Block tables re-expressed for smaller kernel blocks: ratio -> metadata.
+    _split: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def total_q_tokens(self) -> int:
+        return sum(self.q_lens_host)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lens_host)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host)
+
+    @property
+    def max_decode_seq_len(self) -> int:
+        return max(self.seq_lens_host[: self.num_decode_seqs], default=0)
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: Any,
+        seq_lens: Any,
+        cu_seqlens_q: Any,
+        *,
+        validate: bool | None = None,
+    ) -> AttentionMetadata:
+        """Build from the three arrays (mx arrays, numpy arrays or lists).
+
+        Structural checks (ranks, integer dtypes, one table row per sequence,
+        ``cu_seqlens_q`` starting at 0 and non-decreasing, ``1 <= q_len <= seq_len``)
+        always run; they cost microseconds on host copies the call needs anyway.
+        Block-id range and table-length checks need the pool and run on first use
+        (`check_against_pool`), unless ``validate`` (default: the
+        ``METAL_ATTN_VALIDATE_METADATA`` setting) is off.
+        """
+        if validate is None:
+            from metal_attn.settings import get_settings
+
+            validate = get_settings().validate_metadata
+        bt = _to_host_int("block_tables", block_tables, 2)
+        sl = _to_host_int("seq_lens", seq_lens, 1)
+        cu = _to_host_int("cu_seqlens_q", cu_seqlens_q, 1)
+        n = sl.shape[0]
+        if n == 0:
+            raise InvalidInputError("seq_lens is empty: a batch needs at least one sequence")
+        if bt.shape[0] != n:
+            raise InvalidInputError(
+                f"block_tables has {bt.shape[0]} rows but seq_lens has {n} sequences (need one row per sequence)"
+            )
+        if cu.shape[0] != n + 1:
+            raise InvalidInputError(
+                f"cu_seqlens_q has {cu.shape[0]} entries; with {n} sequences it needs {n + 1} (prefix sums from 0)"
+            )
+        if cu[0] != 0:
+            raise InvalidInputError(f"cu_seqlens_q[0]={int(cu[0])} (must be 0)")
+        q_lens = np.diff(cu)
+        bad = np.nonzero(q_lens < 1)[0]
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidInputError(
+                f"cu_seqlens_q must be strictly increasing: cu_seqlens_q[{i}]={int(cu[i])}, "
+                f"cu_seqlens_q[{i + 1}]={int(cu[i + 1])} gives q_len={int(q_lens[i])} for sequence {i} (need >= 1)"
+            )
+        bad = np.nonzero(sl < q_lens)[0]
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidInputError(
+                f"seq_lens[{i}]={int(sl[i])} is smaller than that sequence's q_len={int(q_lens[i])} "
+                f"(seq_lens counts this step's tokens too, so seq_len >= q_len)"
+            )
+        if bt.shape[1] == 0:
+            raise InvalidInputError("block_tables has 0 columns: each sequence needs at least one block")
+        if np.abs(bt).max(initial=0) >= 2**31 or sl.max() >= 2**31 or cu[-1] >= 2**31:
+            raise InvalidInputError("block_tables, seq_lens and cu_seqlens_q must fit in int32")
+        q_list = tuple(int(x) for x in q_lens)
+        s_list = tuple(int(x) for x in sl)
+        n_dec = 0
+        while n_dec < n and q_list[n_dec] == 1:
+            n_dec += 1
+        return cls(
+            block_tables=block_tables if _is_i32(block_tables) else mx.array(bt.astype(np.int32)),
+            seq_lens=seq_lens if _is_i32(seq_lens) else mx.array(sl.astype(np.int32)),
+            cu_seqlens_q=cu_seqlens_q if _is_i32(cu_seqlens_q) else mx.array(cu.astype(np.int32)),
+            seq_lens_host=s_list,
+            q_lens_host=q_list,
+            phase=classify_phase(q_list, s_list),
+            num_decode_seqs=n_dec,
+            length_plan=length_plan(s_list),
+            max_blocks_per_seq=int(bt.shape[1]),
+            validate=validate,
+            _block_tables_host=bt,
+        )
+
+    def check_against_pool(self, num_blocks: int, block_size: int) -> None:
+        """Check table lengths and block ids against a pool (once per pool geometry)."""
+        key = (num_blocks, block_size)
+        if not self.validate or key in self._checked_pools:
+            return
+        bt = self._block_tables_host
+        for i, (seq_len, row) in enumerate(zip(self.seq_lens_host, bt)):
+            need = -(-seq_len // block_size)
+            if need > row.shape[0]:
+                raise InvalidInputError(
+                    f"block_tables row {i} has {row.shape[0]} entries but seq_lens[{i}]={seq_len} "
+                    f"with block_size={block_size} needs {need}"
+                )
+            used = row[:need]
+            bad = np.nonzero((used < 0) | (used >= num_blocks))[0]
+            if bad.size:
+                j = int(bad[0])
+                raise InvalidInputError(
+                    f"block_tables[{i}][{j}]={int(used[j])} is out of range (pool has {num_blocks} blocks: 0..{num_blocks - 1})"
+                )
+        self._checked_pools.add(key)
+
+    def split_blocks(self, ratio: int) -> AttentionMetadata:
+        """The same batch with every page ``b`` seen as kernel blocks ``b*ratio .. b*ratio+ratio-1``."""
+        if ratio == 1:
+            return self
+        cached = self._split.get(ratio)
+        if cached is not None:
+            return cached
+        bt = self._block_tables_host
+        expanded = (bt[:, :, None] * ratio + np.arange(ratio)[None, None, :]).reshape(bt.shape[0], -1)
+        out = dataclasses.replace(
+            self,
+            block_tables=mx.array(expanded.astype(np.int32)),
+            max_blocks_per_seq=int(expanded.shape[1]),
+            _block_tables_host=expanded,
+            _checked_pools=set(),
+            _selections={},
+            _split={},
+        )
+        self._split[ratio] = out
+        return out
+
+
+def _is_i32(x: Any) -> bool:
+    return isinstance(x, mx.array) and x.dtype == mx.int32

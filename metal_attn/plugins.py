@@ -1,0 +1,152 @@
+"""Plugin discovery and loading (pluggy), and the process-wide registry.
+
+Providers, built-in and third-party alike, arrive through the entry-point
+group ``metal_attn.providers``. Loading is lazy (first use, never at import),
+isolated per plugin (an import or registration error is logged with the
+plugin's name and traceback; the others keep working) and controlled by the
+settings users know from pytest: autoload off, an allow-list, a deny-list.
+"""
+
+from __future__ import annotations
+
+
+import importlib.metadata as md
+import threading
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import pluggy
+
+from metal_attn import hookspecs
+from metal_attn.log import get_logger
+from metal_attn.registry import Origin, ProviderRegistrar, Registry
+from metal_attn.settings import Settings, get_settings, settings_epoch
+
+ENTRY_POINT_GROUP = "metal_attn.providers"
+BUILTIN_PLUGIN = "builtin"
+BUILTIN_MODULE = "metal_attn.providers"
+
+_log = get_logger()
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def _entry_points() -> list[md.EntryPoint]:
+    return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name != BUILTIN_PLUGIN, ep.name))
+
+
+def _builtin_module() -> Any:
+    """The built-in plugin, also when running from a source checkout (no dist metadata)."""
+    from metal_attn._layout import import_builtin_providers
+
+    return import_builtin_providers()
+
+
+def build_registry(
+    settings: Settings | None = None,
+    *,
+    extra_plugins: Sequence[object] = (),
+    names: Sequence[str] | None = None,
+    load_entry_points: bool = True,
+) -> Registry:
+    """Build a registry: entry-point plugins (filtered by settings) plus ``extra_plugins``."""
+    settings = settings or get_settings()
+    pm = new_plugin_manager()
+    registry = Registry(on_selected=lambda **kw: pm.hook.metal_attn_provider_selected(**kw))
+    origins: dict[str, Origin] = {}
+    deny = set(settings.plugins_deny)
+    for name in deny:
+        pm.set_blocked(name)
+
+    def _register(plugin: object, name: str, origin: Origin) -> None:
+        if pm.is_blocked(name):
+            return
+        try:
+            pm.register(plugin, name=name)
+        except Exception as exc:  # noqa: BLE001 - isolate a broken plugin
+            registry.load_errors[name] = f"{type(exc).__name__}: {exc}"
+            _log.error("plugin_load_failed", plugin=name, reason=str(exc), traceback=traceback.format_exc())
+            return
+        origins[name] = origin
+
+    if load_entry_points:
+        seen_builtin = False
+        for ep in _entry_points():
+            dist = getattr(ep, "dist", None)
+            origin = Origin(ep.name, dist.name if dist else None, dist.version if dist else None)
+            builtin = ep.name == BUILTIN_PLUGIN and ep.value.split(":")[0] == BUILTIN_MODULE
+            seen_builtin = seen_builtin or builtin
+            if ep.name in deny:
+                continue
+            if not builtin:
+                if not settings.plugin_autoload:
+                    continue
+                if settings.plugins_allow is not None and ep.name not in settings.plugins_allow:
+                    continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # noqa: BLE001 - isolate a broken plugin
+                registry.load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
+                _log.error("plugin_load_failed", plugin=ep.name, reason=str(exc), traceback=traceback.format_exc())
+                continue
+            _register(plugin, ep.name, origin)
+        if not seen_builtin and BUILTIN_PLUGIN not in deny:
+            # Running from a source checkout without installed metadata (the GPU machine).
+            _register(_builtin_module(), BUILTIN_PLUGIN, Origin(BUILTIN_PLUGIN, "metal-attn", "source checkout"))
+    for i, plugin in enumerate(extra_plugins):
+        name = (names[i] if names else None) or getattr(plugin, "__name__", None) or f"plugin-{i}"
+        _register(plugin, name, Origin(name))
+    pm.check_pending()
+    for impl in pm.hook.metal_attn_register_providers.get_hookimpls():
+        origin = origins.get(impl.plugin_name, Origin(impl.plugin_name))
+        try:
+            impl.function(registrar=ProviderRegistrar(registry, origin))
+        except Exception as exc:  # noqa: BLE001 - isolate a broken plugin
+            registry.load_errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
+            _log.error("plugin_register_failed", plugin=impl.plugin_name, reason=str(exc),
+                       traceback=traceback.format_exc())
+    return registry
+
+
+_lock = threading.Lock()
+_registry: Registry | None = None
+_registry_key: tuple | None = None
+
+
+def _plugin_key(s: Settings) -> tuple:
+    return (s.plugin_autoload, s.plugins_allow, tuple(sorted(s.plugins_deny)))
+
+
+def get_registry() -> Registry:
+    """The process-wide registry (built on first use; rebuilt when plugin settings change)."""
+    global _registry, _registry_key
+    s = get_settings()
+    key = _plugin_key(s)
+    reg = _registry
+    if reg is not None and _registry_key == key:
+        return reg
+    with _lock:
+        if _registry is None or _registry_key != key:
+            _registry = build_registry(s)
+            _registry_key = key
+        return _registry
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry (the next use rebuilds it)."""
+    global _registry, _registry_key
+    with _lock:
+        _registry = None
+        _registry_key = None
+
+
+def plugin_epoch() -> tuple[int, int]:
+    """Changes whenever the registry or the settings change (for per-call caches)."""
+    return (id(get_registry()), get_registry().epoch, settings_epoch())
+
+

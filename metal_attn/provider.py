@@ -1,0 +1,204 @@
+"""The provider contract: what a kernel implementation declares and answers.
+
+A provider is an algorithm with one implementation per backend it lists.
+Admission is derived from `Provider.not_supported_reasons` alone: declarative
+class attributes (phases, dtypes, head sizes, block sizes, features) give most
+reasons, and a subclass extends `extra_reasons` with bespoke checks. Each
+reason names the observed value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    import mlx.core as mx
+
+    from metal_attn.device import DeviceInfo
+    from metal_attn.metadata import AttentionMetadata
+    from metal_attn.request import AttentionRequest
+    from metal_attn.settings import Settings
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """The launch decision a provider made for a request (cheap, pure, printable)."""
+
+    provider: str
+    route: str
+    partition_size: int = 0
+    grid: tuple[int, ...] | None = None
+    threadgroup: tuple[int, ...] | None = None
+    #: Hashable key of the kernel specialization this plan needs; the registry
+    #: records compile failures per (provider, specialization).
+    specialization: tuple[Any, ...] = ()
+    #: Human-readable facts behind the decision (gate arithmetic, tile sizes...).
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        parts = [f"route={self.route}"]
+        if self.partition_size:
+            parts.append(f"partition={self.partition_size}")
+        if self.grid is not None:
+            parts.append(f"grid={'x'.join(map(str, self.grid))}")
+        if self.threadgroup is not None:
+            parts.append(f"threadgroup={'x'.join(map(str, self.threadgroup))}")
+        return " ".join(parts + list(self.notes))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class AttentionInputs:
+    """Everything `Provider.run` needs for one call (arrays are validated)."""
+
+    q: mx.array
+    k_cache: mx.array
+    v_cache: mx.array
+    metadata: AttentionMetadata
+    scale: float
+    sinks: mx.array | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
+def _fmt(values: Any) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+class Provider:
+    """Base class of every attention provider (built-in and third-party).
+
+    Subclasses set the class attributes below and implement `run`; they may
+    override `availability_reasons`, `extra_reasons`, `plan`, `prepare` and
+    `write_cache`.
+    """
+
+    #: Unique name (also the forced-provider value and the disable-list entry).
+    name: ClassVar[str] = ""
+    #: Higher runs first. Explicit data: registration order never matters.
+    priority: ClassVar[int] = 0
+    #: Backends this provider has an implementation for.
+    backends: ClassVar[frozenset[str]] = frozenset()
+    #: Phases it computes.
+    phases: ClassVar[frozenset[str]] = frozenset({"decode", "prefill", "mixed", "verify"})
+    #: Query/cache dtypes (by name); ``None`` means any.
+    dtypes: ClassVar[frozenset[str] | None] = None
+    #: Head sizes; ``None`` means any.
+    head_sizes: ClassVar[frozenset[int] | None] = None
+    #: Kernel block sizes; ``None`` means any.
+    block_sizes: ClassVar[frozenset[int] | None] = None
+    #: Optional features it implements (subset of sinks, sliding_window, softcap).
+    features: ClassVar[frozenset[str]] = frozenset()
+    #: Whether the query and cache dtypes may differ.
+    mixed_dtypes: ClassVar[bool] = False
+    #: Whether it also implements `write_cache` (reshape_and_cache).
+    writes_cache: ClassVar[bool] = False
+    #: One line for inventories and docs.
+    description: ClassVar[str] = ""
+
+    # -- availability: computed once per device ----------------------------------------------
+
+    def availability_reasons(self, device: DeviceInfo) -> list[str]:
+        """Why this provider cannot run on ``device`` at all (empty when it can)."""
+        if device.backend not in self.backends:
+            return [f"backend={device.backend} (supported: {_fmt(sorted(self.backends))})"]
+        return []
+
+    # -- admission: every reason, each naming the value and the allowed set -----------------
+
+    def not_supported_reasons(
+        self, request: AttentionRequest, device: DeviceInfo, settings: Settings
+    ) -> list[str]:
+        """Every reason this provider refuses ``request`` on ``device``."""
+        reasons: list[str] = []
+        disabled = settings.is_disabled(self.name)
+        if disabled:
+            reasons.append(disabled)
+        reasons.extend(self.availability_reasons(device))
+        if request.backend != device.backend:
+            reasons.append(f"request backend={request.backend} differs from device backend={device.backend}")
+        if request.phase.value not in self.phases:
+            reasons.append(f"phase={request.phase.value} (supported: {_fmt(sorted(self.phases))})")
+        if self.dtypes is not None:
+            if request.dtype not in self.dtypes:
+                reasons.append(f"dtype={request.dtype} (supported: {_fmt(sorted(self.dtypes))})")
+        if not self.mixed_dtypes and request.cache_dtype != request.dtype:
+            reasons.append(f"cache_dtype={request.cache_dtype} (supported: same as dtype={request.dtype})")
+        if self.head_sizes is not None and request.head_size not in self.head_sizes:
+            reasons.append(f"head_size={request.head_size} (supported: {_fmt(sorted(self.head_sizes))})")
+        if self.block_sizes is not None and request.block_size not in self.block_sizes:
+            reasons.append(f"block_size={request.block_size} (supported: {_fmt(sorted(self.block_sizes))})")
+        if request.sinks and "sinks" not in self.features:
+            reasons.append("sinks given (supported: no sinks)")
+        if request.sliding_window is not None and "sliding_window" not in self.features:
+            reasons.append(f"sliding_window={request.sliding_window} (supported: none)")
+        if request.softcap is not None and "softcap" not in self.features:
+            reasons.append(f"softcap={request.softcap:g} (supported: none)")
+        reasons.extend(self.extra_reasons(request, device, settings))
+        return reasons
+
+    def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
+        """Bespoke admission checks beyond the declarative attributes."""
+        return []
+
+    def supports(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> bool:
+        """Derived from `not_supported_reasons`; never written separately."""
+        return not self.not_supported_reasons(request, device, settings)
+
+    # -- planning and running ------------------------------------------------------------------
+
+    def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
+        """The launch decision for an admitted request (cheap and pure)."""
+        return Plan(provider=self.name, route=self.name, specialization=(request.dtype, request.head_size))
+
+    def prepare(self, plan: Plan, device: DeviceInfo) -> None:
+        """Build (compile) the kernels ``plan`` needs; raise `KernelCompileError` on failure.
+
+        Called the first time the registry chooses this provider for a
+        specialization, while a fallback is still possible.
+        """
+
+    def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
+        """The lazy MLX computation: returns ``[total_q_tokens, num_heads, head_size]``."""
+        raise NotImplementedError(f"provider {self.name!r} does not implement run()")
+
+    def write_cache(
+        self, key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.array,
+        device: DeviceInfo,
+    ) -> tuple[mx.array, mx.array]:
+        """reshape_and_cache for providers with ``writes_cache = True`` (slots validated, int64)."""
+        raise NotImplementedError(f"provider {self.name!r} does not write the cache")
+
+    def cache_write_reasons(self, dtype: str, device: DeviceInfo, settings: Settings) -> list[str]:
+        """Why this provider cannot write a cache of ``dtype`` here (empty when it can)."""
+        reasons = []
+        if not self.writes_cache:
+            reasons.append("does not implement reshape_and_cache")
+        disabled = settings.is_disabled(self.name)
+        if disabled:
+            reasons.append(disabled)
+        reasons.extend(self.availability_reasons(device))
+        if self.dtypes is not None and dtype not in self.dtypes:
+            reasons.append(f"dtype={dtype} (supported: {_fmt(sorted(self.dtypes))})")
+        return reasons
+
+    def info(self) -> Mapping[str, Any]:
+        """Declarative facts for inventories (`metal-attn providers`)."""
+        def _s(v: Any) -> Any:
+            return sorted(v) if v is not None else "any"
+        return {
+            "name": self.name,
+            "priority": self.priority,
+            "backends": sorted(self.backends),
+            "phases": sorted(self.phases),
+            "dtypes": _s(self.dtypes),
+            "head_sizes": _s(self.head_sizes),
+            "block_sizes": _s(self.block_sizes),
+            "features": sorted(self.features),
+            "writes_cache": self.writes_cache,
+            "description": self.description,
+        }
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} priority={self.priority}>"

@@ -1,0 +1,344 @@
+"""The provider registry: priority order, admission, explanations, fallbacks.
+
+Built once per process from the plugins (`metal_attn.plugins`). The per-call
+path is plain Python: selection results are cached by request, and hooks run
+only at start-up and on cache misses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from metal_attn.device import DeviceInfo
+from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
+from metal_attn.log import get_logger, warn_once
+from metal_attn.provider import Plan, Provider
+from metal_attn.request import AttentionRequest
+from metal_attn.settings import Settings
+
+_log = get_logger()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a provider came from."""
+
+    plugin: str
+    distribution: str | None = None
+    version: str | None = None
+
+    def describe(self) -> str:
+        if self.distribution:
+            return f"{self.distribution} {self.version or ''}".strip() + f" ({self.plugin})"
+        return self.plugin
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProviderEntry:
+    provider: Provider
+    origin: Origin
+
+
+class ProviderRegistrar:
+    """What a plugin's ``metal_attn_register_providers`` hook receives."""
+
+    def __init__(self, registry: Registry, origin: Origin) -> None:
+        self._registry = registry
+        self._origin = origin
+
+    def add(self, provider: Provider | type[Provider]) -> None:
+        """Register one provider (an instance, or a class with a no-argument constructor)."""
+        if isinstance(provider, type):
+            if not issubclass(provider, Provider):
+                raise RegistryError(f"{provider!r} is not a metal_attn.Provider subclass")
+            provider = provider()
+        self._registry.add(provider, origin=self._origin)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExplainRow:
+    """One provider's line in an explanation."""
+
+    name: str
+    priority: int
+    origin: str
+    admitted: bool
+    reasons: tuple[str, ...]
+    plan: Plan | None = None
+    chosen: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "priority": self.priority,
+            "origin": self.origin,
+            "admitted": self.admitted,
+            "chosen": self.chosen,
+            "reasons": list(self.reasons),
+            "plan": dataclasses.asdict(self.plan) if self.plan else None,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """The whole decision table for one request on one device."""
+
+    request: AttentionRequest
+    device: DeviceInfo
+    rows: tuple[ExplainRow, ...]
+    forced: str | None = None
+
+    @property
+    def chosen(self) -> ExplainRow | None:
+        return next((r for r in self.rows if r.chosen), None)
+
+    def __str__(self) -> str:
+        lines = [repr(self.request), f"device: {self.device.describe()}"]
+        if self.forced:
+            lines.append(f"forced provider: {self.forced}")
+        for r in self.rows:
+            mark = "->" if r.chosen else ("ok" if r.admitted else "no")
+            lines.append(f"  {mark} {r.name} (priority {r.priority}, from {r.origin})")
+            for reason in r.reasons:
+                lines.append(f"       - {reason}")
+            if r.plan is not None and r.admitted:
+                lines.append(f"       plan: {r.plan.describe()}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request": dataclasses.asdict(self.request) | {"phase": self.request.phase.value},
+            "device": dataclasses.asdict(self.device),
+            "forced": self.forced,
+            "chosen": self.chosen.name if self.chosen else None,
+            "providers": [r.to_dict() for r in self.rows],
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Selection:
+    """The registry's answer: who runs, how, and which fallbacks were taken."""
+
+    provider: Provider
+    plan: Plan
+    fallbacks: tuple[tuple[str, str], ...] = ()
+
+
+class Registry:
+    """Providers in priority order, with admission, selection and explanation."""
+
+    def __init__(self, *, on_selected: Callable[..., None] | None = None) -> None:
+        self._entries: dict[str, ProviderEntry] = {}
+        self._ordered: tuple[ProviderEntry, ...] = ()
+        self._failed: dict[tuple[str, tuple], str] = {}
+        self._prepared: set[tuple[str, tuple]] = set()
+        self._avail_cache: dict[tuple[str, DeviceInfo], tuple[str, ...]] = {}
+        self._cache: OrderedDict[tuple, Selection] = OrderedDict()
+        self._cache_size = 4096
+        self._lock = threading.RLock()
+        self._on_selected = on_selected
+        #: Plugins that failed to load or register: name -> error text.
+        self.load_errors: dict[str, str] = {}
+        #: Bumped whenever providers or failure marks change (selection caches key on it).
+        self.epoch = 0
+
+    # -- building ----------------------------------------------------------------------------
+
+    def add(self, provider: Provider, *, origin: Origin | None = None) -> None:
+        """Register ``provider``; raises `RegistryError` on a bad or duplicate declaration."""
+        if not isinstance(provider, Provider):
+            raise RegistryError(f"{provider!r} is not a metal_attn.Provider")
+        name = provider.name
+        if not isinstance(name, str) or not name.isidentifier():
+            raise RegistryError(f"provider name={name!r} must be a non-empty identifier")
+        if type(provider.priority) is not int:
+            raise RegistryError(f"provider {name!r}: priority={provider.priority!r} must be an int")
+        if not provider.backends or not set(provider.backends) <= {"metal", "cuda", "cpu"}:
+            raise RegistryError(
+                f"provider {name!r}: backends={sorted(provider.backends)} (allowed: a non-empty subset of metal, cuda, cpu)"
+            )
+        with self._lock:
+            if name in self._entries:
+                prev = self._entries[name].origin.describe()
+                raise RegistryError(f"provider name={name!r} is already registered (by {prev})")
+            self._entries[name] = ProviderEntry(provider, origin or Origin("direct"))
+            self._ordered = tuple(sorted(self._entries.values(), key=lambda e: (-e.provider.priority, e.provider.name)))
+            self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._cache.clear()
+        self._avail_cache.clear()
+        self.epoch += 1
+
+    @property
+    def entries(self) -> tuple[ProviderEntry, ...]:
+        """Providers in priority order (highest first)."""
+        return self._ordered
+
+    def get(self, name: str) -> Provider:
+        try:
+            return self._entries[name].provider
+        except KeyError:
+            raise ProviderRefusedError(
+                f"provider={name!r} is not registered (registered: {', '.join(e.provider.name for e in self._ordered) or 'none'})"
+            ) from None
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def availability_reasons(self, provider: Provider, device: DeviceInfo) -> tuple[str, ...]:
+        key = (provider.name, device)
+        got = self._avail_cache.get(key)
+        if got is None:
+            try:
+                got = tuple(provider.availability_reasons(device))
+            except Exception as exc:  # noqa: BLE001 - a broken third-party provider must not break dispatch
+                got = (f"availability check raised {type(exc).__name__}: {exc}",)
+            self._avail_cache[key] = got
+        return got
+
+    def _reasons(self, provider: Provider, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
+        try:
+            reasons = list(provider.not_supported_reasons(request, device, settings))
+        except Exception as exc:  # noqa: BLE001
+            return [f"admission check raised {type(exc).__name__}: {exc}"]
+        if not reasons:
+            plan = provider.plan(request, device, settings)
+            failed = self._failed.get((provider.name, plan.specialization))
+            if failed is not None:
+                reasons.append(f"kernel specialization {plan.specialization} failed to build: {failed}")
+        return reasons
+
+    def explain(
+        self, request: AttentionRequest, device: DeviceInfo, settings: Settings, *, forced: str | None = None
+    ) -> Explanation:
+        """Every provider in priority order, admitted or not, with reasons and plans."""
+        forced = forced or settings.provider
+        entries = [self._entries[forced]] if forced and forced in self._entries else self._ordered
+        rows: list[ExplainRow] = []
+        chosen_done = False
+        for e in entries:
+            p = e.provider
+            reasons = self._reasons(p, request, device, settings)
+            plan = p.plan(request, device, settings) if not reasons else None
+            chosen = not reasons and not chosen_done
+            chosen_done = chosen_done or chosen
+            rows.append(ExplainRow(p.name, p.priority, e.origin.describe(), not reasons, tuple(reasons), plan, chosen))
+        if forced and forced not in self._entries:
+            rows.append(ExplainRow(forced, 0, "-", False, (f"provider={forced!r} is not registered",)))
+        return Explanation(request, device, tuple(rows), forced)
+
+    # -- selection -----------------------------------------------------------------------------
+
+    def select(
+        self, request: AttentionRequest, device: DeviceInfo, settings: Settings, *, forced: str | None = None
+    ) -> Selection:
+        """The first admitted provider (or the forced one), its plan, and the fallbacks taken."""
+        forced = forced or settings.provider
+        key = (request, device, settings, forced)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        with self._lock:
+            selection = self._select_uncached(request, device, settings, forced)
+            self._cache[key] = selection
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return selection
+
+    def _select_uncached(
+        self, request: AttentionRequest, device: DeviceInfo, settings: Settings, forced: str | None
+    ) -> Selection:
+        if forced:
+            p = self.get(forced)
+            reasons = self._reasons(p, request, device, settings)
+            if reasons:
+                raise ProviderRefusedError(
+                    f"the forced provider {forced!r} refuses this request:\n"
+                    + str(self.explain(request, device, settings, forced=forced))
+                )
+            plan = p.plan(request, device, settings)
+            try:
+                self._prepare(p, plan, device)
+            except KernelCompileError as exc:
+                raise ProviderRefusedError(
+                    f"the forced provider {forced!r} failed to build kernel {plan.specialization}: {exc}"
+                ) from exc
+            self._notify(request, p, plan, {})
+            return Selection(p, plan)
+        fallbacks: list[tuple[str, str]] = []
+        refused: dict[str, list[str]] = {}
+        for e in self._ordered:
+            p = e.provider
+            reasons = self._reasons(p, request, device, settings)
+            if reasons:
+                refused[p.name] = reasons
+                continue
+            plan = p.plan(request, device, settings)
+            try:
+                self._prepare(p, plan, device)
+            except KernelCompileError as exc:
+                reason = f"kernel specialization {plan.specialization} failed to build: {exc}"
+                fallbacks.append((p.name, reason))
+                refused[p.name] = [reason]
+                continue
+            _log.debug("provider_selected", provider=p.name, route=plan.route, request=repr(request))
+            self._notify(request, p, plan, refused)
+            return Selection(p, plan, tuple(fallbacks))
+        raise NoProviderError("no provider admits this request:\n" + str(self.explain(request, device, settings)))
+
+    def _prepare(self, p: Provider, plan: Plan, device: DeviceInfo) -> None:
+        key = (p.name, plan.specialization)
+        if key in self._prepared:
+            return
+        try:
+            p.prepare(plan, device)
+        except KernelCompileError as exc:
+            self.mark_failed(p.name, plan.specialization, str(exc))
+            raise
+        self._prepared.add(key)
+
+    def mark_failed(self, provider: str, specialization: tuple, reason: str) -> None:
+        """Mark one kernel specialization of ``provider`` unavailable (warns once)."""
+        self._failed[(provider, specialization)] = reason
+        warn_once("kernel_unavailable", (provider, specialization), provider=provider,
+                  specialization=str(specialization), reason=reason)
+        self._cache.clear()
+        self.epoch += 1
+
+    def failures(self) -> dict[tuple[str, tuple], str]:
+        """Kernel specializations marked unavailable, with their reasons."""
+        return dict(self._failed)
+
+    def _notify(self, request: AttentionRequest, p: Provider, plan: Plan, refused: dict[str, list[str]]) -> None:
+        if self._on_selected is not None:
+            self._on_selected(request=request, provider=p.name, route=plan.route, reasons=refused)
+
+    # -- cache writers ---------------------------------------------------------------------------
+
+    def select_cache_writer(self, dtype: str, device: DeviceInfo, settings: Settings) -> Provider:
+        """The highest-priority provider that can write a ``dtype`` cache on ``device``."""
+        key = ("cache_write", dtype, device, settings)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit.provider
+        table = []
+        for e in self._ordered:
+            reasons = e.provider.cache_write_reasons(dtype, device, settings)
+            if not reasons:
+                self._cache[key] = Selection(e.provider, Plan(e.provider.name, "reshape_and_cache"))
+                return e.provider
+            table.append(f"  no {e.provider.name}: " + "; ".join(reasons))
+        raise NoProviderError(
+            f"no provider implements reshape_and_cache for dtype={dtype} on {device.describe()}:\n" + "\n".join(table)
+        )
+
+
+def registry_from(plugins: Iterable[object] | None = None, *, names: Sequence[str] | None = None) -> Registry:
+    """A fresh registry built from plugin objects/modules directly (for tests)."""
+    from metal_attn.plugins import build_registry
+
+    return build_registry(extra_plugins=list(plugins or ()), names=names, load_entry_points=False)

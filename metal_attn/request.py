@@ -1,0 +1,173 @@
+"""`AttentionRequest`: the frozen, hashable description of one attention call.
+
+Providers decide admission and plans from a request alone (plus the device
+and the settings), so a request carries every host-side fact they may need and
+nothing that lives on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from enum import Enum
+
+from metal_attn.constants import GQA_PARTITION_SIZES, PARTITION_SIZE
+
+
+class Phase(str, Enum):
+    """What kind of batch a call computes.
+
+    - ``decode``: every sequence has exactly one query row;
+    - ``prefill``: no sequence is a decode row (each has more than one query row);
+    - ``mixed``: decode rows first, then prefill chunks;
+    - ``verify``: every sequence has the same small number (2..16) of query rows
+      and earlier context (speculative-decoding verification).
+    """
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+    MIXED = "mixed"
+    VERIFY = "verify"
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+
+#: Largest uniform query length that still counts as speculative verification.
+VERIFY_MAX_Q_LEN = 16
+
+#: Partition sizes whose complete-partition counts every request carries.
+LENGTH_PLAN_SIZES: tuple[int, ...] = tuple(sorted({PARTITION_SIZE, *GQA_PARTITION_SIZES}, reverse=True))
+
+
+def classify_phase(q_lens: Sequence[int], seq_lens: Sequence[int]) -> Phase:
+    """Classify a batch from its per-sequence query and KV lengths."""
+    n_decode = sum(1 for q in q_lens if q == 1)
+    if n_decode == len(q_lens):
+        return Phase.DECODE
+    if n_decode:
+        return Phase.MIXED
+    first = q_lens[0]
+    if (
+        1 < first <= VERIFY_MAX_Q_LEN
+        and all(q == first for q in q_lens)
+        and all(s > q for s, q in zip(seq_lens, q_lens))
+    ):
+        return Phase.VERIFY
+    return Phase.PREFILL
+
+
+def length_plan(seq_lens: Iterable[int], sizes: Sequence[int] = LENGTH_PLAN_SIZES) -> tuple[tuple[int, int], ...]:
+    """Count complete partitions summed over the batch, per partition size.
+
+    Returns ``((P, sum_i floor(len_i / P)), ...)`` for each ``P`` in ``sizes``.
+    """
+    lens = list(seq_lens)
+    return tuple((p, sum(n // p for n in lens)) for p in sizes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttentionRequest:
+    """One paged-attention call, as the registry and providers see it."""
+
+    backend: str
+    phase: Phase
+    dtype: str
+    cache_dtype: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    num_seqs: int
+    total_q_tokens: int
+    max_q_len: int
+    max_seq_len: int
+    length_plan: tuple[tuple[int, int], ...] = ()
+    num_decode_seqs: int = 0
+    max_decode_seq_len: int = 0
+    sinks: bool = False
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def full_partitions(self, partition_size: int) -> int:
+        """Complete partitions of ``partition_size`` tokens summed over the batch."""
+        for p, n in self.length_plan:
+            if p == partition_size:
+                return n
+        raise KeyError(f"partition_size={partition_size} is not in this request's length plan "
+                       f"(has: {', '.join(str(p) for p, _ in self.length_plan) or 'none'})")
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """Names of the optional features this request uses."""
+        out = []
+        if self.sinks:
+            out.append("sinks")
+        if self.sliding_window is not None:
+            out.append(f"sliding_window={self.sliding_window}")
+        if self.softcap is not None:
+            out.append(f"softcap={self.softcap:g}")
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        feats = ", ".join(self.features) or "none"
+        plan = ", ".join(f"P{p}:{n}" for p, n in self.length_plan) or "-"
+        return (
+            f"AttentionRequest({self.backend} {self.phase.value}, q={self.dtype} cache={self.cache_dtype}, "
+            f"heads={self.num_heads}/{self.num_kv_heads}x{self.head_size}, block_size={self.block_size}, "
+            f"seqs={self.num_seqs} (decode {self.num_decode_seqs}), q_tokens={self.total_q_tokens}, "
+            f"max_q_len={self.max_q_len}, max_seq_len={self.max_seq_len}, full_partitions=[{plan}], "
+            f"features={feats})"
+        )
+
+    @classmethod
+    def from_lengths(
+        cls,
+        *,
+        q_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        backend: str = "cpu",
+        dtype: str = "float16",
+        cache_dtype: str | None = None,
+        num_heads: int = 32,
+        num_kv_heads: int = 8,
+        head_size: int = 128,
+        block_size: int = 16,
+        sinks: bool = False,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> AttentionRequest:
+        """Build a request from per-sequence lengths (handy for `explain` and tests)."""
+        q_lens = [int(x) for x in q_lens]
+        seq_lens = [int(x) for x in seq_lens]
+        if len(q_lens) != len(seq_lens) or not q_lens:
+            raise ValueError(f"q_lens and seq_lens must be non-empty and of equal length "
+                             f"(got {len(q_lens)} and {len(seq_lens)})")
+        n_dec = 0
+        while n_dec < len(q_lens) and q_lens[n_dec] == 1:
+            n_dec += 1
+        return cls(
+            backend=backend,
+            phase=classify_phase(q_lens, seq_lens),
+            dtype=dtype,
+            cache_dtype=cache_dtype or dtype,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            block_size=block_size,
+            num_seqs=len(q_lens),
+            total_q_tokens=sum(q_lens),
+            max_q_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            length_plan=length_plan(seq_lens),
+            num_decode_seqs=n_dec,
+            max_decode_seq_len=max(seq_lens[:n_dec], default=0),
+            sinks=sinks,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )

@@ -1,0 +1,298 @@
+"""Settings: one pydantic-settings model, environment prefix ``METAL_ATTN_``.
+
+Read once per process (`get_settings`), overridable in code with
+`override_settings` (a context manager, for tests and A/B runs). Bad values
+fail at load with the variable, the value and the allowed domain; unknown
+``METAL_ATTN_*`` names are warned about with the closest valid name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import sys
+import types
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from metal_attn.errors import SettingsError
+
+PREFIX = "METAL_ATTN_"
+
+#: Variables that were removed or renamed, and what replaced them.
+RENAMED_VARIABLES: dict[str, str] = {
+    "METAL_ATTN_BACKEND": "METAL_ATTN_PROVIDER (force one provider by name)",
+    "METAL_ATTN_DISABLE_PROVIDERS": "METAL_ATTN_DISABLED_PROVIDERS",
+}
+
+_CommaList = Annotated[tuple[str, ...], NoDecode]
+
+
+def _env(name: str, *aliases: str) -> Any:
+    """Field alias: our ``METAL_ATTN_`` name first, then upstream spellings."""
+    return AliasChoices(name, PREFIX + name.upper(), *aliases)
+
+
+class Settings(BaseSettings):
+    """Every ``METAL_ATTN_*`` variable, its default and what it does."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, case_sensitive=False, frozen=True, populate_by_name=True, extra="forbid"
+    )
+
+    # -- provider toggles (can only disable) -------------------------------------------------
+    disable_gqa_decode: bool = Field(
+        False,
+        validation_alias=_env("disable_gqa_decode", "VLLM_METAL_DISABLE_GQA_DECODE"),
+        description="Disable the GQA decode provider (alias VLLM_METAL_DISABLE_GQA_DECODE).",
+    )
+    disable_nax: bool = Field(
+        False,
+        validation_alias=_env("disable_nax", "VLLM_METAL_DISABLE_NAX"),
+        description="Disable the M5 NAX prefill provider (alias VLLM_METAL_DISABLE_NAX).",
+    )
+    disable_tiled_prefill: bool = Field(
+        False,
+        validation_alias=_env("disable_tiled_prefill"),
+        description="Disable the tiled FlashAttention-2 prefill provider.",
+    )
+    disabled_providers: _CommaList = Field(
+        (),
+        validation_alias=_env("disabled_providers"),
+        description="Comma-separated provider names to disable.",
+    )
+    provider: str | None = Field(
+        None,
+        validation_alias=_env("provider"),
+        description="Force one provider by name; it is checked alone and never falls back.",
+    )
+
+    # -- plugins ---------------------------------------------------------------------------
+    plugin_autoload: bool = Field(
+        True,
+        validation_alias=_env("plugin_autoload"),
+        description="Load third-party providers from the 'metal_attn.providers' entry points.",
+    )
+    plugins_allow: _CommaList | None = Field(
+        None,
+        validation_alias=_env("plugins_allow"),
+        description="Only these third-party plugins (entry-point names); empty means none.",
+    )
+    plugins_deny: _CommaList = Field(
+        (),
+        validation_alias=_env("plugins_deny"),
+        description="Plugins (entry-point names, 'builtin' included) never to load.",
+    )
+
+    # -- diagnostics and logging -------------------------------------------------------------
+    diagnostics: bool = Field(
+        False,
+        validation_alias=_env("diagnostics"),
+        description="Keep a history of dispatches (the last one is always kept).",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning", validation_alias=_env("log_level"), description="Log level the CLI configures."
+    )
+    log_format: Literal["console", "json"] = Field(
+        "console", validation_alias=_env("log_format"), description="Log format the CLI configures."
+    )
+    validate_metadata: bool = Field(
+        True,
+        validation_alias=_env("validate_metadata"),
+        description="Check block ids, table lengths, cu_seqlens and slots once per metadata build.",
+    )
+
+    # -- hardware probe overrides -------------------------------------------------------------
+    backend_override: Literal["metal", "cuda", "cpu"] | None = Field(
+        None, validation_alias=_env("backend_override"),
+        description="Pretend to run on this backend (routing inspection only).",
+    )
+    gpu_cores: int | None = Field(
+        None, ge=1, le=4096, validation_alias=_env("gpu_cores"), description="Override the GPU core count."
+    )
+    gpu_architecture: str | None = Field(
+        None, validation_alias=_env("gpu_architecture"),
+        description="Override the GPU architecture (e.g. applegpu_g17s, sm_90).",
+    )
+    gpu_name: str | None = Field(None, validation_alias=_env("gpu_name"), description="Override the GPU name.")
+    max_threadgroup_memory: int | None = Field(
+        None, ge=1024, validation_alias=_env("max_threadgroup_memory"),
+        description="Override the per-threadgroup memory limit in bytes.",
+    )
+    cpu_threads: int | None = Field(
+        None, ge=1, le=1024, validation_alias=_env("cpu_threads"),
+        description="Threads the CPU kernels may use (default: all CPUs).",
+    )
+
+    @field_validator("disabled_providers", "plugins_deny", "plugins_allow", mode="before")
+    @classmethod
+    def _split_commas(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return tuple(x.strip() for x in v.split(",") if x.strip())
+        if isinstance(v, (list, set, frozenset)):
+            return tuple(v)
+        return v
+
+    @field_validator("provider", "gpu_architecture", "gpu_name", mode="before")
+    @classmethod
+    def _blank_is_none(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and not v.strip() else v
+
+    def is_disabled(self, provider_name: str) -> str | None:
+        """The reason ``provider_name`` is disabled by a toggle, or ``None``."""
+        toggles = {
+            "gqa_decode": ("disable_gqa_decode", "METAL_ATTN_DISABLE_GQA_DECODE=1"),
+            "nax_prefill": ("disable_nax", "METAL_ATTN_DISABLE_NAX=1"),
+            "tiled_prefill": ("disable_tiled_prefill", "METAL_ATTN_DISABLE_TILED_PREFILL=1"),
+        }
+        if provider_name in toggles:
+            field, var = toggles[provider_name]
+            if getattr(self, field):
+                return f"disabled by {var}"
+        if provider_name in self.disabled_providers:
+            return f"disabled by METAL_ATTN_DISABLED_PROVIDERS={','.join(self.disabled_providers)}"
+        return None
+
+    def device_overrides(self) -> tuple[tuple[str, object], ...]:
+        """Probe overrides as (DeviceInfo field, value) pairs, for `metal_attn.device`."""
+        pairs = (
+            ("backend", self.backend_override),
+            ("gpu_cores", self.gpu_cores),
+            ("architecture", self.gpu_architecture),
+            ("name", self.gpu_name),
+            ("max_threadgroup_memory", self.max_threadgroup_memory),
+            ("cpu_threads", self.cpu_threads),
+        )
+        return tuple((k, v) for k, v in pairs if v is not None)
+
+
+def env_names() -> dict[str, str]:
+    """Every accepted environment name (ours and aliases) -> field name."""
+    out: dict[str, str] = {}
+    for name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        choices = alias.choices if isinstance(alias, AliasChoices) else [PREFIX + name]
+        for c in choices:
+            if isinstance(c, str) and c.isupper():
+                out[c] = name
+    return out
+
+
+def _check_unknown_env(environ: dict[str, str]) -> list[str]:
+    known = env_names()
+    messages = []
+    for var in sorted(environ):
+        if not var.upper().startswith(PREFIX) or var.upper() in known:
+            continue
+        if var.upper() in RENAMED_VARIABLES:
+            messages.append(f"{var} is no longer read; use {RENAMED_VARIABLES[var.upper()]}")
+            continue
+        close = difflib.get_close_matches(var.upper(), [k for k in known if k.startswith(PREFIX)], n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        messages.append(f"{var} is not a metal-attn setting and is ignored{hint}")
+    return messages
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        field = str(e["loc"][0]) if e["loc"] else "?"
+        env = f"{PREFIX}{field.upper()}" if source == "environment" else field
+        desc = Settings.model_fields.get(field)
+        allowed = e.get("ctx", {}).get("expected") or e["msg"]
+        lines.append(f"{env}={e.get('input')!r}: {allowed}" + (f" ({desc.description})" if desc else ""))
+    return f"invalid metal-attn settings from {source}:\n  " + "\n  ".join(lines)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read the environment (and ``overrides``), warn about unknown names, validate."""
+    for msg in _check_unknown_env(dict(os.environ)):
+        warnings.warn(msg, UserWarning, stacklevel=3)
+        from metal_attn.log import get_logger
+
+        get_logger().warning("unknown_setting", reason=msg)
+    try:
+        return Settings(**overrides)
+    except ValidationError as err:
+        source = "overrides" if overrides and all(
+            str(e["loc"][0]) in overrides for e in err.errors() if e["loc"]
+        ) else "environment"
+        raise SettingsError(_format_validation_error(err, source)) from None
+
+
+_lock = threading.RLock()
+_current: Settings | None = None
+#: Bumped whenever the active settings change; caches keyed on settings include it.
+_epoch = 0
+
+
+def get_settings() -> Settings:
+    """The active settings (loaded from the environment on first use)."""
+    global _current, _epoch
+    s = _current
+    if s is None:
+        with _lock:
+            if _current is None:
+                _current = load_settings()
+                _epoch += 1
+            s = _current
+    return s
+
+
+def settings_epoch() -> int:
+    """A counter that changes whenever the active settings object changes."""
+    get_settings()
+    return _epoch
+
+
+def reload_settings() -> Settings:
+    """Re-read the environment (after changing ``os.environ``)."""
+    global _current, _epoch
+    with _lock:
+        _current = load_settings()
+        _epoch += 1
+        return _current
+
+
+@contextlib.contextmanager
+def override_settings(**changes: Any) -> Iterator[Settings]:
+    """Temporarily replace some settings (field names, e.g. ``gpu_cores=40``)."""
+    global _current, _epoch
+    unknown = sorted(set(changes) - set(Settings.model_fields))
+    if unknown:
+        close = {u: difflib.get_close_matches(u, list(Settings.model_fields), n=1) for u in unknown}
+        hints = ", ".join(f"{u} (did you mean {c[0]}?)" if c else u for u, c in close.items())
+        raise SettingsError(f"unknown setting(s): {hints}; known: {', '.join(Settings.model_fields)}")
+    with _lock:
+        previous = get_settings()
+        data = previous.model_dump()
+        data.update(changes)
+        try:
+            new = Settings.model_validate(data)
+        except ValidationError as err:
+            raise SettingsError(_format_validation_error(err, "overrides")) from None
+        _current = new
+        _epoch += 1
+    try:
+        yield new
+    finally:
+        with _lock:
+            _current = previous
+            _epoch += 1
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``metal_attn.settings()`` return the active settings while
+    ``metal_attn.settings`` stays this module (``metal_attn.settings.override_settings``...)."""
+
+    def __call__(self) -> Settings:
+        return get_settings()
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,39 @@
+"""The built-in providers of metal-attn (installed as ``metal_attn.providers``).
+
+This module is the built-in plugin: the entry point ``builtin`` in the group
+``metal_attn.providers`` points here, the same road a third-party package takes.
+"""
+
+from __future__ import annotations
+
+from metal_attn.hookspecs import hookimpl
+
+
+import importlib
+
+#: Every built-in provider, as "module:Class" (priorities live on the classes).
+BUILTIN_PROVIDERS: tuple[str, ...] = (
+    "metal_attn.providers.reference:ReferenceProvider",
+)
+
+
+@hookimpl
+def metal_attn_register_providers(registrar) -> None:
+    """Register every built-in provider."""
+    for spec in BUILTIN_PROVIDERS:
+        module, _, cls = spec.partition(":")
+        registrar.add(getattr(importlib.import_module(module), cls)())
+
+
+class _ProvidersModule(__import__("types").ModuleType):
+    """``metal_attn.providers`` is this package *and* the inventory function:
+    importing the package replaces the attribute ``metal_attn.providers``, so the
+    package itself answers ``metal_attn.providers()`` (see `metal_attn.api.providers`)."""
+
+    def __call__(self, *args, **kwargs):
+        from metal_attn.api import providers
+
+        return providers(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _ProvidersModule
