@@ -10,9 +10,9 @@ Public API::
 
 from __future__ import annotations
 
-from metal_attn import diagnostics
+from metal_attn import _layout, diagnostics, settings
 from metal_attn.api import explain, paged_attention, providers, reshape_and_cache
-# CACHE_IMPORT_PENDING from metal_attn.cache import BlockAllocator, PagedKVCache
+from metal_attn.cache import BlockAllocator, PagedKVCache
 from metal_attn.device import DeviceInfo, current_device
 from metal_attn.errors import (
     CacheExhaustedError,
@@ -29,8 +29,9 @@ from metal_attn.metadata import AttentionMetadata
 from metal_attn.provider import AttentionInputs, Plan, Provider
 from metal_attn.registry import Explanation
 from metal_attn.request import AttentionRequest, Phase
-from metal_attn import settings
 from metal_attn.settings import override_settings
+
+_layout.install_checkout_finder()
 
 __version__ = "0.1.0"
 

@@ -26,33 +26,32 @@ def _checkout_dir(name: str) -> Path | None:
 
 
 def import_builtin_providers() -> ModuleType:
-    """Import ``metal_attn.providers`` from the install, else from ``<checkout>/providers``."""
-    name = "metal_attn.providers"
-    if name in sys.modules:
-        return sys.modules[name]
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-    src = _checkout_dir("providers")
-    if src is None:
-        raise ModuleNotFoundError(f"{name} is not installed and no source checkout was found", name=name)
-    spec = importlib.util.spec_from_file_location(
-        name, src / "__init__.py", submodule_search_locations=[str(src)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    import metal_attn
+    """Import ``metal_attn.providers``, installed or from ``<checkout>/providers``."""
+    install_checkout_finder()
+    return importlib.import_module("metal_attn.providers")
 
-    metal_attn.providers = module  # type: ignore[attr-defined]
-    return module
+
+class _CheckoutProvidersFinder:
+    """Meta-path finder for ``metal_attn.providers`` in a source checkout (not installed)."""
+
+    @staticmethod
+    def find_spec(fullname: str, path: object = None, target: object = None):
+        if fullname != "metal_attn.providers":
+            return None
+        src = _checkout_dir("providers")
+        if src is None or (_PKG_DIR / "providers").is_dir():
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, src / "__init__.py", submodule_search_locations=[str(src)]
+        )
+
+
+def install_checkout_finder() -> None:
+    """Make ``import metal_attn.providers`` work from a source checkout (idempotent, lazy)."""
+    if (_PKG_DIR / "providers").is_dir() or _checkout_dir("providers") is None:
+        return
+    if not any(isinstance(f, _CheckoutProvidersFinder) for f in sys.meta_path):
+        sys.meta_path.append(_CheckoutProvidersFinder())
 
 
 def kernels_dir() -> Path:

@@ -8,12 +8,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from metal_attn import diagnostics
+from metal_attn import _epoch, diagnostics
 from metal_attn.constants import KERNEL_BLOCK_SIZES
 from metal_attn.device import DeviceInfo, current_device
 from metal_attn.errors import InvalidInputError
 from metal_attn.metadata import AttentionMetadata
-from metal_attn.plugins import get_registry, plugin_epoch
+from metal_attn.plugins import get_registry
 from metal_attn.provider import AttentionInputs
 from metal_attn.registry import Explanation
 from metal_attn.request import AttentionRequest
@@ -49,7 +49,9 @@ def _check_attention_tensors(q: Any, k_cache: Any, v_cache: Any) -> None:
         if 0 in x.shape:
             raise InvalidInputError(f"{name} has an empty dimension (shape {tuple(x.shape)})")
     if k_cache.shape != v_cache.shape:
-        raise InvalidInputError(f"k_cache.shape={tuple(k_cache.shape)} and v_cache.shape={tuple(v_cache.shape)} must be equal")
+        raise InvalidInputError(
+            f"k_cache.shape={tuple(k_cache.shape)} and v_cache.shape={tuple(v_cache.shape)} must be equal"
+        )
     if k_cache.dtype != v_cache.dtype:
         raise InvalidInputError(
             f"k_cache.dtype={dtype_name(k_cache.dtype)} and v_cache.dtype={dtype_name(v_cache.dtype)} must be equal"
@@ -62,6 +64,25 @@ def _check_attention_tensors(q: Any, k_cache: Any, v_cache: Any) -> None:
         )
 
 
+def _tensors_look_valid(q: Any, k: Any, v: Any) -> bool:
+    """Hot-path check; `_check_attention_tensors` explains any failure."""
+    try:
+        return (
+            q.ndim == 3
+            and k.ndim == 4
+            and k.shape == v.shape
+            and k.dtype == v.dtype
+            and q.dtype in DTYPE_NAMES
+            and k.dtype in DTYPE_NAMES
+            and q.shape[2] == k.shape[3]
+            and q.shape[1] % k.shape[2] == 0
+            and 0 not in q.shape
+            and 0 not in k.shape
+        )
+    except AttributeError:
+        return False
+
+
 def _check_features(num_heads: int, scale: Any, sinks: Any, sliding_window: Any, softcap: Any) -> None:
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise InvalidInputError(f"scale={scale!r} (allowed: a finite number > 0, or None for head_size**-0.5)")
@@ -69,17 +90,19 @@ def _check_features(num_heads: int, scale: Any, sinks: Any, sliding_window: Any,
         isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool) and sliding_window >= 1
     ):
         raise InvalidInputError(f"sliding_window={sliding_window!r} (allowed: an int >= 1, or None)")
-    if softcap is not None and not (
-        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
-    ):
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
         raise InvalidInputError(f"softcap={softcap!r} (allowed: a finite number > 0, or None)")
     if sinks is not None:
         if not isinstance(sinks, mx.array):
             raise InvalidInputError(f"sinks must be an mx.array of shape [{num_heads}] (got {type(sinks).__name__})")
         if tuple(sinks.shape) != (num_heads,):
-            raise InvalidInputError(f"sinks.shape={tuple(sinks.shape)} (allowed: [{num_heads}], one logit per query head)")
+            raise InvalidInputError(
+                f"sinks.shape={tuple(sinks.shape)} (allowed: [{num_heads}], one logit per query head)"
+            )
         if not mx.issubdtype(sinks.dtype, mx.floating):
-            raise InvalidInputError(f"sinks.dtype={dtype_name(sinks.dtype)} (allowed: a floating dtype; float32 is used)")
+            raise InvalidInputError(
+                f"sinks.dtype={dtype_name(sinks.dtype)} (allowed: a floating dtype; float32 is used)"
+            )
 
 
 def _resolve_metadata(metadata: Any, block_tables: Any, seq_lens: Any, cu_seqlens_q: Any) -> AttentionMetadata:
@@ -121,15 +144,25 @@ def paged_attention(
     Returns ``[total_q_tokens, num_heads, head_size]`` in the query dtype (lazy).
     """
     md = _resolve_metadata(metadata, block_tables, seq_lens, cu_seqlens_q)
-    _check_attention_tensors(q, k_cache, v_cache)
+    if not _tensors_look_valid(q, k_cache, v_cache):
+        _check_attention_tensors(q, k_cache, v_cache)  # raises with the precise message
     if q.shape[0] != md.total_q_tokens:
         raise InvalidInputError(
             f"q has {q.shape[0]} rows but cu_seqlens_q[-1]={md.total_q_tokens} (they must be equal)"
         )
     num_heads = q.shape[1]
     _check_features(num_heads, scale, sinks, sliding_window, softcap)
-    key = (q.dtype, k_cache.dtype, num_heads, tuple(k_cache.shape), sinks is not None, sliding_window,
-           softcap, provider, plugin_epoch())
+    key = (
+        q.dtype,
+        k_cache.dtype,
+        num_heads,
+        tuple(k_cache.shape),
+        sinks is not None,
+        sliding_window,
+        softcap,
+        provider,
+        _epoch.current(),
+    )
     hit = md._selections.get(key)
     if hit is None:
         hit = _select(md, q, k_cache, num_heads, sinks, sliding_window, softcap, provider)
@@ -142,16 +175,30 @@ def paged_attention(
     if sinks is not None and sinks.dtype != mx.float32:
         sinks = sinks.astype(mx.float32)
     inputs = AttentionInputs(
-        q, k_cache, v_cache, eff_md, float(scale) if scale is not None else q.shape[2] ** -0.5,
-        sinks, sliding_window, float(softcap) if softcap is not None else None,
+        q,
+        k_cache,
+        v_cache,
+        eff_md,
+        float(scale) if scale is not None else q.shape[2] ** -0.5,
+        sinks,
+        sliding_window,
+        float(softcap) if softcap is not None else None,
     )
     out = sel.provider.run(inputs, sel.plan)
     diagnostics.record(record)
     return out
 
 
-def _select(md: AttentionMetadata, q: mx.array, k_cache: mx.array, num_heads: int, sinks: Any,
-            sliding_window: Any, softcap: Any, provider: str | None) -> tuple:
+def _select(
+    md: AttentionMetadata,
+    q: mx.array,
+    k_cache: mx.array,
+    num_heads: int,
+    sinks: Any,
+    sliding_window: Any,
+    softcap: Any,
+    provider: str | None,
+) -> tuple:
     """Selection-cache miss: page-size translation, pool checks, request, registry."""
     nb, page, kvh, head = k_cache.shape
     kbs = kernel_block_size(page)
@@ -182,8 +229,13 @@ def _select(md: AttentionMetadata, q: mx.array, k_cache: mx.array, num_heads: in
     )
     sel = get_registry().select(request, device, settings, forced=provider)
     record = diagnostics.DispatchRecord(
-        "paged_attention", sel.provider.name, sel.plan.route, sel.plan.partition_size, device.backend,
-        sel.fallbacks, request,
+        "paged_attention",
+        sel.provider.name,
+        sel.plan.route,
+        sel.plan.partition_size,
+        device.backend,
+        sel.fallbacks,
+        request,
     )
     return sel, eff, ratio, record
 
@@ -215,7 +267,11 @@ def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array
         if np.unique(valid).size != valid.size:
             vals, counts = np.unique(valid, return_counts=True)
             raise InvalidInputError(f"slot_mapping holds slot {int(vals[counts > 1][0])} more than once")
-    arr = slot_mapping if isinstance(slot_mapping, mx.array) and slot_mapping.dtype == mx.int64 else mx.array(host.astype(np.int64))
+    arr = (
+        slot_mapping
+        if isinstance(slot_mapping, mx.array) and slot_mapping.dtype == mx.int64
+        else mx.array(host.astype(np.int64))
+    )
     if isinstance(slot_mapping, mx.array):
         _slot_check_cache[0], _slot_check_cache[1] = arr, (num_slots, num_tokens)
     return arr
@@ -246,7 +302,9 @@ def reshape_and_cache(
     if key.shape != value.shape:
         raise InvalidInputError(f"key.shape={tuple(key.shape)} and value.shape={tuple(value.shape)} must be equal")
     if k_cache.shape != v_cache.shape:
-        raise InvalidInputError(f"k_cache.shape={tuple(k_cache.shape)} and v_cache.shape={tuple(v_cache.shape)} must be equal")
+        raise InvalidInputError(
+            f"k_cache.shape={tuple(k_cache.shape)} and v_cache.shape={tuple(v_cache.shape)} must be equal"
+        )
     if tuple(key.shape[1:]) != tuple(k_cache.shape[2:]):
         raise InvalidInputError(
             f"key has [num_kv_heads, head_size]={list(key.shape[1:])} but the pool has {list(k_cache.shape[2:])}"
@@ -254,7 +312,8 @@ def reshape_and_cache(
     for name, x in (("key", key), ("value", value), ("v_cache", v_cache)):
         if x.dtype != k_cache.dtype:
             raise InvalidInputError(
-                f"{name}.dtype={dtype_name(x.dtype)} differs from k_cache.dtype={dtype_name(k_cache.dtype)} (they must match)"
+                f"{name}.dtype={dtype_name(x.dtype)} differs from "
+                f"k_cache.dtype={dtype_name(k_cache.dtype)} (they must match)"
             )
     if k_cache.dtype not in DTYPE_NAMES:
         raise InvalidInputError(f"k_cache.dtype={dtype_name(k_cache.dtype)} (supported: float16, bfloat16, float32)")
@@ -262,7 +321,9 @@ def reshape_and_cache(
     device = current_device()
     writer = get_registry().select_cache_writer(dtype_name(k_cache.dtype), device, get_settings())
     out = writer.write_cache(key, value, k_cache, v_cache, slots, device)
-    diagnostics.record(diagnostics.DispatchRecord("reshape_and_cache", writer.name, "reshape_and_cache", 0, device.backend))
+    diagnostics.record(
+        diagnostics.DispatchRecord("reshape_and_cache", writer.name, "reshape_and_cache", 0, device.backend)
+    )
     return out
 
 

@@ -47,3 +47,42 @@ MIXED_DECODE_MIN_CONTEXT: Final[int] = 4096
 
 #: Supported query/cache dtypes, by name.
 DTYPES: Final[tuple[str, ...]] = ("float16", "bfloat16", "float32")
+
+#: GQA decode geometries ``(num_heads, num_kv_heads, head_size, kernel block_size)``
+#: per backend. Metal: the five measured upstream on M-series chips. CUDA: the
+#: same five (H200 measurements in docs/bench-h200-gqa.md).
+GQA_DECODE_GEOMETRIES: Final = MappingProxyType(
+    {
+        "metal": ((32, 8, 128, 16), (24, 4, 256, 16), (16, 2, 128, 16), (16, 2, 256, 16), (16, 2, 256, 32)),
+        "cuda": ((32, 8, 128, 16), (24, 4, 256, 16), (16, 2, 128, 16), (16, 2, 256, 16), (16, 2, 256, 32)),
+    }
+)
+
+#: Device-keyed partition preferences of the GQA decode kernel (calibration data,
+#: read by providers/gqa_decode.py). A rule matches a device by architecture and
+#: core count and a request by head size, batch size and longest row; it puts
+#: ``prefer`` first among the partition sizes the budget admits. Upstream: a
+#: 10-core M3 prefers P256 for head 256 in batches, beyond 4K tokens from four
+#: requests and beyond 8K tokens from two.
+GQA_CALIBRATION_RULES: Final[tuple] = (
+    MappingProxyType(
+        {
+            "architecture": "applegpu_g15g",
+            "gpu_cores": 10,
+            "head_size": 256,
+            "min_seqs": 4,
+            "min_max_seq_len": 4096,
+            "prefer": 256,
+        }
+    ),
+    MappingProxyType(
+        {
+            "architecture": "applegpu_g15g",
+            "gpu_cores": 10,
+            "head_size": 256,
+            "min_seqs": 2,
+            "min_max_seq_len": 8192,
+            "prefer": 256,
+        }
+    ),
+)

@@ -25,7 +25,7 @@ def _to_host_int(name: str, value: Any, ndim: int) -> np.ndarray:
         raise InvalidInputError(f"{name} is required (got None): pass it or pass metadata=")
     try:
         arr = np.asarray(value) if not isinstance(value, mx.array) else np.array(value, copy=False)
-    except Exception as exc:  # noqa: BLE001 - anything unconvertible is bad input
+    except Exception as exc:
         raise InvalidInputError(f"{name} could not be read as an integer array: {exc}") from None
     if arr.ndim != ndim:
         raise InvalidInputError(f"{name} must have rank {ndim} (got shape {tuple(arr.shape)})")
@@ -170,7 +170,8 @@ class AttentionMetadata:
             if bad.size:
                 j = int(bad[0])
                 raise InvalidInputError(
-                    f"block_tables[{i}][{j}]={int(used[j])} is out of range (pool has {num_blocks} blocks: 0..{num_blocks - 1})"
+                    f"block_tables[{i}][{j}]={int(used[j])} is out of range "
+                    f"(pool has {num_blocks} blocks: 0..{num_blocks - 1})"
                 )
         self._checked_pools.add(key)
 

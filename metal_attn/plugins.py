@@ -9,7 +9,6 @@ settings users know from pytest: autoload off, an allow-list, a deny-list.
 
 from __future__ import annotations
 
-
 import importlib.metadata as md
 import threading
 import traceback
@@ -18,10 +17,10 @@ from typing import Any
 
 import pluggy
 
-from metal_attn import hookspecs
+from metal_attn import _epoch, hookspecs
 from metal_attn.log import get_logger
 from metal_attn.registry import Origin, ProviderRegistrar, Registry
-from metal_attn.settings import Settings, get_settings, settings_epoch
+from metal_attn.settings import Settings, get_settings
 
 ENTRY_POINT_GROUP = "metal_attn.providers"
 BUILTIN_PLUGIN = "builtin"
@@ -68,7 +67,7 @@ def build_registry(
             return
         try:
             pm.register(plugin, name=name)
-        except Exception as exc:  # noqa: BLE001 - isolate a broken plugin
+        except Exception as exc:
             registry.load_errors[name] = f"{type(exc).__name__}: {exc}"
             _log.error("plugin_load_failed", plugin=name, reason=str(exc), traceback=traceback.format_exc())
             return
@@ -90,7 +89,7 @@ def build_registry(
                     continue
             try:
                 plugin = ep.load()
-            except Exception as exc:  # noqa: BLE001 - isolate a broken plugin
+            except Exception as exc:
                 registry.load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
                 _log.error("plugin_load_failed", plugin=ep.name, reason=str(exc), traceback=traceback.format_exc())
                 continue
@@ -106,10 +105,11 @@ def build_registry(
         origin = origins.get(impl.plugin_name, Origin(impl.plugin_name))
         try:
             impl.function(registrar=ProviderRegistrar(registry, origin))
-        except Exception as exc:  # noqa: BLE001 - isolate a broken plugin
+        except Exception as exc:
             registry.load_errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
-            _log.error("plugin_register_failed", plugin=impl.plugin_name, reason=str(exc),
-                       traceback=traceback.format_exc())
+            _log.error(
+                "plugin_register_failed", plugin=impl.plugin_name, reason=str(exc), traceback=traceback.format_exc()
+            )
     return registry
 
 
@@ -134,6 +134,7 @@ def get_registry() -> Registry:
         if _registry is None or _registry_key != key:
             _registry = build_registry(s)
             _registry_key = key
+            _epoch.bump()
         return _registry
 
 
@@ -143,10 +144,4 @@ def reset_registry() -> None:
     with _lock:
         _registry = None
         _registry_key = None
-
-
-def plugin_epoch() -> tuple[int, int]:
-    """Changes whenever the registry or the settings change (for per-call caches)."""
-    return (id(get_registry()), get_registry().epoch, settings_epoch())
-
-
+        _epoch.bump()

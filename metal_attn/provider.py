@@ -107,9 +107,7 @@ class Provider:
 
     # -- admission: every reason, each naming the value and the allowed set -----------------
 
-    def not_supported_reasons(
-        self, request: AttentionRequest, device: DeviceInfo, settings: Settings
-    ) -> list[str]:
+    def not_supported_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
         """Every reason this provider refuses ``request`` on ``device``."""
         reasons: list[str] = []
         disabled = settings.is_disabled(self.name)
@@ -164,7 +162,12 @@ class Provider:
         raise NotImplementedError(f"provider {self.name!r} does not implement run()")
 
     def write_cache(
-        self, key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.array,
+        self,
+        key: mx.array,
+        value: mx.array,
+        k_cache: mx.array,
+        v_cache: mx.array,
+        slots: mx.array,
         device: DeviceInfo,
     ) -> tuple[mx.array, mx.array]:
         """reshape_and_cache for providers with ``writes_cache = True`` (slots validated, int64)."""
@@ -185,8 +188,10 @@ class Provider:
 
     def info(self) -> Mapping[str, Any]:
         """Declarative facts for inventories (`metal-attn providers`)."""
+
         def _s(v: Any) -> Any:
             return sorted(v) if v is not None else "any"
+
         return {
             "name": self.name,
             "priority": self.priority,

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from metal_attn import _epoch
 from metal_attn.device import DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
 from metal_attn.log import get_logger, warn_once
@@ -159,7 +160,8 @@ class Registry:
             raise RegistryError(f"provider {name!r}: priority={provider.priority!r} must be an int")
         if not provider.backends or not set(provider.backends) <= {"metal", "cuda", "cpu"}:
             raise RegistryError(
-                f"provider {name!r}: backends={sorted(provider.backends)} (allowed: a non-empty subset of metal, cuda, cpu)"
+                f"provider {name!r}: backends={sorted(provider.backends)} "
+                "(allowed: a non-empty subset of metal, cuda, cpu)"
             )
         with self._lock:
             if name in self._entries:
@@ -173,6 +175,7 @@ class Registry:
         self._cache.clear()
         self._avail_cache.clear()
         self.epoch += 1
+        _epoch.bump()
 
     @property
     def entries(self) -> tuple[ProviderEntry, ...]:
@@ -184,7 +187,8 @@ class Registry:
             return self._entries[name].provider
         except KeyError:
             raise ProviderRefusedError(
-                f"provider={name!r} is not registered (registered: {', '.join(e.provider.name for e in self._ordered) or 'none'})"
+                f"provider={name!r} is not registered "
+                f"(registered: {', '.join(e.provider.name for e in self._ordered) or 'none'})"
             ) from None
 
     # -- admission -----------------------------------------------------------------------------
@@ -195,15 +199,17 @@ class Registry:
         if got is None:
             try:
                 got = tuple(provider.availability_reasons(device))
-            except Exception as exc:  # noqa: BLE001 - a broken third-party provider must not break dispatch
+            except Exception as exc:
                 got = (f"availability check raised {type(exc).__name__}: {exc}",)
             self._avail_cache[key] = got
         return got
 
-    def _reasons(self, provider: Provider, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
+    def _reasons(
+        self, provider: Provider, request: AttentionRequest, device: DeviceInfo, settings: Settings
+    ) -> list[str]:
         try:
             reasons = list(provider.not_supported_reasons(request, device, settings))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return [f"admission check raised {type(exc).__name__}: {exc}"]
         if not reasons:
             plan = provider.plan(request, device, settings)
@@ -304,10 +310,16 @@ class Registry:
     def mark_failed(self, provider: str, specialization: tuple, reason: str) -> None:
         """Mark one kernel specialization of ``provider`` unavailable (warns once)."""
         self._failed[(provider, specialization)] = reason
-        warn_once("kernel_unavailable", (provider, specialization), provider=provider,
-                  specialization=str(specialization), reason=reason)
+        warn_once(
+            "kernel_unavailable",
+            (provider, specialization),
+            provider=provider,
+            specialization=str(specialization),
+            reason=reason,
+        )
         self._cache.clear()
         self.epoch += 1
+        _epoch.bump()
 
     def failures(self) -> dict[tuple[str, tuple], str]:
         """Kernel specializations marked unavailable, with their reasons."""

@@ -99,8 +99,10 @@ class AttentionRequest:
         for p, n in self.length_plan:
             if p == partition_size:
                 return n
-        raise KeyError(f"partition_size={partition_size} is not in this request's length plan "
-                       f"(has: {', '.join(str(p) for p, _ in self.length_plan) or 'none'})")
+        raise KeyError(
+            f"partition_size={partition_size} is not in this request's length plan "
+            f"(has: {', '.join(str(p) for p, _ in self.length_plan) or 'none'})"
+        )
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -146,8 +148,9 @@ class AttentionRequest:
         q_lens = [int(x) for x in q_lens]
         seq_lens = [int(x) for x in seq_lens]
         if len(q_lens) != len(seq_lens) or not q_lens:
-            raise ValueError(f"q_lens and seq_lens must be non-empty and of equal length "
-                             f"(got {len(q_lens)} and {len(seq_lens)})")
+            raise ValueError(
+                f"q_lens and seq_lens must be non-empty and of equal length (got {len(q_lens)} and {len(seq_lens)})"
+            )
         n_dec = 0
         while n_dec < len(q_lens) and q_lens[n_dec] == 1:
             n_dec += 1

@@ -12,8 +12,8 @@ import contextlib
 import difflib
 import os
 import sys
-import types
 import threading
+import types
 import warnings
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from metal_attn import _epoch
 from metal_attn.errors import SettingsError
 
 PREFIX = "METAL_ATTN_"
@@ -110,23 +111,30 @@ class Settings(BaseSettings):
 
     # -- hardware probe overrides -------------------------------------------------------------
     backend_override: Literal["metal", "cuda", "cpu"] | None = Field(
-        None, validation_alias=_env("backend_override"),
+        None,
+        validation_alias=_env("backend_override"),
         description="Pretend to run on this backend (routing inspection only).",
     )
     gpu_cores: int | None = Field(
         None, ge=1, le=4096, validation_alias=_env("gpu_cores"), description="Override the GPU core count."
     )
     gpu_architecture: str | None = Field(
-        None, validation_alias=_env("gpu_architecture"),
+        None,
+        validation_alias=_env("gpu_architecture"),
         description="Override the GPU architecture (e.g. applegpu_g17s, sm_90).",
     )
     gpu_name: str | None = Field(None, validation_alias=_env("gpu_name"), description="Override the GPU name.")
     max_threadgroup_memory: int | None = Field(
-        None, ge=1024, validation_alias=_env("max_threadgroup_memory"),
+        None,
+        ge=1024,
+        validation_alias=_env("max_threadgroup_memory"),
         description="Override the per-threadgroup memory limit in bytes.",
     )
     cpu_threads: int | None = Field(
-        None, ge=1, le=1024, validation_alias=_env("cpu_threads"),
+        None,
+        ge=1,
+        le=1024,
+        validation_alias=_env("cpu_threads"),
         description="Threads the CPU kernels may use (default: all CPUs).",
     )
 
@@ -220,50 +228,58 @@ def load_settings(**overrides: Any) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as err:
-        source = "overrides" if overrides and all(
-            str(e["loc"][0]) in overrides for e in err.errors() if e["loc"]
-        ) else "environment"
+        source = (
+            "overrides"
+            if overrides and all(str(e["loc"][0]) in overrides for e in err.errors() if e["loc"])
+            else "environment"
+        )
         raise SettingsError(_format_validation_error(err, source)) from None
 
 
 _lock = threading.RLock()
 _current: Settings | None = None
 #: Bumped whenever the active settings change; caches keyed on settings include it.
-_epoch = 0
+_settings_epoch = 0
 
 
 def get_settings() -> Settings:
     """The active settings (loaded from the environment on first use)."""
-    global _current, _epoch
+    global _current
     s = _current
     if s is None:
         with _lock:
             if _current is None:
                 _current = load_settings()
-                _epoch += 1
+                _bump()
             s = _current
     return s
+
+
+def _bump() -> None:
+    global _settings_epoch
+    _settings_epoch += 1
+    _epoch.bump()
 
 
 def settings_epoch() -> int:
     """A counter that changes whenever the active settings object changes."""
     get_settings()
-    return _epoch
+    return _settings_epoch
 
 
 def reload_settings() -> Settings:
     """Re-read the environment (after changing ``os.environ``)."""
-    global _current, _epoch
+    global _current
     with _lock:
         _current = load_settings()
-        _epoch += 1
+        _bump()
         return _current
 
 
 @contextlib.contextmanager
 def override_settings(**changes: Any) -> Iterator[Settings]:
     """Temporarily replace some settings (field names, e.g. ``gpu_cores=40``)."""
-    global _current, _epoch
+    global _current
     unknown = sorted(set(changes) - set(Settings.model_fields))
     if unknown:
         close = {u: difflib.get_close_matches(u, list(Settings.model_fields), n=1) for u in unknown}
@@ -278,13 +294,13 @@ def override_settings(**changes: Any) -> Iterator[Settings]:
         except ValidationError as err:
             raise SettingsError(_format_validation_error(err, "overrides")) from None
         _current = new
-        _epoch += 1
+        _bump()
     try:
         yield new
     finally:
         with _lock:
             _current = previous
-            _epoch += 1
+            _bump()
 
 
 class _CallableModule(types.ModuleType):

@@ -6,14 +6,15 @@ This module is the built-in plugin: the entry point ``builtin`` in the group
 
 from __future__ import annotations
 
-from metal_attn.hookspecs import hookimpl
-
-
 import importlib
+
+from metal_attn.hookspecs import hookimpl
 
 #: Every built-in provider, as "module:Class" (priorities live on the classes).
 BUILTIN_PROVIDERS: tuple[str, ...] = (
     "metal_attn.providers.reference:ReferenceProvider",
+    "metal_attn.providers.classic:ClassicProvider",
+    "metal_attn.providers.gqa_decode:GQADecodeProvider",
 )
 
 

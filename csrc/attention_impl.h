@@ -1,0 +1,501 @@
+// The paged-attention kernel body, compiled once per instruction set.
+//
+// Included by isa_portable.cpp, isa_avx2.cpp and isa_avx512.cpp inside their
+// own namespace (MA_ISA_NS) and with their own -m flags; the host picks one at
+// run time. The code is written with GCC/Clang vector extensions over 16
+// floats, which each unit lowers to its widest registers (SSE2/NEON, AVX2,
+// AVX-512). Only the float16 load differs: F16C/AVX-512 conversion
+// instructions where the unit has them, a bit-exact integer path otherwise.
+//
+// Softmax runs in log2 space: q is pre-multiplied by scale*log2(e) (by scale
+// alone when a softcap sits between the dot product and the softmax), and every
+// exponential is an exp2. States are (m, l, acc) per query vector; a fresh
+// state is (-FLT_MAX, 0, 0), or (sink*log2e, 1, 0) when a sink is folded in.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "kernel_api.h"
+
+#if defined(MA_ISA_X86_VECTOR)
+#include <immintrin.h>
+#endif
+
+#ifndef MA_ISA_NS
+#error "define MA_ISA_NS before including attention_impl.h"
+#endif
+
+namespace metal_attn_native {
+namespace MA_ISA_NS {
+
+constexpr int W = 16;           // floats per vector
+constexpr int kChunk = 32;      // tokens per scoring chunk (within one page)
+constexpr int kMaxNQ = 4;       // query vectors per micro-kernel
+constexpr float kLog2e = static_cast<float>(MA_LOG2E);
+constexpr float kEps = static_cast<float>(MA_SOFTMAX_EPS);
+constexpr float kNegMax = -FLT_MAX;
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+
+static inline vf splat(float x) {
+  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+static inline vf loadu(const float* p) {
+  vf r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+static inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+static inline vf bits_to_f(vu u) {
+  vf r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
+static inline vu f_to_bits(vf f) {
+  vu r;
+  std::memcpy(&r, &f, sizeof(r));
+  return r;
+}
+
+// ---- loads with conversion to float32 --------------------------------------------------
+
+static inline vf load_bf16(const uint16_t* p) {
+  vh16 h;
+  std::memcpy(&h, p, sizeof(h));
+  vu u = __builtin_convertvector(h, vu) << 16;
+  return bits_to_f(u);
+}
+
+static inline vf load_f16(const uint16_t* p) {
+#if defined(MA_ISA_AVX512)
+  __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  vf out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+#elif defined(MA_ISA_AVX2)
+  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  vf out;
+  std::memcpy(&out, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
+#else
+  // Exponent/mantissa moved into float32 position, then rescaled by 2^112:
+  // exact for normals and subnormals; infinities and NaNs are patched.
+  vh16 h;
+  std::memcpy(&h, p, sizeof(h));
+  vu u = __builtin_convertvector(h, vu);
+  vu sign = (u & 0x8000u) << 16;
+  vu em = (u & 0x7fffu) << 13;
+  vf mag = bits_to_f(em) * splat(5.192296858534828e33f);  // 2^112
+  vu special = (vu)((u & 0x7c00u) == 0x7c00u);                // all ones where inf/nan
+  vu magbits = f_to_bits(mag);
+  magbits = (magbits & ~special) | ((em | 0x7f800000u) & special);
+  return bits_to_f(magbits | sign);
+#endif
+}
+
+template <int DT>
+static inline vf load_vec(const void* base, int64_t idx) {
+  if constexpr (DT == kFloat32) {
+    return loadu(static_cast<const float*>(base) + idx);
+  } else if constexpr (DT == kFloat16) {
+    return load_f16(static_cast<const uint16_t*>(base) + idx);
+  } else {
+    return load_bf16(static_cast<const uint16_t*>(base) + idx);
+  }
+}
+
+// ---- scalar conversions (q loads, output stores) ---------------------------------------
+
+static inline float bf16_to_f(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline float f16_to_f(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    float f = std::ldexp(static_cast<float>(man), -24);
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+static inline uint16_t f_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t au = u & 0x7fffffffu;
+  if (au > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (au >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (au < 0x38800000u) {
+    // Subnormal (or zero) half: round |f| * 2^24 to nearest even integer.
+    float a;
+    std::memcpy(&a, &au, 4);
+    float scaled = a * 16777216.0f;
+    float r = std::nearbyint(scaled);  // default rounding mode: nearest even
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(r));
+  }
+  uint32_t mant_odd = (au >> 13) & 1u;
+  au += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round to nearest even
+  return static_cast<uint16_t>(sign | (au >> 13));
+}
+
+template <int DT>
+static inline float load_scalar(const void* base, int64_t idx) {
+  if constexpr (DT == kFloat32) {
+    return static_cast<const float*>(base)[idx];
+  } else if constexpr (DT == kFloat16) {
+    return f16_to_f(static_cast<const uint16_t*>(base)[idx]);
+  } else {
+    return bf16_to_f(static_cast<const uint16_t*>(base)[idx]);
+  }
+}
+
+template <int DT>
+static inline void store_scalar(void* base, int64_t idx, float x) {
+  if constexpr (DT == kFloat32) {
+    static_cast<float*>(base)[idx] = x;
+  } else if constexpr (DT == kFloat16) {
+    static_cast<uint16_t*>(base)[idx] = f_to_f16(x);
+  } else {
+    static_cast<uint16_t*>(base)[idx] = f_to_bf16(x);
+  }
+}
+
+// ---- math ----------------------------------------------------------------------------
+
+static inline float hsum(vf v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a, b;
+  std::memcpy(&a, &v, 32);
+  std::memcpy(&b, reinterpret_cast<char*>(&v) + 32, 32);
+  a += b;
+  v4 c, d;
+  std::memcpy(&c, &a, 16);
+  std::memcpy(&d, reinterpret_cast<char*>(&a) + 16, 16);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// 2^x for every lane: round-to-nearest range reduction and a degree-6 Taylor
+// polynomial on [-0.5, 0.5] (relative error < 2e-7). Inputs at or below -127
+// give exactly 0 (so exp2(-FLT_MAX - m) == 0); inputs above 128 give +inf.
+static inline vf exp2v(vf x) {
+  x = vmax(x, splat(-127.0f));
+  x = x < splat(129.0f) ? x : splat(129.0f);
+  vf xr = x + splat(0.5f);
+  vi n = __builtin_convertvector(xr, vi);               // truncation
+  vf nf = __builtin_convertvector(n, vf);
+  n += (vi)(nf > xr);                                    // -1 where truncation rounded up: floor
+  nf = __builtin_convertvector(n, vf);
+  vf f = (x - nf) * splat(0.6931471805599453f);          // in [-ln2/2, ln2/2]
+  vf p = splat(1.0f / 720.0f);
+  p = p * f + splat(1.0f / 120.0f);
+  p = p * f + splat(1.0f / 24.0f);
+  p = p * f + splat(1.0f / 6.0f);
+  p = p * f + splat(0.5f);
+  p = p * f + splat(1.0f);
+  p = p * f + splat(1.0f);
+  // 2^n by exponent bits; n = -127 gives the bit pattern of 0, n >= 128 of inf.
+  vi e = n + 127;
+  vi zero{};
+  e = e < zero ? zero : e;
+  vi cap = zero + 255;
+  e = e > cap ? cap : e;
+  vu bits;
+  std::memcpy(&bits, &e, sizeof(bits));
+  vf scale2 = bits_to_f(bits << 23);
+  vf r = p * scale2;
+  // 2^n with n = 128 is inf; inf * p stays inf. Lanes with e == 0 give 0 * p = 0.
+  return r;
+}
+
+// c * tanh(s / c) * log2(e), with tanh(y) = 1 - 2 / (exp(2y) + 1).
+static inline vf softcap_log2(vf s, float c) {
+  vf y = s * splat(1.0f / c);
+  vf e = exp2v(y * splat(2.0f * kLog2e));
+  vf t = splat(1.0f) - splat(2.0f) / (e + splat(1.0f));
+  return t * splat(c * kLog2e);
+}
+
+// ---- micro-kernel: NQ query vectors x up to kChunk consecutive tokens of one page -----
+
+struct QState {
+  float* q;    // [D] pre-scaled query
+  float* acc;  // [D]
+  float* m;    // running max (log2 space)
+  float* l;    // running sum
+};
+
+template <int NQ, int DT>
+static inline void attend_chunk(const void* kbase, const void* vbase, int64_t tok_stride, int n, int D,
+                                float softcap, QState* qs) {
+  alignas(64) float s[NQ][kChunk];
+  const int nd = D / W;
+  // Scores: each K element is loaded once and used by the NQ query vectors.
+  for (int t = 0; t < n; ++t) {
+    const int64_t row = t * tok_stride;
+    vf a[NQ];
+    for (int j = 0; j < NQ; ++j) a[j] = splat(0.0f);
+    for (int c = 0; c < nd; ++c) {
+      vf kv = load_vec<DT>(kbase, row + c * W);
+      for (int j = 0; j < NQ; ++j) a[j] += loadu(qs[j].q + c * W) * kv;
+    }
+    for (int j = 0; j < NQ; ++j) s[j][t] = hsum(a[j]);
+  }
+  for (int j = 0; j < NQ; ++j)
+    for (int t = n; t < kChunk; ++t) s[j][t] = kNegMax;
+
+  // Online softmax update, one chunk at a time.
+  alignas(64) float p[NQ][kChunk];
+  float alpha[NQ];
+  for (int j = 0; j < NQ; ++j) {
+    if (softcap > 0.0f) {
+      storeu(&s[j][0], softcap_log2(loadu(&s[j][0]), softcap));
+      storeu(&s[j][W], softcap_log2(loadu(&s[j][W]), softcap));
+      for (int t = n; t < kChunk; ++t) s[j][t] = kNegMax;  // padding stays masked
+    }
+    vf s0 = loadu(&s[j][0]);
+    vf s1 = loadu(&s[j][W]);
+    vf mx = vmax(s0, s1);
+    float cmax = mx[0];
+    for (int i = 1; i < W; ++i) cmax = mx[i] > cmax ? mx[i] : cmax;
+    const float m_old = *qs[j].m;
+    const float m_new = cmax > m_old ? cmax : m_old;
+    // m_old == -FLT_MAX (fresh state): exp2 of a huge negative number is 0.
+    alpha[j] = m_old == m_new ? 1.0f : std::exp2(m_old - m_new);
+    vf p0 = exp2v(s0 - splat(m_new));
+    vf p1 = exp2v(s1 - splat(m_new));
+    storeu(&p[j][0], p0);
+    storeu(&p[j][W], p1);
+    *qs[j].l = *qs[j].l * alpha[j] + hsum(p0 + p1);
+    *qs[j].m = m_new;
+  }
+  // acc = acc * alpha + P V; the accumulators stay in registers across the chunk.
+  for (int c = 0; c < nd; ++c) {
+    vf a[NQ];
+    for (int j = 0; j < NQ; ++j) a[j] = loadu(qs[j].acc + c * W) * splat(alpha[j]);
+    for (int t = 0; t < n; ++t) {
+      vf vv = load_vec<DT>(vbase, t * tok_stride + c * W);
+      for (int j = 0; j < NQ; ++j) a[j] += splat(p[j][t]) * vv;
+    }
+    for (int j = 0; j < NQ; ++j) storeu(qs[j].acc + c * W, a[j]);
+  }
+}
+
+template <int DT>
+static void attend_chunk_n(int nq, const void* kbase, const void* vbase, int64_t tok_stride, int n, int D,
+                           float softcap, QState* qs) {
+  switch (nq) {
+    case 1: attend_chunk<1, DT>(kbase, vbase, tok_stride, n, D, softcap, qs); break;
+    case 2: attend_chunk<2, DT>(kbase, vbase, tok_stride, n, D, softcap, qs); break;
+    case 3: attend_chunk<3, DT>(kbase, vbase, tok_stride, n, D, softcap, qs); break;
+    default: attend_chunk<4, DT>(kbase, vbase, tok_stride, n, D, softcap, qs); break;
+  }
+}
+
+// ---- one work unit ---------------------------------------------------------------------
+
+template <int DT>
+static void attend_unit_t(const Job& job, const Unit& u, float* work) {
+  const int D = job.D, G = job.group, BS = job.BS;
+  const int s = u.seq;
+  const int q_start = job.cu_q[s];
+  const int q_len = job.cu_q[s + 1] - q_start;
+  const int seq_len = job.seq_lens[s];
+  const int ctx = seq_len - q_len;
+  const int nrows = u.row_end - u.row_begin;
+  const int nq = nrows * G;
+  const int64_t tok_stride = static_cast<int64_t>(job.KVH) * D;
+  const bool split = u.part >= 0;
+  const float qscale = job.softcap > 0.0f ? job.scale : job.scale * kLog2e;
+
+  float* qbuf = work;                 // [nq, D]
+  float* acc = qbuf + nq * D;         // [nq, D]
+  float* mbuf = acc + nq * D;         // [nq]
+  float* lbuf = mbuf + nq;            // [nq]
+
+  for (int r = 0; r < nrows; ++r) {
+    const int64_t t = q_start + u.row_begin + r;
+    for (int g = 0; g < G; ++g) {
+      const int h = u.kvh * G + g;
+      float* dst = qbuf + (r * G + g) * D;
+      const int64_t base = t * job.q_st + h * job.q_sh;
+      for (int d = 0; d < D; ++d) dst[d] = load_scalar<DT>(job.q, base + d * job.q_sd) * qscale;
+      float* a = acc + (r * G + g) * D;
+      for (int d = 0; d < D; ++d) a[d] = 0.0f;
+      if (job.sinks != nullptr && !split) {
+        mbuf[r * G + g] = job.sinks[h] * kLog2e;
+        lbuf[r * G + g] = 1.0f;
+      } else {
+        mbuf[r * G + g] = kNegMax;
+        lbuf[r * G + g] = 0.0f;
+      }
+    }
+  }
+
+  // KV range of the unit: the partition (split) or the whole row.
+  int64_t kv_lo = 0, kv_hi = seq_len;
+  if (split) {
+    kv_lo = static_cast<int64_t>(u.part) * job.part_size;
+    kv_hi = kv_lo + job.part_size < seq_len ? kv_lo + job.part_size : seq_len;
+  }
+  // Per-row causal + window ranges; their union bounds the outer loop.
+  int64_t union_lo = kv_hi, union_hi = kv_lo;
+  for (int r = 0; r < nrows; ++r) {
+    const int64_t hi = ctx + u.row_begin + r + 1;
+    const int64_t lo = job.window > 0 && hi - job.window > 0 ? hi - job.window : 0;
+    const int64_t a = lo > kv_lo ? lo : kv_lo, b = hi < kv_hi ? hi : kv_hi;
+    if (a < b) {
+      union_lo = a < union_lo ? a : union_lo;
+      union_hi = b > union_hi ? b : union_hi;
+    }
+  }
+
+  const int32_t* table = job.block_tables + static_cast<int64_t>(s) * job.bt_row;
+  const char* kb = static_cast<const char*>(job.k);
+  const char* vb = static_cast<const char*>(job.v);
+  const int64_t isz = DT == kFloat32 ? 4 : 2;
+  QState qs[kMaxNQ];
+  // Outer chunks of PARTITION_SIZE tokens keep a prefill tile's K/V in L2 while
+  // all of its rows pass over them; pages inside, then head blocks, so each
+  // K/V chunk is loaded into L1 once and used by every query head of the group.
+  const int64_t outer = MA_PARTITION_SIZE;
+  for (int64_t cs = union_lo; cs < union_hi; cs += outer) {
+    const int64_t ce = cs + outer < union_hi ? cs + outer : union_hi;
+    for (int r = 0; r < nrows; ++r) {
+      const int64_t hi = ctx + u.row_begin + r + 1;
+      const int64_t lo = job.window > 0 && hi - job.window > 0 ? hi - job.window : 0;
+      int64_t a = lo > cs ? lo : cs;
+      const int64_t b = hi < ce ? hi : ce;
+      while (a < b) {
+        const int64_t page = a / BS;
+        const int off = static_cast<int>(a - page * BS);
+        int64_t n = BS - off;
+        if (n > b - a) n = b - a;
+        if (n > kChunk) n = kChunk;
+        const int64_t block = table[page];
+        const int64_t elem = static_cast<int64_t>(off) * tok_stride + static_cast<int64_t>(u.kvh) * D;
+        const void* kp = kb + (block * job.k_sb + elem) * isz;
+        const void* vp = vb + (block * job.v_sb + elem) * isz;
+        for (int g0 = 0; g0 < G; g0 += kMaxNQ) {
+          const int cnt = G - g0 < kMaxNQ ? G - g0 : kMaxNQ;
+          for (int j = 0; j < cnt; ++j) {
+            const int i = r * G + g0 + j;
+            qs[j] = QState{qbuf + i * D, acc + i * D, mbuf + i, lbuf + i};
+          }
+          attend_chunk_n<DT>(cnt, kp, vp, tok_stride, static_cast<int>(n), D, job.softcap, qs);
+        }
+        a += n;
+      }
+    }
+  }
+
+  // Write the rows: normalised output, or the split contract's three arrays.
+  for (int r = 0; r < nrows; ++r) {
+    const int64_t t = q_start + u.row_begin + r;
+    for (int g = 0; g < G; ++g) {
+      const int i = r * G + g;
+      const int h = u.kvh * G + g;
+      const float inv = 1.0f / (lbuf[i] + kEps);
+      const float* a = acc + i * D;
+      if (split) {
+        const int64_t pi = (t * job.H + h) * job.max_parts + u.part;
+        job.part_m[pi] = mbuf[i];
+        job.part_l[pi] = lbuf[i];
+        float* po = job.part_out + pi * D;
+        for (int d = 0; d < D; ++d) po[d] = a[d] * inv;
+      } else {
+        const int64_t ob = (t * job.H + h) * D;
+        for (int d = 0; d < D; ++d) store_scalar<DT>(job.out, ob + d, a[d] * inv);
+      }
+    }
+  }
+}
+
+void attend_unit(const Job& job, int unit, float* work) {
+  const Unit& u = job.units[unit];
+  switch (job.dtype) {
+    case kFloat32: attend_unit_t<kFloat32>(job, u, work); break;
+    case kFloat16: attend_unit_t<kFloat16>(job, u, work); break;
+    default: attend_unit_t<kBFloat16>(job, u, work); break;
+  }
+}
+
+// ---- the reducer: one (query token, head) per item ---------------------------------------
+
+template <int DT>
+static void reduce_item_t(const Job& job, int item) {
+  const int64_t t = item / job.H;
+  const int h = item % job.H;
+  const int D = job.D;
+  const int s = job.tok_seq[t];
+  const int seq_len = job.seq_lens[s];
+  const int nparts = (seq_len + job.part_size - 1) / job.part_size;
+  const int64_t base = (t * job.H + h) * job.max_parts;
+  float gmax = kNegMax;
+  for (int z = 0; z < nparts; ++z) gmax = job.part_m[base + z] > gmax ? job.part_m[base + z] : gmax;
+  float sink_l2 = kNegMax;
+  if (job.sinks != nullptr) {
+    sink_l2 = job.sinks[h] * kLog2e;
+    gmax = sink_l2 > gmax ? sink_l2 : gmax;
+  }
+  alignas(64) float accum[512];
+  for (int d = 0; d < D; ++d) accum[d] = 0.0f;
+  float total = 0.0f;
+  for (int z = 0; z < nparts; ++z) {
+    const float lz = job.part_l[base + z];
+    if (lz <= 0.0f) continue;  // neutral partial (empty or outside the window)
+    const float w = std::exp2(job.part_m[base + z] - gmax) * lz;
+    total += w;
+    const float* po = job.part_out + (base + z) * D;
+    for (int c = 0; c < D; c += W) storeu(accum + c, loadu(accum + c) + splat(w) * loadu(po + c));
+  }
+  if (job.sinks != nullptr) total += std::exp2(sink_l2 - gmax);
+  const float inv = 1.0f / (total + kEps);
+  const int64_t ob = (t * job.H + h) * D;
+  for (int d = 0; d < D; ++d) store_scalar<DT>(job.out, ob + d, accum[d] * inv);
+}
+
+void reduce_item(const Job& job, int item) {
+  switch (job.dtype) {
+    case kFloat32: reduce_item_t<kFloat32>(job, item); break;
+    case kFloat16: reduce_item_t<kFloat16>(job, item); break;
+    default: reduce_item_t<kBFloat16>(job, item); break;
+  }
+}
+
+}  // namespace MA_ISA_NS
+}  // namespace metal_attn_native

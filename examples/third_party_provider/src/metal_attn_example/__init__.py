@@ -1,0 +1,21 @@
+"""An example third-party metal-attn plugin.
+
+metal-attn finds this module through the entry point ``example`` in the group
+``metal_attn.providers`` (see ``pyproject.toml``) and calls its registrar hook
+once, when the provider registry is built.
+"""
+
+from __future__ import annotations
+
+from metal_attn import hookimpl
+
+from metal_attn_example.dense import DensePrefillProvider
+
+__all__ = ["DensePrefillProvider", "metal_attn_register_providers"]
+__version__ = "0.1.0"
+
+
+@hookimpl
+def metal_attn_register_providers(registrar) -> None:
+    """Add this package's provider to metal-attn's registry."""
+    registrar.add(DensePrefillProvider)

@@ -1,0 +1,501 @@
+"""The paged KV cache: a reference-counted block allocator and per-layer K/V pools.
+
+`BlockAllocator` hands out page ids from a free list and counts references, so
+that sequences forked from a common prefix share its pages. `PagedKVCache`
+owns one K and one V pool per layer in the layout
+``[num_blocks, block_size, num_kv_heads, head_size]``, keeps each sequence's
+block list and length, and turns a scheduler step (a list of
+``(seq_id, num_new_tokens)``, decode rows first) into a `StepPlan`: the slot
+mapping for `reshape_and_cache` and the `AttentionMetadata` for
+`paged_attention`. A page that is shared and about to be appended to is copied
+first (copy-on-write), in every layer.
+
+MLX arrays are values. A write into a pool happens in place only while the pool
+array is the sole owner of its buffer, so the cache hands pools out per call
+(`PagedKVCache.pools`) and callers should not keep them across steps: one live
+reference or view turns every later write into a copy of the whole pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from metal_attn.api import DTYPE_NAMES, dtype_name, kernel_block_size, reshape_and_cache
+from metal_attn.constants import KERNEL_BLOCK_SIZES
+from metal_attn.errors import CacheExhaustedError, InvalidInputError
+from metal_attn.metadata import AttentionMetadata
+
+__all__ = ["BlockAllocator", "PagedKVCache", "StepPlan"]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")
+    return int(value)
+
+
+class BlockAllocator:
+    """Free list and reference counts over ``num_blocks`` page ids ``0 .. num_blocks-1``.
+
+    A block is free exactly when its reference count is 0. `allocate` hands out
+    blocks with one reference each, `share`/`fork` add a reference per holder,
+    `free` drops one and returns a block to the free list when none is left.
+    Every method checks its whole argument before changing anything, so an
+    error leaves the allocator as it was.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._num_blocks = _check_positive_int("num_blocks", num_blocks)
+        self._refcounts = [0] * self._num_blocks
+        # A stack: pop() hands out 0, 1, 2, ... first; freed blocks are reused first.
+        self._free = list(range(self._num_blocks - 1, -1, -1))
+
+    def __repr__(self) -> str:
+        return f"BlockAllocator(num_blocks={self._num_blocks}, free={self.num_free})"
+
+    @property
+    def num_blocks(self) -> int:
+        """Total number of blocks in the pool."""
+        return self._num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks with at least one reference."""
+        return self._num_blocks - len(self._free)
+
+    def free_blocks(self) -> tuple[int, ...]:
+        """The free list as it stands (next to be handed out last)."""
+        return tuple(self._free)
+
+    def refcount(self, block_id: int) -> int:
+        """References held on ``block_id`` (0 when it is free)."""
+        return self._refcounts[self._check_id(block_id)]
+
+    def allocate(self, n: int = 1) -> list[int]:
+        """Take ``n`` free blocks, each with one reference.
+
+        Raises `CacheExhaustedError` (allocator unchanged) when fewer than ``n`` are free.
+        """
+        if not _is_int(n) or n < 0:
+            raise InvalidInputError(f"n={n!r} (allowed: an int >= 0, the number of blocks to allocate)")
+        if n > len(self._free):
+            raise CacheExhaustedError(
+                f"cannot allocate {n} blocks: only {len(self._free)} of {self._num_blocks} are free"
+            )
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._refcounts[b] = 1
+        return out
+
+    def share(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each listed block (each must be allocated)."""
+        ids = [self._check_id(b) for b in block_ids]
+        for b in ids:
+            if self._refcounts[b] == 0:
+                raise InvalidInputError(f"block {b} is free: only allocated blocks can be shared")
+        for b in ids:
+            self._refcounts[b] += 1
+
+    def fork(self, block_ids: Iterable[int]) -> list[int]:
+        """Share every listed block and return them as a new list (the child's block table)."""
+        ids = list(block_ids)
+        self.share(ids)
+        return ids
+
+    def free(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop one reference per listed occurrence; return the blocks that became free.
+
+        Freeing a block more often than it is referenced (a double free) or an id
+        outside the pool raises `InvalidInputError` naming the id; nothing changes then.
+        """
+        counts = Counter(self._check_id(b) for b in block_ids)
+        for b, c in counts.items():
+            held = self._refcounts[b]
+            if c > held:
+                what = "it is already free" if held == 0 else f"it holds only {held} reference(s)"
+                raise InvalidInputError(f"double free of block {b}: freed {c} time(s) but {what}")
+        released = []
+        for b, c in counts.items():
+            self._refcounts[b] -= c
+            if self._refcounts[b] == 0:
+                self._free.append(b)
+                released.append(b)
+        return released
+
+    def copy_on_write(self, block_id: int) -> tuple[int, int]:
+        """Make ``block_id`` safe to append to for one of its holders.
+
+        Returns ``(block_id, block_id)`` when the caller is its only holder. Otherwise
+        allocates a new block, drops the caller's reference on the old one and returns
+        ``(old, new)``: the caller must copy the page contents from ``old`` to ``new``.
+        Raises `CacheExhaustedError` (allocator unchanged) when no block is free.
+        """
+        b = self._check_id(block_id)
+        held = self._refcounts[b]
+        if held == 0:
+            raise InvalidInputError(f"block {b} is free: copy_on_write needs an allocated block")
+        if held == 1:
+            return b, b
+        (new,) = self.allocate(1)
+        self._refcounts[b] -= 1
+        return b, new
+
+    def _check_id(self, block_id: Any) -> int:
+        if not _is_int(block_id) or not 0 <= block_id < self._num_blocks:
+            raise InvalidInputError(
+                f"block id {block_id!r} is unknown (allowed: an int in 0..{self._num_blocks - 1})"
+            )
+        return int(block_id)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepPlan:
+    """What one scheduler step needs: where the new tokens go and the attention metadata.
+
+    Row order follows the batch given to `PagedKVCache.prepare_step`.
+    """
+
+    seq_ids: tuple[Hashable, ...]
+    #: New tokens per sequence (query rows of this step).
+    q_lens: tuple[int, ...]
+    #: KV length per sequence including this step's tokens.
+    seq_lens: tuple[int, ...]
+    #: ``[num_tokens]`` int64: ``block_id * block_size + offset`` of each new token.
+    slot_mapping: mx.array
+    #: ``[num_tokens]`` int32: each new token's position in its sequence (for RoPE).
+    positions: mx.array
+    #: Block tables (page ids, int32, right-padded with 0), lengths and cu_seqlens_q.
+    metadata: AttentionMetadata
+    #: ``(old, new)`` pages copied because a shared last page was appended to.
+    copies: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Total new tokens in the step (rows of ``q`` and of the K/V to write)."""
+        return sum(self.q_lens)
+
+
+@dataclasses.dataclass
+class _Sequence:
+    blocks: list[int]
+    num_tokens: int = 0
+
+
+def _fmt_ids(ids: Iterable[Any], limit: int = 8) -> str:
+    ids = list(ids)
+    if not ids:
+        return "none"
+    text = ", ".join(repr(i) for i in ids[:limit])
+    return text + (f", ... ({len(ids)} in all)" if len(ids) > limit else "")
+
+
+class PagedKVCache:
+    """Per-layer K/V pools in pages of ``block_size`` tokens, shared by sequences.
+
+    Pools have shape ``[num_blocks, block_size, num_kv_heads, head_size]`` and start
+    zeroed. A page size that is not itself a kernel block size (32, 16, 8) is served
+    by the largest of them that divides it (`kernel_block_size`); `paged_attention`
+    does that translation, zero-copy, from the page-level tables this cache builds.
+
+    Typical step::
+
+        plan = cache.prepare_step([(seq_a, 1), (seq_b, 37)])  # decode rows first
+        for layer in range(num_layers):
+            cache.write(layer, k, v, plan.slot_mapping)
+            out = metal_attn.paged_attention(q, *cache.pools(layer), metadata=plan.metadata)
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: Any = mx.float16,
+    ) -> None:
+        self.num_layers = _check_positive_int("num_layers", num_layers)
+        self.num_blocks = _check_positive_int("num_blocks", num_blocks)
+        self.block_size = _check_positive_int("block_size", block_size)
+        self.num_kv_heads = _check_positive_int("num_kv_heads", num_kv_heads)
+        self.head_size = _check_positive_int("head_size", head_size)
+        kbs = kernel_block_size(self.block_size)
+        if kbs is None:
+            sizes = ", ".join(map(str, KERNEL_BLOCK_SIZES))
+            raise InvalidInputError(
+                f"block_size={block_size} (allowed: a multiple of {min(KERNEL_BLOCK_SIZES)}, so that a kernel "
+                f"block size of {sizes} divides it)"
+            )
+        self._kernel_block_size = kbs
+        self.dtype = self._check_dtype(dtype)
+        self.allocator = BlockAllocator(self.num_blocks)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        self._k: list[mx.array | None] = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        self._v: list[mx.array | None] = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        mx.eval(self._k, self._v)
+        self._seqs: dict[Hashable, _Sequence] = {}
+
+    @staticmethod
+    def _check_dtype(dtype: Any) -> Any:
+        by_name = {name: dt for dt, name in DTYPE_NAMES.items()}
+        if isinstance(dtype, str) and dtype in by_name:
+            return by_name[dtype]
+        if isinstance(dtype, mx.Dtype) and dtype in DTYPE_NAMES:
+            return dtype
+        shown = dtype_name(dtype) if isinstance(dtype, mx.Dtype) else repr(dtype)
+        raise InvalidInputError(f"dtype={shown} (allowed: {', '.join(by_name)}, as mx dtypes or names)")
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}x{self.block_size} "
+            f"(kernel blocks of {self.kernel_block_size}), kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, dtype={dtype_name(self.dtype)}, sequences={len(self._seqs)}, "
+            f"free={self.allocator.num_free})"
+        )
+
+    # -- geometry ------------------------------------------------------------------------------
+
+    @property
+    def kernel_block_size(self) -> int:
+        """Tokens per kernel block the pages are served with (largest of 32/16/8 dividing the page)."""
+        return self._kernel_block_size
+
+    @property
+    def kernel_blocks_per_page(self) -> int:
+        """How many kernel blocks one page is split into."""
+        return self.block_size // self._kernel_block_size
+
+    @property
+    def pool_shape(self) -> tuple[int, int, int, int]:
+        """``(num_blocks, block_size, num_kv_heads, head_size)``."""
+        return (self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages on the allocator's free list."""
+        return self.allocator.num_free
+
+    def pools(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The current ``(k_pool, v_pool)`` of ``layer``. Use them now; do not keep them across writes."""
+        i = self._check_layer(layer)
+        k, v = self._k[i], self._v[i]
+        assert k is not None and v is not None
+        return k, v
+
+    # -- sequences -----------------------------------------------------------------------------
+
+    @property
+    def seq_ids(self) -> tuple[Hashable, ...]:
+        """Ids of the sequences in the cache, in insertion order."""
+        return tuple(self._seqs)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        """Tokens stored for ``seq_id`` (after the last `prepare_step` that included it)."""
+        return self._get(seq_id).num_tokens
+
+    def block_table(self, seq_id: Hashable) -> tuple[int, ...]:
+        """The pages of ``seq_id`` in order (``ceil(seq_len / block_size)`` of them)."""
+        return tuple(self._get(seq_id).blocks)
+
+    def add_sequence(self, seq_id: Hashable) -> None:
+        """Register an empty sequence; its pages are allocated as `prepare_step` grows it."""
+        self._check_new_id("seq_id", seq_id)
+        self._seqs[seq_id] = _Sequence(blocks=[])
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start ``child_id`` as a copy of ``parent_id`` that shares all its pages.
+
+        No data moves: the pages' reference counts grow, and the first append to a
+        shared, partly filled last page copies it (`prepare_step`).
+        """
+        parent = self._get(parent_id)
+        self._check_new_id("child_id", child_id)
+        self._seqs[child_id] = _Sequence(self.allocator.fork(parent.blocks), parent.num_tokens)
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """Drop ``seq_id``; pages no other sequence holds return to the free list."""
+        seq = self._get(seq_id)
+        self.allocator.free(seq.blocks)
+        del self._seqs[seq_id]
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def blocks_needed(self, batch: Sequence[tuple[Hashable, int]]) -> int:
+        """Free pages `prepare_step` would take for ``batch`` (new pages plus copy-on-write copies)."""
+        return self._blocks_needed(self._check_batch(batch))
+
+    def prepare_step(self, batch: Sequence[tuple[Hashable, int]]) -> StepPlan:
+        """Grow each sequence of ``batch`` by its new tokens and plan the step.
+
+        ``batch`` lists ``(seq_id, num_new_tokens)``, decode rows (1 token) first,
+        then prefill chunks; each sequence at most once. A shared, partly filled last
+        page is copied before it is appended to (in every layer's pools). Raises
+        `CacheExhaustedError` when the pages do not fit; nothing changes then.
+        """
+        rows = self._check_batch(batch)
+        need = self._blocks_needed(rows)
+        free = self.allocator.num_free
+        if need > free:
+            raise CacheExhaustedError(
+                f"the step needs {need} free blocks but only {free} of {self.num_blocks} are free "
+                f"(batch of {len(rows)} sequences, {sum(n for _, n in rows)} new tokens); no sequence was changed"
+            )
+        bs = self.block_size
+        copies: list[tuple[int, int]] = []
+        slot_parts, pos_parts, tables, seq_lens = [], [], [], []
+        for seq_id, n in rows:
+            seq = self._seqs[seq_id]
+            start = seq.num_tokens
+            if start % bs:
+                old, new = self.allocator.copy_on_write(seq.blocks[-1])
+                if new != old:
+                    seq.blocks[-1] = new
+                    copies.append((old, new))
+            end = start + n
+            extra = -(-end // bs) - len(seq.blocks)
+            if extra > 0:
+                seq.blocks.extend(self.allocator.allocate(extra))
+            seq.num_tokens = end
+            pos = np.arange(start, end, dtype=np.int64)
+            slot_parts.append(np.asarray(seq.blocks, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            pos_parts.append(pos)
+            tables.append(seq.blocks)
+            seq_lens.append(end)
+        if copies:
+            self._copy_pages(copies)
+        width = max(len(t) for t in tables)
+        block_tables = np.zeros((len(rows), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        q_lens = [n for _, n in rows]
+        cu = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        metadata = AttentionMetadata.build(block_tables, np.asarray(seq_lens, dtype=np.int32), cu)
+        return StepPlan(
+            seq_ids=tuple(s for s, _ in rows),
+            q_lens=tuple(q_lens),
+            seq_lens=tuple(seq_lens),
+            slot_mapping=mx.array(np.concatenate(slot_parts)),
+            positions=mx.array(np.concatenate(pos_parts).astype(np.int32)),
+            metadata=metadata,
+            copies=tuple(copies),
+        )
+
+    def write(self, layer: int, key: mx.array, value: mx.array, slot_mapping: Any) -> None:
+        """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into ``layer``'s pools.
+
+        Goes through `metal_attn.reshape_and_cache` and rebinds the pools. The cache
+        lets go of the old pool arrays before the call, so the write is in place
+        unless the caller still holds one of them.
+        """
+        i = self._check_layer(layer)
+        k, v = self._k[i], self._v[i]
+        self._k[i] = self._v[i] = None
+        try:
+            k, v = reshape_and_cache(key, value, k, v, slot_mapping)
+        finally:
+            self._k[i], self._v[i] = k, v
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _get(self, seq_id: Hashable) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise InvalidInputError(
+                f"seq_id={seq_id!r} is not in the cache (known: {_fmt_ids(self._seqs)})"
+            ) from None
+
+    def _check_new_id(self, name: str, seq_id: Any) -> None:
+        try:
+            hash(seq_id)
+        except TypeError:
+            raise InvalidInputError(f"{name}={seq_id!r} (allowed: a hashable id such as an int or a str)") from None
+        if seq_id in self._seqs:
+            raise InvalidInputError(f"{name}={seq_id!r} is already in the cache (ids must be unique)")
+
+    def _check_layer(self, layer: Any) -> int:
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+            raise InvalidInputError(f"layer={layer!r} (allowed: an int in 0..{self.num_layers - 1})")
+        return int(layer)
+
+    def _check_batch(self, batch: Sequence[tuple[Hashable, int]]) -> list[tuple[Hashable, int]]:
+        try:
+            rows = [(row[0], row[1]) for row in batch]
+            bad_len = next((i for i, row in enumerate(batch) if len(row) != 2), None)
+        except (TypeError, IndexError, KeyError):
+            raise InvalidInputError("batch must be a sequence of (seq_id, num_new_tokens) pairs") from None
+        if bad_len is not None:
+            raise InvalidInputError(f"batch[{bad_len}]={batch[bad_len]!r} (allowed: a (seq_id, num_new_tokens) pair)")
+        if not rows:
+            raise InvalidInputError("batch is empty: a step needs at least one (seq_id, num_new_tokens) pair")
+        seen: set[Hashable] = set()
+        prefill_at = None
+        for i, (seq_id, n) in enumerate(rows):
+            self._get(seq_id)
+            if seq_id in seen:
+                raise InvalidInputError(f"batch[{i}]: seq_id={seq_id!r} appears more than once in the batch")
+            seen.add(seq_id)
+            if not _is_int(n) or n < 1:
+                raise InvalidInputError(
+                    f"batch[{i}]: num_new_tokens={n!r} for seq_id={seq_id!r} (allowed: an int >= 1)"
+                )
+            if n > 1 and prefill_at is None:
+                prefill_at = i
+            elif n == 1 and prefill_at is not None:
+                raise InvalidInputError(
+                    f"batch[{i}]: seq_id={seq_id!r} is a decode row (1 token) after the prefill chunk at "
+                    f"batch[{prefill_at}] (allowed order: every 1-token row first, then the prefill chunks)"
+                )
+        return [(s, int(n)) for s, n in rows]
+
+    def _blocks_needed(self, rows: list[tuple[Hashable, int]]) -> int:
+        """Simulate `prepare_step`'s allocations (copy-on-write included) without changing anything."""
+        bs = self.block_size
+        dropped: Counter[int] = Counter()  # references given up on shared pages earlier in the step
+        need = 0
+        for seq_id, n in rows:
+            seq = self._seqs[seq_id]
+            if seq.num_tokens % bs:
+                last = seq.blocks[-1]
+                if self.allocator.refcount(last) - dropped[last] > 1:
+                    need += 1
+                    dropped[last] += 1
+            need += max(0, -(-(seq.num_tokens + n) // bs) - len(seq.blocks))
+        return need
+
+    def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy pages ``old -> new`` in every layer's K and V pools.
+
+        The source pages are gathered and evaluated first: a scatter whose update
+        still depends lazily on the same pool would copy the whole pool.
+        """
+        src = mx.array([o for o, _ in pairs], dtype=mx.int32)
+        dst = mx.array([n for _, n in pairs], dtype=mx.int32)
+        all_pools = (self._k, self._v)
+        pages = [[pool[src] for pool in pools] for pools in all_pools]
+        mx.eval(pages)
+        for pools, copied in zip(all_pools, pages, strict=True):
+            for i, page in enumerate(copied):
+                pool = pools[i]
+                pools[i] = None  # sole owner while the scatter is built, so it runs in place
+                pool[dst] = page
+                pools[i] = pool

@@ -1,0 +1,40 @@
+"""Testing tools for metal-attn and for third-party provider authors.
+
+- `attention_oracle`: an independent float64 numpy implementation of paged attention;
+- `make_case` / `AttentionCase`: random cases with scattered pages and garbage elsewhere;
+- `CONFORMANCE_SPECS`, `run_case`, `check_case`, `assert_close_to_oracle`, `TOLERANCES`:
+  the conformance suite every provider runs (see `metal_attn.testing.conformance`).
+"""
+
+from __future__ import annotations
+
+from metal_attn.testing.cases import AttentionCase, make_case
+from metal_attn.testing.conformance import (
+    CONFORMANCE_SPECS,
+    TOLERANCES,
+    Tolerance,
+    admission_reasons,
+    assert_close_to_oracle,
+    check_case,
+    conformance_ids,
+    request_kwargs,
+    run_case,
+    spec_by_label,
+)
+from metal_attn.testing.oracle import attention_oracle
+
+__all__ = [
+    "CONFORMANCE_SPECS",
+    "TOLERANCES",
+    "AttentionCase",
+    "Tolerance",
+    "admission_reasons",
+    "assert_close_to_oracle",
+    "attention_oracle",
+    "check_case",
+    "conformance_ids",
+    "make_case",
+    "request_kwargs",
+    "run_case",
+    "spec_by_label",
+]

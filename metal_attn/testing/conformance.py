@@ -1,0 +1,301 @@
+"""The conformance suite: named cases, tolerances, and the checks every provider must pass.
+
+Every built-in provider runs through `CONFORMANCE_SPECS` in ``tests/test_conformance.py``;
+a third-party provider runs through the same specs from its own test suite. A
+spec is a dict of keyword arguments for `make_case` (its ``label`` is the test
+id). Cells a provider does not admit are skipped with the provider's own
+reasons, so ``pytest -rs`` prints its support matrix::
+
+    # tests/test_my_provider.py in your plugin package
+    import pytest
+
+    from metal_attn.testing import CONFORMANCE_SPECS, admission_reasons, check_case, conformance_ids, make_case
+
+    @pytest.mark.parametrize("spec", CONFORMANCE_SPECS, ids=conformance_ids())
+    def test_conformance(spec):
+        reasons = admission_reasons(spec, provider="my_provider")  # from metal_attn.explain(...)
+        if reasons:
+            pytest.skip("my_provider: " + "; ".join(reasons))
+        record = check_case(make_case(**spec), provider="my_provider")
+        assert record.provider == "my_provider"
+
+`check_case` runs ``metal_attn.paged_attention(..., provider=...)``, checks the
+output's shape and dtype, compares it with the float64 oracle
+(`assert_close_to_oracle`: elementwise tolerance *and* relative L2 error, since
+absolute tolerances alone accept an all-zero output at long context) and
+returns the dispatch record, whose ``route`` you can assert too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from metal_attn.testing.cases import AttentionCase, dtype_name, make_case, to_numpy
+
+
+class Tolerance(NamedTuple):
+    """Elementwise ``|out - ref| <= atol + rtol * |ref|``, and per query token
+    ``||out[t] - ref[t]|| <= rel_l2 * ||ref[t]||`` (norms over all heads and dims)."""
+
+    atol: float
+    rtol: float
+    rel_l2: float
+
+
+#: Per output dtype. float32: fp32 accumulation over up to ~33k tokens; float16/bfloat16:
+#: a few ulps of the output dtype (partials and output are rounded to it).
+TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(atol=1e-4, rtol=1e-4, rel_l2=1e-4),
+    "float16": Tolerance(atol=2e-3, rtol=4e-3, rel_l2=1.5e-3),
+    "bfloat16": Tolerance(atol=1.6e-2, rtol=3.2e-2, rel_l2=1.2e-2),
+}
+
+
+def _as_f64(out: Any) -> np.ndarray:
+    if isinstance(out, mx.array):
+        return to_numpy(out).astype(np.float64)
+    return np.asarray(out, dtype=np.float64)
+
+
+def assert_close_to_oracle(out: Any, ref: np.ndarray, dtype: Any, *, label: str = "") -> None:
+    """Assert ``out`` (MLX or numpy) matches the float64 ``ref`` within ``TOLERANCES[dtype]``.
+
+    Checks shape, finiteness, the elementwise bound and the relative L2 bound; the
+    message shows the worst element (where, got, expected), how many elements
+    fail, and the relative L2 error against its bound.
+    """
+    tol = TOLERANCES[dtype_name(dtype)]
+    got = _as_f64(out)
+    ref = np.asarray(ref, dtype=np.float64)
+    where = f"[{label}] " if label else ""
+    if got.shape != ref.shape:
+        raise AssertionError(f"{where}output shape {got.shape} != expected {ref.shape}")
+    bad_values = ~np.isfinite(got)
+    if bad_values.any():
+        idx = tuple(int(i) for i in np.argwhere(bad_values)[0])
+        raise AssertionError(
+            f"{where}{int(bad_values.sum())} of {got.size} outputs are not finite; first at "
+            f"(token, head, dim)={idx}: {got[idx]} (expected {ref[idx]:.6g})"
+        )
+    err = np.abs(got - ref)
+    bound = tol.atol + tol.rtol * np.abs(ref)
+    excess = err - bound
+    worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(excess)), excess.shape))
+    n_bad = int((excess > 0).sum())
+    # Relative L2 error per query token (all heads and dims): a long-context row whose output is
+    # small cannot hide behind a short row with a large output.
+    rows = ref.reshape(ref.shape[0], -1) if ref.ndim > 1 else ref.reshape(1, -1)
+    diff = (got - ref).reshape(rows.shape)
+    row_norm = np.linalg.norm(rows, axis=1)
+    rel = np.linalg.norm(diff, axis=1) / np.maximum(row_norm, np.finfo(np.float64).tiny)
+    t = int(np.argmax(rel)) if rel.size else 0
+    rel_l2 = float(rel[t]) if rel.size else 0.0
+    if n_bad or rel_l2 > tol.rel_l2:
+        imax = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), err.shape))
+        raise AssertionError(
+            f"{where}{dtype_name(dtype)} output differs from the float64 oracle: "
+            f"{n_bad} of {got.size} elements exceed atol={tol.atol:g} + rtol={tol.rtol:g}*|ref| "
+            f"(worst at (token, head, dim)={worst}: got {got[worst]:.6g}, expected {ref[worst]:.6g}); "
+            f"max abs error {err[imax]:.3g} at {imax}; relative L2 error {rel_l2:.3g} at token {t} "
+            f"(bound {tol.rel_l2:g}, |ref[{t}]|={row_norm[t]:.3g})"
+        )
+
+
+def run_case(case: AttentionCase, provider: str | None = None) -> np.ndarray:
+    """Run ``metal_attn.paged_attention`` on ``case`` (optionally forcing ``provider``); float64 result."""
+    import metal_attn
+
+    out = metal_attn.paged_attention(**case.kwargs(), provider=provider)
+    mx.eval(out)
+    if out.dtype != case.q.dtype or tuple(out.shape) != tuple(case.q.shape):
+        raise AssertionError(
+            f"[{case.label}] output is {dtype_name(out.dtype)} {tuple(out.shape)}; the contract is the query's "
+            f"{case.dtype} {tuple(case.q.shape)}"
+        )
+    return to_numpy(out).astype(np.float64)
+
+
+def check_case(case: AttentionCase, provider: str | None = None) -> Any:
+    """Run ``case``, assert it matches the oracle, and return the dispatch record."""
+    import metal_attn
+
+    got = run_case(case, provider)
+    record = metal_attn.diagnostics.last_dispatch()
+    assert_close_to_oracle(got, case.oracle(), case.dtype, label=f"{case.label} via {getattr(record, 'route', '?')}")
+    return record
+
+
+def request_kwargs(spec: Mapping[str, Any] | AttentionCase) -> dict[str, Any]:
+    """Keyword arguments for `metal_attn.explain` describing a spec's (or case's) request."""
+    if isinstance(spec, AttentionCase):
+        return spec.explain_kwargs()
+    from metal_attn.api import kernel_block_size
+
+    page = int(spec["block_size"])
+    return {
+        "q_lens": list(spec["q_lens"]),
+        "seq_lens": list(spec["seq_lens"]),
+        "dtype": dtype_name(spec.get("dtype", "float32")),
+        "num_heads": int(spec["num_heads"]),
+        "num_kv_heads": int(spec["num_kv_heads"]),
+        "head_size": int(spec["head_size"]),
+        "block_size": kernel_block_size(page) or page,
+        "sinks": bool(spec.get("sinks", False)),
+        "sliding_window": spec.get("sliding_window"),
+        "softcap": spec.get("softcap"),
+    }
+
+
+def admission_reasons(spec: Mapping[str, Any] | AttentionCase, provider: str, device: Any = None) -> list[str]:
+    """Why ``provider`` refuses a spec's request on ``device`` (empty when it admits it)."""
+    import metal_attn
+
+    table = metal_attn.explain(device=device, provider=provider, **request_kwargs(spec))
+    row = next((r for r in table.rows if r.name == provider), None)
+    if row is None:  # pragma: no cover - explain always lists the forced provider
+        return [f"provider={provider!r} is not in the decision table"]
+    return list(row.reasons)
+
+
+def conformance_ids(specs: list[dict[str, Any]] | None = None) -> list[str]:
+    """Test ids (the labels) of ``specs`` (default: `CONFORMANCE_SPECS`)."""
+    return [s["label"] for s in (CONFORMANCE_SPECS if specs is None else specs)]
+
+
+def spec_by_label(label: str) -> dict[str, Any]:
+    """The spec called ``label``."""
+    for s in CONFORMANCE_SPECS:
+        if s["label"] == label:
+            return s
+    raise KeyError(f"no conformance spec is labelled {label!r}")
+
+
+def _spec(label: str, q_lens: list[int], seq_lens: list[int], **kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "label": label, "q_lens": q_lens, "seq_lens": seq_lens,
+        "num_heads": 4, "num_kv_heads": 2, "head_size": 64, "block_size": 16, "dtype": "float32",
+    }
+    base.update(kw)
+    # A stable per-spec seed so that every spec draws different data.
+    base.setdefault("seed", sum(ord(c) * (i + 1) for i, c in enumerate(label)) % 100_003)
+    return base
+
+
+def _with_dtype(spec: dict[str, Any], dtype: str) -> dict[str, Any]:
+    return {**spec, "label": f"{spec['label']}-{dtype}", "dtype": dtype}
+
+
+_DTYPE_VARIANTS: list[dict[str, Any]] = [
+    _spec("decode-page-edges", [1] * 6, [1, 15, 16, 17, 31, 33]),
+    _spec("prefill-continuation", [16, 7], [100, 40], num_heads=8, num_kv_heads=2),
+    _spec("mixed", [1, 1, 5, 20], [50, 513, 5, 60]),
+    _spec("mixed-sinks", [1, 1, 9], [70, 17, 40], sinks=True, num_heads=8, num_kv_heads=1),
+    _spec("window-spans-partitions", [1, 1, 1], [1500, 700, 40], sliding_window=600),
+    _spec("softcap-prefill", [24, 9], [24, 60], softcap=1.5),
+    _spec("neutral-partial", [1, 1], [2000, 1100], sliding_window=64, score_bias=-120.0),
+]
+
+#: The conformance cases: dicts of `make_case` keyword arguments, each with a unique ``label``.
+CONFORMANCE_SPECS: list[dict[str, Any]] = [
+    # -- decode: lengths at page and partition edges, GQA ratios 1/2/4/8 and MQA ----------
+    _spec("decode-len1", [1], [1]),
+    *_DTYPE_VARIANTS[:1],
+    _spec("decode-partition-edges", [1, 1, 1], [511, 512, 513]),
+    _spec("decode-two-partitions", [1, 1], [1025, 600], num_heads=8, num_kv_heads=2, head_size=128),
+    _spec("decode-gqa1", [1, 1], [40, 100], num_heads=4, num_kv_heads=4),
+    _spec("decode-gqa4", [1, 1], [40, 100], num_heads=8, num_kv_heads=2),
+    _spec("decode-gqa8", [1, 1], [40, 100], num_heads=16, num_kv_heads=2),
+    _spec("decode-mqa", [1, 1], [40, 100], num_heads=8, num_kv_heads=1),
+    _spec("decode-head128", [1, 1], [70, 33], head_size=128),
+    _spec("decode-bs8", [1] * 4, [7, 8, 9, 65], block_size=8),
+    _spec("decode-bs32", [1] * 4, [31, 32, 33, 100], block_size=32),
+    # -- prefill and continuation chunks --------------------------------------------------
+    _spec("prefill-single", [37], [37]),
+    _spec("prefill-page-edges", [15, 16, 17], [15, 16, 17]),
+    _spec("prefill-partition-edges", [511, 513], [511, 513]),
+    *_DTYPE_VARIANTS[1:2],
+    _spec("prefill-continuation-crosses-partition", [64], [1100]),
+    _spec("prefill-gqa1", [20, 9], [20, 30], num_heads=4, num_kv_heads=4),
+    _spec("prefill-gqa4", [20, 9], [20, 30], num_heads=8, num_kv_heads=2),
+    _spec("prefill-gqa8", [20, 9], [20, 30], num_heads=16, num_kv_heads=2),
+    _spec("prefill-mqa", [20, 9], [20, 30], num_heads=8, num_kv_heads=1),
+    _spec("prefill-head128", [33, 8], [33, 50], head_size=128),
+    _spec("prefill-bs8", [9, 17], [9, 40], block_size=8),
+    _spec("prefill-bs32", [33, 31], [33, 95], block_size=32),
+    # -- mixed batches (decode rows first) and speculative verification -------------------
+    *_DTYPE_VARIANTS[2:3],
+    _spec("mixed-gqa8", [1, 1, 12], [300, 16, 12], num_heads=16, num_kv_heads=2, head_size=128),
+    _spec("verify", [4, 4, 4], [20, 33, 64]),
+    # -- sinks -----------------------------------------------------------------------------
+    _spec("sinks-decode", [1, 1, 1], [1, 40, 600], sinks=True),
+    _spec("sinks-prefill", [30], [30], sinks=True, num_heads=8, num_kv_heads=2),
+    *_DTYPE_VARIANTS[3:4],
+    # -- sliding windows ---------------------------------------------------------------------
+    _spec("window1-prefill", [20], [20], sliding_window=1),
+    _spec("window-smaller-than-page-decode", [1, 1, 1], [100, 3, 17], sliding_window=5),
+    *_DTYPE_VARIANTS[4:5],
+    _spec("window-prefill-continuation", [30, 17], [200, 17], sliding_window=40),
+    _spec("window-mixed", [1, 1, 40], [300, 10, 90], sliding_window=24, block_size=8),
+    # -- softcap -------------------------------------------------------------------------------
+    _spec("softcap-decode", [1, 1], [90, 513], softcap=2.0),
+    *_DTYPE_VARIANTS[5:6],
+    _spec("all-features-mixed", [1, 1, 25], [600, 30, 80], sinks=True, sliding_window=50, softcap=3.0,
+          num_heads=8, num_kv_heads=2),
+    # -- a window whose partitions left of it must contribute a neutral partial ---------------
+    *_DTYPE_VARIANTS[6:7],
+    # -- shared prefix blocks and simple tables ------------------------------------------------
+    _spec("shared-prefix-decode", [1, 1, 1], [40, 50, 33], shared_prefix_blocks=2),
+    _spec("shared-prefix-prefill", [10, 10], [40, 45], shared_prefix_blocks=2),
+    _spec("contiguous-tables", [1, 8], [30, 8], contiguous=True),
+    # -- the same cases in float16 and bfloat16 -------------------------------------------------
+    *(_with_dtype(s, d) for d in ("float16", "bfloat16") for s in _DTYPE_VARIANTS),
+    # -- upstream GQA-decode geometries (heads, kv heads, head, block) in half precision --------
+    _spec("gqa-decode-32x8x128-bs16-float16", [1] * 4, [600, 1030, 17, 2049],
+          num_heads=32, num_kv_heads=8, head_size=128, dtype="float16"),
+    _spec("gqa-decode-32x8x128-bs16-bfloat16", [1] * 3, [513, 96, 1536],
+          num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16"),
+    _spec("gqa-decode-16x2x128-bs16-bfloat16", [1, 1], [3000, 300],
+          num_heads=16, num_kv_heads=2, head_size=128, dtype="bfloat16"),
+    _spec("gqa-decode-24x4x256-bs16-float16", [1, 1], [1537, 90],
+          num_heads=24, num_kv_heads=4, head_size=256, dtype="float16"),
+    _spec("gqa-decode-16x2x256-bs16-bfloat16", [1, 1], [800, 255],
+          num_heads=16, num_kv_heads=2, head_size=256, dtype="bfloat16"),
+    _spec("gqa-decode-16x2x256-bs32-bfloat16", [1, 1], [700, 2600],
+          num_heads=16, num_kv_heads=2, head_size=256, block_size=32, dtype="bfloat16"),
+    # -- a few longer cases --------------------------------------------------------------------
+    _spec("long-decode-32k-bfloat16", [1], [32769], num_heads=8, num_kv_heads=2, head_size=128, dtype="bfloat16"),
+    _spec("long-decode-batch-float16", [1] * 4, [4096, 8193, 5000, 1],
+          num_heads=32, num_kv_heads=8, head_size=128, dtype="float16"),
+    _spec("long-prefill-chunk", [128], [4096], num_heads=8, num_kv_heads=2, head_size=128),
+    _spec("long-mixed-decode-rows-bfloat16", [1, 1, 64], [4100, 5000, 64],
+          num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16"),
+]
+
+
+def _check_unique_labels() -> None:
+    seen: set[str] = set()
+    for s in CONFORMANCE_SPECS:
+        if s["label"] in seen:
+            raise RuntimeError(f"duplicate conformance label {s['label']!r}")
+        seen.add(s["label"])
+
+
+_check_unique_labels()
+
+__all__ = [
+    "CONFORMANCE_SPECS",
+    "TOLERANCES",
+    "Tolerance",
+    "admission_reasons",
+    "assert_close_to_oracle",
+    "check_case",
+    "conformance_ids",
+    "make_case",
+    "request_kwargs",
+    "run_case",
+    "spec_by_label",
+]

@@ -1,0 +1,318 @@
+"""Routing of the ``gqa_decode`` provider, with the device probe overridden (CPU only).
+
+Every admission rule is asserted through `metal_attn.explain`: the chosen
+provider, the partition size in the plan, and the exact reason substrings of
+each refusal. Devices: a 10-core M3 (``applegpu_g15g``), a 40-core M5 Max and
+the H200.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import metal_attn as ma
+from metal_attn import compat, diagnostics
+from metal_attn.constants import SCRATCH_CAP_BYTES, SIMDGROUPS_PER_CORE
+from metal_attn.device import DeviceInfo
+from metal_attn._layout import import_builtin_providers
+from metal_attn.plugins import get_registry
+from metal_attn.request import AttentionRequest
+from metal_attn.settings import load_settings, override_settings
+
+M3 = DeviceInfo.preset("m3-10core")
+M5 = DeviceInfo.preset("m5-max")
+H200 = DeviceInfo.preset("h200")
+
+import_builtin_providers()  # metal_attn.providers, from the install or the source checkout
+from metal_attn.providers import gqa_decode as gq  # noqa: E402
+
+
+def _explain(device: DeviceInfo, seq_lens, *, heads=(32, 8, 128), block_size=16, dtype="bfloat16",
+             q_lens=None, **features):
+    h, kvh, d = heads
+    return ma.explain(
+        q_lens=q_lens or [1] * len(seq_lens), seq_lens=seq_lens, num_heads=h, num_kv_heads=kvh, head_size=d,
+        block_size=block_size, dtype=dtype, device=device, **features,
+    )
+
+
+def _gqa_row(ex):
+    return next(r for r in ex.rows if r.name == "gqa_decode")
+
+
+def _chosen_partition(ex) -> int | None:
+    """The GQA partition size when gqa_decode is chosen, else None."""
+    row = _gqa_row(ex)
+    if not row.chosen:
+        return None
+    assert row.plan.route == "gqa_decode"
+    return row.plan.partition_size
+
+
+def _reasons(ex) -> str:
+    return "\n".join(_gqa_row(ex).reasons)
+
+
+# -- the budget thresholds (40 cores, 32 heads: P256 from 10,752 tokens, P512 from 21,504) ----------
+
+
+@pytest.mark.parametrize(
+    ("length", "expected"),
+    [(10_751, None), (10_752, 256), (21_503, 256), (21_504, 512), (131_072, 512)],
+)
+def test_m5_max_single_request_thresholds(length, expected):
+    ex = _explain(M5, [length])
+    assert _chosen_partition(ex) == expected
+    if expected is None:
+        assert "below the budget 1320 (40 cores x 33)" in _reasons(ex)
+        assert ex.chosen is not None and ex.chosen.name != "gqa_decode"
+    else:
+        assert f"P{expected}:" in " ".join(_gqa_row(ex).plan.notes)
+
+
+def test_m5_max_plan_grid_and_specialization():
+    plan = _gqa_row(_explain(M5, [21_504 + 100])).plan
+    parts = -(-(21_504 + 100) // 512)  # 43 launched, 42 complete
+    assert plan.grid == (32 * 4 * parts, 8, 1)
+    assert plan.threadgroup == (128, 1, 1)
+    assert plan.specialization == ("gqa_decode", "metal", "bfloat16", 32, 8, 128, 16, 512)
+
+
+def test_m3_budget_for_head_256_single_request():
+    # 10 cores x 33 = 330 simdgroups; 24 heads need 14 complete partitions.
+    assert _chosen_partition(_explain(M3, [3_583], heads=(24, 4, 256))) is None
+    assert _chosen_partition(_explain(M3, [3_584], heads=(24, 4, 256))) == 256
+    assert _chosen_partition(_explain(M3, [7_167], heads=(24, 4, 256))) == 256
+    assert _chosen_partition(_explain(M3, [7_168], heads=(24, 4, 256))) == 512
+    # One request: no calibration rule applies however long the row.
+    assert _chosen_partition(_explain(M3, [65_536], heads=(24, 4, 256))) == 512
+
+
+# -- multi-request plans: complete partitions summed over the batch ---------------------------------
+
+
+def test_partitions_counted_per_request_not_from_total_tokens():
+    # 100 rows of 511 tokens: 51,100 tokens in all, but no complete P512 partition at all.
+    ex = _explain(M5, [511] * 100)
+    assert _chosen_partition(ex) == 256  # 100 complete P256 partitions x 32 heads = 3200
+    assert "P256: 100 full partitions x 32 heads = 3200 >= 1320" in " ".join(_gqa_row(ex).plan.notes)
+    # 2,600 rows of 255 tokens: no complete partition of either size.
+    ex = _explain(M5, [255] * 2_600)
+    assert _chosen_partition(ex) is None
+    assert "P512: 0 x 32 heads = 0; P256: 0 x 32 heads = 0" in _reasons(ex)
+
+
+def test_ragged_batch_thresholds_and_grid():
+    # Four rows of 2,816 tokens: 4 x 11 = 44 complete P256 partitions -> 1408 >= 1320.
+    assert _chosen_partition(_explain(M5, [2_816] * 4)) == 256
+    # One token less in each: 4 x 10 = 40 -> 1280 < 1320.
+    assert _chosen_partition(_explain(M5, [2_815] * 4)) is None
+    # Ragged: the longest row sets the launched partitions, the sum sets the choice.
+    lens = [30_000, 100, 5_000, 17]
+    ex = _explain(M5, lens)
+    assert _chosen_partition(ex) == 512  # (58 + 0 + 9 + 0) x 32 = 2144
+    assert _gqa_row(ex).plan.grid == (128 * 59, 8, 4)
+
+
+def test_mixed_and_prefill_batches_are_refused():
+    ex = _explain(M5, [40_000, 40_000], q_lens=[1, 7])
+    assert _chosen_partition(ex) is None
+    assert "phase=mixed (supported: decode)" in _reasons(ex)
+    ex = _explain(M5, [40_000], q_lens=[40_000])
+    assert "phase=prefill (supported: decode)" in _reasons(ex)
+
+
+# -- the 10-core M3 calibration rules (data keyed by device) -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("device", "heads", "lens", "expected"),
+    [
+        (M3, (24, 4, 256), [8_192, 8_192], 256),  # two requests from 8K: P256 preferred
+        (M3, (24, 4, 256), [8_191, 8_191], 512),  # just below: the budget's choice
+        (M3, (16, 2, 256), [4_096] * 4, 256),  # four requests from 4K
+        (M3, (16, 2, 256), [4_096] * 3, 512),  # three requests at 4K: no rule
+        (M3, (32, 8, 128), [8_192] * 4, 512),  # head 128: no rule
+        (DeviceInfo.preset("m3-max"), (24, 4, 256), [8_192] * 4, 512),  # another device: no rule
+        (M3.replace(gpu_cores=8), (24, 4, 256), [8_192] * 4, 512),  # same GPU family, other core count
+    ],
+)
+def test_m3_calibration_rules(device, heads, lens, expected):
+    ex = _explain(device, lens, heads=heads)
+    assert _chosen_partition(ex) == expected
+    notes = " ".join(_gqa_row(ex).plan.notes)
+    assert ("calibration prefers P256" in notes) == (device is M3 and expected == 256)
+
+
+def test_calibration_rules_are_data():
+    req = AttentionRequest.from_lengths(q_lens=[1, 1], seq_lens=[9_000, 9_000], backend="metal",
+                                        num_heads=24, num_kv_heads=4, head_size=256)
+    assert gq.calibration_preference(req, M3) == 256
+    assert gq.calibration_preference(req, M5) is None
+    custom = ({"architecture": "applegpu_g17s", "gpu_cores": 40, "head_size": 256, "min_seqs": 2,
+               "min_max_seq_len": 1, "prefer": 256},)
+    assert gq.calibration_preference(req, M5, custom) == 256
+
+
+# -- the H200 -------------------------------------------------------------------------------------------
+
+
+def test_h200_budget_is_measured_and_recorded():
+    assert "cuda" in SIMDGROUPS_PER_CORE, "the CUDA budget must be measured on the H200 and recorded"
+    budget, why = gq.work_budget(H200)
+    assert why is None and budget == 132 * SIMDGROUPS_PER_CORE["cuda"]
+
+
+def _threshold(budget: int, heads: int, p: int) -> int:
+    return -(-budget // heads) * p
+
+
+@pytest.mark.parametrize("heads", [(32, 8, 128), (24, 4, 256), (16, 2, 128)])
+def test_h200_thresholds(heads):
+    budget = 132 * SIMDGROUPS_PER_CORE["cuda"]
+    t256 = _threshold(budget, heads[0], 256)
+    t512 = _threshold(budget, heads[0], 512)
+    assert _chosen_partition(_explain(H200, [t256 - 1], heads=heads)) is None
+    assert _chosen_partition(_explain(H200, [t256], heads=heads)) == 256
+    assert _chosen_partition(_explain(H200, [t512 - 1], heads=heads)) == 256
+    assert _chosen_partition(_explain(H200, [t512], heads=heads)) == 512
+
+
+def test_h200_unknown_core_count_falls_back():
+    ex = _explain(H200.replace(gpu_cores=None), [131_072])
+    assert _chosen_partition(ex) is None
+    assert "gpu_cores unknown" in _reasons(ex)
+
+
+# -- declarative refusals ---------------------------------------------------------------------------------
+
+
+def test_dtype_feature_and_geometry_refusals():
+    assert "dtype=float32 (supported: bfloat16, float16)" in _reasons(_explain(M5, [65_536], dtype="float32"))
+    assert "sinks given" in _reasons(_explain(M5, [65_536], sinks=True))
+    assert "softcap=30 (supported: none)" in _reasons(_explain(M5, [65_536], softcap=30.0))
+    assert "sliding_window=4096 (supported: none)" in _reasons(_explain(M5, [65_536], sliding_window=4096))
+    r = _reasons(_explain(M5, [65_536], heads=(32, 4, 128)))
+    assert "geometry heads/kv_heads/head_size/block_size=32/4/128/bs16 (supported on metal: 32/8/128/bs16" in r
+    r = _reasons(_explain(M5, [65_536], block_size=32))
+    assert "32/8/128/bs32" in r
+    assert _chosen_partition(_explain(M5, [65_536], heads=(16, 2, 256), block_size=32)) == 512
+    req = AttentionRequest.from_lengths(q_lens=[1], seq_lens=[65_536], backend="metal", num_heads=32,
+                                        num_kv_heads=8, head_size=128, dtype="bfloat16", cache_dtype="float16")
+    assert "cache_dtype=float16 (supported: same as dtype=bfloat16)" in _reasons(ma.explain(req, device=M5))
+
+
+def test_every_refusal_is_listed_at_once():
+    ex = _explain(M5, [100], dtype="float32", heads=(32, 4, 128), softcap=5.0)
+    reasons = _reasons(ex)
+    for part in ("dtype=float32", "softcap=5", "geometry", "below the budget"):
+        assert part in reasons
+
+
+def test_cpu_backend_is_unavailable():
+    ex = _explain(DeviceInfo.preset("cpu-2core"), [65_536])
+    assert "backend=cpu (supported: cuda, metal)" in _reasons(ex)
+
+
+# -- resource caps -----------------------------------------------------------------------------------------
+
+
+def test_scratch_cap_boundary():
+    # 32 heads x 128 x fp32 + 8 = 16,640 bytes per (row, head, partition)... per head: 520 bytes.
+    per_row_part = 32 * (128 * 4 + 8)
+    max_rows_parts = SCRATCH_CAP_BYTES // per_row_part  # 32,263
+    parts = 256  # 131,072 tokens at P512
+    fit = max_rows_parts // parts  # 126 rows fit, 127 do not
+    assert _chosen_partition(_explain(M5, [131_072] * fit)) == 512
+    ex = _explain(M5, [131_072] * (fit + 1))
+    assert _chosen_partition(ex) is None
+    assert f"split scratch={(fit + 1) * parts * per_row_part} bytes" in _reasons(ex)
+    assert f"(allowed: <= {SCRATCH_CAP_BYTES} bytes)" in _reasons(ex)
+
+
+def test_scratch_is_computed_without_overflow():
+    n = 2**31 - 1
+    req = AttentionRequest(
+        backend="metal", phase=ma.Phase.DECODE, dtype="float16", cache_dtype="float16", num_heads=32,
+        num_kv_heads=8, head_size=128, block_size=16, num_seqs=n, total_q_tokens=n, max_q_len=1,
+        max_seq_len=n, length_plan=((512, n), (256, 2 * n)), num_decode_seqs=n, max_decode_seq_len=n,
+    )
+    exact = n * 32 * (-(-n // 512)) * (128 * 4 + 8)
+    wrapped = int(np.array([n, 32, -(-n // 512), 520], dtype=np.int64).prod())  # what int64 math gives
+    assert exact > 2**63 and wrapped != exact
+    assert gq.scratch_bytes(n, 32, -(-n // 512), 128) == exact
+    reasons = _reasons(ma.explain(req, device=M5))
+    assert f"split scratch={exact} bytes" in reasons
+
+
+def test_reducer_threadgroup_memory_must_fit():
+    parts = 131_072 // 512
+    need = gq.reducer_threadgroup_bytes(parts)
+    assert need >= 2 * parts * 4 and need % 16 == 0
+    assert _chosen_partition(_explain(M5.replace(max_threadgroup_memory=need), [131_072])) == 512
+    ex = _explain(M5.replace(max_threadgroup_memory=need - 16), [131_072])
+    assert _chosen_partition(ex) is None
+    assert f"reducer threadgroup memory={need} bytes for {parts} partitions of P512" in _reasons(ex)
+    ex = _explain(M5.replace(max_threadgroup_memory=None), [131_072])
+    assert "max_threadgroup_memory unknown" in _reasons(ex)
+
+
+# -- the disable switch and its upstream alias ---------------------------------------------------------------
+
+
+def test_disable_switch():
+    with override_settings(disable_gqa_decode=True):
+        ex = _explain(M5, [65_536])
+        assert _chosen_partition(ex) is None
+        assert "disabled by METAL_ATTN_DISABLE_GQA_DECODE=1" in _reasons(ex)
+    assert _chosen_partition(_explain(M5, [65_536])) == 512
+
+
+@pytest.mark.parametrize("var", ["METAL_ATTN_DISABLE_GQA_DECODE", "VLLM_METAL_DISABLE_GQA_DECODE"])
+def test_disable_switch_from_environment(monkeypatch, var):
+    monkeypatch.setenv(var, "1")
+    settings = load_settings()
+    req = AttentionRequest.from_lengths(q_lens=[1], seq_lens=[65_536], backend="metal", dtype="bfloat16")
+    ex = get_registry().explain(req, M5, settings)
+    assert not _gqa_row(ex).admitted
+    assert "disabled by METAL_ATTN_DISABLE_GQA_DECODE=1" in _reasons(ex)
+    monkeypatch.setenv(var, "0")
+    assert _gqa_row(get_registry().explain(req, M5, load_settings())).chosen
+
+
+# -- diagnostics: route and partition size recorded through the public call --------------------------------
+
+
+def test_dispatch_records_route_and_partition(monkeypatch):
+    """The kernel is replaced by the reference computation (no GPU here); routing is real."""
+    from metal_attn.providers.reference import ReferenceProvider
+
+    ref = ReferenceProvider()
+    monkeypatch.setattr(gq.GQADecodeProvider, "prepare", lambda self, plan, device: None)
+    monkeypatch.setattr(gq.GQADecodeProvider, "run", lambda self, inputs, plan: ref.run(inputs, plan))
+    rng = np.random.default_rng(0)
+    block_size, kvh, d, h = 16, 8, 128, 32
+    nb = 700
+    k = ma_array(rng.standard_normal((nb, block_size, kvh, d)))
+    v = ma_array(rng.standard_normal((nb, block_size, kvh, d)))
+    q = ma_array(rng.standard_normal((1, h, d)))
+    lens = [10_752]
+    table = rng.permutation(nb)[None, : -(-lens[0] // block_size)].astype(np.int32)
+    with override_settings(backend_override="metal", gpu_cores=40, gpu_architecture="applegpu_g17s",
+                           max_threadgroup_memory=32768):
+        diagnostics.reset()
+        ma.paged_attention(q, k, v, block_tables=table, seq_lens=lens, cu_seqlens_q=[0, 1])
+        rec = diagnostics.last_dispatch()
+        assert (rec.provider, rec.route, rec.partition_size) == ("gqa_decode", "gqa_decode", 256)
+        assert compat.last_paged_dispatch() == "gqa_decode"
+        assert compat.last_gqa_partition_size() == 256
+        ma.paged_attention(q, k, v, block_tables=table, seq_lens=[10_751], cu_seqlens_q=[0, 1])
+        assert compat.last_paged_dispatch() != "gqa_decode"
+        assert compat.last_gqa_partition_size() is None
+
+
+def ma_array(x):
+    import mlx.core as mx
+
+    return mx.array(x.astype(np.float32)).astype(mx.bfloat16)

@@ -1,0 +1,327 @@
+"""Plugin loading: entry points, isolation of broken plugins, allow/deny lists,
+autoload off, loud failure on misspelled hooks, and the lazy process registry.
+
+Entry points are simulated by monkeypatching `metal_attn.plugins._entry_points`
+to return entry points of small plugin modules written to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata as md
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pluggy
+import pytest
+
+from metal_attn import hookspecs, log, plugins
+from metal_attn import settings as settings_mod
+from metal_attn.registry import registry_from
+from metal_attn.settings import override_settings
+
+GROUP = plugins.ENTRY_POINT_GROUP
+
+#: Plugin modules written for these tests: module name -> source.
+MODULES = {
+    "ma_test_good_plugin": """
+        import metal_attn as ma
+
+        class ThirdParty(ma.Provider):
+            name = "third_party"
+            priority = 20
+            backends = frozenset({"cpu"})
+
+        @ma.hookimpl
+        def metal_attn_register_providers(registrar):
+            registrar.add(ThirdParty)
+    """,
+    "ma_test_other_plugin": """
+        import metal_attn as ma
+
+        class Other(ma.Provider):
+            name = "other_party"
+            priority = 15
+            backends = frozenset({"cpu"})
+
+        @ma.hookimpl
+        def metal_attn_register_providers(registrar):
+            registrar.add(Other())
+    """,
+    "ma_test_import_error_plugin": """
+        raise ImportError("libfoo.so: cannot open shared object file")
+    """,
+    "ma_test_register_error_plugin": """
+        import metal_attn as ma
+
+        class Half(ma.Provider):
+            name = "half_registered"
+            priority = 30
+            backends = frozenset({"cpu"})
+
+        @ma.hookimpl
+        def metal_attn_register_providers(registrar):
+            registrar.add(Half)
+            raise RuntimeError("vendor SDK not found")
+    """,
+    "ma_test_misspelled_plugin": """
+        import metal_attn as ma
+
+        @ma.hookimpl
+        def metal_attn_register_provider(registrar):
+            pass
+    """,
+}
+
+
+@dataclasses.dataclass
+class FakeDist:
+    name: str
+    version: str
+
+
+@dataclasses.dataclass
+class FakeEntryPoint:
+    """Duck-typed `importlib.metadata.EntryPoint` with a distribution attached."""
+
+    name: str
+    value: str
+    dist: FakeDist | None = None
+    group: str = GROUP
+
+    def load(self):
+        return md.EntryPoint(self.name, self.value, self.group).load()
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch):
+    for var in list(os.environ):
+        if var.upper().startswith(("METAL_ATTN_", "VLLM_METAL_")):
+            monkeypatch.delenv(var)
+    monkeypatch.setattr(settings_mod, "_current", None)
+    monkeypatch.setattr(log, "_warned", set())
+    monkeypatch.setattr(logging.getLogger("metal_attn"), "propagate", True)
+    plugins.reset_registry()
+    yield
+    plugins.reset_registry()
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path, monkeypatch):
+    """Write the plugin modules to a folder on sys.path; forget them afterwards."""
+    for mod, src in MODULES.items():
+        (tmp_path / f"{mod}.py").write_text(textwrap.dedent(src))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield tmp_path
+    for mod in MODULES:
+        sys.modules.pop(mod, None)
+
+
+@pytest.fixture
+def entry_points(monkeypatch, plugin_dir):
+    """Install fake entry points: ``entry_points(name=module, ...)``."""
+
+    def _set(**eps: str):
+        fake = [FakeEntryPoint(name, mod) for name, mod in eps.items()]
+        monkeypatch.setattr(plugins, "_entry_points", lambda: fake)
+        return fake
+
+    return _set
+
+
+@pytest.fixture
+def records(caplog):
+    caplog.set_level(logging.DEBUG, logger="metal_attn")
+
+    def _records(event: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "metal_attn" and r.msg == event]
+
+    return _records
+
+
+def names(reg) -> list[str]:
+    return [e.provider.name for e in reg.entries]
+
+
+@pytest.fixture
+def builtin(monkeypatch) -> list[str]:
+    """Names of the built-in providers, in priority order (the set grows as providers land)."""
+    with monkeypatch.context() as m:
+        m.setattr(plugins, "_entry_points", lambda: [])
+        got = names(plugins.build_registry())
+    assert "reference" in got
+    return got
+
+
+def third_party(reg, builtin: list[str]) -> list[str]:
+    """Provider names of ``reg`` that are not built in, after checking every built-in one is there."""
+    assert [n for n in names(reg) if n in builtin] == builtin
+    return [n for n in names(reg) if n not in builtin]
+
+
+def test_third_party_entry_point_registers_alongside_builtin(entry_points, builtin):
+    entry_points(good="ma_test_good_plugin")
+    reg = plugins.build_registry()
+    assert third_party(reg, builtin) == ["third_party"]
+    assert "good" not in reg.load_errors
+    origin = {e.provider.name: e.origin for e in reg.entries}
+    assert origin["third_party"].plugin == "good"
+    assert origin["reference"].describe() == "metal-attn source checkout (builtin)"
+
+
+def test_origin_names_distribution_and_version(monkeypatch, plugin_dir):
+    ep = FakeEntryPoint("good", "ma_test_good_plugin", FakeDist("acme-attn", "1.2.3"))
+    monkeypatch.setattr(plugins, "_entry_points", lambda: [ep])
+    reg = plugins.build_registry()
+    entry = next(e for e in reg.entries if e.provider.name == "third_party")
+    assert entry.origin.describe() == "acme-attn 1.2.3 (good)"
+
+
+def test_plugin_that_raises_at_import_is_isolated_and_logged(entry_points, records, builtin):
+    entry_points(broken="ma_test_import_error_plugin", good="ma_test_good_plugin")
+    reg = plugins.build_registry()
+    assert third_party(reg, builtin) == ["third_party"]  # the rest keep working
+    assert reg.load_errors["broken"] == "ImportError: libfoo.so: cannot open shared object file"
+    assert "good" not in reg.load_errors
+    [rec] = records("plugin_load_failed")
+    assert rec.levelno == logging.ERROR
+    assert rec.plugin == "broken"
+    assert rec.reason == "libfoo.so: cannot open shared object file"
+    assert "Traceback (most recent call last)" in rec.traceback
+    assert "ma_test_import_error_plugin.py" in rec.traceback
+
+
+def test_plugin_whose_register_hook_raises_is_isolated(entry_points, records, builtin):
+    entry_points(half="ma_test_register_error_plugin", good="ma_test_good_plugin")
+    reg = plugins.build_registry()
+    # What the failing hook added before raising stays; the other plugins are untouched.
+    assert sorted(third_party(reg, builtin)) == ["half_registered", "third_party"]
+    assert reg.load_errors["half"] == "RuntimeError: vendor SDK not found"
+    assert "good" not in reg.load_errors
+    [rec] = records("plugin_register_failed")
+    assert (rec.plugin, rec.reason) == ("half", "vendor SDK not found")
+    assert "RuntimeError: vendor SDK not found" in rec.traceback
+
+
+def test_deny_list_blocks_a_plugin_before_it_is_imported(entry_points, monkeypatch, builtin):
+    entry_points(good="ma_test_good_plugin", other="ma_test_other_plugin")
+    monkeypatch.setenv("METAL_ATTN_PLUGINS_DENY", "good")
+    settings_mod.reload_settings()
+    reg = plugins.build_registry()
+    assert third_party(reg, builtin) == ["other_party"]
+    assert "ma_test_good_plugin" not in sys.modules
+    assert "good" not in reg.load_errors
+
+
+def test_deny_list_can_block_the_builtin_plugin(entry_points):
+    entry_points(good="ma_test_good_plugin")
+    with override_settings(plugins_deny=("builtin",)):
+        reg = plugins.build_registry()
+    assert names(reg) == ["third_party"]  # no built-in provider at all
+
+
+def test_deny_list_applies_to_plugin_objects_too():
+    import metal_attn as ma
+
+    class P(ma.Provider):
+        name = "obj_provider"
+        priority = 1
+        backends = frozenset({"cpu"})
+
+    class Plugin:
+        @ma.hookimpl
+        def metal_attn_register_providers(self, registrar):
+            registrar.add(P)
+
+    assert names(registry_from([Plugin()], names=["objs"])) == ["obj_provider"]
+    with override_settings(plugins_deny=("objs",)):
+        assert names(registry_from([Plugin()], names=["objs"])) == []
+
+
+def test_empty_allow_list_means_no_third_party_plugins(entry_points, monkeypatch, builtin):
+    entry_points(good="ma_test_good_plugin", other="ma_test_other_plugin")
+    monkeypatch.setenv("METAL_ATTN_PLUGINS_ALLOW", "")
+    assert settings_mod.reload_settings().plugins_allow == ()
+    reg = plugins.build_registry()
+    assert third_party(reg, builtin) == []
+    assert "ma_test_good_plugin" not in sys.modules and "ma_test_other_plugin" not in sys.modules
+
+
+def test_allow_list_keeps_only_the_named_plugins(entry_points, builtin):
+    entry_points(good="ma_test_good_plugin", other="ma_test_other_plugin")
+    with override_settings(plugins_allow=("other",)):
+        reg = plugins.build_registry()
+    assert third_party(reg, builtin) == ["other_party"]
+    assert "ma_test_good_plugin" not in sys.modules
+
+
+def test_autoload_off_loads_only_the_builtin_plugin(entry_points, monkeypatch, builtin):
+    entry_points(good="ma_test_good_plugin", broken="ma_test_import_error_plugin")
+    monkeypatch.setenv("METAL_ATTN_PLUGIN_AUTOLOAD", "0")
+    settings_mod.reload_settings()
+    reg = plugins.build_registry()
+    assert third_party(reg, builtin) == []
+    assert "broken" not in reg.load_errors
+    assert "ma_test_good_plugin" not in sys.modules
+
+
+def test_misspelled_hook_fails_loudly(entry_points):
+    entry_points(typo="ma_test_misspelled_plugin", good="ma_test_good_plugin")
+    with pytest.raises(pluggy.PluginValidationError, match="unknown hook 'metal_attn_register_provider'"):
+        plugins.build_registry()
+
+
+def test_misspelled_hook_in_a_plugin_object_fails_loudly(plugin_dir):
+    module = importlib.import_module("ma_test_misspelled_plugin")
+    with pytest.raises(pluggy.PluginValidationError, match="metal_attn_register_provider"):
+        registry_from([module])
+
+
+def test_process_registry_is_cached_and_rebuilt_when_plugin_settings_change(entry_points, builtin):
+    entry_points(good="ma_test_good_plugin")
+    first = plugins.get_registry()
+    assert plugins.get_registry() is first
+    assert third_party(first, builtin) == ["third_party"]
+    with override_settings(plugins_deny=("good",)):
+        denied = plugins.get_registry()
+        assert denied is not first and third_party(denied, builtin) == []
+    # Settings that do not concern plugins keep the same registry.
+    again = plugins.get_registry()
+    assert third_party(again, builtin) == ["third_party"]
+    with override_settings(gpu_cores=40, disable_nax=True):
+        assert plugins.get_registry() is again
+    plugins.reset_registry()
+    assert plugins.get_registry() is not again
+
+
+def test_importing_metal_attn_loads_no_plugins():
+    code = (
+        "import sys, metal_attn, metal_attn.plugins as p; "
+        "assert p._registry is None, 'registry built at import'; "
+        "assert 'metal_attn.providers.reference' not in sys.modules, 'provider imported at import'; "
+        "print('ok')"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("METAL_ATTN_")}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_every_hookspec_is_prefixed_and_documented():
+    specs = [
+        (name, fn) for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        if hasattr(fn, "metal_attn_spec")
+    ]
+    assert sorted(n for n, _ in specs) == ["metal_attn_provider_selected", "metal_attn_register_providers"]
+    for name, fn in specs:
+        assert name.startswith("metal_attn_")
+        assert fn.__doc__ and len(fn.__doc__.strip()) > 40, f"{name} needs a docstring"

@@ -1,0 +1,259 @@
+"""Settings: environment parsing, upstream aliases, validation messages, unknown
+and renamed variables, `override_settings`, and probe overrides reaching the device."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+import metal_attn as ma
+from metal_attn import settings as settings_mod
+from metal_attn.errors import SettingsError
+from metal_attn.settings import RENAMED_VARIABLES, Settings, env_names, get_settings, override_settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """No METAL_ATTN_/VLLM_METAL_ variable from the outside; settings reloaded lazily; restored after."""
+    for var in list(os.environ):
+        if var.upper().startswith(("METAL_ATTN_", "VLLM_METAL_")):
+            monkeypatch.delenv(var)
+    monkeypatch.setattr(settings_mod, "_current", None)
+
+
+def load(monkeypatch, **env: str) -> Settings:
+    """Set environment variables and re-read the settings from them."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return settings_mod.reload_settings()
+
+
+def test_defaults():
+    s = get_settings()
+    assert (s.disable_gqa_decode, s.disable_nax, s.disable_tiled_prefill) == (False, False, False)
+    assert s.disabled_providers == () and s.provider is None
+    assert (s.plugin_autoload, s.plugins_allow, s.plugins_deny) == (True, None, ())
+    assert (s.diagnostics, s.log_level, s.log_format, s.validate_metadata) == (False, "warning", "console", True)
+    assert s.device_overrides() == ()
+    assert ma.settings() is s  # the module is callable and returns the active settings
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("1", True), ("true", True), ("TRUE", True), ("yes", True), ("on", True),
+     ("0", False), ("false", False), ("no", False), ("off", False)],
+)
+def test_bool_parsing(monkeypatch, raw, expected):
+    s = load(monkeypatch, METAL_ATTN_DISABLE_TILED_PREFILL=raw, METAL_ATTN_PLUGIN_AUTOLOAD=raw)
+    assert s.disable_tiled_prefill is expected
+    assert s.plugin_autoload is expected
+
+
+def test_comma_lists_are_split_and_stripped(monkeypatch):
+    s = load(
+        monkeypatch,
+        METAL_ATTN_DISABLED_PROVIDERS=" gqa_decode, classic ,,tiled_prefill ",
+        METAL_ATTN_PLUGINS_DENY="acme",
+        METAL_ATTN_PLUGINS_ALLOW="x,y",
+    )
+    assert s.disabled_providers == ("gqa_decode", "classic", "tiled_prefill")
+    assert s.plugins_deny == ("acme",)
+    assert s.plugins_allow == ("x", "y")
+
+
+def test_empty_allow_list_is_empty_not_unset(monkeypatch):
+    assert load(monkeypatch, METAL_ATTN_PLUGINS_ALLOW="").plugins_allow == ()
+
+
+def test_names_are_case_insensitive_and_blank_provider_is_none(monkeypatch):
+    s = load(monkeypatch, metal_attn_gpu_cores="12", METAL_ATTN_PROVIDER="   ")
+    assert s.gpu_cores == 12
+    assert s.provider is None
+
+
+def test_other_values_are_parsed(monkeypatch):
+    s = load(
+        monkeypatch,
+        METAL_ATTN_PROVIDER="classic",
+        METAL_ATTN_LOG_LEVEL="debug",
+        METAL_ATTN_LOG_FORMAT="json",
+        METAL_ATTN_DIAGNOSTICS="1",
+        METAL_ATTN_VALIDATE_METADATA="0",
+        METAL_ATTN_MAX_THREADGROUP_MEMORY="65536",
+        METAL_ATTN_CPU_THREADS="3",
+    )
+    assert (s.provider, s.log_level, s.log_format, s.diagnostics, s.validate_metadata) == (
+        "classic", "debug", "json", True, False,
+    )
+    assert (s.max_threadgroup_memory, s.cpu_threads) == (65536, 3)
+
+
+@pytest.mark.parametrize(
+    ("alias", "field"),
+    [("VLLM_METAL_DISABLE_GQA_DECODE", "disable_gqa_decode"), ("VLLM_METAL_DISABLE_NAX", "disable_nax")],
+)
+def test_upstream_aliases(monkeypatch, alias, field):
+    s = load(monkeypatch, **{alias: "1"})
+    assert getattr(s, field) is True
+    assert s.is_disabled({"disable_gqa_decode": "gqa_decode", "disable_nax": "nax_prefill"}[field])
+    assert env_names()[alias] == field
+
+
+def test_our_name_wins_over_the_upstream_alias(monkeypatch):
+    s = load(monkeypatch, METAL_ATTN_DISABLE_NAX="0", VLLM_METAL_DISABLE_NAX="1")
+    assert s.disable_nax is False
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "allowed"),
+    [
+        ("METAL_ATTN_DISABLE_NAX", "maybe", "Input should be a valid boolean"),
+        ("METAL_ATTN_GPU_CORES", "0", "Input should be greater than or equal to 1"),
+        ("METAL_ATTN_GPU_CORES", "ten", "Input should be a valid integer"),
+        ("METAL_ATTN_LOG_LEVEL", "verbose", "'debug', 'info', 'warning' or 'error'"),
+        ("METAL_ATTN_LOG_FORMAT", "xml", "'console' or 'json'"),
+        ("METAL_ATTN_BACKEND_OVERRIDE", "rocm", "'metal', 'cuda' or 'cpu'"),
+        ("METAL_ATTN_MAX_THREADGROUP_MEMORY", "512", "Input should be greater than or equal to 1024"),
+    ],
+)
+def test_bad_value_names_variable_value_and_allowed(monkeypatch, var, value, allowed):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SettingsError) as err:
+        settings_mod.reload_settings()
+    msg = str(err.value)
+    assert msg.startswith("invalid metal-attn settings from environment:")
+    assert f"{var}={value!r}: {allowed}" in msg
+
+
+def test_bad_value_through_the_lazy_first_read(monkeypatch):
+    monkeypatch.setenv("METAL_ATTN_CPU_THREADS", "-1")
+    with pytest.raises(SettingsError, match=r"METAL_ATTN_CPU_THREADS='-1': Input should be greater than or equal to 1"):
+        get_settings()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="settings._format_validation_error names METAL_ATTN_DISABLE_NAX even when the bad value came "
+    "from the alias VLLM_METAL_DISABLE_NAX (bug reported to the lead)",
+)
+def test_bad_value_in_an_alias_names_the_alias(monkeypatch):
+    monkeypatch.setenv("VLLM_METAL_DISABLE_NAX", "maybe")
+    with pytest.raises(SettingsError, match=r"VLLM_METAL_DISABLE_NAX='maybe'"):
+        settings_mod.reload_settings()
+
+
+def test_unknown_variable_warns_with_the_closest_name(monkeypatch, caplog):
+    monkeypatch.setattr(logging.getLogger("metal_attn"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="metal_attn")
+    monkeypatch.setenv("METAL_ATTN_GPU_CORE", "10")
+    monkeypatch.setenv("METAL_ATTN_DISABLE_GQA_DECOD", "1")
+    with pytest.warns(UserWarning) as warned:
+        s = settings_mod.reload_settings()
+    messages = sorted(str(w.message) for w in warned)
+    assert messages == [
+        "METAL_ATTN_DISABLE_GQA_DECOD is not a metal-attn setting and is ignored; "
+        "did you mean METAL_ATTN_DISABLE_GQA_DECODE?",
+        "METAL_ATTN_GPU_CORE is not a metal-attn setting and is ignored; did you mean METAL_ATTN_GPU_CORES?",
+    ]
+    assert s.gpu_cores is None and s.disable_gqa_decode is False  # ignored, as the warning says
+    logged = sorted(r.reason for r in caplog.records if r.name == "metal_attn" and r.msg == "unknown_setting")
+    assert logged == messages
+
+
+def test_unknown_variable_without_a_close_name(monkeypatch):
+    monkeypatch.setenv("METAL_ATTN_ZZZZZZZZZZ", "1")
+    with pytest.warns(UserWarning, match=r"^METAL_ATTN_ZZZZZZZZZZ is not a metal-attn setting and is ignored$"):
+        settings_mod.reload_settings()
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(RENAMED_VARIABLES.items()))
+def test_renamed_variables_say_what_replaced_them(monkeypatch, old, new):
+    monkeypatch.setenv(old, "x")
+    with pytest.warns(UserWarning) as warned:
+        settings_mod.reload_settings()
+    assert [str(w.message) for w in warned] == [f"{old} is no longer read; use {new}"]
+
+
+def test_renamed_table_points_at_live_variables():
+    live = env_names()
+    assert RENAMED_VARIABLES["METAL_ATTN_BACKEND"].startswith("METAL_ATTN_PROVIDER")
+    for old, new in RENAMED_VARIABLES.items():
+        assert old not in live, f"{old} is both renamed and live"
+        assert new.split()[0] in live, f"{old} points at {new.split()[0]}, which is not a setting"
+
+
+def test_known_names_do_not_warn(monkeypatch, recwarn):
+    for name in env_names():
+        if name.startswith("METAL_ATTN_") and name.endswith(("_GQA_DECODE", "_NAX", "_PREFILL")):
+            monkeypatch.setenv(name, "1")
+    settings_mod.reload_settings()
+    assert [str(w.message) for w in recwarn if issubclass(w.category, UserWarning)] == []
+
+
+def test_override_settings_restores_and_nests():
+    before = get_settings()
+    with override_settings(gpu_cores=40, disable_nax=True) as outer:
+        assert get_settings() is outer
+        assert (outer.gpu_cores, outer.disable_nax) == (40, True)
+        with override_settings(gpu_cores=10) as inner:
+            assert (inner.gpu_cores, inner.disable_nax) == (10, True)
+        assert get_settings() is outer
+    assert get_settings() is before
+    assert before.gpu_cores is None and before.disable_nax is False
+
+
+def test_override_settings_restores_after_an_exception():
+    before = get_settings()
+    with pytest.raises(RuntimeError, match="inside"), override_settings(provider="reference"):
+        raise RuntimeError("inside")
+    assert get_settings() is before
+
+
+def test_override_settings_rejects_unknown_fields_with_a_hint():
+    with pytest.raises(SettingsError, match=r"unknown setting\(s\): gpu_core \(did you mean gpu_cores\?\)"), \
+            override_settings(gpu_core=10):
+        pass
+
+
+def test_override_settings_rejects_bad_values():
+    before = get_settings()
+    with pytest.raises(SettingsError) as err, override_settings(log_level="loud"):
+        pass
+    msg = str(err.value)
+    assert msg.startswith("invalid metal-attn settings from overrides:")
+    assert "log_level='loud': 'debug', 'info', 'warning' or 'error'" in msg
+    assert get_settings() is before
+
+
+def test_settings_epoch_changes_with_the_active_settings():
+    e0 = settings_mod.settings_epoch()
+    with override_settings(gpu_cores=8):
+        e1 = settings_mod.settings_epoch()
+    e2 = settings_mod.settings_epoch()
+    assert e0 < e1 < e2
+
+
+def test_probe_overrides_reach_current_device():
+    with override_settings(backend_override="metal", gpu_cores=40, gpu_architecture="applegpu_g17s",
+                           gpu_name="Apple M5 Max", max_threadgroup_memory=32768, cpu_threads=18):
+        dev = ma.current_device()
+        assert (dev.backend, dev.gpu_cores, dev.architecture, dev.name) == ("metal", 40, "applegpu_g17s", "Apple M5 Max")
+        assert (dev.max_threadgroup_memory, dev.cpu_threads) == (32768, 18)
+        assert (dev.generation, dev.variant) == (17, "s")
+    assert ma.current_device().gpu_cores is None
+
+
+def test_probe_overrides_from_the_environment(monkeypatch):
+    load(monkeypatch, METAL_ATTN_GPU_CORES="10", METAL_ATTN_GPU_ARCHITECTURE="applegpu_g15g",
+         METAL_ATTN_BACKEND_OVERRIDE="metal")
+    dev = ma.current_device()
+    assert (dev.backend, dev.gpu_cores, dev.generation, dev.variant) == ("metal", 10, 15, "g")
+
+
+def test_every_field_has_a_description_and_an_env_name():
+    live = env_names()
+    for name, field in Settings.model_fields.items():
+        assert field.description, f"{name} has no description"
+        assert f"METAL_ATTN_{name.upper()}" in live
