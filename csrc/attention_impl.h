@@ -194,6 +194,9 @@ static inline void store_scalar(void* base, int64_t idx, float x) {
 // ---- math ----------------------------------------------------------------------------
 
 static inline float hsum(vf v) {
+#if defined(MA_ISA_AVX512)
+  return _mm512_reduce_add_ps(v);
+#else
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
   v8 a, b;
@@ -205,6 +208,7 @@ static inline float hsum(vf v) {
   std::memcpy(&d, reinterpret_cast<char*>(&a) + 16, 16);
   c += d;
   return (c[0] + c[2]) + (c[1] + c[3]);
+#endif
 }
 
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }

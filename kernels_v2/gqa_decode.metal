@@ -19,7 +19,10 @@
 // max_partitions). Outputs: max_logits / exp_sums [num_seqs, heads,
 // max_partitions] float32, tmp_out [num_seqs, heads, max_partitions, HEAD_SIZE] float32.
 
+// @kernel gqa_decode
+
 constexpr int LANE_ELEMS = HEAD_SIZE / 32;
+static_assert(HEAD_SIZE % 128 == 0, "gqa_decode: each lane loads its slice 4 elements at a time");
 constexpr int NUM_HEADS = NUM_KV_HEADS * GROUP;
 constexpr int TOKEN_STRIDE = NUM_KV_HEADS * HEAD_SIZE;
 constexpr int BLOCK_STRIDE = BLOCK_SIZE * TOKEN_STRIDE;
@@ -36,7 +39,7 @@ const int start = part * PARTITION_SIZE;
 if (sg >= GROUP || start >= seq_len) {
   return;
 }
-const int end = min(start + PARTITION_SIZE, seq_len);
+const int end = metal::min(start + PARTITION_SIZE, seq_len);
 const int head = kv_head * GROUP + sg;
 const int max_blocks = dims[0];
 const int max_parts = dims[1];
@@ -45,10 +48,11 @@ const float scale_log2 = scale[0];
 float qr[LANE_ELEMS];
 const int q_base = (seq * NUM_HEADS + head) * HEAD_SIZE + lane * LANE_ELEMS;
 for (int e = 0; e < LANE_ELEMS; ++e) {
-  qr[e] = float(q[q_base + e]) * scale_log2;
+  qr[e] = ma_to_float(q[q_base + e]) * scale_log2;
 }
 
-float m = -FLT_MAX;
+float m = 0.0f;  // running max (log2 space); meaningless until the first token
+bool first = true;
 float l = 0.0f;
 float acc[LANE_ELEMS];
 for (int e = 0; e < LANE_ELEMS; ++e) {
@@ -72,7 +76,7 @@ for (int b = first_block; b <= last_block; ++b) {
   if (lane == 0 && b < last_block) {
     next_page = block_tables[table_base + b + 1];
   }
-  const int n = min(BLOCK_SIZE, end - b * BLOCK_SIZE);
+  const int n = metal::min(BLOCK_SIZE, end - b * BLOCK_SIZE);
   const long base = long(page) * long(BLOCK_STRIDE) + lane_off;
 
   int t = 0;
@@ -80,17 +84,17 @@ for (int b = first_block; b <= last_block; ++b) {
     const long r0 = base + long(t) * TOKEN_STRIDE;
     float k0[LANE_ELEMS], k1[LANE_ELEMS], k2[LANE_ELEMS], k3[LANE_ELEMS];
     float v0[LANE_ELEMS], v1[LANE_ELEMS], v2[LANE_ELEMS], v3[LANE_ELEMS];
-    for (int e = 0; e < LANE_ELEMS; ++e) {
-      k0[e] = float(k_cache[r0 + e]);
-      k1[e] = float(k_cache[r0 + TOKEN_STRIDE + e]);
-      k2[e] = float(k_cache[r0 + 2 * TOKEN_STRIDE + e]);
-      k3[e] = float(k_cache[r0 + 3 * TOKEN_STRIDE + e]);
+    for (int e = 0; e < LANE_ELEMS; e += 4) {
+      ma_load4(k_cache + (r0 + e), k0 + e);
+      ma_load4(k_cache + (r0 + TOKEN_STRIDE + e), k1 + e);
+      ma_load4(k_cache + (r0 + 2 * TOKEN_STRIDE + e), k2 + e);
+      ma_load4(k_cache + (r0 + 3 * TOKEN_STRIDE + e), k3 + e);
     }
-    for (int e = 0; e < LANE_ELEMS; ++e) {
-      v0[e] = float(v_cache[r0 + e]);
-      v1[e] = float(v_cache[r0 + TOKEN_STRIDE + e]);
-      v2[e] = float(v_cache[r0 + 2 * TOKEN_STRIDE + e]);
-      v3[e] = float(v_cache[r0 + 3 * TOKEN_STRIDE + e]);
+    for (int e = 0; e < LANE_ELEMS; e += 4) {
+      ma_load4(v_cache + (r0 + e), v0 + e);
+      ma_load4(v_cache + (r0 + TOKEN_STRIDE + e), v1 + e);
+      ma_load4(v_cache + (r0 + 2 * TOKEN_STRIDE + e), v2 + e);
+      ma_load4(v_cache + (r0 + 3 * TOKEN_STRIDE + e), v3 + e);
     }
     float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
     for (int e = 0; e < LANE_ELEMS; ++e) {
@@ -103,33 +107,42 @@ for (int b = first_block; b <= last_block; ++b) {
     const float s1 = simd_sum(d1);
     const float s2 = simd_sum(d2);
     const float s3 = simd_sum(d3);
-    const float m_new = max(m, max(max(s0, s1), max(s2, s3)));
-    const float alpha = exp2(m - m_new);
-    const float p0 = exp2(s0 - m_new);
-    const float p1 = exp2(s1 - m_new);
-    const float p2 = exp2(s2 - m_new);
-    const float p3 = exp2(s3 - m_new);
+    const float m4 = metal::max(metal::max(s0, s1), metal::max(s2, s3));
+    // No sentinel max: the first step takes its own max and rescales nothing.
+    const float m_new = first ? m4 : metal::max(m, m4);
+    const float alpha = first ? 0.0f : metal::exp2(m - m_new);
+    const float p0 = metal::exp2(s0 - m_new);
+    const float p1 = metal::exp2(s1 - m_new);
+    const float p2 = metal::exp2(s2 - m_new);
+    const float p3 = metal::exp2(s3 - m_new);
     l = l * alpha + ((p0 + p1) + (p2 + p3));
     for (int e = 0; e < LANE_ELEMS; ++e) {
       acc[e] = acc[e] * alpha + (p0 * v0[e] + p1 * v1[e]) + (p2 * v2[e] + p3 * v3[e]);
     }
     m = m_new;
+    first = false;
   }
   for (; t < n; ++t) {
     const long r = base + long(t) * TOKEN_STRIDE;
+    float kt[LANE_ELEMS], vt[LANE_ELEMS];
+    for (int e = 0; e < LANE_ELEMS; e += 4) {
+      ma_load4(k_cache + (r + e), kt + e);
+      ma_load4(v_cache + (r + e), vt + e);
+    }
     float d = 0.0f;
     for (int e = 0; e < LANE_ELEMS; ++e) {
-      d += qr[e] * float(k_cache[r + e]);
+      d += qr[e] * kt[e];
     }
     const float s = simd_sum(d);
-    const float m_new = max(m, s);
-    const float alpha = exp2(m - m_new);
-    const float p = exp2(s - m_new);
+    const float m_new = first ? s : metal::max(m, s);
+    const float alpha = first ? 0.0f : metal::exp2(m - m_new);
+    const float p = metal::exp2(s - m_new);
     l = l * alpha + p;
     for (int e = 0; e < LANE_ELEMS; ++e) {
-      acc[e] = acc[e] * alpha + p * float(v_cache[r + e]);
+      acc[e] = acc[e] * alpha + p * vt[e];
     }
     m = m_new;
+    first = false;
   }
   page = simd_shuffle(next_page, 0);
 }
@@ -139,7 +152,7 @@ if (lane == 0) {
   max_logits[stat] = m;
   exp_sums[stat] = l;
 }
-const float inv = 1.0f / (l + SOFTMAX_EPS);
+const float inv = 1.0f / (l + MA_SOFTMAX_EPS);
 const long out_base = long(stat) * HEAD_SIZE + lane * LANE_ELEMS;
 for (int e = 0; e < LANE_ELEMS; ++e) {
   tmp_out[out_base + e] = acc[e] * inv;

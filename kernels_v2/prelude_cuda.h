@@ -5,7 +5,6 @@
 // Assumptions: threadgroups are 1-D in x for the simd indices below only in
 // that they are linearised x-fastest, like Metal; a simdgroup is a 32-lane warp,
 // and every simd_* call is made by all 32 lanes (full mask).
-#pragma once
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -2,7 +2,6 @@
 // MLX's Metal JIT already provides <metal_stdlib>, `using namespace metal`,
 // float16_t / bfloat16_t and the simd_* / threadgroup_barrier vocabulary; this
 // prelude only adds the few portable helpers that the CUDA prelude defines too.
-#pragma once
 
 #define MA_FUNC inline
 

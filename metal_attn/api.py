@@ -203,10 +203,13 @@ def _select(
     nb, page, kvh, head = k_cache.shape
     kbs = kernel_block_size(page)
     ratio = page // kbs if kbs else 1
+    md.check_against_pool(nb, page)  # in the caller's terms (pages), before any split
     eff = md.split_blocks(ratio)
-    eff.check_against_pool(nb * ratio, page // ratio)
+    eff.mark_checked(nb * ratio, page // ratio)
     device = current_device()
     settings = get_settings()
+    if settings.diagnostics and not diagnostics.history_enabled():
+        diagnostics.enable_history()
     request = AttentionRequest(
         backend=device.backend,
         phase=eff.phase,
@@ -240,22 +243,27 @@ def _select(
     return sel, eff, ratio, record
 
 
-_slot_check_cache: list = [None, None]  # [slot_mapping array, (num_slots, num_tokens)]
-
-
 def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array:
-    if _slot_check_cache[0] is slot_mapping and _slot_check_cache[1] == (num_slots, num_tokens):
-        return slot_mapping
+    """Validate ``slot_mapping`` on every call (MLX arrays can be edited in place, so an
+    identity cache would let a bad slot through); ``validate_metadata=False`` skips the value checks."""
     if isinstance(slot_mapping, mx.array):
         if slot_mapping.dtype not in (mx.int64, mx.int32):
             raise InvalidInputError(f"slot_mapping.dtype={dtype_name(slot_mapping.dtype)} (allowed: int64 or int32)")
+        if tuple(slot_mapping.shape) != (num_tokens,):
+            raise InvalidInputError(
+                f"slot_mapping.shape={tuple(slot_mapping.shape)} (allowed: [{num_tokens}], one slot per token)"
+            )
+        if not get_settings().validate_metadata:
+            return slot_mapping if slot_mapping.dtype == mx.int64 else slot_mapping.astype(mx.int64)
         host = np.array(slot_mapping, copy=False)
     else:
         host = np.asarray(slot_mapping)
         if host.size and not np.issubdtype(host.dtype, np.integer):
             raise InvalidInputError(f"slot_mapping must hold integers (got dtype {host.dtype})")
-    if host.shape != (num_tokens,):
-        raise InvalidInputError(f"slot_mapping.shape={tuple(host.shape)} (allowed: [{num_tokens}], one slot per token)")
+        if host.shape != (num_tokens,):
+            raise InvalidInputError(
+                f"slot_mapping.shape={tuple(host.shape)} (allowed: [{num_tokens}], one slot per token)"
+            )
     valid = host[host >= 0]
     if valid.size:
         hi = int(valid.max())
@@ -264,17 +272,12 @@ def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array
                 f"slot_mapping holds slot {hi}, out of range (pool has {num_slots} slots: 0..{num_slots - 1}; "
                 "negative slots mean padding)"
             )
-        if np.unique(valid).size != valid.size:
-            vals, counts = np.unique(valid, return_counts=True)
+        vals, counts = np.unique(valid, return_counts=True)
+        if vals.size != valid.size:
             raise InvalidInputError(f"slot_mapping holds slot {int(vals[counts > 1][0])} more than once")
-    arr = (
-        slot_mapping
-        if isinstance(slot_mapping, mx.array) and slot_mapping.dtype == mx.int64
-        else mx.array(host.astype(np.int64))
-    )
-    if isinstance(slot_mapping, mx.array):
-        _slot_check_cache[0], _slot_check_cache[1] = arr, (num_slots, num_tokens)
-    return arr
+    if isinstance(slot_mapping, mx.array) and slot_mapping.dtype == mx.int64:
+        return slot_mapping
+    return mx.array(host.astype(np.int64))
 
 
 def reshape_and_cache(

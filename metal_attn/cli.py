@@ -97,7 +97,7 @@ def _console() -> Any:
 
 #: Columns that may wrap; every other column keeps its cells on one line.
 _WRAPPING = frozenset({"reasons", "origin", "description", "plan", "detail", "reason", "value", "version", "batch",
-                       "aliases", "allowed", "current", "phases", "backends"})
+                       "aliases", "allowed", "current"})
 
 
 def _table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
@@ -190,12 +190,12 @@ def _cmd_providers(args: argparse.Namespace) -> int:
     for p in rows:
         reasons = ([p["disabled_reason"]] if p["disabled_reason"] else []) + p["availability_reasons"]
         table_rows.append([
-            p["name"], p["priority"], p["origin"], p["backends"], p["phases"],
+            p["name"], p["priority"], _origin_cell(p), "\n".join(p["backends"]), "\n".join(p["phases"]),
             p["enabled"], p["available"], "\n".join(reasons) or "-",
         ])
     con.print(_table(
         f"providers on {device.describe()} (highest priority first)",
-        ["name", "priority", "origin", "backends", "phases", "enabled", "available", "reasons"],
+        ["name", "priority", "from", "backends", "phases", "enabled", "available", "reasons"],
         table_rows,
     ))
     for plugin, err in load_errors.items():
@@ -203,14 +203,20 @@ def _cmd_providers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _origin_cell(p: dict[str, Any]) -> str:
+    """Distribution and version on one line, the entry-point (plugin) name on the next."""
+    if p.get("distribution"):
+        return f"{p['distribution']} {p.get('version') or ''}".strip() + f"\nplugin {p['plugin']}"
+    return str(p["origin"])
+
+
 def providers_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The README/docs provider table (name, priority, backends, phases, what it is)."""
     lines = ["| provider | priority | backends | phases | what it is |", "|---|---|---|---|---|"]
     for p in rows:
-        lines.append(
-            f"| `{p['name']}` | {p['priority']} | {', '.join(p['backends'])} | {', '.join(p['phases'])} "
-            f"| {p['description'] or '-'} |"
-        )
+        cells = [f"`{p['name']}`", str(p["priority"]), ", ".join(p["backends"]), ", ".join(p["phases"]),
+                 p["description"] or "-"]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -276,6 +282,10 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         block_size=args.block_size, sinks=args.sinks, sliding_window=args.sliding_window, softcap=args.softcap,
     )
     exp = explain(request, device=device, provider=args.provider)
+    if exp.forced and exp.chosen is not None and exp.chosen.name != exp.forced:
+        # A forced provider that is not registered: dispatch would raise, so nothing is chosen
+        # (Registry.explain lists every provider then, with the first admitted one marked chosen).
+        exp = dataclasses.replace(exp, rows=tuple(dataclasses.replace(r, chosen=False) for r in exp.rows))
     if args.json:
         _print_json(exp.to_dict())
         return 0 if exp.chosen else 1
@@ -302,6 +312,7 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 def native_module_status() -> dict[str, Any]:
     """Whether the compiled CPU module ``metal_attn._native`` imports, and why not."""
     try:
+        importlib.import_module("mlx.core")  # MLX's nanobind types must be registered first
         mod = importlib.import_module("metal_attn._native")
     except ModuleNotFoundError as exc:
         if exc.name == "metal_attn._native":
@@ -436,7 +447,7 @@ def allowed_values(field: Any) -> str:
     if ann is bool:
         text = "1/0, true/false"
     elif typing.get_origin(ann) is typing.Literal:
-        text = " | ".join(str(a) for a in typing.get_args(ann))
+        text = ", ".join(str(a) for a in typing.get_args(ann))
     elif typing.get_origin(ann) is tuple:
         text = "comma-separated names"
     elif ann is int:
@@ -487,9 +498,10 @@ def settings_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The README/docs settings table (independent of the current environment)."""
     lines = ["| variable | default | allowed | what it does |", "|---|---|---|---|"]
     for r in rows:
-        alias = f" Also read as {', '.join(f'`{a}`' for a in r['aliases'])}." if r["aliases"] else ""
-        desc = r["description"].replace("|", "\\|")
-        lines.append(f"| `{r['variable']}` | `{_show(r['default'])}` | {r['allowed']} | {desc}{alias} |")
+        unmentioned = [a for a in r["aliases"] if a not in r["description"]]
+        alias = f" Also read as {', '.join(f'`{a}`' for a in unmentioned)}." if unmentioned else ""
+        cells = [f"`{r['variable']}`", f"`{_show(r['default'])}`", r["allowed"], r["description"] + alias]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
 

@@ -38,8 +38,9 @@ SIMDGROUPS_PER_CORE: Final = MappingProxyType({"metal": 33})
 
 #: Split-KV occupancy gate of the classic kernel: split when
 #: ``num_heads * total_q_tokens < factor * gpu_cores`` (and the longest row spans
-#: at least two partitions). Apple value as measured upstream.
-SPLIT_GATE_FACTOR: Final = MappingProxyType({"metal": 8})
+#: at least two partitions). Apple value as measured upstream; CUDA value measured
+#: on the H200 (docs/bench-h200-classic.md).
+SPLIT_GATE_FACTOR: Final = MappingProxyType({"metal": 8, "cuda": 8})
 
 #: Decode rows in a mixed batch whose context reaches this many tokens go
 #: through the decode path instead of the prefill tiles (``mixed_prefill_decode``).

@@ -63,6 +63,11 @@ def enable_history(on: bool = True) -> None:
         _history = [] if on else None
 
 
+def history_enabled() -> bool:
+    """Whether dispatches are being appended to a history."""
+    return _history is not None
+
+
 def history() -> list[DispatchRecord]:
     """Dispatches recorded since `enable_history` (empty when off)."""
     return list(_history or ())

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_attn.errors import InvalidInputError
-from metal_attn.request import Phase, classify_phase, length_plan
+from metal_attn.request import Phase, classify_phase, leading_decode_rows, length_plan
 
 
 def _to_host_int(name: str, value: Any, ndim: int) -> np.ndarray:
@@ -135,9 +135,7 @@ class AttentionMetadata:
             raise InvalidInputError("block_tables, seq_lens and cu_seqlens_q must fit in int32")
         q_list = tuple(int(x) for x in q_lens)
         s_list = tuple(int(x) for x in sl)
-        n_dec = 0
-        while n_dec < n and q_list[n_dec] == 1:
-            n_dec += 1
+        n_dec = leading_decode_rows(q_list)
         return cls(
             block_tables=block_tables if _is_i32(block_tables) else mx.array(bt.astype(np.int32)),
             seq_lens=seq_lens if _is_i32(seq_lens) else mx.array(sl.astype(np.int32)),
@@ -174,6 +172,10 @@ class AttentionMetadata:
                     f"(pool has {num_blocks} blocks: 0..{num_blocks - 1})"
                 )
         self._checked_pools.add(key)
+
+    def mark_checked(self, num_blocks: int, block_size: int) -> None:
+        """Record that this table was checked against a pool geometry (by an equivalent check)."""
+        self._checked_pools.add((num_blocks, block_size))
 
     def split_blocks(self, ratio: int) -> AttentionMetadata:
         """The same batch with every page ``b`` seen as kernel blocks ``b*ratio .. b*ratio+ratio-1``."""

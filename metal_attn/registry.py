@@ -223,7 +223,10 @@ class Registry:
     ) -> Explanation:
         """Every provider in priority order, admitted or not, with reasons and plans."""
         forced = forced or settings.provider
-        entries = [self._entries[forced]] if forced and forced in self._entries else self._ordered
+        if forced:
+            entries = [self._entries[forced]] if forced in self._entries else []
+        else:
+            entries = list(self._ordered)
         rows: list[ExplainRow] = []
         chosen_done = False
         for e in entries:

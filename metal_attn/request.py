@@ -41,8 +41,13 @@ LENGTH_PLAN_SIZES: tuple[int, ...] = tuple(sorted({PARTITION_SIZE, *GQA_PARTITIO
 
 
 def classify_phase(q_lens: Sequence[int], seq_lens: Sequence[int]) -> Phase:
-    """Classify a batch from its per-sequence query and KV lengths."""
-    n_decode = sum(1 for q in q_lens if q == 1)
+    """Classify a batch from its per-sequence query and KV lengths.
+
+    Decode rows are the leading one-row sequences (batch order: decode rows
+    first, then prefill chunks); a one-row sequence after a chunk is a
+    one-token chunk and computed by the same causal rule.
+    """
+    n_decode = leading_decode_rows(q_lens)
     if n_decode == len(q_lens):
         return Phase.DECODE
     if n_decode:
@@ -55,6 +60,14 @@ def classify_phase(q_lens: Sequence[int], seq_lens: Sequence[int]) -> Phase:
     ):
         return Phase.VERIFY
     return Phase.PREFILL
+
+
+def leading_decode_rows(q_lens: Sequence[int]) -> int:
+    """How many sequences at the front of the batch have exactly one query row."""
+    n = 0
+    while n < len(q_lens) and q_lens[n] == 1:
+        n += 1
+    return n
 
 
 def length_plan(seq_lens: Iterable[int], sizes: Sequence[int] = LENGTH_PLAN_SIZES) -> tuple[tuple[int, int], ...]:
@@ -151,9 +164,7 @@ class AttentionRequest:
             raise ValueError(
                 f"q_lens and seq_lens must be non-empty and of equal length (got {len(q_lens)} and {len(seq_lens)})"
             )
-        n_dec = 0
-        while n_dec < len(q_lens) and q_lens[n_dec] == 1:
-            n_dec += 1
+        n_dec = leading_decode_rows(q_lens)
         return cls(
             backend=backend,
             phase=classify_phase(q_lens, seq_lens),

@@ -201,7 +201,9 @@ def _check_unknown_env(environ: dict[str, str]) -> list[str]:
         if var.upper() in RENAMED_VARIABLES:
             messages.append(f"{var} is no longer read; use {RENAMED_VARIABLES[var.upper()]}")
             continue
-        close = difflib.get_close_matches(var.upper(), [k for k in known if k.startswith(PREFIX)], n=1)
+        ours = [k for k in known if k.startswith(PREFIX)]
+        prefixed = sorted(k for k in ours if k.startswith(var.upper()))
+        close = prefixed[:1] or difflib.get_close_matches(var.upper(), ours, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         messages.append(f"{var} is not a metal-attn setting and is ignored{hint}")
     return messages
@@ -209,11 +211,20 @@ def _check_unknown_env(environ: dict[str, str]) -> list[str]:
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
+    names = env_names()
     for e in err.errors():
-        field = str(e["loc"][0]) if e["loc"] else "?"
-        env = f"{PREFIX}{field.upper()}" if source == "environment" else field
+        loc = str(e["loc"][0]) if e["loc"] else "?"
+        field = names.get(loc.upper(), loc)
+        env = field
+        if source == "environment":
+            # Name the variable the user actually set (ours or an upstream alias).
+            set_names = [n for n, f in names.items() if f == field and n in os.environ]
+            env = set_names[0] if set_names else f"{PREFIX}{field.upper()}"
         desc = Settings.model_fields.get(field)
-        allowed = e.get("ctx", {}).get("expected") or e["msg"]
+        if e.get("type") == "bool_parsing":
+            allowed = "expected a boolean: 1/0, true/false, yes/no, on/off"
+        else:
+            allowed = e.get("ctx", {}).get("expected") or e["msg"]
         lines.append(f"{env}={e.get('input')!r}: {allowed}" + (f" ({desc.description})" if desc else ""))
     return f"invalid metal-attn settings from {source}:\n  " + "\n  ".join(lines)
 

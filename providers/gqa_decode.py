@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
     from metal_attn.device import DeviceInfo
+    from metal_attn.metadata import AttentionMetadata
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
@@ -101,14 +102,18 @@ def scratch_bytes(num_seqs: int, num_heads: int, partitions: int, head_size: int
 
 
 def reducer_threadgroup_bytes(partitions: int) -> int:
-    """Threadgroup memory of the shared reducer for ``partitions`` partitions per row.
+    """Threadgroup memory the reducer may need for ``partitions`` partitions per row.
 
-    The reducer keeps two fp32 values per partition (``2 * partitions * 4``
-    bytes, rounded up to 16) plus its static part, which the kernel loader reports.
+    Upstream's reducer stages two fp32 statistics per partition in threadgroup
+    memory (``2 * partitions * 4`` bytes, rounded up to 16) plus two floats per
+    simdgroup for its reductions; admission keeps that bound, so a row that an
+    upstream-style reducer could not hold is never launched. (Our shared
+    reducer reads the statistics from device memory and needs less.)
     """
-    from metal_attn import kernels
+    from metal_attn.providers.classic.gpu import NUM_THREADS
 
-    return int(kernels.reducer_threadgroup_bytes(partitions))
+    dynamic = -(-(2 * int(partitions) * 4) // 16) * 16
+    return dynamic + 2 * (NUM_THREADS // SIMD_WIDTH) * 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -230,9 +235,124 @@ class GQADecodeProvider(Provider):
         return make_plan(request, device, decision.partition_size, decision.notes)
 
     def prepare(self, plan: Plan, device: DeviceInfo) -> None:
-        from providers_gqa_runtime import prepare  # replaced below
+        """Compile the plan's specialization with a one-page launch (skipped for hypothetical devices)."""
+        if device.hypothetical:
+            return
+        import mlx.core as mx
+        import numpy as np
 
-        prepare(plan, device)
+        from metal_attn import kernels
+        from metal_attn.metadata import AttentionMetadata
+
+        _, backend, dtype, heads, kvh, head, block, psize = plan.specialization
+        mdt = getattr(mx, dtype)
+        md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [1], [0, 1], validate=False)
+        q = mx.zeros((1, heads, head), mdt)
+        kc = mx.zeros((1, block, kvh, head), mdt)
+        kernels.compile_now(lambda: launch(q, kc, kc, md, scale=1.0, partition_size=psize, backend=backend),
+                            f"gqa_decode {plan.specialization}")
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
-        raise NotImplementedError
+        return launch(inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, scale=inputs.scale,
+                      partition_size=plan.partition_size, backend=plan.specialization[1])
+
+
+KERNEL_FILES = ("gqa_decode.metal",)
+KERNEL_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "scale", "dims")
+KERNEL_OUTPUTS = ("max_logits", "exp_sums", "tmp_out")
+
+
+def kernel_object(backend: str) -> Any:
+    """The ``mx.fast`` kernel object of ``gqa_decode`` on ``backend`` (built once)."""
+    from metal_attn import kernels
+
+    return kernels.load_kernel("gqa_decode", KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend)
+
+
+def kernel_template(dtype: Any, num_kv_heads: int, group: int, head_size: int, block_size: int,
+                    partition_size: int) -> list[tuple[str, Any]]:
+    """The template arguments of one specialization."""
+    return [("T", dtype), ("NUM_KV_HEADS", num_kv_heads), ("GROUP", group), ("HEAD_SIZE", head_size),
+            ("BLOCK_SIZE", block_size), ("PARTITION_SIZE", partition_size)]
+
+
+def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
+           partition_size: int, backend: str) -> mx.array:
+    """Run the GQA decode kernel and the shared reducer; returns ``[num_seqs, num_heads, head_size]``.
+
+    ``q``: one row per sequence; pools ``[num_blocks, block_size, num_kv_heads,
+    head_size]``; ``partition_size``: 512 or 256 (forcing a size is allowed:
+    admission is the caller's business).
+    """
+    import mlx.core as mx
+    from metal_attn.providers.classic.gpu import reduce_partitions
+
+    from metal_attn.constants import LOG2E
+
+    if partition_size not in GQA_PARTITION_SIZES:
+        raise ValueError(f"partition_size={partition_size} (allowed: {', '.join(map(str, GQA_PARTITION_SIZES))})")
+    num_seqs, num_heads, head = q.shape
+    if num_seqs != metadata.num_seqs or metadata.total_q_tokens != num_seqs:
+        raise ValueError(f"gqa_decode needs one query row per sequence (q has {num_seqs} rows, "
+                         f"{metadata.num_seqs} sequences, {metadata.total_q_tokens} query tokens)")
+    _, block_size, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    max_parts = -(-metadata.max_seq_len // partition_size)
+    threads = SIMD_WIDTH * group
+    dims = mx.array([metadata.max_blocks_per_seq, max_parts], dtype=mx.int32)
+    scale_arr = mx.array([scale * LOG2E], dtype=mx.float32)
+    max_logits, exp_sums, tmp_out = kernel_object(backend)(
+        inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale_arr, dims],
+        template=kernel_template(q.dtype, kvh, group, head, block_size, partition_size),
+        grid=(threads * max_parts, kvh, num_seqs),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(num_seqs, num_heads, max_parts), (num_seqs, num_heads, max_parts),
+                       (num_seqs, num_heads, max_parts, head)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    return reduce_partitions(max_logits, exp_sums, tmp_out, metadata, None, partition_size,
+                             out_dtype=q.dtype, backend=backend)
+
+
+def msl_specializations() -> list:
+    """Every Metal specialization this provider can choose, for `metal_attn.msl_check`.
+
+    The kernel over the Metal geometry table x {float16, bfloat16} x {P512, P256}
+    (5 x 2 x 2 = 20), and the shared reducer at each partition size it is
+    launched with here (head sizes of the table x dtypes x partition sizes).
+    """
+    from metal_attn.msl_check import Specialization
+    from metal_attn.providers.classic import gpu as classic_gpu
+
+    specs = []
+    dtypes = sorted(GQADecodeProvider.dtypes)
+    for heads, kvh, head, block in geometry_table("metal"):
+        group = heads // kvh
+        for dtype in dtypes:
+            for p in GQA_PARTITION_SIZES:
+                specs.append(Specialization(
+                    label=f"gqa_decode {dtype} {heads}/{kvh}/{head}/bs{block} P{p}",
+                    kernel="gqa_decode", source_files=KERNEL_FILES, input_names=KERNEL_INPUTS,
+                    output_names=KERNEL_OUTPUTS,
+                    template=tuple((n, v if n != "T" else dtype)
+                                   for n, v in kernel_template(dtype, kvh, group, head, block, p)),
+                    inputs=(((2, heads, head), dtype), ((4, block, kvh, head), dtype),
+                            ((4, block, kvh, head), dtype), ((2, 3), "int32"), ((2,), "int32"),
+                            ((1,), "float32"), ((2,), "int32")),
+                    outputs=(((2, heads, 2), "float32"), ((2, heads, 2), "float32"),
+                             ((2, heads, 2, head), "float32")),
+                ))
+    for head in sorted({g[2] for g in geometry_table("metal")}):
+        for dtype in dtypes:
+            for p in GQA_PARTITION_SIZES:
+                specs.append(Specialization(
+                    label=f"paged_attention_v2_reduce (gqa) {dtype} head={head} P{p}",
+                    kernel="paged_attention_v2_reduce", source_files=classic_gpu.PAGED_FILES,
+                    input_names=classic_gpu.REDUCE_INPUTS, output_names=("out",),
+                    template=(("T", dtype), ("TT", "float32"), ("HEAD_SIZE", head), ("PARTITION_SIZE", p),
+                              ("NUM_THREADS", classic_gpu.NUM_THREADS)),
+                    inputs=(((2, 4, 2), "float32"), ((2, 4, 2), "float32"), ((2, 4, 2, head), "float32"),
+                            ((2,), "int32"), ((3,), "int32"), ((4,), "float32"), ((4,), "int32")),
+                    outputs=(((2, 4, head), dtype),),
+                ))
+    return specs

@@ -13,9 +13,9 @@ import pytest
 
 import metal_attn as ma
 from metal_attn import compat, diagnostics
+from metal_attn._layout import import_builtin_providers
 from metal_attn.constants import SCRATCH_CAP_BYTES, SIMDGROUPS_PER_CORE
 from metal_attn.device import DeviceInfo
-from metal_attn._layout import import_builtin_providers
 from metal_attn.plugins import get_registry
 from metal_attn.request import AttentionRequest
 from metal_attn.settings import load_settings, override_settings
@@ -316,3 +316,50 @@ def ma_array(x):
     import mlx.core as mx
 
     return mx.array(x.astype(np.float32)).astype(mx.bfloat16)
+
+
+# -- the Metal generated-source check, for every specialization the provider can choose ------------------
+
+_MSL_SET = "metal_attn.providers.gqa_decode:msl_specializations"
+
+
+def _needs_clang():
+    from metal_attn.msl_check import find_clang
+
+    if find_clang() is None:
+        pytest.skip("clang++ not found: the Metal source check cannot run here")
+
+
+def test_msl_specializations_cover_every_choice():
+    labels = {s.label for s in gq.msl_specializations()}
+    for heads, kvh, head, block in gq.geometry_table("metal"):
+        for dtype in ("float16", "bfloat16"):
+            for p in (512, 256):
+                assert f"gqa_decode {dtype} {heads}/{kvh}/{head}/bs{block} P{p}" in labels
+                assert f"paged_attention_v2_reduce (gqa) {dtype} head={head} P{p}" in labels
+
+
+def test_metal_generated_source_type_checks():
+    _needs_clang()
+    from metal_attn.msl_check import check
+
+    result = check(_MSL_SET)
+    assert result.ok, result.summary()
+    assert result.count == len(gq.msl_specializations()) == 28
+
+
+def test_metal_source_check_catches_a_planted_error(tmp_path):
+    _needs_clang()
+    import shutil
+
+    from metal_attn._layout import kernels_dir
+    from metal_attn.msl_check import check
+
+    planted = tmp_path / "kernels_v2"
+    shutil.copytree(kernels_dir(), planted)
+    src = planted / "gqa_decode.metal"
+    text = src.read_text()
+    assert "page = simd_shuffle(next_page, 0);" in text
+    src.write_text(text.replace("page = simd_shuffle(next_page, 0);", "page = simd_shuffle(next_page_id, 0);"))
+    result = check(_MSL_SET, only=r"gqa_decode bfloat16 24/4/256/bs16 P256", kernels_dir=planted)
+    assert not result.ok and "next_page_id" in result.summary()

@@ -318,8 +318,7 @@ def test_importing_metal_attn_loads_no_plugins():
 
 def test_every_hookspec_is_prefixed_and_documented():
     specs = [
-        (name, fn) for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
-        if hasattr(fn, "metal_attn_spec")
+        (name, fn) for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(fn, "metal_attn_spec")
     ]
     assert sorted(n for n, _ in specs) == ["metal_attn_provider_selected", "metal_attn_register_providers"]
     for name, fn in specs:

@@ -22,7 +22,7 @@ from metal_attn.device import DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
 from metal_attn.hookspecs import hookimpl
 from metal_attn.provider import Plan, Provider
-from metal_attn.registry import ProviderRegistrar, Registry, registry_from
+from metal_attn.registry import Origin, ProviderRegistrar, Registry, registry_from
 from metal_attn.request import AttentionRequest
 
 CPU = DeviceInfo("cpu", "test CPU", "x86_64", None, None, None, 2)
@@ -152,8 +152,13 @@ def set_env(monkeypatch, **env: str) -> None:
 
 def decode_request(seq_lens=(100, 300), head_size=64) -> AttentionRequest:
     return AttentionRequest.from_lengths(
-        q_lens=[1] * len(seq_lens), seq_lens=list(seq_lens), backend="cpu", dtype="float32",
-        num_heads=8, num_kv_heads=2, head_size=head_size,
+        q_lens=[1] * len(seq_lens),
+        seq_lens=list(seq_lens),
+        backend="cpu",
+        dtype="float32",
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=head_size,
     )
 
 
@@ -173,9 +178,7 @@ def decode_batch(seq_lens=(100, 300), *, heads=8, kv_heads=2, head_size=64, bloc
     k = mx.array(rng.standard_normal(pool_shape, np.float32))
     v = mx.array(rng.standard_normal(pool_shape, np.float32))
     q = mx.array(rng.standard_normal((len(seq_lens), heads, head_size), np.float32))
-    md = ma.AttentionMetadata.build(
-        table, np.array(seq_lens, np.int32), np.arange(len(seq_lens) + 1, dtype=np.int32)
-    )
+    md = ma.AttentionMetadata.build(table, np.array(seq_lens, np.int32), np.arange(len(seq_lens) + 1, dtype=np.int32))
     return q, k, v, md
 
 
@@ -268,13 +271,13 @@ def test_registrar_accepts_classes_and_rejects_non_providers():
         backends = frozenset({"cpu"})
 
     reg = Registry()
-    registrar = ProviderRegistrar(reg, plugins.Origin("unit"))
+    registrar = ProviderRegistrar(reg, Origin("unit"))
     registrar.add(ByClass)
     assert isinstance(reg.get("by_class"), ByClass)
     assert reg.entries[0].origin.describe() == "unit"
-    with pytest.raises(RegistryError, match="is not a metal_attn.Provider subclass"):
+    with pytest.raises(RegistryError, match=r"is not a metal_attn\.Provider subclass"):
         registrar.add(dict)
-    with pytest.raises(RegistryError, match="is not a metal_attn.Provider"):
+    with pytest.raises(RegistryError, match=r"is not a metal_attn\.Provider"):
         reg.add(object())
 
 
@@ -312,7 +315,10 @@ def test_explain_lists_every_provider_in_priority_order_with_reasons_and_plan():
     d = exp.to_dict()
     assert d["chosen"] == "good" and d["forced"] is None
     assert [(p["name"], p["admitted"], p["chosen"]) for p in d["providers"]] == [
-        ("big", False, False), ("metal_only", False, False), ("good", True, True), ("also_ok", True, False),
+        ("big", False, False),
+        ("metal_only", False, False),
+        ("good", True, True),
+        ("also_ok", True, False),
     ]
     assert d["providers"][0]["reasons"] == list(BIG_REASONS)
     assert d["request"]["phase"] == "decode"
@@ -322,16 +328,22 @@ def test_public_explain_uses_the_process_registry(install):
     install(registry_from([ProvidersPlugin(*standard_providers())]))
     exp = ma.explain(decode_request(), device=CPU)
     assert [(r.name, r.chosen) for r in exp.rows] == [
-        ("big", False), ("metal_only", False), ("good", True), ("also_ok", False),
+        ("big", False),
+        ("metal_only", False),
+        ("good", True),
+        ("also_ok", False),
     ]
-    by_fields = ma.explain(q_lens=[1, 1], seq_lens=[100, 300], dtype="float32", num_heads=8, num_kv_heads=2,
-                           head_size=64, device=CPU)
+    by_fields = ma.explain(
+        q_lens=[1, 1], seq_lens=[100, 300], dtype="float32", num_heads=8, num_kv_heads=2, head_size=64, device=CPU
+    )
     assert by_fields.request == decode_request()
 
 
 def test_no_provider_error_prints_request_first_then_the_table(install):
-    refusing = [FakeProvider("big", 100, phases=("prefill",), head_sizes=(128, 256)),
-                FakeProvider("metal_only", 50, backends=("metal",))]
+    refusing = [
+        FakeProvider("big", 100, phases=("prefill",), head_sizes=(128, 256)),
+        FakeProvider("metal_only", 50, backends=("metal",)),
+    ]
     reg = install(registry_from([ProvidersPlugin(*refusing)], names=["fakes"]))
     req = decode_request()
     with pytest.raises(NoProviderError) as err:
@@ -350,8 +362,11 @@ def test_no_provider_error_prints_request_first_then_the_table(install):
     ]
     # The same table reaches a user of the public call.
     q, k, v, md = decode_batch()
-    with pytest.raises(NoProviderError, match=r"(?s)no provider admits this request:\nAttentionRequest\(cpu decode.*"
-                                              r"head_size=64 \(supported: 128, 256\)"):
+    with pytest.raises(
+        NoProviderError,
+        match=r"(?s)no provider admits this request:\nAttentionRequest\(cpu decode.*"
+        r"head_size=64 \(supported: 128, 256\)",
+    ):
         ma.paged_attention(q, k, v, metadata=md)
     assert diagnostics.last_dispatch() is None
 
@@ -408,11 +423,6 @@ def test_forced_provider_that_is_not_registered(install):
     assert str(err.value) == "provider='nope' is not registered (registered: big, metal_only, good, also_ok)"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="registry.explain: a forced name that is not registered falls back to the whole table and marks "
-    "the first admitted provider as chosen, while select() raises (bug reported to the lead)",
-)
 def test_explain_with_unregistered_forced_provider_chooses_nothing():
     reg = registry_from([ProvidersPlugin(*standard_providers())])
     exp = reg.explain(decode_request(), CPU, settings_mod.get_settings(), forced="nope")
@@ -425,8 +435,11 @@ def test_forced_provider_whose_kernel_fails_to_build_does_not_fall_back(install)
     good = FakeProvider("good", 10)
     install(registry_from([ProvidersPlugin(flaky, good)]))
     q, k, v, md = decode_batch()
-    with pytest.raises(ProviderRefusedError, match=r"the forced provider 'flaky' failed to build kernel "
-                                                   r"\('float32', 64\): boom"):
+    with pytest.raises(
+        ProviderRefusedError,
+        match=r"the forced provider 'flaky' failed to build kernel "
+        r"\('float32', 64\): boom",
+    ):
         ma.paged_attention(q, k, v, metadata=md, provider="flaky")
     assert good.runs == 0 and flaky.runs == 0
 
@@ -453,8 +466,12 @@ TOGGLED = ("gqa_decode", "nax_prefill", "tiled_prefill")
         ("METAL_ATTN_DISABLE_NAX", "true", "nax_prefill", "disabled by METAL_ATTN_DISABLE_NAX=1"),
         ("VLLM_METAL_DISABLE_NAX", "1", "nax_prefill", "disabled by METAL_ATTN_DISABLE_NAX=1"),
         ("METAL_ATTN_DISABLE_TILED_PREFILL", "yes", "tiled_prefill", "disabled by METAL_ATTN_DISABLE_TILED_PREFILL=1"),
-        ("METAL_ATTN_DISABLED_PROVIDERS", "other, nax_prefill", "nax_prefill",
-         "disabled by METAL_ATTN_DISABLED_PROVIDERS=other,nax_prefill"),
+        (
+            "METAL_ATTN_DISABLED_PROVIDERS",
+            "other, nax_prefill",
+            "nax_prefill",
+            "disabled by METAL_ATTN_DISABLED_PROVIDERS=other,nax_prefill",
+        ),
     ],
 )
 def test_disabled_provider_stays_in_the_table_with_its_reason(install, monkeypatch, var, value, disabled, reason):
@@ -529,7 +546,8 @@ def test_kernel_compile_failure_falls_back_records_and_warns_once(install, warni
     # explain now shows the specialization failure as flaky's reason.
     exp = ma.explain(decode_request(), device=CPU)
     assert [(r.name, r.admitted, r.reasons) for r in exp.rows] == [
-        ("flaky", False, (FLAKY_REASON,)), ("good", True, ()),
+        ("flaky", False, (FLAKY_REASON,)),
+        ("good", True, ()),
     ]
     assert exp.chosen.name == "good"
 
@@ -556,7 +574,8 @@ def test_mark_failed_warns_once_per_provider_and_specialization(warnings_log):
     reg.mark_failed("p", ("float16", 128), "again")
     reg.mark_failed("p", ("float16", 256), "other")
     assert [(w.specialization, w.reason) for w in warnings_log("kernel_unavailable")] == [
-        ("('float16', 128)", "first"), ("('float16', 256)", "other"),
+        ("('float16', 128)", "first"),
+        ("('float16', 256)", "other"),
     ]
     assert reg.failures()[("p", ("float16", 128))] == "again"
     assert reg.epoch == epoch + 3

@@ -90,9 +90,17 @@ def test_full_partitions_of_an_unplanned_size_raises():
 
 def test_repr_is_readable():
     req = AttentionRequest.from_lengths(
-        q_lens=[1, 1, 300], seq_lens=[1024, 600, 300], backend="metal", dtype="bfloat16",
-        num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
-        sinks=True, sliding_window=128, softcap=30.0,
+        q_lens=[1, 1, 300],
+        seq_lens=[1024, 600, 300],
+        backend="metal",
+        dtype="bfloat16",
+        num_heads=32,
+        num_kv_heads=8,
+        head_size=128,
+        block_size=16,
+        sinks=True,
+        sliding_window=128,
+        softcap=30.0,
     )
     assert repr(req) == (
         "AttentionRequest(metal mixed, q=bfloat16 cache=bfloat16, heads=32/8x128, block_size=16, "
@@ -116,8 +124,9 @@ def test_requests_are_frozen_hashable_values():
 
 
 def test_features_and_gqa_group():
-    req = AttentionRequest.from_lengths(q_lens=[1], seq_lens=[9], num_heads=24, num_kv_heads=4,
-                                        sinks=True, softcap=50.0)
+    req = AttentionRequest.from_lengths(
+        q_lens=[1], seq_lens=[9], num_heads=24, num_kv_heads=4, sinks=True, softcap=50.0
+    )
     assert req.gqa_group == 6
     assert req.features == ("sinks", "softcap=50")
     assert AttentionRequest.from_lengths(q_lens=[1], seq_lens=[9]).features == ()
@@ -131,5 +140,7 @@ def test_cache_dtype_defaults_to_the_query_dtype():
 
 @pytest.mark.parametrize(("q_lens", "seq_lens", "counts"), [([], [], "0 and 0"), ([1, 1], [5], "2 and 1")])
 def test_from_lengths_rejects_mismatched_lengths(q_lens, seq_lens, counts):
-    with pytest.raises(ValueError, match=rf"q_lens and seq_lens must be non-empty and of equal length \(got {counts}\)"):
+    with pytest.raises(
+        ValueError, match=rf"q_lens and seq_lens must be non-empty and of equal length \(got {counts}\)"
+    ):
         AttentionRequest.from_lengths(q_lens=q_lens, seq_lens=seq_lens)

@@ -20,8 +20,8 @@ import numpy as np
 from metal_attn.testing.oracle import attention_oracle
 
 #: Key value written into garbage slots: large enough to dominate any softmax it leaks into,
-#: finite in float16 and bfloat16.
-GARBAGE_KEY = 1.0e4
+#: exactly representable in float16 and bfloat16.
+GARBAGE_KEY = 8192.0
 
 _MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -204,7 +204,8 @@ def make_case(
     """A random case: standard-normal q/K/V in ``dtype``, scattered pages, garbage elsewhere.
 
     - ``q_lens``/``seq_lens``: per sequence (decode rows first, as engines send them);
-    - ``shared_prefix_blocks``: every sequence's first N table entries are the same block ids;
+    - ``shared_prefix_blocks``: every sequence's first N table entries are the same block ids
+      (N is capped at the shortest sequence's block count);
     - ``score_bias``: K's channel 0 is set to 1 and q's channel 0 to ``score_bias / scale``, so
       every score is shifted by ``score_bias`` (e.g. -120 puts in-window scores far below zero);
     - ``contiguous``: sequence i gets the next consecutive block ids, no garbage blocks;

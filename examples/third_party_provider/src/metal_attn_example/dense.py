@@ -67,8 +67,11 @@ class DensePrefillProvider(Provider):
         # Pages -> padded contiguous K/V: [b, kvh, tk, head].
         nblk = -(-tk // block_size)
         table = mx.maximum(md.block_tables[:, :nblk], 0)  # padding entries may be negative
-        k = kc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3)
-        v = vc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3)
+        # Slots past a sequence's length hold whatever the pool holds (even NaN): zero them,
+        # since a masked score still multiplies its V row by 0 and 0 * NaN is NaN.
+        in_seq = mx.array((np.arange(tk)[None, :] < seq_lens[:, None])[:, None, :, None])  # [b, 1, tk, 1]
+        k = mx.where(in_seq, kc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3), 0)
+        v = mx.where(in_seq, vc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3), 0)
 
         # Queries padded to tq rows per sequence (padding repeats the sequence's first row).
         rows = np.arange(tq)[None, :]

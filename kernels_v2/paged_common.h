@@ -1,0 +1,21 @@
+// metal-attn: helpers shared by the paged-attention bodies (both backends).
+// Needs a prelude (MA_FUNC, metal:: math) and the generated defines
+// (MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_SIMD_WIDTH) before it.
+
+// A raw q.k dot product -> score in log2 space.
+// Without softcap, `scale` already carries log2(e); with softcap c > 0 the cap
+// is applied to the natural-log score first: c * tanh(s / c), then * log2(e).
+MA_FUNC float ma_score(float dot, float scale, float softcap) {
+  float s = dot * scale;
+  if (softcap > 0.0f) {
+    s = softcap * metal::tanh(s / softcap) * MA_LOG2E;
+  }
+  return s;
+}
+
+// Weight of a softmax state with max `m` relative to a larger max `m_new`
+// (both in log2 space). An empty state (m == -FLT_MAX) weighs 0 unless the
+// new max is the sentinel too, in which case its sums are 0 anyway.
+MA_FUNC float ma_rescale(float m, float m_new) {
+  return metal::exp2(m - m_new);
+}

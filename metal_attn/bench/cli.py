@@ -1,0 +1,358 @@
+"""``metal-attn bench``: providers side by side with their peers, on the same shapes, in one run.
+
+Wired into the ``metal-attn`` command through `add_arguments` and `run`; also
+runnable alone: ``python -m metal_attn.bench.cli --suite smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from metal_attn.bench import peers
+from metal_attn.bench.core import SPEEDUP_PEERS, CandidateResult, SuiteResult, machine_info, run_suite
+from metal_attn.bench.suites import SUITES, default_suite, get_suite
+from metal_attn.device import current_device
+
+SCHEMA = "metal-attn-bench/1"
+
+#: How a non-ok status is shown in tables.
+STATUS_SHORT = {"refused": "refused", "not registered": "n/r", "unavailable": "n/a", "skipped": "skipped",
+                "error": "ERROR"}
+
+
+def _csv(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def _count(minimum: int):
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = minimum - 1
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{value!r} (allowed: an integer >= {minimum})")
+        return n
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``bench`` flags to ``parser``."""
+    parser.add_argument("--suite", action="append", metavar="NAME",
+                        help=f"suite(s) to run, repeatable or comma-separated ({', '.join(SUITES)}); "
+                             "default: decode-cpu on the CPU, decode-gpu on GPUs")
+    parser.add_argument("--candidates", metavar="A,B,...",
+                        help="providers by name (auto = the registry's choice) and peers (gather_sdpa, mlx_sdpa, "
+                             "torch_sdpa, ceiling); default: the suite's")
+    parser.add_argument("--shapes", metavar="PATTERN,...",
+                        help="only shapes whose label contains a pattern (or matches a glob), case-insensitive")
+    parser.add_argument("--warmup", type=_count(0), metavar="N",
+                        help="untimed calls before timing (the first compiles and gives the checked output); "
+                             "default: the suite's")
+    parser.add_argument("--iters", type=_count(1), metavar="N",
+                        help="timed samples, each a synchronized loop lasting >= 1 ms; the median is reported; "
+                             "default: the suite's")
+    parser.add_argument("--seed", type=_count(0), default=0, metavar="N", help="random seed of the inputs (0)")
+    parser.add_argument("--json", metavar="PATH", help="write every raw median and machine info as JSON ('-': stdout)")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables to paste into docs")
+    parser.add_argument("--list", action="store_true", help="list the suites, their shapes and candidates, and exit")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+# -- formatting -------------------------------------------------------------------------------------
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    """A value with about ``digits`` significant digits and thousands separators."""
+    if x is None or not math.isfinite(x):
+        return "-"
+    if x == 0:
+        return "0"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{decimals}f}"
+
+
+def _pct(fraction: float) -> str:
+    p = 100 * fraction
+    return f"{p:.0f}%" if p >= 10 else f"{p:.1f}%"
+
+
+def _ms(r: CandidateResult) -> str:
+    if not r.ok:
+        return STATUS_SHORT.get(r.status, r.status)
+    if r.kind == "ceiling" or r.timing is None:
+        return "-"
+    return _num(r.timing.median_s * 1e3)
+
+
+def _note(r: CandidateResult) -> str:
+    if not r.ok:
+        return "; ".join(r.reasons)
+    note = r.route or ""
+    if r.check is not None and not r.check.get("ok", True):
+        err = r.check.get("error") or f"rel_l2={r.check['rel_l2']:.2e} > {r.check['tolerance']:g}"
+        note = f"MISMATCH vs {r.check['against']}: {err}; {note}"
+    if r.kind == "ceiling" and r.details.get("mlx_copy_gbps"):
+        parts = [f"MLX x*1 {_num(r.details['mlx_copy_gbps'], 4)}"]
+        if r.details.get("torch_copy_gbps"):
+            parts.append(f"torch copy {_num(r.details['torch_copy_gbps'], 4)}")
+        note = f"{r.details['source']} ({', '.join(parts)} GB/s)"
+    return note
+
+
+def _columns(suite: SuiteResult) -> tuple[bool, bool, bool, list[str]]:
+    metrics = {m for sr in suite.results for m in sr.shape.metrics}
+    ceiling = any(sr.ceiling_gbps for sr in suite.results)
+    ran = {c.name for sr in suite.results for c in sr.candidates if c.ok}
+    return "GB/s" in metrics, "TFLOP/s" in metrics, ceiling, [p for p in SPEEDUP_PEERS if p in ran]
+
+
+def _machine_line(machine: dict[str, Any]) -> str:
+    dev = (machine.get("cpu_model") if machine["backend"] == "cpu" else None) or machine.get("device_name") or "?"
+    cores = f", {machine['gpu_cores']} GPU cores" if machine.get("gpu_cores") else ""
+    return f"{machine['backend']}: {dev}{cores}; mlx {machine['mlx_version']}; {machine['date']}"
+
+
+def render_rich(suite: SuiteResult, machine: dict[str, Any], file: TextIO) -> None:
+    """One table per suite: each shape a section, its candidates side by side."""
+    from rich.console import Console
+    from rich.table import Table
+
+    gbps, tflops, ceiling, speed = _columns(suite)
+    table = Table(title=f"{suite.name}: {suite.description}", title_justify="left", show_lines=False,
+                  caption=_caption(suite, machine), caption_justify="left")
+    table.add_column("shape", overflow="fold", max_width=34)
+    table.add_column("candidate")
+    table.add_column("ms", justify="right")
+    if gbps:
+        table.add_column("GB/s", justify="right")
+    if tflops:
+        table.add_column("TFLOP/s", justify="right")
+    if ceiling:
+        table.add_column("% ceil", justify="right")
+    for p in speed:
+        table.add_column(f"vs {p}", justify="right")
+    table.add_column("route / reasons", overflow="fold", ratio=1)
+    for i, sr in enumerate(suite.results):
+        if i:
+            table.add_section()
+        for j, r in enumerate(sr.candidates):
+            style = None if r.ok else ("red" if r.status == "error" else "dim")
+            if r.check is not None and not r.check.get("ok", True):
+                style = "red"
+            cells = [sr.shape.label if j == 0 else "", r.name, _ms(r)]
+            if gbps:
+                cells.append(_num(r.gbps) if r.ok and ("GB/s" in sr.shape.metrics or r.kind == "ceiling") else "")
+            if tflops:
+                cells.append(_num(r.tflops) if r.ok and "TFLOP/s" in sr.shape.metrics and r.kind != "ceiling"
+                             else "")
+            if ceiling:
+                cells.append(_pct(r.fraction_of_ceiling) if r.fraction_of_ceiling is not None else "")
+            for p in speed:
+                cells.append(f"{r.speedup[p]:.2f}x" if p in r.speedup else "")
+            cells.append(_note(r))
+            table.add_row(*cells, style=style)
+    Console(file=file, width=max(160, Console(file=file).width)).print(table)
+
+
+def _caption(suite: SuiteResult, machine: dict[str, Any]) -> str:
+    lines = [_machine_line(machine) + f"; warmup {suite.warmup}, iters {suite.iters}"]
+    c = suite.ceiling
+    if c:
+        torch = f", torch device-to-device copy {_num(c['torch_copy_gbps'], 4)}" if c.get("torch_copy_gbps") else ""
+        lines.append(f"ceiling: {_num(c['gbps'], 4)} GB/s = {c['source']} (MLX x*1 {_num(c['mlx_copy_gbps'], 4)}"
+                     f"{torch}; read + write bytes / median)")
+    elif any(sr.ceiling_gbps for sr in suite.results):
+        lines.append("ceiling: numpy sum read bandwidth over as many bytes as the shape's K+V")
+    lines.append("GB/s: K+V bytes read once / median. TFLOP/s: 4 * heads * head_size * causal (query, key) "
+                 "pairs / median. vs PEER: peer median / candidate median (> 1 is faster).")
+    return "\n".join(lines)
+
+
+def render_markdown(suite: SuiteResult, machine: dict[str, Any]) -> str:
+    """A Markdown matrix: shapes down, candidates across, the shape's headline metric in each cell."""
+    names = list(suite.candidates)
+    out = [f"#### {suite.name}", "", f"{suite.description}. {_machine_line(machine)}.", ""]
+    out.append("| shape | metric | " + " | ".join(names) + " |")
+    out.append("|---|---|" + "---|" * len(names))
+    for sr in suite.results:
+        metric = sr.shape.metrics[0]
+        cells = []
+        for n in names:
+            r = sr.get(n)
+            if r is None:
+                cells.append("")
+            elif not r.ok:
+                cells.append(STATUS_SHORT.get(r.status, r.status))
+            else:
+                v = r.gbps if metric == "GB/s" or r.kind == "ceiling" else r.tflops
+                cell = _num(v) + (" GB/s" if r.kind == "ceiling" and metric != "GB/s" else "")
+                if r.fraction_of_ceiling is not None:
+                    cell += f" ({_pct(r.fraction_of_ceiling)})"
+                if r.check is not None and not r.check.get("ok", True):
+                    cell += " MISMATCH"
+                cells.append(cell)
+        out.append(f"| {sr.shape.label} | {metric} | " + " | ".join(cells) + " |")
+    out.append("")
+    out.append("GB/s: K+V bytes read once per second; TFLOP/s: 4 * heads * head_size * causal pairs per second; "
+               "(n%): fraction of the ceiling measured in the same run; n/r: not registered; n/a: unavailable here.")
+    c = suite.ceiling
+    if c:
+        out.append(f"Ceiling: {c['source']}, {_num(c['gbps'], 4)} GB/s (MLX x*1 {_num(c['mlx_copy_gbps'], 4)}"
+                   + (f", torch copy {_num(c['torch_copy_gbps'], 4)}" if c.get("torch_copy_gbps") else "") + ").")
+    return "\n".join(out) + "\n"
+
+
+def write_plot(suites: Sequence[SuiteResult], path: str) -> str | None:
+    """Grouped bars (one group per shape, one bar per candidate); returns an error message or ``None``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"--plot {path}: matplotlib is not importable ({exc}); install it (pip install matplotlib) " \
+               "to get the PNG. No plot was written."
+    fig, axes = plt.subplots(len(suites), 1, figsize=(max(8.0, 1.6 * max(len(s.results) for s in suites)),
+                                                       4.5 * len(suites)), squeeze=False)
+    for ax, suite in zip(axes[:, 0], suites):
+        names = [n for n in suite.candidates if any((sr.get(n) or CandidateResult(n, "", "")).ok
+                                                    for sr in suite.results)]
+        width = 0.8 / max(len(names), 1)
+        for k, n in enumerate(names):
+            vals = []
+            for sr in suite.results:
+                r = sr.get(n)
+                metric = sr.shape.metrics[0]
+                v = None if r is None or not r.ok else (r.gbps if metric == "GB/s" or r.kind == "ceiling" else r.tflops)
+                vals.append(v if v is not None else 0.0)
+            ax.bar([i + k * width for i in range(len(suite.results))], vals, width, label=n)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(suite.results))])
+        ax.set_xticklabels([f"{sr.shape.label}\n[{sr.shape.metrics[0]}]" for sr in suite.results],
+                           rotation=30, ha="right", fontsize=7)
+        ax.set_title(f"{suite.name}: {suite.description}", fontsize=9, loc="left")
+        ax.set_ylabel("GB/s (decode, mixed) or TFLOP/s (prefill)", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def to_json(suites: Sequence[SuiteResult], machine: dict[str, Any], argv: Sequence[str] | None) -> dict[str, Any]:
+    return {"schema": SCHEMA, "machine": machine, "argv": list(argv) if argv is not None else None,
+            "suites": [s.to_dict() for s in suites]}
+
+
+def list_suites(file: TextIO) -> None:
+    for s in SUITES.values():
+        print(f"{s.name} ({s.target}; warmup {s.warmup}, iters {s.iters}): {s.description}", file=file)
+        print(f"  candidates: {', '.join(s.candidates)}", file=file)
+        for sh in s.shapes:
+            print(f"  - {sh.label}", file=file)
+
+
+# -- the command -------------------------------------------------------------------------------------
+
+
+def _problems(results: Sequence[SuiteResult]) -> list[str]:
+    out = []
+    for s in results:
+        for sr in s.results:
+            for r in sr.candidates:
+                if r.status == "error":
+                    out.append(f"{s.name} / {sr.shape.label} / {r.name}: {'; '.join(r.reasons)}")
+                elif r.check is not None and not r.check.get("ok", True):
+                    out.append(f"{s.name} / {sr.shape.label} / {r.name}: output differs from {r.check['against']} "
+                               f"({r.check.get('error') or format(r.check['rel_l2'], '.2e')})")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the ``bench`` command; returns the exit code (0 ok, 1 a candidate failed or disagreed, 2 bad usage)."""
+    err = sys.stderr
+    if getattr(args, "list", False):
+        list_suites(sys.stdout)
+        return 0
+    names = [n for v in (args.suite or [default_suite(current_device().backend)]) for n in _csv(v)]
+    try:
+        suites = [get_suite(n) for n in dict.fromkeys(names)]
+    except ValueError as exc:
+        print(f"metal-attn bench: error: {exc}", file=err)
+        return 2
+    patterns = _csv(args.shapes) if args.shapes else None
+    chosen = [(s, s.select(patterns)) for s in suites]
+    for s, shapes in chosen:
+        if not shapes:
+            print(f"metal-attn bench: error: --shapes {args.shapes!r} matches no shape of suite {s.name!r} "
+                  f"(its shapes: {'; '.join(x.label for x in s.shapes)})", file=err)
+            return 2
+    json_to_stdout = args.json == "-"
+    out = err if json_to_stdout else sys.stdout
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(f"metal-attn bench: note: matplotlib is not importable; --plot {args.plot} will be skipped",
+                  file=err)
+    machine = machine_info()
+    results: list[SuiteResult] = []
+    for s, shapes in chosen:
+        cand_names = _csv(args.candidates) if args.candidates else list(s.candidates)
+        if not cand_names:
+            print("metal-attn bench: error: --candidates is empty", file=err)
+            return 2
+        cands = peers.resolve(cand_names)
+        total = len(shapes) * len(cands)
+        step = iter(range(1, total + 1))
+
+        def progress(msg: str, _s=s, _step=step, _total=total) -> None:
+            if not args.quiet:
+                print(f"[{_s.name} {next(_step, _total)}/{_total}] {msg}", file=err, flush=True)
+
+        results.append(run_suite(
+            s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
+            iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
+            progress=progress,
+        ))
+    machine = machine_info() | {"date": machine["date"]}  # torch may have been imported by now
+    for r in results:
+        render_rich(r, machine, out)
+    if args.markdown:
+        for r in results:
+            print(render_markdown(r, machine), file=out)
+    if args.json:
+        text = json.dumps(to_json(results, machine, getattr(args, "argv", None)), indent=1)
+        if json_to_stdout:
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+            print(f"wrote {args.json}", file=err)
+    if args.plot:
+        msg = write_plot(results, args.plot)
+        print(msg or f"wrote {args.plot}", file=err)
+    problems = _problems(results)
+    for p in problems:
+        print(f"metal-attn bench: problem: {p}", file=err)
+    return 1 if problems else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m metal_attn.bench.cli``: the same command without the ``metal-attn`` wrapper."""
+    parser = argparse.ArgumentParser(prog="python -m metal_attn.bench.cli", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

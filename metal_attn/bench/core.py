@@ -1,0 +1,763 @@
+"""Benchmark core: shapes, inputs, timing, metrics and the suite runner.
+
+A `Shape` describes one batch (decode rows, a causal prefill, or a mixed
+batch of both); `build_case` makes its inputs once (random query, paged
+pools with non-contiguous random block tables, `AttentionMetadata`) and the
+equivalent contiguous K/V on demand for the peers. A `Candidate` (a provider
+forced by name, a peer, the bandwidth ceiling) is measured on a case with
+`time_fn`, and `run_suite` puts every candidate of a suite next to the others
+on the same shapes, in one run.
+
+Metrics (one formula each, used everywhere):
+
+- decode bandwidth: ``kv_bytes / median``, where ``kv_bytes = sum over sequences
+  of context * num_kv_heads * head_size * 2 (K and V) * itemsize`` (K+V read once);
+- prefill compute: ``flops / median``, where ``flops = 4 * num_heads * head_size *
+  attended_pairs`` (2 for Q.K^T and 2 for P.V per query-key pair), and
+  ``attended_pairs`` counts the causal rule exactly: a sequence of ``q_len`` new
+  rows on ``context`` tokens contributes ``q_len * (context - q_len) +
+  q_len * (q_len + 1) / 2``, i.e. ``q_len * ctx_avg`` with ``ctx_avg = context -
+  (q_len - 1) / 2``;
+- fraction of ceiling: decode bandwidth / the ceiling measured in the same run;
+- speedup vs a peer: peer median / candidate median (> 1: faster than the peer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import gc
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+import metal_attn
+from metal_attn.api import kernel_block_size
+from metal_attn.device import current_device
+from metal_attn.metadata import AttentionMetadata
+from metal_attn.request import AttentionRequest
+
+#: Supported dtypes by name, their MLX dtype, their short label and item size.
+DTYPES: dict[str, tuple[Any, str, int]] = {
+    "float32": (mx.float32, "f32", 4),
+    "float16": (mx.float16, "f16", 2),
+    "bfloat16": (mx.bfloat16, "bf16", 2),
+}
+
+#: Peers the speedup columns compare against, in display order.
+SPEEDUP_PEERS: tuple[str, ...] = ("gather_sdpa", "mlx_sdpa", "torch_sdpa")
+
+#: Output agreement bound (relative L2 vs the check baseline) per dtype.
+CHECK_TOLERANCE: dict[str, float] = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
+
+#: Random data is generated for at most this many pool elements and tiled beyond
+#: (generation is slow on one CPU core; the period is thousands of pages).
+_RANDOM_PERIOD_ELEMENTS = 1 << 24
+
+
+def _positive(name: str, value: Any) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{name}={value!r} (allowed: an int >= 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """``count`` identical sequences of a batch: ``q_len`` new rows on ``context`` KV tokens."""
+
+    count: int
+    q_len: int
+    context: int
+
+    def __post_init__(self) -> None:
+        for name in ("count", "q_len", "context"):
+            _positive(f"Rows.{name}", getattr(self, name))
+        if self.q_len > self.context:
+            raise ValueError(f"Rows.q_len={self.q_len} > context={self.context} (context counts the new rows too)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One benchmark batch.
+
+    ``q_len=1``: decode (``batch`` rows, each on ``context`` tokens). ``q_len > 1``:
+    causal prefill of ``q_len`` new tokens on ``context`` total tokens per
+    sequence. ``mixed``: a batch of decode rows and prefill chunks (decode rows
+    first); build it with `Shape.mix`, which fills ``batch``/``context``/``q_len``.
+    """
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    context: int
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    q_len: int = 1
+    mixed: tuple[Rows, ...] | None = None
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "num_heads", "num_kv_heads", "head_size", "context", "block_size", "q_len"):
+            _positive(f"Shape.{name}", getattr(self, name))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Shape.dtype={self.dtype!r} (allowed: {', '.join(DTYPES)})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"Shape.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if kernel_block_size(self.block_size) is None:
+            raise ValueError(f"Shape.block_size={self.block_size} (allowed: a multiple of 8)")
+        if self.q_len > self.context:
+            raise ValueError(f"Shape.q_len={self.q_len} > context={self.context} (context counts the new rows too)")
+        if self.mixed is not None:
+            rows = self.mixed
+            if not rows or not all(isinstance(r, Rows) for r in rows):
+                raise ValueError(f"Shape.mixed={rows!r} (allowed: a non-empty tuple of Rows)")
+            qs = [r.q_len for r in rows]
+            if qs != sorted(qs, key=lambda q: q > 1):
+                raise ValueError(f"Shape.mixed: decode rows (q_len=1) must come first (got q_lens {qs})")
+            want = (sum(r.count for r in rows), max(r.context for r in rows), max(qs))
+            if (self.batch, self.context, self.q_len) != want:
+                raise ValueError(
+                    f"Shape.mixed needs batch, context, q_len = {want} (got {(self.batch, self.context, self.q_len)}); "
+                    "build mixed shapes with Shape.mix"
+                )
+        if not self.label:
+            object.__setattr__(self, "label", self._auto_label())
+
+    @classmethod
+    def mix(cls, rows: Sequence[Rows], num_heads: int, num_kv_heads: int, head_size: int, *,
+            dtype: str = "bfloat16", block_size: int = 16, label: str = "") -> Shape:
+        """A mixed batch: ``rows`` groups, decode rows (``q_len=1``) first."""
+        rows = tuple(rows)
+        if not rows:
+            raise ValueError("Shape.mix: rows must not be empty")
+        return cls(
+            batch=sum(r.count for r in rows), num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_size=head_size, context=max(r.context for r in rows), dtype=dtype, block_size=block_size,
+            q_len=max(r.q_len for r in rows), mixed=rows, label=label,
+        )
+
+    # -- the batch, sequence by sequence --------------------------------------------------------
+
+    @property
+    def rows(self) -> tuple[Rows, ...]:
+        """The batch as groups of identical sequences, in batch order."""
+        return self.mixed if self.mixed is not None else (Rows(self.batch, self.q_len, self.context),)
+
+    @property
+    def q_lens(self) -> list[int]:
+        return [r.q_len for r in self.rows for _ in range(r.count)]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [r.context for r in self.rows for _ in range(r.count)]
+
+    @property
+    def phase(self) -> str:
+        """``decode``, ``prefill`` or ``mixed`` (what the metrics are about)."""
+        decode = [r.q_len == 1 for r in self.rows]
+        return "decode" if all(decode) else ("prefill" if not any(decode) else "mixed")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][2]
+
+    @property
+    def total_q_tokens(self) -> int:
+        return sum(r.count * r.q_len for r in self.rows)
+
+    @property
+    def kv_bytes(self) -> int:
+        """K+V bytes read once: sum of context * num_kv_heads * head_size * 2 * itemsize."""
+        return sum(r.count * r.context for r in self.rows) * self.num_kv_heads * self.head_size * 2 * self.itemsize
+
+    @property
+    def attended_pairs(self) -> int:
+        """Query-key pairs the causal rule admits, summed over the batch (per head)."""
+        return sum(r.count * (r.q_len * (r.context - r.q_len) + r.q_len * (r.q_len + 1) // 2) for r in self.rows)
+
+    @property
+    def flops(self) -> int:
+        """4 * num_heads * head_size * attended_pairs (QK^T and PV, 2 flops per multiply-add)."""
+        return 4 * self.num_heads * self.head_size * self.attended_pairs
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """Headline metrics: decode GB/s, prefill TFLOP/s, mixed both."""
+        return {"decode": ("GB/s",), "prefill": ("TFLOP/s",), "mixed": ("GB/s", "TFLOP/s")}[self.phase]
+
+    def _auto_label(self) -> str:
+        geo = f"h{self.num_heads}/{self.num_kv_heads} d{self.head_size}"
+        tail = DTYPES[self.dtype][1] + ("" if self.block_size == 16 else f" bs{self.block_size}")
+        if self.phase == "decode":
+            return f"decode b{self.batch} {geo} L{self.context} {tail}"
+        if self.phase == "prefill":
+            b = "" if self.batch == 1 else f"b{self.batch} "
+            return f"prefill {b}q{self.q_len} L{self.context} {geo} {tail}"
+        parts = "+".join(f"{r.count}x{r.q_len}@{r.context}" for r in self.rows)
+        return f"mixed {parts} {geo} {tail}"
+
+    def request(self, backend: str | None = None) -> AttentionRequest:
+        """The `AttentionRequest` `paged_attention` builds for this shape (for `metal_attn.explain`)."""
+        return AttentionRequest.from_lengths(
+            q_lens=self.q_lens, seq_lens=self.seq_lens, backend=backend or current_device().backend,
+            dtype=self.dtype, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size, block_size=kernel_block_size(self.block_size) or self.block_size,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label, "phase": self.phase, "batch": self.batch, "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads, "head_size": self.head_size, "context": self.context,
+            "q_len": self.q_len, "dtype": self.dtype, "block_size": self.block_size,
+            "rows": [dataclasses.asdict(r) for r in self.rows], "total_q_tokens": self.total_q_tokens,
+            "kv_bytes": self.kv_bytes, "attended_pairs": self.attended_pairs, "flops": self.flops,
+        }
+
+    def memory_estimate(self) -> int:
+        """Peak bytes a benchmark of this shape may hold: pools, contiguous copies, a gathered copy, slack."""
+        return 4 * self.kv_bytes + 4 * _RANDOM_PERIOD_ELEMENTS * self.itemsize + (64 << 20)
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A run of identical sequences in batch order, with its index ranges."""
+
+    rows: Rows
+    seq_start: int
+    token_start: int
+
+    @property
+    def seqs(self) -> slice:
+        return slice(self.seq_start, self.seq_start + self.rows.count)
+
+    @property
+    def tokens(self) -> slice:
+        return slice(self.token_start, self.token_start + self.rows.count * self.rows.q_len)
+
+
+@dataclasses.dataclass(eq=False)
+class Case:
+    """The inputs of one shape: query, paged pools, metadata; contiguous K/V for peers on demand."""
+
+    shape: Shape
+    q: mx.array  # [total_q_tokens, num_heads, head_size]
+    k_pool: mx.array  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_pool: mx.array
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32, random and non-contiguous
+    metadata: AttentionMetadata
+    scale: float
+    _contiguous: list[tuple[mx.array, mx.array]] | None = dataclasses.field(default=None, repr=False)
+    _queries: list[mx.array] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def groups(self) -> list[Group]:
+        out, seq, tok = [], 0, 0
+        for r in self.shape.rows:
+            out.append(Group(r, seq, tok))
+            seq += r.count
+            tok += r.count * r.q_len
+        return out
+
+    def group_tables(self, g: Group) -> mx.array:
+        """Block-table rows of group ``g``, cut to the blocks its context needs."""
+        nblk = -(-g.rows.context // self.shape.block_size)
+        return mx.array(self.block_tables[g.seqs, :nblk])
+
+    def gather(self, pool: mx.array, g: Group) -> mx.array:
+        """Pages of ``g`` gathered to ``[count, num_kv_heads, context, head_size]`` (lazy, not contiguous)."""
+        s = self.shape
+        pages = mx.take(pool, self.group_tables(g), axis=0)  # [n, nblk, bs, kvh, d]
+        n, nblk = pages.shape[:2]
+        flat = pages.reshape(n, nblk * s.block_size, s.num_kv_heads, s.head_size)[:, : g.rows.context]
+        return flat.transpose(0, 2, 1, 3)
+
+    def contiguous_kv(self) -> list[tuple[mx.array, mx.array]]:
+        """Per group, K and V as contiguous ``[count, num_kv_heads, context, head_size]`` (built once)."""
+        if self._contiguous is None:
+            out = []
+            for g in self.groups:
+                k = mx.contiguous(self.gather(self.k_pool, g))
+                v = mx.contiguous(self.gather(self.v_pool, g))
+                mx.eval(k, v)
+                out.append((k, v))
+            self._contiguous = out
+        return self._contiguous
+
+    def group_queries(self) -> list[mx.array]:
+        """Per group, the query as contiguous ``[count, num_heads, q_len, head_size]`` (built once)."""
+        if self._queries is None:
+            s = self.shape
+            out = []
+            for g in self.groups:
+                qg = self.q[g.tokens].reshape(g.rows.count, g.rows.q_len, s.num_heads, s.head_size)
+                out.append(mx.contiguous(qg.transpose(0, 2, 1, 3)))
+            mx.eval(out)
+            self._queries = out
+        return self._queries
+
+    def release(self) -> None:
+        """Drop the peers' copies (the case itself is dropped by its owner)."""
+        self._contiguous = None
+        self._queries = None
+
+
+def _random_pool(num_blocks: int, shape: Shape, rng: np.random.Generator) -> mx.array:
+    """A pool of ``num_blocks`` pages: uniform(-1, 1) data, one random period tiled (``num_blocks`` is a multiple)."""
+    s = shape
+    page = s.block_size * s.num_kv_heads * s.head_size
+    period = max(1, min(num_blocks, _RANDOM_PERIOD_ELEMENTS // page))
+    base = rng.random((period, s.block_size, s.num_kv_heads, s.head_size), dtype=np.float32)
+    base = mx.array(base * 2 - 1).astype(DTYPES[s.dtype][0])
+    reps = num_blocks // period
+    pool = mx.tile(base, (reps, 1, 1, 1)) if reps > 1 else base
+    mx.eval(pool)
+    return pool
+
+
+def build_case(shape: Shape, *, seed: int = 0) -> Case:
+    """Random inputs for ``shape``: query, K/V pools, random non-contiguous block tables, metadata."""
+    s = shape
+    rng = np.random.default_rng(seed)
+    blocks_per_seq = [-(-ctx // s.block_size) for ctx in s.seq_lens]
+    needed = sum(blocks_per_seq)
+    page = s.block_size * s.num_kv_heads * s.head_size
+    period = max(1, min(needed, _RANDOM_PERIOD_ELEMENTS // page))
+    num_blocks = -(-needed // period) * period  # whole periods; the spare pages stay unused
+    ids = rng.permutation(num_blocks)[:needed].astype(np.int32)
+    tables = np.zeros((s.batch, max(blocks_per_seq)), dtype=np.int32)
+    at = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = ids[at : at + n]
+        at += n
+    q = mx.array(rng.random((s.total_q_tokens, s.num_heads, s.head_size), dtype=np.float32) * 2 - 1)
+    q = q.astype(DTYPES[s.dtype][0])
+    k_pool = _random_pool(num_blocks, s, rng)
+    v_pool = _random_pool(num_blocks, s, rng)
+    mx.eval(q)
+    cu = np.concatenate([[0], np.cumsum(s.q_lens)]).astype(np.int32)
+    md = AttentionMetadata.build(mx.array(tables), mx.array(np.array(s.seq_lens, dtype=np.int32)), mx.array(cu))
+    return Case(s, q, k_pool, v_pool, tables, md, s.head_size**-0.5)
+
+
+# -- timing -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Per-call seconds: one sample is a synchronized loop of ``inner`` calls, divided by ``inner``."""
+
+    median_s: float
+    min_s: float
+    mean_s: float
+    stdev_s: float
+    samples_s: tuple[float, ...]
+    inner: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"samples_s": list(self.samples_s)}
+
+
+def mlx_sync() -> None:
+    """Wait for MLX's default stream (a no-op in effect on the CPU backend)."""
+    mx.synchronize()
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 2,
+    iters: int = 10,
+    sync: Callable[[], None] = mlx_sync,
+    min_sample_s: float = 1e-3,
+    max_inner: int = 100,
+) -> Timing:
+    """Median per-call time of ``fn`` (which must finish its work: ``mx.eval`` inside for MLX).
+
+    ``warmup`` calls first (at least one: MLX compiles each kernel on its first
+    call). Then ``iters`` samples; each is ``sync(); t0; inner calls; sync(); t1``,
+    with ``inner`` chosen from the last warm-up call so a sample lasts at least
+    ``min_sample_s`` (short GPU calls are not measured on launch and sync overhead).
+    """
+    _positive("iters", iters)
+    if type(warmup) is not int or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} (allowed: an int >= 0)")
+    for _ in range(max(warmup - 1, 0)):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    one = time.perf_counter() - t0
+    inner = max(1, min(max_inner, math.ceil(min_sample_s / one) if one > 0 else max_inner))
+    samples = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / inner)
+    return Timing(
+        median_s=statistics.median(samples), min_s=min(samples), mean_s=statistics.fmean(samples),
+        stdev_s=statistics.stdev(samples) if len(samples) > 1 else 0.0, samples_s=tuple(samples), inner=inner,
+    )
+
+
+# -- candidates -------------------------------------------------------------------------------------
+
+
+class Skip(Exception):
+    """A candidate cannot run a shape here: ``status`` and every reason."""
+
+    def __init__(self, status: str, reasons: Sequence[str]) -> None:
+        self.status = status
+        self.reasons = tuple(reasons)
+        super().__init__(f"{status}: {'; '.join(self.reasons)}")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A candidate ready to time on one case."""
+
+    run: Callable[[], Any]  # does the work and finishes it (mx.eval inside); returns the output
+    sync: Callable[[], None] = mlx_sync
+    to_rows: Callable[[Any], np.ndarray] | None = None  # output -> float32 [total_q_tokens, heads, head]
+    route: str | None = None
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    close: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass
+class CandidateResult:
+    """One candidate on one shape: the raw median and everything derived from it."""
+
+    name: str
+    kind: str  # provider | peer | ceiling
+    status: str  # ok | refused | unavailable | not registered | skipped | error
+    reasons: tuple[str, ...] = ()
+    timing: Timing | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    fraction_of_ceiling: float | None = None
+    speedup: dict[str, float] = dataclasses.field(default_factory=dict)
+    route: str | None = None
+    check: dict[str, Any] | None = None
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    output: np.ndarray | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "kind": self.kind, "status": self.status, "reasons": list(self.reasons),
+            "median_s": self.timing.median_s if self.timing else None,
+            "timing": self.timing.to_dict() if self.timing else None,
+            "gbps": self.gbps, "tflops": self.tflops, "fraction_of_ceiling": self.fraction_of_ceiling,
+            "speedup": dict(self.speedup), "route": self.route, "check": self.check, "details": self.details,
+        }
+
+
+class Candidate(Protocol):
+    """Anything the runner can measure on a case."""
+
+    name: str
+    kind: str
+
+    def measure(self, case: Case, *, warmup: int, iters: int) -> CandidateResult: ...
+
+
+class TimedCandidate:
+    """Base for candidates measured by timing a `Prepared` call (providers and peers)."""
+
+    name: str = ""
+    kind: str = "peer"
+
+    def prepare(self, case: Case) -> Prepared:
+        """Everything untimed: checks (raise `Skip`), input conversion, the call to time."""
+        raise NotImplementedError
+
+    def measure(self, case: Case, *, warmup: int, iters: int) -> CandidateResult:
+        try:
+            prep = self.prepare(case)
+        except Skip as skip:
+            return CandidateResult(self.name, self.kind, skip.status, skip.reasons)
+        try:
+            first = prep.run()  # the first call compiles; its output is kept for the check
+            prep.sync()
+            rows = prep.to_rows(first) if prep.to_rows else None
+            del first
+            timing = time_fn(prep.run, warmup=max(warmup - 1, 1), iters=iters, sync=prep.sync)
+            route = self.route_after(prep)
+        finally:
+            if prep.close:
+                prep.close()
+        res = CandidateResult(self.name, self.kind, "ok", timing=timing, route=route, details=dict(prep.details),
+                              output=rows)
+        apply_metrics(res, case.shape)
+        return res
+
+    def route_after(self, prep: Prepared) -> str | None:
+        return prep.route
+
+
+def apply_metrics(res: CandidateResult, shape: Shape) -> None:
+    """Fill GB/s and TFLOP/s from the median (both always; the table shows the shape's headline)."""
+    if res.timing is None or res.timing.median_s <= 0:
+        return
+    res.gbps = shape.kv_bytes / res.timing.median_s / 1e9
+    res.tflops = shape.flops / res.timing.median_s / 1e12
+
+
+class ProviderCandidate(TimedCandidate):
+    """A registered provider, forced by name (``auto``: the registry's own choice)."""
+
+    kind = "provider"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def prepare(self, case: Case) -> Prepared:
+        from metal_attn.plugins import get_registry
+
+        forced = None if self.name == "auto" else self.name
+        registered = [e.provider.name for e in get_registry().entries]
+        if forced is not None and forced not in registered:
+            raise Skip("not registered",
+                       [f"provider={forced!r} is not registered (registered: {', '.join(registered) or 'none'})"])
+        exp = metal_attn.explain(case.shape.request(), provider=forced)
+        chosen = exp.chosen
+        if chosen is None:
+            reasons = [f"{r.name}: {x}" if forced is None else x for r in exp.rows for x in r.reasons]
+            raise Skip("refused", reasons or ["no provider admits this shape"])
+        q, k, v, md, scale = case.q, case.k_pool, case.v_pool, case.metadata, case.scale
+
+        def run() -> mx.array:
+            out = metal_attn.paged_attention(q, k, v, metadata=md, scale=scale, provider=forced)
+            mx.eval(out)
+            return out
+
+        return Prepared(run=run, to_rows=lambda out: np.array(out.astype(mx.float32)),
+                        route=f"{chosen.name}: {chosen.plan.describe()}" if chosen.plan else chosen.name)
+
+    def route_after(self, prep: Prepared) -> str | None:
+        rec = metal_attn.diagnostics.last_dispatch()
+        if rec is None:
+            return prep.route
+        route = f"{rec.provider}: route={rec.route}"
+        if rec.partition_size:
+            route += f" partition={rec.partition_size}"
+        if rec.fallbacks:
+            route += " (fallbacks: " + "; ".join(f"{p}: {r}" for p, r in rec.fallbacks) + ")"
+        return route
+
+
+# -- the runner -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ShapeResult:
+    shape: Shape
+    candidates: list[CandidateResult]
+    ceiling_gbps: float | None = None
+    check_against: str | None = None
+
+    def get(self, name: str) -> CandidateResult | None:
+        return next((c for c in self.candidates if c.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": self.shape.to_dict(), "ceiling_gbps": self.ceiling_gbps,
+                "check_against": self.check_against, "candidates": [c.to_dict() for c in self.candidates]}
+
+
+@dataclasses.dataclass
+class SuiteResult:
+    name: str
+    description: str
+    candidates: tuple[str, ...]
+    warmup: int
+    iters: int
+    results: list[ShapeResult]
+    ceiling: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "candidates": list(self.candidates),
+                "warmup": self.warmup, "iters": self.iters, "ceiling": self.ceiling,
+                "results": [r.to_dict() for r in self.results]}
+
+
+def is_gpu() -> bool:
+    """Whether MLX computes on a GPU here (Metal or CUDA)."""
+    return current_device().backend != "cpu"
+
+
+def available_memory() -> int | None:
+    """Bytes a benchmark may use: GPU memory on GPUs, ``MemAvailable`` on the CPU."""
+    dev = current_device()
+    if dev.backend != "cpu":
+        return dev.memory_bytes
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def cpu_cache_limit() -> Iterator[None]:
+    """On the CPU backend, raise MLX's buffer-cache limit so large buffers are not re-mapped every call."""
+    if is_gpu():
+        yield
+        return
+    mem = available_memory() or (16 << 30)
+    previous = mx.set_cache_limit(int(mem * 0.75))
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(previous)
+
+
+def _check(results: list[CandidateResult], shape: Shape) -> str | None:
+    """Compare every candidate's output with a baseline (mlx_sdpa, else reference, else the first)."""
+    have = [r for r in results if r.ok and r.output is not None]
+    if len(have) < 2:
+        return None
+    base = next((r for name in ("mlx_sdpa", "reference") for r in have if r.name == name), have[0])
+    ref = base.output.astype(np.float64)
+    norm = float(np.linalg.norm(ref)) or 1.0
+    tol = CHECK_TOLERANCE[shape.dtype]
+    for r in have:
+        if r is base:
+            continue
+        diff = r.output.astype(np.float64) - ref
+        if diff.shape != ref.shape:
+            r.check = {"against": base.name, "ok": False, "error": f"output shape {diff.shape} != {ref.shape}"}
+            continue
+        rel = float(np.linalg.norm(diff)) / norm
+        finite = bool(np.isfinite(r.output).all())
+        r.check = {"against": base.name, "rel_l2": rel, "max_abs": float(np.abs(diff).max()), "tolerance": tol,
+                   "ok": finite and rel <= tol}
+    return base.name
+
+
+def finish_shape(sr: ShapeResult) -> None:
+    """Derived numbers: fraction of the ceiling, speedups vs peers, output check."""
+    ceiling = sr.get("ceiling")
+    if ceiling is not None and ceiling.ok:
+        sr.ceiling_gbps = ceiling.gbps
+    peers = {n: sr.get(n) for n in SPEEDUP_PEERS}
+    for r in sr.candidates:
+        if not r.ok or r.kind == "ceiling" or r.timing is None:
+            continue
+        if sr.ceiling_gbps and "GB/s" in sr.shape.metrics and r.gbps is not None:
+            r.fraction_of_ceiling = r.gbps / sr.ceiling_gbps
+        for name, p in peers.items():
+            if p is not None and p.ok and p is not r and p.timing is not None:
+                r.speedup[name] = p.timing.median_s / r.timing.median_s
+    sr.check_against = _check(sr.candidates, sr.shape)
+    for r in sr.candidates:
+        r.output = None
+
+
+def run_suite(
+    name: str,
+    shapes: Sequence[Shape],
+    candidates: Sequence[Candidate],
+    *,
+    warmup: int,
+    iters: int,
+    description: str = "",
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> SuiteResult:
+    """Measure every candidate on every shape (one case built per shape), in one process and run."""
+    say = progress or (lambda _msg: None)
+    out: list[ShapeResult] = []
+    mem = available_memory()
+    with cpu_cache_limit():
+        for shape in shapes:
+            need = shape.memory_estimate()
+            if mem is not None and need > 0.85 * mem:
+                reason = f"needs about {need / 2**30:.1f} GiB, {mem / 2**30:.1f} GiB available"
+                out.append(ShapeResult(shape, [CandidateResult(c.name, c.kind, "skipped", (reason,))
+                                               for c in candidates]))
+                say(f"{shape.label}: skipped ({reason})")
+                continue
+            case = build_case(shape, seed=seed)
+            results = []
+            for cand in candidates:
+                say(f"{shape.label}: {cand.name}")
+                try:
+                    res = cand.measure(case, warmup=warmup, iters=iters)
+                except Exception as exc:
+                    res = CandidateResult(cand.name, getattr(cand, "kind", "peer"), "error",
+                                          (f"{type(exc).__name__}: {exc}",))
+                results.append(res)
+            sr = ShapeResult(shape, results)
+            finish_shape(sr)
+            out.append(sr)
+            case.release()
+            del case
+            gc.collect()
+            mx.clear_cache()
+    ceiling = next((getattr(c, "summary", None) for c in candidates if c.kind == "ceiling"), None)
+    return SuiteResult(name, description, tuple(c.name for c in candidates), warmup, iters, out,
+                       ceiling() if callable(ceiling) else None)
+
+
+# -- machine info -----------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def machine_info() -> dict[str, Any]:
+    """Backend, device, GPU core count, versions and date, for JSON and pytest-benchmark."""
+    dev = current_device()
+    info: dict[str, Any] = {
+        "backend": dev.backend,
+        "device_name": dev.name,
+        "architecture": dev.architecture,
+        "gpu_cores": dev.gpu_cores,
+        "memory_bytes": dev.memory_bytes,
+        "cpu_threads": dev.cpu_threads,
+        "cpu_model": _cpu_model(),
+        "mlx_version": mx.__version__,
+        "metal_attn_version": metal_attn.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch_version"] = torch.__version__
+        if dev.backend == "cuda" and torch.cuda.is_available():
+            info["torch_device"] = torch.cuda.get_device_name(0)
+    return info

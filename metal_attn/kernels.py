@@ -1,0 +1,196 @@
+"""The kernel loader: one kernel text for Metal and CUDA.
+
+Kernel bodies live in ``kernels_v2/*.metal`` in the Metal dialect that
+``mx.fast.metal_kernel`` expects; a body file may hold several kernels, each
+starting at a ``// @kernel NAME`` line. A kernel object is assembled from
+
+    backend prelude + generated defines + headers (``*.h``) + the body section
+
+and built lazily, once per (backend, name, sources, defines): a CUDA kernel
+object cannot even be constructed on a non-CUDA MLX build. Template arguments
+(dtype, head size, block size, ...) travel at call time, so one object serves
+many instantiations. Constants come from `metal_attn.constants` as generated
+``#define`` lines, never retyped in a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from metal_attn import constants
+from metal_attn._layout import kernels_dir
+from metal_attn.errors import KernelCompileError
+
+#: Lanes per simdgroup (Apple) / warp (NVIDIA); the kernels assume 32.
+SIMD_WIDTH = 32
+
+#: Prelude file per backend.
+PRELUDES: Mapping[str, str] = {"metal": "prelude_metal.h", "cuda": "prelude_cuda.h"}
+
+_SECTION = re.compile(r"^//\s*@kernel\s+(\w+)\s*$", re.MULTILINE)
+_lock = threading.Lock()
+_kernels: dict[tuple, Any] = {}
+_source_dir: Path | None = None
+
+
+def use_source_dir(path: str | Path | None) -> None:
+    """Read kernel sources from ``path`` instead of the package's ``kernels_v2`` (checks, tests)."""
+    global _source_dir
+    _source_dir = Path(path) if path is not None else None
+    clear_cache()
+
+
+def generated_defines() -> dict[str, str]:
+    """``#define`` values every kernel sees, generated from `metal_attn.constants`."""
+    return {
+        "MA_LOG2E": f"{constants.LOG2E!r}f",
+        "MA_NEG_FLT_MAX": f"({constants.NEG_FLT_MAX!r}f)",
+        "MA_SOFTMAX_EPS": f"{constants.SOFTMAX_EPS!r}f",
+        "MA_PARTITION_SIZE": str(constants.PARTITION_SIZE),
+        "MA_SIMD_WIDTH": str(SIMD_WIDTH),
+    }
+
+
+@functools.cache
+def read_source(filename: str) -> str:
+    """The text of one file of ``kernels_v2`` (read once per process)."""
+    path = (_source_dir or kernels_dir()) / filename
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise KernelCompileError(f"kernel source {filename!r} could not be read from {path}: {exc}") from None
+
+
+@functools.cache
+def sections(filename: str) -> Mapping[str, str]:
+    """The ``// @kernel NAME`` sections of a body file: name -> body text."""
+    text = read_source(filename)
+    marks = list(_SECTION.finditer(text))
+    out: dict[str, str] = {}
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+        out[m.group(1)] = text[m.end():end].strip("\n") + "\n"
+    return out
+
+
+def _format_defines(defines: Mapping[str, Any]) -> str:
+    lines = []
+    for key, value in defines.items():
+        if isinstance(value, bool):
+            value = int(value)
+        lines.append(f"#define {key} {value}")
+    return "\n".join(lines) + "\n"
+
+
+def assemble(
+    name: str, source_files: Sequence[str], backend: str, defines: Mapping[str, Any] | None = None
+) -> tuple[str, str]:
+    """``(header, body)`` of kernel ``name``: prelude, defines and ``*.h`` files, then the body.
+
+    ``source_files`` lists headers (``*.h``, in order) and body files
+    (``*.metal``); the body is the section ``name`` of the first body file that
+    has one, or a whole body file without sections.
+    """
+    if backend not in PRELUDES:
+        raise ValueError(f"backend={backend!r} (supported: {', '.join(sorted(PRELUDES))})")
+    all_defines = generated_defines() | dict(defines or {})
+    parts = [read_source(PRELUDES[backend]), "\n// generated from metal_attn.constants and the variant\n",
+             _format_defines(all_defines)]
+    body = None
+    for f in source_files:
+        if f.endswith(".h"):
+            parts.append(read_source(f))
+        elif body is None:
+            secs = sections(f)
+            if name in secs:
+                body = secs[name]
+            elif not secs:
+                body = read_source(f)
+    if body is None:
+        raise KernelCompileError(f"kernel {name!r} not found in {', '.join(source_files)}")
+    return "".join(parts), body
+
+
+def kernel_name(name: str, header: str, body: str) -> str:
+    """A name unique per source text (MLX caches compiled code by name)."""
+    digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
+    return f"ma_{name}_{digest}"
+
+
+def load_kernel(
+    name: str,
+    source_files: Sequence[str],
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    backend: str,
+    *,
+    defines: Mapping[str, Any] | None = None,
+    ensure_row_contiguous: bool = True,
+) -> Callable[..., list]:
+    """The ``mx.fast`` kernel object for ``name`` on ``backend`` (built once, cached).
+
+    Call it like any ``mx.fast.metal_kernel`` object (``inputs=``, ``template=``,
+    ``grid=``, ``threadgroup=``, ``output_shapes=``, ``output_dtypes=``). Raises
+    `KernelCompileError` when the backend cannot build kernels here.
+    """
+    key = (backend, name, tuple(source_files), tuple(input_names), tuple(output_names),
+           tuple(sorted((defines or {}).items())), ensure_row_contiguous)
+    got = _kernels.get(key)
+    if got is not None:
+        return got
+    with _lock:
+        got = _kernels.get(key)
+        if got is not None:
+            return got
+        import mlx.core as mx
+
+        header, body = assemble(name, source_files, backend, defines)
+        kname = kernel_name(name, header, body)
+        try:
+            if backend == "metal":
+                got = mx.fast.metal_kernel(
+                    name=kname, input_names=list(input_names), output_names=list(output_names),
+                    source=body, header=header, ensure_row_contiguous=ensure_row_contiguous,
+                )
+            elif backend == "cuda":
+                got = mx.fast.cuda_kernel(
+                    name=kname, input_names=list(input_names), output_names=list(output_names),
+                    source=body, header=header, ensure_row_contiguous=ensure_row_contiguous,
+                )
+            else:
+                raise ValueError(f"backend={backend!r} (supported: metal, cuda)")
+        except (RuntimeError, ValueError, AttributeError) as exc:
+            raise KernelCompileError(f"could not build kernel {kname!r} for {backend}: {exc}") from exc
+        _kernels[key] = got
+        return got
+
+
+def compile_now(run: Callable[[], Any], what: str) -> None:
+    """Evaluate a tiny launch of a specialization now, turning any failure into `KernelCompileError`.
+
+    MLX compiles lazily at evaluation; providers call this from ``prepare`` so
+    that a compile failure becomes a recorded fallback instead of an error later.
+    """
+    import mlx.core as mx
+
+    try:
+        out = run()
+        mx.eval(out)
+    except KernelCompileError:
+        raise
+    except Exception as exc:
+        raise KernelCompileError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def clear_cache() -> None:
+    """Forget every kernel object (tests)."""
+    with _lock:
+        _kernels.clear()
+    read_source.cache_clear()
+    sections.cache_clear()

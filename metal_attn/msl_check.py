@@ -1,0 +1,288 @@
+"""Metal source check: generate the MSL of every kernel specialization on Linux and type-check it.
+
+What it proves: for each specialization a provider can choose, the complete
+source that ``mx.fast.metal_kernel`` would hand to the Metal compiler (MLX's
+generated signature and explicit instantiation, our prelude, generated defines,
+headers and body) parses and type-checks as C++17 against ``kernels_v2/msl_shim.h``,
+with every template instantiated: undeclared names, wrong argument types,
+``T*``/``float*`` mismatches, missing outputs and bad template arithmetic fail.
+
+What it does not prove: it never runs Metal. It does not check Metal-only rules
+(address spaces are erased by the shim, attribute placement, threadgroup memory
+limits, ``constant``-buffer rules), numerical behaviour, races or speed. The
+kernels' logic is verified by running the same text through the CUDA prelude on
+an NVIDIA GPU (``tests/gpu``).
+
+How: one child Python process builds every ``metal_kernel`` object and traces a
+call of each through ``mx.export_function`` with ``verbose=True``; MLX prints the
+generated source from C++, so the child's stdout is captured. The sources are
+rewritten for clang (``[[kernel]]``/``[[host_name]]`` and argument attributes
+dropped, the explicit instantiation kept so dependent types are checked), each
+wrapped in its own namespace, and checked in one clang run.
+
+Usage: ``python -m metal_attn.msl_check [--set module:function] [--only REGEX] [--kernels-dir DIR]``.
+A "set" is a function returning `Specialization` objects (default: the classic
+provider's, `classic_specializations`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_SET = "metal_attn.msl_check:classic_specializations"
+CLANG_ARGS = ("-x", "c++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes", "-ferror-limit=50")
+
+_BLOCK = re.compile(r"Generated source code for `(\w+)`:\n```\n(.*?)\n```", re.DOTALL)
+_HOST_NAME = re.compile(r"\[\[host_name\(\"[^\"]*\"\)\]\]\s*")
+_ATTR = re.compile(r"\[\[[A-Za-z_]\w*(?:\([^)\]]*\))?\]\]")
+_DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)", re.MULTILINE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Specialization:
+    """One kernel instantiation: what to build and how to call it for tracing."""
+
+    label: str
+    kernel: str
+    source_files: tuple[str, ...]
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    #: (name, value) pairs; dtype values are dtype names ("float16", "int32", ...).
+    template: tuple[tuple[str, object], ...]
+    #: (shape, dtype name) per input.
+    inputs: tuple[tuple[tuple[int, ...], str], ...]
+    outputs: tuple[tuple[tuple[int, ...], str], ...]
+    defines: tuple[tuple[str, object], ...] = ()
+    is_dtype: tuple[str, ...] = ("T", "TT")
+
+
+def classic_specializations() -> list[Specialization]:
+    """Every specialization the ``classic`` provider can choose on Metal (paged, reducer, cache)."""
+    from metal_attn._layout import import_builtin_providers
+    from metal_attn.constants import DTYPES, PARTITION_SIZE
+
+    import_builtin_providers()
+    gpu = importlib.import_module("metal_attn.providers.classic.gpu")
+    from metal_attn.providers.classic import GPU_ADMISSION
+
+    table = GPU_ADMISSION["metal"]
+    specs: list[Specialization] = []
+    t, h, s = 3, 4, 2  # tokens, heads, sequences: shapes only matter for tracing
+    for dtype in DTYPES:
+        if dtype not in table["dtypes"]:
+            continue
+        for head in sorted(table["head_sizes"]):
+            tpt, unroll = gpu.geometry(head, dtype)
+            for block in sorted(table["block_sizes"]):
+                for split in (0, 1):
+                    parts = 2 if split else 1
+                    common_in = (
+                        ((t, h, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
+                        ((s, 4), "int32"), ((s,), "int32"), ((s + 1,), "int32"), ((h,), "float32"),
+                        ((7,), "int32"), ((2,), "float32"),
+                    )
+                    outs = (((t, h, head), dtype),) if not split else (
+                        ((t, h, parts), "float32"), ((t, h, parts), "float32"), ((t, h, parts, head), "float32"))
+                    specs.append(Specialization(
+                        label=f"paged_attention split={split} {dtype} head={head} block={block}",
+                        kernel="paged_attention", source_files=gpu.PAGED_FILES, input_names=gpu.PA_INPUTS,
+                        output_names=gpu.PA_OUTPUTS[split],
+                        template=(("T", dtype), ("HEAD_SIZE", head), ("BLOCK_SIZE", block),
+                                  ("PARTITION_SIZE", PARTITION_SIZE if split else 0),
+                                  ("NUM_THREADS", gpu.NUM_THREADS), ("TPT", tpt), ("UNROLL", unroll)),
+                        inputs=common_in, outputs=outs, defines=(("PA_SPLIT", split),),
+                    ))
+            specs.append(Specialization(
+                label=f"paged_attention_v2_reduce {dtype} head={head}",
+                kernel="paged_attention_v2_reduce", source_files=gpu.PAGED_FILES, input_names=gpu.REDUCE_INPUTS,
+                output_names=("out",),
+                template=(("T", dtype), ("TT", "float32"), ("HEAD_SIZE", head),
+                          ("PARTITION_SIZE", PARTITION_SIZE), ("NUM_THREADS", gpu.NUM_THREADS)),
+                inputs=(((t, h, 2), "float32"), ((t, h, 2), "float32"), ((t, h, 2, head), "float32"),
+                        ((s,), "int32"), ((s + 1,), "int32"), ((h,), "float32"), ((4,), "int32")),
+                outputs=(((t, h, head), dtype),),
+            ))
+        specs.append(Specialization(
+            label=f"reshape_and_cache {dtype}",
+            kernel="reshape_and_cache", source_files=gpu.CACHE_FILES,
+            input_names=("key", "value", "k_cache", "v_cache", "inv_map", "params"), output_names=("k_out", "v_out"),
+            template=(("T", dtype),),
+            inputs=(((3, 2, 64), dtype), ((3, 2, 64), dtype), ((4, 16, 2, 64), dtype), ((4, 16, 2, 64), dtype),
+                    ((64,), "int32"), ((3,), "int64")),
+            outputs=(((4, 16, 2, 64), dtype), ((4, 16, 2, 64), dtype)),
+        ))
+    return specs
+
+
+def _load_set(spec: str) -> list[Specialization]:
+    module, _, func = spec.partition(":")
+    return list(getattr(importlib.import_module(module), func)())
+
+
+# -- child process: emit the generated sources ------------------------------------------------------
+
+
+def _emit(set_spec: str, only: str | None) -> None:
+    """Child side: trace each specialization's metal_kernel call with verbose=True (MLX prints to stdout)."""
+    import mlx.core as mx
+
+    from metal_attn import kernels
+
+    specs = [s for s in _load_set(set_spec) if only is None or re.search(only, s.label)]
+    labels = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, spec in enumerate(specs):
+            kern = kernels.load_kernel(spec.kernel, spec.source_files, spec.input_names, spec.output_names, "metal",
+                                       defines=dict(spec.defines))
+            template = [(n, getattr(mx, v) if n in spec.is_dtype else v) for n, v in spec.template]
+            args = [mx.zeros(shape, getattr(mx, dt)) for shape, dt in spec.inputs]
+
+            def fn(*xs, kern=kern, template=template, spec=spec):
+                return kern(inputs=list(xs), template=template, grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                            output_shapes=[o[0] for o in spec.outputs],
+                            output_dtypes=[getattr(mx, o[1]) for o in spec.outputs], verbose=True)
+
+            sys.stdout.flush()
+            print(f"@@spec {i} {spec.label}", flush=True)
+            mx.export_function(os.path.join(tmp, f"k{i}.mlxfn"), fn, *args)
+            sys.stdout.flush()
+            labels[i] = spec.label
+    print("@@done " + json.dumps(labels), flush=True)
+
+
+def generate_msl(set_spec: str = DEFAULT_SET, *, only: str | None = None,
+                 kernels_dir: str | os.PathLike | None = None, timeout: float = 600) -> dict[str, str]:
+    """Run the child once and return ``{label: generated MSL}`` for every specialization."""
+    cmd = [sys.executable, "-m", "metal_attn.msl_check", "--emit", "--set", set_spec]
+    if only:
+        cmd += ["--only", only]
+    env = dict(os.environ)
+    if kernels_dir is not None:
+        env["MA_MSL_CHECK_KERNELS_DIR"] = str(kernels_dir)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0 or "@@done" not in proc.stdout:
+        raise RuntimeError(f"MSL generation failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    out: dict[str, str] = {}
+    chunks = re.split(r"^@@spec \d+ (.*)$", proc.stdout.split("@@done", 1)[0], flags=re.MULTILINE)
+    for label, text in zip(chunks[1::2], chunks[2::2]):
+        m = _BLOCK.search(text)
+        if m is None:
+            raise RuntimeError(f"no generated source captured for {label!r}")
+        out[label] = m.group(2)
+    return out
+
+
+# -- clang ------------------------------------------------------------------------------------------
+
+
+def to_clang(msl: str) -> str:
+    """Rewrite one generated MSL source for clang: drop Metal attributes, keep the instantiation."""
+    text = _HOST_NAME.sub("", msl)
+    return _ATTR.sub("", text)
+
+
+def translation_unit(sources: dict[str, str], shim: str) -> tuple[str, list[tuple[int, str]]]:
+    """One C++ file: the shim, then each source in its own namespace; returns (text, line starts)."""
+    parts = [shim, "\n"]
+    starts: list[tuple[int, str]] = []
+    line = shim.count("\n") + 2
+    for i, (label, src) in enumerate(sources.items()):
+        body = to_clang(src)
+        undefs = "".join(f"#undef {n}\n" for n in sorted(set(_DEFINE.findall(body))))
+        chunk = f"// ---- {label}\n{undefs}namespace msl_spec_{i} {{\n{body}\n}}  // namespace msl_spec_{i}\n"
+        starts.append((line, label))
+        parts.append(chunk)
+        line += chunk.count("\n")
+    return "".join(parts), starts
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """The outcome of one check run."""
+
+    ok: bool
+    count: int
+    errors: list[str]
+    output: str
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"MSL check: {self.count} specializations type-check with clang against the shim"
+        return f"MSL check: {len(self.errors)} error(s) in {self.count} specializations:\n" + "\n".join(self.errors)
+
+
+def find_clang() -> str | None:
+    """The clang++ executable, or ``None`` when absent."""
+    return shutil.which(os.environ.get("CLANGXX", "clang++"))
+
+
+def check_sources(sources: dict[str, str], *, clang: str | None = None) -> CheckResult:
+    """Type-check generated sources in one clang run, attributing each error to its specialization."""
+    clang = clang or find_clang()
+    if clang is None:
+        raise FileNotFoundError("clang++ not found (install clang, or set CLANGXX)")
+    from metal_attn._layout import kernels_dir
+
+    shim = (kernels_dir() / "msl_shim.h").read_text()
+    text, starts = translation_unit(sources, shim)
+    with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
+        f.write(text)
+        path = f.name
+    try:
+        proc = subprocess.run([clang, *CLANG_ARGS, path], capture_output=True, text=True, timeout=600)
+    finally:
+        os.unlink(path)
+    errors = []
+    for m in re.finditer(rf"^{re.escape(path)}:(\d+):\d+: error: (.*)$", proc.stderr, re.MULTILINE):
+        ln = int(m.group(1))
+        label = next((lab for start, lab in reversed(starts) if start <= ln), "shim")
+        errors.append(f"[{label}] line {ln}: {m.group(2)}")
+    if proc.returncode != 0 and not errors:
+        errors.append(proc.stderr.strip()[-2000:] or f"clang exited with {proc.returncode}")
+    return CheckResult(proc.returncode == 0, len(sources), errors, proc.stderr)
+
+
+def check(set_spec: str = DEFAULT_SET, *, only: str | None = None,
+          kernels_dir: str | os.PathLike | None = None) -> CheckResult:
+    """Generate (one child process) and check (one clang run) a set of specializations."""
+    sources = generate_msl(set_spec, only=only, kernels_dir=kernels_dir)
+    if not sources:
+        raise RuntimeError(f"no specialization matched (set={set_spec!r}, only={only!r})")
+    return check_sources(sources)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m metal_attn.msl_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", default=DEFAULT_SET, help="module:function returning Specialization objects")
+    ap.add_argument("--only", default=None, help="regex over specialization labels")
+    ap.add_argument("--kernels-dir", default=None, help="check kernel sources from this folder instead")
+    ap.add_argument("--emit", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    kdir = args.kernels_dir or os.environ.get("MA_MSL_CHECK_KERNELS_DIR")
+    if kdir:
+        from metal_attn import kernels
+
+        kernels.use_source_dir(kdir)
+    if args.emit:
+        _emit(args.set, args.only)
+        return 0
+    result = check(args.set, only=args.only, kernels_dir=kdir)
+    print(result.summary())
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

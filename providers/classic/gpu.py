@@ -1,0 +1,264 @@
+"""The ``classic`` provider on the GPU backends (Metal and CUDA): one kernel text.
+
+Routes: ``per_token_ps0`` (one pass per query row and head) and
+``per_token_ps512`` (split-KV: 512-token partitions, then the shared reducer),
+chosen by the occupancy gate ``num_heads * total_q_tokens < k * gpu_cores``
+with at least two partitions (``k`` per backend in
+`metal_attn.constants.SPLIT_GATE_FACTOR`). `reduce_partitions` launches the
+reducer for any kernel that writes the split contract (the GQA decode kernel).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from metal_attn import kernels
+from metal_attn.constants import LOG2E, PARTITION_SIZE, SCRATCH_CAP_BYTES, SPLIT_GATE_FACTOR
+from metal_attn.provider import Plan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from metal_attn.device import DeviceInfo
+    from metal_attn.metadata import AttentionMetadata
+    from metal_attn.provider import AttentionInputs
+    from metal_attn.request import AttentionRequest
+    from metal_attn.settings import Settings
+
+#: Threads per threadgroup of the per-token kernel and of the reducer.
+NUM_THREADS = 128
+#: Threads per threadgroup of reshape_and_cache, and its most threadgroups per launch.
+CACHE_THREADS = 256
+CACHE_MAX_GROUPS = 8192
+
+PAGED_FILES = ("paged_common.h", "pagedattention.metal")
+CACHE_FILES = ("reshape_and_cache.metal",)
+PA_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "sinks", "params", "fparams")
+PA_OUTPUTS = {0: ("out",), 1: ("max_logits", "exp_sums", "tmp_out")}
+REDUCE_INPUTS = ("max_logits", "exp_sums", "tmp_out", "seq_lens", "cu_seqlens_q", "sinks", "params")
+
+MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+ROUTES = {False: "per_token_ps0", True: f"per_token_ps{PARTITION_SIZE}"}
+
+
+def geometry(head_size: int, dtype: str) -> tuple[int, int]:
+    """``(lanes per token, tokens unrolled per lane)`` of the per-token kernel.
+
+    Lanes per token: the largest of 8, 4, 2, 1 dividing ``head_size / 4`` (each
+    lane loads whole 4-element vectors). Two tokens are unrolled while a lane
+    holds at most 16 head elements (register budget).
+    """
+    vecs = head_size // 4
+    tpt = next(t for t in (8, 4, 2, 1) if vecs % t == 0)
+    per_lane = head_size // tpt
+    return tpt, 2 if per_lane <= 16 else 1
+
+
+def availability_reasons(device: DeviceInfo) -> list[str]:
+    """Why the GPU kernels cannot run on ``device`` (a hypothetical device is taken at its word)."""
+    if device.hypothetical:
+        return []
+    if not mx.is_available(mx.gpu):
+        return [f"backend={device.backend}: MLX has no usable GPU here"]
+    if device.backend == "metal" and not mx.metal.is_available():
+        return ["backend=metal: this MLX build has no Metal backend"]
+    if device.backend == "cuda" and not mx.cuda.is_available():
+        return ["backend=cuda: this MLX build has no CUDA backend"]
+    return []
+
+
+def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool, tuple[str, ...]]:
+    """The occupancy gate, with the arithmetic behind it as notes."""
+    p = PARTITION_SIZE
+    parts = -(-request.max_seq_len // p)
+    grid = request.num_heads * request.total_q_tokens
+    factor = SPLIT_GATE_FACTOR.get(device.backend)
+    cores = device.gpu_cores
+    if factor is None:
+        return False, (f"split gate: no factor measured for backend={device.backend} (no split)",)
+    if cores is None:
+        return False, ("split gate: gpu_cores unknown (no split; set METAL_ATTN_GPU_CORES)",)
+    threshold = factor * cores
+    small = grid < threshold
+    long_enough = parts >= 2
+    scratch = request.total_q_tokens * request.num_heads * parts * (request.head_size * 4 + 8)
+    fits = scratch <= SCRATCH_CAP_BYTES
+    notes = [
+        f"split gate: num_heads*total_q_tokens={request.num_heads}*{request.total_q_tokens}={grid} "
+        f"{'<' if small else '>='} {factor}*gpu_cores={factor}*{cores}={threshold}",
+        f"partitions=ceil(max_seq_len/{p})=ceil({request.max_seq_len}/{p})={parts} "
+        f"{'>=' if long_enough else '<'} 2",
+    ]
+    if not fits:
+        notes.append(f"scratch={scratch} bytes > cap {SCRATCH_CAP_BYTES} (no split)")
+    split = small and long_enough and fits
+    notes.append("-> split" if split else "-> no split")
+    return split, tuple(notes)
+
+
+def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
+    """The launch decision for an admitted request."""
+    split, notes = split_decision(request, device)
+    tpt, unroll = geometry(request.head_size, request.dtype)
+    parts = -(-request.max_seq_len // PARTITION_SIZE) if split else 1
+    return Plan(
+        provider=provider,
+        route=ROUTES[split],
+        partition_size=PARTITION_SIZE if split else 0,
+        grid=(request.num_heads * NUM_THREADS, request.total_q_tokens, parts),
+        threadgroup=(NUM_THREADS, 1, 1),
+        specialization=(device.backend, request.dtype, request.head_size, request.block_size,
+                        PARTITION_SIZE if split else 0, tpt, unroll),
+        notes=(*notes, f"lanes_per_token={tpt} unroll={unroll}"),
+    )
+
+
+# -- launching -----------------------------------------------------------------------------------
+
+
+def _paged_kernel(backend: str, split: bool):
+    return kernels.load_kernel("paged_attention", PAGED_FILES, PA_INPUTS, PA_OUTPUTS[int(split)], backend,
+                               defines={"PA_SPLIT": int(split)})
+
+
+def _reduce_kernel(backend: str):
+    return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
+
+
+def _backend() -> str:
+    from metal_attn.device import current_device
+
+    return current_device().backend
+
+
+def launch_paged(
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
+    sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
+) -> mx.array:
+    """Run the per-token kernel (and the reducer when ``split``); returns ``[T, H, D]``."""
+    total, num_heads, head = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    dtype = q.dtype
+    dname = {v: k for k, v in MX_DTYPES.items()}[dtype]
+    tpt, unroll = geometry(head, dname)
+    max_parts = -(-md.max_seq_len // PARTITION_SIZE) if split else 1
+    use_sinks = sinks is not None
+    sinks_arr = sinks if use_sinks else mx.zeros((num_heads,), mx.float32)
+    params = mx.array([md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,
+                       int(sliding_window or 0), max_parts, int(use_sinks)], dtype=mx.int32)
+    fparams = mx.array([scale if softcap else scale * LOG2E, float(softcap or 0.0)], dtype=mx.float32)
+    template = [("T", dtype), ("HEAD_SIZE", head), ("BLOCK_SIZE", block_size),
+                ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", NUM_THREADS),
+                ("TPT", tpt), ("UNROLL", unroll)]
+    inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks_arr, params, fparams]
+    grid = (num_heads * NUM_THREADS, total, max_parts)
+    kern = _paged_kernel(backend, split)
+    if not split:
+        return kern(inputs=inputs, template=template, grid=grid, threadgroup=(NUM_THREADS, 1, 1),
+                    output_shapes=[(total, num_heads, head)], output_dtypes=[dtype])[0]
+    max_logits, exp_sums, tmp_out = kern(
+        inputs=inputs, template=template, grid=grid, threadgroup=(NUM_THREADS, 1, 1),
+        output_shapes=[(total, num_heads, max_parts), (total, num_heads, max_parts),
+                       (total, num_heads, max_parts, head)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    return reduce_partitions(max_logits, exp_sums, tmp_out, md, sinks, PARTITION_SIZE,
+                             out_dtype=dtype, backend=backend)
+
+
+def reduce_partitions(
+    max_logits: mx.array, exp_sums: mx.array, tmp_out: mx.array, metadata: AttentionMetadata,
+    sinks: mx.array | None, partition_size: int, *, out_dtype=None, backend: str | None = None,
+) -> mx.array:
+    """Launch ``paged_attention_v2_reduce`` over partials written by the split contract.
+
+    ``max_logits``/``exp_sums``: ``[total_q_tokens, num_heads, max_parts]`` float32
+    (log2-space maxima, un-normalised sums); ``tmp_out``: ``[..., head_size]``
+    (float32 or the query dtype), already divided by ``exp_sums + eps``; neutral
+    partials are ``(-FLT_MAX, 0, 0)``. Each row's partition count is recomputed
+    from ``metadata`` (causal length over ``partition_size``). ``sinks``: float32
+    ``[num_heads]`` or ``None``, folded once here. Returns ``[total_q_tokens,
+    num_heads, head_size]`` in ``out_dtype`` (default: ``tmp_out``'s dtype).
+    """
+    total, num_heads, max_parts, head = tmp_out.shape
+    if max_logits.shape != (total, num_heads, max_parts) or exp_sums.shape != max_logits.shape:
+        raise ValueError(f"max_logits.shape={tuple(max_logits.shape)} and exp_sums.shape={tuple(exp_sums.shape)} "
+                         f"must both be {(total, num_heads, max_parts)} to match tmp_out.shape={tuple(tmp_out.shape)}")
+    out_dtype = out_dtype or tmp_out.dtype
+    backend = backend or _backend()
+    use_sinks = sinks is not None
+    sinks_arr = sinks.astype(mx.float32) if use_sinks else mx.zeros((num_heads,), mx.float32)
+    params = mx.array([metadata.num_seqs, num_heads, max_parts, int(use_sinks)], dtype=mx.int32)
+    return _reduce_kernel(backend)(
+        inputs=[max_logits, exp_sums, tmp_out, metadata.seq_lens, metadata.cu_seqlens_q, sinks_arr, params],
+        template=[("T", out_dtype), ("TT", tmp_out.dtype), ("HEAD_SIZE", head),
+                  ("PARTITION_SIZE", partition_size), ("NUM_THREADS", NUM_THREADS)],
+        grid=(num_heads * NUM_THREADS, total, 1), threadgroup=(NUM_THREADS, 1, 1),
+        output_shapes=[(total, num_heads, head)], output_dtypes=[out_dtype],
+    )[0]
+
+
+def run(inputs: AttentionInputs, plan: Plan) -> mx.array:
+    """The provider's lazy computation for an admitted request."""
+    return launch_paged(
+        inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, scale=inputs.scale, sinks=inputs.sinks,
+        sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=plan.partition_size > 0,
+        backend=plan.specialization[0],
+    )
+
+
+def prepare(plan: Plan, device: DeviceInfo) -> None:
+    """Compile the plan's specialization now (a tiny launch), raising `KernelCompileError` on failure."""
+    from metal_attn.metadata import AttentionMetadata
+
+    backend, dtype, head, block, psize, _, _ = plan.specialization
+    if device.hypothetical:
+        return
+    split = psize > 0
+    mdt = MX_DTYPES[dtype]
+    seq_len = PARTITION_SIZE + 1 if split else 1
+    nblk = -(-seq_len // block)
+    md = AttentionMetadata.build(np.arange(nblk, dtype=np.int32)[None, :], [seq_len], [0, 1], validate=False)
+    q = mx.zeros((1, 1, head), mdt)
+    kc = mx.zeros((nblk, block, 1, head), mdt)
+
+    def _go():
+        return launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None,
+                            split=split, backend=backend)
+
+    kernels.compile_now(_go, f"classic {plan.route} {plan.specialization}")
+
+
+# -- reshape_and_cache ---------------------------------------------------------------------------
+
+
+def _cache_kernel(backend: str):
+    return kernels.load_kernel("reshape_and_cache", CACHE_FILES,
+                               ("key", "value", "k_cache", "v_cache", "inv_map", "params"),
+                               ("k_out", "v_out"), backend)
+
+
+def write_cache(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.array,
+                device: DeviceInfo) -> tuple[mx.array, mx.array]:
+    """``pool[slot] = kv`` for every non-negative slot, as one GPU pass producing the new pools."""
+    nb, bs, kvh, head = k_cache.shape
+    host = np.array(slots, copy=False).astype(np.int64, copy=False)
+    keep = np.nonzero(host >= 0)[0]
+    if keep.size == 0:
+        return k_cache, v_cache
+    num_slots = nb * bs
+    inv = np.full(num_slots, -1, dtype=np.int32)
+    inv[host[keep]] = keep.astype(np.int32)
+    row = kvh * head
+    total = num_slots * row
+    groups = max(1, min(CACHE_MAX_GROUPS, math.ceil(total / CACHE_THREADS)))
+    threads = groups * CACHE_THREADS
+    params = mx.array([total, row, threads], dtype=mx.int64)
+    k_out, v_out = _cache_kernel(device.backend)(
+        inputs=[key, value, k_cache, v_cache, mx.array(inv), params],
+        template=[("T", k_cache.dtype)], grid=(threads, 1, 1), threadgroup=(CACHE_THREADS, 1, 1),
+        output_shapes=[k_cache.shape, v_cache.shape], output_dtypes=[k_cache.dtype, v_cache.dtype],
+    )
+    return k_out, v_out

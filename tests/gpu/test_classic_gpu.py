@@ -1,0 +1,280 @@
+"""The ``classic`` provider on a GPU backend against the float64 oracle.
+
+Covers every dtype, head size and kernel block size; GQA ratios 1, 2, 4, 6, 8
+and MQA; sinks, sliding windows (in-window scores far below zero, partitions
+entirely outside the window), softcap; lengths at page and partition edges;
+pure decode, mixed batches, prefill chunks with earlier context; scattered and
+shared blocks; both routes (``per_token_ps0`` and ``per_token_ps512``, chosen
+through the occupancy gate by overriding the GPU core count); bitwise repeats.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import metal_attn
+from metal_attn import diagnostics
+from metal_attn.settings import override_settings
+from metal_attn.testing import assert_close_to_oracle, make_case, run_case
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float16", "bfloat16", "float32")
+HEADS = (64, 80, 96, 112, 128, 192, 256)
+BLOCKS = (8, 16, 32)
+#: gpu_cores overrides that force the gate either way (split needs >= 2 partitions too).
+ROUTE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
+ROUTES = tuple(ROUTE_CORES)
+
+
+def _check(case, route: str) -> np.ndarray:
+    with override_settings(gpu_cores=ROUTE_CORES[route]):
+        got = run_case(case, provider="classic")
+        rec = diagnostics.last_dispatch()
+    assert rec is not None and rec.provider == "classic", rec
+    expect = route if max(case.seq_lens) > 512 else "per_token_ps0"
+    assert rec.route == expect, f"{case.label}: route {rec.route} (expected {expect})"
+    assert rec.partition_size == (512 if expect == "per_token_ps512" else 0)
+    assert_close_to_oracle(got, case.oracle(), case.dtype, label=f"{case.label} {rec.route}")
+    return got
+
+
+def test_smoke_decode_both_routes():
+    case = make_case(q_lens=[1, 1], seq_lens=[17, 1000], num_heads=4, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype="float16", seed=1, label="smoke")
+    for route in ROUTES:
+        _check(case, route)
+
+
+# Every (dtype, head size) pair, the block size cycling so that each block size meets every dtype;
+# a mixed batch: decode rows at page/partition edges, then a prefill chunk with earlier context.
+_MATRIX = [(d, h, BLOCKS[(i + j) % 3]) for j, d in enumerate(DTYPES) for i, h in enumerate(HEADS)]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("dtype", "head", "block"), _MATRIX, ids=[f"{d}-h{h}-b{b}" for d, h, b in _MATRIX])
+def test_dtype_head_block_matrix(dtype, head, block, route):
+    case = make_case(q_lens=[1, 1, 1, 1, 7], seq_lens=[1, 16, 513, 1100, 530], num_heads=4, num_kv_heads=2,
+                     head_size=head, block_size=block, dtype=dtype, seed=head + block,
+                     label=f"{dtype} h{head} b{block}")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+def test_lengths_at_page_and_partition_edges(dtype, route):
+    lens = [1, 15, 16, 17, 511, 512, 513, 4095, 4097]
+    case = make_case(q_lens=[1] * len(lens), seq_lens=lens, num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype=dtype, seed=7, label=f"edges {dtype}")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_very_long_context(route):
+    case = make_case(q_lens=[1, 1], seq_lens=[33000, 4097], num_heads=4, num_kv_heads=1, head_size=128,
+                     block_size=32, dtype="bfloat16", seed=3, label="33000")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (12, 2), (16, 2), (8, 1)],
+                         ids=["gqa1", "gqa2", "gqa4", "gqa6", "gqa8", "mqa"])
+def test_gqa_ratios(num_heads, num_kv_heads, route):
+    case = make_case(q_lens=[1, 1, 5], seq_lens=[700, 33, 1030], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_size=128, block_size=16, dtype="float16", seed=num_heads * 10 + num_kv_heads,
+                     label=f"gqa {num_heads}/{num_kv_heads}")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_chunks_with_earlier_context(dtype, route):
+    # Two prefill chunks after earlier context plus a fresh prompt (no earlier context).
+    case = make_case(q_lens=[33, 64, 20], seq_lens=[600, 1100, 20], num_heads=4, num_kv_heads=2, head_size=64,
+                     block_size=32, dtype=dtype, seed=11, label=f"prefill {dtype}")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_sinks(dtype, route):
+    case = make_case(q_lens=[1, 1, 9], seq_lens=[5, 1500, 700], num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype=dtype, sinks=True, seed=5, label=f"sinks {dtype}")
+    _check(case, route)
+
+
+def test_sink_folded_once_dominant_sink():
+    # A sink far above every score: the output scale is set by how often the sink is counted.
+    case = make_case(q_lens=[1, 1], seq_lens=[40, 1200], num_heads=4, num_kv_heads=1, head_size=64,
+                     block_size=8, dtype="float32", sinks=True, seed=9, label="sink once")
+    case.sinks = mx.full((4,), 3.0, mx.float32)
+    case.host = None
+    for route in ROUTES:
+        _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("window", "lens"), [(1, [1, 600]), (100, [4097, 33, 1030]), (600, [2000, 599])])
+def test_sliding_window(window, lens, route):
+    case = make_case(q_lens=[1] * (len(lens) - 1) + [3], seq_lens=lens, num_heads=4, num_kv_heads=2,
+                     head_size=128, block_size=16, dtype="bfloat16", sliding_window=window, seed=window,
+                     label=f"window {window}")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_window_scores_far_below_zero(route):
+    # Partitions entirely outside the window must be neutral: a max of 0 there would attenuate this head.
+    case = make_case(q_lens=[1, 1, 2], seq_lens=[4097, 2600, 1500], num_heads=4, num_kv_heads=2, head_size=128,
+                     block_size=32, dtype="float32", sliding_window=300, score_bias=-120.0, seed=21,
+                     label="window far below zero")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dtype", ("float16", "float32"))
+def test_softcap(dtype, route):
+    case = make_case(q_lens=[1, 1, 4], seq_lens=[900, 12, 600], num_heads=4, num_kv_heads=2, head_size=96,
+                     block_size=8, dtype=dtype, softcap=5.0, scale=0.5, seed=13, label=f"softcap {dtype}")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_all_features_with_shared_blocks(route):
+    case = make_case(q_lens=[1, 1, 6], seq_lens=[1300, 800, 1030], num_heads=12, num_kv_heads=2, head_size=256,
+                     block_size=16, dtype="bfloat16", sinks=True, sliding_window=700, softcap=30.0,
+                     shared_prefix_blocks=3, seed=17, label="all features, shared blocks")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_page_size_translation(route):
+    # A 64-token cache page is served by kernel blocks of 32.
+    case = make_case(q_lens=[1, 3], seq_lens=[777, 130], num_heads=4, num_kv_heads=2, head_size=80,
+                     block_size=64, dtype="float16", seed=19, label="page 64")
+    _check(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_bitwise_identical_on_repeat(route):
+    case = make_case(q_lens=[1, 1, 8], seq_lens=[3000, 70, 900], num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype="bfloat16", sinks=True, seed=23, label="repeat")
+    with override_settings(gpu_cores=ROUTE_CORES[route]):
+        outs = []
+        for _ in range(3):
+            o = metal_attn.paged_attention(**case.kwargs(), provider="classic")
+            mx.eval(o)
+            outs.append(np.array(o.view(mx.uint16)))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def test_gate_routes_on_real_device():
+    """Without overrides the gate decides from the probed core count; explain shows the arithmetic."""
+    case = make_case(q_lens=[1], seq_lens=[8192], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype="bfloat16", seed=29, label="gate")
+    got = run_case(case, provider="classic")
+    rec = diagnostics.last_dispatch()
+    assert rec.route == "per_token_ps512"
+    assert_close_to_oracle(got, case.oracle(), case.dtype, label="gate")
+    text = str(metal_attn.explain(**case.explain_kwargs()))
+    assert "split gate: num_heads*total_q_tokens=8*1=8 <" in text
+
+
+# -- the shared reducer -------------------------------------------------------------------------
+
+
+def test_reducer_contract_with_neutral_partials():
+    from metal_attn.providers.classic.gpu import reduce_partitions
+
+    from metal_attn.constants import LOG2E, NEG_FLT_MAX, SOFTMAX_EPS
+    from metal_attn.metadata import AttentionMetadata
+
+    rng = np.random.default_rng(0)
+    seq_lens, q_lens = [1500, 513, 40], [1, 1, 2]
+    md = AttentionMetadata.build(np.zeros((3, 1), np.int32), seq_lens, np.cumsum([0, *q_lens]), validate=False)
+    total, heads, parts, d = 4, 3, 3, 64
+    ml = rng.normal(size=(total, heads, parts)).astype(np.float32) * 3
+    es = rng.uniform(0.5, 4, size=(total, heads, parts)).astype(np.float32)
+    tmp = rng.normal(size=(total, heads, parts, d)).astype(np.float32)
+    ml[0, :, 0], es[0, :, 0], tmp[0, :, 0] = NEG_FLT_MAX, 0.0, 0.0  # neutral partial
+    sinks = rng.normal(size=heads).astype(np.float32)
+    out = reduce_partitions(mx.array(ml), mx.array(es), mx.array(tmp), md, mx.array(sinks), 512,
+                            out_dtype=mx.float32)
+    ctx = [1500, 513, 39, 40]
+    ref = np.zeros((total, heads, d))
+    for t in range(total):
+        n = -(-ctx[t] // 512)
+        for h in range(heads):
+            m = max(ml[t, h, :n].max(), sinks[h] * LOG2E)
+            w = es[t, h, :n].astype(np.float64) * np.exp2(ml[t, h, :n].astype(np.float64) - m)
+            tot = w.sum() + np.exp2(sinks[h] * LOG2E - m)
+            ref[t, h] = (w[:, None] * tmp[t, h, :n]).sum(0) / (tot + SOFTMAX_EPS)
+    np.testing.assert_allclose(np.array(out), ref, rtol=2e-5, atol=2e-6)
+
+
+# -- compile failure becomes a recorded fallback ----------------------------------------------------
+
+
+def test_compile_failure_falls_back(tmp_path):
+    import shutil
+
+    from metal_attn import kernels
+    from metal_attn._layout import kernels_dir
+
+    for f in kernels_dir().iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    body = (tmp_path / "pagedattention.metal").read_text()
+    (tmp_path / "pagedattention.metal").write_text(body.replace("const int seq = lo;", "const int seq = lo + nope;"))
+    case = make_case(q_lens=[1], seq_lens=[33], num_heads=4, num_kv_heads=2, head_size=192, block_size=8,
+                     dtype="float32", seed=31, label="fallback")
+    kernels.use_source_dir(tmp_path)
+    try:
+        got = run_case(case)
+        rec = diagnostics.last_dispatch()
+    finally:
+        kernels.use_source_dir(None)
+    assert rec.provider == "reference"
+    assert rec.fallbacks and rec.fallbacks[0][0] == "classic" and "failed to build" in rec.fallbacks[0][1]
+    assert_close_to_oracle(got, case.oracle(), case.dtype, label="fallback")
+
+
+# -- reshape_and_cache ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_matches_scatter(dtype):
+    rng = np.random.default_rng(1)
+    nb, bs, kvh, d, n = 37, 16, 2, 80, 50
+    mdt = getattr(mx, dtype)
+    kc = mx.array(rng.normal(size=(nb, bs, kvh, d)).astype(np.float32)).astype(mdt)
+    vc = mx.array(rng.normal(size=(nb, bs, kvh, d)).astype(np.float32)).astype(mdt)
+    key = mx.array(rng.normal(size=(n, kvh, d)).astype(np.float32)).astype(mdt)
+    val = mx.array(rng.normal(size=(n, kvh, d)).astype(np.float32)).astype(mdt)
+    slots = rng.choice(nb * bs, size=n, replace=False).astype(np.int64)
+    slots[[3, 17, 40]] = -1  # padding
+    raw = mx.uint16 if dtype != "float32" else mx.uint32
+    exp_k = np.array(kc.view(raw)).copy()
+    exp_v = np.array(vc.view(raw)).copy()
+    kk = np.array(key.view(raw))
+    vv = np.array(val.view(raw))
+    ek = exp_k.reshape(nb * bs, -1)
+    ev = exp_v.reshape(nb * bs, -1)
+    keep = slots >= 0
+    ek[slots[keep]] = kk.reshape(n, -1)[keep]
+    ev[slots[keep]] = vv.reshape(n, -1)[keep]
+    k2, v2 = metal_attn.reshape_and_cache(key, val, kc, vc, mx.array(slots))
+    mx.eval(k2, v2)
+    assert diagnostics.last_cache_write().provider == "classic"
+    assert np.array_equal(np.array(k2.view(raw)).reshape(nb * bs, -1), ek)
+    assert np.array_equal(np.array(v2.view(raw)).reshape(nb * bs, -1), ev)
+
+
+def test_reshape_and_cache_all_padding_is_identity():
+    kc = mx.arange(2 * 8 * 1 * 64, dtype=mx.float32).reshape(2, 8, 1, 64).astype(mx.bfloat16)
+    key = mx.ones((3, 1, 64), mx.bfloat16)
+    k2, _ = metal_attn.reshape_and_cache(key, key, kc, kc, mx.array([-1, -1, -1], dtype=mx.int64))
+    assert np.array_equal(np.array(k2.view(mx.uint16)), np.array(kc.view(mx.uint16)))
+

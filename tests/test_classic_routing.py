@@ -1,0 +1,168 @@
+"""Routing of the ``classic`` provider on the GPU backends (device probe overridden), its
+admission reasons, the split gate arithmetic in ``explain``, and the CPU delegation."""
+
+from __future__ import annotations
+
+import pytest
+
+import metal_attn
+from metal_attn.constants import PARTITION_SIZE, SPLIT_GATE_FACTOR
+from metal_attn.device import DeviceInfo
+from metal_attn.settings import get_settings
+
+
+def _classic_row(**kw):
+    kw.setdefault("num_heads", 8)
+    kw.setdefault("num_kv_heads", 2)  # not a GQA decode geometry: classic is chosen
+    kw.setdefault("head_size", 128)
+    kw.setdefault("block_size", 16)
+    kw.setdefault("dtype", "bfloat16")
+    device = kw.pop("device", "m5-max")
+    ex = metal_attn.explain(device=device, **kw)
+    row = next(r for r in ex.rows if r.name == "classic")
+    return ex, row
+
+
+def test_small_decode_grid_splits_with_gate_arithmetic():
+    ex, row = _classic_row(q_lens=[1], seq_lens=[8192])
+    assert row.admitted and row.chosen, str(ex)
+    assert row.plan.route == "per_token_ps512" and row.plan.partition_size == PARTITION_SIZE
+    notes = " | ".join(row.plan.notes)
+    assert "num_heads*total_q_tokens=8*1=8 < 8*gpu_cores=8*40=320" in notes
+    assert "partitions=ceil(max_seq_len/512)=ceil(8192/512)=16 >= 2" in notes
+    assert row.plan.grid == (8 * 128, 1, 16)
+    assert "split gate" in str(ex)
+
+
+def test_full_grid_does_not_split():
+    _, row = _classic_row(q_lens=[1] * 40, seq_lens=[8192] * 40)
+    assert row.plan.route == "per_token_ps0" and row.plan.partition_size == 0
+    assert "num_heads*total_q_tokens=8*40=320 >= 8*gpu_cores=8*40=320" in " ".join(row.plan.notes)
+    assert row.plan.grid == (8 * 128, 40, 1)
+
+
+def test_single_partition_does_not_split():
+    _, row = _classic_row(q_lens=[1], seq_lens=[PARTITION_SIZE])
+    assert row.plan.route == "per_token_ps0"
+    assert "=1 < 2" in " ".join(row.plan.notes)
+    _, row = _classic_row(q_lens=[1], seq_lens=[PARTITION_SIZE + 1])
+    assert row.plan.route == "per_token_ps512"
+
+
+def test_core_count_changes_the_gate():
+    # 10-core M3: threshold 80; 8 heads x 12 rows = 96 -> no split; on a 40-core chip -> split.
+    _, small = _classic_row(q_lens=[1] * 12, seq_lens=[4096] * 12, device="m3-10core")
+    _, large = _classic_row(q_lens=[1] * 12, seq_lens=[4096] * 12, device="m5-max")
+    assert small.plan.route == "per_token_ps0" and large.plan.route == "per_token_ps512"
+
+
+def test_unknown_core_count_fails_closed():
+    dev = DeviceInfo.preset("m5-max").replace(gpu_cores=None)
+    _, row = _classic_row(q_lens=[1], seq_lens=[8192], device=dev)
+    assert row.plan.route == "per_token_ps0"
+    assert "gpu_cores unknown" in " ".join(row.plan.notes)
+
+
+def test_scratch_cap_blocks_split():
+    dev = DeviceInfo.preset("m5-max").replace(gpu_cores=4096)
+    _, row = _classic_row(q_lens=[1] * 64, seq_lens=[200_000] * 64, num_heads=64, num_kv_heads=8, device=dev)
+    assert row.plan.route == "per_token_ps0"
+    assert "> cap 536870912" in " ".join(row.plan.notes)
+
+
+@pytest.mark.skipif("cuda" not in SPLIT_GATE_FACTOR, reason="no CUDA split factor measured yet")
+def test_cuda_gate_uses_its_own_factor():
+    k = SPLIT_GATE_FACTOR["cuda"]
+    _, row = _classic_row(q_lens=[1], seq_lens=[8192], device="h200")
+    assert f"{k}*gpu_cores={k}*132={k * 132}" in " ".join(row.plan.notes)
+
+
+def test_mixed_and_prefill_batches_are_admitted():
+    for q_lens, seq_lens in (([1, 1, 30], [100, 900, 600]), ([64, 20], [64, 1000])):
+        _, row = _classic_row(q_lens=q_lens, seq_lens=seq_lens)
+        assert row.admitted, row.reasons
+
+
+@pytest.mark.parametrize("device", ["m5-max", "h200"])
+def test_every_reason_names_value_and_allowed_set(device):
+    _, row = _classic_row(q_lens=[1], seq_lens=[100], head_size=72, block_size=64, device=device)
+    backend = DeviceInfo.preset(device).backend
+    assert not row.admitted
+    assert f"head_size=72 (supported on {backend}: 64, 80, 96, 112, 128, 192, 256)" in row.reasons
+    assert f"block_size=64 (supported on {backend}: 8, 16, 32)" in row.reasons
+
+
+@pytest.mark.parametrize("head", [64, 80, 96, 112, 128, 192, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_admission_table(head, dtype):
+    _, row = _classic_row(q_lens=[1, 3], seq_lens=[40, 700], head_size=head, dtype=dtype, device="h200")
+    assert row.admitted, row.reasons
+
+
+def test_features_admitted():
+    _, row = _classic_row(q_lens=[1], seq_lens=[5000], sinks=True, sliding_window=128, softcap=30.0)
+    assert row.admitted, row.reasons
+
+
+def test_disable_toggle_is_a_reason():
+    from metal_attn.settings import override_settings
+
+    with override_settings(disabled_providers=("classic",)):
+        _, row = _classic_row(q_lens=[1], seq_lens=[100])
+    assert not row.admitted and any("METAL_ATTN_DISABLED_PROVIDERS" in r for r in row.reasons)
+
+
+def test_lanes_per_token_geometry():
+    from metal_attn.providers.classic.gpu import geometry
+
+    # (lanes per token, unroll): lanes take whole 4-element vectors; unroll 2 up to 16 elements per lane
+    assert geometry(128, "bfloat16") == (8, 2)
+    assert geometry(80, "float16") == (4, 1)  # 20 vectors: 4 lanes x 5 vectors
+    assert geometry(112, "float32") == (4, 1)
+    assert geometry(256, "float16") == (8, 1)
+    assert geometry(64, "float32") == (8, 2)
+
+
+def test_cpu_backend_is_delegated(monkeypatch):
+    import metal_attn.providers.classic as classic
+
+    calls = []
+
+    class FakeCpu:
+        @staticmethod
+        def availability_reasons(device):
+            calls.append("availability")
+            return []
+
+        @staticmethod
+        def not_supported_reasons(request, device, settings):
+            calls.append("not_supported")
+            return ["head_size=1000 (supported on cpu: fake)"] if request.head_size == 1000 else []
+
+        @staticmethod
+        def plan(request, device, settings):
+            calls.append("plan")
+            return metal_attn.Plan(provider="classic", route="per_token_ps0", specialization=("fake",))
+
+    monkeypatch.setattr(classic.ClassicProvider, "_cpu", lambda self: (FakeCpu, None))
+    p = classic.ClassicProvider()
+    dev = DeviceInfo.preset("cpu-2core")
+    req = metal_attn.AttentionRequest.from_lengths(q_lens=[1], seq_lens=[10], backend="cpu", head_size=1000)
+    assert p.not_supported_reasons(req, dev, get_settings()) == ["head_size=1000 (supported on cpu: fake)"]
+    req = metal_attn.AttentionRequest.from_lengths(q_lens=[1], seq_lens=[10], backend="cpu")
+    assert p.not_supported_reasons(req, dev, get_settings()) == []
+    assert p.plan(req, dev, get_settings()).specialization == ("fake",)
+    assert p.availability_reasons(dev) == []
+    assert calls == ["not_supported", "not_supported", "plan", "availability"]
+
+
+def test_cpu_module_missing_is_an_availability_reason(monkeypatch):
+    import metal_attn.providers.classic as classic
+
+    monkeypatch.setattr(classic, "_CPU_MODULE", "metal_attn.providers.classic.no_such_module")
+    p = classic.ClassicProvider()
+    dev = DeviceInfo.preset("cpu-2core")
+    reasons = p.availability_reasons(dev)
+    assert len(reasons) == 1 and "cpu backend not available" in reasons[0] and "no_such_module" in reasons[0]
+    req = metal_attn.AttentionRequest.from_lengths(q_lens=[1], seq_lens=[10], backend="cpu")
+    assert any("could not be imported" in r for r in p.not_supported_reasons(req, dev, get_settings()))

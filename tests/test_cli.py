@@ -1,0 +1,501 @@
+"""The ``metal-attn`` command: every subcommand with and without ``--json``, bad flags,
+the demo's checks (including one that must fail), the bench delegation, and the
+generated docs tables staying in step with the code.
+
+Most tests call `metal_attn.cli.main` in-process (fast); a few run a fresh
+``python -m metal_attn`` (or the installed ``metal-attn`` script) from a
+temporary directory, so that an installed package is the one imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import metal_attn
+from metal_attn import cli, plugins
+from metal_attn.demo import TOLERANCES
+from metal_attn.provider import Plan, Provider
+from metal_attn.settings import Settings, env_names, override_settings, reload_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    code, out, _ = run(capsys, *argv, "--json")
+    return code, json.loads(out)
+
+
+def fresh_process(*argv: str, env: dict[str, str] | None = None, cwd: Path) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("METAL_ATTN_", "VLLM_METAL_"))}
+    return subprocess.run([sys.executable, "-m", "metal_attn", *argv], cwd=cwd, env=base | (env or {}),
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def restore_logging():
+    lg = logging.getLogger("metal_attn")
+    saved = (lg.handlers[:], lg.level, lg.propagate)
+    yield lg
+    lg.handlers[:], lg.level, lg.propagate = saved[0], saved[1], saved[2]
+
+
+# -- providers -------------------------------------------------------------------------------------
+
+
+def test_providers_json_lists_reference_as_enabled_and_available(capsys):
+    code, data = run_json(capsys, "providers")
+    assert code == 0
+    rows = {p["name"]: p for p in data["providers"]}
+    ref = rows["reference"]
+    assert ref["enabled"] is True and ref["available"] is True and ref["availability_reasons"] == []
+    assert ref["plugin"] == "builtin" and ref["distribution"] == "metal-attn"
+    assert set(ref["backends"]) == {"metal", "cuda", "cpu"}
+    assert data["device"]["backend"] == metal_attn.current_device().backend
+    priorities = [p["priority"] for p in data["providers"]]
+    assert priorities == sorted(priorities, reverse=True)
+    assert "versions" not in data
+
+
+def test_providers_table_names_every_provider(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    code, out, _ = run(capsys, "providers")
+    assert code == 0
+    for p in metal_attn.providers():
+        assert p["name"] in out
+    assert "reference" in out and "available" in out
+
+
+def test_providers_versions_for_bug_reports(capsys):
+    code, data = run_json(capsys, "providers", "--versions")
+    assert code == 0
+    v = data["versions"]
+    for key in ("metal-attn", "mlx", "mlx-lm", "pluggy", "pydantic-settings", "structlog", "python", "platform"):
+        assert key in v, key
+    assert v["mlx"] == md.version("mlx")
+    assert v["pluggy"] == md.version("pluggy")
+    assert v["python"].startswith(".".join(map(str, sys.version_info[:3])))
+    code, out, _ = run(capsys, "providers", "--versions")
+    assert code == 0 and md.version("structlog") in out
+
+
+def test_providers_on_a_device_preset_reports_availability_there(capsys):
+    code, data = run_json(capsys, "providers", "--device", "h200")
+    assert code == 0
+    assert data["device"]["backend"] == "cuda" and data["device"]["hypothetical"] is True
+    for p in data["providers"]:
+        assert p["available"] == ("cuda" in p["backends"] and not p["availability_reasons"])
+        if "cuda" not in p["backends"]:
+            assert "backend=cuda" in " ".join(p["availability_reasons"])
+
+
+def test_disabled_provider_is_listed_with_its_reason(capsys):
+    with override_settings(disabled_providers=("reference",)):
+        code, data = run_json(capsys, "providers")
+    ref = next(p for p in data["providers"] if p["name"] == "reference")
+    assert ref["enabled"] is False
+    assert ref["disabled_reason"] == "disabled by METAL_ATTN_DISABLED_PROVIDERS=reference"
+
+
+# -- explain ---------------------------------------------------------------------------------------
+
+
+def test_explain_on_m5_max_shows_metal_and_the_chosen_provider(capsys):
+    code, data = run_json(capsys, "explain", "--device", "m5-max", "--batch", "8", "--context", "8192")
+    assert code == 0
+    assert data["device"]["backend"] == "metal" and data["device"]["name"] == "Apple M5 Max"
+    assert data["request"]["backend"] == "metal"
+    assert data["request"]["phase"] == "decode" and data["request"]["num_seqs"] == 8
+    assert data["request"]["max_seq_len"] == 8192
+    rows = data["providers"]
+    chosen = [r for r in rows if r["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["name"] == data["chosen"]
+    # The chosen one is the first admitted in priority order, and it carries a plan.
+    assert data["chosen"] == next(r["name"] for r in rows if r["admitted"])
+    assert chosen[0]["plan"]["provider"] == data["chosen"] and chosen[0]["reasons"] == []
+    # Same answer as the library's explain on the same preset.
+    lib = metal_attn.explain(q_lens=[1] * 8, seq_lens=[8192] * 8, device="m5-max")
+    assert lib.chosen.name == data["chosen"]
+    assert [r.name for r in lib.rows] == [r["name"] for r in rows]
+
+    code, out, _ = run(capsys, "explain", "--device", "m5-max", "--batch", "8", "--context", "8192")
+    assert code == 0
+    assert "metal" in out and "Apple M5 Max" in out and "CHOSEN" in out and data["chosen"] in out
+
+
+def test_explain_lists_describe_a_mixed_batch(capsys):
+    code, data = run_json(capsys, "explain", "--q-lens", "1,1,128", "--seq-lens", "4096,300,128", "--heads", "16",
+                          "--kv-heads", "4", "--head-size", "64", "--block-size", "32", "--dtype", "bfloat16")
+    assert code == 0
+    req = data["request"]
+    assert (req["phase"], req["num_seqs"], req["num_decode_seqs"], req["total_q_tokens"]) == ("mixed", 3, 2, 130)
+    assert (req["num_heads"], req["num_kv_heads"], req["head_size"], req["block_size"]) == (16, 4, 64, 32)
+    assert req["dtype"] == req["cache_dtype"] == "bfloat16"
+    assert req["max_decode_seq_len"] == 4096
+
+
+def test_explain_device_overrides_and_features(capsys):
+    code, data = run_json(capsys, "explain", "--backend", "cuda", "--gpu-cores", "7", "--arch", "sm_90",
+                          "--q-len", "4", "--context", "64", "--batch", "2", "--sinks", "--sliding-window", "32",
+                          "--softcap", "30")
+    assert code == 0
+    dev = data["device"]
+    assert (dev["backend"], dev["gpu_cores"], dev["architecture"], dev["hypothetical"]) == ("cuda", 7, "sm_90", True)
+    req = data["request"]
+    assert req["phase"] == "verify" and req["sinks"] is True
+    assert req["sliding_window"] == 32 and req["softcap"] == 30.0
+    for r in data["providers"]:
+        if r["name"] != "reference" and not r["admitted"]:
+            assert r["reasons"], r
+
+
+def test_explain_forced_provider(capsys):
+    code, data = run_json(capsys, "explain", "--provider", "reference")
+    assert code == 0
+    assert data["forced"] == "reference" and [r["name"] for r in data["providers"]] == ["reference"]
+    code, data = run_json(capsys, "explain", "--provider", "no_such_provider")
+    assert code == 1
+    assert data["chosen"] is None
+    assert data["providers"][-1]["reasons"] == ["provider='no_such_provider' is not registered"]
+    code, out, _ = run(capsys, "explain", "--provider", "no_such_provider")
+    assert code == 1 and "no provider admits this request" in out
+
+
+# -- bad flags -------------------------------------------------------------------------------------
+
+
+BAD_FLAGS = [
+    (["explain", "--dtype", "float8"], ["--dtype", "'float8'", "float16", "bfloat16", "float32"]),
+    (["explain", "--heads", "0"], ["--heads", "'0'", "integer >= 1"]),
+    (["explain", "--context", "many"], ["--context", "'many'", "integer >= 1"]),
+    (["explain", "--softcap", "-1"], ["--softcap", "'-1'", "finite number > 0"]),
+    (["explain", "--device", "m9"], ["--device", "'m9'", "m5-max", "h200"]),
+    (["explain", "--backend", "rocm"], ["--backend", "'rocm'", "metal", "cuda", "cpu"]),
+    (["explain", "--q-lens", "1,x", "--seq-lens", "5,5"], ["--q-lens", "'1,x'", "comma-separated integers >= 1"]),
+    (["explain", "--q-lens", "1,2", "--seq-lens", "5"], ["--q-lens has 2 values", "--seq-lens has 1"]),
+    (["explain", "--q-lens", "1"], ["--q-lens needs --seq-lens"]),
+    (["explain", "--q-lens", "1", "--seq-lens", "9", "--batch", "2"], ["--batch", "cannot be combined"]),
+    (["explain", "--q-lens", "8", "--seq-lens", "4"], ["q_len=8 > seq_len=4"]),
+    (["explain", "--q-lens", "4,1", "--seq-lens", "9,9"], ["--q-lens=4,1", "decode rows (q_len 1) must come first"]),
+    (["explain", "--heads", "6", "--kv-heads", "4"], ["--heads=6", "--kv-heads=4", "whole groups"]),
+    (["demo", "--block-size", "12"], ["--block-size=12", "multiple of 8"]),
+    (["demo", "--steps", "1"], ["--steps=1", ">= 2"]),
+    (["demo", "--heads", "6", "--kv-heads", "4"], ["--heads=6", "--kv-heads=4"]),
+    (["demo", "--dtype", "int8"], ["--dtype", "'int8'", "float16"]),
+    (["demo", "--seed", "-3"], ["--seed", "'-3'", "integer >= 0"]),
+    (["providers", "--device", "tpu"], ["--device", "'tpu'", "m3-10core"]),
+    (["frobnicate"], ["'frobnicate'", "providers", "explain", "doctor", "settings", "demo", "bench"]),
+    (["settings", "--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_bad_flags_exit_2_naming_flag_value_and_allowed(capsys, argv, expected):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    for text in expected:
+        assert text in err, (text, err)
+
+
+def test_bad_setting_in_the_environment_exits_2_with_the_variable(tmp_path):
+    proc = fresh_process("settings", env={"METAL_ATTN_LOG_LEVEL": "loud"}, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "METAL_ATTN_LOG_LEVEL='loud'" in proc.stderr
+    assert "'debug', 'info', 'warning' or 'error'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+def test_settings_json_lists_every_variable_with_default_and_current(capsys):
+    with override_settings(gpu_cores=40, disabled_providers=("reference", "classic")):
+        code, data = run_json(capsys, "settings")
+    assert code == 0
+    rows = {r["name"]: r for r in data["settings"]}
+    assert list(rows) == list(Settings.model_fields)
+    for name, field in Settings.model_fields.items():
+        r = rows[name]
+        assert r["variable"] == "METAL_ATTN_" + name.upper()
+        assert r["description"] == field.description and r["description"]
+        assert set(r["aliases"]) == {n for n, f in env_names().items() if f == name} - {r["variable"]}
+    assert rows["gpu_cores"]["default"] is None and rows["gpu_cores"]["current"] == 40
+    assert rows["gpu_cores"]["allowed"] == "integer >= 1, <= 4096 (or unset)"
+    assert rows["disabled_providers"]["current"] == ["reference", "classic"]
+    assert rows["log_level"]["allowed"] == "debug, info, warning, error"
+    assert rows["disable_gqa_decode"]["aliases"] == ["VLLM_METAL_DISABLE_GQA_DECODE"]
+    assert rows["log_level"]["default"] == "warning"
+
+
+def test_settings_table_shows_values_and_where_they_come_from(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setenv("VLLM_METAL_DISABLE_GQA_DECODE", "1")
+    reload_settings()  # the conftest fixture restores the previous settings afterwards
+    code, out, _ = run(capsys, "settings")
+    assert code == 0
+    for name in Settings.model_fields:
+        assert "METAL_ATTN_" + name.upper() in out
+    line = next(ln for ln in out.splitlines() if "METAL_ATTN_DISABLE_GQA_DECODE" in ln)
+    assert "true  (from VLLM_METAL_DISABLE_GQA_DECODE)" in line
+
+
+# -- doctor ----------------------------------------------------------------------------------------
+
+
+def test_doctor_json_reports_device_settings_native_module_providers_and_smoke(capsys):
+    with override_settings(gpu_cores=12):
+        code, data = run_json(capsys, "doctor")
+    assert code == 0, data["problems"]
+    assert data["ok"] is True and data["problems"] == []
+    assert data["device"]["backend"] == metal_attn.current_device().backend
+    assert data["device"]["gpu_cores"] == 12 and data["device_overrides"] == ["gpu_cores"]
+    assert data["non_default_settings"] == {"gpu_cores": {"value": 12, "default": None}}
+    native = data["native_module"]
+    try:
+        importlib.import_module("metal_attn._native")
+        expected = "ok"
+    except ModuleNotFoundError as exc:
+        expected = "not built" if exc.name == "metal_attn._native" else "import failed"
+    except Exception:  # noqa: BLE001
+        expected = "import failed"
+    assert native["status"] == expected and native["detail"]
+    ref = next(p for p in data["providers"] if p["name"] == "reference")
+    assert ref["available"] is True and ref["enabled"] is True
+    assert [s["phase"] for s in data["smoke"]] == ["prefill", "mixed", "decode"]
+    assert all(s["ok"] and s["provider"] for s in data["smoke"])
+    assert data["kernel_failures"] == [] and data["plugin_load_errors"] == {}
+    assert "mlx" in data["versions"]
+
+
+def test_doctor_table(capsys):
+    code, out, _ = run(capsys, "doctor", "--no-smoke")
+    assert code == 0
+    for text in ("native CPU module", "providers", "kernel compile failures", "no problems found", "reference"):
+        assert text in out
+
+
+def test_doctor_reports_a_kernel_failure_as_a_problem(capsys):
+    reg = plugins.get_registry()
+    reg.mark_failed("reference", ("float16", 64), "planted: clang exited with status 1")
+    code, data = run_json(capsys, "doctor", "--no-smoke")
+    assert code == 1 and data["ok"] is False
+    assert data["kernel_failures"] == [{"provider": "reference", "specialization": ["float16", 64],
+                                        "reason": "planted: clang exited with status 1"}]
+    assert any("planted: clang exited with status 1" in p for p in data["problems"])
+
+
+# -- demo ------------------------------------------------------------------------------------------
+
+
+def test_demo_json_runs_every_phase_and_reports_its_checks(capsys):
+    code, data = run_json(capsys, "demo")
+    assert code == 0, data["failures"]
+    assert data["ok"] is True and data["failures"] == []
+    cfg = data["config"]
+    assert data["checks"] == {"total": cfg["num_layers"] * cfg["steps"], "passed": cfg["num_layers"] * cfg["steps"],
+                              "failed": 0}
+    steps = data["steps"]
+    assert [s["phase"] for s in steps] == ["prefill", "mixed"] + ["decode"] * (cfg["steps"] - 2)
+    # One prompt is longer than a chunk: step 1 carries its continuation chunk next to decode rows.
+    assert steps[1]["q_lens"][:2] == [1, 1] and steps[1]["q_lens"][2] > 1
+    assert steps[1]["seq_lens"][2] == max(cfg["prompt_lens"])
+    tol = TOLERANCES[cfg["dtype"]]
+    for s in steps:
+        assert s["ok"] and s["providers"] and s["routes"]
+        assert s["time_ms_median"] > 0
+        assert 0 <= s["max_abs_error"] <= tol[0] + tol[1] * 10
+        assert s["rel_l2_error"] <= tol[2]
+    assert data["elapsed_s"] < 30
+
+
+def test_demo_table_and_options(capsys):
+    argv = ["demo", "--dtype", "bfloat16", "--heads", "4", "--kv-heads", "1", "--head-size", "32", "--block-size",
+            "8", "--steps", "3", "--layers", "1", "--seed", "3", "--repeats", "1"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    assert "all 3 checks passed" in out
+    for text in ("prefill", "mixed", "decode", "ms/call", "max err"):
+        assert text in out
+    code, data = run_json(capsys, *argv)
+    assert code == 0
+    cfg = data["config"]
+    assert (cfg["dtype"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_size"], cfg["block_size"]) == (
+        "bfloat16", 4, 1, 32, 8)
+    registered = {p["name"] for p in metal_attn.providers()}
+    for s in data["steps"]:
+        assert set(s["providers"]) <= registered
+        for name in s["providers"]:
+            assert name in out
+
+
+def test_demo_is_deterministic_per_seed(capsys):
+    runs = [run_json(capsys, "demo", "--steps", "2", "--layers", "1", "--repeats", "1", "--seed", s)[1]
+            for s in ("5", "5", "6")]
+    errs = [[s["max_abs_error"] for s in r["steps"]] for r in runs]
+    assert errs[0] == errs[1] and errs[0] != errs[2]
+
+
+class _OffByALittle(Provider):
+    """A plausible-looking provider that is wrong: its output is shifted by 5e-3."""
+
+    name = "off_by_a_little"
+    priority = 1000
+    backends = frozenset({"metal", "cuda", "cpu"})
+
+    def plan(self, request, device, settings):
+        return Plan(self.name, "off_by_a_little")
+
+    def run(self, inputs, plan):
+        from metal_attn.providers.reference import ReferenceProvider
+
+        return ReferenceProvider().run(inputs, Plan("reference", "reference")) + mx.array(5e-3, dtype=inputs.q.dtype)
+
+
+class _BrokenPlugin:
+    @metal_attn.hookimpl
+    def metal_attn_register_providers(self, registrar):
+        registrar.add(_OffByALittle)
+
+
+@pytest.fixture
+def broken_provider_installed(monkeypatch):
+    from metal_attn._layout import import_builtin_providers
+    from metal_attn.registry import registry_from
+
+    reg = registry_from([import_builtin_providers(), _BrokenPlugin()], names=["builtin", "broken"])
+    monkeypatch.setattr(plugins, "get_registry", lambda: reg)
+    monkeypatch.setattr(metal_attn.api, "get_registry", lambda: reg)
+    return reg
+
+
+def test_demo_fails_loudly_on_a_mismatch(capsys, broken_provider_installed):
+    code, data = run_json(capsys, "demo", "--steps", "3", "--layers", "2", "--repeats", "1")
+    assert code == 1
+    assert data["ok"] is False
+    assert data["checks"] == {"total": 6, "passed": 0, "failed": 6}
+    assert all(s["providers"] == ["off_by_a_little"] for s in data["steps"])
+    assert "rel_l2_error" in data["failures"][0] and "allowed for float16" in data["failures"][0]
+
+    code, out, _ = run(capsys, "demo", "--steps", "2", "--layers", "1", "--repeats", "1")
+    assert code == 1
+    assert "MISMATCH" in out and "demo FAILED: 2 of 2 checks" in out
+
+
+def test_demo_forced_provider_refusal_is_an_error_not_a_crash(capsys):
+    code, _, err = run(capsys, "demo", "--provider", "no_such_provider", "--steps", "2", "--layers", "1")
+    assert code == 1
+    assert "provider='no_such_provider' is not registered" in err
+
+
+# -- bench -----------------------------------------------------------------------------------------
+
+
+def test_bench_missing_module_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "metal_attn.bench.cli", None)  # makes the import fail
+    code, out, err = run(capsys, "bench")
+    assert code == 1
+    assert "metal-attn bench: error: the benchmark is unavailable" in err
+    assert "metal_attn.bench.cli" in err
+
+
+def test_bench_delegates_to_the_bench_module(capsys, monkeypatch):
+    seen = {}
+    fake = types.ModuleType("metal_attn.bench.cli")
+
+    def add_arguments(parser):
+        parser.add_argument("--shapes", default="decode")
+        parser.add_argument("--json", action="store_true")
+
+    def run_bench(args):
+        seen["args"] = args
+        return 3
+
+    fake.add_arguments, fake.run = add_arguments, run_bench
+    monkeypatch.setitem(sys.modules, "metal_attn.bench.cli", fake)
+    code, _, _ = run(capsys, "bench", "--shapes", "prefill", "--json", "-v")
+    assert code == 3
+    assert seen["args"].shapes == "prefill" and seen["args"].json is True and seen["args"].verbose == 1
+
+
+# -- logging, entry points, docs -------------------------------------------------------------------
+
+
+def test_verbose_flag_configures_the_library_logger(capsys, restore_logging):
+    lg = restore_logging
+    assert cli.main(["settings", "--json"]) == 0
+    assert lg.level == logging.WARNING
+    assert cli.main(["settings", "--json", "-v"]) == 0
+    assert lg.level == logging.INFO
+    assert cli.main(["settings", "--json", "-vv"]) == 0
+    assert lg.level == logging.DEBUG
+    assert len(lg.handlers) == 1 and lg.propagate is False
+    capsys.readouterr()
+
+
+def test_python_dash_m_and_version(tmp_path):
+    proc = fresh_process("--version", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"metal-attn {metal_attn.__version__}"
+    proc = fresh_process("providers", "--json", env={"METAL_ATTN_DISABLED_PROVIDERS": "reference"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ref = next(p for p in json.loads(proc.stdout)["providers"] if p["name"] == "reference")
+    assert ref["enabled"] is False
+
+
+def test_console_script_when_installed(tmp_path):
+    script = shutil.which("metal-attn", path=str(Path(sys.executable).parent))
+    try:
+        entry = md.distribution("metal-attn").entry_points
+    except md.PackageNotFoundError:
+        pytest.skip("metal-attn is not installed (source checkout): no console script to run")
+    assert any(ep.group == "console_scripts" and ep.value == "metal_attn.cli:main" for ep in entry)
+    assert script is not None, f"metal-attn is installed but its script is not next to {sys.executable}"
+    proc = subprocess.run([script, "providers", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "reference" in {p["name"] for p in json.loads(proc.stdout)["providers"]}
+
+
+def _between_markers(text: str, name: str) -> str:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    assert start in text and end in text, f"markers {start} / {end} are missing"
+    return text.split(start, 1)[1].split(end, 1)[0].strip()
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/settings.md"])
+def test_settings_tables_in_the_docs_are_generated_from_the_model(doc):
+    text = (REPO / doc).read_text()
+    expected = cli.settings_markdown(cli.settings_rows())
+    assert _between_markers(text, "settings-table") == expected, (
+        f"{doc} is out of date: paste the output of `metal-attn settings --markdown` between its settings-table markers"
+    )
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/providers.md"])
+def test_provider_tables_in_the_docs_list_exactly_the_builtin_providers(doc):
+    table = _between_markers((REPO / doc).read_text(), "provider-table")
+    documented = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    with override_settings(plugin_autoload=False):
+        builtin = {p["name"] for p in metal_attn.providers() if p["plugin"] == "builtin"}
+    assert documented == builtin, (
+        f"{doc}'s provider table lists {sorted(documented)} but the built-in providers are {sorted(builtin)}; "
+        "regenerate it with `METAL_ATTN_PLUGIN_AUTOLOAD=0 metal-attn providers --markdown`"
+    )

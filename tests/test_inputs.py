@@ -1,0 +1,336 @@
+"""Bad inputs to `paged_attention` and `reshape_and_cache`, value semantics of the caller's
+arrays, the scatter contract of `reshape_and_cache`, and randomized correctness of the
+reference provider against the float64 oracle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import metal_attn
+from metal_attn import InvalidInputError
+from metal_attn.metadata import AttentionMetadata
+from metal_attn.settings import override_settings
+from metal_attn.testing import assert_close_to_oracle, make_case, run_case
+from metal_attn.testing.cases import to_numpy
+
+HEAD = 16
+
+
+def _attention_args(**changes: Any) -> dict[str, Any]:
+    """A valid call (2 sequences: a decode row over 10 tokens, a 2-row prefill), with ``changes`` applied."""
+    rng = np.random.default_rng(0)
+    args: dict[str, Any] = {
+        "q": mx.array(rng.standard_normal((3, 4, HEAD), dtype=np.float32)),
+        "k_cache": mx.array(rng.standard_normal((6, 8, 2, HEAD), dtype=np.float32)),
+        "v_cache": mx.array(rng.standard_normal((6, 8, 2, HEAD), dtype=np.float32)),
+        "block_tables": np.array([[1, 2], [3, 0]], dtype=np.int32),
+        "seq_lens": np.array([10, 2], dtype=np.int32),
+        "cu_seqlens_q": np.array([0, 1, 3], dtype=np.int32),
+    }
+    args.update(changes)
+    return args
+
+
+def _f32(shape: tuple[int, ...], dtype: Any = mx.float32) -> mx.array:
+    return mx.zeros(shape, dtype=dtype)
+
+
+BAD_ATTENTION = {
+    # tensors: ranks, types, dtypes, shapes
+    "q-rank": ({"q": _f32((3, 4 * HEAD))}, ["q must have rank 3", f"(got shape (3, {4 * HEAD}))"]),
+    "q-numpy": ({"q": np.zeros((3, 4, HEAD), np.float32)}, ["q must be an mx.array (got ndarray)"]),
+    "k-rank": ({"k_cache": _f32((48, 2, HEAD))}, ["k_cache must have rank 4", "(got shape (48, 2, 16))"]),
+    "v-rank": ({"v_cache": _f32((6, 8, 2 * HEAD))}, ["v_cache must have rank 4"]),
+    "q-int-dtype": ({"q": _f32((3, 4, HEAD), mx.int32)}, ["q.dtype=int32 (supported: float16, bfloat16, float32)"]),
+    "kv-shapes": ({"v_cache": _f32((7, 8, 2, HEAD))},
+                  ["k_cache.shape=(6, 8, 2, 16) and v_cache.shape=(7, 8, 2, 16) must be equal"]),
+    "kv-dtypes": ({"v_cache": _f32((6, 8, 2, HEAD), mx.float16)},
+                  ["k_cache.dtype=float32 and v_cache.dtype=float16 must be equal"]),
+    "head-size": ({"q": _f32((3, 4, 32))}, ["q head_size=32 differs from the cache's head_size=16"]),
+    "heads-not-divisible": ({"q": _f32((3, 3, HEAD))},
+                            ["num_heads=3 is not a multiple of num_kv_heads=2"]),
+    "empty-dim": ({"k_cache": _f32((0, 8, 2, HEAD)), "v_cache": _f32((0, 8, 2, HEAD))},
+                  ["k_cache has an empty dimension (shape (0, 8, 2, 16))"]),
+    # metadata: q rows, cu_seqlens_q, seq_lens, block tables
+    "q-rows": ({"q": _f32((4, 4, HEAD))}, ["q has 4 rows but cu_seqlens_q[-1]=3 (they must be equal)"]),
+    "cu-not-increasing": ({"cu_seqlens_q": np.array([0, 3, 3], np.int32)},
+                          ["cu_seqlens_q must be strictly increasing", "cu_seqlens_q[1]=3, cu_seqlens_q[2]=3",
+                           "q_len=0 for sequence 1"]),
+    "cu-decreasing": ({"cu_seqlens_q": np.array([0, 4, 3], np.int32), "seq_lens": np.array([10, 5], np.int32)},
+                      ["cu_seqlens_q[1]=4, cu_seqlens_q[2]=3 gives q_len=-1 for sequence 1"]),
+    "cu-start": ({"cu_seqlens_q": np.array([1, 2, 3], np.int32)}, ["cu_seqlens_q[0]=1 (must be 0)"]),
+    "cu-length": ({"cu_seqlens_q": np.array([0, 3], np.int32)},
+                  ["cu_seqlens_q has 2 entries; with 2 sequences it needs 3"]),
+    "cu-float": ({"cu_seqlens_q": np.array([0.0, 1.0, 3.0])}, ["cu_seqlens_q must hold integers (got dtype float64)"]),
+    "seq-len-below-q-len": ({"seq_lens": np.array([10, 1], np.int32)},
+                            ["seq_lens[1]=1 is smaller than that sequence's q_len=2"]),
+    "seq-lens-rank": ({"seq_lens": np.array([[10, 2]], np.int32)},
+                      ["seq_lens must have rank 1 (got shape (1, 2))"]),
+    "seq-lens-empty": ({"seq_lens": np.array([], np.int32), "block_tables": np.zeros((0, 2), np.int32),
+                        "cu_seqlens_q": np.array([0], np.int32)}, ["seq_lens is empty"]),
+    "table-rows": ({"block_tables": np.array([[1, 2]], np.int32)},
+                   ["block_tables has 1 rows but seq_lens has 2 sequences"]),
+    "table-rank": ({"block_tables": np.array([1, 2, 3, 0], np.int32)}, ["block_tables must have rank 2"]),
+    "table-float": ({"block_tables": np.array([[1.0, 2.0], [3.0, 0.0]])},
+                    ["block_tables must hold integers (got dtype float64)"]),
+    "table-missing": ({"block_tables": None}, ["block_tables is required (got None)"]),
+    "block-id-too-large": ({"block_tables": np.array([[1, 6], [3, 0]], np.int32)},
+                           ["block_tables[0][1]=6 is out of range (pool has 6 blocks: 0..5)"]),
+    "block-id-negative": ({"block_tables": np.array([[1, 2], [-1, 0]], np.int32)},
+                          ["block_tables[1][0]=-1 is out of range (pool has 6 blocks: 0..5)"]),
+    "table-too-short": ({"seq_lens": np.array([17, 2], np.int32)},
+                        ["block_tables row 0 has 2 entries but seq_lens[0]=17 with block_size=8 needs 3"]),
+    # features
+    "scale-zero": ({"scale": 0.0}, ["scale=0.0 (allowed: a finite number > 0, or None for head_size**-0.5)"]),
+    "scale-negative": ({"scale": -1}, ["scale=-1 (allowed: a finite number > 0"]),
+    "scale-nan": ({"scale": float("nan")}, ["scale=nan (allowed: a finite number > 0"]),
+    "scale-inf": ({"scale": float("inf")}, ["scale=inf (allowed: a finite number > 0"]),
+    "scale-string": ({"scale": "0.25"}, ["scale='0.25' (allowed: a finite number > 0"]),
+    "window-zero": ({"sliding_window": 0}, ["sliding_window=0 (allowed: an int >= 1, or None)"]),
+    "window-negative": ({"sliding_window": -4}, ["sliding_window=-4 (allowed: an int >= 1, or None)"]),
+    "window-float": ({"sliding_window": 2.5}, ["sliding_window=2.5 (allowed: an int >= 1, or None)"]),
+    "window-bool": ({"sliding_window": True}, ["sliding_window=True (allowed: an int >= 1, or None)"]),
+    "softcap-zero": ({"softcap": 0.0}, ["softcap=0.0 (allowed: a finite number > 0, or None)"]),
+    "softcap-negative": ({"softcap": -30.0}, ["softcap=-30.0 (allowed: a finite number > 0, or None)"]),
+    "softcap-inf": ({"softcap": float("inf")}, ["softcap=inf (allowed: a finite number > 0, or None)"]),
+    "sinks-shape": ({"sinks": mx.zeros((2,))}, ["sinks.shape=(2,) (allowed: [4], one logit per query head)"]),
+    "sinks-numpy": ({"sinks": np.zeros(4, np.float32)}, ["sinks must be an mx.array of shape [4] (got ndarray)"]),
+    "sinks-int": ({"sinks": mx.zeros((4,), dtype=mx.int32)}, ["sinks.dtype=int32 (allowed: a floating dtype"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ATTENTION))
+def test_paged_attention_rejects_bad_input(name: str) -> None:
+    changes, expected = BAD_ATTENTION[name]
+    args = _attention_args(**changes)
+    with pytest.raises(InvalidInputError) as info:
+        metal_attn.paged_attention(**args)
+    for text in expected:
+        assert text in str(info.value), f"{text!r} not in {str(info.value)!r}"
+    assert metal_attn.diagnostics.last_dispatch() is None, "a rejected call must not be recorded as dispatched"
+
+
+def test_metadata_with_arrays_is_ambiguous() -> None:
+    args = _attention_args()
+    md = AttentionMetadata.build(args["block_tables"], args["seq_lens"], args["cu_seqlens_q"])
+    with pytest.raises(InvalidInputError, match="pass either metadata= or block_tables/seq_lens/cu_seqlens_q"):
+        metal_attn.paged_attention(**args, metadata=md)
+    with pytest.raises(InvalidInputError, match=r"metadata must be a metal_attn.AttentionMetadata \(got dict\)"):
+        metal_attn.paged_attention(args["q"], args["k_cache"], args["v_cache"], metadata={})
+
+
+def test_valid_baseline_call_runs() -> None:
+    """The base arguments of the table above are valid (so each row isolates one fault)."""
+    out = metal_attn.paged_attention(**_attention_args())
+    mx.eval(out)
+    assert out.shape == (3, 4, HEAD)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="core bug: with a page size the kernels split (64 -> 2 x 32), the block-id "
+                   "and table-length checks run on the split table and report kernel-block ids, indices and "
+                   "pool size instead of the caller's (metal_attn/api.py _select: check the original metadata "
+                   "against (num_blocks, page) before split_blocks)",
+)
+def test_block_table_errors_name_the_callers_values_for_large_pages() -> None:
+    args = _attention_args(
+        k_cache=_f32((6, 64, 2, HEAD)), v_cache=_f32((6, 64, 2, HEAD)),
+        block_tables=np.array([[1, 9], [3, 0]], np.int32), seq_lens=np.array([100, 2], np.int32),
+    )
+    with pytest.raises(InvalidInputError, match=r"block_tables\[0\]\[1\]=9 is out of range \(pool has 6 blocks"):
+        metal_attn.paged_attention(**args)
+
+
+def test_validate_metadata_off_skips_the_pool_checks() -> None:
+    """Block ids and table lengths are checked unless METAL_ATTN_VALIDATE_METADATA=0; the structural
+    checks (which cost nothing extra) stay on."""
+    bt, sl, cu = np.array([[1, -1]], np.int32), np.array([10], np.int32), np.array([0, 1], np.int32)
+    with pytest.raises(InvalidInputError, match=r"block_tables\[0\]\[1\]=-1 is out of range"):
+        AttentionMetadata.build(bt, sl, cu).check_against_pool(6, 8)
+    with override_settings(validate_metadata=False):
+        md = AttentionMetadata.build(bt, sl, cu)
+        assert md.validate is False
+        md.check_against_pool(6, 8)  # no error
+        md.check_against_pool(6, 1)  # a table far too short: no error either
+        # the call goes through (MLX wraps the negative id to the last block: no out-of-bounds read)
+        args = _attention_args(q=_f32((1, 4, HEAD)), block_tables=bt, seq_lens=sl, cu_seqlens_q=cu)
+        mx.eval(metal_attn.paged_attention(**args))
+        with pytest.raises(InvalidInputError, match=r"seq_lens\[0\]=1 is smaller than that sequence's q_len=2"):
+            AttentionMetadata.build(bt, [1], [0, 2])
+
+
+def test_caller_arrays_unchanged_after_an_error() -> None:
+    args = _attention_args(seq_lens=np.array([17, 2], np.int32))  # table too short
+    before = {k: (to_numpy(v) if isinstance(v, mx.array) else np.array(v)) for k, v in args.items()}
+    with pytest.raises(InvalidInputError):
+        metal_attn.paged_attention(**args)
+    for k, v in args.items():
+        np.testing.assert_array_equal(to_numpy(v) if isinstance(v, mx.array) else v, before[k], err_msg=k)
+
+
+# -- reshape_and_cache -------------------------------------------------------------------------------
+
+
+def _cache_args(**changes: Any) -> dict[str, Any]:
+    rng = np.random.default_rng(1)
+    args: dict[str, Any] = {
+        "key": mx.array(rng.standard_normal((4, 2, HEAD), dtype=np.float32)),
+        "value": mx.array(rng.standard_normal((4, 2, HEAD), dtype=np.float32)),
+        "k_cache": mx.array(rng.standard_normal((6, 8, 2, HEAD), dtype=np.float32)),
+        "v_cache": mx.array(rng.standard_normal((6, 8, 2, HEAD), dtype=np.float32)),
+        "slot_mapping": mx.array(np.array([3, 17, -1, 40], np.int64)),
+    }
+    args.update(changes)
+    return args
+
+
+BAD_CACHE = {
+    "key-rank": ({"key": _f32((4, 2 * HEAD))}, ["key must be an mx.array of rank 3", "(got array (4, 32))"]),
+    "value-numpy": ({"value": np.zeros((4, 2, HEAD), np.float32)},
+                    ["value must be an mx.array of rank 3", "(got ndarray (4, 2, 16))"]),
+    "pool-rank": ({"k_cache": _f32((48, 2, HEAD))},
+                  ["k_cache must be an mx.array of rank 4", "(got array (48, 2, 16))"]),
+    "key-value-shapes": ({"value": _f32((4, 2, 8))}, ["key.shape=(4, 2, 16) and value.shape=(4, 2, 8) must be equal"]),
+    "pool-shapes": ({"v_cache": _f32((5, 8, 2, HEAD))},
+                    ["k_cache.shape=(6, 8, 2, 16) and v_cache.shape=(5, 8, 2, 16) must be equal"]),
+    "heads": ({"key": _f32((4, 1, HEAD)), "value": _f32((4, 1, HEAD))},
+              ["key has [num_kv_heads, head_size]=[1, 16] but the pool has [2, 16]"]),
+    "value-dtype": ({"value": _f32((4, 2, HEAD), mx.float16)},
+                    ["value.dtype=float16 differs from k_cache.dtype=float32 (they must match)"]),
+    "pool-dtype": ({"v_cache": _f32((6, 8, 2, HEAD), mx.bfloat16)},
+                   ["v_cache.dtype=bfloat16 differs from k_cache.dtype=float32"]),
+    "int-pool": ({"key": _f32((4, 2, HEAD), mx.int32), "value": _f32((4, 2, HEAD), mx.int32),
+                  "k_cache": _f32((6, 8, 2, HEAD), mx.int32), "v_cache": _f32((6, 8, 2, HEAD), mx.int32)},
+                 ["k_cache.dtype=int32 (supported: float16, bfloat16, float32)"]),
+    "slot-out-of-range": ({"slot_mapping": mx.array(np.array([3, 48, -1, 0], np.int64))},
+                          ["slot_mapping holds slot 48, out of range (pool has 48 slots: 0..47"]),
+    "slot-duplicated": ({"slot_mapping": mx.array(np.array([5, 9, -1, 5], np.int64))},
+                        ["slot_mapping holds slot 5 more than once"]),
+    "slot-shape": ({"slot_mapping": mx.array(np.array([1, 2, 3], np.int64))},
+                   ["slot_mapping.shape=(3,) (allowed: [4], one slot per token)"]),
+    "slot-float-mx": ({"slot_mapping": mx.array([1.0, 2.0, 3.0, 4.0])},
+                      ["slot_mapping.dtype=float32 (allowed: int64 or int32)"]),
+    "slot-float-numpy": ({"slot_mapping": np.array([1.0, 2.0, 3.0, 4.0])},
+                         ["slot_mapping must hold integers (got dtype float64)"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CACHE))
+def test_reshape_and_cache_rejects_bad_input(name: str) -> None:
+    changes, expected = BAD_CACHE[name]
+    args = _cache_args(**changes)
+    pools = [to_numpy(args[k]) for k in ("k_cache", "v_cache") if isinstance(args[k], mx.array)]
+    with pytest.raises(InvalidInputError) as info:
+        metal_attn.reshape_and_cache(**args)
+    for text in expected:
+        assert text in str(info.value), f"{text!r} not in {str(info.value)!r}"
+    after = [to_numpy(args[k]) for k in ("k_cache", "v_cache") if isinstance(args[k], mx.array)]
+    for b, a in zip(pools, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _bits(x: mx.array) -> np.ndarray:
+    return np.array(x.view(mx.uint16 if x.dtype != mx.float32 else mx.uint32))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("slot_type", ["mx-int64", "mx-int32", "numpy", "list"])
+def test_reshape_and_cache_is_a_plain_scatter(dtype: Any, slot_type: str) -> None:
+    """Byte-identical to ``pool[slot] = kv`` in numpy, negative slots skipped; inputs untouched."""
+    rng = np.random.default_rng(2)
+    nb, bs, kvh, d, n = 7, 8, 2, HEAD, 20
+    slots = rng.permutation(nb * bs)[:n].astype(np.int64)
+    slots[[0, 7, 19]] = [-1, -5, -1]
+    key, value = (mx.array(rng.standard_normal((n, kvh, d), dtype=np.float32)).astype(dtype) for _ in range(2))
+    kc, vc = (mx.array(rng.standard_normal((nb, bs, kvh, d), dtype=np.float32)).astype(dtype) for _ in range(2))
+    mx.eval(key, value, kc, vc)
+    before = {name: _bits(x) for name, x in (("key", key), ("value", value), ("k_cache", kc), ("v_cache", vc))}
+    slot_arg: Any = {
+        "mx-int64": mx.array(slots), "mx-int32": mx.array(slots.astype(np.int32)), "numpy": slots,
+        "list": slots.tolist(),
+    }[slot_type]
+
+    new_k, new_v = metal_attn.reshape_and_cache(key, value, kc, vc, slot_arg)
+    mx.eval(new_k, new_v)
+
+    keep = slots >= 0
+    for new, pool, src in ((new_k, "k_cache", "key"), (new_v, "v_cache", "value")):
+        want = before[pool].reshape(nb * bs, kvh, d).copy()
+        want[slots[keep]] = before[src][keep]
+        assert new.dtype == dtype and new.shape == (nb, bs, kvh, d)
+        np.testing.assert_array_equal(_bits(new).reshape(nb * bs, kvh, d), want)
+    # values semantics: the caller's arrays still hold what they held
+    for name, x in (("key", key), ("value", value), ("k_cache", kc), ("v_cache", vc)):
+        np.testing.assert_array_equal(_bits(x), before[name], err_msg=name)
+    record = metal_attn.diagnostics.last_cache_write()
+    assert record is not None and record.op == "reshape_and_cache"
+
+
+def test_reshape_and_cache_all_padding_leaves_the_pool() -> None:
+    args = _cache_args(slot_mapping=np.array([-1, -1, -1, -1]))
+    before = to_numpy(args["k_cache"])
+    new_k, _ = metal_attn.reshape_and_cache(**args)
+    np.testing.assert_array_equal(to_numpy(new_k), before)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=pytest.fail.Exception,
+    reason="core bug: metal_attn/api.py _check_slots skips validation when the same "
+                   "mx.array object is passed again, but MLX arrays can be edited in place (x[i] = ...), so a "
+                   "duplicated or out-of-range slot then reaches the writer (an out-of-range one segfaults); "
+                   "the identity cache must not bypass the value checks",
+)
+def test_slot_checks_survive_in_place_edits() -> None:
+    args = _cache_args()
+    metal_attn.reshape_and_cache(**args)
+    slots = args["slot_mapping"]
+    slots[1] = 3  # now [3, 3, -1, 40]: slot 3 twice
+    with pytest.raises(InvalidInputError, match="slot_mapping holds slot 3 more than once"):
+        metal_attn.reshape_and_cache(**args)
+
+
+# -- randomized correctness of the reference provider ------------------------------------------------
+
+
+@st.composite
+def _batches(draw: st.DrawFn) -> dict[str, Any]:
+    block_size = draw(st.sampled_from([8, 16, 32]))
+    num_kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4]))
+    n = draw(st.integers(1, 3))
+    edge = st.builds(lambda b, d: max(1, b * block_size + d), st.integers(0, 4), st.sampled_from([-1, 0, 1]))
+    seq_lens = draw(st.lists(st.one_of(edge, st.integers(1, 100)), min_size=n, max_size=n))
+    q_lens = [draw(st.sampled_from(sorted({1, s, min(s, draw(st.integers(1, 24)))}))) for s in seq_lens]
+    order = sorted(range(n), key=lambda i: q_lens[i] != 1)  # decode rows first
+    return {
+        "q_lens": [q_lens[i] for i in order],
+        "seq_lens": [seq_lens[i] for i in order],
+        "num_heads": num_kv_heads * group,
+        "num_kv_heads": num_kv_heads,
+        "head_size": draw(st.sampled_from([8, 32, 64])),
+        "block_size": block_size,
+        "dtype": draw(st.sampled_from(["float32", "float16", "bfloat16"])),
+        "sinks": draw(st.booleans()),
+        "sliding_window": draw(st.one_of(st.none(), st.integers(1, 40))),
+        "softcap": draw(st.one_of(st.none(), st.sampled_from([1.0, 5.0]))),
+        "shared_prefix_blocks": draw(st.sampled_from([0, 0, 1])),
+        "contiguous": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=_batches())
+def test_reference_matches_oracle_randomized(spec: dict[str, Any]) -> None:
+    case = make_case(**spec)
+    got = run_case(case, provider="reference")
+    assert_close_to_oracle(got, case.oracle(), case.dtype, label=str(spec))

@@ -1,0 +1,72 @@
+"""The Metal source check: generated MSL of every classic specialization type-checks with clang,
+and the check fails on planted errors (so it is a check that can fail).
+
+What this proves and what it does not: see metal_attn/msl_check.py and kernels_v2/README.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from metal_attn import msl_check
+from metal_attn._layout import kernels_dir
+
+CLANG = msl_check.find_clang()
+pytestmark = pytest.mark.skipif(CLANG is None, reason="clang++ is not installed (CI installs it with apt in .ci/run)")
+
+
+def test_every_classic_specialization_type_checks():
+    specs = msl_check.classic_specializations()
+    result = msl_check.check()
+    assert result.ok, result.summary()
+    assert result.count == len(specs)
+    # dtypes x heads x blocks x {unsplit, split}; a reducer per (dtype, head); a cache writer per dtype
+    assert result.count == 3 * 7 * 3 * 2 + 3 * 7 + 3
+
+
+def test_generated_source_is_mlx_signature_plus_our_text():
+    src = msl_check.generate_msl(only=r"^paged_attention split=1 bfloat16 head=80 block=8$")
+    (_label, text), = src.items()
+    assert "[[kernel]] void custom_kernel_ma_paged_attention_" in text  # MLX's generated signature
+    assert "device float* tmp_out" in text and "const device bfloat16_t* k_cache" in text
+    assert "#define PA_SPLIT 1" in text and "#define MA_LOG2E" in text  # generated defines
+    assert "template [[host_name(" in text  # the explicit instantiation we keep
+    clang_text = msl_check.to_clang(text)
+    assert "[[" not in clang_text and "template  decltype(" in clang_text
+
+
+def _planted(tmp_path, old: str, new: str):
+    for f in kernels_dir().iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    path = tmp_path / "pagedattention.metal"
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    return tmp_path
+
+
+ONLY = r"^paged_attention split=0 float16 head=128 block=16$"
+
+
+def test_planted_undeclared_name_fails(tmp_path):
+    d = _planted(tmp_path, "const int seq = lo;", "const int seq = lo + not_declared_anywhere;")
+    result = msl_check.check(only=ONLY, kernels_dir=d)
+    assert not result.ok
+    assert any("not_declared_anywhere" in e for e in result.errors), result.summary()
+    assert all(e.startswith("[paged_attention split=0 float16 head=128 block=16]") for e in result.errors)
+
+
+def test_planted_type_mismatch_fails(tmp_path):
+    # A dependent-type error (T* vs float*): only an instantiated template reveals it.
+    d = _planted(tmp_path, "float q_reg[E];", "device float* wrong = k_cache;\nfloat q_reg[E];")
+    result = msl_check.check(only=ONLY, kernels_dir=d)
+    assert not result.ok
+    assert any("cannot initialize" in e or "incompatible" in e for e in result.errors), result.summary()
+
+
+def test_unplanted_copy_passes(tmp_path):
+    d = _planted(tmp_path, "const int seq = lo;", "const int seq = lo;")
+    assert msl_check.check(only=ONLY, kernels_dir=d).ok
