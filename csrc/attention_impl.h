@@ -31,21 +31,27 @@
 namespace metal_attn_native {
 namespace MA_ISA_NS {
 
-constexpr int W = 16;           // floats per vector
+// Floats per vector: the unit's native register width (16 for AVX-512, 8 for
+// AVX2, 4 for the baseline SSE2/NEON build), so accumulators stay in registers.
+#if defined(MA_ISA_AVX512)
+constexpr int W = 16;
+#elif defined(MA_ISA_AVX2)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
 constexpr int kChunk = 32;      // tokens per scoring chunk (within one page)
 constexpr int kMaxNQ = 4;       // query vectors per micro-kernel
 constexpr float kLog2e = static_cast<float>(MA_LOG2E);
 constexpr float kEps = static_cast<float>(MA_SOFTMAX_EPS);
 constexpr float kNegMax = -FLT_MAX;
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh16 __attribute__((vector_size(W * 2)));
 
-static inline vf splat(float x) {
-  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-}
+static inline vf splat(float x) { return vf{} + x; }
 static inline vf loadu(const float* p) {
   vf r;
   std::memcpy(&r, p, sizeof(r));
@@ -80,11 +86,9 @@ static inline vf load_f16(const uint16_t* p) {
   std::memcpy(&out, &r, sizeof(out));
   return out;
 #elif defined(MA_ISA_AVX2)
-  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  __m256 r = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   vf out;
-  std::memcpy(&out, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  std::memcpy(&out, &r, sizeof(out));
   return out;
 #else
   // Exponent/mantissa moved into float32 position, then rescaled by 2^112:
@@ -196,18 +200,13 @@ static inline void store_scalar(void* base, int64_t idx, float x) {
 static inline float hsum(vf v) {
 #if defined(MA_ISA_AVX512)
   return _mm512_reduce_add_ps(v);
+#elif defined(MA_ISA_AVX2)
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
 #else
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  v8 a, b;
-  std::memcpy(&a, &v, 32);
-  std::memcpy(&b, reinterpret_cast<char*>(&v) + 32, 32);
-  a += b;
-  v4 c, d;
-  std::memcpy(&c, &a, 16);
-  std::memcpy(&d, reinterpret_cast<char*>(&a) + 16, 16);
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
+  return (v[0] + v[2]) + (v[1] + v[3]);
 #endif
 }
 
@@ -263,13 +262,57 @@ struct QState {
   float* l;    // running sum
 };
 
+// Software prefetch of the next chunk's K/V rows (one chunk ahead, spread over
+// the score loop): a KV head's rows sit one token stride apart, a different
+// 4 KiB page each, where hardware prefetchers do not follow.
+struct Prefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int n = 0;
+  int64_t tok_bytes = 0;
+  int row_bytes = 0;
+};
+
 template <int NQ, int DT>
 static inline void attend_chunk(const void* kbase, const void* vbase, int64_t tok_stride, int n, int D,
-                                float softcap, QState* qs) {
+                                float softcap, QState* qs, const Prefetch& pf) {
   alignas(64) float s[NQ][kChunk];
   const int nd = D / W;
-  // Scores: each K element is loaded once and used by the NQ query vectors.
-  for (int t = 0; t < n; ++t) {
+  auto prefetch_row = [&](int t) {
+    if (t < pf.n) {
+      const char* pk = pf.k + t * pf.tok_bytes;
+      const char* pv = pf.v + t * pf.tok_bytes;
+      for (int b = 0; b < pf.row_bytes; b += 64) {
+        __builtin_prefetch(pk + b, 0, 3);
+        __builtin_prefetch(pv + b, 0, 3);
+      }
+    }
+  };
+  // Scores: each K element is loaded once and used by the NQ query vectors;
+  // two tokens at a time so 2*NQ independent FMA chains are in flight.
+  int t = 0;
+  for (; t + 1 < n; t += 2) {
+    prefetch_row(t);
+    prefetch_row(t + 1);
+    const int64_t row0 = t * tok_stride, row1 = row0 + tok_stride;
+    vf a[NQ], b[NQ];
+    for (int j = 0; j < NQ; ++j) a[j] = b[j] = splat(0.0f);
+    for (int c = 0; c < nd; ++c) {
+      const vf k0 = load_vec<DT>(kbase, row0 + c * W);
+      const vf k1 = load_vec<DT>(kbase, row1 + c * W);
+      for (int j = 0; j < NQ; ++j) {
+        const vf qv = loadu(qs[j].q + c * W);
+        a[j] += qv * k0;
+        b[j] += qv * k1;
+      }
+    }
+    for (int j = 0; j < NQ; ++j) {
+      s[j][t] = hsum(a[j]);
+      s[j][t + 1] = hsum(b[j]);
+    }
+  }
+  if (t < n) {
+    prefetch_row(t);
     const int64_t row = t * tok_stride;
     vf a[NQ];
     for (int j = 0; j < NQ; ++j) a[j] = splat(0.0f);
@@ -287,28 +330,51 @@ static inline void attend_chunk(const void* kbase, const void* vbase, int64_t to
   float alpha[NQ];
   for (int j = 0; j < NQ; ++j) {
     if (softcap > 0.0f) {
-      storeu(&s[j][0], softcap_log2(loadu(&s[j][0]), softcap));
-      storeu(&s[j][W], softcap_log2(loadu(&s[j][W]), softcap));
+      for (int i = 0; i < kChunk; i += W) storeu(&s[j][i], softcap_log2(loadu(&s[j][i]), softcap));
       for (int t = n; t < kChunk; ++t) s[j][t] = kNegMax;  // padding stays masked
     }
-    vf s0 = loadu(&s[j][0]);
-    vf s1 = loadu(&s[j][W]);
-    vf mx = vmax(s0, s1);
-    float cmax = mx[0];
-    for (int i = 1; i < W; ++i) cmax = mx[i] > cmax ? mx[i] : cmax;
+    constexpr int NV = kChunk / W;
+    vf mv = loadu(&s[j][0]);
+    for (int i = 1; i < NV; ++i) mv = vmax(mv, loadu(&s[j][i * W]));
+    float cmax = mv[0];
+    for (int i = 1; i < W; ++i) cmax = mv[i] > cmax ? mv[i] : cmax;
     const float m_old = *qs[j].m;
     const float m_new = cmax > m_old ? cmax : m_old;
     // m_old == -FLT_MAX (fresh state): exp2 of a huge negative number is 0.
     alpha[j] = m_old == m_new ? 1.0f : std::exp2(m_old - m_new);
-    vf p0 = exp2v(s0 - splat(m_new));
-    vf p1 = exp2v(s1 - splat(m_new));
-    storeu(&p[j][0], p0);
-    storeu(&p[j][W], p1);
-    *qs[j].l = *qs[j].l * alpha[j] + hsum(p0 + p1);
+    vf sum = splat(0.0f);
+    for (int i = 0; i < NV; ++i) {
+      const vf pv = exp2v(loadu(&s[j][i * W]) - m_new);
+      storeu(&p[j][i * W], pv);
+      sum += pv;
+    }
+    *qs[j].l = *qs[j].l * alpha[j] + hsum(sum);
     *qs[j].m = m_new;
   }
-  // acc = acc * alpha + P V; the accumulators stay in registers across the chunk.
-  for (int c = 0; c < nd; ++c) {
+  // acc = acc * alpha + P V; the accumulators stay in registers across the
+  // chunk, two 16-float column blocks at a time for independent FMA chains.
+  int c = 0;
+  for (; c + 1 < nd; c += 2) {
+    vf a[NQ], b[NQ];
+    for (int j = 0; j < NQ; ++j) {
+      a[j] = loadu(qs[j].acc + c * W) * splat(alpha[j]);
+      b[j] = loadu(qs[j].acc + (c + 1) * W) * splat(alpha[j]);
+    }
+    for (int t = 0; t < n; ++t) {
+      const vf v0 = load_vec<DT>(vbase, t * tok_stride + c * W);
+      const vf v1 = load_vec<DT>(vbase, t * tok_stride + (c + 1) * W);
+      for (int j = 0; j < NQ; ++j) {
+        const vf pj = splat(p[j][t]);
+        a[j] += pj * v0;
+        b[j] += pj * v1;
+      }
+    }
+    for (int j = 0; j < NQ; ++j) {
+      storeu(qs[j].acc + c * W, a[j]);
+      storeu(qs[j].acc + (c + 1) * W, b[j]);
+    }
+  }
+  for (; c < nd; ++c) {
     vf a[NQ];
     for (int j = 0; j < NQ; ++j) a[j] = loadu(qs[j].acc + c * W) * splat(alpha[j]);
     for (int t = 0; t < n; ++t) {
@@ -321,12 +387,12 @@ static inline void attend_chunk(const void* kbase, const void* vbase, int64_t to
 
 template <int DT>
 static void attend_chunk_n(int nq, const void* kbase, const void* vbase, int64_t tok_stride, int n, int D,
-                           float softcap, QState* qs) {
+                           float softcap, QState* qs, const Prefetch& pf) {
   switch (nq) {
-    case 1: attend_chunk<1, DT>(kbase, vbase, tok_stride, n, D, softcap, qs); break;
-    case 2: attend_chunk<2, DT>(kbase, vbase, tok_stride, n, D, softcap, qs); break;
-    case 3: attend_chunk<3, DT>(kbase, vbase, tok_stride, n, D, softcap, qs); break;
-    default: attend_chunk<4, DT>(kbase, vbase, tok_stride, n, D, softcap, qs); break;
+    case 1: attend_chunk<1, DT>(kbase, vbase, tok_stride, n, D, softcap, qs, pf); break;
+    case 2: attend_chunk<2, DT>(kbase, vbase, tok_stride, n, D, softcap, qs, pf); break;
+    case 3: attend_chunk<3, DT>(kbase, vbase, tok_stride, n, D, softcap, qs, pf); break;
+    default: attend_chunk<4, DT>(kbase, vbase, tok_stride, n, D, softcap, qs, pf); break;
   }
 }
 
@@ -341,7 +407,9 @@ static void attend_unit_t(const Job& job, const Unit& u, float* work) {
   const int seq_len = job.seq_lens[s];
   const int ctx = seq_len - q_len;
   const int nrows = u.row_end - u.row_begin;
-  const int nq = nrows * G;
+  const int nkv = u.kvh_end - u.kvh_begin;
+  const int NHU = nkv * G;  // query heads in this unit
+  const int nq = nrows * NHU;
   const int64_t tok_stride = static_cast<int64_t>(job.KVH) * D;
   const bool split = u.part >= 0;
   const float qscale = job.softcap > 0.0f ? job.scale : job.scale * kLog2e;
@@ -351,21 +419,23 @@ static void attend_unit_t(const Job& job, const Unit& u, float* work) {
   float* mbuf = acc + nq * D;         // [nq]
   float* lbuf = mbuf + nq;            // [nq]
 
+  // Query vector i = r * NHU + hh holds row r, head kvh_begin * G + hh.
   for (int r = 0; r < nrows; ++r) {
     const int64_t t = q_start + u.row_begin + r;
-    for (int g = 0; g < G; ++g) {
-      const int h = u.kvh * G + g;
-      float* dst = qbuf + (r * G + g) * D;
+    for (int hh = 0; hh < NHU; ++hh) {
+      const int h = u.kvh_begin * G + hh;
+      const int i = r * NHU + hh;
+      float* dst = qbuf + i * D;
       const int64_t base = t * job.q_st + h * job.q_sh;
       for (int d = 0; d < D; ++d) dst[d] = load_scalar<DT>(job.q, base + d * job.q_sd) * qscale;
-      float* a = acc + (r * G + g) * D;
+      float* a = acc + i * D;
       for (int d = 0; d < D; ++d) a[d] = 0.0f;
       if (job.sinks != nullptr && !split) {
-        mbuf[r * G + g] = job.sinks[h] * kLog2e;
-        lbuf[r * G + g] = 1.0f;
+        mbuf[i] = job.sinks[h] * kLog2e;
+        lbuf[i] = 1.0f;
       } else {
-        mbuf[r * G + g] = kNegMax;
-        lbuf[r * G + g] = 0.0f;
+        mbuf[i] = kNegMax;
+        lbuf[i] = 0.0f;
       }
     }
   }
@@ -394,8 +464,8 @@ static void attend_unit_t(const Job& job, const Unit& u, float* work) {
   const int64_t isz = DT == kFloat32 ? 4 : 2;
   QState qs[kMaxNQ];
   // Outer chunks of PARTITION_SIZE tokens keep a prefill tile's K/V in L2 while
-  // all of its rows pass over them; pages inside, then head blocks, so each
-  // K/V chunk is loaded into L1 once and used by every query head of the group.
+  // all of its rows pass over them; then pages, then KV heads and head blocks,
+  // so each K/V chunk is loaded into L1 once for every query head that uses it.
   const int64_t outer = MA_PARTITION_SIZE;
   for (int64_t cs = union_lo; cs < union_hi; cs += outer) {
     const int64_t ce = cs + outer < union_hi ? cs + outer : union_hi;
@@ -411,16 +481,44 @@ static void attend_unit_t(const Job& job, const Unit& u, float* work) {
         if (n > b - a) n = b - a;
         if (n > kChunk) n = kChunk;
         const int64_t block = table[page];
-        const int64_t elem = static_cast<int64_t>(off) * tok_stride + static_cast<int64_t>(u.kvh) * D;
-        const void* kp = kb + (block * job.k_sb + elem) * isz;
-        const void* vp = vb + (block * job.v_sb + elem) * isz;
-        for (int g0 = 0; g0 < G; g0 += kMaxNQ) {
-          const int cnt = G - g0 < kMaxNQ ? G - g0 : kMaxNQ;
-          for (int j = 0; j < cnt; ++j) {
-            const int i = r * G + g0 + j;
-            qs[j] = QState{qbuf + i * D, acc + i * D, mbuf + i, lbuf + i};
+        const int64_t elem = static_cast<int64_t>(off) * tok_stride;
+        const char* kp = kb + (block * job.k_sb + elem) * isz;
+        const char* vp = vb + (block * job.v_sb + elem) * isz;
+        // The next chunk of this row, prefetched while this one is computed.
+        const char* nkp = nullptr;
+        const char* nvp = nullptr;
+        int nn = 0;
+        if (a + n < b) {
+          const int64_t na = a + n;
+          const int64_t npage = na / BS;
+          const int noff = static_cast<int>(na - npage * BS);
+          int64_t m = BS - noff;
+          if (m > b - na) m = b - na;
+          if (m > kChunk) m = kChunk;
+          const int64_t nblock = table[npage];
+          nkp = kb + (nblock * job.k_sb + static_cast<int64_t>(noff) * tok_stride) * isz;
+          nvp = vb + (nblock * job.v_sb + static_cast<int64_t>(noff) * tok_stride) * isz;
+          nn = static_cast<int>(m);
+        }
+        for (int kk = 0; kk < nkv; ++kk) {
+          const int64_t hoff = static_cast<int64_t>(u.kvh_begin + kk) * D * isz;
+          Prefetch pf;
+          if (nn) {
+            pf.k = nkp + hoff;
+            pf.v = nvp + hoff;
+            pf.n = nn;
+            pf.tok_bytes = tok_stride * isz;
+            pf.row_bytes = static_cast<int>(D * isz);
           }
-          attend_chunk_n<DT>(cnt, kp, vp, tok_stride, static_cast<int>(n), D, job.softcap, qs);
+          for (int g0 = 0; g0 < G; g0 += kMaxNQ) {
+            const int cnt = G - g0 < kMaxNQ ? G - g0 : kMaxNQ;
+            for (int j = 0; j < cnt; ++j) {
+              const int i = r * NHU + kk * G + g0 + j;
+              qs[j] = QState{qbuf + i * D, acc + i * D, mbuf + i, lbuf + i};
+            }
+            attend_chunk_n<DT>(cnt, kp + hoff, vp + hoff, tok_stride, static_cast<int>(n), D, job.softcap, qs,
+                               g0 == 0 ? pf : Prefetch{});
+          }
         }
         a += n;
       }
@@ -430,9 +528,9 @@ static void attend_unit_t(const Job& job, const Unit& u, float* work) {
   // Write the rows: normalised output, or the split contract's three arrays.
   for (int r = 0; r < nrows; ++r) {
     const int64_t t = q_start + u.row_begin + r;
-    for (int g = 0; g < G; ++g) {
-      const int i = r * G + g;
-      const int h = u.kvh * G + g;
+    for (int hh = 0; hh < NHU; ++hh) {
+      const int i = r * NHU + hh;
+      const int h = u.kvh_begin * G + hh;
       const float inv = 1.0f / (lbuf[i] + kEps);
       const float* a = acc + i * D;
       if (split) {

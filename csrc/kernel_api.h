@@ -11,11 +11,14 @@ namespace metal_attn_native {
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // One work item: query rows [row_begin, row_end) of sequence `seq`, the query
-// heads of KV head `kvh`, and KV partition `part` (-1: the whole row, written
-// straight to the output; >= 0: a split partial for the reducer).
+// heads of KV heads [kvh_begin, kvh_end), and KV partition `part` (-1: the
+// whole row, written straight to the output; >= 0: a split partial for the
+// reducer). Decode rows take several KV heads per unit so a page's tokens are
+// read as whole contiguous rows; prefill tiles take one.
 struct Unit {
   int32_t seq;
-  int32_t kvh;
+  int32_t kvh_begin;
+  int32_t kvh_end;
   int32_t row_begin;
   int32_t row_end;
   int32_t part;

@@ -19,6 +19,9 @@ namespace metal_attn_native {
 
 namespace {
 
+// Decode work is cut into at least this many units per thread (dynamic balance).
+constexpr int kUnitsPerThread = 4;
+
 // ---- instruction sets ------------------------------------------------------------------
 
 bool cpu_supports(Isa isa) {
@@ -262,27 +265,45 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       if (max_parts <= 1 || scratch > static_cast<double>(MA_SCRATCH_CAP_BYTES)) part = 0, max_parts = 0;
     }
 
-    // Work units (sequence, KV head, row tile, partition), most expensive first.
+    // Work units (sequence, KV heads, row tile, partition), most expensive first.
+    // Decode rows (q_len == 1) take `hpu` KV heads per unit: the largest divisor
+    // of KVH that still leaves kUnitsPerThread units per thread, so each page is
+    // read as whole token rows (contiguous, TLB- and prefetcher-friendly).
+    // Prefill tiles take one KV head and RT rows (K/V reused from L2).
     const int RT = row_tile_for_group(G);
+    const int threads = std::max(1, p.num_threads);
+    int n_decode_units = 0;
+    for (int s = 0; s < S; ++s) {
+      if (seq_ok[s] && cuq[s + 1] - cuq[s] == 1)
+        n_decode_units += part > 0 ? (lens[s] + part - 1) / part : 1;
+    }
+    int hpu = 1;
+    for (int d = KVH; d >= 1; --d) {
+      if (KVH % d == 0 && static_cast<int64_t>(n_decode_units) * (KVH / d) >= kUnitsPerThread * threads) {
+        hpu = d;
+        break;
+      }
+    }
     std::vector<Unit> units;
     std::vector<int64_t> cost;
     for (int s = 0; s < S; ++s) {
       if (!seq_ok[s]) continue;
       const int q_len = cuq[s + 1] - cuq[s];
       const int ctx = lens[s] - q_len;
+      const int heads = q_len == 1 ? hpu : 1;
       for (int r0 = 0; r0 < q_len; r0 += RT) {
         const int r1 = std::min(q_len, r0 + RT);
         const int64_t row_kv = std::min<int64_t>(ctx + r1, p.window > 0 ? p.window + (r1 - r0) : INT64_MAX);
-        for (int h = 0; h < KVH; ++h) {
+        for (int h = 0; h < KVH; h += heads) {
           if (part > 0) {
             const int nparts = (lens[s] + part - 1) / part;
             for (int z = 0; z < nparts; ++z) {
-              units.push_back(Unit{s, h, r0, r1, z});
-              cost.push_back(static_cast<int64_t>(r1 - r0) * std::min<int64_t>(part, lens[s] - int64_t(z) * part));
+              units.push_back(Unit{s, h, h + heads, r0, r1, z});
+              cost.push_back(int64_t(heads) * (r1 - r0) * std::min<int64_t>(part, lens[s] - int64_t(z) * part));
             }
           } else {
-            units.push_back(Unit{s, h, r0, r1, -1});
-            cost.push_back(static_cast<int64_t>(r1 - r0) * row_kv);
+            units.push_back(Unit{s, h, h + heads, r0, r1, -1});
+            cost.push_back(int64_t(heads) * (r1 - r0) * row_kv);
           }
         }
       }
@@ -342,10 +363,9 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     job.units = sorted.data();
     job.num_units = static_cast<int>(sorted.size());
     job.row_tile = RT;
-    job.work_floats = static_cast<int64_t>(RT) * G * (2 * D + 2);
+    job.work_floats = static_cast<int64_t>(std::max(RT * G, hpu * G)) * (2 * D + 2);
 
     const IsaFns fns = isa_fns(p.isa);
-    const int threads = std::max(1, p.num_threads);
     std::vector<float> work(static_cast<size_t>(job.work_floats) * threads);
     ThreadPool::instance().run(threads, job.num_units, [&](int i, int tid) {
       fns.attend(job, i, work.data() + static_cast<size_t>(tid) * job.work_floats);

@@ -4,7 +4,9 @@
 //   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_SIMD_WIDTH, and per variant PA_SPLIT.
 
 // @kernel paged_attention
-// One threadgroup per (query head, query row, partition); NUM_THREADS threads.
+// One threadgroup per (group of NUM_THREADS/32 consecutive query heads, query row, partition);
+// one simdgroup per query head, so the heads of a GQA group read the same K/V rows together
+// (served from L1/the cache, not re-read from memory). No threadgroup memory, no barriers.
 // Inputs : q [T, H, D], k_cache/v_cache [NB, BS, KVH, D], block_tables [S, MB] int32,
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32, sinks [H] float32,
 //          params int32 [num_seqs, num_heads, num_kv_heads, max_blocks, window, max_parts, use_sinks],
@@ -12,7 +14,7 @@
 // Outputs: PA_SPLIT == 0: out [T, H, D] (T dtype)
 //          PA_SPLIT == 1: max_logits [T, H, P], exp_sums [T, H, P], tmp_out [T, H, P, D] (float32)
 // Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token), UNROLL.
-constexpr int NUM_WARPS = NUM_THREADS / MA_SIMD_WIDTH;
+constexpr int HEADS_PER_GROUP = NUM_THREADS / MA_SIMD_WIDTH;
 constexpr int NV = HEAD_SIZE / (4 * TPT);    // 4-element vectors per lane
 constexpr int E = 4 * NV;                    // head elements per lane
 constexpr int TPP = MA_SIMD_WIDTH / TPT;     // tokens per simdgroup pass
@@ -28,14 +30,12 @@ const int use_sinks = params[6];
 const float score_scale = fparams[0];
 const float softcap = fparams[1];
 
-const int head = int(threadgroup_position_in_grid.x);
+const int lane = int(thread_index_in_simdgroup);
+const int head = int(threadgroup_position_in_grid.x) * HEADS_PER_GROUP + int(simdgroup_index_in_threadgroup);
 const int qtok = int(threadgroup_position_in_grid.y);
 const int part = int(threadgroup_position_in_grid.z);
-const int tid = int(thread_position_in_threadgroup.x);
-const int lane = int(thread_index_in_simdgroup);
-const int warp = int(simdgroup_index_in_threadgroup);
 if (head >= num_heads) {
-  return;
+  return;  // a whole simdgroup: the last group of heads may be partial
 }
 
 // The sequence of this query row: last s with cu_seqlens_q[s] <= qtok.
@@ -67,11 +67,11 @@ const int p_end = metal::min(p_start + PARTITION_SIZE, ctx);
 const int64_t stat_idx = row_head * max_parts + part;
 if (p_end <= win_start) {
   // Entirely left of the sliding window: a neutral partial.
-  if (tid == 0) {
+  if (lane == 0) {
     max_logits[stat_idx] = MA_NEG_FLT_MAX;
     exp_sums[stat_idx] = 0.0f;
   }
-  for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS) {
+  for (int d = lane; d < HEAD_SIZE; d += MA_SIMD_WIDTH) {
     tmp_out[stat_idx * HEAD_SIZE + d] = 0.0f;
   }
   return;
@@ -103,7 +103,7 @@ const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
 const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
 
-for (int base = t_begin + warp * STEP; base < t_end; base += NUM_WARPS * STEP) {
+for (int base = t_begin; base < t_end; base += STEP) {
   float s[UNROLL];
   float vv[UNROLL][E];
   bool ok[UNROLL];
@@ -155,7 +155,8 @@ for (int base = t_begin + warp * STEP; base < t_end; base += NUM_WARPS * STEP) {
   m = m_new;
 }
 
-// Merge the simdgroup's token slots (lanes sl, sl + TPT, ... hold the same slice).
+// Merge the simdgroup's token slots (lanes sl, sl + TPT, ... hold the same slice);
+// after the butterfly every slot holds the merged state.
 for (int o = TPT; o < MA_SIMD_WIDTH; o <<= 1) {
   const float m_o = simd_shuffle_xor(m, ushort(o));
   const float l_o = simd_shuffle_xor(l, ushort(o));
@@ -169,61 +170,35 @@ for (int o = TPT; o < MA_SIMD_WIDTH; o <<= 1) {
   m = m_n;
 }
 
-// Merge the simdgroups through threadgroup memory.
-threadgroup float w_m[NUM_WARPS];
-threadgroup float w_l[NUM_WARPS];
-threadgroup float w_acc[NUM_WARPS * HEAD_SIZE];
+#if PA_SPLIT
 if (lane == 0) {
-  w_m[warp] = m;
-  w_l[warp] = l;
+  max_logits[stat_idx] = m;
+  exp_sums[stat_idx] = l;
 }
+const float inv = 1.0f / (l + MA_SOFTMAX_EPS);
 if (sub == 0) {
   for (int j = 0; j < NV; ++j) {
     for (int c = 0; c < 4; ++c) {
-      w_acc[warp * HEAD_SIZE + (sl + TPT * j) * 4 + c] = acc[4 * j + c];
+      tmp_out[stat_idx * HEAD_SIZE + (sl + TPT * j) * 4 + c] = acc[4 * j + c] * inv;
     }
   }
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-
-float g_max = MA_NEG_FLT_MAX;
-for (int w = 0; w < NUM_WARPS; ++w) {
-  g_max = metal::max(g_max, w_m[w]);
-}
-float g_sum = 0.0f;
-for (int w = 0; w < NUM_WARPS; ++w) {
-  g_sum += w_l[w] * ma_rescale(w_m[w], g_max);
-}
-
-#if PA_SPLIT
-if (tid == 0) {
-  max_logits[stat_idx] = g_max;
-  exp_sums[stat_idx] = g_sum;
-}
-const float inv = 1.0f / (g_sum + MA_SOFTMAX_EPS);
-for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS) {
-  float o = 0.0f;
-  for (int w = 0; w < NUM_WARPS; ++w) {
-    o += w_acc[w * HEAD_SIZE + d] * ma_rescale(w_m[w], g_max);
-  }
-  tmp_out[stat_idx * HEAD_SIZE + d] = o * inv;
 }
 #else
 // Sinks are folded once per row, here (no value row).
 float fold = 1.0f;
 if (use_sinks) {
   const float sink = sinks[head] * MA_LOG2E;
-  const float m_s = metal::max(g_max, sink);
-  fold = ma_rescale(g_max, m_s);
-  g_sum = g_sum * fold + metal::exp2(sink - m_s);
+  const float m_s = metal::max(m, sink);
+  fold = ma_rescale(m, m_s);
+  l = l * fold + metal::exp2(sink - m_s);
 }
-const float inv = fold / (g_sum + MA_SOFTMAX_EPS);
-for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS) {
-  float o = 0.0f;
-  for (int w = 0; w < NUM_WARPS; ++w) {
-    o += w_acc[w * HEAD_SIZE + d] * ma_rescale(w_m[w], g_max);
+const float inv = fold / (l + MA_SOFTMAX_EPS);
+if (sub == 0) {
+  for (int j = 0; j < NV; ++j) {
+    for (int c = 0; c < 4; ++c) {
+      out[q_off + (sl + TPT * j) * 4 + c] = ma_from_float<T>(acc[4 * j + c] * inv);
+    }
   }
-  out[q_off + d] = ma_from_float<T>(o * inv);
 }
 #endif
 

@@ -159,7 +159,7 @@ def versions() -> dict[str, str]:
         from metal_attn.device import detect_backend
 
         out["mlx backend"] = detect_backend()
-    except Exception as exc:
+    except Exception as exc:  # a bug report must still print
         out["mlx backend"] = f"unknown ({type(exc).__name__}: {exc})"
     return out
 
@@ -233,7 +233,9 @@ def _explain_lengths(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         seq_lens = args.seq_lens
         q_lens = args.q_lens if args.q_lens is not None else [1] * len(seq_lens)
         if len(q_lens) != len(seq_lens):
-            parser.error(f"--q-lens has {len(q_lens)} values but --seq-lens has {len(seq_lens)} (need one per sequence)")
+            parser.error(
+                f"--q-lens has {len(q_lens)} values but --seq-lens has {len(seq_lens)} (need one per sequence)"
+            )
     else:
         batch = args.batch if args.batch is not None else 1
         context = args.context if args.context is not None else 4096
@@ -269,7 +271,7 @@ def _explain_device(args: argparse.Namespace) -> Any:
 
 
 def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from metal_attn.api import explain
+    from metal_attn.api import explain, kernel_block_size
     from metal_attn.request import AttentionRequest
 
     if args.heads % args.kv_heads:
@@ -279,13 +281,10 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     request = AttentionRequest.from_lengths(
         q_lens=q_lens, seq_lens=seq_lens, backend=device.backend, dtype=args.dtype,
         cache_dtype=args.cache_dtype, num_heads=args.heads, num_kv_heads=args.kv_heads, head_size=args.head_size,
-        block_size=args.block_size, sinks=args.sinks, sliding_window=args.sliding_window, softcap=args.softcap,
+        block_size=kernel_block_size(args.block_size) or args.block_size, sinks=args.sinks,
+        sliding_window=args.sliding_window, softcap=args.softcap,
     )
     exp = explain(request, device=device, provider=args.provider)
-    if exp.forced and exp.chosen is not None and exp.chosen.name != exp.forced:
-        # A forced provider that is not registered: dispatch would raise, so nothing is chosen
-        # (Registry.explain lists every provider then, with the first admitted one marked chosen).
-        exp = dataclasses.replace(exp, rows=tuple(dataclasses.replace(r, chosen=False) for r in exp.rows))
     if args.json:
         _print_json(exp.to_dict())
         return 0 if exp.chosen else 1
@@ -319,7 +318,7 @@ def native_module_status() -> dict[str, Any]:
             return {"status": "not built", "detail": "metal_attn._native is absent (the C++ CPU kernels were not "
                     "built into this install; CPU providers that need it report themselves unavailable)"}
         return {"status": "import failed", "detail": f"ModuleNotFoundError: {exc}"}
-    except Exception as exc:
+    except Exception as exc:  # report it; the doctor never crashes
         return {"status": "import failed", "detail": f"{type(exc).__name__}: {exc}"}
     return {"status": "ok", "detail": getattr(mod, "__file__", None) or "built in"}
 
@@ -339,7 +338,7 @@ def _smoke(device: Any) -> list[dict[str, Any]]:
                      repeats=1, prompt_lens=(9, 40), chunk_size=24)
     try:
         result = run_demo(cfg)
-    except Exception as exc:
+    except Exception as exc:  # report it; the doctor never crashes
         return [{"phase": "all", "ok": False, "error": f"{type(exc).__name__}: {exc}"}]
     for s in result.steps:
         out.append({"phase": s.phase, "provider": ", ".join(s.providers), "route": ", ".join(s.routes),
@@ -371,7 +370,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     failures = [{"provider": p, "specialization": list(spec), "reason": reason}
                 for (p, spec), reason in registry.failures().items()]
     problems = [f"plugin {p!r} failed to load: {e}" for p, e in registry.load_errors.items()]
-    problems += [f"kernel {f['provider']} {tuple(f['specialization'])} failed to build: {f['reason']}" for f in failures]
+    problems += [
+        f"kernel {f['provider']} {tuple(f['specialization'])} failed to build: {f['reason']}" for f in failures
+    ]
     problems += [f"smoke {s['phase']}: {s['error']}" for s in smoke if not s["ok"]]
     if not any(p["enabled"] and p["available"] for p in provs):
         problems.append("no provider is enabled and available on this device")
@@ -585,11 +586,11 @@ def _load_bench() -> tuple[types.ModuleType | None, str | None]:
         if exc.name and BENCH_MODULE.startswith(exc.name):
             return None, f"{BENCH_MODULE} is not part of this install ({exc})"
         return None, f"{BENCH_MODULE} failed to import: ModuleNotFoundError: {exc}"
-    except Exception as exc:
+    except Exception as exc:  # shown as a clear CLI error
         return None, f"{BENCH_MODULE} failed to import: {type(exc).__name__}: {exc}"
 
 
-def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _cmd_bench(args: argparse.Namespace, _parser: argparse.ArgumentParser) -> int:
     module, error = args._bench_module, args._bench_error
     if module is None:
         print(f"metal-attn bench: error: the benchmark is unavailable: {error}", file=sys.stderr)
@@ -611,7 +612,9 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=_positive_int, default=32, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=_positive_int, default=8, help="KV heads (default 8)")
     p.add_argument("--head-size", type=_positive_int, default=128, help="head size (default 128)")
-    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per kernel block (default 16)")
+    p.add_argument("--block-size", type=_positive_int, default=16,
+                   help="cache page size in tokens (default 16); served, as paged_attention does, by the largest "
+                        "kernel block size of 32/16/8 that divides it")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float16", help="query dtype (default float16)")
 
 
@@ -635,7 +638,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--versions", action="store_true", help="also print exact versions (for bug reports)")
     p.add_argument("--device", choices=_device_preset_names(), help="availability on a hypothetical device preset")
     p.add_argument("--markdown", action="store_true", help="print the docs' provider table (Markdown)")
-    p.set_defaults(func=lambda a, _p: _cmd_providers(a))
+    p.set_defaults(func=lambda a, _p: _cmd_providers(a), _parser=p)
 
     p = sub.add_parser("explain", parents=[common], help="the decision table for a request described by flags",
                        description="Show which provider would run a request, and why every other one would not. "
@@ -659,7 +662,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     g.add_argument("--backend", choices=BACKEND_CHOICES, help="override the backend")
     g.add_argument("--gpu-cores", type=_positive_int, help="override the GPU core count")
     g.add_argument("--arch", help="override the GPU architecture (e.g. applegpu_g17s, sm_90)")
-    p.set_defaults(func=_cmd_explain)
+    p.set_defaults(func=_cmd_explain, _parser=p)
 
     p = sub.add_parser("doctor", parents=[common], help="check this installation: device, settings, native "
                        "module, providers, kernels",
@@ -668,13 +671,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                                    "paged_attention and any kernel compile failures. Exit code 1 when a problem "
                                    "is found.")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
-    p.set_defaults(func=lambda a, _p: _cmd_doctor(a))
+    p.set_defaults(func=lambda a, _p: _cmd_doctor(a), _parser=p)
 
     p = sub.add_parser("settings", parents=[common], help="every METAL_ATTN_* variable: default, value, meaning",
                        description="List every METAL_ATTN_* environment variable with its default, current value, "
                                    "allowed values, description and accepted aliases.")
     p.add_argument("--markdown", action="store_true", help="print the docs' settings table (Markdown)")
-    p.set_defaults(func=lambda a, _p: _cmd_settings(a))
+    p.set_defaults(func=lambda a, _p: _cmd_settings(a), _parser=p)
 
     p = sub.add_parser("demo", parents=[common], help="a paged serving loop checked against dense MLX (no download)",
                        description="Prefill three prompts (one in two chunks), then decode, on a paged KV cache "
@@ -692,7 +695,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default 0)")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per layer and step (default 5)")
     p.add_argument("--provider", help="force one provider (default: automatic selection)")
-    p.set_defaults(func=_cmd_demo)
+    p.set_defaults(func=_cmd_demo, _parser=p)
 
     p = sub.add_parser("bench", help="side-by-side benchmark of providers and their peers",
                        description="Benchmark providers next to MLX SDPA and the naive paged path "
@@ -709,7 +712,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         if flag not in p._option_string_actions:
             names = [flag] if flag != "--verbose" or "-v" in p._option_string_actions else ["-v", flag]
             p.add_argument(*names, **kwargs)
-    p.set_defaults(func=_cmd_bench, _bench_module=module, _bench_error=error)
+    p.set_defaults(func=_cmd_bench, _parser=p, _bench_module=module, _bench_error=error)
     return parser
 
 
@@ -734,11 +737,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``metal-attn`` console script; returns the exit code."""
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    sub_parser: argparse.ArgumentParser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
     try:
         _configure_logging(getattr(args, "verbose", 0) or 0)
         func: Callable[[argparse.Namespace, argparse.ArgumentParser], int] = args.func
-        return func(args, sub_parser)
+        return func(args, args._parser)
     except SettingsError as exc:
         print(f"metal-attn: error: {exc}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ SCRATCH_CAP_BYTES: Final[int] = 512 * 1024 * 1024
 
 #: Simdgroups per GPU core in the GQA decode work budget, per backend.
 #: Apple: measured upstream on M-series chips. CUDA: measured on the H200 (see docs).
-SIMDGROUPS_PER_CORE: Final = MappingProxyType({"metal": 33})
+SIMDGROUPS_PER_CORE: Final = MappingProxyType({"metal": 33, "cuda": 24})
 
 #: Split-KV occupancy gate of the classic kernel: split when
 #: ``num_heads * total_q_tokens < factor * gpu_cores`` (and the longest row spans

@@ -26,6 +26,7 @@ from metal_attn.api import paged_attention
 from metal_attn.cache import PagedKVCache
 from metal_attn.device import current_device
 from metal_attn.errors import InvalidInputError
+from metal_attn.metadata import AttentionMetadata
 
 #: Per dtype: (atol, rtol) of the element-wise check and the bound on the relative L2 error.
 #: The relative L2 bound catches wrong-but-small outputs (a zero-filled output has error 1).
@@ -255,7 +256,7 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[StepResult], None] | None = 
                 dense_v[layer][seq].append(v_new[row : row + n])
                 row += n
 
-            def call(layer: int = layer, q: mx.array = q) -> mx.array:
+            def call(layer: int = layer, q: mx.array = q, md: AttentionMetadata = md) -> mx.array:
                 k_pool, v_pool = cache.pools(layer)
                 return paged_attention(q, k_pool, v_pool, metadata=md, provider=cfg.provider)
 

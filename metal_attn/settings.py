@@ -106,7 +106,11 @@ class Settings(BaseSettings):
     validate_metadata: bool = Field(
         True,
         validation_alias=_env("validate_metadata"),
-        description="Check block ids, table lengths, cu_seqlens and slots once per metadata build.",
+        description=(
+            "Value checks against the pool: block ids in range and tables long enough (once per "
+            "metadata and pool), slot_mapping range and duplicates (every reshape_and_cache call). "
+            "Structural checks always run."
+        ),
     )
 
     # -- hardware probe overrides -------------------------------------------------------------

@@ -23,6 +23,7 @@ Otherwise the next provider (``classic``) takes the call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -276,6 +277,16 @@ def kernel_template(dtype: Any, num_kv_heads: int, group: int, head_size: int, b
             ("BLOCK_SIZE", block_size), ("PARTITION_SIZE", partition_size)]
 
 
+@functools.lru_cache(maxsize=256)
+def _small_array(values: tuple, dtype: str) -> mx.array:
+    """A small parameter array, made once per value (arrays are values: sharing is safe)."""
+    import mlx.core as mx
+
+    out = mx.array(list(values), dtype=getattr(mx, dtype))
+    mx.eval(out)
+    return out
+
+
 def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
            partition_size: int, backend: str) -> mx.array:
     """Run the GQA decode kernel and the shared reducer; returns ``[num_seqs, num_heads, head_size]``.
@@ -299,8 +310,8 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     group = num_heads // kvh
     max_parts = -(-metadata.max_seq_len // partition_size)
     threads = SIMD_WIDTH * group
-    dims = mx.array([metadata.max_blocks_per_seq, max_parts], dtype=mx.int32)
-    scale_arr = mx.array([scale * LOG2E], dtype=mx.float32)
+    dims = _small_array((metadata.max_blocks_per_seq, max_parts), "int32")
+    scale_arr = _small_array((scale * LOG2E,), "float32")
     max_logits, exp_sums, tmp_out = kernel_object(backend)(
         inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale_arr, dims],
         template=kernel_template(q.dtype, kvh, group, head, block_size, partition_size),
@@ -321,8 +332,9 @@ def msl_specializations() -> list:
     (5 x 2 x 2 = 20), and the shared reducer at each partition size it is
     launched with here (head sizes of the table x dtypes x partition sizes).
     """
-    from metal_attn.msl_check import Specialization
     from metal_attn.providers.classic import gpu as classic_gpu
+
+    from metal_attn.msl_check import Specialization
 
     specs = []
     dtypes = sorted(GQADecodeProvider.dtypes)

@@ -30,7 +30,7 @@ def test_small_decode_grid_splits_with_gate_arithmetic():
     notes = " | ".join(row.plan.notes)
     assert "num_heads*total_q_tokens=8*1=8 < 8*gpu_cores=8*40=320" in notes
     assert "partitions=ceil(max_seq_len/512)=ceil(8192/512)=16 >= 2" in notes
-    assert row.plan.grid == (8 * 128, 1, 16)
+    assert row.plan.grid == (2 * 128, 1, 16)  # 8 heads: 2 threadgroups of 4 simdgroups
     assert "split gate" in str(ex)
 
 
@@ -38,7 +38,7 @@ def test_full_grid_does_not_split():
     _, row = _classic_row(q_lens=[1] * 40, seq_lens=[8192] * 40)
     assert row.plan.route == "per_token_ps0" and row.plan.partition_size == 0
     assert "num_heads*total_q_tokens=8*40=320 >= 8*gpu_cores=8*40=320" in " ".join(row.plan.notes)
-    assert row.plan.grid == (8 * 128, 40, 1)
+    assert row.plan.grid == (2 * 128, 40, 1)
 
 
 def test_single_partition_does_not_split():

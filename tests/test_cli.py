@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import importlib.util
 import json
 import logging
 import os
@@ -49,8 +50,9 @@ def fresh_process(*argv: str, env: dict[str, str] | None = None, cwd: Path) -> s
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def restore_logging():
+    """`cli.main` configures the library logger (as the command should); undo it after each test."""
     lg = logging.getLogger("metal_attn")
     saved = (lg.handlers[:], lg.level, lg.propagate)
     yield lg
@@ -109,6 +111,7 @@ def test_providers_on_a_device_preset_reports_availability_there(capsys):
 def test_disabled_provider_is_listed_with_its_reason(capsys):
     with override_settings(disabled_providers=("reference",)):
         code, data = run_json(capsys, "providers")
+    assert code == 0
     ref = next(p for p in data["providers"] if p["name"] == "reference")
     assert ref["enabled"] is False
     assert ref["disabled_reason"] == "disabled by METAL_ATTN_DISABLED_PROVIDERS=reference"
@@ -149,6 +152,13 @@ def test_explain_lists_describe_a_mixed_batch(capsys):
     assert (req["num_heads"], req["num_kv_heads"], req["head_size"], req["block_size"]) == (16, 4, 64, 32)
     assert req["dtype"] == req["cache_dtype"] == "bfloat16"
     assert req["max_decode_seq_len"] == 4096
+
+
+def test_explain_translates_a_page_size_to_the_kernel_block_size(capsys):
+    code, data = run_json(capsys, "explain", "--block-size", "64")
+    assert code == 0 and data["request"]["block_size"] == 32
+    code, data = run_json(capsys, "explain", "--block-size", "24")
+    assert code == 0 and data["request"]["block_size"] == 8
 
 
 def test_explain_device_overrides_and_features(capsys):
@@ -276,7 +286,7 @@ def test_doctor_json_reports_device_settings_native_module_providers_and_smoke(c
         expected = "ok"
     except ModuleNotFoundError as exc:
         expected = "not built" if exc.name == "metal_attn._native" else "import failed"
-    except Exception:  # noqa: BLE001
+    except Exception:
         expected = "import failed"
     assert native["status"] == expected and native["detail"]
     ref = next(p for p in data["providers"] if p["name"] == "reference")
@@ -412,7 +422,7 @@ def test_demo_forced_provider_refusal_is_an_error_not_a_crash(capsys):
 
 def test_bench_missing_module_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "metal_attn.bench.cli", None)  # makes the import fail
-    code, out, err = run(capsys, "bench")
+    code, _, err = run(capsys, "bench")
     assert code == 1
     assert "metal-attn bench: error: the benchmark is unavailable" in err
     assert "metal_attn.bench.cli" in err
@@ -499,3 +509,11 @@ def test_provider_tables_in_the_docs_list_exactly_the_builtin_providers(doc):
         f"{doc}'s provider table lists {sorted(documented)} but the built-in providers are {sorted(builtin)}; "
         "regenerate it with `METAL_ATTN_PLUGIN_AUTOLOAD=0 metal-attn providers --markdown`"
     )
+
+
+def test_bench_runs_the_real_benchmark_module_when_present(capsys):
+    if importlib.util.find_spec("metal_attn.bench") is None:
+        pytest.skip("metal_attn.bench is not in this tree")
+    code, out, _ = run(capsys, "bench", "--list")
+    assert code == 0
+    assert out.strip()

@@ -132,20 +132,17 @@ def test_valid_baseline_call_runs() -> None:
     assert out.shape == (3, 4, HEAD)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="core bug: with a page size the kernels split (64 -> 2 x 32), the block-id "
-                   "and table-length checks run on the split table and report kernel-block ids, indices and "
-                   "pool size instead of the caller's (metal_attn/api.py _select: check the original metadata "
-                   "against (num_blocks, page) before split_blocks)",
-)
 def test_block_table_errors_name_the_callers_values_for_large_pages() -> None:
+    """Pages of 64 tokens run as kernel blocks of 32; errors still speak in the caller's pages."""
     args = _attention_args(
         k_cache=_f32((6, 64, 2, HEAD)), v_cache=_f32((6, 64, 2, HEAD)),
         block_tables=np.array([[1, 9], [3, 0]], np.int32), seq_lens=np.array([100, 2], np.int32),
     )
     with pytest.raises(InvalidInputError, match=r"block_tables\[0\]\[1\]=9 is out of range \(pool has 6 blocks"):
+        metal_attn.paged_attention(**args)
+    args["seq_lens"] = np.array([129, 2], np.int32)
+    too_short = r"block_tables row 0 has 2 entries but seq_lens\[0\]=129 with block_size=64 needs 3"
+    with pytest.raises(InvalidInputError, match=too_short):
         metal_attn.paged_attention(**args)
 
 
@@ -165,6 +162,18 @@ def test_validate_metadata_off_skips_the_pool_checks() -> None:
         mx.eval(metal_attn.paged_attention(**args))
         with pytest.raises(InvalidInputError, match=r"seq_lens\[0\]=1 is smaller than that sequence's q_len=2"):
             AttentionMetadata.build(bt, [1], [0, 2])
+
+
+def test_validate_metadata_off_skips_the_slot_value_checks() -> None:
+    """With validation off an mx slot mapping is passed through unchecked (shape and dtype still are)."""
+    dup = mx.array(np.array([5, 9, -1, 5], np.int64))
+    with pytest.raises(InvalidInputError, match="slot_mapping holds slot 5 more than once"):
+        metal_attn.reshape_and_cache(**_cache_args(slot_mapping=dup))
+    with override_settings(validate_metadata=False):
+        new_k, _ = metal_attn.reshape_and_cache(**_cache_args(slot_mapping=dup))
+        mx.eval(new_k)
+        with pytest.raises(InvalidInputError, match=r"slot_mapping.shape=\(3,\) \(allowed: \[4\]"):
+            metal_attn.reshape_and_cache(**_cache_args(slot_mapping=mx.array(np.array([1, 2, 3], np.int64))))
 
 
 def test_caller_arrays_unchanged_after_an_error() -> None:
@@ -281,15 +290,8 @@ def test_reshape_and_cache_all_padding_leaves_the_pool() -> None:
     np.testing.assert_array_equal(to_numpy(new_k), before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="core bug: metal_attn/api.py _check_slots skips validation when the same "
-                   "mx.array object is passed again, but MLX arrays can be edited in place (x[i] = ...), so a "
-                   "duplicated or out-of-range slot then reaches the writer (an out-of-range one segfaults); "
-                   "the identity cache must not bypass the value checks",
-)
 def test_slot_checks_survive_in_place_edits() -> None:
+    """MLX arrays can be edited in place, so a slot mapping seen before is checked again."""
     args = _cache_args()
     metal_attn.reshape_and_cache(**args)
     slots = args["slot_mapping"]

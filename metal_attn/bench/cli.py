@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from metal_attn.bench import peers
-from metal_attn.bench.core import SPEEDUP_PEERS, CandidateResult, SuiteResult, machine_info, run_suite
+from metal_attn.bench.core import (
+    SPEEDUP_PEERS,
+    CandidateResult,
+    ShapeResult,
+    SuiteResult,
+    machine_info,
+    run_suite,
+)
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
 from metal_attn.device import current_device
 
@@ -211,35 +218,53 @@ def render_markdown(suite: SuiteResult, machine: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _panels(suites: Sequence[SuiteResult]) -> list[tuple[SuiteResult, str, list[ShapeResult]]]:
+    """One panel per (suite, metric): decode and mixed shapes in GB/s, prefill shapes in TFLOP/s."""
+    out = []
+    for suite in suites:
+        for metric in ("GB/s", "TFLOP/s"):
+            rows = [sr for sr in suite.results if sr.shape.metrics[0] == metric]
+            if rows:
+                out.append((suite, metric, rows))
+    return out
+
+
 def write_plot(suites: Sequence[SuiteResult], path: str) -> str | None:
-    """Grouped bars (one group per shape, one bar per candidate); returns an error message or ``None``."""
+    """Grouped bars, one group per shape and one bar per candidate, one panel per suite and metric
+    (log scale); the ceiling is a black tick over each GB/s group. Returns an error message or ``None``."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        return f"--plot {path}: matplotlib is not importable ({exc}); install it (pip install matplotlib) " \
-               "to get the PNG. No plot was written."
-    fig, axes = plt.subplots(len(suites), 1, figsize=(max(8.0, 1.6 * max(len(s.results) for s in suites)),
-                                                       4.5 * len(suites)), squeeze=False)
-    for ax, suite in zip(axes[:, 0], suites):
-        names = [n for n in suite.candidates if any((sr.get(n) or CandidateResult(n, "", "")).ok
-                                                    for sr in suite.results)]
+        return (f"--plot {path}: matplotlib is not importable ({exc}); install it (pip install matplotlib) "
+                "to get the PNG. No plot was written.")
+    panels = _panels(suites)
+    if not panels:
+        return f"--plot {path}: no results to plot. No plot was written."
+    width_in = max(8.0, 1.4 * max(len(rows) for _, _, rows in panels))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width_in, 4.8 * len(panels)), squeeze=False)
+    for ax, (suite, metric, rows) in zip(axes[:, 0], panels):
+        names = [n for n in suite.candidates if n != "ceiling"
+                 and any((r := sr.get(n)) is not None and r.ok for sr in rows)]
         width = 0.8 / max(len(names), 1)
         for k, n in enumerate(names):
             vals = []
-            for sr in suite.results:
+            for sr in rows:
                 r = sr.get(n)
-                metric = sr.shape.metrics[0]
-                v = None if r is None or not r.ok else (r.gbps if metric == "GB/s" or r.kind == "ceiling" else r.tflops)
-                vals.append(v if v is not None else 0.0)
-            ax.bar([i + k * width for i in range(len(suite.results))], vals, width, label=n)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(suite.results))])
-        ax.set_xticklabels([f"{sr.shape.label}\n[{sr.shape.metrics[0]}]" for sr in suite.results],
-                           rotation=30, ha="right", fontsize=7)
+                v = (r.gbps if metric == "GB/s" else r.tflops) if r is not None and r.ok else None
+                vals.append(v or 0.0)
+            ax.bar([i + k * width for i in range(len(rows))], vals, width, label=n)
+        ceil = [(i, sr.ceiling_gbps) for i, sr in enumerate(rows) if metric == "GB/s" and sr.ceiling_gbps]
+        for j, (i, c) in enumerate(ceil):
+            ax.hlines(c, i - width / 2, i + 0.8 - width / 2, colors="black", linewidth=2,
+                      label="ceiling" if j == 0 else None)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+        ax.set_xticklabels([sr.shape.label for sr in rows], rotation=25, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel(metric + (" (K+V read once)" if metric == "GB/s" else " (causal)"), fontsize=8)
         ax.set_title(f"{suite.name}: {suite.description}", fontsize=9, loc="left")
-        ax.set_ylabel("GB/s (decode, mixed) or TFLOP/s (prefill)", fontsize=8)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -330,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
         for r in results:
             print(render_markdown(r, machine), file=out)
     if args.json:
-        text = json.dumps(to_json(results, machine, getattr(args, "argv", None)), indent=1)
+        text = json.dumps(to_json(results, machine, getattr(args, "argv", None) or sys.argv[1:]), indent=1)
         if json_to_stdout:
             print(text)
         else:

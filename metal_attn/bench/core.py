@@ -43,6 +43,7 @@ import numpy as np
 import metal_attn
 from metal_attn.api import kernel_block_size
 from metal_attn.device import current_device
+from metal_attn.errors import NoProviderError
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.request import AttentionRequest
 
@@ -56,8 +57,10 @@ DTYPES: dict[str, tuple[Any, str, int]] = {
 #: Peers the speedup columns compare against, in display order.
 SPEEDUP_PEERS: tuple[str, ...] = ("gather_sdpa", "mlx_sdpa", "torch_sdpa")
 
-#: Output agreement bound (relative L2 vs the check baseline) per dtype.
-CHECK_TOLERANCE: dict[str, float] = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
+#: Output agreement bound (relative L2 vs the check baseline) per dtype. float32 allows for
+#: TF32 matmuls on NVIDIA GPUs (MLX SDPA prefill differs from exact float32 by ~3e-4 there);
+#: a broken kernel is off by O(1).
+CHECK_TOLERANCE: dict[str, float] = {"float32": 2e-3, "float16": 5e-3, "bfloat16": 2e-2}
 
 #: Random data is generated for at most this many pool elements and tiled beyond
 #: (generation is slow on one CPU core; the period is thousands of pages).
@@ -502,6 +505,8 @@ class TimedCandidate:
             del first
             timing = time_fn(prep.run, warmup=max(warmup - 1, 1), iters=iters, sync=prep.sync)
             route = self.route_after(prep)
+        except NoProviderError as exc:  # e.g. a forced provider whose kernel failed to build
+            return CandidateResult(self.name, self.kind, "refused", (str(exc),))
         finally:
             if prep.close:
                 prep.close()

@@ -10,6 +10,7 @@ reducer for any kernel that writes the split contract (the GQA decode kernel).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,12 @@ def geometry(head_size: int, dtype: str) -> tuple[int, int]:
     tpt = next(t for t in (8, 4, 2, 1) if vecs % t == 0)
     per_lane = head_size // tpt
     return tpt, 2 if per_lane <= 16 else 1
+
+
+def head_groups(num_heads: int) -> int:
+    """Threadgroups per (row, partition): one simdgroup per query head, NUM_THREADS / 32 heads each."""
+    per = NUM_THREADS // kernels.SIMD_WIDTH
+    return -(-num_heads // per)
 
 
 def availability_reasons(device: DeviceInfo) -> list[str]:
@@ -107,7 +114,7 @@ def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings:
         provider=provider,
         route=ROUTES[split],
         partition_size=PARTITION_SIZE if split else 0,
-        grid=(request.num_heads * NUM_THREADS, request.total_q_tokens, parts),
+        grid=(head_groups(request.num_heads) * NUM_THREADS, request.total_q_tokens, parts),
         threadgroup=(NUM_THREADS, 1, 1),
         specialization=(device.backend, request.dtype, request.head_size, request.block_size,
                         PARTITION_SIZE if split else 0, tpt, unroll),
@@ -125,6 +132,22 @@ def _paged_kernel(backend: str, split: bool):
 
 def _reduce_kernel(backend: str):
     return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
+
+
+@functools.lru_cache(maxsize=256)
+def _small_array(values: tuple, dtype: str) -> mx.array:
+    """A small parameter array, built once per distinct value (a fresh host-to-GPU array per call
+    costs more than the kernel on short batches)."""
+    out = mx.array(list(values), dtype=getattr(mx, dtype))
+    mx.eval(out)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_f32(n: int) -> mx.array:
+    out = mx.zeros((n,), mx.float32)
+    mx.eval(out)
+    return out
 
 
 def _backend() -> str:
@@ -145,15 +168,15 @@ def launch_paged(
     tpt, unroll = geometry(head, dname)
     max_parts = -(-md.max_seq_len // PARTITION_SIZE) if split else 1
     use_sinks = sinks is not None
-    sinks_arr = sinks if use_sinks else mx.zeros((num_heads,), mx.float32)
-    params = mx.array([md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,
-                       int(sliding_window or 0), max_parts, int(use_sinks)], dtype=mx.int32)
-    fparams = mx.array([scale if softcap else scale * LOG2E, float(softcap or 0.0)], dtype=mx.float32)
+    sinks_arr = sinks if use_sinks else _zeros_f32(num_heads)
+    params = _small_array((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,
+                           int(sliding_window or 0), max_parts, int(use_sinks)), "int32")
+    fparams = _small_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
     template = [("T", dtype), ("HEAD_SIZE", head), ("BLOCK_SIZE", block_size),
                 ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", NUM_THREADS),
                 ("TPT", tpt), ("UNROLL", unroll)]
     inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks_arr, params, fparams]
-    grid = (num_heads * NUM_THREADS, total, max_parts)
+    grid = (head_groups(num_heads) * NUM_THREADS, total, max_parts)
     kern = _paged_kernel(backend, split)
     if not split:
         return kern(inputs=inputs, template=template, grid=grid, threadgroup=(NUM_THREADS, 1, 1),
@@ -189,8 +212,8 @@ def reduce_partitions(
     out_dtype = out_dtype or tmp_out.dtype
     backend = backend or _backend()
     use_sinks = sinks is not None
-    sinks_arr = sinks.astype(mx.float32) if use_sinks else mx.zeros((num_heads,), mx.float32)
-    params = mx.array([metadata.num_seqs, num_heads, max_parts, int(use_sinks)], dtype=mx.int32)
+    sinks_arr = sinks.astype(mx.float32) if use_sinks else _zeros_f32(num_heads)
+    params = _small_array((metadata.num_seqs, num_heads, max_parts, int(use_sinks)), "int32")
     return _reduce_kernel(backend)(
         inputs=[max_logits, exp_sums, tmp_out, metadata.seq_lens, metadata.cu_seqlens_q, sinks_arr, params],
         template=[("T", out_dtype), ("TT", tmp_out.dtype), ("HEAD_SIZE", head),
@@ -255,7 +278,7 @@ def write_cache(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.a
     total = num_slots * row
     groups = max(1, min(CACHE_MAX_GROUPS, math.ceil(total / CACHE_THREADS)))
     threads = groups * CACHE_THREADS
-    params = mx.array([total, row, threads], dtype=mx.int64)
+    params = _small_array((total, row, threads), "int64")
     k_out, v_out = _cache_kernel(device.backend)(
         inputs=[key, value, k_cache, v_cache, mx.array(inv), params],
         template=[("T", k_cache.dtype)], grid=(threads, 1, 1), threadgroup=(CACHE_THREADS, 1, 1),

@@ -8,7 +8,6 @@ once, when the provider registry is built.
 from __future__ import annotations
 
 from metal_attn import hookimpl
-
 from metal_attn_example.dense import DensePrefillProvider
 
 __all__ = ["DensePrefillProvider", "metal_attn_register_providers"]

@@ -1,0 +1,141 @@
+"""pytest-benchmark support for metal-attn: machine info, one group per shape, shared fixtures.
+
+A benchmark module needs only::
+
+    def test_paged_attention(run_bench, bench_shape, bench_candidate):
+        run_bench(bench_shape, bench_candidate)
+
+``bench_shape`` x ``bench_candidate`` are parametrized from a suite of
+`metal_attn.bench.suites` (``--bench-suite``, default: decode on this backend),
+optionally filtered with ``--bench-shapes`` and overridden with
+``--bench-candidates``. Inputs are built once per shape; a candidate that
+refuses a shape is skipped with its own reasons. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from metal_attn.bench import core, peers, suites
+
+#: Keys added to pytest-benchmark's machine info, so runs on different chips are told apart.
+MACHINE_KEYS: tuple[str, ...] = (
+    "backend", "device_name", "architecture", "gpu_cores", "cpu_model", "mlx_version", "metal_attn_version",
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("metal-attn", "metal-attn benchmarks")
+    group.addoption("--bench-suite", default=None, metavar="NAME",
+                    help=f"suite to parametrize from ({', '.join(suites.SUITES)}); default: decode-cpu on the CPU, "
+                         "decode-gpu on GPUs")
+    group.addoption("--bench-candidates", default=None, metavar="A,B,...",
+                    help="candidates instead of the suite's (providers by name, auto, gather_sdpa, mlx_sdpa, "
+                         "torch_sdpa)")
+    group.addoption("--bench-shapes", default=None, metavar="PATTERN,...",
+                    help="only shapes whose label contains a pattern (or matches a glob)")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict[str, Any]) -> None:
+    """Backend, device name, GPU core count and versions: saved with every run and compared."""
+    info = core.machine_info()
+    machine_info.update({k: info.get(k) for k in MACHINE_KEYS})
+
+
+def _suite(config: pytest.Config) -> suites.Suite:
+    name = config.getoption("--bench-suite") or suites.default_suite(core.current_device().backend)
+    try:
+        return suites.get_suite(name)
+    except ValueError as exc:
+        raise pytest.UsageError(f"--bench-suite: {exc}") from None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if not {"bench_shape", "bench_candidate"} <= set(metafunc.fixturenames):
+        return
+    cfg = metafunc.config
+    suite = _suite(cfg)
+    patterns = [p.strip() for p in (cfg.getoption("--bench-shapes") or "").split(",") if p.strip()]
+    shapes = suite.select(patterns or None)
+    if not shapes:
+        raise pytest.UsageError(f"--bench-shapes {cfg.getoption('--bench-shapes')!r} matches no shape of suite "
+                                f"{suite.name!r} (its shapes: {'; '.join(s.label for s in suite.shapes)})")
+    raw = cfg.getoption("--bench-candidates")
+    names = [c.strip() for c in raw.split(",") if c.strip()] if raw else list(suite.candidates)
+    # The ceiling is a reference line of `metal-attn bench`, not a kernel whose history is tracked.
+    names = [n for n in dict.fromkeys(names) if n != "ceiling"]
+    pairs = [(s, n) for s in shapes for n in names]
+    metafunc.parametrize(("bench_shape", "bench_candidate"), pairs,
+                         ids=[f"{s.label.replace(' ', '_')}-{n}" for s, n in pairs])
+
+
+class _Cases:
+    """Inputs of the current shape only (tests run shape by shape, so each case is built once)."""
+
+    def __init__(self) -> None:
+        self._shape: core.Shape | None = None
+        self._case: core.Case | None = None
+
+    def get(self, shape: core.Shape) -> core.Case:
+        if shape != self._shape:
+            self._case = None
+            self._case = core.build_case(shape)
+            self._shape = shape
+        return self._case
+
+
+@pytest.fixture(scope="session")
+def bench_suite(pytestconfig: pytest.Config) -> suites.Suite:
+    """The suite the benchmarks are parametrized from (its warm-up count is used)."""
+    return _suite(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def bench_cases() -> Iterator[_Cases]:
+    """Shape -> inputs, with MLX's CPU buffer cache raised for the whole session."""
+    with core.cpu_cache_limit():
+        yield _Cases()
+
+
+@pytest.fixture
+def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) -> Callable[[core.Shape, str], None]:
+    """``run_bench(shape, candidate)``: warm up, then time one finished call per round with pytest-benchmark."""
+
+    def run(shape: core.Shape, candidate: str) -> None:
+        (cand,) = peers.resolve([candidate])
+        if not isinstance(cand, core.TimedCandidate):
+            pytest.skip(f"{candidate} is measured by `metal-attn bench`, not by pytest-benchmark")
+        case = bench_cases.get(shape)
+        try:
+            prep = cand.prepare(case)
+        except core.Skip as skip:
+            pytest.skip(f"{candidate} {skip.status} on {shape.label}: {'; '.join(skip.reasons)}")
+        benchmark.group = shape.label
+        benchmark.extra_info.update(candidate=candidate, kind=cand.kind, shape=shape.to_dict(),
+                                    kv_bytes=shape.kv_bytes, flops=shape.flops)
+        try:
+            for _ in range(max(bench_suite.warmup, 1)):  # the first call compiles: never time it
+                prep.run()
+            prep.sync()
+            route = cand.route_after(prep)
+            benchmark.extra_info["route"] = route
+
+            def target() -> None:
+                prep.run()
+                prep.sync()
+
+            benchmark(target)
+        finally:
+            if prep.close:
+                prep.close()
+        stats = getattr(benchmark, "stats", None)
+        if stats is not None and stats.stats.median > 0:
+            median = stats.stats.median
+            benchmark.extra_info["gbps_median"] = shape.kv_bytes / median / 1e9
+            benchmark.extra_info["tflops_median"] = shape.flops / median / 1e12
+
+    return run

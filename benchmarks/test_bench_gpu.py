@@ -1,0 +1,121 @@
+"""GPU decode benchmarks (pytest-benchmark): the classic provider next to its peers, and the
+split-KV gate sweep that measures the CUDA gate factor.
+
+Run on a GPU machine:
+
+    python3 -m pytest benchmarks/test_bench_gpu.py --benchmark-only --benchmark-json out.json
+
+- group ``decode-gpu <shape>``: one group per shape of the ``decode-gpu`` suite
+  (KERNELS.md's peer table plus two mixed batches), candidates ``classic`` (split
+  where the gate says so), ``gather_sdpa``, ``mlx_sdpa`` and ``torch_sdpa`` (when
+  importable), built by `metal_attn.bench` (same inputs and peers as ``metal-attn bench``);
+- group ``split-gate ctx=<n>``: 32/8 heads, head 128, bf16 decode, batch 1..64,
+  each route forced through the gate (GPU core count overridden), to find where
+  splitting stops paying: the crossover ``num_heads * batch / gpu_cores`` is the
+  gate factor (recorded in docs/bench-h200-classic.md).
+
+Every timed call evaluates its output (``mx.eval``; MLX then waits for the GPU);
+warm-up rounds keep the first compile out of the numbers. Skips elsewhere with a reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from metal_attn.device import current_device, detect_backend
+
+BACKEND = detect_backend()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(BACKEND not in ("cuda", "metal"),
+                       reason=f"GPU benchmarks need an MLX GPU backend (this process runs on backend={BACKEND})"),
+]
+pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed")
+
+DECODE_CANDIDATES = ("classic", "gather_sdpa", "mlx_sdpa", "torch_sdpa")
+GATE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+GATE_CONTEXTS = (2048, 8192)
+GATE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
+
+
+def _suite_shapes():
+    from metal_attn.bench.suites import get_suite
+
+    return get_suite("decode-gpu").shapes
+
+
+def _machine(benchmark, **extra) -> None:
+    dev = current_device()
+    benchmark.extra_info.update(backend=dev.backend, chip=dev.name, architecture=dev.architecture,
+                                gpu_cores=dev.gpu_cores, **extra)
+
+
+_cases: dict = {}
+
+
+def _case(shape):
+    from metal_attn.bench.core import build_case
+
+    if shape not in _cases:
+        for old in list(_cases):  # keep one shape's pools alive at a time
+            _cases.pop(old).release()
+        _cases[shape] = build_case(shape)
+    return _cases[shape]
+
+
+def _run_pedantic(benchmark, prep, rounds: int = 20) -> None:
+    prep.run()  # compile
+    prep.sync()
+    benchmark.pedantic(prep.run, rounds=rounds, iterations=1, warmup_rounds=3)
+
+
+@pytest.mark.parametrize("candidate", DECODE_CANDIDATES)
+@pytest.mark.parametrize("shape", _suite_shapes() if BACKEND in ("cuda", "metal") else (),
+                         ids=lambda s: s.label)
+def test_decode(benchmark, shape, candidate):
+    from metal_attn.bench.core import Skip
+    from metal_attn.bench.peers import resolve
+
+    benchmark.group = f"decode-gpu {shape.label}"
+    case = _case(shape)
+    (cand,) = resolve([candidate])
+    try:
+        prep = cand.prepare(case)
+    except Skip as skip:
+        pytest.skip(f"{candidate}: {skip.status}: {'; '.join(skip.reasons)[:300]}")
+    _machine(benchmark, candidate=candidate, route=prep.route, kv_bytes=shape.kv_bytes)
+    try:
+        _run_pedantic(benchmark, prep)
+    finally:
+        if prep.close:
+            prep.close()
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["gbps"] = shape.kv_bytes / median / 1e9
+
+
+@pytest.mark.parametrize("route", tuple(GATE_CORES))
+@pytest.mark.parametrize("batch", GATE_BATCHES)
+@pytest.mark.parametrize("context", GATE_CONTEXTS)
+def test_split_gate(benchmark, context, batch, route):
+    import mlx.core as mx
+
+    import metal_attn
+    from metal_attn.bench.core import Shape
+    from metal_attn.settings import override_settings
+
+    shape = Shape(batch, 32, 8, 128, context, "bfloat16")
+    case = _case(shape)
+    benchmark.group = f"split-gate ctx={context}"
+    with override_settings(gpu_cores=GATE_CORES[route]):
+
+        def run():
+            out = metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
+                                             scale=case.scale, provider="classic")
+            mx.eval(out)
+            return out
+
+        run()
+        assert metal_attn.diagnostics.last_dispatch().route == route
+        benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=3)
+    _machine(benchmark, route=route, grid=32 * batch, batch=batch, context=context)
+    benchmark.extra_info["gbps"] = shape.kv_bytes / benchmark.stats.stats.median / 1e9

@@ -1,0 +1,321 @@
+"""The benchmark framework on the CPU, on tiny shapes: arithmetic, inputs, peers, timing, CLI, JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metal_attn.bench import cli, core, peers, suites
+from metal_attn.bench.core import Rows, Shape, Timing
+from metal_attn.settings import override_settings
+from metal_attn.testing.oracle import attention_oracle
+
+SMOKE = suites.get_suite("smoke")
+
+
+def _timing(median: float) -> Timing:
+    return Timing(median, median, median, 0.0, (median,), 1)
+
+
+# -- arithmetic ----------------------------------------------------------------------------------------
+
+
+def test_decode_bytes_and_gbps_for_a_known_shape() -> None:
+    s = Shape(3, 4, 2, 64, 100, "float32")
+    # 3 sequences * 100 tokens * 2 kv heads * 64 * (K and V) * 4 bytes
+    assert s.kv_bytes == 3 * 100 * 2 * 64 * 2 * 4 == 307_200
+    assert Shape(3, 4, 2, 64, 100, "bfloat16").kv_bytes == 153_600
+    res = core.CandidateResult("x", "peer", "ok", timing=_timing(2e-3))
+    core.apply_metrics(res, s)
+    assert res.gbps == pytest.approx(307_200 / 2e-3 / 1e9)  # 0.1536 GB/s
+    assert res.gbps == pytest.approx(0.1536)
+    # decode: each row attends to all 100 positions: 4 flops per (query head, key, dim)
+    assert s.flops == 4 * 4 * 64 * 300
+    assert s.phase == "decode" and s.metrics == ("GB/s",)
+
+
+@pytest.mark.parametrize(("q_len", "context"), [(1, 7), (5, 5), (12, 40), (48, 48), (3, 1000)])
+def test_causal_pairs_match_a_brute_force_count(q_len: int, context: int) -> None:
+    s = Shape(2, 4, 2, 64, context, "float32", q_len=q_len)
+    rows = np.arange(q_len)[:, None] + (context - q_len)
+    allowed = np.arange(context)[None, :] <= rows  # the causal rule of KERNELS.md
+    assert s.attended_pairs == 2 * int(allowed.sum())
+    assert s.flops == 4 * 4 * 64 * 2 * int(allowed.sum())
+    res = core.CandidateResult("x", "peer", "ok", timing=_timing(1e-3))
+    core.apply_metrics(res, s)
+    assert res.tflops == pytest.approx(s.flops / 1e-3 / 1e12)
+
+
+def test_mixed_shape_sequences_and_metrics() -> None:
+    s = Shape.mix((Rows(8, 1, 4096), Rows(1, 512, 2048)), 32, 8, 128)
+    assert (s.batch, s.context, s.q_len, s.phase) == (9, 4096, 512, "mixed")
+    assert s.q_lens == [1] * 8 + [512] and s.seq_lens == [4096] * 8 + [2048]
+    assert s.kv_bytes == (8 * 4096 + 2048) * 8 * 128 * 2 * 2
+    assert s.attended_pairs == 8 * 4096 + 512 * (2048 - 512) + 512 * 513 // 2
+    assert s.metrics == ("GB/s", "TFLOP/s")
+    assert s.label == "mixed 8x1@4096+1x512@2048 h32/8 d128 bf16"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "float64"}, "Shape.dtype='float64' (allowed: float32, float16, bfloat16)"),
+        ({"num_kv_heads": 3}, "num_heads=4 is not a multiple of num_kv_heads=3"),
+        ({"q_len": 101}, "Shape.q_len=101 > context=100"),
+        ({"block_size": 12}, "Shape.block_size=12 (allowed: a multiple of 8)"),
+        ({"batch": 0}, "Shape.batch=0 (allowed: an int >= 1)"),
+        ({"mixed": (Rows(1, 1, 100),)}, "build mixed shapes with Shape.mix"),
+    ],
+)
+def test_bad_shapes_name_the_value(kwargs: dict, message: str) -> None:
+    base = {"batch": 2, "num_heads": 4, "num_kv_heads": 2, "head_size": 64, "context": 100, "dtype": "float32"}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Shape(**(base | kwargs))
+
+
+def test_mixed_rows_must_put_decode_first() -> None:
+    with pytest.raises(ValueError, match="decode rows"):
+        Shape.mix((Rows(1, 8, 30), Rows(2, 1, 50)), 4, 2, 64)
+
+
+# -- inputs --------------------------------------------------------------------------------------------
+
+
+def test_case_has_random_tables_and_matching_contiguous_kv() -> None:
+    s = Shape.mix((Rows(2, 1, 50), Rows(1, 12, 30)), 4, 2, 64, dtype="float32")
+    case = core.build_case(s, seed=3)
+    blocks = [-(-n // 16) for n in s.seq_lens]
+    used = np.concatenate([case.block_tables[i, :n] for i, n in enumerate(blocks)])
+    assert len(set(used.tolist())) == used.size == sum(blocks)  # no page shared
+    assert not np.array_equal(used, np.sort(used))  # not laid out in order
+    assert case.metadata.phase.value == "mixed"
+    assert case.metadata.seq_lens_host == (50, 50, 30) and case.metadata.q_lens_host == (1, 1, 12)
+    kp, vp = np.array(case.k_pool), np.array(case.v_pool)
+    for g, (k, v) in zip(case.groups, case.contiguous_kv()):
+        for j, seq in enumerate(range(g.seq_start, g.seq_start + g.rows.count)):
+            for t in range(g.rows.context):
+                page = case.block_tables[seq, t // 16]
+                np.testing.assert_array_equal(np.array(k)[j, :, t], kp[page, t % 16])
+                np.testing.assert_array_equal(np.array(v)[j, :, t], vp[page, t % 16])
+    q = np.array(case.q)
+    for g, qg in zip(case.groups, case.group_queries()):
+        np.testing.assert_array_equal(np.array(qg).transpose(0, 2, 1, 3).reshape(-1, 4, 64), q[g.tokens])
+
+
+def _f32(x: mx.array) -> np.ndarray:
+    return np.array(x.astype(mx.float32))
+
+
+@pytest.mark.parametrize("shape", SMOKE.shapes, ids=[s.label for s in SMOKE.shapes])
+@pytest.mark.parametrize("name", ["reference", "gather_sdpa", "mlx_sdpa"])
+def test_candidates_compute_paged_attention(shape: Shape, name: str) -> None:
+    """Every timed candidate computes the same attention as the float64 oracle, on the same data."""
+    case = core.build_case(shape, seed=1)
+    (cand,) = peers.resolve([name])
+    prep = cand.prepare(case)
+    got = prep.to_rows(prep.run())
+    cu = np.concatenate([[0], np.cumsum(shape.q_lens)])
+    ref = attention_oracle(_f32(case.q), _f32(case.k_pool), _f32(case.v_pool), case.block_tables,
+                           np.array(shape.seq_lens), cu, scale=case.scale)
+    assert got.shape == ref.shape
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert rel < {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[shape.dtype], rel
+
+
+# -- timing ----------------------------------------------------------------------------------------------
+
+
+def test_time_fn_reports_the_median_of_synchronized_samples() -> None:
+    calls, syncs = [], []
+
+    def slow() -> None:
+        calls.append(1)
+        time.sleep(0.004)
+
+    t = core.time_fn(slow, warmup=2, iters=5, sync=lambda: syncs.append(1))
+    assert t.inner == 1 and len(t.samples_s) == 5
+    assert len(calls) == 2 + 5  # warm-up calls, then one per sample
+    assert len(syncs) == 2 + 2 * 5  # around the last (calibrating) warm-up call and around every sample
+    assert 0.004 <= t.min_s <= t.median_s < 0.02
+    assert t.median_s == sorted(t.samples_s)[2]
+
+
+def test_time_fn_loops_short_calls_to_a_measurable_sample() -> None:
+    t = core.time_fn(lambda: None, warmup=1, iters=3, sync=lambda: None, max_inner=50)
+    assert t.inner == 50
+
+
+def test_time_fn_rejects_bad_counts() -> None:
+    with pytest.raises(ValueError, match="iters=0"):
+        core.time_fn(lambda: None, iters=0)
+    with pytest.raises(ValueError, match="warmup=-1"):
+        core.time_fn(lambda: None, warmup=-1)
+
+
+# -- the command and its JSON -----------------------------------------------------------------------------
+
+
+def _bench(tmp_path, capsys, *argv: str) -> tuple[int, dict | None, str, str]:
+    out = tmp_path / "bench.json"
+    rc = cli.main(["--suite", "smoke", "--warmup", "1", "--iters", "2", "--quiet", "--json", str(out), *argv])
+    captured = capsys.readouterr()
+    data = json.loads(out.read_text()) if out.exists() else None
+    return rc, data, captured.out, captured.err
+
+
+def test_smoke_suite_json_and_tables(tmp_path, capsys) -> None:
+    rc, data, out, err = _bench(
+        tmp_path, capsys, "--markdown",
+        "--candidates", "reference,gather_sdpa,mlx_sdpa,torch_sdpa,no_such_provider,ceiling",
+    )
+    assert rc == 0, err
+    assert data["schema"] == "metal-attn-bench/1"
+    m = data["machine"]
+    assert m["backend"] == "cpu" and m["mlx_version"] == mx.__version__
+    assert {"device_name", "gpu_cores", "cpu_model", "metal_attn_version"} <= set(m)
+    assert datetime.datetime.fromisoformat(m["date"]).tzinfo is not None
+    (suite,) = data["suites"]
+    assert suite["name"] == "smoke" and suite["iters"] == 2 and suite["warmup"] == 1
+    assert [r["shape"]["label"] for r in suite["results"]] == [s.label for s in SMOKE.shapes]
+    for r, shape in zip(suite["results"], SMOKE.shapes):
+        assert r["shape"]["kv_bytes"] == shape.kv_bytes and r["shape"]["flops"] == shape.flops
+        c = {x["name"]: x for x in r["candidates"]}
+        assert list(c) == ["reference", "gather_sdpa", "mlx_sdpa", "torch_sdpa", "no_such_provider", "ceiling"]
+        ref, mlx, ceil = c["reference"], c["mlx_sdpa"], c["ceiling"]
+        for x in (ref, mlx, c["gather_sdpa"], ceil):
+            assert x["status"] == "ok", x
+            assert len(x["timing"]["samples_s"]) == 2 and x["median_s"] == x["timing"]["median_s"] > 0
+        assert ref["gbps"] == pytest.approx(shape.kv_bytes / ref["median_s"] / 1e9, rel=1e-12)
+        assert ref["tflops"] == pytest.approx(shape.flops / ref["median_s"] / 1e12, rel=1e-12)
+        assert ref["route"].startswith("reference: route=reference")
+        assert ref["speedup"]["mlx_sdpa"] == pytest.approx(mlx["median_s"] / ref["median_s"])
+        assert "mlx_sdpa" not in mlx["speedup"] and "torch_sdpa" not in ref["speedup"]
+        assert ref["check"]["against"] == "mlx_sdpa" and ref["check"]["ok"] is True
+        assert r["ceiling_gbps"] == ceil["gbps"] > 0
+        if "GB/s" in shape.metrics:
+            assert ref["fraction_of_ceiling"] == pytest.approx(ref["gbps"] / ceil["gbps"])
+        else:
+            assert ref["fraction_of_ceiling"] is None
+        assert c["torch_sdpa"]["status"] == "unavailable"
+        assert any("backend=cpu" in x for x in c["torch_sdpa"]["reasons"])
+        assert c["no_such_provider"]["status"] == "not registered"
+        assert "provider='no_such_provider' is not registered" in c["no_such_provider"]["reasons"][0]
+        assert c["no_such_provider"]["median_s"] is None
+    for shape in SMOKE.shapes:
+        assert shape.label[:20] in out
+    assert "| shape | metric | reference | gather_sdpa | mlx_sdpa | torch_sdpa | no_such_provider | ceiling |" in out
+    assert "n/r" in out and "n/a" in out
+
+
+def test_a_refused_provider_is_reported_with_its_reasons(tmp_path, capsys) -> None:
+    with override_settings(disabled_providers=("reference",)):
+        rc, data, out, _ = _bench(tmp_path, capsys, "--shapes", "decode b3", "--candidates", "reference,mlx_sdpa")
+    assert rc == 0
+    (result,) = data["suites"][0]["results"]
+    ref = result["candidates"][0]
+    assert ref["status"] == "refused" and ref["median_s"] is None
+    assert "disabled by METAL_ATTN_DISABLED_PROVIDERS=reference" in ref["reasons"]
+    assert "refused" in out and "METAL_ATTN_DISABLED_PROVIDERS=reference" in out.replace("\n", "")
+
+
+class _Broken(peers.MlxSdpa):
+    name = "mlx_sdpa"
+
+    def prepare(self, case: core.Case) -> core.Prepared:
+        prep = super().prepare(case)
+        prep.to_rows = lambda outs: np.zeros_like(peers._mlx_rows(outs))
+        return prep
+
+
+class _Crashing(peers.GatherSdpa):
+    def prepare(self, case: core.Case) -> core.Prepared:
+        raise RuntimeError("kernel exploded")
+
+
+def test_wrong_outputs_and_crashes_fail_the_run(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(peers.PEERS, "mlx_sdpa", _Broken)
+    monkeypatch.setitem(peers.PEERS, "gather_sdpa", _Crashing)
+    rc, data, out, err = _bench(tmp_path, capsys, "--shapes", "decode b3", "--candidates",
+                                "reference,gather_sdpa,mlx_sdpa")
+    assert rc == 1
+    c = {x["name"]: x for x in data["suites"][0]["results"][0]["candidates"]}
+    assert c["gather_sdpa"]["status"] == "error"
+    assert c["gather_sdpa"]["reasons"] == ["RuntimeError: kernel exploded"]
+    # the zeroed peer is the check baseline: the correct reference disagrees with it
+    assert c["reference"]["check"]["against"] == "mlx_sdpa" and c["reference"]["check"]["ok"] is False
+    assert "MISMATCH vs mlx_sdpa" in out.replace("\n", "")
+    assert "kernel exploded" in err and "output differs from mlx_sdpa" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--suite", "nope"], "suite='nope' is unknown (known: decode-gpu, gqa-gpu, decode-cpu, prefill-cpu, smoke)"),
+        (["--suite", "smoke", "--shapes", "zzz"], "--shapes 'zzz' matches no shape of suite 'smoke'"),
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], message: str, capsys) -> None:
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_list_names_every_suite(capsys) -> None:
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for s in suites.SUITES.values():
+        assert s.name in out
+        for shape in s.shapes:
+            assert shape.label in out
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    path = tmp_path / "p.png"
+    msg = cli.write_plot([], str(path))
+    assert msg is not None and "matplotlib is not importable" in msg and "No plot was written" in msg
+    assert not path.exists()
+
+
+def test_plot_is_written_with_matplotlib(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    rc, _, _, err = _bench(tmp_path, capsys, "--shapes", "decode b3", "--candidates", "reference,mlx_sdpa",
+                           "--plot", str(png))
+    assert rc == 0 and f"wrote {png}" in err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the suites as data -----------------------------------------------------------------------------------
+
+
+def test_gpu_suites_use_the_kernels_md_shapes() -> None:
+    table = {(1, 32, 8, 128, 32768), (8, 32, 8, 128, 4096), (32, 32, 8, 128, 4096), (64, 32, 8, 128, 8192),
+             (8, 32, 8, 128, 32768), (1, 24, 4, 256, 65536), (16, 16, 2, 128, 16384), (128, 32, 8, 128, 1024)}
+    dec = suites.get_suite("decode-gpu")
+    decode = [s for s in dec.shapes if s.phase == "decode"]
+    assert {(s.batch, s.num_heads, s.num_kv_heads, s.head_size, s.context) for s in decode} == table
+    assert [s.phase for s in dec.shapes].count("mixed") == 2
+    assert all(s.dtype == "bfloat16" and s.block_size == 16 for s in dec.shapes)
+    gqa = suites.get_suite("gqa-gpu")
+    geo = {(s.num_heads, s.num_kv_heads, s.head_size) for s in gqa.shapes}
+    assert geo <= {(32, 8, 128), (24, 4, 256), (16, 2, 128), (16, 2, 256)}
+    singles = {(s.num_heads, s.context) for s in gqa.shapes if s.batch == 1}
+    assert {(24, n) for n in (16384, 32768, 65536, 131072)} | {(32, 32768), (32, 131072)} <= singles
+    for s in suites.SUITES.values():
+        labels = [x.label for x in s.shapes]
+        assert len(set(labels)) == len(labels), s.name
+
+
+def test_cpu_suites_follow_the_cpu_facts() -> None:
+    dec = suites.get_suite("decode-cpu")
+    assert {(s.context, s.dtype) for s in dec.shapes} == {
+        (n, dt) for n in (1024, 4096, 16384) for dt in ("float32", "bfloat16")}
+    assert all((s.batch, s.num_heads, s.num_kv_heads, s.head_size) == (8, 32, 8, 128) for s in dec.shapes)
+    (pre,) = suites.get_suite("prefill-cpu").shapes
+    assert (pre.q_len, pre.context, pre.dtype, pre.phase) == (2048, 2048, "float32", "prefill")
