@@ -434,7 +434,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_cache, const mx
 // ---- reshape_and_cache -----------------------------------------------------------------------
 
 std::vector<mx::Shape> ReshapeAndCache::output_shapes(const std::vector<mx::array>& inputs) {
-  return {inputs[2].shape(), inputs[3].shape()};
+  return {inputs[1].shape()};
 }
 
 void ReshapeAndCache::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -444,52 +444,42 @@ void ReshapeAndCache::eval_gpu(const std::vector<mx::array>&, std::vector<mx::ar
 }
 
 void ReshapeAndCache::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  // inputs: {src [num_tokens, KVH, D], pool [NB, BS, KVH, D], slots [num_tokens]}; one output pool.
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) enc.set_input_array(a);
-  bool donated[2];
-  for (int i = 0; i < 2; ++i) {
-    const mx::array& pool = inputs[2 + i];
-    mx::array& out = outputs[i];
-    // In place when the pool is the sole owner of its buffer (as MLX's own
-    // scatter does); otherwise the write goes into a fresh dense copy.
-    donated[i] = pool.is_donatable() && pool_inner_dense(pool);
-    if (donated[i]) {
-      out.copy_shared_buffer(pool);
-    } else {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
-    enc.set_output_array(out);
+  const mx::array& pool = inputs[1];
+  mx::array& out = outputs[0];
+  // In place when the pool is the sole owner of its buffer (as MLX's own
+  // scatter does); otherwise the write goes into a fresh dense copy.
+  const bool donated = pool.is_donatable() && pool_inner_dense(pool);
+  if (donated) {
+    out.copy_shared_buffer(pool);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
   }
-  enc.dispatch([key = inputs[0], value = inputs[1], kc = inputs[2], vc = inputs[3], slots = inputs[4],
-                ko = outputs[0], vo = outputs[1], d0 = donated[0], d1 = donated[1]]() mutable {
-    const int NB = kc.shape(0), BS = kc.shape(1), KVH = kc.shape(2), D = kc.shape(3);
+  enc.set_output_array(out);
+  enc.dispatch([src = inputs[0], pool = inputs[1], slots = inputs[2], out, donated]() mutable {
+    const int NB = pool.shape(0), BS = pool.shape(1), KVH = pool.shape(2), D = pool.shape(3);
     const int64_t row = static_cast<int64_t>(KVH) * D;
-    const int64_t isz = kc.itemsize();
-    const int64_t ntok = key.shape(0);
+    const int64_t isz = pool.itemsize();
+    const int64_t ntok = src.shape(0);
     const int64_t nslots = static_cast<int64_t>(NB) * BS;
-    mx::array* srcs[2] = {&key, &value};
-    mx::array* pools[2] = {&kc, &vc};
-    mx::array* outs[2] = {&ko, &vo};
-    const bool don[2] = {d0, d1};
-    for (int i = 0; i < 2; ++i) {
-      if (!don[i]) copy_to_dense(*pools[i], outs[i]->data<char>());
-      const int64_t sb = don[i] ? pools[i]->strides()[0] : static_cast<int64_t>(BS) * row;
-      char* dst = outs[i]->data<char>();
-      const mx::array& src = *srcs[i];
-      const auto& st = src.strides();
-      const bool dense_row = (KVH == 1 || st[1] == D) && (D == 1 || st[2] == 1);
-      for (int64_t t = 0; t < ntok; ++t) {
-        const int64_t slot = read_int(slots, t);
-        if (slot < 0 || slot >= nslots) continue;  // padding (range is checked by the Python layer)
-        char* d = dst + ((slot / BS) * sb + (slot % BS) * row) * isz;
-        if (dense_row) {
-          std::memcpy(d, src.data<char>() + t * st[0] * isz, row * isz);
-        } else {
-          for (int h = 0; h < KVH; ++h)
-            for (int e = 0; e < D; ++e)
-              std::memcpy(d + (static_cast<int64_t>(h) * D + e) * isz,
-                          src.data<char>() + (t * st[0] + h * st[1] + e * st[2]) * isz, isz);
-        }
+    if (!donated) copy_to_dense(pool, out.data<char>());
+    const int64_t sb = donated ? pool.strides()[0] : static_cast<int64_t>(BS) * row;
+    char* dst = out.data<char>();
+    const auto& st = src.strides();
+    const bool dense_row = (KVH == 1 || st[1] == D) && (D == 1 || st[2] == 1);
+    for (int64_t t = 0; t < ntok; ++t) {
+      const int64_t slot = read_int(slots, t);
+      if (slot < 0 || slot >= nslots) continue;  // padding (the range is checked by the Python layer)
+      char* d = dst + ((slot / BS) * sb + (slot % BS) * row) * isz;
+      if (dense_row) {
+        std::memcpy(d, src.data<char>() + t * st[0] * isz, row * isz);
+      } else {
+        for (int h = 0; h < KVH; ++h)
+          for (int e = 0; e < D; ++e)
+            std::memcpy(d + (static_cast<int64_t>(h) * D + e) * isz,
+                        src.data<char>() + (t * st[0] + h * st[1] + e * st[2]) * isz, isz);
       }
     }
   });
@@ -516,9 +506,13 @@ std::vector<mx::array> reshape_and_cache(const mx::array& key, const mx::array& 
       (slot_mapping.dtype() != mx::int64 && slot_mapping.dtype() != mx::int32))
     bad("slot_mapping must be int64 or int32 of shape (" + std::to_string(key.shape(0)) + ",) (got " +
         dtype_str(slot_mapping.dtype()) + " " + shape_str(slot_mapping.shape()) + ")");
-  return mx::array::make_arrays({k_cache.shape(), v_cache.shape()}, {k_cache.dtype(), v_cache.dtype()},
-                                std::make_shared<ReshapeAndCache>(cpu_stream()),
-                                {key, value, k_cache, v_cache, slot_mapping});
+  // One single-output primitive per pool: a multi-output primitive would hold
+  // each input twice (once per sibling) and so could never write in place.
+  auto write = [&](const mx::array& src, const mx::array& pool) {
+    return mx::array(pool.shape(), pool.dtype(), std::make_shared<ReshapeAndCache>(cpu_stream()),
+                     {src, pool, slot_mapping});
+  };
+  return {write(key, k_cache), write(value, v_cache)};
 }
 
 }  // namespace metal_attn_native
