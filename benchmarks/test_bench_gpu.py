@@ -119,3 +119,38 @@ def test_split_gate(benchmark, context, batch, route):
         benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=3)
     _machine(benchmark, route=route, grid=32 * batch, batch=batch, context=context)
     benchmark.extra_info["gbps"] = shape.kv_bytes / benchmark.stats.stats.median / 1e9
+
+
+#: (lanes per token, tokens unrolled per lane) variants of the per-token kernel, head 128 bf16.
+GEOMETRIES = ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8))
+GEOMETRY_SHAPES = ((8, 4096, True), (64, 8192, False))  # (batch, context, split)
+
+
+@pytest.mark.parametrize("lanes_unroll", GEOMETRIES, ids=lambda g: f"lanes{g[0]}-unroll{g[1]}")
+@pytest.mark.parametrize("batch_ctx_split", GEOMETRY_SHAPES, ids=lambda t: f"b{t[0]}-L{t[1]}-split{int(t[2])}")
+def test_geometry_sweep(benchmark, batch_ctx_split, lanes_unroll):
+    """Kernel geometry tuning: each variant's output must match the default geometry's."""
+    import mlx.core as mx
+    import numpy as np
+    from metal_attn.providers.classic.gpu import launch_paged
+
+    from metal_attn.bench.core import Shape
+
+    batch, context, split = batch_ctx_split
+    shape = Shape(batch, 32, 8, 128, context, "bfloat16")
+    case = _case(shape)
+    benchmark.group = f"geometry b{batch} L{context} split={int(split)}"
+
+    def run(g=lanes_unroll):
+        out = launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,
+                           sliding_window=None, softcap=None, split=split, backend=current_device().backend,
+                           lanes_unroll=g)
+        mx.eval(out)
+        return out
+
+    ref = np.array(run(None).astype(mx.float32))
+    got = np.array(run().astype(mx.float32))
+    assert np.linalg.norm(got - ref) <= 1e-2 * np.linalg.norm(ref)
+    benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=3)
+    _machine(benchmark, lanes=lanes_unroll[0], unroll=lanes_unroll[1], batch=batch, context=context, split=split)
+    benchmark.extra_info["gbps"] = shape.kv_bytes / benchmark.stats.stats.median / 1e9

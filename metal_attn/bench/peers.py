@@ -37,6 +37,7 @@ from metal_attn.bench.core import (
     TimedCandidate,
     Timing,
     is_gpu,
+    mlx_prepared,
     time_fn,
 )
 from metal_attn.device import current_device
@@ -67,13 +68,11 @@ class MlxSdpa(TimedCandidate):
         masks = ["causal" if g.rows.q_len > 1 else None for g in case.groups]
         scale = case.scale
 
-        def run() -> list[mx.array]:
-            outs = [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
+        def compute() -> list[mx.array]:
+            return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
                     for q, (k, v), m in zip(qs, kv, masks)]
-            mx.eval(outs)
-            return outs
 
-        return Prepared(run=run, to_rows=_mlx_rows, route="contiguous K/V + mx.fast SDPA")
+        return mlx_prepared(compute, _mlx_rows, "contiguous K/V + mx.fast SDPA")
 
 
 class GatherSdpa(TimedCandidate):
@@ -96,16 +95,15 @@ class GatherSdpa(TimedCandidate):
             flat = pages.reshape(n, nblk * s.block_size, s.num_kv_heads, s.head_size)[:, :context]
             return flat.transpose(0, 2, 1, 3)
 
-        def run() -> list[mx.array]:
+        def compute() -> list[mx.array]:
             outs = []
             for q, t, g in zip(qs, tables, groups):
                 k, v = kv(kp, t, g.rows.context), kv(vp, t, g.rows.context)
                 outs.append(mx.fast.scaled_dot_product_attention(
                     q, k, v, scale=scale, mask="causal" if g.rows.q_len > 1 else None))
-            mx.eval(outs)
             return outs
 
-        return Prepared(run=run, to_rows=_mlx_rows, route="mx.take pages + mx.fast SDPA")
+        return mlx_prepared(compute, _mlx_rows, "mx.take pages + mx.fast SDPA")
 
 
 # -- torch --------------------------------------------------------------------------------------------
@@ -183,9 +181,14 @@ class TorchSdpa(TimedCandidate):
         scale = case.scale
         torch.cuda.synchronize()
 
-        def run() -> list:
+        def launch() -> list:
             return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=c, scale=scale, **extra)
                     for q, k, v, m, c in zip(held["q"], held["k"], held["v"], held["mask"], causal)]
+
+        def run() -> list:  # like mx.eval: the call returns when its result is there
+            outs = launch()
+            torch.cuda.synchronize()
+            return outs
 
         def to_rows(outs: list) -> np.ndarray:
             flat = [o.float().permute(0, 2, 1, 3).reshape(-1, o.shape[1], o.shape[3]) for o in outs]
@@ -197,7 +200,7 @@ class TorchSdpa(TimedCandidate):
 
         route = "contiguous K/V + torch SDPA" + (" (enable_gqa)" if extra else
                                                    " (K/V repeat_interleave)" if gqa else "")
-        return Prepared(run=run, sync=torch.cuda.synchronize, to_rows=to_rows, route=route,
+        return Prepared(run=run, launch=launch, sync=torch.cuda.synchronize, to_rows=to_rows, route=route,
                         details={"torch_version": torch.__version__}, close=close)
 
 
@@ -260,7 +263,7 @@ class Ceiling:
     def __init__(self) -> None:
         self._cpu: dict[int, CandidateResult] = {}
 
-    def measure(self, case: Case, *, warmup: int, iters: int) -> CandidateResult:
+    def measure(self, case: Case, *, warmup: int, iters: int, pipelined: bool = False) -> CandidateResult:
         if is_gpu():
             c = gpu_copy_ceiling(warmup=max(warmup, 2), iters=max(iters, 5))
             t = c["timing"]

@@ -159,13 +159,21 @@ def _backend() -> str:
 def launch_paged(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
     sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
+    lanes_unroll: tuple[int, int] | None = None,
 ) -> mx.array:
-    """Run the per-token kernel (and the reducer when ``split``); returns ``[T, H, D]``."""
+    """Run the per-token kernel (and the reducer when ``split``); returns ``[T, H, D]``.
+
+    ``lanes_unroll`` overrides `geometry` (lanes per token, a power of two up to 32 with
+    ``head_size % (4 * lanes) == 0``; tokens unrolled per lane) for tuning sweeps.
+    """
     total, num_heads, head = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     dtype = q.dtype
     dname = {v: k for k, v in MX_DTYPES.items()}[dtype]
-    tpt, unroll = geometry(head, dname)
+    tpt, unroll = lanes_unroll or geometry(head, dname)
+    if tpt not in (1, 2, 4, 8, 16, 32) or head % (4 * tpt) or unroll < 1:
+        raise ValueError(f"lanes_unroll={lanes_unroll} (allowed: lanes in 1..32, a power of two dividing "
+                         f"head_size/4={head // 4}; unroll >= 1)")
     max_parts = -(-md.max_seq_len // PARTITION_SIZE) if split else 1
     use_sinks = sinks is not None
     sinks_arr = sinks if use_sinks else _zeros_f32(num_heads)
