@@ -121,6 +121,8 @@ def test_lanes_per_token_geometry():
     assert geometry(112, "float32") == (4, 1)
     assert geometry(256, "float16") == (8, 1)
     assert geometry(64, "float32") == (8, 2)
+    with pytest.raises(ValueError, match="head_size=66"):
+        geometry(66, "float16")
 
 
 def test_cpu_backend_is_delegated(monkeypatch):

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=_count(1), metavar="N",
                         help="timed samples, each a synchronized loop lasting >= 1 ms; the median is reported; "
                              "default: the suite's")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="queue the timed calls (mx.async_eval, torch without a sync per call) and wait once "
+                             "per sample: kernel throughput; default: every call waits for its result (mx.eval)")
     parser.add_argument("--seed", type=_count(0), default=0, metavar="N", help="random seed of the inputs (0)")
     parser.add_argument("--json", metavar="PATH", help="write every raw median and machine info as JSON ('-': stdout)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
@@ -171,7 +174,9 @@ def render_rich(suite: SuiteResult, machine: dict[str, Any], file: TextIO) -> No
 
 
 def _caption(suite: SuiteResult, machine: dict[str, Any]) -> str:
-    lines = [_machine_line(machine) + f"; warmup {suite.warmup}, iters {suite.iters}"]
+    mode = ("pipelined: queued calls, one wait per sample" if suite.mode == "pipelined"
+            else "blocking: every timed call waits for its result")
+    lines = [_machine_line(machine) + f"; warmup {suite.warmup}, iters {suite.iters}; {mode}"]
     c = suite.ceiling
     if c:
         torch = f", torch device-to-device copy {_num(c['torch_copy_gbps'], 4)}" if c.get("torch_copy_gbps") else ""
@@ -187,7 +192,7 @@ def _caption(suite: SuiteResult, machine: dict[str, Any]) -> str:
 def render_markdown(suite: SuiteResult, machine: dict[str, Any]) -> str:
     """A Markdown matrix: shapes down, candidates across, the shape's headline metric in each cell."""
     names = list(suite.candidates)
-    out = [f"#### {suite.name}", "", f"{suite.description}. {_machine_line(machine)}.", ""]
+    out = [f"#### {suite.name}", "", f"{suite.description}. {_machine_line(machine)}; {suite.mode} calls.", ""]
     out.append("| shape | metric | " + " | ".join(names) + " |")
     out.append("|---|---|" + "---|" * len(names))
     for sr in suite.results:
@@ -346,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
         results.append(run_suite(
             s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
             iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
-            progress=progress,
+            pipelined=getattr(args, "pipelined", False), progress=progress,
         ))
     machine = machine_info() | {"date": machine["date"]}  # torch may have been imported by now
     for r in results:

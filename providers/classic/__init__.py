@@ -159,6 +159,19 @@ class ClassicProvider(Provider):
             raise RuntimeError(f"classic: {err}")
         return mod.run(inputs, plan)
 
+    def cache_write_reasons(self, dtype: str, device: DeviceInfo, settings: Settings) -> list[str]:
+        reasons = super().cache_write_reasons(dtype, device, settings)
+        if device.backend != "cpu":
+            # mx.fast kernels cannot write into an input, so the GPU kernel produces two whole
+            # new pools per call; MLX's own scatter updates a donated pool in place, which is
+            # what serving needs. The kernel stays reachable as providers.classic.gpu.write_cache
+            # (tested byte-identical in tests/gpu).
+            reasons.append(
+                f"backend={device.backend}: the reshape_and_cache kernel rewrites both whole pools per call "
+                "(mx.fast kernels cannot alias an input); the in-place MLX scatter is used instead"
+            )
+        return reasons
+
     def write_cache(
         self, key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.array,
         device: DeviceInfo,

@@ -47,14 +47,18 @@ ROUTES = {False: "per_token_ps0", True: f"per_token_ps{PARTITION_SIZE}"}
 def geometry(head_size: int, dtype: str) -> tuple[int, int]:
     """``(lanes per token, tokens unrolled per lane)`` of the per-token kernel.
 
-    Lanes per token: the largest of 8, 4, 2, 1 dividing ``head_size / 4`` (each
-    lane loads whole 4-element vectors). Two tokens are unrolled while a lane
-    holds at most 16 head elements (register budget).
+    Lanes per token: the largest of 8, 4, 2, 1 dividing ``head_size / 4`` (each lane
+    loads whole 4-element vectors); two tokens are unrolled while a lane holds at most
+    16 head elements. This is the geometry the H200 suite verified. A sweep there
+    (docs/bench-h200-classic.md) measured 4 lanes x 1 token 1.1-1.3x faster for head
+    128 bf16; adopting it needs one more run of tests/gpu.
     """
+    del dtype  # the same geometry for every dtype (registers hold float32 either way)
     vecs = head_size // 4
+    if head_size % 4 or vecs == 0:
+        raise ValueError(f"head_size={head_size} has no lane geometry (need a positive multiple of 4)")
     tpt = next(t for t in (8, 4, 2, 1) if vecs % t == 0)
-    per_lane = head_size // tpt
-    return tpt, 2 if per_lane <= 16 else 1
+    return tpt, 2 if head_size // tpt <= 16 else 1
 
 
 def head_groups(num_heads: int) -> int:
