@@ -121,6 +121,12 @@ def test_lanes_per_token_geometry():
     assert geometry(112, "float32") == (4, 1)
     assert geometry(256, "float16") == (8, 1)
     assert geometry(64, "float32") == (8, 2)
+    # CUDA (measured on the H200 for head 128): 4 lanes, no unroll; 8 lanes above head 128
+    assert geometry(128, "bfloat16", "cuda") == (4, 1)
+    assert geometry(64, "float16", "cuda") == (4, 1)
+    assert geometry(80, "float16", "cuda") == (4, 1)
+    assert geometry(256, "bfloat16", "cuda") == (8, 1)
+    assert geometry(192, "bfloat16", "cuda") == (8, 1)  # 48 vectors: 8 lanes x 6 vectors
     with pytest.raises(ValueError, match="head_size=66"):
         geometry(66, "float16")
 

@@ -44,21 +44,38 @@ MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float
 ROUTES = {False: "per_token_ps0", True: f"per_token_ps{PARTITION_SIZE}"}
 
 
-def geometry(head_size: int, dtype: str) -> tuple[int, int]:
-    """``(lanes per token, tokens unrolled per lane)`` of the per-token kernel.
+#: Most lanes per token, per backend. Metal: 8 lanes with a 2-token unroll up to 16
+#: elements per lane (the vLLM-style geometry). CUDA: the H200 sweep in
+#: docs/bench-h200-classic.md measured 4 lanes x 1 token 1.32x (unsplit) and 1.12x
+#: (split) faster than 8 x 2 for head 128 bf16; heads above 128 keep 8 lanes so a lane
+#: holds at most 32 elements (extrapolated, not swept).
+MAX_LANES_PER_TOKEN = {"metal": 8, "cuda": 4}
+UNROLL_UP_TO_ELEMENTS = {"metal": 16, "cuda": 0}
 
-    Lanes per token: the largest of 8, 4, 2, 1 dividing ``head_size / 4`` (each lane
-    loads whole 4-element vectors); two tokens are unrolled while a lane holds at most
-    16 head elements. This is the geometry the H200 suite verified. A sweep there
-    (docs/bench-h200-classic.md) measured 4 lanes x 1 token 1.1-1.3x faster for head
-    128 bf16; adopting it needs one more run of tests/gpu.
+
+def geometry(head_size: int, dtype: str, backend: str = "metal") -> tuple[int, int]:
+    """``(lanes per token, tokens unrolled per lane)`` of the per-token kernel on ``backend``.
+
+    Lanes per token: the largest power of two up to the backend's maximum dividing
+    ``head_size / 4`` (each lane loads whole 4-element vectors; on CUDA heads above 128
+    use up to 8 lanes); two tokens are unrolled while a lane holds at most the backend's
+    unroll limit of head elements.
     """
     del dtype  # the same geometry for every dtype (registers hold float32 either way)
     vecs = head_size // 4
     if head_size % 4 or vecs == 0:
         raise ValueError(f"head_size={head_size} has no lane geometry (need a positive multiple of 4)")
-    tpt = next(t for t in (8, 4, 2, 1) if vecs % t == 0)
-    return tpt, 2 if head_size // tpt <= 16 else 1
+    most = MAX_LANES_PER_TOKEN.get(backend, 8)
+    if backend == "cuda" and head_size > 128:
+        most = 8
+    tpt = next(t for t in (8, 4, 2, 1) if t <= most and vecs % t == 0)
+    return tpt, 2 if head_size // tpt <= UNROLL_UP_TO_ELEMENTS.get(backend, 16) else 1
+
+
+def _backend() -> str:
+    from metal_attn.device import current_device
+
+    return current_device().backend
 
 
 def head_groups(num_heads: int) -> int:
@@ -112,7 +129,7 @@ def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool,
 def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
     """The launch decision for an admitted request."""
     split, notes = split_decision(request, device)
-    tpt, unroll = geometry(request.head_size, request.dtype)
+    tpt, unroll = geometry(request.head_size, request.dtype, device.backend)
     parts = -(-request.max_seq_len // PARTITION_SIZE) if split else 1
     return Plan(
         provider=provider,
@@ -174,7 +191,7 @@ def launch_paged(
     _, block_size, num_kv_heads, _ = k_cache.shape
     dtype = q.dtype
     dname = {v: k for k, v in MX_DTYPES.items()}[dtype]
-    tpt, unroll = lanes_unroll or geometry(head, dname)
+    tpt, unroll = lanes_unroll or geometry(head, dname, _backend())
     if tpt not in (1, 2, 4, 8, 16, 32) or head % (4 * tpt) or unroll < 1:
         raise ValueError(f"lanes_unroll={lanes_unroll} (allowed: lanes in 1..32, a power of two dividing "
                          f"head_size/4={head // 4}; unroll >= 1)")
