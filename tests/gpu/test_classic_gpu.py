@@ -10,6 +10,9 @@ through the occupancy gate by overriding the GPU core count); bitwise repeats.
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -29,8 +32,22 @@ ROUTE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
 ROUTES = tuple(ROUTE_CORES)
 
 
+@contextlib.contextmanager
+def _forced_route(route: str):
+    """Force the occupancy gate: 4096 cores always split (given two partitions); for the
+    unsplit route one core is not enough on CUDA, where the gate factor is 12 and a grid
+    of 4 heads x 2 rows = 8 < 12 * 1 still splits, so the factor is set to 0 as well."""
+    from metal_attn.providers.classic import gpu
+
+    factors = dict(gpu.SPLIT_GATE_FACTOR)
+    if route == "per_token_ps0":
+        factors = {backend: 0 for backend in factors}
+    with override_settings(gpu_cores=ROUTE_CORES[route]), mock.patch.object(gpu, "SPLIT_GATE_FACTOR", factors):
+        yield
+
+
 def _check(case, route: str) -> np.ndarray:
-    with override_settings(gpu_cores=ROUTE_CORES[route]):
+    with _forced_route(route):
         got = run_case(case, provider="classic")
         rec = diagnostics.last_dispatch()
     assert rec is not None and rec.provider == "classic", rec
@@ -161,7 +178,7 @@ def test_page_size_translation(route):
 def test_bitwise_identical_on_repeat(route):
     case = make_case(q_lens=[1, 1, 8], seq_lens=[3000, 70, 900], num_heads=8, num_kv_heads=2, head_size=128,
                      block_size=16, dtype="bfloat16", sinks=True, seed=23, label="repeat")
-    with override_settings(gpu_cores=ROUTE_CORES[route]):
+    with _forced_route(route):
         outs = []
         for _ in range(3):
             o = metal_attn.paged_attention(**case.kwargs(), provider="classic")
