@@ -1,5 +1,7 @@
 #include "thread_pool.h"
 
+#include <unistd.h>
+
 namespace metal_attn_native {
 
 ThreadPool& ThreadPool::instance() {
@@ -48,6 +50,12 @@ void ThreadPool::run(int num_threads, int num_items, const std::function<void(in
   const int helpers = num_threads - 1;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    // After fork() the child has none of the parent's workers: start afresh.
+    const long pid = static_cast<long>(getpid());
+    if (pid != owner_pid_) {
+      workers_.clear();  // detached handles only; the threads do not exist here
+      owner_pid_ = pid;
+    }
     while (static_cast<int>(workers_.size()) < helpers) {
       int id = static_cast<int>(workers_.size());
       workers_.emplace_back([this, id] { worker_loop(id); });

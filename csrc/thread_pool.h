@@ -45,6 +45,7 @@ class ThreadPool {
   int active_workers_ = 0;  // workers taking part in the current job
   int pending_ = 0;         // workers still busy with the current job
   unsigned long generation_ = 0;
+  long owner_pid_ = -1;  // process that started workers_
 };
 
 }  // namespace metal_attn_native

@@ -437,3 +437,23 @@ def test_api_cache_write_goes_through_the_native_kernel():
     ref = attention_oracle(to_numpy(q), to_numpy(k_pool), to_numpy(v_pool), step.metadata.block_tables,
                            step.metadata.seq_lens, step.metadata.cu_seqlens_q, scale=32**-0.5)
     assert_close_to_oracle(out, ref, "bfloat16", label="cache round trip")
+
+
+@cpu_only
+def test_paged_cache_writes_in_place_through_the_api():
+    cache = metal_attn.PagedKVCache(num_layers=1, num_blocks=64, block_size=16, num_kv_heads=2, head_size=64,
+                                    dtype="float32")
+    cache.add_sequence("a")
+    k, v = cache.pools(0)
+    ptrs = (_data_ptr(k), _data_ptr(v))
+    del k, v
+    for i in range(3):
+        step = cache.prepare_step([("a", 5)])
+        key = mx.full((5, 2, 64), float(i + 1))
+        cache.write(0, key, -key, step.slot_mapping)
+        k, v = cache.pools(0)
+        mx.eval(k, v)
+        assert (_data_ptr(k), _data_ptr(v)) == ptrs, f"step {i}: the pools were copied"
+        assert float(k[0, 5 * i, 1, 7]) == i + 1 and float(v[0, 5 * i, 0, 0]) == -(i + 1)
+        del k, v
+    assert metal_attn.diagnostics.last_cache_write().provider == "classic"
