@@ -205,7 +205,6 @@ def _select(
     ratio = page // kbs if kbs else 1
     md.check_against_pool(nb, page)  # in the caller's terms (pages), before any split
     eff = md.split_blocks(ratio)
-    eff.mark_checked(nb * ratio, page // ratio)
     device = current_device()
     settings = get_settings()
     if settings.diagnostics and not diagnostics.history_enabled():

@@ -36,24 +36,23 @@ BACKEND_CHOICES = ("metal", "cuda", "cpu")
 
 # -- argument types: each error names the value and what is allowed -----------------------------
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (allowed: an integer >= 1)")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r} (allowed: an integer >= {minimum})")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (allowed: an integer >= 0)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (allowed: an integer >= 0)")
-    return value
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _positive_float(text: str) -> float:
@@ -188,10 +187,9 @@ def _cmd_providers(args: argparse.Namespace) -> int:
         con.print(_table("versions", ["component", "version"], list(versions().items())))
     table_rows = []
     for p in rows:
-        reasons = ([p["disabled_reason"]] if p["disabled_reason"] else []) + p["availability_reasons"]
         table_rows.append([
             p["name"], p["priority"], _origin_cell(p), "\n".join(p["backends"]), "\n".join(p["phases"]),
-            p["enabled"], p["available"], "\n".join(reasons) or "-",
+            p["enabled"], p["available"], _why_not(p),
         ])
     con.print(_table(
         f"providers on {device.describe()} (highest priority first)",
@@ -201,6 +199,12 @@ def _cmd_providers(args: argparse.Namespace) -> int:
     for plugin, err in load_errors.items():
         con.print(f"plugin {plugin!r} failed to load: {err}", style="red", markup=False)
     return 0
+
+
+def _why_not(p: dict[str, Any]) -> str:
+    """A provider row's disabling toggle and availability reasons, one per line (``-`` when none)."""
+    reasons = ([p["disabled_reason"]] if p["disabled_reason"] else []) + p["availability_reasons"]
+    return "\n".join(reasons) or "-"
 
 
 def _origin_cell(p: dict[str, Any]) -> str:
@@ -245,9 +249,9 @@ def _explain_lengths(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         if q > s:
             parser.error(f"sequence {i}: q_len={q} > seq_len={s} (the KV length counts this step's tokens, "
                          "so seq_len >= q_len; check --q-lens/--q-len and --seq-lens/--context)")
-    n_dec = 0
-    while n_dec < len(q_lens) and q_lens[n_dec] == 1:
-        n_dec += 1
+    from metal_attn.request import leading_decode_rows
+
+    n_dec = leading_decode_rows(q_lens)
     if any(q == 1 for q in q_lens[n_dec:]) and any(q > 1 for q in q_lens):
         parser.error(f"--q-lens={','.join(map(str, q_lens))}: decode rows (q_len 1) must come first, "
                      "then prefill chunks")
@@ -409,9 +413,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     con.print(_table("native CPU module (metal_attn._native)", ["status", "detail"],
                      [[native["status"], native["detail"]]]))
     con.print(_table("providers", ["name", "origin", "enabled", "available", "reasons"], [
-        [p["name"], p["origin"], p["enabled"], p["available"],
-         "\n".join(([p["disabled_reason"]] if p["disabled_reason"] else []) + p["availability_reasons"]) or "-"]
-        for p in provs
+        [p["name"], p["origin"], p["enabled"], p["available"], _why_not(p)] for p in provs
     ]))
     if smoke:
         con.print(_table("smoke test (tiny paged_attention calls vs dense MLX)",

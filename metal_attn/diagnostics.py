@@ -26,7 +26,6 @@ class DispatchRecord:
     request: object = None
 
 
-_state = threading.local()
 _last: DispatchRecord | None = None
 _last_cache_write: DispatchRecord | None = None
 _history: list[DispatchRecord] | None = None

@@ -10,6 +10,7 @@ too, so a step's later layers dispatch with a dictionary lookup.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import mlx.core as mx
@@ -51,7 +52,7 @@ class AttentionMetadata:
     _block_tables_host: np.ndarray | None = dataclasses.field(default=None, repr=False)
     #: (num_blocks, block_size) pairs the block table was already checked against.
     _checked_pools: set = dataclasses.field(default_factory=set, repr=False)
-    #: Selection cache: per-layer geometry key -> (provider, plan, record).
+    #: Selection cache (filled by `paged_attention`): per-layer key -> (selection, metadata, ratio, record).
     _selections: dict = dataclasses.field(default_factory=dict, repr=False)
     #: Block tables re-expressed for smaller kernel blocks: ratio -> metadata.
     _split: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -60,19 +61,20 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
-    @property
+    @functools.cached_property
     def total_q_tokens(self) -> int:
+        """Query rows of the batch (``cu_seqlens_q[-1]``); read on every call, so computed once."""
         return sum(self.q_lens_host)
 
-    @property
+    @functools.cached_property
     def max_q_len(self) -> int:
         return max(self.q_lens_host)
 
-    @property
+    @functools.cached_property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_host)
 
-    @property
+    @functools.cached_property
     def max_decode_seq_len(self) -> int:
         return max(self.seq_lens_host[: self.num_decode_seqs], default=0)
 
@@ -172,10 +174,6 @@ class AttentionMetadata:
                     f"(pool has {num_blocks} blocks: 0..{num_blocks - 1})"
                 )
         self._checked_pools.add(key)
-
-    def mark_checked(self, num_blocks: int, block_size: int) -> None:
-        """Record that this table was checked against a pool geometry (by an equivalent check)."""
-        self._checked_pools.add((num_blocks, block_size))
 
     def split_blocks(self, ratio: int) -> AttentionMetadata:
         """The same batch with every page ``b`` seen as kernel blocks ``b*ratio .. b*ratio+ratio-1``."""

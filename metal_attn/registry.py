@@ -144,8 +144,6 @@ class Registry:
         self._on_selected = on_selected
         #: Plugins that failed to load or register: name -> error text.
         self.load_errors: dict[str, str] = {}
-        #: Bumped whenever providers or failure marks change (selection caches key on it).
-        self.epoch = 0
 
     # -- building ----------------------------------------------------------------------------
 
@@ -172,9 +170,9 @@ class Registry:
             self._invalidate()
 
     def _invalidate(self) -> None:
+        """Providers changed: drop cached answers and tell per-call caches (`metal_attn._epoch`)."""
         self._cache.clear()
         self._avail_cache.clear()
-        self.epoch += 1
         _epoch.bump()
 
     @property
@@ -321,7 +319,6 @@ class Registry:
             reason=reason,
         )
         self._cache.clear()
-        self.epoch += 1
         _epoch.bump()
 
     def failures(self) -> dict[tuple[str, tuple], str]:

@@ -253,8 +253,6 @@ def load_settings(**overrides: Any) -> Settings:
 
 _lock = threading.RLock()
 _current: Settings | None = None
-#: Bumped whenever the active settings change; caches keyed on settings include it.
-_settings_epoch = 0
 
 
 def get_settings() -> Settings:
@@ -265,21 +263,9 @@ def get_settings() -> Settings:
         with _lock:
             if _current is None:
                 _current = load_settings()
-                _bump()
+                _epoch.bump()
             s = _current
     return s
-
-
-def _bump() -> None:
-    global _settings_epoch
-    _settings_epoch += 1
-    _epoch.bump()
-
-
-def settings_epoch() -> int:
-    """A counter that changes whenever the active settings object changes."""
-    get_settings()
-    return _settings_epoch
 
 
 def reload_settings() -> Settings:
@@ -287,7 +273,7 @@ def reload_settings() -> Settings:
     global _current
     with _lock:
         _current = load_settings()
-        _bump()
+        _epoch.bump()
         return _current
 
 
@@ -309,13 +295,13 @@ def override_settings(**changes: Any) -> Iterator[Settings]:
         except ValidationError as err:
             raise SettingsError(_format_validation_error(err, "overrides")) from None
         _current = new
-        _bump()
+        _epoch.bump()
     try:
         yield new
     finally:
         with _lock:
             _current = previous
-            _bump()
+            _epoch.bump()
 
 
 class _CallableModule(types.ModuleType):

@@ -7,8 +7,12 @@ This module is the built-in plugin: the entry point ``builtin`` in the group
 from __future__ import annotations
 
 import importlib
+import sys
+import types
+from typing import Any
 
 from metal_attn.hookspecs import hookimpl
+from metal_attn.registry import ProviderRegistrar
 
 #: Every built-in provider, as "module:Class" (priorities live on the classes).
 BUILTIN_PROVIDERS: tuple[str, ...] = (
@@ -19,22 +23,22 @@ BUILTIN_PROVIDERS: tuple[str, ...] = (
 
 
 @hookimpl
-def metal_attn_register_providers(registrar) -> None:
+def metal_attn_register_providers(registrar: ProviderRegistrar) -> None:
     """Register every built-in provider."""
     for spec in BUILTIN_PROVIDERS:
         module, _, cls = spec.partition(":")
         registrar.add(getattr(importlib.import_module(module), cls)())
 
 
-class _ProvidersModule(__import__("types").ModuleType):
+class _ProvidersModule(types.ModuleType):
     """``metal_attn.providers`` is this package *and* the inventory function:
     importing the package replaces the attribute ``metal_attn.providers``, so the
     package itself answers ``metal_attn.providers()`` (see `metal_attn.api.providers`)."""
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         from metal_attn.api import providers
 
         return providers(*args, **kwargs)
 
 
-__import__("sys").modules[__name__].__class__ = _ProvidersModule
+sys.modules[__name__].__class__ = _ProvidersModule

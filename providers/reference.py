@@ -9,10 +9,17 @@ oracle (that is a float64 numpy implementation in ``tests/``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 import numpy as np
 
 from metal_attn.provider import AttentionInputs, Plan, Provider
+
+if TYPE_CHECKING:  # pragma: no cover
+    from metal_attn.device import DeviceInfo
+    from metal_attn.request import AttentionRequest
+    from metal_attn.settings import Settings
 
 
 class ReferenceProvider(Provider):
@@ -24,7 +31,7 @@ class ReferenceProvider(Provider):
     writes_cache = True
     description = "Gather pages, then dense attention with MLX ops (every feature; the fallback)."
 
-    def plan(self, request, device, settings) -> Plan:
+    def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         return Plan(provider=self.name, route="reference", specialization=())
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
@@ -66,7 +73,15 @@ class ReferenceProvider(Provider):
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return out.astype(q.dtype)
 
-    def write_cache(self, key, value, k_cache, v_cache, slots, device):
+    def write_cache(
+        self,
+        key: mx.array,
+        value: mx.array,
+        k_cache: mx.array,
+        v_cache: mx.array,
+        slots: mx.array,
+        device: DeviceInfo,
+    ) -> tuple[mx.array, mx.array]:
         nb, bs, kvh, head = k_cache.shape
         host = np.array(slots, copy=False)
         keep = np.nonzero(host >= 0)[0]

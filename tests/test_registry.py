@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import metal_attn as ma
-from metal_attn import diagnostics, log, plugins
+from metal_attn import _epoch, diagnostics, log, plugins
 from metal_attn import settings as settings_mod
 from metal_attn.device import DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
@@ -569,7 +569,7 @@ def test_kernel_compile_failure_without_fallback_raises_with_the_reason(install)
 def test_mark_failed_warns_once_per_provider_and_specialization(warnings_log):
     reg = Registry()
     reg.add(FakeProvider("p", 1))
-    epoch = reg.epoch
+    epoch = _epoch.current()
     reg.mark_failed("p", ("float16", 128), "first")
     reg.mark_failed("p", ("float16", 128), "again")
     reg.mark_failed("p", ("float16", 256), "other")
@@ -578,7 +578,7 @@ def test_mark_failed_warns_once_per_provider_and_specialization(warnings_log):
         ("('float16', 256)", "other"),
     ]
     assert reg.failures()[("p", ("float16", 128))] == "again"
-    assert reg.epoch == epoch + 3
+    assert _epoch.current() == epoch + 3  # each mark invalidates the per-call selection caches
 
 
 # -- selection cache and observer hook ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 import pytest
 
 import metal_attn as ma
+from metal_attn import _epoch
 from metal_attn import settings as settings_mod
 from metal_attn.errors import SettingsError
 from metal_attn.settings import RENAMED_VARIABLES, Settings, env_names, get_settings, override_settings
@@ -237,11 +238,11 @@ def test_override_settings_rejects_bad_values():
     assert get_settings() is before
 
 
-def test_settings_epoch_changes_with_the_active_settings():
-    e0 = settings_mod.settings_epoch()
+def test_dispatch_epoch_changes_with_the_active_settings():
+    e0 = _epoch.current()
     with override_settings(gpu_cores=8):
-        e1 = settings_mod.settings_epoch()
-    e2 = settings_mod.settings_epoch()
+        e1 = _epoch.current()
+    e2 = _epoch.current()
     assert e0 < e1 < e2
 
 
