@@ -1,4 +1,4 @@
-// Plain-data interface between the host code (primitives.cpp) and the
+// Plain-data interface between the host code (ops.cpp) and the
 // per-ISA kernel translation units (isa_*.cpp). Nothing here uses the STL, so
 // the ISA units never instantiate library templates with their -m flags.
 #pragma once

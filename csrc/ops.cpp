@@ -228,30 +228,45 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       v_sb = block_elems;
     }
 
-    // Host copies of the metadata, checked so a bad table cannot read out of bounds.
+    // Host copies of the metadata, read as 64-bit and checked before narrowing,
+    // so a bad table cannot read out of bounds (an entry past 2^31 must not wrap
+    // onto a valid block). An invalid entry becomes -1, which fails the checks.
+    auto narrow = [](int64_t x, int64_t lo, int64_t hi) { return x >= lo && x <= hi ? static_cast<int32_t>(x) : -1; };
     std::vector<int32_t> tables(static_cast<size_t>(S) * MB), lens(S), cuq(S + 1);
     for (int s = 0; s < S; ++s) {
-      lens[s] = static_cast<int32_t>(read_int(sl, s));
-      for (int j = 0; j < MB; ++j) tables[static_cast<size_t>(s) * MB + j] = static_cast<int32_t>(read_int(bt, s, j));
+      lens[s] = narrow(read_int(sl, s), 0, std::numeric_limits<int32_t>::max());
+      for (int j = 0; j < MB; ++j) tables[static_cast<size_t>(s) * MB + j] = narrow(read_int(bt, s, j), 0, NB - 1);
     }
-    for (int s = 0; s <= S; ++s) cuq[s] = static_cast<int32_t>(read_int(cu, s));
+    for (int s = 0; s <= S; ++s) cuq[s] = narrow(read_int(cu, s), 0, T);
+    // A sequence computes only if its rows lie in [0, T), after the previous
+    // computed sequence's rows (no two units ever write one row), and its
+    // table covers seq_len with valid blocks.
     std::vector<int32_t> tok_seq(T, -1);
     std::vector<char> seq_ok(S, 0);
+    int64_t rows_done = 0;
     for (int s = 0; s < S; ++s) {
       const int64_t q0 = cuq[s], q1 = cuq[s + 1];
-      bool ok = q0 >= 0 && q1 > q0 && q1 <= T && lens[s] >= q1 - q0;
+      bool ok = q0 >= rows_done && q1 > q0 && lens[s] >= q1 - q0;
       const int64_t need = ok ? (static_cast<int64_t>(lens[s]) + BS - 1) / BS : 0;
       ok = ok && need <= MB;
-      for (int64_t j = 0; ok && j < need; ++j) {
-        const int32_t b = tables[static_cast<size_t>(s) * MB + j];
-        ok = b >= 0 && b < NB;
-      }
+      for (int64_t j = 0; ok && j < need; ++j) ok = tables[static_cast<size_t>(s) * MB + j] >= 0;
       seq_ok[s] = ok;
       if (ok) {
         for (int64_t t = q0; t < q1; ++t) tok_seq[t] = s;
-      } else if (q0 >= 0 && q1 > q0 && q1 <= T) {
-        fill_nan_rows(out.data<void>(), dtype, q0 * H * D, (q1 - q0) * H * D);
+        rows_done = q1;
       }
+    }
+    // Rows no valid sequence owns (a bad sequence, or outside cu_seqlens_q) are
+    // NaN, never uninitialised memory.
+    for (int64_t t = 0; t < T;) {
+      if (tok_seq[t] >= 0) {
+        ++t;
+        continue;
+      }
+      int64_t e = t;
+      while (e < T && tok_seq[e] < 0) ++e;
+      fill_nan_rows(out.data<void>(), dtype, t * H * D, (e - t) * H * D);
+      t = e;
     }
 
     int part = p.partition_size;
@@ -366,12 +381,14 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     job.work_floats = static_cast<int64_t>(std::max(RT * G, hpu * G)) * (2 * D + 2);
 
     const IsaFns fns = isa_fns(p.isa);
-    std::vector<float> work(static_cast<size_t>(job.work_floats) * threads);
-    ThreadPool::instance().run(threads, job.num_units, [&](int i, int tid) {
+    // No more threads (and per-thread work buffers) than units.
+    const int attend_threads = std::max(1, std::min(threads, job.num_units));
+    std::vector<float> work(static_cast<size_t>(job.work_floats) * attend_threads);
+    ThreadPool::instance().run(attend_threads, job.num_units, [&](int i, int tid) {
       fns.attend(job, i, work.data() + static_cast<size_t>(tid) * job.work_floats);
     });
     if (part > 0) {
-      ThreadPool::instance().run(threads, T * H, [&](int item, int) {
+      ThreadPool::instance().run(threads, static_cast<int>(static_cast<int64_t>(T) * H), [&](int item, int) {
         if (tok_seq[item / H] >= 0) fns.reduce(job, item);
       });
     }
@@ -393,7 +410,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_cache, const mx
         dtype_str(k_cache.dtype()) + ", " + dtype_str(v_cache.dtype()) + ")");
   const int D = q.shape(2), H = q.shape(1), KVH = k_cache.shape(2);
   if (k_cache.shape(3) != D) bad("q head_size=" + std::to_string(D) + " differs from the cache's " + std::to_string(k_cache.shape(3)));
-  if (D % 16 != 0 || D > kMaxHeadSize)
+  if (D <= 0 || D % 16 != 0 || D > kMaxHeadSize)
     bad("head_size=" + std::to_string(D) + " (supported: multiples of 16 up to " + std::to_string(kMaxHeadSize) + ")");
   if (KVH <= 0 || H % KVH != 0)
     bad("num_heads=" + std::to_string(H) + " is not a multiple of num_kv_heads=" + std::to_string(KVH));
@@ -413,6 +430,8 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_cache, const mx
   if (sliding_window < 0) bad("sliding_window=" + std::to_string(sliding_window) + " (allowed: 0 for none, or >= 1)");
   if (partition_size < 0 || (partition_size > 0 && partition_size % 8 != 0))
     bad("partition_size=" + std::to_string(partition_size) + " (allowed: 0 for unsplit, or a positive multiple of 8)");
+  if (num_threads < 0)
+    bad("num_threads=" + std::to_string(num_threads) + " (allowed: 0 for every hardware thread, or >= 1)");
   AttentionParams p;
   p.scale = scale;
   p.softcap = softcap;

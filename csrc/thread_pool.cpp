@@ -1,12 +1,42 @@
 #include "thread_pool.h"
 
-#include <unistd.h>
+#include <pthread.h>
 
 namespace metal_attn_native {
 
+namespace {
+// The current pool; replaced (the old one leaked) in a forked child.
+std::atomic<ThreadPool*> g_pool{nullptr};
+std::once_flag g_pool_once;
+}  // namespace
+
 ThreadPool& ThreadPool::instance() {
-  static ThreadPool* pool = new ThreadPool();  // intentionally leaked
-  return *pool;
+  std::call_once(g_pool_once, [] {
+    g_pool.store(new ThreadPool(), std::memory_order_release);  // intentionally leaked
+    pthread_atfork(&ThreadPool::before_fork, &ThreadPool::after_fork_in_parent, &ThreadPool::after_fork_in_child);
+  });
+  return *g_pool.load(std::memory_order_acquire);
+}
+
+// fork() with a job in flight would leave the child a pool whose mutexes are
+// held by threads that do not exist there: the forking thread waits for the
+// job, holds both locks across the fork, and the child replaces the pool.
+void ThreadPool::before_fork() {
+  ThreadPool* p = g_pool.load(std::memory_order_acquire);
+  p->run_mutex_.lock();
+  p->mutex_.lock();
+}
+
+void ThreadPool::after_fork_in_parent() {
+  ThreadPool* p = g_pool.load(std::memory_order_acquire);
+  p->mutex_.unlock();
+  p->run_mutex_.unlock();
+}
+
+void ThreadPool::after_fork_in_child() {
+  // The old pool (locked mutexes, handles of threads that are gone) is leaked;
+  // destroying it would touch state owned by the parent's threads.
+  g_pool.store(new ThreadPool(), std::memory_order_release);
 }
 
 int ThreadPool::hardware_threads() {
@@ -18,7 +48,14 @@ void ThreadPool::work(int thread_id) {
   for (;;) {
     int item = next_.fetch_add(1, std::memory_order_relaxed);
     if (item >= num_items_) return;
-    (*fn_)(item, thread_id);
+    try {
+      (*fn_)(item, thread_id);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+      next_.store(num_items_, std::memory_order_relaxed);  // skip the rest
+      return;
+    }
   }
 }
 
@@ -47,32 +84,38 @@ void ThreadPool::run(int num_threads, int num_items, const std::function<void(in
     return;
   }
   std::lock_guard<std::mutex> job_lock(run_mutex_);
-  const int helpers = num_threads - 1;
+  int helpers = num_threads - 1;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    // After fork() the child has none of the parent's workers: start afresh.
-    const long pid = static_cast<long>(getpid());
-    if (pid != owner_pid_) {
-      workers_.clear();  // detached handles only; the threads do not exist here
-      owner_pid_ = pid;
-    }
     while (static_cast<int>(workers_.size()) < helpers) {
       int id = static_cast<int>(workers_.size());
-      workers_.emplace_back([this, id] { worker_loop(id); });
+      try {
+        workers_.emplace_back([this, id] { worker_loop(id); });
+      } catch (...) {
+        break;  // no more threads (std::system_error) or memory: run on those there are
+      }
       workers_.back().detach();
     }
+    if (helpers > static_cast<int>(workers_.size())) helpers = static_cast<int>(workers_.size());
     fn_ = &fn;
     num_items_ = num_items;
     next_.store(0, std::memory_order_relaxed);
     active_workers_ = helpers;
     pending_ = helpers;
+    error_ = nullptr;
     ++generation_;
   }
   wake_.notify_all();
   work(0);
-  std::unique_lock<std::mutex> lock(mutex_);
-  done_.wait(lock, [&] { return pending_ == 0; });
-  fn_ = nullptr;
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    fn_ = nullptr;
+    error = error_;
+    error_ = nullptr;
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace metal_attn_native

@@ -202,6 +202,117 @@ def test_bad_block_table_gives_nan_rows_not_a_crash():
     assert_close_to_oracle(got[:1], case.oracle()[:1], "float32", label="valid row")
 
 
+def test_rows_no_valid_sequence_owns_are_nan():
+    # cu_seqlens_q that leaves row 0 uncovered, or makes two sequences claim the
+    # same rows: uncovered rows are NaN (never uninitialised memory) and no row
+    # is written by two sequences.
+    case = _case(q_lens=[1, 2], seq_lens=[40, 40], seed=12)
+    ref = case.oracle()
+    q = mx.concatenate([case.q[:1], case.q])  # row 0 is extra
+    out = to_numpy(nm.paged_attention(q, case.k_cache, case.v_cache, mx.array(case.block_tables),
+                                      mx.array(case.seq_lens), mx.array(case.cu_seqlens_q + 1), scale=case.scale))
+    assert np.isnan(out[0]).all()
+    assert_close_to_oracle(out[1:], ref, "float32", label="shifted rows")
+    case = _case(q_lens=[2, 1], seq_lens=[40, 40], seed=12)
+    bt = np.concatenate([case.block_tables, case.block_tables[1:]])
+    overlap = np.array([0, 2, 1, 3], np.int32)  # sequence 2 claims row 1 of sequence 0 again
+    out = to_numpy(nm.paged_attention(case.q, case.k_cache, case.v_cache, mx.array(bt),
+                                      mx.array(np.array([40, 40, 40], np.int32)), mx.array(overlap),
+                                      scale=case.scale))
+    assert np.isnan(out[2]).all()
+    assert_close_to_oracle(out[:2], case.oracle()[:2], "float32", label="first sequence kept")
+
+
+def test_block_table_entries_past_int32_do_not_wrap():
+    # An int64 entry of 2^32 + b must not be narrowed onto the valid block b.
+    case = _case(q_lens=[1, 1], seq_lens=[40, 40], seed=13)
+    bt = case.block_tables.astype(np.int64)
+    bt[1, 1] += 2**32
+    out = to_numpy(nm.paged_attention(case.q, case.k_cache, case.v_cache, mx.array(bt), mx.array(case.seq_lens),
+                                      mx.array(case.cu_seqlens_q), scale=case.scale))
+    assert np.isnan(out[1]).all()
+    assert_close_to_oracle(out[:1], case.oracle()[:1], "float32", label="valid row")
+    lens = case.seq_lens.astype(np.int64)
+    lens[0] += 2**32
+    out = to_numpy(nm.paged_attention(case.q, case.k_cache, case.v_cache, mx.array(case.block_tables),
+                                      mx.array(lens), mx.array(case.cu_seqlens_q), scale=case.scale))
+    assert np.isnan(out[0]).all() and not np.isnan(out[1]).any()
+
+
+@pytest.mark.parametrize("split", [0, constants.PARTITION_SIZE], ids=["ps0", "ps512"])
+def test_zero_tokens_and_zero_sequences(split):
+    k = mx.array(np.ones((4, 16, 2, 64), np.float32))
+    for n_seqs in (0, 2):
+        out = nm.paged_attention(mx.zeros((0, 4, 64)), k, k, mx.zeros((n_seqs, 1), dtype=mx.int32),
+                                 mx.zeros((n_seqs,), dtype=mx.int32), mx.zeros((n_seqs + 1,), dtype=mx.int32),
+                                 scale=0.1, partition_size=split, num_threads=4)
+        mx.eval(out)
+        assert tuple(out.shape) == (0, 4, 64)
+    k_new, v_new = nm.reshape_and_cache(mx.zeros((0, 2, 64)), mx.zeros((0, 2, 64)), k, k,
+                                        mx.zeros((0,), dtype=mx.int64))
+    np.testing.assert_array_equal(np.array(k_new), np.array(k))
+    np.testing.assert_array_equal(np.array(v_new), np.array(k))
+
+
+def test_more_threads_than_work():
+    case = _case(q_lens=[1, 1], seq_lens=[700, 900], seed=14)
+    ref = to_numpy(_native_run(case, num_threads=1))
+    for split in (0, constants.PARTITION_SIZE):
+        got = to_numpy(_native_run(case, num_threads=100_000, partition_size=split))
+        assert_close_to_oracle(got, case.oracle(), "float32", label=f"100000 threads ps{split}")
+        if split == 0:
+            np.testing.assert_array_equal(got, ref)
+
+
+def test_fork_while_another_thread_runs_the_kernel():
+    # A job in flight at fork() must not leave the child a pool locked forever:
+    # the child evaluates on a fresh stream (MLX's own stream threads do not
+    # survive a fork) with several threads, within a deadline.
+    code = textwrap.dedent(
+        """
+        import os, threading, time
+        import mlx.core as mx, numpy as np
+        from metal_attn import native
+        from metal_attn.testing import make_case
+        nm = native.load()
+        case = make_case(q_lens=[1, 1, 30], seq_lens=[700, 900, 300], num_heads=8, num_kv_heads=2,
+                         head_size=64, block_size=16, dtype="float32", seed=1)
+        def run():
+            out = nm.paged_attention(case.q, case.k_cache, case.v_cache, mx.array(case.block_tables),
+                                     mx.array(case.seq_lens), mx.array(case.cu_seqlens_q), scale=case.scale,
+                                     num_threads=2)
+            return np.array(out)
+        ref = run()
+        stop = False
+        def busy():
+            with mx.stream(mx.new_stream(mx.cpu)):
+                while not stop:
+                    run()
+        th = threading.Thread(target=busy)
+        th.start()
+        for i in range(12):
+            time.sleep(0.003 * i)
+            pid = os.fork()
+            if pid == 0:
+                with mx.stream(mx.new_stream(mx.cpu)):
+                    os._exit(0 if np.array_equal(run(), ref) else 3)
+            t0 = time.time()
+            while not os.waitpid(pid, os.WNOHANG)[0]:
+                if time.time() - t0 > 20:
+                    os.kill(pid, 9)
+                    stop = True
+                    raise SystemExit(f"fork {i}: the child hung")
+                time.sleep(0.01)
+        stop = True
+        th.join()
+        print("ok")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
 def test_argument_errors_name_the_value():
     case = _case(q_lens=[1], seq_lens=[10])
     args = (case.q, case.k_cache, case.v_cache, mx.array(case.block_tables), mx.array(case.seq_lens),
@@ -210,6 +321,8 @@ def test_argument_errors_name_the_value():
         nm.paged_attention(*args, scale=0.1, partition_size=100)
     with pytest.raises(ValueError, match=r"scale=-1"):
         nm.paged_attention(*args, scale=-1.0)
+    with pytest.raises(ValueError, match=r"num_threads=-2 \(allowed"):
+        nm.paged_attention(*args, scale=0.1, num_threads=-2)
     q72 = mx.zeros((1, 8, 72))
     with pytest.raises(ValueError, match="head_size"):
         nm.paged_attention(q72, *args[1:], scale=0.1)
