@@ -36,7 +36,7 @@ BACKEND_CHOICES = ("metal", "cuda", "cpu")
 
 # -- argument types: each error names the value and what is allowed -----------------------------
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
+def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer ``>= minimum``."""
 
     def parse(text: str) -> int:
@@ -51,8 +51,8 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
+_positive_int = int_at_least(1)
+_non_negative_int = int_at_least(0)
 
 
 def _positive_float(text: str) -> float:

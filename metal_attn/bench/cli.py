@@ -24,6 +24,7 @@ from metal_attn.bench.core import (
     run_suite,
 )
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
+from metal_attn.cli import int_at_least
 from metal_attn.device import current_device
 
 SCHEMA = "metal-attn-bench/1"
@@ -37,17 +38,6 @@ def _csv(value: str) -> list[str]:
     return [x.strip() for x in value.split(",") if x.strip()]
 
 
-def _count(minimum: int):
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            n = minimum - 1
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"{value!r} (allowed: an integer >= {minimum})")
-        return n
-
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,16 +50,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torch_sdpa, ceiling); default: the suite's")
     parser.add_argument("--shapes", metavar="PATTERN,...",
                         help="only shapes whose label contains a pattern (or matches a glob), case-insensitive")
-    parser.add_argument("--warmup", type=_count(0), metavar="N",
+    parser.add_argument("--warmup", type=int_at_least(0), metavar="N",
                         help="untimed calls before timing (the first compiles and gives the checked output); "
                              "default: the suite's")
-    parser.add_argument("--iters", type=_count(1), metavar="N",
+    parser.add_argument("--iters", type=int_at_least(1), metavar="N",
                         help="timed samples, each a synchronized loop lasting >= 1 ms; the median is reported; "
                              "default: the suite's")
     parser.add_argument("--pipelined", action="store_true",
                         help="queue the timed calls (mx.async_eval, torch without a sync per call) and wait once "
                              "per sample: kernel throughput; default: every call waits for its result (mx.eval)")
-    parser.add_argument("--seed", type=_count(0), default=0, metavar="N", help="random seed of the inputs (0)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, metavar="N", help="random seed of the inputs (0)")
     parser.add_argument("--json", metavar="PATH", help="write every raw median and machine info as JSON ('-': stdout)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables to paste into docs")
