@@ -324,3 +324,6 @@ def test_every_hookspec_is_prefixed_and_documented():
     for name, fn in specs:
         assert name.startswith("metal_attn_")
         assert fn.__doc__ and len(fn.__doc__.strip()) > 40, f"{name} needs a docstring"
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "providers.md").read_text()
+    for name, _ in specs:
+        assert f"`{name}(" in docs, f"{name} is not documented in docs/providers.md (Hooks)"
