@@ -82,6 +82,8 @@ class _Cases:
 
     def get(self, shape: core.Shape) -> core.Case:
         if shape != self._shape:
+            if self._case is not None:
+                self._case.release()  # keep one shape's inputs alive at a time
             self._case = None
             self._case = core.build_case(shape)
             self._shape = shape

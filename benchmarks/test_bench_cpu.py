@@ -45,28 +45,6 @@ def _shapes(suite: str):
 
 SHAPES = (_shapes("decode-cpu") + _shapes("prefill-cpu")) if BACKEND == "cpu" else ()
 
-_cases: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache_limit():
-    from metal_attn.bench.core import cpu_cache_limit
-
-    with cpu_cache_limit():
-        yield
-    _cases.clear()
-
-
-def _case(shape):
-    from metal_attn.bench.core import build_case
-
-    if shape not in _cases:
-        for old in list(_cases):  # keep one shape's pools alive at a time
-            _cases.pop(old).release()
-        _cases[shape] = build_case(shape)
-    return _cases[shape]
-
-
 def _info(benchmark, shape, **extra) -> None:
     from metal_attn.bench.core import machine_info
 
@@ -77,7 +55,7 @@ def _info(benchmark, shape, **extra) -> None:
 
 @pytest.mark.parametrize("candidate", (*CANDIDATES, "numpy_sum"))
 @pytest.mark.parametrize(("suite", "shape"), SHAPES, ids=lambda v: v if isinstance(v, str) else v.label)
-def test_cpu(benchmark, suite, shape, candidate):
+def test_cpu(benchmark, bench_cases, suite, shape, candidate):
     benchmark.group = f"{suite} {shape.label}"
     if candidate == "numpy_sum":
         buf = np.ones(shape.kv_bytes // 8)
@@ -87,7 +65,7 @@ def test_cpu(benchmark, suite, shape, candidate):
         from metal_attn.bench.core import Skip
         from metal_attn.bench.peers import resolve
 
-        case = _case(shape)
+        case = bench_cases.get(shape)
         (cand,) = resolve([candidate])
         try:
             prep = cand.prepare(case)

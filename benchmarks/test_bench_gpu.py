@@ -50,19 +50,6 @@ def _machine(benchmark, **extra) -> None:
                                 gpu_cores=dev.gpu_cores, **extra)
 
 
-_cases: dict = {}
-
-
-def _case(shape):
-    from metal_attn.bench.core import build_case
-
-    if shape not in _cases:
-        for old in list(_cases):  # keep one shape's pools alive at a time
-            _cases.pop(old).release()
-        _cases[shape] = build_case(shape)
-    return _cases[shape]
-
-
 def _run_pedantic(benchmark, prep, rounds: int = 20) -> None:
     prep.run()  # compile
     prep.sync()
@@ -72,12 +59,12 @@ def _run_pedantic(benchmark, prep, rounds: int = 20) -> None:
 @pytest.mark.parametrize("candidate", DECODE_CANDIDATES)
 @pytest.mark.parametrize("shape", _suite_shapes() if BACKEND in ("cuda", "metal") else (),
                          ids=lambda s: s.label)
-def test_decode(benchmark, shape, candidate):
+def test_decode(benchmark, bench_cases, shape, candidate):
     from metal_attn.bench.core import Skip
     from metal_attn.bench.peers import resolve
 
     benchmark.group = f"decode-gpu {shape.label}"
-    case = _case(shape)
+    case = bench_cases.get(shape)
     (cand,) = resolve([candidate])
     try:
         prep = cand.prepare(case)
@@ -96,7 +83,7 @@ def test_decode(benchmark, shape, candidate):
 @pytest.mark.parametrize("route", tuple(GATE_CORES))
 @pytest.mark.parametrize("batch", GATE_BATCHES)
 @pytest.mark.parametrize("context", GATE_CONTEXTS)
-def test_split_gate(benchmark, context, batch, route):
+def test_split_gate(benchmark, bench_cases, context, batch, route):
     import mlx.core as mx
 
     import metal_attn
@@ -104,7 +91,7 @@ def test_split_gate(benchmark, context, batch, route):
     from metal_attn.settings import override_settings
 
     shape = Shape(batch, 32, 8, 128, context, "bfloat16")
-    case = _case(shape)
+    case = bench_cases.get(shape)
     benchmark.group = f"split-gate ctx={context}"
     with override_settings(gpu_cores=GATE_CORES[route]):
 
@@ -128,7 +115,7 @@ GEOMETRY_SHAPES = ((8, 4096, True), (64, 8192, False))  # (batch, context, split
 
 @pytest.mark.parametrize("lanes_unroll", GEOMETRIES, ids=lambda g: f"lanes{g[0]}-unroll{g[1]}")
 @pytest.mark.parametrize("batch_ctx_split", GEOMETRY_SHAPES, ids=lambda t: f"b{t[0]}-L{t[1]}-split{int(t[2])}")
-def test_geometry_sweep(benchmark, batch_ctx_split, lanes_unroll):
+def test_geometry_sweep(benchmark, bench_cases, batch_ctx_split, lanes_unroll):
     """Kernel geometry tuning: each variant's output must match the default geometry's."""
     import mlx.core as mx
     import numpy as np
@@ -138,7 +125,7 @@ def test_geometry_sweep(benchmark, batch_ctx_split, lanes_unroll):
 
     batch, context, split = batch_ctx_split
     shape = Shape(batch, 32, 8, 128, context, "bfloat16")
-    case = _case(shape)
+    case = bench_cases.get(shape)
     benchmark.group = f"geometry b{batch} L{context} split={int(split)}"
 
     def run(g=lanes_unroll):
