@@ -21,7 +21,7 @@ from pathlib import Path
 import pluggy
 import pytest
 
-from metal_attn import hookspecs, log, plugins
+from metal_attn import hookspecs, plugins
 from metal_attn import settings as settings_mod
 from metal_attn.registry import registry_from
 from metal_attn.settings import override_settings
@@ -100,12 +100,7 @@ class FakeEntryPoint:
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    for var in list(os.environ):
-        if var.upper().startswith(("METAL_ATTN_", "VLLM_METAL_")):
-            monkeypatch.delenv(var)
-    monkeypatch.setattr(settings_mod, "_current", None)
-    monkeypatch.setattr(log, "_warned", set())
+def _isolated(monkeypatch, clean_settings_env):
     monkeypatch.setattr(logging.getLogger("metal_attn"), "propagate", True)
     plugins.reset_registry()
     yield

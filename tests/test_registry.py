@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import metal_attn as ma
-from metal_attn import _epoch, diagnostics, log, plugins
+from metal_attn import _epoch, diagnostics, plugins
 from metal_attn import settings as settings_mod
 from metal_attn.device import DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
@@ -105,15 +105,8 @@ class SelectionObserver:
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
+def _isolated(clean_settings_env):
     """Clean METAL_ATTN_/VLLM_METAL_ environment, fresh settings, diagnostics and warn-once memory."""
-    import os
-
-    for var in list(os.environ):
-        if var.upper().startswith(("METAL_ATTN_", "VLLM_METAL_")):
-            monkeypatch.delenv(var)
-    monkeypatch.setattr(settings_mod, "_current", None)
-    monkeypatch.setattr(log, "_warned", set())
     diagnostics.reset()
     yield
     diagnostics.reset()

@@ -4,7 +4,6 @@ and renamed variables, `override_settings`, and probe overrides reaching the dev
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 
@@ -14,14 +13,7 @@ from metal_attn import settings as settings_mod
 from metal_attn.errors import SettingsError
 from metal_attn.settings import RENAMED_VARIABLES, Settings, env_names, get_settings, override_settings
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    """No METAL_ATTN_/VLLM_METAL_ variable from the outside; settings reloaded lazily; restored after."""
-    for var in list(os.environ):
-        if var.upper().startswith(("METAL_ATTN_", "VLLM_METAL_")):
-            monkeypatch.delenv(var)
-    monkeypatch.setattr(settings_mod, "_current", None)
+pytestmark = pytest.mark.usefixtures("clean_settings_env")
 
 
 def load(monkeypatch, **env: str) -> Settings:
