@@ -13,12 +13,18 @@
 //          fparams float32 [score_scale, softcap]
 // Outputs: PA_SPLIT == 0: out [T, H, D] (T dtype)
 //          PA_SPLIT == 1: max_logits [T, H, P], exp_sums [T, H, P], tmp_out [T, H, P, D] (float32)
-// Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token), UNROLL.
+// Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token), UNROLL,
+//           PREFETCH (request the next iteration's rows into L2; CUDA only, a no-op on Metal).
+// Each iteration issues all its K/V loads (packed) before any arithmetic and reads the
+// next iteration's page ids, so the block-table read is off the critical path.
 constexpr int HEADS_PER_GROUP = NUM_THREADS / MA_SIMD_WIDTH;
 constexpr int NV = HEAD_SIZE / (4 * TPT);    // 4-element vectors per lane
 constexpr int E = 4 * NV;                    // head elements per lane
 constexpr int TPP = MA_SIMD_WIDTH / TPT;     // tokens per simdgroup pass
 constexpr int STEP = TPP * UNROLL;           // tokens per simdgroup iteration
+// L2 prefetch of the next iteration's rows (PREFETCH = 1; a no-op on Metal): 128-byte lines per row.
+constexpr int LINE_ELEMS = 128 / int(sizeof(T));
+constexpr int ROW_LINES = HEAD_SIZE / LINE_ELEMS > 0 ? HEAD_SIZE / LINE_ELEMS : 1;
 
 const int num_seqs = params[0];
 const int num_heads = params[1];
@@ -103,29 +109,60 @@ const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
 const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
 
+// Page ids one iteration ahead: blk[u] is the page of token base + u * TPP + sub.
+int blk[UNROLL];
+for (int u = 0; u < UNROLL; ++u) {
+  const int tok = t_begin + u * TPP + sub;
+  blk[u] = tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;
+}
+
 for (int base = t_begin; base < t_end; base += STEP) {
-  float s[UNROLL];
-  float vv[UNROLL][E];
+  // Every K/V load of the iteration first (packed registers), then the next ids.
+  ma_raw4<T> kraw[UNROLL][NV];
+  ma_raw4<T> vraw[UNROLL][NV];
   bool ok[UNROLL];
+#pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
     const int tok = base + u * TPP + sub;
     ok[u] = tok < t_end;
-    s[u] = 0.0f;
-    for (int e = 0; e < E; ++e) {
-      vv[u][e] = 0.0f;
-    }
     if (ok[u]) {
-      const int blk = block_tables[bt_row + tok / BLOCK_SIZE];
-      const int64_t addr = (int64_t(blk) * BLOCK_SIZE + tok % BLOCK_SIZE) * tok_stride + head_off;
-      float kr[E];
+      const int64_t addr = (int64_t(blk[u]) * BLOCK_SIZE + tok % BLOCK_SIZE) * tok_stride + head_off;
+#pragma unroll
       for (int j = 0; j < NV; ++j) {
-        ma_load4(k_cache + addr + (sl + TPT * j) * 4, kr + 4 * j);
+        kraw[u][j] = ma_load_raw4(k_cache + addr + (sl + TPT * j) * 4);
+        vraw[u][j] = ma_load_raw4(v_cache + addr + (sl + TPT * j) * 4);
       }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const int tok = base + STEP + u * TPP + sub;
+    blk[u] = tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;
+    if (PREFETCH && tok < t_end) {
+      // The TPT lanes of a token share its K and V rows' 128-byte lines.
+      const int64_t addr = (int64_t(blk[u]) * BLOCK_SIZE + tok % BLOCK_SIZE) * tok_stride + head_off;
+      for (int i = sl; i < 2 * ROW_LINES; i += TPT) {
+        const int64_t off = addr + (i % ROW_LINES) * LINE_ELEMS;
+        if (i < ROW_LINES) {
+          ma_prefetch(k_cache + off);
+        } else {
+          ma_prefetch(v_cache + off);
+        }
+      }
+    }
+  }
+  float s[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    s[u] = 0.0f;
+    if (ok[u]) {
+#pragma unroll
       for (int j = 0; j < NV; ++j) {
-        ma_load4(v_cache + addr + (sl + TPT * j) * 4, vv[u] + 4 * j);
-      }
-      for (int e = 0; e < E; ++e) {
-        s[u] += q_reg[e] * kr[e];
+        float kr[4];
+        ma_unpack4(kraw[u][j], kr);
+        for (int c = 0; c < 4; ++c) {
+          s[u] += q_reg[4 * j + c] * kr[c];
+        }
       }
     }
   }
@@ -140,16 +177,28 @@ for (int base = t_begin; base < t_end; base += STEP) {
     s[u] = ok[u] ? ma_score(s[u], score_scale, softcap) : MA_NEG_FLT_MAX;
     m_new = metal::max(m_new, s[u]);
   }
-  const float alpha = ma_rescale(m, m_new);
-  l *= alpha;
-  for (int e = 0; e < E; ++e) {
-    acc[e] *= alpha;
-  }
-  for (int u = 0; u < UNROLL; ++u) {
-    const float p = ok[u] ? metal::exp2(s[u] - m_new) : 0.0f;
-    l += p;
+  if (m_new > m) {
+    // Rescale only when the running max grows (alpha would be exactly 1 otherwise):
+    // after the first tokens of a row this is rare, and it saves E multiplies a step.
+    const float alpha = ma_rescale(m, m_new);
+    l *= alpha;
     for (int e = 0; e < E; ++e) {
-      acc[e] += p * vv[u][e];
+      acc[e] *= alpha;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    if (ok[u]) {
+      const float p = metal::exp2(s[u] - m_new);
+      l += p;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        float vr[4];
+        ma_unpack4(vraw[u][j], vr);
+        for (int c = 0; c < 4; ++c) {
+          acc[4 * j + c] += p * vr[c];
+        }
+      }
     }
   }
   m = m_new;

@@ -63,6 +63,31 @@ MA_FUNC U simd_max(U v) {
   return v;
 }
 
+// Four warp sums at once, every lane receiving all four: a transposed butterfly
+// (2 + 1 + 3 exchanges, then 4 broadcasts: 10 shuffles instead of 4 x 5). Lanes 0, 8,
+// 16 and 24 end up holding the totals of a, b, c and d.
+MA_FUNC void ma_simd_sum4(float& a, float& b, float& c, float& d) {
+  const unsigned lane = thread_index_in_simdgroup;
+  const bool h16 = (lane & 16u) != 0u;
+  float x0 = h16 ? c : a;
+  float x1 = h16 ? d : b;
+  const float y0 = h16 ? a : c;
+  const float y1 = h16 ? b : d;
+  x0 += __shfl_xor_sync(0xffffffffu, y0, 16);
+  x1 += __shfl_xor_sync(0xffffffffu, y1, 16);
+  const bool h8 = (lane & 8u) != 0u;
+  float z = h8 ? x1 : x0;
+  const float w = h8 ? x0 : x1;
+  z += __shfl_xor_sync(0xffffffffu, w, 8);
+  z += __shfl_xor_sync(0xffffffffu, z, 4);
+  z += __shfl_xor_sync(0xffffffffu, z, 2);
+  z += __shfl_xor_sync(0xffffffffu, z, 1);
+  a = __shfl_sync(0xffffffffu, z, 0);
+  b = __shfl_sync(0xffffffffu, z, 8);
+  c = __shfl_sync(0xffffffffu, z, 16);
+  d = __shfl_sync(0xffffffffu, z, 24);
+}
+
 // metal:: math used by the bodies.
 namespace metal {
 MA_FUNC float exp2(float x) { return exp2f(x); }
@@ -107,4 +132,42 @@ MA_FUNC void ma_load4(const __nv_bfloat16* p, float* out) {
   const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
   const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
   out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
+}
+
+// Four packed elements kept in registers until they are used: one 8-byte (16-bit
+// types) or 16-byte (float) load now, the conversion later. Issuing every load of a
+// chunk of tokens before any arithmetic keeps many loads in flight per warp.
+template <typename U>
+struct ma_raw4 {
+  uint2 bits;
+};
+template <>
+struct ma_raw4<float> {
+  float4 bits;
+};
+template <typename U>
+MA_FUNC ma_raw4<U> ma_load_raw4(const U* p) {
+  ma_raw4<U> r;
+  r.bits = *reinterpret_cast<const decltype(r.bits)*>(p);
+  return r;
+}
+MA_FUNC void ma_unpack4(ma_raw4<float> r, float* out) {
+  out[0] = r.bits.x; out[1] = r.bits.y; out[2] = r.bits.z; out[3] = r.bits.w;
+}
+MA_FUNC void ma_unpack4(ma_raw4<__half> r, float* out) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&r.bits.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&r.bits.y));
+  out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
+}
+MA_FUNC void ma_unpack4(ma_raw4<__nv_bfloat16> r, float* out) {
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.bits.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.bits.y));
+  out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
+}
+
+// Ask L2 for the 128-byte line holding `p` (no register, no wait): used one page
+// ahead so that the page's loads later hit L2 instead of DRAM.
+template <typename U>
+MA_FUNC void ma_prefetch(const U* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

@@ -100,7 +100,8 @@ def classic_specializations() -> list[Specialization]:
                         output_names=gpu.PA_OUTPUTS[split],
                         template=(("T", dtype), ("HEAD_SIZE", head), ("BLOCK_SIZE", block),
                                   ("PARTITION_SIZE", PARTITION_SIZE if split else 0),
-                                  ("NUM_THREADS", gpu.NUM_THREADS), ("TPT", tpt), ("UNROLL", unroll)),
+                                  ("NUM_THREADS", gpu.NUM_THREADS), ("TPT", tpt), ("UNROLL", unroll),
+                                  ("PREFETCH", gpu.PREFETCH_NEXT["metal"])),
                         inputs=common_in, outputs=outs, defines=(("PA_SPLIT", split),),
                     ))
             specs.append(Specialization(

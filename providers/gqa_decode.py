@@ -270,11 +270,30 @@ def kernel_object(backend: str) -> Any:
     return kernels.load_kernel("gqa_decode", KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend)
 
 
+#: Load pipelining of the kernel per backend and ``(head_size, block_size)``: ``(CHUNK,
+#: PREFETCH)``, the tokens whose K/V loads are issued together before any arithmetic,
+#: and whether the next page is requested into L2 while a page is computed. Metal keeps
+#: upstream's four tokens in flight (its prefetch is a no-op); the CUDA values are the
+#: H200 sweep's winners (docs/bench-h200-gqa.md, `benchmarks/sweep_gpu_tuning.py`).
+KERNEL_TUNING: Mapping[str, Mapping[tuple[int, int], tuple[int, int]]] = {
+    "metal": {},
+    "cuda": {(128, 16): (4, 1), (256, 16): (4, 1), (256, 32): (8, 1)},
+}
+DEFAULT_TUNING = (4, 0)
+
+
+def kernel_tuning(backend: str, head_size: int, block_size: int) -> tuple[int, int]:
+    """``(CHUNK, PREFETCH)`` for a specialization (`DEFAULT_TUNING` where the table has no entry)."""
+    return KERNEL_TUNING.get(backend, {}).get((head_size, block_size), DEFAULT_TUNING)
+
+
 def kernel_template(dtype: Any, num_kv_heads: int, group: int, head_size: int, block_size: int,
-                    partition_size: int) -> list[tuple[str, Any]]:
-    """The template arguments of one specialization."""
+                    partition_size: int, tuning: tuple[int, int] = (4, 0)) -> list[tuple[str, Any]]:
+    """The template arguments of one specialization (``tuning``: ``(CHUNK, PREFETCH)``)."""
+    chunk, prefetch = tuning
     return [("T", dtype), ("NUM_KV_HEADS", num_kv_heads), ("GROUP", group), ("HEAD_SIZE", head_size),
-            ("BLOCK_SIZE", block_size), ("PARTITION_SIZE", partition_size)]
+            ("BLOCK_SIZE", block_size), ("PARTITION_SIZE", partition_size), ("CHUNK", chunk),
+            ("PREFETCH", prefetch)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -288,12 +307,13 @@ def _small_array(values: tuple, dtype: str) -> mx.array:
 
 
 def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
-           partition_size: int, backend: str) -> mx.array:
+           partition_size: int, backend: str, tuning: tuple[int, int] | None = None) -> mx.array:
     """Run the GQA decode kernel and the shared reducer; returns ``[num_seqs, num_heads, head_size]``.
 
     ``q``: one row per sequence; pools ``[num_blocks, block_size, num_kv_heads,
     head_size]``; ``partition_size``: 512 or 256 (forcing a size is allowed:
-    admission is the caller's business).
+    admission is the caller's business). ``tuning`` overrides `kernel_tuning`
+    (``(CHUNK, PREFETCH)``, CHUNK a multiple of 4 dividing the block size) for sweeps.
     """
     import mlx.core as mx
     from metal_attn.providers.classic.gpu import reduce_partitions
@@ -308,13 +328,17 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
                          f"{metadata.num_seqs} sequences, {metadata.total_q_tokens} query tokens)")
     _, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
+    chunk, prefetch = tuning or kernel_tuning(backend, head, block_size)
+    if chunk < 4 or chunk % 4 or block_size % chunk or prefetch not in (0, 1):
+        raise ValueError(f"tuning={tuning} (allowed: CHUNK a multiple of 4 dividing block_size={block_size}; "
+                         f"PREFETCH 0 or 1)")
     max_parts = -(-metadata.max_seq_len // partition_size)
     threads = SIMD_WIDTH * group
     dims = _small_array((metadata.max_blocks_per_seq, max_parts), "int32")
     scale_arr = _small_array((scale * LOG2E,), "float32")
     max_logits, exp_sums, tmp_out = kernel_object(backend)(
         inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale_arr, dims],
-        template=kernel_template(q.dtype, kvh, group, head, block_size, partition_size),
+        template=kernel_template(q.dtype, kvh, group, head, block_size, partition_size, (chunk, prefetch)),
         grid=(threads * max_parts, kvh, num_seqs),
         threadgroup=(threads, 1, 1),
         output_shapes=[(num_seqs, num_heads, max_parts), (num_seqs, num_heads, max_parts),
@@ -347,7 +371,8 @@ def msl_specializations() -> list:
                     kernel="gqa_decode", source_files=KERNEL_FILES, input_names=KERNEL_INPUTS,
                     output_names=KERNEL_OUTPUTS,
                     template=tuple((n, v if n != "T" else dtype)
-                                   for n, v in kernel_template(dtype, kvh, group, head, block, p)),
+                                   for n, v in kernel_template(dtype, kvh, group, head, block, p,
+                                                               kernel_tuning("metal", head, block))),
                     inputs=(((2, heads, head), dtype), ((4, block, kvh, head), dtype),
                             ((4, block, kvh, head), dtype), ((2, 3), "int32"), ((2,), "int32"),
                             ((1,), "float32"), ((2,), "int32")),

@@ -359,7 +359,8 @@ def test_metal_source_check_catches_a_planted_error(tmp_path):
     shutil.copytree(kernels_dir(), planted)
     src = planted / "gqa_decode.metal"
     text = src.read_text()
-    assert "page = simd_shuffle(next_page, 0);" in text
-    src.write_text(text.replace("page = simd_shuffle(next_page, 0);", "page = simd_shuffle(next_page_id, 0);"))
+    good = "page_next = simd_shuffle(page_after, 0);"
+    assert good in text
+    src.write_text(text.replace(good, "page_next = simd_shuffle(next_page_id, 0);"))
     result = check(_MSL_SET, only=r"gqa_decode bfloat16 24/4/256/bs16 P256", kernels_dir=planted)
     assert not result.ok and "next_page_id" in result.summary()

@@ -51,6 +51,9 @@ ROUTES = {False: "per_token_ps0", True: f"per_token_ps{PARTITION_SIZE}"}
 #: holds at most 32 elements (extrapolated, not swept).
 MAX_LANES_PER_TOKEN = {"metal": 8, "cuda": 4}
 UNROLL_UP_TO_ELEMENTS = {"metal": 16, "cuda": 0}
+#: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
+#: Metal has no such instruction and the kernel's prefetch is a no-op there).
+PREFETCH_NEXT = {"metal": 0, "cuda": 1}
 
 
 def geometry(head_size: int, dtype: str, backend: str = "metal") -> tuple[int, int]:
@@ -171,30 +174,28 @@ def _zeros_f32(n: int) -> mx.array:
     return out
 
 
-def _backend() -> str:
-    from metal_attn.device import current_device
-
-    return current_device().backend
-
-
 def launch_paged(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
     sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
-    lanes_unroll: tuple[int, int] | None = None,
+    lanes_unroll: tuple[int, int] | None = None, prefetch: int | None = None,
 ) -> mx.array:
     """Run the per-token kernel (and the reducer when ``split``); returns ``[T, H, D]``.
 
     ``lanes_unroll`` overrides `geometry` (lanes per token, a power of two up to 32 with
-    ``head_size % (4 * lanes) == 0``; tokens unrolled per lane) for tuning sweeps.
+    ``head_size % (4 * lanes) == 0``; tokens unrolled per lane) and ``prefetch`` overrides
+    `PREFETCH_NEXT` (0 or 1) for tuning sweeps.
     """
     total, num_heads, head = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     dtype = q.dtype
     dname = {v: k for k, v in MX_DTYPES.items()}[dtype]
-    tpt, unroll = lanes_unroll or geometry(head, dname, _backend())
+    tpt, unroll = lanes_unroll or geometry(head, dname, backend)
     if tpt not in (1, 2, 4, 8, 16, 32) or head % (4 * tpt) or unroll < 1:
         raise ValueError(f"lanes_unroll={lanes_unroll} (allowed: lanes in 1..32, a power of two dividing "
                          f"head_size/4={head // 4}; unroll >= 1)")
+    prefetch = PREFETCH_NEXT.get(backend, 0) if prefetch is None else prefetch
+    if prefetch not in (0, 1):
+        raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
     max_parts = -(-md.max_seq_len // PARTITION_SIZE) if split else 1
     use_sinks = sinks is not None
     sinks_arr = sinks if use_sinks else _zeros_f32(num_heads)
@@ -203,7 +204,7 @@ def launch_paged(
     fparams = _small_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
     template = [("T", dtype), ("HEAD_SIZE", head), ("BLOCK_SIZE", block_size),
                 ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", NUM_THREADS),
-                ("TPT", tpt), ("UNROLL", unroll)]
+                ("TPT", tpt), ("UNROLL", unroll), ("PREFETCH", prefetch)]
     inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks_arr, params, fparams]
     grid = (head_groups(num_heads) * NUM_THREADS, total, max_parts)
     kern = _paged_kernel(backend, split)

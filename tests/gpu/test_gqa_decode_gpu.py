@@ -86,6 +86,25 @@ def test_forced_partition_ragged_batch(geom, dtype, partition_size):
     assert_close_to_oracle(out, case.oracle(), dtype, label=f"{case.label} P{partition_size}")
 
 
+#: Every (CHUNK, PREFETCH) load-pipelining variant a tuning table may ship.
+TUNINGS = [(4, 0), (4, 1), (8, 0), (8, 1), (16, 1), (32, 1)]
+
+
+@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: f"chunk{t[0]}-prefetch{t[1]}")
+@pytest.mark.parametrize("geom", TABLE, ids=GEOM_IDS)
+def test_every_tuning_matches_oracle(geom, tuning):
+    """Partial pages, chunk tails and 1-3 token scalar tails under each variant."""
+    if geom[3] % tuning[0]:
+        pytest.skip(f"CHUNK={tuning[0]} does not divide block_size={geom[3]} (the launcher refuses it)")
+    case = _case(geom, [1, 2, 3, 5, 13, 31, 257, 530, 2_061], seed=tuning[0] + tuning[1])
+    kw = case.kwargs()
+    md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
+    for p in (256, 512):
+        out = gq.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, partition_size=p,
+                        backend=BACKEND, tuning=tuning)
+        assert_close_to_oracle(out, case.oracle(), "bfloat16", label=f"{case.label} P{p} tuning={tuning}")
+
+
 @pytest.mark.parametrize("partition_size", [256, 512])
 @pytest.mark.parametrize("geom", TABLE, ids=GEOM_IDS)
 def test_forced_partition_long_rows(geom, partition_size):

@@ -1,0 +1,128 @@
+"""Kernel tuning sweep on a GPU (not a test): load pipelining of the two decode kernels.
+
+    python3 benchmarks/sweep_gpu_tuning.py OUT.json
+
+- ``gqa_decode``: ``(CHUNK, PREFETCH)`` variants (tokens whose K/V loads are issued
+  together; L2 prefetch of the next page) at each partition size, on the
+  geometries of the CUDA table;
+- ``classic``: ``(lanes per token, unroll, PREFETCH)`` variants of the per-token kernel,
+  split and unsplit.
+
+Bare kernel launches (no dispatch), timed pipelined (calls queued with
+``mx.async_eval``, one wait per sample), medians of 10 samples. Every variant's
+output is compared with the shipped tuning's (relative L2 <= 1e-2), so a fast wrong
+variant cannot win. The winners go into ``providers/gqa_decode.py::KERNEL_TUNING`` and
+``providers/classic/gpu.py`` (tables), with the figures in docs/bench-h200-*.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import mlx.core as mx
+import numpy as np
+from metal_attn.providers import gqa_decode as gq
+from metal_attn.providers.classic import gpu as classic_gpu
+
+from metal_attn.bench.core import Shape, build_case, time_fn
+from metal_attn.device import current_device
+
+GQA_SHAPES = (  # (batch, heads, kv_heads, head, context, block)
+    (1, 32, 8, 128, 32768, 16),
+    (8, 32, 8, 128, 32768, 16),
+    (32, 32, 8, 128, 4096, 16),
+    (16, 16, 2, 128, 16384, 16),
+    (1, 24, 4, 256, 65536, 16),
+    (1, 16, 2, 256, 32768, 32),
+)
+GQA_TUNINGS = ((4, 0), (4, 1), (8, 1), (16, 1))
+CLASSIC_SHAPES = (  # (batch, heads, kv_heads, head, context, split)
+    (8, 32, 8, 128, 4096, True),
+    (8, 32, 8, 128, 32768, True),
+    (64, 32, 8, 128, 8192, False),
+    (16, 16, 2, 128, 16384, True),
+    (128, 32, 8, 128, 1024, False),
+    (1, 24, 4, 256, 65536, True),
+)
+CLASSIC_TUNINGS = ((4, 1, 0), (4, 1, 1), (4, 2, 1), (8, 1, 1), (8, 2, 1))
+
+
+def _rel_l2(got: mx.array, ref: np.ndarray) -> float:
+    g = np.array(got.astype(mx.float32))
+    return float(np.linalg.norm(g - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _time(compute) -> float:
+    return time_fn(lambda: mx.async_eval(compute()), warmup=3, iters=10).median_s
+
+
+def sweep_gqa(backend: str) -> list[dict]:
+    rows = []
+    for batch, h, kvh, d, n, bs in GQA_SHAPES:
+        case = build_case(Shape(batch, h, kvh, d, n, "bfloat16", block_size=bs))
+        shipped = gq.kernel_tuning(backend, d, bs)
+        for p in (512, 256):
+            def launch(t, p=p, case=case):
+                return gq.launch(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale,
+                                 partition_size=p, backend=backend, tuning=t)
+
+            ref = np.array(launch(shipped).astype(mx.float32))
+            for t in GQA_TUNINGS:
+                if bs % t[0]:
+                    continue
+                err = _rel_l2(launch(t), ref)
+                sec = _time(lambda t=t: launch(t))
+                row = {"kernel": "gqa_decode", "batch": batch, "heads": h, "kv_heads": kvh, "head": d,
+                       "context": n, "block": bs, "partition": p, "chunk": t[0], "prefetch": t[1],
+                       "shipped": t == shipped, "us": sec * 1e6,
+                       "gbps": case.shape.kv_bytes / sec / 1e9, "rel_l2_vs_shipped": err}
+                assert err <= 1e-2, row
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def sweep_classic(backend: str) -> list[dict]:
+    rows = []
+    for batch, h, kvh, d, n, split in CLASSIC_SHAPES:
+        case = build_case(Shape(batch, h, kvh, d, n, "bfloat16"))
+
+        def launch(lanes_unroll=None, prefetch=None, case=case, split=split):
+            return classic_gpu.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale,
+                                            sinks=None, sliding_window=None, softcap=None, split=split,
+                                            backend=backend, lanes_unroll=lanes_unroll, prefetch=prefetch)
+
+        ref = np.array(launch().astype(mx.float32))
+        shipped = (*classic_gpu.geometry(d, "bfloat16", backend), classic_gpu.PREFETCH_NEXT.get(backend, 0))
+        for lanes, unroll, pf in CLASSIC_TUNINGS:
+            if d % (4 * lanes):
+                continue
+            err = _rel_l2(launch((lanes, unroll), pf), ref)
+            sec = _time(lambda g=(lanes, unroll), pf=pf: launch(g, pf))
+            row = {"kernel": "classic", "batch": batch, "heads": h, "kv_heads": kvh, "head": d, "context": n,
+                   "split": split, "lanes": lanes, "unroll": unroll, "prefetch": pf,
+                   "shipped": (lanes, unroll, pf) == shipped, "us": sec * 1e6,
+                   "gbps": case.shape.kv_bytes / sec / 1e9, "rel_l2_vs_shipped": err}
+            assert err <= 1e-2, row
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(out_path: str, which: str = "all") -> None:
+    mx.set_cache_limit(1 << 34)
+    dev = current_device()
+    rows = []
+    if which in ("all", "gqa"):
+        rows += sweep_gqa(dev.backend)
+    if which in ("all", "classic"):
+        rows += sweep_classic(dev.backend)
+    with open(out_path, "w") as f:
+        json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 3):
+        raise SystemExit("usage: python3 benchmarks/sweep_gpu_tuning.py OUT.json [all|gqa|classic]")
+    main(*sys.argv[1:])
