@@ -45,7 +45,9 @@ CLASSIC_SHAPES = (  # (batch, heads, kv_heads, head, context, split)
     (128, 32, 8, 128, 1024, False),
     (1, 24, 4, 256, 65536, True),
 )
-CLASSIC_TUNINGS = ((4, 1, 0), (4, 1, 1), (4, 2, 1), (8, 1, 1), (8, 2, 1))
+#: (lanes per token, unroll, heads per threadgroup, PREFETCH); heads must divide every swept GQA group.
+CLASSIC_TUNINGS = ((16, 2, 2, 1), (16, 2, 2, 0), (16, 1, 2, 1), (8, 2, 2, 1), (8, 1, 2, 1), (4, 1, 1, 1),
+                   (16, 2, 1, 1))
 
 
 def _rel_l2(got: mx.array, ref: np.ndarray) -> float:
@@ -88,21 +90,23 @@ def sweep_classic(backend: str) -> list[dict]:
     for batch, h, kvh, d, n, split in CLASSIC_SHAPES:
         case = build_case(Shape(batch, h, kvh, d, n, "bfloat16"))
 
-        def launch(lanes_unroll=None, prefetch=None, case=case, split=split):
+        def launch(geo=None, prefetch=None, case=case, split=split):
             return classic_gpu.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale,
                                             sinks=None, sliding_window=None, softcap=None, split=split,
-                                            backend=backend, lanes_unroll=lanes_unroll, prefetch=prefetch)
+                                            backend=backend, geometry_override=geo, prefetch=prefetch)
 
         ref = np.array(launch().astype(mx.float32))
-        shipped = (*classic_gpu.geometry(d, "bfloat16", backend), classic_gpu.PREFETCH_NEXT.get(backend, 0))
-        for lanes, unroll, pf in CLASSIC_TUNINGS:
-            if d % (4 * lanes):
+        geo = classic_gpu.geometry(d, "bfloat16", backend, h // kvh)
+        shipped = (geo.lanes, geo.unroll, geo.hps, classic_gpu.PREFETCH_NEXT.get(backend, 0))
+        for lanes, unroll, hps, pf in {*CLASSIC_TUNINGS, shipped}:
+            if d % (4 * lanes) or (h // kvh) % hps:
                 continue
-            err = _rel_l2(launch((lanes, unroll), pf), ref)
-            sec = _time(lambda g=(lanes, unroll), pf=pf: launch(g, pf))
+            g = classic_gpu.Geometry(lanes, unroll, hps)
+            err = _rel_l2(launch(g, pf), ref)
+            sec = _time(lambda g=g, pf=pf: launch(g, pf))
             row = {"kernel": "classic", "batch": batch, "heads": h, "kv_heads": kvh, "head": d, "context": n,
-                   "split": split, "lanes": lanes, "unroll": unroll, "prefetch": pf,
-                   "shipped": (lanes, unroll, pf) == shipped, "us": sec * 1e6,
+                   "split": split, "lanes": lanes, "unroll": unroll, "hps": hps, "prefetch": pf,
+                   "shipped": (lanes, unroll, hps, pf) == shipped, "us": sec * 1e6,
                    "gbps": case.shape.kv_bytes / sec / 1e9, "rel_l2_vs_shipped": err}
             assert err <= 1e-2, row
             rows.append(row)

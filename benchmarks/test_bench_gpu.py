@@ -108,18 +108,18 @@ def test_split_gate(benchmark, bench_cases, context, batch, route):
     benchmark.extra_info["gbps"] = shape.kv_bytes / benchmark.stats.stats.median / 1e9
 
 
-#: (lanes per token, tokens unrolled per lane) variants of the per-token kernel, head 128 bf16.
-GEOMETRIES = ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8))
+#: (lanes per token, tokens unrolled per lane, heads per threadgroup) variants, 32/8 heads, head 128 bf16.
+GEOMETRIES = ((16, 2, 4), (16, 1, 4), (8, 2, 4), (16, 2, 2), (16, 2, 1), (4, 1, 1), (8, 2, 1))
 GEOMETRY_SHAPES = ((8, 4096, True), (64, 8192, False))  # (batch, context, split)
 
 
-@pytest.mark.parametrize("lanes_unroll", GEOMETRIES, ids=lambda g: f"lanes{g[0]}-unroll{g[1]}")
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=lambda g: "lanes{}-unroll{}-hps{}".format(*g))
 @pytest.mark.parametrize("batch_ctx_split", GEOMETRY_SHAPES, ids=lambda t: f"b{t[0]}-L{t[1]}-split{int(t[2])}")
-def test_geometry_sweep(benchmark, bench_cases, batch_ctx_split, lanes_unroll):
+def test_geometry_sweep(benchmark, bench_cases, batch_ctx_split, geo):
     """Kernel geometry tuning: each variant's output must match the default geometry's."""
     import mlx.core as mx
     import numpy as np
-    from metal_attn.providers.classic.gpu import launch_paged
+    from metal_attn.providers.classic.gpu import Geometry, launch_paged
 
     from metal_attn.bench.core import Shape
 
@@ -128,10 +128,10 @@ def test_geometry_sweep(benchmark, bench_cases, batch_ctx_split, lanes_unroll):
     case = bench_cases.get(shape)
     benchmark.group = f"geometry b{batch} L{context} split={int(split)}"
 
-    def run(g=lanes_unroll):
+    def run(g=Geometry(*geo)):
         out = launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,
                            sliding_window=None, softcap=None, split=split, backend=current_device().backend,
-                           lanes_unroll=g)
+                           geometry_override=g)
         mx.eval(out)
         return out
 
@@ -139,5 +139,5 @@ def test_geometry_sweep(benchmark, bench_cases, batch_ctx_split, lanes_unroll):
     got = np.array(run().astype(mx.float32))
     assert np.linalg.norm(got - ref) <= 1e-2 * np.linalg.norm(ref)
     benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=3)
-    _machine(benchmark, lanes=lanes_unroll[0], unroll=lanes_unroll[1], batch=batch, context=context, split=split)
+    _machine(benchmark, lanes=geo[0], unroll=geo[1], hps=geo[2], batch=batch, context=context, split=split)
     benchmark.extra_info["gbps"] = shape.kv_bytes / benchmark.stats.stats.median / 1e9

@@ -4,25 +4,29 @@
 //   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_SIMD_WIDTH, and per variant PA_SPLIT.
 
 // @kernel paged_attention
-// One threadgroup per (group of NUM_THREADS/32 consecutive query heads, query row, partition);
-// one simdgroup per query head, so the heads of a GQA group read the same K/V rows together
-// (served from L1/the cache, not re-read from memory). No threadgroup memory, no barriers.
+// One threadgroup per (HPS consecutive query heads, query row, partition). The HPS heads
+// share one KV head (HPS divides the GQA group), so each K/V row is read once for all of
+// them; the NUM_THREADS/32 simdgroups stride over the row's tokens (STEP tokens each in
+// turn) and merge their online-softmax states through threadgroup memory at the end.
+// Within a simdgroup, TPT lanes hold one token (a lane: E head elements, 4 at a time) and
+// reduce its q.k with simd_shuffle_xor; the TPP = 32/TPT token slots keep separate states,
+// merged by a butterfly. Each iteration issues all its K/V loads (packed) before any
+// arithmetic and reads the next iteration's page ids, so the block-table read is off the
+// critical path; PREFETCH = 1 also asks L2 for the next iteration's rows (CUDA; no-op on Metal).
 // Inputs : q [T, H, D], k_cache/v_cache [NB, BS, KVH, D], block_tables [S, MB] int32,
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32, sinks [H] float32,
 //          params int32 [num_seqs, num_heads, num_kv_heads, max_blocks, window, max_parts, use_sinks],
 //          fparams float32 [score_scale, softcap]
 // Outputs: PA_SPLIT == 0: out [T, H, D] (T dtype)
 //          PA_SPLIT == 1: max_logits [T, H, P], exp_sums [T, H, P], tmp_out [T, H, P, D] (float32)
-// Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token), UNROLL,
-//           PREFETCH (request the next iteration's rows into L2; CUDA only, a no-op on Metal).
-// Each iteration issues all its K/V loads (packed) before any arithmetic and reads the
-// next iteration's page ids, so the block-table read is off the critical path.
-constexpr int HEADS_PER_GROUP = NUM_THREADS / MA_SIMD_WIDTH;
-constexpr int NV = HEAD_SIZE / (4 * TPT);    // 4-element vectors per lane
-constexpr int E = 4 * NV;                    // head elements per lane
-constexpr int TPP = MA_SIMD_WIDTH / TPT;     // tokens per simdgroup pass
-constexpr int STEP = TPP * UNROLL;           // tokens per simdgroup iteration
-// L2 prefetch of the next iteration's rows (PREFETCH = 1; a no-op on Metal): 128-byte lines per row.
+// Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token),
+//           UNROLL (tokens per lane per iteration), HPS (heads per threadgroup), PREFETCH.
+constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;  // simdgroups, striding over tokens
+constexpr int NV = HEAD_SIZE / (4 * TPT);             // 4-element vectors per lane
+constexpr int E = 4 * NV;                             // head elements per lane
+constexpr int TPP = MA_SIMD_WIDTH / TPT;              // tokens per simdgroup pass
+constexpr int STEP = TPP * UNROLL;                    // tokens per simdgroup iteration
+// L2 prefetch (PREFETCH = 1): 128-byte lines per K (or V) row of one KV head.
 constexpr int LINE_ELEMS = 128 / int(sizeof(T));
 constexpr int ROW_LINES = HEAD_SIZE / LINE_ELEMS > 0 ? HEAD_SIZE / LINE_ELEMS : 1;
 
@@ -37,11 +41,15 @@ const float score_scale = fparams[0];
 const float softcap = fparams[1];
 
 const int lane = int(thread_index_in_simdgroup);
-const int head = int(threadgroup_position_in_grid.x) * HEADS_PER_GROUP + int(simdgroup_index_in_threadgroup);
+const int sg = int(simdgroup_index_in_threadgroup);
+const int tid = int(thread_position_in_threadgroup.x);
+const int head0 = int(threadgroup_position_in_grid.x) * HPS;
 const int qtok = int(threadgroup_position_in_grid.y);
 const int part = int(threadgroup_position_in_grid.z);
-if (head >= num_heads) {
-  return;  // a whole simdgroup: the last group of heads may be partial
+// Every exit below depends on the threadgroup's (heads, row, partition) only: the whole
+// threadgroup leaves together, so the barrier at the end is reached by all or none.
+if (head0 >= num_heads) {
+  return;
 }
 
 // The sequence of this query row: last s with cu_seqlens_q[s] <= qtok.
@@ -61,8 +69,8 @@ const int q_len = cu_seqlens_q[seq + 1] - q_start;
 // Causal rule: row i attends to [0, seq_len - q_len + i + 1).
 const int ctx = seq_lens[seq] - q_len + (qtok - q_start) + 1;
 const int win_start = window > 0 ? metal::max(ctx - window, 0) : 0;
-const int kv_head = head / (num_heads / num_kv_heads);
-const int64_t row_head = int64_t(qtok) * num_heads + head;
+const int kv_head = head0 / (num_heads / num_kv_heads);
+const int64_t row_head0 = int64_t(qtok) * num_heads + head0;
 
 #if PA_SPLIT
 const int p_start = part * PARTITION_SIZE;
@@ -70,15 +78,15 @@ if (p_start >= ctx) {
   return;  // past the row: nothing written, the reducer never reads it
 }
 const int p_end = metal::min(p_start + PARTITION_SIZE, ctx);
-const int64_t stat_idx = row_head * max_parts + part;
 if (p_end <= win_start) {
-  // Entirely left of the sliding window: a neutral partial.
-  if (lane == 0) {
-    max_logits[stat_idx] = MA_NEG_FLT_MAX;
-    exp_sums[stat_idx] = 0.0f;
-  }
-  for (int d = lane; d < HEAD_SIZE; d += MA_SIMD_WIDTH) {
-    tmp_out[stat_idx * HEAD_SIZE + d] = 0.0f;
+  // Entirely left of the sliding window: a neutral partial for each head.
+  for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
+    const int64_t stat = (row_head0 + i / HEAD_SIZE) * max_parts + part;
+    if (i % HEAD_SIZE == 0) {
+      max_logits[stat] = MA_NEG_FLT_MAX;
+      exp_sums[stat] = 0.0f;
+    }
+    tmp_out[stat * HEAD_SIZE + i % HEAD_SIZE] = 0.0f;
   }
   return;
 }
@@ -89,34 +97,40 @@ const int t_begin = win_start;
 const int t_end = ctx;
 #endif
 
-// This lane's slice of the head: vectors (sl + TPT * j), j < NV, of 4 elements.
+// This lane's slice of each head: vectors (sl + TPT * j), j < NV, of 4 elements.
 const int sub = lane / TPT;
 const int sl = lane % TPT;
-float q_reg[E];
-const int64_t q_off = row_head * HEAD_SIZE;
-for (int j = 0; j < NV; ++j) {
-  ma_load4(q + q_off + (sl + TPT * j) * 4, q_reg + 4 * j);
+float q_reg[HPS][E];
+for (int h = 0; h < HPS; ++h) {
+  for (int j = 0; j < NV; ++j) {
+    ma_load4(q + (row_head0 + h) * HEAD_SIZE + (sl + TPT * j) * 4, &q_reg[h][4 * j]);
+  }
 }
 
-float m = MA_NEG_FLT_MAX;
-float l = 0.0f;
-float acc[E];
-for (int e = 0; e < E; ++e) {
-  acc[e] = 0.0f;
+float m[HPS];
+float l[HPS];
+float acc[HPS][E];
+for (int h = 0; h < HPS; ++h) {
+  m[h] = MA_NEG_FLT_MAX;
+  l[h] = 0.0f;
+  for (int e = 0; e < E; ++e) {
+    acc[h][e] = 0.0f;
+  }
 }
 
 const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
 const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
+constexpr int STRIDE = NUM_SG * STEP;  // tokens between a simdgroup's iterations
 
 // Page ids one iteration ahead: blk[u] is the page of token base + u * TPP + sub.
 int blk[UNROLL];
 for (int u = 0; u < UNROLL; ++u) {
-  const int tok = t_begin + u * TPP + sub;
+  const int tok = t_begin + sg * STEP + u * TPP + sub;
   blk[u] = tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;
 }
 
-for (int base = t_begin; base < t_end; base += STEP) {
+for (int base = t_begin + sg * STEP; base < t_end; base += STRIDE) {
   // Every K/V load of the iteration first (packed registers), then the next ids.
   ma_raw4<T> kraw[UNROLL][NV];
   ma_raw4<T> vraw[UNROLL][NV];
@@ -136,7 +150,7 @@ for (int base = t_begin; base < t_end; base += STEP) {
   }
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
-    const int tok = base + STEP + u * TPP + sub;
+    const int tok = base + STRIDE + u * TPP + sub;
     blk[u] = tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;
     if (PREFETCH && tok < t_end) {
       // The TPT lanes of a token share its K and V rows' 128-byte lines.
@@ -151,105 +165,150 @@ for (int base = t_begin; base < t_end; base += STEP) {
       }
     }
   }
-  float s[UNROLL];
+  // K converted once, used by every head.
+  float kf[UNROLL][E];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
-    s[u] = 0.0f;
-    if (ok[u]) {
 #pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        float kr[4];
-        ma_unpack4(kraw[u][j], kr);
+    for (int j = 0; j < NV; ++j) {
+      if (ok[u]) {
+        ma_unpack4(kraw[u][j], &kf[u][4 * j]);
+      } else {
         for (int c = 0; c < 4; ++c) {
-          s[u] += q_reg[4 * j + c] * kr[c];
+          kf[u][4 * j + c] = 0.0f;
         }
       }
     }
   }
-  // Reduce each token's partial dot over its TPT lanes (all 32 lanes take part).
-  for (int u = 0; u < UNROLL; ++u) {
-    for (int o = TPT / 2; o > 0; o >>= 1) {
-      s[u] += simd_shuffle_xor(s[u], ushort(o));
+  float p[HPS][UNROLL];
+#pragma unroll
+  for (int h = 0; h < HPS; ++h) {
+    float s[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      s[u] = 0.0f;
+      for (int e = 0; e < E; ++e) {
+        s[u] += q_reg[h][e] * kf[u][e];
+      }
+    }
+    // Reduce each token's partial dot over its TPT lanes (all 32 lanes take part).
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      for (int o = TPT / 2; o > 0; o >>= 1) {
+        s[u] += simd_shuffle_xor(s[u], ushort(o));
+      }
+    }
+    float m_new = m[h];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      s[u] = ok[u] ? ma_score(s[u], score_scale, softcap) : MA_NEG_FLT_MAX;
+      m_new = metal::max(m_new, s[u]);
+    }
+    if (m_new > m[h]) {
+      // Rescale only when the running max grows (alpha would be exactly 1 otherwise):
+      // after the first tokens of a row this is rare, and it saves E multiplies a step.
+      const float alpha = ma_rescale(m[h], m_new);
+      l[h] *= alpha;
+      for (int e = 0; e < E; ++e) {
+        acc[h][e] *= alpha;
+      }
+      m[h] = m_new;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      p[h][u] = ok[u] ? metal::exp2(s[u] - m_new) : 0.0f;
+      l[h] += p[h][u];
     }
   }
-  float m_new = m;
-  for (int u = 0; u < UNROLL; ++u) {
-    s[u] = ok[u] ? ma_score(s[u], score_scale, softcap) : MA_NEG_FLT_MAX;
-    m_new = metal::max(m_new, s[u]);
-  }
-  if (m_new > m) {
-    // Rescale only when the running max grows (alpha would be exactly 1 otherwise):
-    // after the first tokens of a row this is rare, and it saves E multiplies a step.
-    const float alpha = ma_rescale(m, m_new);
-    l *= alpha;
-    for (int e = 0; e < E; ++e) {
-      acc[e] *= alpha;
-    }
-  }
+  // V converted once, accumulated into every head.
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
     if (ok[u]) {
-      const float p = metal::exp2(s[u] - m_new);
-      l += p;
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         float vr[4];
         ma_unpack4(vraw[u][j], vr);
-        for (int c = 0; c < 4; ++c) {
-          acc[4 * j + c] += p * vr[c];
+#pragma unroll
+        for (int h = 0; h < HPS; ++h) {
+          for (int c = 0; c < 4; ++c) {
+            acc[h][4 * j + c] += p[h][u] * vr[c];
+          }
         }
       }
     }
   }
-  m = m_new;
 }
 
 // Merge the simdgroup's token slots (lanes sl, sl + TPT, ... hold the same slice);
 // after the butterfly every slot holds the merged state.
-for (int o = TPT; o < MA_SIMD_WIDTH; o <<= 1) {
-  const float m_o = simd_shuffle_xor(m, ushort(o));
-  const float l_o = simd_shuffle_xor(l, ushort(o));
-  const float m_n = metal::max(m, m_o);
-  const float a = ma_rescale(m, m_n);
-  const float b = ma_rescale(m_o, m_n);
-  l = l * a + l_o * b;
-  for (int e = 0; e < E; ++e) {
-    acc[e] = acc[e] * a + simd_shuffle_xor(acc[e], ushort(o)) * b;
+for (int h = 0; h < HPS; ++h) {
+  for (int o = TPT; o < MA_SIMD_WIDTH; o <<= 1) {
+    const float m_o = simd_shuffle_xor(m[h], ushort(o));
+    const float l_o = simd_shuffle_xor(l[h], ushort(o));
+    const float m_n = metal::max(m[h], m_o);
+    const float a = ma_rescale(m[h], m_n);
+    const float b = ma_rescale(m_o, m_n);
+    l[h] = l[h] * a + l_o * b;
+    for (int e = 0; e < E; ++e) {
+      acc[h][e] = acc[h][e] * a + simd_shuffle_xor(acc[h][e], ushort(o)) * b;
+    }
+    m[h] = m_n;
   }
-  m = m_n;
 }
 
+// Merge the simdgroups through threadgroup memory: each writes its (max, sum, acc) per
+// head, then every thread combines some (head, element) pairs across simdgroups.
+threadgroup float sg_stats[NUM_SG * HPS * 2];
+threadgroup float sg_acc[NUM_SG * HPS * HEAD_SIZE];
+for (int h = 0; h < HPS; ++h) {
+  if (lane == 0) {
+    sg_stats[(sg * HPS + h) * 2] = m[h];
+    sg_stats[(sg * HPS + h) * 2 + 1] = l[h];
+  }
+  if (sub == 0) {
+    for (int j = 0; j < NV; ++j) {
+      for (int c = 0; c < 4; ++c) {
+        sg_acc[(sg * HPS + h) * HEAD_SIZE + (sl + TPT * j) * 4 + c] = acc[h][4 * j + c];
+      }
+    }
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
+  const int h = i / HEAD_SIZE;
+  const int d = i % HEAD_SIZE;
+  float g_max = MA_NEG_FLT_MAX;
+  for (int w = 0; w < NUM_SG; ++w) {
+    g_max = metal::max(g_max, sg_stats[(w * HPS + h) * 2]);
+  }
+  float total = 0.0f;
+  float o = 0.0f;
+  for (int w = 0; w < NUM_SG; ++w) {
+    const float wgt = ma_rescale(sg_stats[(w * HPS + h) * 2], g_max);
+    total += sg_stats[(w * HPS + h) * 2 + 1] * wgt;
+    o += sg_acc[(w * HPS + h) * HEAD_SIZE + d] * wgt;
+  }
+  const int64_t row_head = row_head0 + h;
 #if PA_SPLIT
-if (lane == 0) {
-  max_logits[stat_idx] = m;
-  exp_sums[stat_idx] = l;
-}
-const float inv = 1.0f / (l + MA_SOFTMAX_EPS);
-if (sub == 0) {
-  for (int j = 0; j < NV; ++j) {
-    for (int c = 0; c < 4; ++c) {
-      tmp_out[stat_idx * HEAD_SIZE + (sl + TPT * j) * 4 + c] = acc[4 * j + c] * inv;
-    }
+  const int64_t stat_idx = row_head * max_parts + part;
+  if (d == 0) {
+    max_logits[stat_idx] = g_max;
+    exp_sums[stat_idx] = total;
   }
-}
+  tmp_out[stat_idx * HEAD_SIZE + d] = o / (total + MA_SOFTMAX_EPS);
 #else
-// Sinks are folded once per row, here (no value row).
-float fold = 1.0f;
-if (use_sinks) {
-  const float sink = sinks[head] * MA_LOG2E;
-  const float m_s = metal::max(m, sink);
-  fold = ma_rescale(m, m_s);
-  l = l * fold + metal::exp2(sink - m_s);
-}
-const float inv = fold / (l + MA_SOFTMAX_EPS);
-if (sub == 0) {
-  for (int j = 0; j < NV; ++j) {
-    for (int c = 0; c < 4; ++c) {
-      out[q_off + (sl + TPT * j) * 4 + c] = ma_from_float<T>(acc[4 * j + c] * inv);
-    }
+  // Sinks are folded once per row, here (no value row).
+  float fold = 1.0f;
+  if (use_sinks) {
+    const float sink = sinks[head0 + h] * MA_LOG2E;
+    const float m_s = metal::max(g_max, sink);
+    fold = ma_rescale(g_max, m_s);
+    total = total * fold + metal::exp2(sink - m_s);
   }
-}
+  out[row_head * HEAD_SIZE + d] = ma_from_float<T>(o * fold / (total + MA_SOFTMAX_EPS));
 #endif
+}
 
 // @kernel paged_attention_v2_reduce
 // The split-KV reducer, shared by every kernel that writes the split contract:

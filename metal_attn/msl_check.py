@@ -83,7 +83,7 @@ def classic_specializations() -> list[Specialization]:
         if dtype not in table["dtypes"]:
             continue
         for head in sorted(table["head_sizes"]):
-            tpt, unroll = gpu.geometry(head, dtype)
+            geo = gpu.geometry(head, dtype, "metal")
             for block in sorted(table["block_sizes"]):
                 for split in (0, 1):
                     parts = 2 if split else 1
@@ -100,8 +100,8 @@ def classic_specializations() -> list[Specialization]:
                         output_names=gpu.PA_OUTPUTS[split],
                         template=(("T", dtype), ("HEAD_SIZE", head), ("BLOCK_SIZE", block),
                                   ("PARTITION_SIZE", PARTITION_SIZE if split else 0),
-                                  ("NUM_THREADS", gpu.NUM_THREADS), ("TPT", tpt), ("UNROLL", unroll),
-                                  ("PREFETCH", gpu.PREFETCH_NEXT["metal"])),
+                                  ("NUM_THREADS", gpu.NUM_THREADS), ("TPT", geo.lanes), ("UNROLL", geo.unroll),
+                                  ("HPS", geo.hps), ("PREFETCH", gpu.PREFETCH_NEXT["metal"])),
                         inputs=common_in, outputs=outs, defines=(("PA_SPLIT", split),),
                     ))
             specs.append(Specialization(

@@ -30,7 +30,7 @@ def test_small_decode_grid_splits_with_gate_arithmetic():
     notes = " | ".join(row.plan.notes)
     assert "num_heads*total_q_tokens=8*1=8 < 8*gpu_cores=8*40=320" in notes
     assert "partitions=ceil(max_seq_len/512)=ceil(8192/512)=16 >= 2" in notes
-    assert row.plan.grid == (2 * 128, 1, 16)  # 8 heads: 2 threadgroups of 4 simdgroups
+    assert row.plan.grid == (8 * 128, 1, 16)  # Metal: one threadgroup (4 simdgroups) per head
     assert "split gate" in str(ex)
 
 
@@ -38,7 +38,10 @@ def test_full_grid_does_not_split():
     _, row = _classic_row(q_lens=[1] * 40, seq_lens=[8192] * 40)
     assert row.plan.route == "per_token_ps0" and row.plan.partition_size == 0
     assert "num_heads*total_q_tokens=8*40=320 >= 8*gpu_cores=8*40=320" in " ".join(row.plan.notes)
-    assert row.plan.grid == (2 * 128, 40, 1)
+    assert row.plan.grid == (8 * 128, 40, 1)
+    # On the H200 the four query heads of each KV head share a threadgroup: 8 heads, 2 threadgroups.
+    _, row = _classic_row(q_lens=[1] * 40, seq_lens=[8192] * 40, device="h200")
+    assert row.plan.grid[0] == 2 * 128 and "heads_per_threadgroup=4" in " ".join(row.plan.notes)
 
 
 def test_single_partition_does_not_split():
@@ -113,20 +116,27 @@ def test_disable_toggle_is_a_reason():
 
 
 def test_lanes_per_token_geometry():
-    from metal_attn.providers.classic.gpu import geometry
+    from metal_attn.providers.classic.gpu import Geometry, geometry
 
-    # (lanes per token, unroll): lanes take whole 4-element vectors; unroll 2 up to 16 elements per lane
-    assert geometry(128, "bfloat16") == (8, 2)
-    assert geometry(80, "float16") == (4, 1)  # 20 vectors: 4 lanes x 5 vectors
-    assert geometry(112, "float32") == (4, 1)
-    assert geometry(256, "float16") == (8, 1)
-    assert geometry(64, "float32") == (8, 2)
-    # CUDA (measured on the H200 for head 128): 4 lanes, no unroll; 8 lanes above head 128
-    assert geometry(128, "bfloat16", "cuda") == (4, 1)
-    assert geometry(64, "float16", "cuda") == (4, 1)
-    assert geometry(80, "float16", "cuda") == (4, 1)
-    assert geometry(256, "bfloat16", "cuda") == (8, 1)
-    assert geometry(192, "bfloat16", "cuda") == (8, 1)  # 48 vectors: 8 lanes x 6 vectors
+    # Metal (upstream's shape): lanes take whole 4-element vectors, at most 8 per token; unroll 2 up
+    # to 16 elements per lane; one head per threadgroup whatever the GQA group.
+    assert geometry(128, "bfloat16") == Geometry(8, 2, 1)
+    assert geometry(128, "bfloat16", "metal", group=4) == Geometry(8, 2, 1)
+    assert geometry(80, "float16") == Geometry(4, 1, 1)  # 20 vectors: 4 lanes x 5 vectors
+    assert geometry(112, "float32") == Geometry(4, 1, 1)
+    assert geometry(256, "float16") == Geometry(8, 1, 1)
+    assert geometry(64, "float32") == Geometry(8, 2, 1)
+    # CUDA (H200): 8 elements per lane where the vectors allow it, unroll 2 at 8 elements, and up
+    # to 4 heads of a GQA group per threadgroup while heads x elements <= 32.
+    assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(16, 2, 4)
+    assert geometry(128, "bfloat16", "cuda", group=8) == Geometry(16, 2, 4)
+    assert geometry(128, "bfloat16", "cuda", group=2) == Geometry(16, 2, 2)
+    assert geometry(128, "bfloat16", "cuda", group=1) == Geometry(16, 2, 1)
+    assert geometry(256, "bfloat16", "cuda", group=6) == Geometry(32, 2, 3)
+    assert geometry(64, "float16", "cuda", group=4) == Geometry(8, 2, 4)
+    assert geometry(80, "float16", "cuda", group=4) == Geometry(4, 1, 1)  # 20 elements a lane: one head
+    assert geometry(96, "float16", "cuda", group=4) == Geometry(8, 1, 2)  # 12 elements: two heads
+    assert geometry(192, "bfloat16", "cuda", group=6) == Geometry(16, 1, 2)  # 48 vectors: 16 lanes x 3
     with pytest.raises(ValueError, match="head_size=66"):
         geometry(66, "float16")
 

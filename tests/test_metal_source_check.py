@@ -61,7 +61,7 @@ def test_planted_undeclared_name_fails(tmp_path):
 
 def test_planted_type_mismatch_fails(tmp_path):
     # A dependent-type error (T* vs float*): only an instantiated template reveals it.
-    d = _planted(tmp_path, "float q_reg[E];", "device float* wrong = k_cache;\nfloat q_reg[E];")
+    d = _planted(tmp_path, "float q_reg[HPS][E];", "device float* wrong = k_cache;\nfloat q_reg[HPS][E];")
     result = msl_check.check(only=ONLY, kernels_dir=d)
     assert not result.ok
     assert any("cannot initialize" in e or "incompatible" in e for e in result.errors), result.summary()

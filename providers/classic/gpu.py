@@ -10,6 +10,7 @@ reducer for any kernel that writes the split contract (the GQA decode kernel).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import TYPE_CHECKING
@@ -44,35 +45,62 @@ MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float
 ROUTES = {False: "per_token_ps0", True: f"per_token_ps{PARTITION_SIZE}"}
 
 
-#: Most lanes per token, per backend. Metal: 8 lanes with a 2-token unroll up to 16
-#: elements per lane (the vLLM-style geometry). CUDA: the H200 sweep in
-#: docs/bench-h200-classic.md measured 4 lanes x 1 token 1.32x (unsplit) and 1.12x
-#: (split) faster than 8 x 2 for head 128 bf16; heads above 128 keep 8 lanes so a lane
-#: holds at most 32 elements (extrapolated, not swept).
-MAX_LANES_PER_TOKEN = {"metal": 8, "cuda": 4}
-UNROLL_UP_TO_ELEMENTS = {"metal": 16, "cuda": 0}
+@dataclasses.dataclass(frozen=True)
+class GeometryRule:
+    """How the per-token kernel lays a head out on a simdgroup, per backend (data, not code paths).
+
+    - lanes per token: the largest power of two up to ``max_lanes`` dividing ``head_size / 4``
+      that still leaves each lane at least ``min_elements`` head elements;
+    - tokens unrolled per lane: 2 while a lane holds at most ``unroll_up_to`` elements, else 1;
+    - heads per threadgroup (HPS): the largest of ``hps_choices`` dividing the GQA group with
+      ``HPS * elements per lane <= hps_element_budget`` (q and the accumulators of every head
+      live in registers).
+    """
+
+    max_lanes: int
+    min_elements: int
+    unroll_up_to: int
+    hps_choices: tuple[int, ...]
+    hps_element_budget: int
+
+
+#: Metal: upstream's shape (8 lanes per token, 2 tokens unrolled up to 16 elements, one head
+#: per threadgroup, its simdgroups striding over the blocks). CUDA: measured on the H200
+#: (docs/bench-h200-classic.md): 8 elements per lane (16 lanes for head 128), 2 tokens
+#: unrolled, the heads of a GQA group (up to 4) in one threadgroup so each K/V row is read
+#: once for all of them.
+GEOMETRY_RULES: dict[str, GeometryRule] = {
+    "metal": GeometryRule(max_lanes=8, min_elements=4, unroll_up_to=16, hps_choices=(1,), hps_element_budget=0),
+    "cuda": GeometryRule(max_lanes=32, min_elements=8, unroll_up_to=8, hps_choices=(4, 3, 2, 1), hps_element_budget=32),
+}
 #: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
 #: Metal has no such instruction and the kernel's prefetch is a no-op there).
 PREFETCH_NEXT = {"metal": 0, "cuda": 1}
 
 
-def geometry(head_size: int, dtype: str, backend: str = "metal") -> tuple[int, int]:
-    """``(lanes per token, tokens unrolled per lane)`` of the per-token kernel on ``backend``.
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """One launch shape of the per-token kernel."""
 
-    Lanes per token: the largest power of two up to the backend's maximum dividing
-    ``head_size / 4`` (each lane loads whole 4-element vectors; on CUDA heads above 128
-    use up to 8 lanes); two tokens are unrolled while a lane holds at most the backend's
-    unroll limit of head elements.
-    """
+    lanes: int  # lanes per token (TPT)
+    unroll: int  # tokens per lane per iteration
+    hps: int  # query heads per threadgroup (all of one KV head)
+
+
+def geometry(head_size: int, dtype: str, backend: str = "metal", group: int = 1) -> Geometry:
+    """The kernel geometry for ``head_size`` on ``backend`` with GQA ``group`` query heads per KV head."""
     del dtype  # the same geometry for every dtype (registers hold float32 either way)
     vecs = head_size // 4
     if head_size % 4 or vecs == 0:
         raise ValueError(f"head_size={head_size} has no lane geometry (need a positive multiple of 4)")
-    most = MAX_LANES_PER_TOKEN.get(backend, 8)
-    if backend == "cuda" and head_size > 128:
-        most = 8
-    tpt = next(t for t in (8, 4, 2, 1) if t <= most and vecs % t == 0)
-    return tpt, 2 if head_size // tpt <= UNROLL_UP_TO_ELEMENTS.get(backend, 16) else 1
+    rule = GEOMETRY_RULES.get(backend, GEOMETRY_RULES["metal"])
+    lanes = next(t for t in (32, 16, 8, 4, 2, 1)
+                 if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
+    elements = head_size // lanes
+    unroll = 2 if elements <= rule.unroll_up_to else 1
+    hps = next((h for h in rule.hps_choices if group % h == 0 and h * elements <= max(rule.hps_element_budget,
+                                                                                         elements)), 1)
+    return Geometry(lanes, unroll, hps)
 
 
 def _backend() -> str:
@@ -81,10 +109,9 @@ def _backend() -> str:
     return current_device().backend
 
 
-def head_groups(num_heads: int) -> int:
-    """Threadgroups per (row, partition): one simdgroup per query head, NUM_THREADS / 32 heads each."""
-    per = NUM_THREADS // kernels.SIMD_WIDTH
-    return -(-num_heads // per)
+def head_groups(num_heads: int, hps: int) -> int:
+    """Threadgroups per (row, partition): ``hps`` query heads each (``hps`` divides the GQA group)."""
+    return num_heads // hps
 
 
 def availability_reasons(device: DeviceInfo) -> list[str]:
@@ -132,17 +159,17 @@ def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool,
 def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
     """The launch decision for an admitted request."""
     split, notes = split_decision(request, device)
-    tpt, unroll = geometry(request.head_size, request.dtype, device.backend)
+    geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads)
     parts = -(-request.max_seq_len // PARTITION_SIZE) if split else 1
     return Plan(
         provider=provider,
         route=ROUTES[split],
         partition_size=PARTITION_SIZE if split else 0,
-        grid=(head_groups(request.num_heads) * NUM_THREADS, request.total_q_tokens, parts),
+        grid=(head_groups(request.num_heads, geo.hps) * NUM_THREADS, request.total_q_tokens, parts),
         threadgroup=(NUM_THREADS, 1, 1),
         specialization=(device.backend, request.dtype, request.head_size, request.block_size,
-                        PARTITION_SIZE if split else 0, tpt, unroll),
-        notes=(*notes, f"lanes_per_token={tpt} unroll={unroll}"),
+                        PARTITION_SIZE if split else 0, geo.lanes, geo.unroll, geo.hps),
+        notes=(*notes, f"lanes_per_token={geo.lanes} unroll={geo.unroll} heads_per_threadgroup={geo.hps}"),
     )
 
 
@@ -177,22 +204,24 @@ def _zeros_f32(n: int) -> mx.array:
 def launch_paged(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
     sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
-    lanes_unroll: tuple[int, int] | None = None, prefetch: int | None = None,
+    geometry_override: Geometry | None = None, prefetch: int | None = None,
 ) -> mx.array:
     """Run the per-token kernel (and the reducer when ``split``); returns ``[T, H, D]``.
 
-    ``lanes_unroll`` overrides `geometry` (lanes per token, a power of two up to 32 with
-    ``head_size % (4 * lanes) == 0``; tokens unrolled per lane) and ``prefetch`` overrides
-    `PREFETCH_NEXT` (0 or 1) for tuning sweeps.
+    ``geometry_override`` replaces `geometry` (lanes per token: a power of two up to 32 with
+    ``head_size % (4 * lanes) == 0``; unroll >= 1; hps dividing the GQA group) and
+    ``prefetch`` replaces `PREFETCH_NEXT` (0 or 1), for tuning sweeps.
     """
     total, num_heads, head = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     dtype = q.dtype
     dname = {v: k for k, v in MX_DTYPES.items()}[dtype]
-    tpt, unroll = lanes_unroll or geometry(head, dname, backend)
-    if tpt not in (1, 2, 4, 8, 16, 32) or head % (4 * tpt) or unroll < 1:
-        raise ValueError(f"lanes_unroll={lanes_unroll} (allowed: lanes in 1..32, a power of two dividing "
-                         f"head_size/4={head // 4}; unroll >= 1)")
+    group = num_heads // num_kv_heads
+    geo = geometry_override or geometry(head, dname, backend, group)
+    tpt, unroll, hps = geo.lanes, geo.unroll, geo.hps
+    if tpt not in (1, 2, 4, 8, 16, 32) or head % (4 * tpt) or unroll < 1 or hps < 1 or group % hps:
+        raise ValueError(f"geometry_override={geometry_override} (allowed: lanes in 1..32, a power of two dividing "
+                         f"head_size/4={head // 4}; unroll >= 1; hps dividing the GQA group {group})")
     prefetch = PREFETCH_NEXT.get(backend, 0) if prefetch is None else prefetch
     if prefetch not in (0, 1):
         raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
@@ -204,9 +233,9 @@ def launch_paged(
     fparams = _small_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
     template = [("T", dtype), ("HEAD_SIZE", head), ("BLOCK_SIZE", block_size),
                 ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", NUM_THREADS),
-                ("TPT", tpt), ("UNROLL", unroll), ("PREFETCH", prefetch)]
+                ("TPT", tpt), ("UNROLL", unroll), ("HPS", hps), ("PREFETCH", prefetch)]
     inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks_arr, params, fparams]
-    grid = (head_groups(num_heads) * NUM_THREADS, total, max_parts)
+    grid = (head_groups(num_heads, hps) * NUM_THREADS, total, max_parts)
     kern = _paged_kernel(backend, split)
     if not split:
         return kern(inputs=inputs, template=template, grid=grid, threadgroup=(NUM_THREADS, 1, 1),
@@ -266,7 +295,7 @@ def prepare(plan: Plan, device: DeviceInfo) -> None:
     """Compile the plan's specialization now (a tiny launch), raising `KernelCompileError` on failure."""
     from metal_attn.metadata import AttentionMetadata
 
-    backend, dtype, head, block, psize, _, _ = plan.specialization
+    backend, dtype, head, block, psize, lanes, unroll, hps = plan.specialization
     if device.hypothetical:
         return
     split = psize > 0
@@ -274,12 +303,12 @@ def prepare(plan: Plan, device: DeviceInfo) -> None:
     seq_len = PARTITION_SIZE + 1 if split else 1
     nblk = -(-seq_len // block)
     md = AttentionMetadata.build(np.arange(nblk, dtype=np.int32)[None, :], [seq_len], [0, 1], validate=False)
-    q = mx.zeros((1, 1, head), mdt)
+    q = mx.zeros((1, hps, head), mdt)  # hps query heads on one KV head: the plan's exact specialization
     kc = mx.zeros((nblk, block, 1, head), mdt)
 
     def _go():
         return launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None,
-                            split=split, backend=backend)
+                            split=split, backend=backend, geometry_override=Geometry(lanes, unroll, hps))
 
     kernels.compile_now(_go, f"classic {plan.route} {plan.specialization}")
 

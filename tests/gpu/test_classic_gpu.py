@@ -88,26 +88,28 @@ def test_lengths_at_page_and_partition_edges(dtype, route):
     _check(case, route)
 
 
-#: Load-pipelining variants a geometry table may ship: (lanes per token, unroll, PREFETCH).
-_TUNINGS = [(4, 1, 0), (4, 1, 1), (4, 2, 1), (2, 1, 1), (8, 1, 1), (8, 2, 0), (8, 2, 1)]
+#: Geometry and prefetch variants a table may ship: (lanes per token, unroll, heads per threadgroup, PREFETCH).
+_TUNINGS = [(16, 2, 4, 1), (16, 2, 4, 0), (16, 1, 2, 1), (8, 2, 4, 1), (8, 2, 1, 0), (4, 1, 1, 1), (32, 2, 2, 1),
+            (16, 2, 1, 1)]
 
 
 @pytest.mark.parametrize("split", (False, True), ids=("ps0", "ps512"))
-@pytest.mark.parametrize("tuning", _TUNINGS, ids=lambda t: f"lanes{t[0]}-unroll{t[1]}-prefetch{t[2]}")
+@pytest.mark.parametrize("tuning", _TUNINGS, ids=lambda t: "lanes{}-unroll{}-hps{}-prefetch{}".format(*t))
 def test_every_tuning_matches_oracle(tuning, split):
-    """Each geometry/prefetch variant (bare launch) against the oracle, a window and a mixed batch included."""
+    """Each geometry/prefetch variant (bare launch) against the oracle: a window, a sink-free mixed batch,
+    rows shorter than a simdgroup's first step (idle simdgroups must merge as empty states)."""
     from metal_attn.providers.classic import gpu
 
     from metal_attn.metadata import AttentionMetadata
 
-    case = make_case(q_lens=[1, 1, 1, 5], seq_lens=[1, 17, 1100, 530], num_heads=8, num_kv_heads=2,
+    case = make_case(q_lens=[1, 1, 1, 1, 5], seq_lens=[1, 3, 17, 1100, 530], num_heads=8, num_kv_heads=2,
                      head_size=128, block_size=16, dtype="bfloat16", seed=sum(tuning), sliding_window=700,
                      label=f"tuning {tuning}")
     kw = case.kwargs()
     md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
     out = gpu.launch_paged(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
                            sliding_window=700, softcap=None, split=split, backend=metal_attn.current_device().backend,
-                           lanes_unroll=tuning[:2], prefetch=tuning[2])
+                           geometry_override=gpu.Geometry(*tuning[:3]), prefetch=tuning[3])
     assert_close_to_oracle(out, case.oracle(), "bfloat16", label=f"{case.label} split={split}")
 
 
