@@ -40,7 +40,7 @@ SIMDGROUPS_PER_CORE: Final = MappingProxyType({"metal": 33, "cuda": 24})
 #: ``num_heads * total_q_tokens < factor * gpu_cores`` (and the longest row spans
 #: at least two partitions). Apple value as measured upstream; CUDA value measured
 #: on the H200 (docs/bench-h200-classic.md).
-SPLIT_GATE_FACTOR: Final = MappingProxyType({"metal": 8, "cuda": 12})
+SPLIT_GATE_FACTOR: Final = MappingProxyType({"metal": 8, "cuda": 16})
 
 #: Decode rows in a mixed batch whose context reaches this many tokens go
 #: through the decode path instead of the prefill tiles (``mixed_prefill_decode``).

@@ -83,9 +83,9 @@ def classic_specializations() -> list[Specialization]:
         if dtype not in table["dtypes"]:
             continue
         for head in sorted(table["head_sizes"]):
-            geo = gpu.geometry(head, dtype, "metal")
             for block in sorted(table["block_sizes"]):
                 for split in (0, 1):
+                    geo = gpu.geometry(head, dtype, "metal", split=bool(split))
                     parts = 2 if split else 1
                     common_in = (
                         ((t, h, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),

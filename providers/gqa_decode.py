@@ -277,7 +277,7 @@ def kernel_object(backend: str) -> Any:
 #: H200 sweep's winners (docs/bench-h200-gqa.md, `benchmarks/sweep_gpu_tuning.py`).
 KERNEL_TUNING: Mapping[str, Mapping[tuple[int, int], tuple[int, int]]] = {
     "metal": {},
-    "cuda": {(128, 16): (4, 1), (256, 16): (4, 1), (256, 32): (8, 1)},
+    "cuda": {(128, 16): (8, 1), (256, 16): (4, 0), (256, 32): (8, 1)},
 }
 DEFAULT_TUNING = (4, 0)
 

@@ -39,9 +39,9 @@ def test_full_grid_does_not_split():
     assert row.plan.route == "per_token_ps0" and row.plan.partition_size == 0
     assert "num_heads*total_q_tokens=8*40=320 >= 8*gpu_cores=8*40=320" in " ".join(row.plan.notes)
     assert row.plan.grid == (8 * 128, 40, 1)
-    # On the H200 the four query heads of each KV head share a threadgroup: 8 heads, 2 threadgroups.
+    # On the H200 two query heads of a KV head share a threadgroup: 8 heads, 4 threadgroups.
     _, row = _classic_row(q_lens=[1] * 40, seq_lens=[8192] * 40, device="h200")
-    assert row.plan.grid[0] == 2 * 128 and "heads_per_threadgroup=4" in " ".join(row.plan.notes)
+    assert row.plan.grid[0] == 4 * 128 and "heads_per_threadgroup=2" in " ".join(row.plan.notes)
 
 
 def test_single_partition_does_not_split():
@@ -126,17 +126,18 @@ def test_lanes_per_token_geometry():
     assert geometry(112, "float32") == Geometry(4, 1, 1)
     assert geometry(256, "float16") == Geometry(8, 1, 1)
     assert geometry(64, "float32") == Geometry(8, 2, 1)
-    # CUDA (H200): 8 elements per lane where the vectors allow it, unroll 2 at 8 elements, and up
-    # to 4 heads of a GQA group per threadgroup while heads x elements <= 32.
-    assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(16, 2, 4)
-    assert geometry(128, "bfloat16", "cuda", group=8) == Geometry(16, 2, 4)
-    assert geometry(128, "bfloat16", "cuda", group=2) == Geometry(16, 2, 2)
-    assert geometry(128, "bfloat16", "cuda", group=1) == Geometry(16, 2, 1)
-    assert geometry(256, "bfloat16", "cuda", group=6) == Geometry(32, 2, 3)
-    assert geometry(64, "float16", "cuda", group=4) == Geometry(8, 2, 4)
+    # CUDA (H200): 16 elements per lane where the vectors allow it, two heads of a GQA group per
+    # threadgroup (heads x elements <= 32), 2 tokens unrolled on the unsplit route only.
+    assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(8, 2, 2)
+    assert geometry(128, "bfloat16", "cuda", group=4, split=True) == Geometry(8, 1, 2)
+    assert geometry(128, "bfloat16", "cuda", group=8, split=True) == Geometry(8, 1, 2)
+    assert geometry(128, "bfloat16", "cuda", group=1) == Geometry(8, 2, 1)
+    assert geometry(128, "bfloat16", "cuda", group=3) == Geometry(8, 2, 1)
+    assert geometry(256, "bfloat16", "cuda", group=6, split=True) == Geometry(16, 1, 2)
+    assert geometry(64, "float16", "cuda", group=4) == Geometry(4, 2, 2)
     assert geometry(80, "float16", "cuda", group=4) == Geometry(4, 1, 1)  # 20 elements a lane: one head
-    assert geometry(96, "float16", "cuda", group=4) == Geometry(8, 1, 2)  # 12 elements: two heads
-    assert geometry(192, "bfloat16", "cuda", group=6) == Geometry(16, 1, 2)  # 48 vectors: 16 lanes x 3
+    assert geometry(96, "float16", "cuda", group=4) == Geometry(4, 1, 1)  # 24 elements a lane
+    assert geometry(192, "bfloat16", "cuda", group=6) == Geometry(8, 1, 1)  # 48 vectors: 8 lanes x 6
     with pytest.raises(ValueError, match="head_size=66"):
         geometry(66, "float16")
 

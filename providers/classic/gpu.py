@@ -51,7 +51,8 @@ class GeometryRule:
 
     - lanes per token: the largest power of two up to ``max_lanes`` dividing ``head_size / 4``
       that still leaves each lane at least ``min_elements`` head elements;
-    - tokens unrolled per lane: 2 while a lane holds at most ``unroll_up_to`` elements, else 1;
+    - tokens unrolled per lane: 2 while a lane holds at most ``unroll_up_to`` elements (split
+      route) or ``unroll_up_to_unsplit`` (unsplit route), else 1;
     - heads per threadgroup (HPS): the largest of ``hps_choices`` dividing the GQA group with
       ``HPS * elements per lane <= hps_element_budget`` (q and the accumulators of every head
       live in registers).
@@ -60,18 +61,21 @@ class GeometryRule:
     max_lanes: int
     min_elements: int
     unroll_up_to: int
+    unroll_up_to_unsplit: int
     hps_choices: tuple[int, ...]
     hps_element_budget: int
 
 
 #: Metal: upstream's shape (8 lanes per token, 2 tokens unrolled up to 16 elements, one head
-#: per threadgroup, its simdgroups striding over the blocks). CUDA: measured on the H200
-#: (docs/bench-h200-classic.md): 8 elements per lane (16 lanes for head 128), 2 tokens
-#: unrolled, the heads of a GQA group (up to 4) in one threadgroup so each K/V row is read
-#: once for all of them.
+#: per threadgroup, its simdgroups striding over the tokens). CUDA: the H200 sweep
+#: (docs/bench-h200-classic.md): 16 elements per lane (8 lanes for head 128), two heads of a
+#: GQA group per threadgroup so each K/V row is read once for both, one token per lane on
+#: the split route and two on the unsplit one.
 GEOMETRY_RULES: dict[str, GeometryRule] = {
-    "metal": GeometryRule(max_lanes=8, min_elements=4, unroll_up_to=16, hps_choices=(1,), hps_element_budget=0),
-    "cuda": GeometryRule(max_lanes=32, min_elements=8, unroll_up_to=8, hps_choices=(4, 3, 2, 1), hps_element_budget=32),
+    "metal": GeometryRule(max_lanes=8, min_elements=4, unroll_up_to=16, unroll_up_to_unsplit=16, hps_choices=(1,),
+                          hps_element_budget=0),
+    "cuda": GeometryRule(max_lanes=32, min_elements=16, unroll_up_to=0, unroll_up_to_unsplit=16,
+                         hps_choices=(4, 3, 2, 1), hps_element_budget=32),
 }
 #: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
 #: Metal has no such instruction and the kernel's prefetch is a no-op there).
@@ -87,8 +91,8 @@ class Geometry:
     hps: int  # query heads per threadgroup (all of one KV head)
 
 
-def geometry(head_size: int, dtype: str, backend: str = "metal", group: int = 1) -> Geometry:
-    """The kernel geometry for ``head_size`` on ``backend`` with GQA ``group`` query heads per KV head."""
+def geometry(head_size: int, dtype: str, backend: str = "metal", group: int = 1, split: bool = False) -> Geometry:
+    """The kernel geometry for ``head_size`` on ``backend``, GQA ``group`` query heads per KV head, route ``split``."""
     del dtype  # the same geometry for every dtype (registers hold float32 either way)
     vecs = head_size // 4
     if head_size % 4 or vecs == 0:
@@ -97,7 +101,7 @@ def geometry(head_size: int, dtype: str, backend: str = "metal", group: int = 1)
     lanes = next(t for t in (32, 16, 8, 4, 2, 1)
                  if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
     elements = head_size // lanes
-    unroll = 2 if elements <= rule.unroll_up_to else 1
+    unroll = 2 if elements <= (rule.unroll_up_to if split else rule.unroll_up_to_unsplit) else 1
     hps = next((h for h in rule.hps_choices if group % h == 0 and h * elements <= max(rule.hps_element_budget,
                                                                                          elements)), 1)
     return Geometry(lanes, unroll, hps)
@@ -159,7 +163,7 @@ def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool,
 def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
     """The launch decision for an admitted request."""
     split, notes = split_decision(request, device)
-    geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads)
+    geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads, split)
     parts = -(-request.max_seq_len // PARTITION_SIZE) if split else 1
     return Plan(
         provider=provider,
@@ -217,7 +221,7 @@ def launch_paged(
     dtype = q.dtype
     dname = {v: k for k, v in MX_DTYPES.items()}[dtype]
     group = num_heads // num_kv_heads
-    geo = geometry_override or geometry(head, dname, backend, group)
+    geo = geometry_override or geometry(head, dname, backend, group, split)
     tpt, unroll, hps = geo.lanes, geo.unroll, geo.hps
     if tpt not in (1, 2, 4, 8, 16, 32) or head % (4 * tpt) or unroll < 1 or hps < 1 or group % hps:
         raise ValueError(f"geometry_override={geometry_override} (allowed: lanes in 1..32, a power of two dividing "

@@ -35,8 +35,8 @@ ROUTES = tuple(ROUTE_CORES)
 @contextlib.contextmanager
 def _forced_route(route: str):
     """Force the occupancy gate: 4096 cores always split (given two partitions); for the
-    unsplit route one core is not enough on CUDA, where the gate factor is 12 and a grid
-    of 4 heads x 2 rows = 8 < 12 * 1 still splits, so the factor is set to 0 as well."""
+    unsplit route one core is not enough on CUDA, where the gate factor is 16 and a grid
+    of 4 heads x 2 rows = 8 < 16 * 1 still splits, so the factor is set to 0 as well."""
     from metal_attn.providers.classic import gpu
 
     factors = dict(gpu.SPLIT_GATE_FACTOR)
@@ -89,8 +89,8 @@ def test_lengths_at_page_and_partition_edges(dtype, route):
 
 
 #: Geometry and prefetch variants a table may ship: (lanes per token, unroll, heads per threadgroup, PREFETCH).
-_TUNINGS = [(16, 2, 4, 1), (16, 2, 4, 0), (16, 1, 2, 1), (8, 2, 4, 1), (8, 2, 1, 0), (4, 1, 1, 1), (32, 2, 2, 1),
-            (16, 2, 1, 1)]
+_TUNINGS = [(8, 1, 2, 1), (8, 2, 2, 1), (8, 1, 2, 0), (16, 1, 2, 1), (16, 2, 4, 1), (4, 1, 1, 1), (32, 2, 2, 1),
+            (8, 2, 1, 0)]
 
 
 @pytest.mark.parametrize("split", (False, True), ids=("ps0", "ps512"))
