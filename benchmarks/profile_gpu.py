@@ -99,7 +99,7 @@ def _trace(fn, calls: int) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    return [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+    return [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy")]
 
 
 def _summarise(events: list[dict], calls: int, kv_bytes: int) -> dict:
