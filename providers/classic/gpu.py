@@ -102,8 +102,7 @@ def geometry(head_size: int, dtype: str, backend: str = "metal", group: int = 1,
                  if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
     elements = head_size // lanes
     unroll = 2 if elements <= (rule.unroll_up_to if split else rule.unroll_up_to_unsplit) else 1
-    hps = next((h for h in rule.hps_choices if group % h == 0 and h * elements <= max(rule.hps_element_budget,
-                                                                                         elements)), 1)
+    hps = next((h for h in rule.hps_choices if group % h == 0 and h * elements <= rule.hps_element_budget), 1)
     return Geometry(lanes, unroll, hps)
 
 
