@@ -288,7 +288,7 @@ def kernel_tuning(backend: str, head_size: int, block_size: int) -> tuple[int, i
 
 
 def kernel_template(dtype: Any, num_kv_heads: int, group: int, head_size: int, block_size: int,
-                    partition_size: int, tuning: tuple[int, int] = (4, 0)) -> list[tuple[str, Any]]:
+                    partition_size: int, tuning: tuple[int, int] = DEFAULT_TUNING) -> list[tuple[str, Any]]:
     """The template arguments of one specialization (``tuning``: ``(CHUNK, PREFETCH)``)."""
     chunk, prefetch = tuning
     return [("T", dtype), ("NUM_KV_HEADS", num_kv_heads), ("GROUP", group), ("HEAD_SIZE", head_size),

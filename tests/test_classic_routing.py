@@ -185,3 +185,21 @@ def test_cpu_module_missing_is_an_availability_reason(monkeypatch):
     assert len(reasons) == 1 and "cpu backend not available" in reasons[0] and "no_such_module" in reasons[0]
     req = metal_attn.AttentionRequest.from_lengths(q_lens=[1], seq_lens=[10], backend="cpu")
     assert any("could not be imported" in r for r in p.not_supported_reasons(req, dev, get_settings()))
+
+
+@pytest.mark.parametrize(("geo", "prefetch"), [((3, 1, 1), 0), ((8, 0, 1), 0), ((8, 1, 3), 0), ((8, 1, 2), 2)])
+def test_launch_refuses_a_bad_geometry_before_any_kernel(geo, prefetch):
+    """Sweep overrides are checked first: lanes a power of two dividing head/4, unroll >= 1,
+    heads per threadgroup dividing the GQA group (here 4), prefetch 0 or 1."""
+    import mlx.core as mx
+    import numpy as np
+    from metal_attn.providers.classic import gpu
+
+    from metal_attn.metadata import AttentionMetadata
+
+    md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [3], [0, 1])
+    q = mx.zeros((1, 8, 128), mx.bfloat16)
+    kc = mx.zeros((1, 16, 2, 128), mx.bfloat16)
+    with pytest.raises(ValueError, match=r"geometry_override=|prefetch=2"):
+        gpu.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, split=False,
+                         backend="cuda", geometry_override=gpu.Geometry(*geo), prefetch=prefetch)

@@ -364,3 +364,17 @@ def test_metal_source_check_catches_a_planted_error(tmp_path):
     src.write_text(text.replace(good, "page_next = simd_shuffle(next_page_id, 0);"))
     result = check(_MSL_SET, only=r"gqa_decode bfloat16 24/4/256/bs16 P256", kernels_dir=planted)
     assert not result.ok and "next_page_id" in result.summary()
+
+
+@pytest.mark.parametrize("tuning", [(6, 1), (0, 0), (32, 0), (8, 2)])
+def test_launch_refuses_a_bad_tuning_before_any_kernel(tuning):
+    """A sweep's (CHUNK, PREFETCH) override is checked first: CHUNK a multiple of 4 dividing the page."""
+    import mlx.core as mx
+
+    from metal_attn.metadata import AttentionMetadata
+
+    md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [3], [0, 1])
+    q = mx.zeros((1, 32, 128), mx.bfloat16)
+    kc = mx.zeros((1, 16, 8, 128), mx.bfloat16)
+    with pytest.raises(ValueError, match=r"tuning=\(.*CHUNK a multiple of 4 dividing block_size=16"):
+        gq.launch(q, kc, kc, md, scale=1.0, partition_size=512, backend="cuda", tuning=tuning)
