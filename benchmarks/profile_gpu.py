@@ -23,6 +23,7 @@ Cases:
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -77,6 +78,7 @@ out[(long(seq) * gridDim.y + kv_head) * gridDim.x * WARPS + part * WARPS + warp]
 """
 
 
+@functools.cache
 def _probe_kernel():
     return mx.fast.cuda_kernel(name="paged_read_probe", input_names=["k_cache", "v_cache", "block_tables",
                                                                        "seq_lens", "dims"],
@@ -98,7 +100,8 @@ def _trace(fn, calls: int) -> list[dict]:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as g:
+            trace = json.load(g)
     return [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy")]
 
 

@@ -98,7 +98,7 @@ def sweep_classic(backend: str) -> list[dict]:
         ref = np.array(launch().astype(mx.float32))
         geo = classic_gpu.geometry(d, "bfloat16", backend, h // kvh)
         shipped = (geo.lanes, geo.unroll, geo.hps, classic_gpu.PREFETCH_NEXT.get(backend, 0))
-        for lanes, unroll, hps, pf in {*CLASSIC_TUNINGS, shipped}:
+        for lanes, unroll, hps, pf in dict.fromkeys((*CLASSIC_TUNINGS, shipped)):
             if d % (4 * lanes) or (h // kvh) % hps:
                 continue
             g = classic_gpu.Geometry(lanes, unroll, hps)

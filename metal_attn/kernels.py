@@ -188,6 +188,18 @@ def compile_now(run: Callable[[], Any], what: str) -> None:
         raise KernelCompileError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
+@functools.lru_cache(maxsize=256)
+def param_array(values: tuple, dtype: str) -> Any:
+    """A small kernel-parameter array (``dtype`` by name), built and evaluated once per distinct
+    value: a fresh host-to-GPU array per call costs more than the kernel on short batches, and
+    MLX arrays are values, so sharing one is safe."""
+    import mlx.core as mx
+
+    out = mx.array(list(values), dtype=getattr(mx, dtype))
+    mx.eval(out)
+    return out
+
+
 def clear_cache() -> None:
     """Forget every kernel object (tests)."""
     with _lock:

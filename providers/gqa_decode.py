@@ -23,7 +23,6 @@ Otherwise the next provider (``classic``) takes the call.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -296,16 +295,6 @@ def kernel_template(dtype: Any, num_kv_heads: int, group: int, head_size: int, b
             ("PREFETCH", prefetch)]
 
 
-@functools.lru_cache(maxsize=256)
-def _small_array(values: tuple, dtype: str) -> mx.array:
-    """A small parameter array, made once per value (arrays are values: sharing is safe)."""
-    import mlx.core as mx
-
-    out = mx.array(list(values), dtype=getattr(mx, dtype))
-    mx.eval(out)
-    return out
-
-
 def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
            partition_size: int, backend: str, tuning: tuple[int, int] | None = None) -> mx.array:
     """Run the GQA decode kernel and the shared reducer; returns ``[num_seqs, num_heads, head_size]``.
@@ -318,6 +307,7 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     import mlx.core as mx
     from metal_attn.providers.classic.gpu import reduce_partitions
 
+    from metal_attn import kernels
     from metal_attn.constants import LOG2E
 
     if partition_size not in GQA_PARTITION_SIZES:
@@ -334,8 +324,8 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
                          f"PREFETCH 0 or 1)")
     max_parts = -(-metadata.max_seq_len // partition_size)
     threads = SIMD_WIDTH * group
-    dims = _small_array((metadata.max_blocks_per_seq, max_parts), "int32")
-    scale_arr = _small_array((scale * LOG2E,), "float32")
+    dims = kernels.param_array((metadata.max_blocks_per_seq, max_parts), "int32")
+    scale_arr = kernels.param_array((scale * LOG2E,), "float32")
     max_logits, exp_sums, tmp_out = kernel_object(backend)(
         inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale_arr, dims],
         template=kernel_template(q.dtype, kvh, group, head, block_size, partition_size, (chunk, prefetch)),

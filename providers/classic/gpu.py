@@ -188,15 +188,6 @@ def _reduce_kernel(backend: str):
     return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
 
 
-@functools.lru_cache(maxsize=256)
-def _small_array(values: tuple, dtype: str) -> mx.array:
-    """A small parameter array, built once per distinct value (a fresh host-to-GPU array per call
-    costs more than the kernel on short batches)."""
-    out = mx.array(list(values), dtype=getattr(mx, dtype))
-    mx.eval(out)
-    return out
-
-
 @functools.lru_cache(maxsize=64)
 def _zeros_f32(n: int) -> mx.array:
     out = mx.zeros((n,), mx.float32)
@@ -231,9 +222,9 @@ def launch_paged(
     max_parts = -(-md.max_seq_len // PARTITION_SIZE) if split else 1
     use_sinks = sinks is not None
     sinks_arr = sinks if use_sinks else _zeros_f32(num_heads)
-    params = _small_array((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,
+    params = kernels.param_array((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,
                            int(sliding_window or 0), max_parts, int(use_sinks)), "int32")
-    fparams = _small_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
+    fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
     template = [("T", dtype), ("HEAD_SIZE", head), ("BLOCK_SIZE", block_size),
                 ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", NUM_THREADS),
                 ("TPT", tpt), ("UNROLL", unroll), ("HPS", hps), ("PREFETCH", prefetch)]
@@ -275,7 +266,7 @@ def reduce_partitions(
     backend = backend or _backend()
     use_sinks = sinks is not None
     sinks_arr = sinks.astype(mx.float32) if use_sinks else _zeros_f32(num_heads)
-    params = _small_array((metadata.num_seqs, num_heads, max_parts, int(use_sinks)), "int32")
+    params = kernels.param_array((metadata.num_seqs, num_heads, max_parts, int(use_sinks)), "int32")
     return _reduce_kernel(backend)(
         inputs=[max_logits, exp_sums, tmp_out, metadata.seq_lens, metadata.cu_seqlens_q, sinks_arr, params],
         template=[("T", out_dtype), ("TT", tmp_out.dtype), ("HEAD_SIZE", head),
@@ -340,7 +331,7 @@ def write_cache(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.a
     total = num_slots * row
     groups = max(1, min(CACHE_MAX_GROUPS, math.ceil(total / CACHE_THREADS)))
     threads = groups * CACHE_THREADS
-    params = _small_array((total, row, threads), "int64")
+    params = kernels.param_array((total, row, threads), "int64")
     k_out, v_out = _cache_kernel(device.backend)(
         inputs=[key, value, k_cache, v_cache, mx.array(inv), params],
         template=[("T", k_cache.dtype)], grid=(threads, 1, 1), threadgroup=(CACHE_THREADS, 1, 1),
