@@ -104,10 +104,13 @@ def bench_cases() -> Iterator[_Cases]:
 
 
 @pytest.fixture
-def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) -> Callable[[core.Shape, str], None]:
-    """``run_bench(shape, candidate)``: warm up, then time one finished call per round with pytest-benchmark."""
+def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) -> Callable[..., None]:
+    """``run_bench(shape, candidate, rounds=None, group=None)``: warm up, then time one finished call
+    per round with pytest-benchmark (``rounds``: a fixed count, else pytest-benchmark's calibration;
+    ``group``: the benchmark group, default the shape's label). A refusing candidate is skipped
+    with its reasons; GB/s and TFLOP/s of the median go into ``extra_info``."""
 
-    def run(shape: core.Shape, candidate: str) -> None:
+    def run(shape: core.Shape, candidate: str, rounds: int | None = None, group: str | None = None) -> None:
         (cand,) = peers.resolve([candidate])
         if not isinstance(cand, core.TimedCandidate):
             pytest.skip(f"{candidate} is measured by `metal-attn bench`, not by pytest-benchmark")
@@ -116,7 +119,7 @@ def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) ->
             prep = cand.prepare(case)
         except core.Skip as skip:
             pytest.skip(f"{candidate} {skip.status} on {shape.label}: {'; '.join(skip.reasons)}")
-        benchmark.group = shape.label
+        benchmark.group = group or shape.label
         benchmark.extra_info.update(candidate=candidate, kind=cand.kind, shape=shape.to_dict(),
                                     kv_bytes=shape.kv_bytes, flops=shape.flops)
         try:
@@ -130,7 +133,10 @@ def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) ->
                 prep.run()
                 prep.sync()
 
-            benchmark(target)
+            if rounds is None:
+                benchmark(target)
+            else:
+                benchmark.pedantic(target, rounds=rounds, iterations=1, warmup_rounds=1)
         finally:
             if prep.close:
                 prep.close()

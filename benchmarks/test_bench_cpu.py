@@ -55,35 +55,15 @@ def _info(benchmark, shape, **extra) -> None:
 
 @pytest.mark.parametrize("candidate", (*CANDIDATES, "numpy_sum"))
 @pytest.mark.parametrize(("suite", "shape"), SHAPES, ids=lambda v: v if isinstance(v, str) else v.label)
-def test_cpu(benchmark, bench_cases, suite, shape, candidate):
-    benchmark.group = f"{suite} {shape.label}"
+def test_cpu(benchmark, run_bench, suite, shape, candidate):
     if candidate == "numpy_sum":
+        benchmark.group = f"{suite} {shape.label}"
         buf = np.ones(shape.kv_bytes // 8)
         _info(benchmark, shape, candidate=candidate, route="numpy sum (read)")
         benchmark.pedantic(buf.sum, rounds=ROUNDS[candidate], iterations=1, warmup_rounds=1)
+        median = benchmark.stats.stats.median
+        benchmark.extra_info["gbps_median"] = shape.kv_bytes / median / 1e9
+        benchmark.extra_info["tflops_median"] = shape.flops / median / 1e12
     else:
-        from metal_attn.bench.core import Skip
-        from metal_attn.bench.peers import resolve
+        run_bench(shape, candidate, rounds=ROUNDS[candidate], group=f"{suite} {shape.label}")
 
-        case = bench_cases.get(shape)
-        (cand,) = resolve([candidate])
-        try:
-            prep = cand.prepare(case)
-        except Skip as skip:
-            pytest.skip(f"{candidate}: {skip.status}: {'; '.join(skip.reasons)[:300]}")
-        try:
-            prep.run()
-            prep.sync()
-            _info(benchmark, shape, candidate=candidate, route=cand.route_after(prep))
-
-            def target() -> None:
-                prep.run()
-                prep.sync()
-
-            benchmark.pedantic(target, rounds=ROUNDS[candidate], iterations=1, warmup_rounds=1)
-        finally:
-            if prep.close:
-                prep.close()
-    median = benchmark.stats.stats.median
-    benchmark.extra_info["gbps_median"] = shape.kv_bytes / median / 1e9
-    benchmark.extra_info["tflops_median"] = shape.flops / median / 1e12

@@ -50,34 +50,11 @@ def _machine(benchmark, **extra) -> None:
                                 gpu_cores=dev.gpu_cores, **extra)
 
 
-def _run_pedantic(benchmark, prep, rounds: int = 20) -> None:
-    prep.run()  # compile
-    prep.sync()
-    benchmark.pedantic(prep.run, rounds=rounds, iterations=1, warmup_rounds=3)
-
-
 @pytest.mark.parametrize("candidate", DECODE_CANDIDATES)
 @pytest.mark.parametrize("shape", _suite_shapes() if BACKEND in ("cuda", "metal") else (),
                          ids=lambda s: s.label)
-def test_decode(benchmark, bench_cases, shape, candidate):
-    from metal_attn.bench.core import Skip
-    from metal_attn.bench.peers import resolve
-
-    benchmark.group = f"decode-gpu {shape.label}"
-    case = bench_cases.get(shape)
-    (cand,) = resolve([candidate])
-    try:
-        prep = cand.prepare(case)
-    except Skip as skip:
-        pytest.skip(f"{candidate}: {skip.status}: {'; '.join(skip.reasons)[:300]}")
-    _machine(benchmark, candidate=candidate, route=prep.route, kv_bytes=shape.kv_bytes)
-    try:
-        _run_pedantic(benchmark, prep)
-    finally:
-        if prep.close:
-            prep.close()
-    median = benchmark.stats.stats.median
-    benchmark.extra_info["gbps"] = shape.kv_bytes / median / 1e9
+def test_decode(run_bench, shape, candidate):
+    run_bench(shape, candidate, rounds=20, group=f"decode-gpu {shape.label}")
 
 
 @pytest.mark.parametrize("route", tuple(GATE_CORES))
