@@ -51,5 +51,19 @@ template <typename T>
 T simd_shuffle_xor(T, ushort);
 template <typename T>
 T simd_shuffle(T, ushort);
+// simdgroup matrices: declared with the members the kernels use (thread_elements()
+// hands a lane its two elements).
+template <typename T, int R, int C>
+struct simdgroup_matrix {
+  struct elements {
+    T& operator[](int);
+  };
+  simdgroup_matrix();
+  explicit simdgroup_matrix(T);
+  elements thread_elements();
+};
+template <typename T, int R, int C>
+void simdgroup_multiply_accumulate(simdgroup_matrix<T, R, C>&, const simdgroup_matrix<T, R, C>&,
+                                   const simdgroup_matrix<T, R, C>&, const simdgroup_matrix<T, R, C>&);
 }  // namespace metal
 using namespace metal;

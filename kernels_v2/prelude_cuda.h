@@ -16,7 +16,8 @@ typedef unsigned short ushort;
 #define device
 #define constant
 #define thread
-#define threadgroup __shared__
+// 16-byte aligned, so that packed 8/16-byte stores into threadgroup arrays are legal.
+#define threadgroup __shared__ __align__(16)
 #define MA_FUNC __device__ __forceinline__
 
 // Thread-position attributes (Metal passes them as kernel arguments).
@@ -170,4 +171,87 @@ MA_FUNC void ma_unpack4(ma_raw4<__nv_bfloat16> r, float* out) {
 template <typename U>
 MA_FUNC void ma_prefetch(const U* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// 8x8 float matrices spread over a warp: the portable form of Metal's
+// simdgroup_matrix<float, 8, 8>, two elements a lane. Accumulators and left operands
+// (A) put element i of a lane at (ma_frag_row, ma_frag_col + i); right operands (B) at
+// (ma_frag_bk(i), ma_frag_bn(i)). Here the layouts are those of the tensor-core
+// instruction mma.m16n8k8 (rows 8..15 of its A operand are zero and its C/D rows 8..15
+// are discarded): A/C row = lane / 4, columns 2 * (lane % 4) + i; B k-row 2 * (lane % 4) + i,
+// column lane / 4. The products take 16-bit operands with float accumulation.
+struct ma_frag8 {
+  float v[2];
+};
+MA_FUNC int ma_frag_row(int lane) { return lane >> 2; }
+MA_FUNC int ma_frag_col(int lane) { return (lane & 3) << 1; }
+MA_FUNC int ma_frag_bk(int lane, int i) { return ((lane & 3) << 1) + i; }
+MA_FUNC int ma_frag_bn(int lane, int i) { return lane >> 2; }
+// Reduce over the four lanes that hold one accumulator row.
+MA_FUNC float ma_frag_row_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+MA_FUNC float ma_frag_row_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// One 16-bit element type's packing and tensor-core product.
+template <typename U>
+struct ma_mma_op;
+template <>
+struct ma_mma_op<__half> {
+  static MA_FUNC unsigned pack(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+  static MA_FUNC float2 unpack(unsigned p) { return __half22float2(*reinterpret_cast<const __half2*>(&p)); }
+  static MA_FUNC void mma(float& d0, float& d1, unsigned a, unsigned b) {
+    float z0, z1;
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%7,%8};\n"
+        : "+f"(d0), "+f"(d1), "=f"(z0), "=f"(z1)
+        : "r"(a), "r"(0u), "r"(b), "f"(0.0f), "f"(0.0f));
+  }
+};
+template <>
+struct ma_mma_op<__nv_bfloat16> {
+  static MA_FUNC unsigned pack(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+  static MA_FUNC float2 unpack(unsigned p) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p));
+  }
+  static MA_FUNC void mma(float& d0, float& d1, unsigned a, unsigned b) {
+    float z0, z1;
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%7,%8};\n"
+        : "+f"(d0), "+f"(d1), "=f"(z0), "=f"(z1)
+        : "r"(a), "r"(0u), "r"(b), "f"(0.0f), "f"(0.0f));
+  }
+};
+
+// d += a * b for operands that hold U values (loaded from U data): exact products,
+// float accumulation, as Metal's float simdgroup product computes them.
+template <typename U>
+MA_FUNC void ma_mma(ma_frag8& d, const ma_frag8& a, const ma_frag8& b) {
+  ma_mma_op<U>::mma(d.v[0], d.v[1], ma_mma_op<U>::pack(a.v[0], a.v[1]), ma_mma_op<U>::pack(b.v[0], b.v[1]));
+}
+// d += a * b where a holds arbitrary floats (softmax probabilities) and b U values: a is
+// split into a high and a low U part (a = hi + lo to about 16 significant bits) and both
+// products are accumulated, so the probabilities are not rounded to U's 8 or 11 bits.
+template <typename U>
+MA_FUNC void ma_mma_f(ma_frag8& d, const ma_frag8& a, const ma_frag8& b) {
+  const unsigned bp = ma_mma_op<U>::pack(b.v[0], b.v[1]);
+  const unsigned hi = ma_mma_op<U>::pack(a.v[0], a.v[1]);
+  const float2 h = ma_mma_op<U>::unpack(hi);
+  const unsigned lo = ma_mma_op<U>::pack(a.v[0] - h.x, a.v[1] - h.y);
+  ma_mma_op<U>::mma(d.v[0], d.v[1], hi, bp);
+  ma_mma_op<U>::mma(d.v[0], d.v[1], lo, bp);
+}
+
+// Four elements into threadgroup memory with one 8- or 16-byte store.
+template <typename U>
+MA_FUNC void ma_tg_store4(U* p, ma_raw4<U> r) {
+  *reinterpret_cast<decltype(r.bits)*>(p) = r.bits;
 }

@@ -63,3 +63,57 @@ MA_FUNC void ma_simd_sum4(thread float& a, thread float& b, thread float& c, thr
   c = simd_sum(c);
   d = simd_sum(d);
 }
+
+// 8x8 float matrices spread over a simdgroup (simdgroup_matrix<float, 8, 8>), two
+// elements a lane, kept as plain floats between products so that the shared bodies
+// can mask and rescale them. Element i of a lane sits at (ma_frag_row, ma_frag_col + i)
+// in every operand (Apple's thread_elements() layout, as MLX's steel kernels use it);
+// the CUDA prelude has its own layouts behind the same names.
+struct ma_frag8 {
+  float v[2];
+};
+MA_FUNC int ma_frag_row(int lane) { return ((lane >> 2) & 4) + ((lane >> 1) & 3); }
+MA_FUNC int ma_frag_col(int lane) { return ((lane >> 2) & 2) * 2 + (lane & 1) * 2; }
+MA_FUNC int ma_frag_bk(int lane, int i) { return ma_frag_row(lane); }
+MA_FUNC int ma_frag_bn(int lane, int i) { return ma_frag_col(lane) + i; }
+// Reduce over the four lanes that hold one row (they differ in lane bits 0 and 3).
+MA_FUNC float ma_frag_row_max(float x) {
+  x = metal::max(x, simd_shuffle_xor(x, ushort(1)));
+  return metal::max(x, simd_shuffle_xor(x, ushort(8)));
+}
+MA_FUNC float ma_frag_row_sum(float x) {
+  x += simd_shuffle_xor(x, ushort(1));
+  return x + simd_shuffle_xor(x, ushort(8));
+}
+
+// d += a * b on the simdgroup matrix unit, in float.
+template <typename U>
+MA_FUNC void ma_mma(thread ma_frag8& d, thread const ma_frag8& a, thread const ma_frag8& b) {
+  simdgroup_matrix<float, 8, 8> am;
+  simdgroup_matrix<float, 8, 8> bm;
+  simdgroup_matrix<float, 8, 8> dm;
+  am.thread_elements()[0] = a.v[0];
+  am.thread_elements()[1] = a.v[1];
+  bm.thread_elements()[0] = b.v[0];
+  bm.thread_elements()[1] = b.v[1];
+  dm.thread_elements()[0] = d.v[0];
+  dm.thread_elements()[1] = d.v[1];
+  simdgroup_multiply_accumulate(dm, am, bm, dm);
+  d.v[0] = dm.thread_elements()[0];
+  d.v[1] = dm.thread_elements()[1];
+}
+// The same product where a holds arbitrary floats (the CUDA prelude splits them; the
+// float product here needs no split).
+template <typename U>
+MA_FUNC void ma_mma_f(thread ma_frag8& d, thread const ma_frag8& a, thread const ma_frag8& b) {
+  ma_mma<U>(d, a, b);
+}
+
+// Four elements into threadgroup memory.
+template <typename U>
+MA_FUNC void ma_tg_store4(threadgroup U* p, ma_raw4<U> r) {
+  p[0] = r.v[0];
+  p[1] = r.v[1];
+  p[2] = r.v[2];
+  p[3] = r.v[3];
+}

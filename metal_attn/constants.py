@@ -42,9 +42,11 @@ SIMDGROUPS_PER_CORE: Final = MappingProxyType({"metal": 33, "cuda": 24})
 #: on the H200 (docs/bench-h200-classic.md).
 SPLIT_GATE_FACTOR: Final = MappingProxyType({"metal": 8, "cuda": 16})
 
-#: Decode rows in a mixed batch whose context reaches this many tokens go
-#: through the decode path instead of the prefill tiles (``mixed_prefill_decode``).
-MIXED_DECODE_MIN_CONTEXT: Final[int] = 4096
+#: Decode rows in a mixed batch go through the per-token decode kernel instead of
+#: riding in the prefill tiles (``mixed_prefill_decode``) when the longest of them
+#: reaches this many tokens, per backend. Apple: upstream's measurement. CUDA:
+#: measured on the H200 (docs/bench-h200-tiled.md).
+MIXED_DECODE_MIN_CONTEXT: Final = MappingProxyType({"metal": 4096, "cuda": 4096})
 
 #: Supported query/cache dtypes, by name.
 DTYPES: Final[tuple[str, ...]] = ("float16", "bfloat16", "float32")

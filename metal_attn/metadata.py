@@ -56,6 +56,8 @@ class AttentionMetadata:
     _selections: dict = dataclasses.field(default_factory=dict, repr=False)
     #: Block tables re-expressed for smaller kernel blocks: ratio -> metadata.
     _split: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: Query-tile maps of the tiled kernels: (rows per tile, first sequence) -> array.
+    _tiles: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -192,9 +194,32 @@ class AttentionMetadata:
             _checked_pools=set(),
             _selections={},
             _split={},
+            _tiles={},
         )
         self._split[ratio] = out
         return out
+
+    def query_tiles(self, rows_per_tile: int, first_seq: int = 0) -> mx.array:
+        """``[num_tiles, 2]`` int32: ``(sequence, first query row within it)`` of every tile of
+        ``rows_per_tile`` query rows, for the sequences from ``first_seq`` on, in batch order
+        (a sequence of ``q_len`` rows has ``ceil(q_len / rows_per_tile)`` tiles). Built once per
+        (rows_per_tile, first_seq) and kept: every layer of a step launches the same grid."""
+        key = (int(rows_per_tile), int(first_seq))
+        got = self._tiles.get(key)
+        if got is not None:
+            return got
+        if rows_per_tile < 1 or not 0 <= first_seq < self.num_seqs:
+            raise ValueError(f"query_tiles(rows_per_tile={rows_per_tile}, first_seq={first_seq}) "
+                             f"(allowed: rows_per_tile >= 1, 0 <= first_seq < num_seqs={self.num_seqs})")
+        q_lens = np.asarray(self.q_lens_host[first_seq:], dtype=np.int64)
+        counts = -(-q_lens // rows_per_tile)
+        seqs = np.repeat(np.arange(first_seq, self.num_seqs, dtype=np.int64), counts)
+        first_tile = np.repeat(np.cumsum(counts) - counts, counts)
+        rows = (np.arange(int(counts.sum()), dtype=np.int64) - first_tile) * rows_per_tile
+        got = mx.array(np.stack([seqs, rows], axis=1).astype(np.int32))
+        mx.eval(got)
+        self._tiles[key] = got
+        return got
 
 
 def _is_i32(x: Any) -> bool:

@@ -175,6 +175,12 @@ class Registry:
         self._avail_cache.clear()
         _epoch.bump()
 
+    def forget_selections(self) -> None:
+        """Drop every cached selection, so the next calls re-run admission and planning (after a
+        rule table changed at run time: calibration, tests)."""
+        with self._lock:
+            self._invalidate()
+
     @property
     def entries(self) -> tuple[ProviderEntry, ...]:
         """Providers in priority order (highest first)."""

@@ -19,6 +19,7 @@ BUILTIN_PROVIDERS: tuple[str, ...] = (
     "metal_attn.providers.reference:ReferenceProvider",
     "metal_attn.providers.classic:ClassicProvider",
     "metal_attn.providers.gqa_decode:GQADecodeProvider",
+    "metal_attn.providers.tiled_prefill:TiledPrefillProvider",
 )
 
 

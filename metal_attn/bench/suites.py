@@ -64,6 +64,12 @@ _MIXED = (
     Shape.mix((Rows(32, 1, 1024), Rows(1, 256, 1024), Rows(1, 256, 2048)), 32, 8, 128),
 )
 
+#: KERNELS.md's causal prefill peer shapes (batch, q heads, kv heads, head, prompt), bf16, plus one
+#: 1024-row chunk after 7K tokens of earlier context.
+_PREFILL = tuple(Shape(b, h, kvh, d, n, "bfloat16", q_len=n)
+                 for b, h, kvh, d, n in ((1, 32, 8, 128, 4096), (4, 32, 8, 128, 2048), (1, 16, 2, 128, 16384)))
+_PREFILL += (Shape(1, 32, 8, 128, 8192, "bfloat16", q_len=1024),)
+
 
 def _gqa_shapes() -> tuple[Shape, ...]:
     table = [s for s in PEER_TABLE_SHAPES if (s.num_heads, s.num_kv_heads, s.head_size) in GQA_GEOMETRIES]
@@ -87,9 +93,19 @@ SUITES: dict[str, Suite] = {
             "prefill chunks)",
             "gpu",
             PEER_TABLE_SHAPES + _MIXED,
-            ("auto", "classic", "gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling"),
+            ("auto", "classic", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling"),
             warmup=3,
             iters=20,
+        ),
+        Suite(
+            "prefill-gpu",
+            "bf16 causal prefill: KERNELS.md's three prefill peer shapes, a chunk after earlier context, "
+            "and the two mixed batches",
+            "gpu",
+            _PREFILL + _MIXED,
+            ("auto", "tiled_prefill", "classic", "gather_sdpa", "mlx_sdpa", "torch_sdpa"),
+            warmup=2,
+            iters=10,
         ),
         Suite(
             "gqa-gpu",

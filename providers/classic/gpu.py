@@ -198,15 +198,22 @@ def _zeros_f32(n: int) -> mx.array:
 def launch_paged(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
     sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
-    geometry_override: Geometry | None = None, prefetch: int | None = None,
+    geometry_override: Geometry | None = None, prefetch: int | None = None, rows: int | None = None,
 ) -> mx.array:
     """Run the per-token kernel (and the reducer when ``split``); returns ``[T, H, D]``.
+
+    ``rows`` computes only the first ``rows`` query rows (the decode rows at the front of a
+    mixed batch) and returns ``[rows, H, D]``.
 
     ``geometry_override`` replaces `geometry` (lanes per token: a power of two up to 32 with
     ``head_size % (4 * lanes) == 0``; unroll >= 1; hps dividing the GQA group) and
     ``prefetch`` replaces `PREFETCH_NEXT` (0 or 1), for tuning sweeps.
     """
     total, num_heads, head = q.shape
+    if rows is not None:
+        if not 1 <= rows <= total:
+            raise ValueError(f"rows={rows} (allowed: 1..{total}, the query rows of the batch)")
+        total = rows
     _, block_size, num_kv_heads, _ = k_cache.shape
     dtype = q.dtype
     dname = {v: k for k, v in MX_DTYPES.items()}[dtype]
@@ -219,7 +226,9 @@ def launch_paged(
     prefetch = PREFETCH_NEXT.get(backend, 0) if prefetch is None else prefetch
     if prefetch not in (0, 1):
         raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
-    max_parts = -(-md.max_seq_len // PARTITION_SIZE) if split else 1
+    # The decode rows of a mixed batch need partitions for the longest decode row only.
+    longest = md.max_decode_seq_len if rows is not None and rows == md.num_decode_seqs else md.max_seq_len
+    max_parts = -(-longest // PARTITION_SIZE) if split else 1
     use_sinks = sinks is not None
     sinks_arr = sinks if use_sinks else _zeros_f32(num_heads)
     params = kernels.param_array((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,

@@ -1,0 +1,71 @@
+"""Mixed-batch split sweep on a GPU (not a test): where should decode rows leave the tiles?
+
+    python3 benchmarks/sweep_mixed_split.py OUT.json
+
+For mixed batches (N decode rows of context L, then one prefill chunk), times the
+``tiled_prefill`` provider with the decode rows riding in the tiles and with them split
+off to the per-token kernel (``mixed_prefill_decode``), through ``paged_attention`` with
+the provider forced and the threshold table patched. Pipelined medians of 10 samples;
+both outputs are compared (relative L2 <= 1e-2) so a fast wrong route cannot win. The
+smallest L at which splitting wins for every N is the backend's
+``MIXED_DECODE_MIN_CONTEXT`` (metal_attn/constants.py; figures in docs/bench-h200-tiled.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from unittest import mock
+
+import mlx.core as mx
+import numpy as np
+from metal_attn.providers import tiled_prefill
+
+import metal_attn
+from metal_attn.bench.core import Rows, Shape, build_case, time_fn
+from metal_attn.device import current_device
+from metal_attn.plugins import get_registry
+
+DECODE_ROWS = (8, 32, 128)
+CONTEXTS = (512, 1024, 2048, 4096, 8192)
+PREFILL = Rows(1, 512, 2048)
+
+
+def _run(case, threshold: int, backend: str) -> mx.array:
+    get_registry().forget_selections()
+    with mock.patch.object(tiled_prefill, "MIXED_DECODE_MIN_CONTEXT", {backend: threshold}):
+        out = metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
+                                         scale=case.scale, provider="tiled_prefill")
+        mx.eval(out)
+        t = time_fn(lambda: mx.async_eval(metal_attn.paged_attention(
+            case.q, case.k_pool, case.v_pool, metadata=case.metadata, scale=case.scale, provider="tiled_prefill")),
+            warmup=3, iters=10).median_s
+    get_registry().forget_selections()
+    return out, t
+
+
+def main(path: str) -> None:
+    backend = current_device().backend
+    rows = []
+    for n in DECODE_ROWS:
+        for ctx in CONTEXTS:
+            shape = Shape.mix((Rows(n, 1, ctx), PREFILL), 32, 8, 128)
+            case = build_case(shape)
+            ride, t_ride = _run(case, 1 << 30, backend)
+            split, t_split = _run(case, 0, backend)
+            a = np.array(ride.astype(mx.float32))
+            b = np.array(split.astype(mx.float32))
+            err = float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+            row = {"decode_rows": n, "context": ctx, "ride_us": t_ride * 1e6, "split_us": t_split * 1e6,
+                   "split_speedup": t_ride / t_split, "rel_l2": err}
+            print(json.dumps(row), flush=True)
+            assert err <= 1e-2, row
+            rows.append(row)
+            case.release()
+    with open(path, "w") as f:
+        json.dump({"backend": backend, "prefill": [PREFILL.count, PREFILL.q_len, PREFILL.context], "rows": rows}, f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

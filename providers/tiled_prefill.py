@@ -1,0 +1,289 @@
+"""The ``tiled_prefill`` provider: FlashAttention-2 tiles over the paged cache (Metal and CUDA).
+
+One threadgroup per (tile of BQ query rows of one sequence, query head); K and V
+tiles gathered through the block table into threadgroup memory; S = Q K^T and
+O += P V as 8x8 simdgroup-matrix products (``kernels_v2/tiled_prefill.metal``;
+on CUDA the prelude maps the 8x8 product onto the tensor-core ``mma.m16n8k8``).
+Admission is data plus two rules, and every refusal is a reason ``explain`` prints:
+
+- batches with prefill rows (``prefill``, ``mixed``, ``verify``), float16/bfloat16
+  with the same cache dtype, sinks, sliding window and softcap allowed;
+- the head size has a tile configuration (`TILE_CONFIGS`, upstream's table) and
+  its K/V tiles fit the device's threadgroup memory.
+
+Mixed batches: the decode rows ride in the tiles (one tile each) unless the
+longest of them reaches `MIXED_DECODE_MIN_CONTEXT` tokens; then they go through
+the per-token kernel (``classic``, split or not by its occupancy gate) and only the
+prefill rows through the tiles: route ``mixed_prefill_decode``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from metal_attn.constants import KERNEL_BLOCK_SIZES, LOG2E, MIXED_DECODE_MIN_CONTEXT
+from metal_attn.provider import Plan, Provider
+from metal_attn.request import Phase
+
+if TYPE_CHECKING:  # pragma: no cover
+    import mlx.core as mx
+
+    from metal_attn.device import DeviceInfo
+    from metal_attn.metadata import AttentionMetadata
+    from metal_attn.provider import AttentionInputs
+    from metal_attn.request import AttentionRequest
+    from metal_attn.settings import Settings
+
+ROUTE = "tiled_prefill"
+SPLIT_ROUTE = "mixed_prefill_decode"
+SIMD_WIDTH = 32
+#: Elements of padding per K/V tile row in threadgroup memory (the kernel's ``LD``).
+ROW_PADDING = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Query rows per threadgroup (8 per simdgroup) and keys per K/V tile."""
+
+    bq: int
+    bkv: int
+
+    @property
+    def simdgroups(self) -> int:
+        return self.bq // 8
+
+    @property
+    def threads(self) -> int:
+        return self.simdgroups * SIMD_WIDTH
+
+    def threadgroup_bytes(self, head_size: int, itemsize: int) -> int:
+        """Threadgroup memory of the K and V tiles (padded rows)."""
+        return 2 * self.bkv * (head_size + ROW_PADDING) * itemsize
+
+
+#: Tile per head size (upstream's table for a 32 KB threadgroup budget): heads 64/96/128
+#: take 32 query rows (4 simdgroups) and 32-key tiles; head 256 takes 16 rows and 16 keys.
+TILE_CONFIGS: Mapping[int, TileConfig] = MappingProxyType({
+    64: TileConfig(32, 32),
+    96: TileConfig(32, 32),
+    128: TileConfig(32, 32),
+    256: TileConfig(16, 16),
+})
+ITEMSIZE = {"float16": 2, "bfloat16": 2}
+
+KERNEL_FILES = ("paged_common.h", "tiled_prefill.metal")
+KERNEL_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "tiles", "sinks", "params",
+                 "fparams")
+KERNEL_OUTPUTS = ("out",)
+
+
+def _fmt(values: Any) -> str:
+    return ", ".join(str(v) for v in sorted(values))
+
+
+def decode_request(request: AttentionRequest) -> AttentionRequest:
+    """The decode rows at the front of a mixed ``request``, as a request of their own."""
+    return dataclasses.replace(
+        request, phase=Phase.DECODE, num_seqs=request.num_decode_seqs, total_q_tokens=request.num_decode_seqs,
+        max_q_len=1, max_seq_len=request.max_decode_seq_len, length_plan=(),
+        max_decode_seq_len=request.max_decode_seq_len,
+    )
+
+
+def mixed_split(request: AttentionRequest, backend: str) -> tuple[bool, str]:
+    """Whether a mixed batch's decode rows leave the tiles, and the arithmetic behind it."""
+    if request.phase is not Phase.MIXED:
+        return False, ""
+    threshold = MIXED_DECODE_MIN_CONTEXT.get(backend)
+    if threshold is None:
+        return False, f"mixed split: no threshold measured for backend={backend} (decode rows ride in the tiles)"
+    split = request.max_decode_seq_len >= threshold
+    return split, (
+        f"mixed split: longest decode row {request.max_decode_seq_len} {'>=' if split else '<'} "
+        f"MIXED_DECODE_MIN_CONTEXT[{backend}]={threshold} -> "
+        + ("decode rows through the per-token kernel" if split else "decode rows ride in the tiles")
+    )
+
+
+class TiledPrefillProvider(Provider):
+    """FlashAttention-2 style prefill over the paged cache with 8x8 simdgroup matrices."""
+
+    name = ROUTE
+    priority = 50
+    backends = frozenset({"metal", "cuda"})
+    phases = frozenset({"prefill", "mixed", "verify"})
+    dtypes = frozenset(ITEMSIZE)
+    head_sizes = frozenset(TILE_CONFIGS)
+    block_sizes = frozenset(KERNEL_BLOCK_SIZES)
+    features = frozenset({"sinks", "sliding_window", "softcap"})
+    description = "Tiled FlashAttention-2 prefill (8x8 simdgroup matrices); long decode rows of a mixed batch split off."
+
+    def availability_reasons(self, device: DeviceInfo) -> list[str]:
+        reasons = super().availability_reasons(device)
+        if reasons:
+            return reasons
+        from metal_attn.providers.classic import gpu as classic_gpu
+
+        return classic_gpu.availability_reasons(device)
+
+    def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
+        cfg = TILE_CONFIGS.get(request.head_size)
+        if cfg is None or request.dtype not in ITEMSIZE:
+            return []  # the declarative reasons already say why
+        need = cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])
+        limit = device.max_threadgroup_memory
+        if limit is None:
+            return ["max_threadgroup_memory unknown (the K/V tiles' fit needs it)"]
+        if need > limit:
+            return [f"K/V tiles need {need} bytes of threadgroup memory for head_size={request.head_size} "
+                    f"(BKV={cfg.bkv}; allowed: <= {limit} bytes on this device)"]
+        return []
+
+    def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
+        from metal_attn.providers.classic import gpu as classic_gpu
+
+        cfg = TILE_CONFIGS[request.head_size]
+        split, split_note = mixed_split(request, device.backend)
+        tiles = request.total_q_tokens // cfg.bq + request.num_seqs  # an upper bound; exact per batch
+        notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x 8), BKV={cfg.bkv} keys, "
+                 f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory"]
+        decode_spec: tuple = ()
+        partition = 0
+        if split_note:
+            notes.append(split_note)
+        if split:
+            decode_plan = classic_gpu.plan("classic", decode_request(request), device, settings)
+            decode_spec = decode_plan.specialization
+            partition = decode_plan.partition_size
+            notes.append(f"decode rows: {decode_plan.route} ({'; '.join(decode_plan.notes)})")
+        return Plan(
+            provider=self.name,
+            route=SPLIT_ROUTE if split else ROUTE,
+            partition_size=partition,
+            grid=(tiles * cfg.threads, request.num_heads, 1),
+            threadgroup=(cfg.threads, 1, 1),
+            specialization=(ROUTE, device.backend, request.dtype, request.head_size, request.block_size, cfg.bq,
+                            cfg.bkv, decode_spec),
+            notes=tuple(notes),
+        )
+
+    def prepare(self, plan: Plan, device: DeviceInfo) -> None:
+        """Compile the plan's kernels with tiny launches (skipped for hypothetical devices)."""
+        if device.hypothetical:
+            return
+        import mlx.core as mx
+        import numpy as np
+
+        from metal_attn import kernels
+        from metal_attn.metadata import AttentionMetadata
+        from metal_attn.providers.classic import gpu as classic_gpu
+
+        _, backend, dtype, head, block, bq, bkv, decode_spec = plan.specialization
+        mdt = getattr(mx, dtype)
+        md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [2], [0, 2], validate=False)
+        q = mx.zeros((2, 1, head), mdt)
+        kc = mx.zeros((1, block, 1, head), mdt)
+        kernels.compile_now(
+            lambda: launch(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None,
+                           backend=backend, config=TileConfig(bq, bkv)),
+            f"tiled_prefill {plan.specialization[:7]}")
+        if decode_spec:
+            classic_gpu.prepare(Plan("classic", "decode rows", specialization=decode_spec), device)
+
+    def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
+        _, backend, _, _, _, bq, bkv, decode_spec = plan.specialization
+        cfg = TileConfig(bq, bkv)
+        common = dict(scale=inputs.scale, sinks=inputs.sinks, sliding_window=inputs.sliding_window,
+                      softcap=inputs.softcap, backend=backend)
+        if not decode_spec:
+            return launch(inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, config=cfg, **common)
+        import mlx.core as mx
+
+        from metal_attn.providers.classic import gpu as classic_gpu
+
+        md = inputs.metadata
+        n_dec = md.num_decode_seqs
+        lanes, unroll, hps = decode_spec[5:8]
+        decode = classic_gpu.launch_paged(
+            inputs.q, inputs.k_cache, inputs.v_cache, md, split=decode_spec[4] > 0, rows=n_dec,
+            geometry_override=classic_gpu.Geometry(lanes, unroll, hps), **common)
+        prefill = launch(inputs.q, inputs.k_cache, inputs.v_cache, md, config=cfg, first_seq=n_dec, **common)
+        return mx.concatenate([decode, prefill[n_dec:]], axis=0)
+
+
+def kernel_object(backend: str) -> Any:
+    """The ``mx.fast`` kernel object of ``tiled_prefill`` on ``backend`` (built once)."""
+    from metal_attn import kernels
+
+    return kernels.load_kernel(ROUTE, KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend)
+
+
+def kernel_template(dtype: Any, head_size: int, block_size: int, config: TileConfig) -> list[tuple[str, Any]]:
+    """The template arguments of one specialization."""
+    return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size), ("BQ", config.bq),
+            ("BKV", config.bkv)]
+
+
+def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
+           sinks: mx.array | None, sliding_window: int | None, softcap: float | None, backend: str,
+           config: TileConfig | None = None, first_seq: int = 0) -> mx.array:
+    """Run the tiled kernel over the sequences from ``first_seq`` on; returns ``[T, H, D]``.
+
+    Rows of sequences before ``first_seq`` are left unwritten (the caller fills them).
+    ``config`` overrides `TILE_CONFIGS` (BQ a positive multiple of 8, BKV a positive
+    multiple of 8), for sweeps and tests.
+    """
+    import mlx.core as mx
+
+    from metal_attn import kernels
+    from metal_attn.providers.classic.gpu import _zeros_f32
+
+    total, num_heads, head = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    cfg = config or TILE_CONFIGS.get(head)
+    if cfg is None:
+        raise ValueError(f"head_size={head} has no tile configuration (configured: {_fmt(TILE_CONFIGS)})")
+    if cfg.bq < 8 or cfg.bq % 8 or cfg.bkv < 8 or cfg.bkv % 8 or head % 8:
+        raise ValueError(f"config={cfg} with head_size={head} (allowed: BQ and BKV positive multiples of 8, "
+                         "head_size a multiple of 8)")
+    tiles = metadata.query_tiles(cfg.bq, first_seq)
+    num_tiles = tiles.shape[0]
+    use_sinks = sinks is not None
+    params = kernels.param_array((num_tiles, num_heads, num_kv_heads, metadata.max_blocks_per_seq,
+                                  int(sliding_window or 0), int(use_sinks)), "int32")
+    fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
+    return kernel_object(backend)(
+        inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.cu_seqlens_q, tiles,
+                sinks if use_sinks else _zeros_f32(num_heads), params, fparams],
+        template=kernel_template(q.dtype, head, block_size, cfg),
+        grid=(num_tiles * cfg.threads, num_heads, 1),
+        threadgroup=(cfg.threads, 1, 1),
+        output_shapes=[(total, num_heads, head)],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def msl_specializations() -> list:
+    """Every Metal specialization this provider can choose, for `metal_attn.msl_check`:
+    the kernel over {float16, bfloat16} x the tile table's head sizes x kernel block sizes
+    (2 x 4 x 3 = 24). The decode rows of a split mixed batch use the classic provider's
+    specializations, which its own set covers."""
+    from metal_attn.msl_check import Specialization
+
+    specs = []
+    for dtype in sorted(ITEMSIZE):
+        for head, cfg in sorted(TILE_CONFIGS.items()):
+            for block in sorted(KERNEL_BLOCK_SIZES):
+                specs.append(Specialization(
+                    label=f"tiled_prefill {dtype} head={head} block={block}",
+                    kernel=ROUTE, source_files=KERNEL_FILES, input_names=KERNEL_INPUTS, output_names=KERNEL_OUTPUTS,
+                    template=tuple(kernel_template(dtype, head, block, cfg)),
+                    inputs=(((5, 4, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
+                            ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
+                            ((4,), "float32"), ((6,), "int32"), ((2,), "float32")),
+                    outputs=(((5, 4, head), dtype),),
+                ))
+    return specs

@@ -1,0 +1,191 @@
+"""The ``tiled_prefill`` provider on a GPU backend against the float64 oracle.
+
+Covers both dtypes, every head size of the tile table and every kernel block size;
+query lengths at 8-row fragment and tile edges, fresh prompts and chunks with earlier
+context; GQA ratios 1, 2, 4, 6, 8 and MQA; sinks, sliding windows (tiles left of the
+window, in-window scores far below zero), softcap; verification batches; mixed batches
+on both routes (decode rows riding in the tiles, and ``mixed_prefill_decode``, forced
+through the threshold table); scattered and shared blocks; other tile shapes through
+the launcher; bitwise repeats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import metal_attn
+from metal_attn import diagnostics
+from metal_attn.testing import assert_close_to_oracle, make_case, run_case
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float16", "bfloat16")
+HEADS = (64, 96, 128, 256)
+BLOCKS = (8, 16, 32)
+
+
+@contextlib.contextmanager
+def _mixed_threshold(value: int):
+    """Force the mixed split either way: 0 sends every decode row to the per-token kernel."""
+    from metal_attn.plugins import get_registry
+    from metal_attn.providers import tiled_prefill
+
+    get_registry().forget_selections()
+    try:
+        with mock.patch.object(tiled_prefill, "MIXED_DECODE_MIN_CONTEXT", {"cuda": value, "metal": value}):
+            yield
+    finally:
+        get_registry().forget_selections()
+
+
+def _check(case, route: str = "tiled_prefill") -> np.ndarray:
+    got = run_case(case, provider="tiled_prefill")
+    rec = diagnostics.last_dispatch()
+    assert rec is not None and rec.provider == "tiled_prefill", rec
+    assert rec.route == route, f"{case.label}: route {rec.route} (expected {route})"
+    assert_close_to_oracle(got, case.oracle(), case.dtype, label=f"{case.label} {rec.route}")
+    return got
+
+
+def test_smoke_prompt():
+    case = make_case(q_lens=[40], seq_lens=[40], num_heads=4, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype="float16", seed=1, label="smoke")
+    _check(case)
+
+
+_MATRIX = [(d, h, BLOCKS[(i + j) % 3]) for j, d in enumerate(DTYPES) for i, h in enumerate(HEADS)]
+_MATRIX += [(d, 128, b) for d in DTYPES for b in BLOCKS if (d, 128, b) not in _MATRIX]
+
+
+@pytest.mark.parametrize(("dtype", "head", "block"), _MATRIX, ids=[f"{d}-h{h}-b{b}" for d, h, b in _MATRIX])
+def test_dtype_head_block_matrix(dtype, head, block):
+    # A chunk with earlier context, a fresh prompt, a one-row chunk after them.
+    case = make_case(q_lens=[37, 70, 1], seq_lens=[300, 70, 45], num_heads=4, num_kv_heads=2, head_size=head,
+                     block_size=block, dtype=dtype, seed=head + block, label=f"{dtype} h{head} b{block}")
+    _check(case)
+
+
+@pytest.mark.parametrize("head", (128, 256))
+def test_query_lengths_at_fragment_and_tile_edges(head):
+    q_lens = [2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 65]
+    case = make_case(q_lens=q_lens, seq_lens=[q + 5 * i for i, q in enumerate(q_lens)], num_heads=4,
+                     num_kv_heads=1, head_size=head, block_size=16, dtype="bfloat16", seed=head,
+                     label=f"edges h{head}")
+    _check(case)
+
+
+def test_long_prompt_and_long_chunk():
+    case = make_case(q_lens=[1500, 513], seq_lens=[1500, 4097], num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=32, dtype="bfloat16", seed=3, label="long")
+    _check(case)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (12, 2), (16, 2), (8, 1)],
+                         ids=["gqa1", "gqa2", "gqa4", "gqa6", "gqa8", "mqa"])
+def test_gqa_ratios(num_heads, num_kv_heads):
+    case = make_case(q_lens=[20, 45], seq_lens=[20, 300], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_size=64, block_size=16, dtype="float16", seed=num_heads * 10 + num_kv_heads,
+                     label=f"gqa {num_heads}/{num_kv_heads}")
+    _check(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks(dtype):
+    case = make_case(q_lens=[9, 50], seq_lens=[700, 50], num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype=dtype, sinks=True, seed=5, label=f"sinks {dtype}")
+    _check(case)
+
+
+@pytest.mark.parametrize(("window", "q_lens", "seq_lens"),
+                         [(1, [40], [40]), (5, [33, 70], [600, 70]), (100, [130, 64], [1030, 400]),
+                          (600, [50], [2000])])
+def test_sliding_window(window, q_lens, seq_lens):
+    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=4, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype="bfloat16", sliding_window=window, seed=window, label=f"window {window}")
+    _check(case)
+
+
+def test_window_scores_far_below_zero():
+    # Tiles left of the window are never loaded; a row must not see a max of 0 from them.
+    case = make_case(q_lens=[40, 9], seq_lens=[2600, 1500], num_heads=4, num_kv_heads=2, head_size=128,
+                     block_size=32, dtype="float16", sliding_window=300, score_bias=-120.0, seed=21,
+                     label="window far below zero")
+    _check(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap(dtype):
+    case = make_case(q_lens=[12, 30], seq_lens=[600, 30], num_heads=4, num_kv_heads=2, head_size=96,
+                     block_size=8, dtype=dtype, softcap=5.0, scale=0.5, seed=13, label=f"softcap {dtype}")
+    _check(case)
+
+
+def test_all_features_with_shared_blocks():
+    case = make_case(q_lens=[6, 40, 33], seq_lens=[1300, 800, 1030], num_heads=12, num_kv_heads=2, head_size=256,
+                     block_size=16, dtype="bfloat16", sinks=True, sliding_window=700, softcap=30.0,
+                     shared_prefix_blocks=3, seed=17, label="all features, shared blocks")
+    _check(case)
+
+
+def test_verify_batch():
+    case = make_case(q_lens=[4, 4, 4], seq_lens=[100, 517, 33], num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype="bfloat16", seed=23, label="verify")
+    _check(case)
+
+
+@pytest.mark.parametrize("split", (False, True), ids=("ride-along", "split"))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batch_both_routes(dtype, split):
+    case = make_case(q_lens=[1, 1, 1, 37, 100], seq_lens=[1, 600, 1100, 37, 900], num_heads=8, num_kv_heads=2,
+                     head_size=128, block_size=16, dtype=dtype, sinks=True, seed=29, label=f"mixed {dtype}")
+    with _mixed_threshold(0 if split else 1 << 30):
+        _check(case, "mixed_prefill_decode" if split else "tiled_prefill")
+
+
+def test_mixed_split_with_window_and_softcap():
+    case = make_case(q_lens=[1, 1, 64], seq_lens=[5000, 4096, 200], num_heads=8, num_kv_heads=2, head_size=64,
+                     block_size=32, dtype="float16", sliding_window=1000, softcap=20.0, seed=31,
+                     label="mixed split, window, softcap")
+    with _mixed_threshold(4096):
+        _check(case, "mixed_prefill_decode")
+
+
+@pytest.mark.parametrize(("bq", "bkv"), [(8, 8), (16, 16), (16, 32), (32, 16), (64, 32)])
+def test_other_tile_shapes_through_the_launcher(bq, bkv):
+    from metal_attn.metadata import AttentionMetadata
+    from metal_attn.providers import tiled_prefill
+
+    case = make_case(q_lens=[70, 33], seq_lens=[300, 33], num_heads=4, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype="bfloat16", sliding_window=90, seed=bq + bkv, label=f"BQ{bq} BKV{bkv}")
+    kw = case.kwargs()
+    md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
+    out = tiled_prefill.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
+                               sliding_window=90, softcap=None, backend=metal_attn.current_device().backend,
+                               config=tiled_prefill.TileConfig(bq, bkv))
+    assert_close_to_oracle(out, case.oracle(), "bfloat16", label=case.label)
+
+
+def test_bitwise_identical_on_repeat():
+    case = make_case(q_lens=[1, 1, 77, 300], seq_lens=[900, 5000, 200, 300], num_heads=8, num_kv_heads=2,
+                     head_size=128, block_size=16, dtype="bfloat16", seed=37, label="repeat")
+    for threshold in (0, 1 << 30):
+        with _mixed_threshold(threshold):
+            first = run_case(case, provider="tiled_prefill")
+            again = run_case(case, provider="tiled_prefill")
+        assert np.array_equal(first, again)
+
+
+def test_auto_routes_prefill_and_mixed_batches_here():
+    # Without forcing: prefill rows of an admitted geometry go to the tiles.
+    case = make_case(q_lens=[1, 50], seq_lens=[300, 50], num_heads=4, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype="bfloat16", seed=41, label="auto")
+    out = metal_attn.paged_attention(**case.kwargs())
+    mx.eval(out)
+    rec = diagnostics.last_dispatch()
+    assert rec.provider == "tiled_prefill" and rec.route == "tiled_prefill", rec
+    assert_close_to_oracle(np.array(out.astype(mx.float32)), case.oracle(), "bfloat16", label="auto")

@@ -1,0 +1,216 @@
+"""Routing of the ``tiled_prefill`` provider, with the device probe overridden (CPU only).
+
+Admission, the mixed-batch split and the plans are asserted through
+`metal_attn.explain` on hypothetical devices (the H200, a 40-core M5 Max); the
+query-tile map against a plain loop; the Metal source of every specialization
+with clang. The kernel's numerics run in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import metal_attn as ma
+from metal_attn._layout import import_builtin_providers
+from metal_attn.constants import MIXED_DECODE_MIN_CONTEXT
+from metal_attn.device import DeviceInfo
+from metal_attn.metadata import AttentionMetadata
+from metal_attn.settings import override_settings
+
+H200 = DeviceInfo.preset("h200")
+M5 = DeviceInfo.preset("m5-max")
+
+import_builtin_providers()
+from metal_attn.providers import tiled_prefill as tp  # noqa: E402
+
+
+def _explain(device, q_lens, seq_lens, *, heads=(32, 8, 128), dtype="bfloat16", block_size=16, **features):
+    h, kvh, d = heads
+    return ma.explain(q_lens=q_lens, seq_lens=seq_lens, num_heads=h, num_kv_heads=kvh, head_size=d,
+                      block_size=block_size, dtype=dtype, device=device, **features)
+
+
+def _row(ex, name="tiled_prefill"):
+    return next(r for r in ex.rows if r.name == name)
+
+
+@pytest.mark.parametrize("device", (H200, M5), ids=("h200", "m5"))
+@pytest.mark.parametrize(("q_lens", "seq_lens"), [([4096], [4096]), ([64, 7], [1000, 7]), ([4, 4], [90, 300])],
+                         ids=("prompt", "chunks", "verify"))
+def test_prefill_and_verify_batches_take_the_tiles(device, q_lens, seq_lens):
+    ex = _explain(device, q_lens, seq_lens)
+    row = _row(ex)
+    assert row.chosen, str(ex)
+    assert row.plan.route == "tiled_prefill" and row.plan.partition_size == 0
+    assert row.plan.threadgroup == (128, 1, 1)
+    assert any("BQ=32" in n and "BKV=32" in n for n in row.plan.notes)
+
+
+def test_head_256_tile_is_smaller():
+    row = _row(_explain(H200, [100], [100], heads=(16, 2, 256)))
+    assert row.chosen and row.plan.threadgroup == (64, 1, 1)
+    assert any("BQ=16" in n and "BKV=16" in n and "16896 bytes" in n for n in row.plan.notes)
+
+
+def test_decode_dtype_and_head_refusals_fall_back_to_classic():
+    for kwargs, needle in [
+        (dict(q_lens=[1, 1], seq_lens=[50, 60]), "phase=decode (supported: mixed, prefill, verify)"),
+        (dict(q_lens=[40], seq_lens=[40], dtype="float32"), "dtype=float32 (supported: bfloat16, float16)"),
+        (dict(q_lens=[40], seq_lens=[40], heads=(4, 2, 80)), "head_size=80 (supported: 64, 96, 128, 256)"),
+    ]:
+        ex = _explain(H200, **kwargs)
+        assert not _row(ex).admitted and needle in "\n".join(_row(ex).reasons), str(ex)
+        assert ex.chosen.name in ("classic", "gqa_decode"), str(ex)
+
+
+def test_every_feature_is_admitted():
+    ex = _explain(M5, [40], [300], sinks=True, sliding_window=64, softcap=30.0)
+    assert _row(ex).chosen, str(ex)
+
+
+def test_threadgroup_memory_must_fit():
+    small = dataclasses.replace(H200, max_threadgroup_memory=16 * 1024)
+    ex = _explain(small, [40], [40])
+    reasons = "\n".join(_row(ex).reasons)
+    assert "K/V tiles need 17408 bytes of threadgroup memory for head_size=128" in reasons
+    assert "allowed: <= 16384 bytes" in reasons
+    unknown = dataclasses.replace(H200, max_threadgroup_memory=None)
+    assert "max_threadgroup_memory unknown" in "\n".join(_row(_explain(unknown, [40], [40])).reasons)
+
+
+@pytest.mark.parametrize("device", (H200, M5), ids=("h200", "m5"))
+def test_mixed_split_threshold(device):
+    threshold = MIXED_DECODE_MIN_CONTEXT[device.backend]
+    below = _row(_explain(device, [1, 1, 300], [threshold - 1, 100, 800]))
+    assert below.chosen and below.plan.route == "tiled_prefill"
+    assert any(f"{threshold - 1} < MIXED_DECODE_MIN_CONTEXT" in n for n in below.plan.notes)
+    at = _row(_explain(device, [1, 1, 300], [threshold, 100, 800]))
+    assert at.chosen and at.plan.route == "mixed_prefill_decode"
+    assert any(f"{threshold} >= MIXED_DECODE_MIN_CONTEXT" in n for n in at.plan.notes)
+    # The decode rows' own plan (the classic kernel's occupancy gate on 2 rows) rides along.
+    assert any(n.startswith("decode rows: per_token_ps512") for n in at.plan.notes), at.plan.notes
+    assert at.plan.partition_size == 512
+    decode_spec = at.plan.specialization[-1]
+    assert decode_spec[0] == device.backend and decode_spec[4] == 512
+
+
+def test_disable_switch():
+    with override_settings(disable_tiled_prefill=True):
+        ex = _explain(H200, [40], [40])
+    assert "METAL_ATTN_DISABLE_TILED_PREFILL=1" in "\n".join(_row(ex).reasons)
+    assert ex.chosen.name == "classic"
+
+
+def test_cpu_backend_is_unavailable():
+    ex = _explain(DeviceInfo.preset("cpu-2core"), [40], [40])
+    assert "backend=cpu (supported: cuda, metal)" in "\n".join(_row(ex).reasons)
+
+
+# -- the query-tile map -------------------------------------------------------------------------------
+
+
+def _tiles_by_loop(q_lens, bq, first):
+    out = []
+    for s, n in enumerate(q_lens):
+        if s < first:
+            continue
+        row = 0
+        while row < n:
+            out.append((s, row))
+            row += bq
+    return out
+
+
+@pytest.mark.parametrize("bq", (8, 16, 32))
+@pytest.mark.parametrize("first", (0, 2))
+def test_query_tiles_match_a_loop(bq, first):
+    q_lens = [1, 1, 33, 32, 7, 100]
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    md = AttentionMetadata.build(np.zeros((6, 7), np.int32), [max(q, 50) for q in q_lens], cu)
+    got = [tuple(map(int, r)) for r in np.array(md.query_tiles(bq, first))]
+    assert got == _tiles_by_loop(q_lens, bq, first)
+    assert md.query_tiles(bq, first) is md.query_tiles(bq, first)  # built once
+
+
+def test_query_tiles_refuse_bad_arguments():
+    md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [3], [0, 3])
+    with pytest.raises(ValueError, match=r"first_seq=1\) \(allowed: .*0 <= first_seq < num_seqs=1"):
+        md.query_tiles(8, 1)
+    with pytest.raises(ValueError, match=r"rows_per_tile=0"):
+        md.query_tiles(0)
+
+
+@pytest.mark.parametrize("config", [tp.TileConfig(12, 32), tp.TileConfig(32, 4), tp.TileConfig(0, 8)])
+def test_launch_refuses_a_bad_tile_before_any_kernel(config):
+    import mlx.core as mx
+
+    md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [3], [0, 3])
+    q = mx.zeros((3, 4, 128), mx.bfloat16)
+    kc = mx.zeros((1, 16, 2, 128), mx.bfloat16)
+    with pytest.raises(ValueError, match=r"config=TileConfig.*BQ and BKV positive multiples of 8"):
+        tp.launch(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, backend="cuda",
+                  config=config)
+
+
+def test_classic_decode_rows_launch_refuses_bad_rows():
+    import mlx.core as mx
+
+    from metal_attn.providers.classic import gpu
+
+    md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [3], [0, 3])
+    q = mx.zeros((3, 4, 128), mx.bfloat16)
+    kc = mx.zeros((1, 16, 2, 128), mx.bfloat16)
+    with pytest.raises(ValueError, match=r"rows=4 \(allowed: 1\.\.3"):
+        gpu.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, split=False,
+                         backend="cuda", rows=4)
+
+
+# -- the Metal generated-source check ------------------------------------------------------------------
+
+_MSL_SET = "metal_attn.providers.tiled_prefill:msl_specializations"
+
+
+def _needs_clang():
+    from metal_attn.msl_check import find_clang
+
+    if find_clang() is None:
+        pytest.skip("clang++ not found: the Metal source check cannot run here")
+
+
+def test_msl_specializations_cover_every_choice():
+    labels = {s.label for s in tp.msl_specializations()}
+    for dtype in ("float16", "bfloat16"):
+        for head in tp.TILE_CONFIGS:
+            for block in (8, 16, 32):
+                assert f"tiled_prefill {dtype} head={head} block={block}" in labels
+    assert len(labels) == 24
+
+
+def test_metal_generated_source_type_checks():
+    _needs_clang()
+    from metal_attn.msl_check import check
+
+    result = check(_MSL_SET)
+    assert result.ok, result.summary()
+    assert result.count == 24
+
+
+def test_metal_source_check_catches_a_planted_error(tmp_path):
+    _needs_clang()
+    import shutil
+
+    from metal_attn._layout import kernels_dir
+    from metal_attn.msl_check import check
+
+    planted = tmp_path / "kernels_v2"
+    shutil.copytree(kernels_dir(), planted)
+    src = planted / "tiled_prefill.metal"
+    text = src.read_text()
+    good = "ma_mma<T>(s[j], qf[d], kb);"
+    assert good in text
+    src.write_text(text.replace(good, "ma_mma<T>(s[j], qf, kb);"))  # an array where a fragment belongs
+    result = check(_MSL_SET, only=r"tiled_prefill bfloat16 head=128 block=16", kernels_dir=planted)
+    assert not result.ok and "ma_mma" in result.summary()
