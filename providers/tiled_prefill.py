@@ -119,7 +119,7 @@ class TiledPrefillProvider(Provider):
     head_sizes = frozenset(TILE_CONFIGS)
     block_sizes = frozenset(KERNEL_BLOCK_SIZES)
     features = frozenset({"sinks", "sliding_window", "softcap"})
-    description = "Tiled FlashAttention-2 prefill (8x8 simdgroup matrices); long decode rows of a mixed batch split off."
+    description = "Tiled FlashAttention-2 prefill (8x8 simdgroup matrices); long decode rows of a mixed batch apart."
 
     def availability_reasons(self, device: DeviceInfo) -> list[str]:
         reasons = super().availability_reasons(device)
@@ -176,10 +176,10 @@ class TiledPrefillProvider(Provider):
             return
         import mlx.core as mx
         import numpy as np
+        from metal_attn.providers.classic import gpu as classic_gpu
 
         from metal_attn import kernels
         from metal_attn.metadata import AttentionMetadata
-        from metal_attn.providers.classic import gpu as classic_gpu
 
         _, backend, dtype, head, block, bq, bkv, decode_spec = plan.specialization
         mdt = getattr(mx, dtype)
@@ -201,7 +201,6 @@ class TiledPrefillProvider(Provider):
         if not decode_spec:
             return launch(inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, config=cfg, **common)
         import mlx.core as mx
-
         from metal_attn.providers.classic import gpu as classic_gpu
 
         md = inputs.metadata
@@ -236,10 +235,10 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     ``config`` overrides `TILE_CONFIGS` (BQ a positive multiple of 8, BKV a positive
     multiple of 8), for sweeps and tests.
     """
-    import mlx.core as mx
+
+    from metal_attn.providers.classic.gpu import _zeros_f32
 
     from metal_attn import kernels
-    from metal_attn.providers.classic.gpu import _zeros_f32
 
     total, num_heads, head = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

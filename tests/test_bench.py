@@ -256,7 +256,8 @@ def test_wrong_outputs_and_crashes_fail_the_run(tmp_path, capsys, monkeypatch) -
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--suite", "nope"], "suite='nope' is unknown (known: decode-gpu, prefill-gpu, gqa-gpu, decode-cpu, prefill-cpu, smoke)"),
+        (["--suite", "nope"],
+         "suite='nope' is unknown (known: decode-gpu, prefill-gpu, gqa-gpu, decode-cpu, prefill-cpu, smoke)"),
         (["--suite", "smoke", "--shapes", "zzz"], "--shapes 'zzz' matches no shape of suite 'smoke'"),
     ],
 )

@@ -157,7 +157,6 @@ def test_launch_refuses_a_bad_tile_before_any_kernel(config):
 
 def test_classic_decode_rows_launch_refuses_bad_rows():
     import mlx.core as mx
-
     from metal_attn.providers.classic import gpu
 
     md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [3], [0, 3])

@@ -32,8 +32,9 @@ BLOCKS = (8, 16, 32)
 @contextlib.contextmanager
 def _mixed_threshold(value: int):
     """Force the mixed split either way: 0 sends every decode row to the per-token kernel."""
-    from metal_attn.plugins import get_registry
     from metal_attn.providers import tiled_prefill
+
+    from metal_attn.plugins import get_registry
 
     get_registry().forget_selections()
     try:
@@ -157,8 +158,9 @@ def test_mixed_split_with_window_and_softcap():
 
 @pytest.mark.parametrize(("bq", "bkv"), [(8, 8), (16, 16), (16, 32), (32, 16), (64, 32)])
 def test_other_tile_shapes_through_the_launcher(bq, bkv):
-    from metal_attn.metadata import AttentionMetadata
     from metal_attn.providers import tiled_prefill
+
+    from metal_attn.metadata import AttentionMetadata
 
     case = make_case(q_lens=[70, 33], seq_lens=[300, 33], num_heads=4, num_kv_heads=2, head_size=128,
                      block_size=16, dtype="bfloat16", sliding_window=90, seed=bq + bkv, label=f"BQ{bq} BKV{bkv}")
