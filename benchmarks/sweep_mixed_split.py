@@ -27,7 +27,7 @@ from metal_attn.device import current_device
 from metal_attn.plugins import get_registry
 
 DECODE_ROWS = (8, 32, 128)
-CONTEXTS = (512, 1024, 2048, 4096, 8192)
+CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
 PREFILL = Rows(1, 512, 2048)
 
 

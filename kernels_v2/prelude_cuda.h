@@ -173,20 +173,20 @@ MA_FUNC void ma_prefetch(const U* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// 8x8 float matrices spread over a warp: the portable form of Metal's
-// simdgroup_matrix<float, 8, 8>, two elements a lane. Accumulators and left operands
-// (A) put element i of a lane at (ma_frag_row, ma_frag_col + i); right operands (B) at
-// (ma_frag_bk(i), ma_frag_bn(i)). Here the layouts are those of the tensor-core
-// instruction mma.m16n8k8 (rows 8..15 of its A operand are zero and its C/D rows 8..15
-// are discarded): A/C row = lane / 4, columns 2 * (lane % 4) + i; B k-row 2 * (lane % 4) + i,
-// column lane / 4. The products take 16-bit operands with float accumulation.
+// 8x8 matrices spread over a warp: the portable form of Metal's simdgroup_matrix<float,
+// 8, 8>. Accumulators (ma_frag8) hold two floats a lane, element i at (ma_frag_row,
+// ma_frag_col + i); products take operands in the multiplier's input format
+// (ma_opnd<U>: two U values in one register; ma_popnd<U>: a float operand kept as a high
+// and a low U part). Here the layouts are those of the tensor-core instruction
+// mma.m16n8k16 with rows 8..15 of A zero and of C/D discarded: accumulator and A row =
+// lane / 4, columns 2 * (lane % 4) + i; B k-row 2 * (lane % 4) + i, column lane / 4; the
+// instruction's 16-deep k holds two 8x8x8 products (ma_mma2), and its 16 rows two 8-row
+// blocks that share the right operands (ma_mma2x2).
 struct ma_frag8 {
   float v[2];
 };
 MA_FUNC int ma_frag_row(int lane) { return lane >> 2; }
 MA_FUNC int ma_frag_col(int lane) { return (lane & 3) << 1; }
-MA_FUNC int ma_frag_bk(int lane, int i) { return ((lane & 3) << 1) + i; }
-MA_FUNC int ma_frag_bn(int lane, int i) { return lane >> 2; }
 // Reduce over the four lanes that hold one accumulator row.
 MA_FUNC float ma_frag_row_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -197,7 +197,7 @@ MA_FUNC float ma_frag_row_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// One 16-bit element type's packing and tensor-core product.
+// One 16-bit element type: packing and the tensor-core product.
 template <typename U>
 struct ma_mma_op;
 template <>
@@ -207,11 +207,14 @@ struct ma_mma_op<__half> {
     return *reinterpret_cast<const unsigned*>(&h);
   }
   static MA_FUNC float2 unpack(unsigned p) { return __half22float2(*reinterpret_cast<const __half2*>(&p)); }
-  static MA_FUNC void mma(float& d0, float& d1, unsigned a, unsigned b) {
-    float z0, z1;
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%7,%8};\n"
-        : "+f"(d0), "+f"(d1), "=f"(z0), "=f"(z1)
-        : "r"(a), "r"(0u), "r"(b), "f"(0.0f), "f"(0.0f));
+  static MA_FUNC unsigned bits(__half x) { return __half_as_ushort(x); }
+  // The whole m16n8k16: rows 0..7 of A/C in (a0, a2) / (c0, c1), rows 8..15 in (a1, a3) / (c2, c3).
+  static MA_FUNC void mma(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1, unsigned a2,
+                          unsigned a3, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 };
 template <>
@@ -223,31 +226,95 @@ struct ma_mma_op<__nv_bfloat16> {
   static MA_FUNC float2 unpack(unsigned p) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p));
   }
-  static MA_FUNC void mma(float& d0, float& d1, unsigned a, unsigned b) {
-    float z0, z1;
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%7,%8};\n"
-        : "+f"(d0), "+f"(d1), "=f"(z0), "=f"(z1)
-        : "r"(a), "r"(0u), "r"(b), "f"(0.0f), "f"(0.0f));
+  static MA_FUNC unsigned bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+  // The whole m16n8k16: rows 0..7 of A/C in (a0, a2) / (c0, c1), rows 8..15 in (a1, a3) / (c2, c3).
+  static MA_FUNC void mma(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1, unsigned a2,
+                          unsigned a3, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 };
 
-// d += a * b for operands that hold U values (loaded from U data): exact products,
-// float accumulation, as Metal's float simdgroup product computes them.
 template <typename U>
-MA_FUNC void ma_mma(ma_frag8& d, const ma_frag8& a, const ma_frag8& b) {
-  ma_mma_op<U>::mma(d.v[0], d.v[1], ma_mma_op<U>::pack(a.v[0], a.v[1]), ma_mma_op<U>::pack(b.v[0], b.v[1]));
+struct ma_opnd {
+  unsigned p;
+};
+template <typename U>
+struct ma_popnd {
+  unsigned hi;
+  unsigned lo;
+};
+// A left operand from its two elements (accumulator layout = A layout).
+template <typename U>
+MA_FUNC ma_opnd<U> ma_opnd_pack(float a, float b) {
+  return {ma_mma_op<U>::pack(a, b)};
 }
-// d += a * b where a holds arbitrary floats (softmax probabilities) and b U values: a is
-// split into a high and a low U part (a = hi + lo to about 16 significant bits) and both
-// products are accumulated, so the probabilities are not rounded to U's 8 or 11 bits.
+// A float left operand (softmax probabilities): a = hi + lo, both in U, to about 16
+// significant bits, so that the probabilities are not rounded to U's 8 or 11 bits.
 template <typename U>
-MA_FUNC void ma_mma_f(ma_frag8& d, const ma_frag8& a, const ma_frag8& b) {
-  const unsigned bp = ma_mma_op<U>::pack(b.v[0], b.v[1]);
-  const unsigned hi = ma_mma_op<U>::pack(a.v[0], a.v[1]);
+MA_FUNC ma_popnd<U> ma_popnd_pack(float a, float b) {
+  const unsigned hi = ma_mma_op<U>::pack(a, b);
   const float2 h = ma_mma_op<U>::unpack(hi);
-  const unsigned lo = ma_mma_op<U>::pack(a.v[0] - h.x, a.v[1] - h.y);
-  ma_mma_op<U>::mma(d.v[0], d.v[1], hi, bp);
-  ma_mma_op<U>::mma(d.v[0], d.v[1], lo, bp);
+  return {hi, ma_mma_op<U>::pack(a - h.x, b - h.y)};
+}
+// Right operand B(k, n) = p[n * LD + k]: K^T read from a row-major K tile (one 32-bit load).
+template <int LD, typename U>
+MA_FUNC ma_opnd<U> ma_load_bt(const U* p, int lane) {
+  return {*reinterpret_cast<const unsigned*>(p + (lane >> 2) * LD + ((lane & 3) << 1))};
+}
+// Right operand B(k, n) = p[k * LD + n]: V read from a row-major V tile.
+template <int LD, typename U>
+MA_FUNC ma_opnd<U> ma_load_b(const U* p, int lane) {
+  const U* r = p + ((lane & 3) << 1) * LD + (lane >> 2);
+  return {ma_mma_op<U>::bits(r[0]) | (ma_mma_op<U>::bits(r[LD]) << 16)};
+}
+// Four right operands with one ldmatrix: K^T blocks of dims [8m, 8m + 8), m < 4, of the
+// 8 keys at p (lane l addresses key l % 8 of block l / 8).
+template <int LD, typename U>
+MA_FUNC void ma_load_bt4(const U* p, int lane, ma_opnd<U>* r) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p + (lane & 7) * LD + (lane >> 3) * 8));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0].p), "=r"(r[1].p), "=r"(r[2].p), "=r"(r[3].p)
+               : "r"(a));
+}
+// Four right operands with one transposing ldmatrix: V blocks of keys [8m, 8m + 8), m < 4,
+// of the 8 dims at p (lane l addresses key row l).
+template <int LD, typename U>
+MA_FUNC void ma_load_b4(const U* p, int lane, ma_opnd<U>* r) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p + lane * LD));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0].p), "=r"(r[1].p), "=r"(r[2].p), "=r"(r[3].p)
+               : "r"(a));
+}
+// d += A0 B0 + A1 B1: two 8x8x8 products, exact 16-bit products with float accumulation
+// (what Metal's float simdgroup product computes for the same values); rows 8..15 of
+// the instruction are zero.
+template <typename U>
+MA_FUNC void ma_mma2(ma_frag8& d, ma_opnd<U> a0, ma_opnd<U> b0, ma_opnd<U> a1, ma_opnd<U> b1) {
+  float z0 = 0.0f, z1 = 0.0f;
+  ma_mma_op<U>::mma(d.v[0], d.v[1], z0, z1, a0.p, 0u, a1.p, 0u, b0.p, b1.p);
+}
+// The same for two 8-row blocks sharing the right operands (top: d, a0, a1; bottom: e,
+// c0, c1): one whole m16n8k16.
+template <typename U>
+MA_FUNC void ma_mma2x2(ma_frag8& d, ma_frag8& e, ma_opnd<U> a0, ma_opnd<U> c0, ma_opnd<U> b0, ma_opnd<U> a1,
+                       ma_opnd<U> c1, ma_opnd<U> b1) {
+  ma_mma_op<U>::mma(d.v[0], d.v[1], e.v[0], e.v[1], a0.p, c0.p, a1.p, c1.p, b0.p, b1.p);
+}
+// Float left operands (probabilities): the high parts' products, then the low parts'.
+template <typename U>
+MA_FUNC void ma_mma2_p(ma_frag8& d, ma_popnd<U> a0, ma_opnd<U> b0, ma_popnd<U> a1, ma_opnd<U> b1) {
+  float z0 = 0.0f, z1 = 0.0f;
+  ma_mma_op<U>::mma(d.v[0], d.v[1], z0, z1, a0.hi, 0u, a1.hi, 0u, b0.p, b1.p);
+  ma_mma_op<U>::mma(d.v[0], d.v[1], z0, z1, a0.lo, 0u, a1.lo, 0u, b0.p, b1.p);
+}
+template <typename U>
+MA_FUNC void ma_mma2x2_p(ma_frag8& d, ma_frag8& e, ma_popnd<U> a0, ma_popnd<U> c0, ma_opnd<U> b0, ma_popnd<U> a1,
+                         ma_popnd<U> c1, ma_opnd<U> b1) {
+  ma_mma_op<U>::mma(d.v[0], d.v[1], e.v[0], e.v[1], a0.hi, c0.hi, a1.hi, c1.hi, b0.p, b1.p);
+  ma_mma_op<U>::mma(d.v[0], d.v[1], e.v[0], e.v[1], a0.lo, c0.lo, a1.lo, c1.lo, b0.p, b1.p);
 }
 
 // Four elements into threadgroup memory with one 8- or 16-byte store.

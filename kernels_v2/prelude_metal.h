@@ -64,18 +64,16 @@ MA_FUNC void ma_simd_sum4(thread float& a, thread float& b, thread float& c, thr
   d = simd_sum(d);
 }
 
-// 8x8 float matrices spread over a simdgroup (simdgroup_matrix<float, 8, 8>), two
-// elements a lane, kept as plain floats between products so that the shared bodies
-// can mask and rescale them. Element i of a lane sits at (ma_frag_row, ma_frag_col + i)
-// in every operand (Apple's thread_elements() layout, as MLX's steel kernels use it);
-// the CUDA prelude has its own layouts behind the same names.
+// 8x8 matrices spread over a simdgroup (simdgroup_matrix<float, 8, 8>), kept as plain
+// floats between products so that the shared bodies can mask and rescale them: two
+// elements a lane, element i at (ma_frag_row, ma_frag_col + i) in every operand (Apple's
+// thread_elements() layout, as MLX's steel kernels use it). Operands (ma_opnd, ma_popnd)
+// are floats here; the CUDA prelude packs them for its tensor cores behind the same names.
 struct ma_frag8 {
   float v[2];
 };
 MA_FUNC int ma_frag_row(int lane) { return ((lane >> 2) & 4) + ((lane >> 1) & 3); }
 MA_FUNC int ma_frag_col(int lane) { return ((lane >> 2) & 2) * 2 + (lane & 1) * 2; }
-MA_FUNC int ma_frag_bk(int lane, int i) { return ma_frag_row(lane); }
-MA_FUNC int ma_frag_bn(int lane, int i) { return ma_frag_col(lane) + i; }
 // Reduce over the four lanes that hold one row (they differ in lane bits 0 and 3).
 MA_FUNC float ma_frag_row_max(float x) {
   x = metal::max(x, simd_shuffle_xor(x, ushort(1)));
@@ -86,27 +84,93 @@ MA_FUNC float ma_frag_row_sum(float x) {
   return x + simd_shuffle_xor(x, ushort(8));
 }
 
-// d += a * b on the simdgroup matrix unit, in float.
 template <typename U>
-MA_FUNC void ma_mma(thread ma_frag8& d, thread const ma_frag8& a, thread const ma_frag8& b) {
+struct ma_opnd {
+  float v[2];
+};
+template <typename U>
+struct ma_popnd {
+  float v[2];
+};
+template <typename U>
+MA_FUNC ma_opnd<U> ma_opnd_pack(float a, float b) {
+  ma_opnd<U> r;
+  r.v[0] = a;
+  r.v[1] = b;
+  return r;
+}
+template <typename U>
+MA_FUNC ma_popnd<U> ma_popnd_pack(float a, float b) {
+  ma_popnd<U> r;
+  r.v[0] = a;
+  r.v[1] = b;
+  return r;
+}
+// Right operand B(k, n) = p[n * LD + k]: K^T read from a row-major K tile.
+template <int LD, typename U>
+MA_FUNC ma_opnd<U> ma_load_bt(const threadgroup U* p, int lane) {
+  const int k = ma_frag_row(lane);
+  const int n = ma_frag_col(lane);
+  return ma_opnd_pack<U>(static_cast<float>(p[n * LD + k]), static_cast<float>(p[(n + 1) * LD + k]));
+}
+// Right operand B(k, n) = p[k * LD + n]: V read from a row-major V tile.
+template <int LD, typename U>
+MA_FUNC ma_opnd<U> ma_load_b(const threadgroup U* p, int lane) {
+  const int k = ma_frag_row(lane);
+  const int n = ma_frag_col(lane);
+  return ma_opnd_pack<U>(static_cast<float>(p[k * LD + n]), static_cast<float>(p[k * LD + n + 1]));
+}
+// Four right operands: K^T blocks of dims [8m, 8m + 8), m < 4, of the 8 keys at p.
+template <int LD, typename U>
+MA_FUNC void ma_load_bt4(const threadgroup U* p, int lane, thread ma_opnd<U>* r) {
+  for (int m = 0; m < 4; ++m) {
+    r[m] = ma_load_bt<LD>(p + m * 8, lane);
+  }
+}
+// Four right operands: V blocks of keys [8m, 8m + 8), m < 4, of the 8 dims at p.
+template <int LD, typename U>
+MA_FUNC void ma_load_b4(const threadgroup U* p, int lane, thread ma_opnd<U>* r) {
+  for (int m = 0; m < 4; ++m) {
+    r[m] = ma_load_b<LD>(p + m * 8 * LD, lane);
+  }
+}
+// d += A0 B0 + A1 B1 on the simdgroup matrix unit, in float.
+MA_FUNC void ma_sgmm(thread ma_frag8& d, float a0, float a1, float b0, float b1) {
   simdgroup_matrix<float, 8, 8> am;
   simdgroup_matrix<float, 8, 8> bm;
   simdgroup_matrix<float, 8, 8> dm;
-  am.thread_elements()[0] = a.v[0];
-  am.thread_elements()[1] = a.v[1];
-  bm.thread_elements()[0] = b.v[0];
-  bm.thread_elements()[1] = b.v[1];
+  am.thread_elements()[0] = a0;
+  am.thread_elements()[1] = a1;
+  bm.thread_elements()[0] = b0;
+  bm.thread_elements()[1] = b1;
   dm.thread_elements()[0] = d.v[0];
   dm.thread_elements()[1] = d.v[1];
   simdgroup_multiply_accumulate(dm, am, bm, dm);
   d.v[0] = dm.thread_elements()[0];
   d.v[1] = dm.thread_elements()[1];
 }
-// The same product where a holds arbitrary floats (the CUDA prelude splits them; the
-// float product here needs no split).
 template <typename U>
-MA_FUNC void ma_mma_f(thread ma_frag8& d, thread const ma_frag8& a, thread const ma_frag8& b) {
-  ma_mma<U>(d, a, b);
+MA_FUNC void ma_mma2(thread ma_frag8& d, ma_opnd<U> a0, ma_opnd<U> b0, ma_opnd<U> a1, ma_opnd<U> b1) {
+  ma_sgmm(d, a0.v[0], a0.v[1], b0.v[0], b0.v[1]);
+  ma_sgmm(d, a1.v[0], a1.v[1], b1.v[0], b1.v[1]);
+}
+// Two 8-row blocks sharing the right operands (top: d, a0, a1; bottom: e, c0, c1).
+template <typename U>
+MA_FUNC void ma_mma2x2(thread ma_frag8& d, thread ma_frag8& e, ma_opnd<U> a0, ma_opnd<U> c0, ma_opnd<U> b0,
+                       ma_opnd<U> a1, ma_opnd<U> c1, ma_opnd<U> b1) {
+  ma_mma2<U>(d, a0, b0, a1, b1);
+  ma_mma2<U>(e, c0, b0, c1, b1);
+}
+template <typename U>
+MA_FUNC void ma_mma2_p(thread ma_frag8& d, ma_popnd<U> a0, ma_opnd<U> b0, ma_popnd<U> a1, ma_opnd<U> b1) {
+  ma_sgmm(d, a0.v[0], a0.v[1], b0.v[0], b0.v[1]);
+  ma_sgmm(d, a1.v[0], a1.v[1], b1.v[0], b1.v[1]);
+}
+template <typename U>
+MA_FUNC void ma_mma2x2_p(thread ma_frag8& d, thread ma_frag8& e, ma_popnd<U> a0, ma_popnd<U> c0, ma_opnd<U> b0,
+                         ma_popnd<U> a1, ma_popnd<U> c1, ma_opnd<U> b1) {
+  ma_mma2_p<U>(d, a0, b0, a1, b1);
+  ma_mma2_p<U>(e, c0, b0, c1, b1);
 }
 
 // Four elements into threadgroup memory.

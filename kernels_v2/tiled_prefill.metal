@@ -3,9 +3,11 @@
 //   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_SIMD_WIDTH.
 
 // @kernel tiled_prefill
-// One threadgroup per (tile of BQ query rows of one sequence, query head); simdgroup s
-// owns rows [8s, 8s + 8) of the tile and keeps its Q rows, scores S, output O and the
-// softmax state (m, l) in registers as 8x8 fragments (ma_frag8: two elements a lane).
+// One threadgroup per (tile of BQ query rows of one sequence, query head); each simdgroup
+// owns RB consecutive 8-row blocks of the tile and keeps their Q rows, scores S, output O
+// and softmax states (m, l) in registers as 8x8 fragments (ma_frag8: two elements a lane);
+// with RB = 2 the two blocks share every right operand (one whole 16-row tensor-core
+// product on CUDA).
 // The threadgroup walks the keys the tile needs BKV at a time: it gathers the K and V rows
 // through the block table into threadgroup memory (pages are scattered: row by row, zeros
 // past the end), then each simdgroup computes S = Q K^T with 8x8 matrix products, the
@@ -20,14 +22,17 @@
 //          params int32 [num_tiles, num_heads, num_kv_heads, max_blocks, window, use_sinks],
 //          fparams float32 [score_scale, softcap]
 // Outputs: out [T, H, D] (T dtype); rows of sequences without tiles are not written.
-// Template: T (float16 / bfloat16), HEAD_SIZE (multiple of 8), BLOCK_SIZE, BQ (8 x simdgroups),
-//           BKV (multiple of 8).
-constexpr int NUM_SG = BQ / 8;
+// Template: T (float16 / bfloat16), HEAD_SIZE (multiple of 32), BLOCK_SIZE, BQ (8 * RB * simdgroups),
+//           BKV (multiple of 16), RB (8-row blocks per simdgroup: 1 or 2), AHEAD (1: the next
+//           K/V tile is read into registers while this one is used; 0: read after the barrier).
+constexpr int NUM_SG = BQ / (8 * RB);
 constexpr int NUM_THREADS = NUM_SG * MA_SIMD_WIDTH;
+constexpr int SG_ROWS = 8 * RB;    // query rows per simdgroup
 constexpr int D8 = HEAD_SIZE / 8;  // 8-column fragments across the head
 constexpr int K8 = BKV / 8;        // 8-key fragments across a KV tile
 constexpr int LD = HEAD_SIZE + 8;  // padded tile row (elements): spreads fragment reads over banks
 constexpr int V4 = HEAD_SIZE / 4;  // 4-element chunks per K/V row
+constexpr int CH = (BKV * V4 + NUM_THREADS - 1) / NUM_THREADS;  // chunks of a tile per thread
 
 const int num_tiles = params[0];
 const int num_heads = params[1];
@@ -62,31 +67,44 @@ const int kv_end = ctx0 + row0 + tile_rows;
 const int kv_lo = window > 0 ? metal::max(ctx0 + row0 + 1 - window, 0) : 0;
 const int kv_begin = (kv_lo / BKV) * BKV;
 
-// This simdgroup's rows: [sg_row0, sg_row0 + 8) of the sequence (some may be past the end).
-const int sg_row0 = row0 + sg * 8;
-const int sg_rows = metal::max(metal::min(8, q_len - sg_row0), 0);
+// This simdgroup's rows: [sg_row0, sg_row0 + SG_ROWS) of the sequence (some may be past the end).
+const int sg_row0 = row0 + sg * SG_ROWS;
+const int sg_rows = metal::max(metal::min(SG_ROWS, q_len - sg_row0), 0);
 const int sg_kv_end = ctx0 + sg_row0 + sg_rows;  // exclusive, for its last row
 const int sg_kv_lo = window > 0 ? metal::max(ctx0 + sg_row0 + 1 - window, 0) : 0;
+// Keys every row of the simdgroup sees (a tile inside [full_lo, full_end) needs no mask).
+const int full_end = ctx0 + sg_row0 + 1;
+const int full_lo = window > 0 ? metal::max(ctx0 + sg_row0 + SG_ROWS - window, 0) : 0;
 
-// This lane's fragment row and first column.
+// This lane's fragment row and first column, in each of its RB row blocks.
 const int fr = ma_frag_row(lane);
 const int fc = ma_frag_col(lane);
-const int my_row = sg_row0 + fr;
-const bool row_ok = fr < sg_rows;
-const int my_end = ctx0 + my_row + 1;
-const int my_lo = window > 0 ? metal::max(my_end - window, 0) : 0;
-const int64_t q_off = (int64_t(q_start + my_row) * num_heads + head) * HEAD_SIZE;
-
-ma_frag8 qf[D8];
-ma_frag8 o[D8];
-for (int d = 0; d < D8; ++d) {
-  for (int i = 0; i < 2; ++i) {
-    qf[d].v[i] = row_ok ? ma_to_float(q[q_off + d * 8 + fc + i]) : 0.0f;
-    o[d].v[i] = 0.0f;
+bool row_ok[RB];
+int my_end[RB];
+int my_lo[RB];
+int64_t q_off[RB];
+ma_opnd<T> qf[RB][D8];  // Q as left operands, loaded once
+ma_frag8 o[RB][D8];
+float m[RB];
+float l[RB];
+#pragma unroll
+for (int b = 0; b < RB; ++b) {
+  const int row = sg_row0 + b * 8 + fr;
+  row_ok[b] = b * 8 + fr < sg_rows;
+  my_end[b] = ctx0 + row + 1;
+  my_lo[b] = window > 0 ? metal::max(my_end[b] - window, 0) : 0;
+  q_off[b] = (int64_t(q_start + row) * num_heads + head) * HEAD_SIZE;
+  m[b] = MA_NEG_FLT_MAX;
+  l[b] = 0.0f;
+#pragma unroll
+  for (int d = 0; d < D8; ++d) {
+    const float q0 = row_ok[b] ? ma_to_float(q[q_off[b] + d * 8 + fc]) : 0.0f;
+    const float q1 = row_ok[b] ? ma_to_float(q[q_off[b] + d * 8 + fc + 1]) : 0.0f;
+    qf[b][d] = ma_opnd_pack<T>(q0, q1);
+    o[b][d].v[0] = 0.0f;
+    o[b][d].v[1] = 0.0f;
   }
 }
-float m = MA_NEG_FLT_MAX;
-float l = 0.0f;
 
 threadgroup T k_tile[BKV * LD];
 threadgroup T v_tile[BKV * LD];
@@ -94,98 +112,194 @@ const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
 const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
 
+// A tile's K/V rows in registers (CH 4-element chunks of K and of V per thread).
+ma_raw4<T> k_reg[CH];
+ma_raw4<T> v_reg[CH];
+if (AHEAD) {
+#pragma unroll
+  for (int x = 0; x < CH; ++x) {
+    const int c = tid + x * NUM_THREADS;
+    const int key = kv_begin + c / V4;
+    if (c < BKV * V4 && key < kv_end) {
+      const int64_t addr = (int64_t(block_tables[bt_row + key / BLOCK_SIZE]) * BLOCK_SIZE + key % BLOCK_SIZE) *
+                               tok_stride + head_off + (c % V4) * 4;
+      k_reg[x] = ma_load_raw4(k_cache + addr);
+      v_reg[x] = ma_load_raw4(v_cache + addr);
+    }
+  }
+}
+
 for (int kt = kv_begin; kt < kv_end; kt += BKV) {
+  if (!AHEAD) {
+#pragma unroll
+    for (int x = 0; x < CH; ++x) {
+      const int c = tid + x * NUM_THREADS;
+      const int key = kt + c / V4;
+      if (c < BKV * V4 && key < kv_end) {
+        const int64_t addr = (int64_t(block_tables[bt_row + key / BLOCK_SIZE]) * BLOCK_SIZE + key % BLOCK_SIZE) *
+                                 tok_stride + head_off + (c % V4) * 4;
+        k_reg[x] = ma_load_raw4(k_cache + addr);
+        v_reg[x] = ma_load_raw4(v_cache + addr);
+      }
+    }
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with the last tile
-  for (int c = tid; c < BKV * V4; c += NUM_THREADS) {
-    const int t = c / V4;
-    const int e = (c % V4) * 4;
-    const int key = kt + t;
-    if (key < kv_end) {
-      const int64_t addr =
-          (int64_t(block_tables[bt_row + key / BLOCK_SIZE]) * BLOCK_SIZE + key % BLOCK_SIZE) * tok_stride +
-          head_off + e;
-      ma_tg_store4(k_tile + t * LD + e, ma_load_raw4(k_cache + addr));
-      ma_tg_store4(v_tile + t * LD + e, ma_load_raw4(v_cache + addr));
-    } else {
-      // Past the tile's keys: zeros, so that masked products stay finite.
-      for (int x = 0; x < 4; ++x) {
-        k_tile[t * LD + e + x] = ma_from_float<T>(0.0f);
-        v_tile[t * LD + e + x] = ma_from_float<T>(0.0f);
+#pragma unroll
+  for (int x = 0; x < CH; ++x) {
+    const int c = tid + x * NUM_THREADS;
+    if (c < BKV * V4) {
+      const int t = c / V4;
+      const int e = (c % V4) * 4;
+      if (kt + t < kv_end) {
+        ma_tg_store4(k_tile + t * LD + e, k_reg[x]);
+        ma_tg_store4(v_tile + t * LD + e, v_reg[x]);
+      } else {
+        // Past the tile's keys: zeros, so that masked products stay finite.
+        for (int z = 0; z < 4; ++z) {
+          k_tile[t * LD + e + z] = ma_from_float<T>(0.0f);
+          v_tile[t * LD + e + z] = ma_from_float<T>(0.0f);
+        }
       }
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  const int kn = kt + BKV;
+  if (AHEAD && kn < kv_end) {
+#pragma unroll
+    for (int x = 0; x < CH; ++x) {
+      const int c = tid + x * NUM_THREADS;
+      const int key = kn + c / V4;
+      if (c < BKV * V4 && key < kv_end) {
+        const int64_t addr = (int64_t(block_tables[bt_row + key / BLOCK_SIZE]) * BLOCK_SIZE + key % BLOCK_SIZE) *
+                                 tok_stride + head_off + (c % V4) * 4;
+        k_reg[x] = ma_load_raw4(k_cache + addr);
+        v_reg[x] = ma_load_raw4(v_cache + addr);
+      }
+    }
+  }
   // Tiles past this simdgroup's last causal key or left of its first row's window hold
   // nothing for its rows (uniform per simdgroup: no divergence inside a product).
   if (sg_rows == 0 || kt >= sg_kv_end || kt + BKV <= sg_kv_lo) {
     continue;
   }
+  // Inside every row's causal and window range (and all rows real): no per-element mask.
+  const bool full = sg_rows == SG_ROWS && kt + BKV <= full_end && kt >= full_lo;
 
-  // S = Q K^T: the right operand is K^T, read transposed from the row-major K tile.
-  ma_frag8 s[K8];
+  // S = Q K^T: the right operands are K^T, read transposed from the row-major K tile.
+  ma_frag8 s[RB][K8];
+#pragma unroll
   for (int j = 0; j < K8; ++j) {
-    s[j].v[0] = 0.0f;
-    s[j].v[1] = 0.0f;
-    for (int d = 0; d < D8; ++d) {
-      ma_frag8 kb;
-      for (int i = 0; i < 2; ++i) {
-        kb.v[i] = ma_to_float(k_tile[(j * 8 + ma_frag_bn(lane, i)) * LD + d * 8 + ma_frag_bk(lane, i)]);
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+      s[b][j].v[0] = 0.0f;
+      s[b][j].v[1] = 0.0f;
+    }
+#pragma unroll
+    for (int d = 0; d < D8; d += 4) {
+      ma_opnd<T> kb[4];
+      ma_load_bt4<LD>(k_tile + j * 8 * LD + d * 8, lane, kb);
+#pragma unroll
+      for (int h = 0; h < 4; h += 2) {
+        if (RB == 2) {
+          ma_mma2x2<T>(s[0][j], s[RB - 1][j], qf[0][d + h], qf[RB - 1][d + h], kb[h], qf[0][d + h + 1],
+                       qf[RB - 1][d + h + 1], kb[h + 1]);
+        } else {
+          ma_mma2<T>(s[0][j], qf[0][d + h], kb[h], qf[0][d + h + 1], kb[h + 1]);
+        }
       }
-      ma_mma<T>(s[j], qf[d], kb);
     }
   }
 
-  // Online softmax over this tile, in log2 space.
-  float tile_max = MA_NEG_FLT_MAX;
-  for (int j = 0; j < K8; ++j) {
-    for (int i = 0; i < 2; ++i) {
-      const int key = kt + j * 8 + fc + i;
-      const bool ok = row_ok && key < my_end && key >= my_lo;
-      s[j].v[i] = ok ? ma_score(s[j].v[i], score_scale, softcap) : MA_NEG_FLT_MAX;
-      tile_max = metal::max(tile_max, s[j].v[i]);
-    }
-  }
-  const float m_new = metal::max(m, ma_frag_row_max(tile_max));
-  float row_sum = 0.0f;
-  for (int j = 0; j < K8; ++j) {
-    for (int i = 0; i < 2; ++i) {
-      const int key = kt + j * 8 + fc + i;
-      const bool ok = row_ok && key < my_end && key >= my_lo;
-      s[j].v[i] = ok ? metal::exp2(s[j].v[i] - m_new) : 0.0f;
-      row_sum += s[j].v[i];
-    }
-  }
-  const float alpha = ma_rescale(m, m_new);
-  l = l * alpha + ma_frag_row_sum(row_sum);
-  m = m_new;
-
-  // O = alpha * O + P V (P, now in s, in float).
-  for (int d = 0; d < D8; ++d) {
-    o[d].v[0] *= alpha;
-    o[d].v[1] *= alpha;
+  // Online softmax over this tile, in log2 space, per row block.
+  ma_popnd<T> pf[RB][K8];
+  float alpha[RB];
+#pragma unroll
+  for (int b = 0; b < RB; ++b) {
+    float tile_max = MA_NEG_FLT_MAX;
+#pragma unroll
     for (int j = 0; j < K8; ++j) {
-      ma_frag8 vb;
+#pragma unroll
       for (int i = 0; i < 2; ++i) {
-        vb.v[i] = ma_to_float(v_tile[(j * 8 + ma_frag_bk(lane, i)) * LD + d * 8 + ma_frag_bn(lane, i)]);
+        const int key = kt + j * 8 + fc + i;
+        const bool ok = full || (row_ok[b] && key < my_end[b] && key >= my_lo[b]);
+        s[b][j].v[i] = ok ? ma_score(s[b][j].v[i], score_scale, softcap) : MA_NEG_FLT_MAX;
+        tile_max = metal::max(tile_max, s[b][j].v[i]);
       }
-      ma_mma_f<T>(o[d], s[j], vb);
+    }
+    const float m_new = metal::max(m[b], ma_frag_row_max(tile_max));
+    float row_sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K8; ++j) {
+      float p[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        // A masked score is exactly the sentinel: exp2 of it would be 1 when m_new is too.
+        p[i] = s[b][j].v[i] != MA_NEG_FLT_MAX ? metal::exp2(s[b][j].v[i] - m_new) : 0.0f;
+        row_sum += p[i];
+      }
+      pf[b][j] = ma_popnd_pack<T>(p[0], p[1]);
+    }
+    alpha[b] = ma_rescale(m[b], m_new);
+    l[b] = l[b] * alpha[b] + ma_frag_row_sum(row_sum);
+    m[b] = m_new;
+  }
+
+  // O = alpha * O + P V (P in float precision).
+#pragma unroll
+  for (int d = 0; d < D8; ++d) {
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+      o[b][d].v[0] *= alpha[b];
+      o[b][d].v[1] *= alpha[b];
+    }
+    if (K8 % 4 == 0) {
+      // V operands four key blocks at a time.
+#pragma unroll
+      for (int j = 0; j < K8; j += 4) {
+        ma_opnd<T> vb[4];
+        ma_load_b4<LD>(v_tile + j * 8 * LD + d * 8, lane, vb);
+#pragma unroll
+        for (int h = 0; h < 4; h += 2) {
+          if (RB == 2) {
+            ma_mma2x2_p<T>(o[0][d], o[RB - 1][d], pf[0][j + h], pf[RB - 1][j + h], vb[h], pf[0][j + h + 1],
+                           pf[RB - 1][j + h + 1], vb[h + 1]);
+          } else {
+            ma_mma2_p<T>(o[0][d], pf[0][j + h], vb[h], pf[0][j + h + 1], vb[h + 1]);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < K8; j += 2) {
+        const ma_opnd<T> v0 = ma_load_b<LD>(v_tile + j * 8 * LD + d * 8, lane);
+        const ma_opnd<T> v1 = ma_load_b<LD>(v_tile + (j + 1) * 8 * LD + d * 8, lane);
+        if (RB == 2) {
+          ma_mma2x2_p<T>(o[0][d], o[RB - 1][d], pf[0][j], pf[RB - 1][j], v0, pf[0][j + 1], pf[RB - 1][j + 1], v1);
+        } else {
+          ma_mma2_p<T>(o[0][d], pf[0][j], v0, pf[0][j + 1], v1);
+        }
+      }
     }
   }
 }
 
-if (row_ok) {
-  // Sinks are folded once per row, here (no value row), as in the per-token kernel.
-  float fold = 1.0f;
-  float total = l;
-  if (use_sinks) {
-    const float sink = sinks[head] * MA_LOG2E;
-    const float m_s = metal::max(m, sink);
-    fold = ma_rescale(m, m_s);
-    total = l * fold + metal::exp2(sink - m_s);
-  }
-  for (int d = 0; d < D8; ++d) {
-    for (int i = 0; i < 2; ++i) {
-      out[q_off + d * 8 + fc + i] = ma_from_float<T>(o[d].v[i] * fold / (total + MA_SOFTMAX_EPS));
+#pragma unroll
+for (int b = 0; b < RB; ++b) {
+  if (row_ok[b]) {
+    // Sinks are folded once per row, here (no value row), as in the per-token kernel.
+    float fold = 1.0f;
+    float total = l[b];
+    if (use_sinks) {
+      const float sink = sinks[head] * MA_LOG2E;
+      const float m_s = metal::max(m[b], sink);
+      fold = ma_rescale(m[b], m_s);
+      total = l[b] * fold + metal::exp2(sink - m_s);
+    }
+    const float inv = fold / (total + MA_SOFTMAX_EPS);
+#pragma unroll
+    for (int d = 0; d < D8; ++d) {
+      out[q_off[b] + d * 8 + fc] = ma_from_float<T>(o[b][d].v[0] * inv);
+      out[q_off[b] + d * 8 + fc + 1] = ma_from_float<T>(o[b][d].v[1] * inv);
     }
   }
 }

@@ -46,7 +46,7 @@ SPLIT_GATE_FACTOR: Final = MappingProxyType({"metal": 8, "cuda": 16})
 #: riding in the prefill tiles (``mixed_prefill_decode``) when the longest of them
 #: reaches this many tokens, per backend. Apple: upstream's measurement. CUDA:
 #: measured on the H200 (docs/bench-h200-tiled.md).
-MIXED_DECODE_MIN_CONTEXT: Final = MappingProxyType({"metal": 4096, "cuda": 4096})
+MIXED_DECODE_MIN_CONTEXT: Final = MappingProxyType({"metal": 4096, "cuda": 512})
 
 #: Supported query/cache dtypes, by name.
 DTYPES: Final[tuple[str, ...]] = ("float16", "bfloat16", "float32")

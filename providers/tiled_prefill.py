@@ -8,8 +8,8 @@ Admission is data plus two rules, and every refusal is a reason ``explain`` prin
 
 - batches with prefill rows (``prefill``, ``mixed``, ``verify``), float16/bfloat16
   with the same cache dtype, sinks, sliding window and softcap allowed;
-- the head size has a tile configuration (`TILE_CONFIGS`, upstream's table) and
-  its K/V tiles fit the device's threadgroup memory.
+- the head size has a tile configuration (`TILE_CONFIGS`, per backend) and its
+  K/V tiles fit the device's threadgroup memory.
 
 Mixed batches: the decode rows ride in the tiles (one tile each) unless the
 longest of them reaches `MIXED_DECODE_MIN_CONTEXT` tokens; then they go through
@@ -46,14 +46,21 @@ ROW_PADDING = 8
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """Query rows per threadgroup (8 per simdgroup) and keys per K/V tile."""
+    """One launch shape of the tiled kernel.
+
+    ``bq`` query rows per threadgroup, ``bkv`` keys per K/V tile, ``rb`` 8-row blocks per
+    simdgroup (2: the blocks share every right operand), ``ahead`` 1 to read the next K/V
+    tile into registers while the current one is used.
+    """
 
     bq: int
     bkv: int
+    rb: int = 1
+    ahead: int = 0
 
     @property
     def simdgroups(self) -> int:
-        return self.bq // 8
+        return self.bq // (8 * self.rb)
 
     @property
     def threads(self) -> int:
@@ -64,14 +71,33 @@ class TileConfig:
         return 2 * self.bkv * (head_size + ROW_PADDING) * itemsize
 
 
-#: Tile per head size (upstream's table for a 32 KB threadgroup budget): heads 64/96/128
-#: take 32 query rows (4 simdgroups) and 32-key tiles; head 256 takes 16 rows and 16 keys.
-TILE_CONFIGS: Mapping[int, TileConfig] = MappingProxyType({
+#: Upstream's shape: 8 rows per simdgroup, K/V read after the barrier.
+_UPSTREAM = MappingProxyType({
     64: TileConfig(32, 32),
     96: TileConfig(32, 32),
     128: TileConfig(32, 32),
     256: TileConfig(16, 16),
 })
+#: Tile per backend and head size (data, not code paths; every backend covers the same head
+#: sizes). Metal: upstream's table for a 32 KB threadgroup budget (heads 64/96/128: 32 query
+#: rows = 4 simdgroups and 32-key tiles; head 256: 16 and 16). CUDA: the H200 sweep
+#: (`benchmarks/sweep_tiled.py`, docs/bench-h200-tiled.md): 128 query rows as 8 warps of two
+#: 8-row blocks (whole 16-row tensor-core products), K/V read after the barrier (reading
+#: ahead costs registers and lost 5-30% there); 1.6x-3x upstream's shape.
+TILE_CONFIGS: Mapping[str, Mapping[int, TileConfig]] = MappingProxyType({
+    "metal": _UPSTREAM,
+    "cuda": MappingProxyType({
+        64: TileConfig(128, 32, rb=2),
+        96: TileConfig(128, 32, rb=2),
+        128: TileConfig(128, 32, rb=2),
+        256: TileConfig(128, 16, rb=2),
+    }),
+})
+
+
+def tile_config(backend: str, head_size: int) -> TileConfig | None:
+    """The tile of ``head_size`` on ``backend`` (``None``: no configuration)."""
+    return TILE_CONFIGS.get(backend, _UPSTREAM).get(head_size)
 ITEMSIZE = {"float16": 2, "bfloat16": 2}
 
 KERNEL_FILES = ("paged_common.h", "tiled_prefill.metal")
@@ -116,7 +142,7 @@ class TiledPrefillProvider(Provider):
     backends = frozenset({"metal", "cuda"})
     phases = frozenset({"prefill", "mixed", "verify"})
     dtypes = frozenset(ITEMSIZE)
-    head_sizes = frozenset(TILE_CONFIGS)
+    head_sizes = frozenset(_UPSTREAM)
     block_sizes = frozenset(KERNEL_BLOCK_SIZES)
     features = frozenset({"sinks", "sliding_window", "softcap"})
     description = "Tiled FlashAttention-2 prefill (8x8 simdgroup matrices); long decode rows of a mixed batch apart."
@@ -130,7 +156,7 @@ class TiledPrefillProvider(Provider):
         return classic_gpu.availability_reasons(device)
 
     def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
-        cfg = TILE_CONFIGS.get(request.head_size)
+        cfg = tile_config(device.backend, request.head_size)
         if cfg is None or request.dtype not in ITEMSIZE:
             return []  # the declarative reasons already say why
         need = cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])
@@ -145,11 +171,12 @@ class TiledPrefillProvider(Provider):
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         from metal_attn.providers.classic import gpu as classic_gpu
 
-        cfg = TILE_CONFIGS[request.head_size]
+        cfg = tile_config(device.backend, request.head_size)
         split, split_note = mixed_split(request, device.backend)
         tiles = request.total_q_tokens // cfg.bq + request.num_seqs  # an upper bound; exact per batch
-        notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x 8), BKV={cfg.bkv} keys, "
-                 f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory"]
+        notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x {8 * cfg.rb}), BKV={cfg.bkv} keys, "
+                 f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory, "
+                 f"next tile {'read ahead into registers' if cfg.ahead else 'read after the barrier'}"]
         decode_spec: tuple = ()
         partition = 0
         if split_note:
@@ -165,8 +192,8 @@ class TiledPrefillProvider(Provider):
             partition_size=partition,
             grid=(tiles * cfg.threads, request.num_heads, 1),
             threadgroup=(cfg.threads, 1, 1),
-            specialization=(ROUTE, device.backend, request.dtype, request.head_size, request.block_size, cfg.bq,
-                            cfg.bkv, decode_spec),
+            specialization=(ROUTE, device.backend, request.dtype, request.head_size, request.block_size,
+                            dataclasses.astuple(cfg), decode_spec),
             notes=tuple(notes),
         )
 
@@ -181,21 +208,21 @@ class TiledPrefillProvider(Provider):
         from metal_attn import kernels
         from metal_attn.metadata import AttentionMetadata
 
-        _, backend, dtype, head, block, bq, bkv, decode_spec = plan.specialization
+        _, backend, dtype, head, block, tile, decode_spec = plan.specialization
         mdt = getattr(mx, dtype)
         md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [2], [0, 2], validate=False)
         q = mx.zeros((2, 1, head), mdt)
         kc = mx.zeros((1, block, 1, head), mdt)
         kernels.compile_now(
             lambda: launch(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None,
-                           backend=backend, config=TileConfig(bq, bkv)),
-            f"tiled_prefill {plan.specialization[:7]}")
+                           backend=backend, config=TileConfig(*tile)),
+            f"tiled_prefill {plan.specialization[:6]}")
         if decode_spec:
             classic_gpu.prepare(Plan("classic", "decode rows", specialization=decode_spec), device)
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
-        _, backend, _, _, _, bq, bkv, decode_spec = plan.specialization
-        cfg = TileConfig(bq, bkv)
+        _, backend, _, _, _, tile, decode_spec = plan.specialization
+        cfg = TileConfig(*tile)
         common = dict(scale=inputs.scale, sinks=inputs.sinks, sliding_window=inputs.sliding_window,
                       softcap=inputs.softcap, backend=backend)
         if not decode_spec:
@@ -223,7 +250,7 @@ def kernel_object(backend: str) -> Any:
 def kernel_template(dtype: Any, head_size: int, block_size: int, config: TileConfig) -> list[tuple[str, Any]]:
     """The template arguments of one specialization."""
     return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size), ("BQ", config.bq),
-            ("BKV", config.bkv)]
+            ("BKV", config.bkv), ("RB", config.rb), ("AHEAD", config.ahead)]
 
 
 def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
@@ -233,7 +260,7 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
 
     Rows of sequences before ``first_seq`` are left unwritten (the caller fills them).
     ``config`` overrides `TILE_CONFIGS` (BQ a positive multiple of 8, BKV a positive
-    multiple of 8), for sweeps and tests.
+    multiple of 16), for sweeps and tests.
     """
 
     from metal_attn.providers.classic.gpu import _zeros_f32
@@ -242,12 +269,14 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
 
     total, num_heads, head = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    cfg = config or TILE_CONFIGS.get(head)
+    cfg = config or tile_config(backend, head)
     if cfg is None:
-        raise ValueError(f"head_size={head} has no tile configuration (configured: {_fmt(TILE_CONFIGS)})")
-    if cfg.bq < 8 or cfg.bq % 8 or cfg.bkv < 8 or cfg.bkv % 8 or head % 8:
-        raise ValueError(f"config={cfg} with head_size={head} (allowed: BQ and BKV positive multiples of 8, "
-                         "head_size a multiple of 8)")
+        raise ValueError(f"head_size={head} has no tile configuration (configured: {_fmt(_UPSTREAM)})")
+    if (cfg.rb not in (1, 2) or cfg.ahead not in (0, 1) or cfg.bq < 8 * cfg.rb or cfg.bq % (8 * cfg.rb)
+            or cfg.bkv < 16 or cfg.bkv % 16 or head % 32):
+        raise ValueError(f"config={cfg} with head_size={head} (allowed: rb 1 or 2, ahead 0 or 1, BQ a positive "
+                         "multiple of 8 * rb, BKV a positive multiple of 16, head_size a multiple of 32: "
+                         "products go two 8x8 blocks at a time, K operands four at a time)")
     tiles = metadata.query_tiles(cfg.bq, first_seq)
     num_tiles = tiles.shape[0]
     use_sinks = sinks is not None
@@ -274,7 +303,7 @@ def msl_specializations() -> list:
 
     specs = []
     for dtype in sorted(ITEMSIZE):
-        for head, cfg in sorted(TILE_CONFIGS.items()):
+        for head, cfg in sorted(TILE_CONFIGS["metal"].items()):
             for block in sorted(KERNEL_BLOCK_SIZES):
                 specs.append(Specialization(
                     label=f"tiled_prefill {dtype} head={head} block={block}",

@@ -37,22 +37,28 @@ def _row(ex, name="tiled_prefill"):
     return next(r for r in ex.rows if r.name == name)
 
 
-@pytest.mark.parametrize("device", (H200, M5), ids=("h200", "m5"))
+@pytest.mark.parametrize(("device", "threads", "tile"),
+                         [(H200, 256, "BQ=128 query rows (8 simdgroups x 16), BKV=32"),
+                          (M5, 128, "BQ=32 query rows (4 simdgroups x 8), BKV=32")], ids=("h200", "m5"))
 @pytest.mark.parametrize(("q_lens", "seq_lens"), [([4096], [4096]), ([64, 7], [1000, 7]), ([4, 4], [90, 300])],
                          ids=("prompt", "chunks", "verify"))
-def test_prefill_and_verify_batches_take_the_tiles(device, q_lens, seq_lens):
+def test_prefill_and_verify_batches_take_the_tiles(device, threads, tile, q_lens, seq_lens):
     ex = _explain(device, q_lens, seq_lens)
     row = _row(ex)
     assert row.chosen, str(ex)
     assert row.plan.route == "tiled_prefill" and row.plan.partition_size == 0
-    assert row.plan.threadgroup == (128, 1, 1)
-    assert any("BQ=32" in n and "BKV=32" in n for n in row.plan.notes)
+    assert row.plan.threadgroup == (threads, 1, 1)
+    assert any(tile in n for n in row.plan.notes), row.plan.notes
 
 
-def test_head_256_tile_is_smaller():
-    row = _row(_explain(H200, [100], [100], heads=(16, 2, 256)))
-    assert row.chosen and row.plan.threadgroup == (64, 1, 1)
-    assert any("BQ=16" in n and "BKV=16" in n and "16896 bytes" in n for n in row.plan.notes)
+@pytest.mark.parametrize(("device", "threads", "tile"),
+                         [(H200, 256, "BQ=128 query rows (8 simdgroups x 16), BKV=16 keys, 16896 bytes"),
+                          (M5, 64, "BQ=16 query rows (2 simdgroups x 8), BKV=16 keys, 16896 bytes")],
+                         ids=("h200", "m5"))
+def test_head_256_tile(device, threads, tile):
+    row = _row(_explain(device, [100], [100], heads=(16, 2, 256)))
+    assert row.chosen and row.plan.threadgroup == (threads, 1, 1)
+    assert any(tile in n for n in row.plan.notes), row.plan.notes
 
 
 def test_decode_dtype_and_head_refusals_fall_back_to_classic():
@@ -64,6 +70,10 @@ def test_decode_dtype_and_head_refusals_fall_back_to_classic():
         ex = _explain(H200, **kwargs)
         assert not _row(ex).admitted and needle in "\n".join(_row(ex).reasons), str(ex)
         assert ex.chosen.name in ("classic", "gqa_decode"), str(ex)
+
+
+def test_every_backend_tiles_the_same_head_sizes():
+    assert {frozenset(t) for t in tp.TILE_CONFIGS.values()} == {tp.TiledPrefillProvider.head_sizes}
 
 
 def test_every_feature_is_admitted():
@@ -143,14 +153,16 @@ def test_query_tiles_refuse_bad_arguments():
         md.query_tiles(0)
 
 
-@pytest.mark.parametrize("config", [tp.TileConfig(12, 32), tp.TileConfig(32, 4), tp.TileConfig(0, 8)])
+@pytest.mark.parametrize("config", [tp.TileConfig(12, 32), tp.TileConfig(32, 4), tp.TileConfig(0, 16),
+                                    tp.TileConfig(32, 8), tp.TileConfig(8, 16, rb=2), tp.TileConfig(32, 32, rb=3),
+                                    tp.TileConfig(32, 32, ahead=2)])
 def test_launch_refuses_a_bad_tile_before_any_kernel(config):
     import mlx.core as mx
 
     md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [3], [0, 3])
     q = mx.zeros((3, 4, 128), mx.bfloat16)
     kc = mx.zeros((1, 16, 2, 128), mx.bfloat16)
-    with pytest.raises(ValueError, match=r"config=TileConfig.*BQ and BKV positive multiples of 8"):
+    with pytest.raises(ValueError, match=r"config=TileConfig.*BQ a positive multiple of 8 \* rb, BKV a positive multiple of 16"):
         tp.launch(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, backend="cuda",
                   config=config)
 
@@ -182,7 +194,7 @@ def _needs_clang():
 def test_msl_specializations_cover_every_choice():
     labels = {s.label for s in tp.msl_specializations()}
     for dtype in ("float16", "bfloat16"):
-        for head in tp.TILE_CONFIGS:
+        for head in tp.TILE_CONFIGS["metal"]:
             for block in (8, 16, 32):
                 assert f"tiled_prefill {dtype} head={head} block={block}" in labels
     assert len(labels) == 24
@@ -208,8 +220,8 @@ def test_metal_source_check_catches_a_planted_error(tmp_path):
     shutil.copytree(kernels_dir(), planted)
     src = planted / "tiled_prefill.metal"
     text = src.read_text()
-    good = "ma_mma<T>(s[j], qf[d], kb);"
+    good = "pf[b][j] = ma_popnd_pack<T>(p[0], p[1]);"
     assert good in text
-    src.write_text(text.replace(good, "ma_mma<T>(s[j], qf, kb);"))  # an array where a fragment belongs
+    src.write_text(text.replace(good, "pf[b][j] = ma_popnd_pack<T>(p, p[1]);"))  # an array where a float belongs
     result = check(_MSL_SET, only=r"tiled_prefill bfloat16 head=128 block=16", kernels_dir=planted)
-    assert not result.ok and "ma_mma" in result.summary()
+    assert not result.ok and "ma_popnd_pack" in result.summary()

@@ -156,20 +156,43 @@ def test_mixed_split_with_window_and_softcap():
         _check(case, "mixed_prefill_decode")
 
 
-@pytest.mark.parametrize(("bq", "bkv"), [(8, 8), (16, 16), (16, 32), (32, 16), (64, 32)])
-def test_other_tile_shapes_through_the_launcher(bq, bkv):
+_TILES = [(8, 16, 1, 0), (16, 16, 1, 1), (16, 32, 2, 0), (32, 16, 1, 1), (64, 32, 2, 1), (32, 64, 2, 0),
+          (64, 64, 2, 1), (128, 32, 2, 0)]
+
+
+@pytest.mark.parametrize("tile", _TILES, ids=lambda t: "BQ{}-BKV{}-rb{}-ahead{}".format(*t))
+def test_other_tile_shapes_through_the_launcher(tile):
     from metal_attn.providers import tiled_prefill
 
     from metal_attn.metadata import AttentionMetadata
 
     case = make_case(q_lens=[70, 33], seq_lens=[300, 33], num_heads=4, num_kv_heads=2, head_size=128,
-                     block_size=16, dtype="bfloat16", sliding_window=90, seed=bq + bkv, label=f"BQ{bq} BKV{bkv}")
+                     block_size=16, dtype="bfloat16", sliding_window=90, seed=sum(tile), label=f"tile {tile}")
     kw = case.kwargs()
     md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
     out = tiled_prefill.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
                                sliding_window=90, softcap=None, backend=metal_attn.current_device().backend,
-                               config=tiled_prefill.TileConfig(bq, bkv))
+                               config=tiled_prefill.TileConfig(*tile))
     assert_close_to_oracle(out, case.oracle(), "bfloat16", label=case.label)
+
+
+@pytest.mark.parametrize("tile", [(32, 32, 2, 1), (32, 32, 1, 1)], ids=("rb2", "rb1"))
+def test_row_block_variants_with_every_feature(tile):
+    """The 16-row variant (two blocks sharing operands) and read-ahead, with sinks, softcap, a window
+    and rows past the end of a block (q_len 13: the second block of the only simdgroup is partial)."""
+    from metal_attn.providers import tiled_prefill
+
+    from metal_attn.metadata import AttentionMetadata
+
+    case = make_case(q_lens=[13, 77, 40], seq_lens=[500, 77, 1040], num_heads=8, num_kv_heads=2, head_size=64,
+                     block_size=8, dtype="float16", sinks=True, softcap=25.0, sliding_window=300, seed=43,
+                     label=f"tile {tile} features")
+    kw = case.kwargs()
+    md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
+    out = tiled_prefill.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=case.sinks,
+                               sliding_window=300, softcap=25.0, backend=metal_attn.current_device().backend,
+                               config=tiled_prefill.TileConfig(*tile))
+    assert_close_to_oracle(out, case.oracle(), "float16", label=case.label)
 
 
 def test_bitwise_identical_on_repeat():
