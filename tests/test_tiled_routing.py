@@ -100,10 +100,13 @@ def test_mixed_split_threshold(device):
     at = _row(_explain(device, [1, 1, 300], [threshold, 100, 800]))
     assert at.chosen and at.plan.route == "mixed_prefill_decode"
     assert any(f"{threshold} >= MIXED_DECODE_MIN_CONTEXT" in n for n in at.plan.notes)
+    assert any(n.startswith("decode rows: per_token_ps") for n in at.plan.notes), at.plan.notes
     # The decode rows' own plan (the classic kernel's occupancy gate on 2 rows) rides along.
-    assert any(n.startswith("decode rows: per_token_ps512") for n in at.plan.notes), at.plan.notes
-    assert at.plan.partition_size == 512
-    decode_spec = at.plan.specialization[-1]
+    long = _row(_explain(device, [1, 1, 300], [8192, 100, 800]))
+    assert long.plan.route == "mixed_prefill_decode"
+    assert any(n.startswith("decode rows: per_token_ps512") for n in long.plan.notes), long.plan.notes
+    assert long.plan.partition_size == 512
+    decode_spec = long.plan.specialization[-1]
     assert decode_spec[0] == device.backend and decode_spec[4] == 512
 
 
