@@ -1,14 +1,17 @@
-"""GPU decode benchmarks (pytest-benchmark): the classic provider next to its peers, and the
-split-KV gate sweep that measures the CUDA gate factor.
+"""GPU benchmarks (pytest-benchmark): the classic and tiled providers next to their peers, and
+the split-KV gate sweep that measures the CUDA gate factor.
 
 Run on a GPU machine:
 
     python3 -m pytest benchmarks/test_bench_gpu.py --benchmark-only --benchmark-json out.json
 
 - group ``decode-gpu <shape>``: one group per shape of the ``decode-gpu`` suite
-  (KERNELS.md's peer table plus two mixed batches), candidates ``classic`` (split
-  where the gate says so), ``gather_sdpa``, ``mlx_sdpa`` and ``torch_sdpa`` (when
-  importable), built by `metal_attn.bench` (same inputs and peers as ``metal-attn bench``);
+  (KERNELS.md's peer table plus two mixed batches), candidates ``auto`` (what the
+  registry routes to), ``classic`` (split where the gate says so), ``gather_sdpa``,
+  ``mlx_sdpa`` and ``torch_sdpa`` (when importable), built by `metal_attn.bench` (same
+  inputs and peers as ``metal-attn bench``);
+- group ``prefill-gpu <shape>``: the ``prefill-gpu`` suite (causal prompts, a chunk
+  after earlier context, the two mixed batches), ``tiled_prefill`` next to the peers;
 - group ``split-gate ctx=<n>``: 32/8 heads, head 128, bf16 decode, batch 1..64,
   each route forced through the gate (GPU core count overridden), to find where
   splitting stops paying: the crossover ``num_heads * batch / gpu_cores`` is the
@@ -32,16 +35,17 @@ pytestmark = [
 ]
 pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed")
 
-DECODE_CANDIDATES = ("classic", "gather_sdpa", "mlx_sdpa", "torch_sdpa")
+DECODE_CANDIDATES = ("auto", "classic", "gather_sdpa", "mlx_sdpa", "torch_sdpa")
+PREFILL_CANDIDATES = ("tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa")
 GATE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 GATE_CONTEXTS = (2048, 8192)
 GATE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
 
 
-def _suite_shapes():
+def _suite_shapes(name: str = "decode-gpu"):
     from metal_attn.bench.suites import get_suite
 
-    return get_suite("decode-gpu").shapes
+    return get_suite(name).shapes
 
 
 def _machine(benchmark, **extra) -> None:
@@ -55,6 +59,13 @@ def _machine(benchmark, **extra) -> None:
                          ids=lambda s: s.label)
 def test_decode(run_bench, shape, candidate):
     run_bench(shape, candidate, rounds=20, group=f"decode-gpu {shape.label}")
+
+
+@pytest.mark.parametrize("candidate", PREFILL_CANDIDATES)
+@pytest.mark.parametrize("shape", _suite_shapes("prefill-gpu") if BACKEND in ("cuda", "metal") else (),
+                         ids=lambda s: s.label)
+def test_prefill(run_bench, shape, candidate):
+    run_bench(shape, candidate, rounds=10, group=f"prefill-gpu {shape.label}")
 
 
 @pytest.mark.parametrize("route", tuple(GATE_CORES))

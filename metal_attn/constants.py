@@ -45,8 +45,10 @@ SPLIT_GATE_FACTOR: Final = MappingProxyType({"metal": 8, "cuda": 16})
 #: Decode rows in a mixed batch go through the per-token decode kernel instead of
 #: riding in the prefill tiles (``mixed_prefill_decode``) when the longest of them
 #: reaches this many tokens, per backend. Apple: upstream's measurement. CUDA:
-#: measured on the H200 (docs/bench-h200-tiled.md).
-MIXED_DECODE_MIN_CONTEXT: Final = MappingProxyType({"metal": 4096, "cuda": 512})
+#: measured on the H200 (docs/bench-h200-tiled.md): splitting won at every point
+#: measured (8 to 128 decode rows, contexts 128 to 4096: 1.27x to 6.7x), so the
+#: threshold is the smallest context measured.
+MIXED_DECODE_MIN_CONTEXT: Final = MappingProxyType({"metal": 4096, "cuda": 128})
 
 #: Supported query/cache dtypes, by name.
 DTYPES: Final[tuple[str, ...]] = ("float16", "bfloat16", "float32")
