@@ -119,10 +119,12 @@ def decode_request(request: AttentionRequest) -> AttentionRequest:
     )
 
 
-def mixed_split(request: AttentionRequest, backend: str) -> tuple[bool, str]:
+def mixed_split(request: AttentionRequest, backend: str, settings: Settings | None = None) -> tuple[bool, str]:
     """Whether a mixed batch's decode rows leave the tiles, and the arithmetic behind it."""
     if request.phase is not Phase.MIXED:
         return False, ""
+    if settings is not None and settings.is_disabled("classic"):
+        return False, "mixed split: the classic provider is disabled (decode rows ride in the tiles)"
     threshold = MIXED_DECODE_MIN_CONTEXT.get(backend)
     if threshold is None:
         return False, f"mixed split: no threshold measured for backend={backend} (decode rows ride in the tiles)"
@@ -172,7 +174,7 @@ class TiledPrefillProvider(Provider):
         from metal_attn.providers.classic import gpu as classic_gpu
 
         cfg = tile_config(device.backend, request.head_size)
-        split, split_note = mixed_split(request, device.backend)
+        split, split_note = mixed_split(request, device.backend, settings)
         tiles = request.total_q_tokens // cfg.bq + request.num_seqs  # an upper bound; exact per batch
         notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x {8 * cfg.rb}), BKV={cfg.bkv} keys, "
                  f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory, "

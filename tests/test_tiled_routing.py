@@ -110,6 +110,13 @@ def test_mixed_split_threshold(device):
     assert decode_spec[0] == device.backend and decode_spec[4] == 512
 
 
+def test_mixed_split_needs_the_classic_provider():
+    with override_settings(disabled_providers=["classic"]):
+        row = _row(_explain(H200, [1, 1, 300], [8192, 100, 800]))
+    assert row.chosen and row.plan.route == "tiled_prefill"
+    assert any("the classic provider is disabled" in n for n in row.plan.notes), row.plan.notes
+
+
 def test_disable_switch():
     with override_settings(disable_tiled_prefill=True):
         ex = _explain(H200, [40], [40])
