@@ -205,12 +205,19 @@ def test_bitwise_identical_on_repeat():
         assert np.array_equal(first, again)
 
 
-def test_auto_routes_prefill_and_mixed_batches_here():
-    # Without forcing: prefill rows of an admitted geometry go to the tiles.
-    case = make_case(q_lens=[1, 50], seq_lens=[300, 50], num_heads=4, num_kv_heads=2, head_size=128,
+@pytest.mark.parametrize(("q_lens", "seq_lens"), [([50, 9], [50, 300]), ([1, 50], [300, 50])],
+                         ids=("prefill", "mixed"))
+def test_auto_routes_prefill_and_mixed_batches_here(q_lens, seq_lens):
+    # Without forcing: prefill rows of an admitted geometry go to the tiles; the decode rows of a
+    # mixed batch leave them from the backend's measured threshold on.
+    from metal_attn.constants import MIXED_DECODE_MIN_CONTEXT
+
+    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=4, num_kv_heads=2, head_size=128,
                      block_size=16, dtype="bfloat16", seed=41, label="auto")
     out = metal_attn.paged_attention(**case.kwargs())
     mx.eval(out)
     rec = diagnostics.last_dispatch()
-    assert rec.provider == "tiled_prefill" and rec.route == "tiled_prefill", rec
-    assert_close_to_oracle(np.array(out.astype(mx.float32)), case.oracle(), "bfloat16", label="auto")
+    split = q_lens[0] == 1 and seq_lens[0] >= MIXED_DECODE_MIN_CONTEXT[rec.backend]
+    assert rec.provider == "tiled_prefill", rec
+    assert rec.route == ("mixed_prefill_decode" if split else "tiled_prefill"), rec
+    assert_close_to_oracle(np.array(out.astype(mx.float32)), case.oracle(), "bfloat16", label=f"auto {rec.route}")
