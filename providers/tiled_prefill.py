@@ -147,7 +147,7 @@ class TiledPrefillProvider(Provider):
     head_sizes = frozenset(_UPSTREAM)
     block_sizes = frozenset(KERNEL_BLOCK_SIZES)
     features = frozenset({"sinks", "sliding_window", "softcap"})
-    description = "Tiled FlashAttention-2 prefill (8x8 simdgroup matrices); long decode rows of a mixed batch apart."
+    description = "Tiled FlashAttention-2 prefill (8x8 simdgroup matrices); decode rows of mixed batches split off."
 
     def availability_reasons(self, device: DeviceInfo) -> list[str]:
         reasons = super().availability_reasons(device)
