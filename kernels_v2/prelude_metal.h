@@ -149,28 +149,32 @@ MA_FUNC void ma_sgmm(thread ma_frag8& d, float a0, float a1, float b0, float b1)
   d.v[0] = dm.thread_elements()[0];
   d.v[1] = dm.thread_elements()[1];
 }
-template <typename U>
-MA_FUNC void ma_mma2(thread ma_frag8& d, ma_opnd<U> a0, ma_opnd<U> b0, ma_opnd<U> a1, ma_opnd<U> b1) {
+// d += A0 B0 + A1 B1 for any operand pair (ma_opnd or ma_popnd: both floats here).
+template <typename A, typename B>
+MA_FUNC void ma_sgmm2(thread ma_frag8& d, A a0, B b0, A a1, B b1) {
   ma_sgmm(d, a0.v[0], a0.v[1], b0.v[0], b0.v[1]);
   ma_sgmm(d, a1.v[0], a1.v[1], b1.v[0], b1.v[1]);
+}
+template <typename U>
+MA_FUNC void ma_mma2(thread ma_frag8& d, ma_opnd<U> a0, ma_opnd<U> b0, ma_opnd<U> a1, ma_opnd<U> b1) {
+  ma_sgmm2(d, a0, b0, a1, b1);
+}
+template <typename U>
+MA_FUNC void ma_mma2_p(thread ma_frag8& d, ma_popnd<U> a0, ma_opnd<U> b0, ma_popnd<U> a1, ma_opnd<U> b1) {
+  ma_sgmm2(d, a0, b0, a1, b1);
 }
 // Two 8-row blocks sharing the right operands (top: d, a0, a1; bottom: e, c0, c1).
 template <typename U>
 MA_FUNC void ma_mma2x2(thread ma_frag8& d, thread ma_frag8& e, ma_opnd<U> a0, ma_opnd<U> c0, ma_opnd<U> b0,
                        ma_opnd<U> a1, ma_opnd<U> c1, ma_opnd<U> b1) {
-  ma_mma2<U>(d, a0, b0, a1, b1);
-  ma_mma2<U>(e, c0, b0, c1, b1);
-}
-template <typename U>
-MA_FUNC void ma_mma2_p(thread ma_frag8& d, ma_popnd<U> a0, ma_opnd<U> b0, ma_popnd<U> a1, ma_opnd<U> b1) {
-  ma_sgmm(d, a0.v[0], a0.v[1], b0.v[0], b0.v[1]);
-  ma_sgmm(d, a1.v[0], a1.v[1], b1.v[0], b1.v[1]);
+  ma_sgmm2(d, a0, b0, a1, b1);
+  ma_sgmm2(e, c0, b0, c1, b1);
 }
 template <typename U>
 MA_FUNC void ma_mma2x2_p(thread ma_frag8& d, thread ma_frag8& e, ma_popnd<U> a0, ma_popnd<U> c0, ma_opnd<U> b0,
                          ma_popnd<U> a1, ma_popnd<U> c1, ma_opnd<U> b1) {
-  ma_mma2_p<U>(d, a0, b0, a1, b1);
-  ma_mma2_p<U>(e, c0, b0, c1, b1);
+  ma_sgmm2(d, a0, b0, a1, b1);
+  ma_sgmm2(e, c0, b0, c1, b1);
 }
 
 // Four elements into threadgroup memory.

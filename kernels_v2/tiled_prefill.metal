@@ -23,8 +23,7 @@
 //          fparams float32 [score_scale, softcap]
 // Outputs: out [T, H, D] (T dtype); rows of sequences without tiles are not written.
 // Template: T (float16 / bfloat16), HEAD_SIZE (multiple of 32), BLOCK_SIZE, BQ (8 * RB * simdgroups),
-//           BKV (multiple of 16), RB (8-row blocks per simdgroup: 1 or 2), AHEAD (1: the next
-//           K/V tile is read into registers while this one is used; 0: read after the barrier).
+//           BKV (multiple of 16), RB (8-row blocks per simdgroup: 1 or 2).
 constexpr int NUM_SG = BQ / (8 * RB);
 constexpr int NUM_THREADS = NUM_SG * MA_SIMD_WIDTH;
 constexpr int SG_ROWS = 8 * RB;    // query rows per simdgroup
@@ -112,14 +111,15 @@ const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
 const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
 
-// A tile's K/V rows in registers (CH 4-element chunks of K and of V per thread).
-ma_raw4<T> k_reg[CH];
-ma_raw4<T> v_reg[CH];
-if (AHEAD) {
+for (int kt = kv_begin; kt < kv_end; kt += BKV) {
+  // This tile's K/V rows into registers (CH 4-element chunks of K and of V per thread),
+  // then, once every simdgroup is done with the last tile, into threadgroup memory.
+  ma_raw4<T> k_reg[CH];
+  ma_raw4<T> v_reg[CH];
 #pragma unroll
   for (int x = 0; x < CH; ++x) {
     const int c = tid + x * NUM_THREADS;
-    const int key = kv_begin + c / V4;
+    const int key = kt + c / V4;
     if (c < BKV * V4 && key < kv_end) {
       const int64_t addr = (int64_t(block_tables[bt_row + key / BLOCK_SIZE]) * BLOCK_SIZE + key % BLOCK_SIZE) *
                                tok_stride + head_off + (c % V4) * 4;
@@ -127,23 +127,7 @@ if (AHEAD) {
       v_reg[x] = ma_load_raw4(v_cache + addr);
     }
   }
-}
-
-for (int kt = kv_begin; kt < kv_end; kt += BKV) {
-  if (!AHEAD) {
-#pragma unroll
-    for (int x = 0; x < CH; ++x) {
-      const int c = tid + x * NUM_THREADS;
-      const int key = kt + c / V4;
-      if (c < BKV * V4 && key < kv_end) {
-        const int64_t addr = (int64_t(block_tables[bt_row + key / BLOCK_SIZE]) * BLOCK_SIZE + key % BLOCK_SIZE) *
-                                 tok_stride + head_off + (c % V4) * 4;
-        k_reg[x] = ma_load_raw4(k_cache + addr);
-        v_reg[x] = ma_load_raw4(v_cache + addr);
-      }
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with the last tile
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 #pragma unroll
   for (int x = 0; x < CH; ++x) {
     const int c = tid + x * NUM_THREADS;
@@ -163,20 +147,6 @@ for (int kt = kv_begin; kt < kv_end; kt += BKV) {
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const int kn = kt + BKV;
-  if (AHEAD && kn < kv_end) {
-#pragma unroll
-    for (int x = 0; x < CH; ++x) {
-      const int c = tid + x * NUM_THREADS;
-      const int key = kn + c / V4;
-      if (c < BKV * V4 && key < kv_end) {
-        const int64_t addr = (int64_t(block_tables[bt_row + key / BLOCK_SIZE]) * BLOCK_SIZE + key % BLOCK_SIZE) *
-                                 tok_stride + head_off + (c % V4) * 4;
-        k_reg[x] = ma_load_raw4(k_cache + addr);
-        v_reg[x] = ma_load_raw4(v_cache + addr);
-      }
-    }
-  }
   // Tiles past this simdgroup's last causal key or left of its first row's window hold
   // nothing for its rows (uniform per simdgroup: no divergence inside a product).
   if (sg_rows == 0 || kt >= sg_kv_end || kt + BKV <= sg_kv_lo) {

@@ -49,14 +49,12 @@ class TileConfig:
     """One launch shape of the tiled kernel.
 
     ``bq`` query rows per threadgroup, ``bkv`` keys per K/V tile, ``rb`` 8-row blocks per
-    simdgroup (2: the blocks share every right operand), ``ahead`` 1 to read the next K/V
-    tile into registers while the current one is used.
+    simdgroup (2: the blocks share every right operand).
     """
 
     bq: int
     bkv: int
     rb: int = 1
-    ahead: int = 0
 
     @property
     def simdgroups(self) -> int:
@@ -71,7 +69,7 @@ class TileConfig:
         return 2 * self.bkv * (head_size + ROW_PADDING) * itemsize
 
 
-#: Upstream's shape: 8 rows per simdgroup, K/V read after the barrier.
+#: Upstream's shape: 8 rows per simdgroup.
 _UPSTREAM = MappingProxyType({
     64: TileConfig(32, 32),
     96: TileConfig(32, 32),
@@ -82,8 +80,7 @@ _UPSTREAM = MappingProxyType({
 #: sizes). Metal: upstream's table for a 32 KB threadgroup budget (heads 64/96/128: 32 query
 #: rows = 4 simdgroups and 32-key tiles; head 256: 16 and 16). CUDA: the H200 sweep
 #: (`benchmarks/sweep_tiled.py`, docs/bench-h200-tiled.md): 128 query rows as 8 warps of two
-#: 8-row blocks (whole 16-row tensor-core products), K/V read after the barrier (reading
-#: ahead costs registers and lost 5-30% there); 1.6x-3x upstream's shape.
+#: 8-row blocks (whole 16-row tensor-core products); 1.6x-3x upstream's shape.
 TILE_CONFIGS: Mapping[str, Mapping[int, TileConfig]] = MappingProxyType({
     "metal": _UPSTREAM,
     "cuda": MappingProxyType({
@@ -177,8 +174,7 @@ class TiledPrefillProvider(Provider):
         split, split_note = mixed_split(request, device.backend, settings)
         tiles = request.total_q_tokens // cfg.bq + request.num_seqs  # an upper bound; exact per batch
         notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x {8 * cfg.rb}), BKV={cfg.bkv} keys, "
-                 f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory, "
-                 f"next tile {'read ahead into registers' if cfg.ahead else 'read after the barrier'}"]
+                 f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory"]
         decode_spec: tuple = ()
         partition = 0
         if split_note:
@@ -252,7 +248,7 @@ def kernel_object(backend: str) -> Any:
 def kernel_template(dtype: Any, head_size: int, block_size: int, config: TileConfig) -> list[tuple[str, Any]]:
     """The template arguments of one specialization."""
     return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size), ("BQ", config.bq),
-            ("BKV", config.bkv), ("RB", config.rb), ("AHEAD", config.ahead)]
+            ("BKV", config.bkv), ("RB", config.rb)]
 
 
 def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
@@ -274,9 +270,9 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     cfg = config or tile_config(backend, head)
     if cfg is None:
         raise ValueError(f"head_size={head} has no tile configuration (configured: {_fmt(_UPSTREAM)})")
-    if (cfg.rb not in (1, 2) or cfg.ahead not in (0, 1) or cfg.bq < 8 * cfg.rb or cfg.bq % (8 * cfg.rb)
+    if (cfg.rb not in (1, 2) or cfg.bq < 8 * cfg.rb or cfg.bq % (8 * cfg.rb)
             or cfg.bkv < 16 or cfg.bkv % 16 or head % 32):
-        raise ValueError(f"config={cfg} with head_size={head} (allowed: rb 1 or 2, ahead 0 or 1, BQ a positive "
+        raise ValueError(f"config={cfg} with head_size={head} (allowed: rb 1 or 2, BQ a positive "
                          "multiple of 8 * rb, BKV a positive multiple of 16, head_size a multiple of 32: "
                          "products go two 8x8 blocks at a time, K operands four at a time)")
     tiles = metadata.query_tiles(cfg.bq, first_seq)

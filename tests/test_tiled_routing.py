@@ -164,8 +164,7 @@ def test_query_tiles_refuse_bad_arguments():
 
 
 @pytest.mark.parametrize("config", [tp.TileConfig(12, 32), tp.TileConfig(32, 4), tp.TileConfig(0, 16),
-                                    tp.TileConfig(32, 8), tp.TileConfig(8, 16, rb=2), tp.TileConfig(32, 32, rb=3),
-                                    tp.TileConfig(32, 32, ahead=2)])
+                                    tp.TileConfig(32, 8), tp.TileConfig(8, 16, rb=2), tp.TileConfig(32, 32, rb=3)])
 def test_launch_refuses_a_bad_tile_before_any_kernel(config):
     import mlx.core as mx
 

@@ -5,8 +5,8 @@ query lengths at 8-row fragment and tile edges, fresh prompts and chunks with ea
 context; GQA ratios 1, 2, 4, 6, 8 and MQA; sinks, sliding windows (tiles left of the
 window, in-window scores far below zero), softcap; verification batches; mixed batches
 on both routes (decode rows riding in the tiles, and ``mixed_prefill_decode``, forced
-through the threshold table); scattered and shared blocks; other tile shapes through
-the launcher; bitwise repeats.
+through the threshold table); scattered and shared blocks; other tile shapes (both
+row-block variants) through the launcher; bitwise repeats.
 """
 
 from __future__ import annotations
@@ -156,11 +156,11 @@ def test_mixed_split_with_window_and_softcap():
         _check(case, "mixed_prefill_decode")
 
 
-_TILES = [(8, 16, 1, 0), (16, 16, 1, 1), (16, 32, 2, 0), (32, 16, 1, 1), (64, 32, 2, 1), (32, 64, 2, 0),
-          (64, 64, 2, 1), (128, 32, 2, 0)]
+_TILES = [(8, 16, 1), (16, 16, 1), (16, 32, 2), (32, 16, 1), (64, 32, 2), (32, 64, 2), (64, 64, 2), (128, 32, 2),
+          (128, 16, 2)]
 
 
-@pytest.mark.parametrize("tile", _TILES, ids=lambda t: "BQ{}-BKV{}-rb{}-ahead{}".format(*t))
+@pytest.mark.parametrize("tile", _TILES, ids=lambda t: "BQ{}-BKV{}-rb{}".format(*t))
 def test_other_tile_shapes_through_the_launcher(tile):
     from metal_attn.providers import tiled_prefill
 
@@ -176,10 +176,10 @@ def test_other_tile_shapes_through_the_launcher(tile):
     assert_close_to_oracle(out, case.oracle(), "bfloat16", label=case.label)
 
 
-@pytest.mark.parametrize("tile", [(32, 32, 2, 1), (32, 32, 1, 1)], ids=("rb2", "rb1"))
+@pytest.mark.parametrize("tile", [(32, 32, 2), (32, 32, 1)], ids=("rb2", "rb1"))
 def test_row_block_variants_with_every_feature(tile):
-    """The 16-row variant (two blocks sharing operands) and read-ahead, with sinks, softcap, a window
-    and rows past the end of a block (q_len 13: the second block of the only simdgroup is partial)."""
+    """Both row-block variants (RB 2: two blocks sharing operands) with sinks, softcap, a window and
+    rows past the end of a block (q_len 13: the second block of the only simdgroup is partial)."""
     from metal_attn.providers import tiled_prefill
 
     from metal_attn.metadata import AttentionMetadata
