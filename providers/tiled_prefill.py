@@ -95,6 +95,9 @@ TILE_CONFIGS: Mapping[str, Mapping[int, TileConfig]] = MappingProxyType({
 def tile_config(backend: str, head_size: int) -> TileConfig | None:
     """The tile of ``head_size`` on ``backend`` (``None``: no configuration)."""
     return TILE_CONFIGS.get(backend, _UPSTREAM).get(head_size)
+
+
+#: Element sizes of the dtypes the kernel takes (its products need 16-bit operands).
 ITEMSIZE = {"float16": 2, "bfloat16": 2}
 
 KERNEL_FILES = ("paged_common.h", "tiled_prefill.metal")
