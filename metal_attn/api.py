@@ -320,13 +320,29 @@ def reshape_and_cache(
     if k_cache.dtype not in DTYPE_NAMES:
         raise InvalidInputError(f"k_cache.dtype={dtype_name(k_cache.dtype)} (supported: float16, bfloat16, float32)")
     slots = _check_slots(slot_mapping, key.shape[0], k_cache.shape[0] * k_cache.shape[1])
-    device = current_device()
-    writer = get_registry().select_cache_writer(dtype_name(k_cache.dtype), device, get_settings())
+    writer, device, record = _cache_writer(k_cache.dtype)
     out = writer.write_cache(key, value, k_cache, v_cache, slots, device)
-    diagnostics.record(
-        diagnostics.DispatchRecord("reshape_and_cache", writer.name, "reshape_and_cache", 0, device.backend)
-    )
+    diagnostics.record(record)
     return out
+
+
+#: (pool dtype, dispatch epoch) -> (writer, device, dispatch record): every layer of every step
+#: writes with the same answer, so it is looked up once per epoch (settings, registry and kernel
+#: failures bump the epoch).
+_writers: dict[tuple[Any, int], tuple[Any, DeviceInfo, diagnostics.DispatchRecord]] = {}
+
+
+def _cache_writer(dtype: Any) -> tuple[Any, DeviceInfo, diagnostics.DispatchRecord]:
+    key = (dtype, _epoch.current())
+    hit = _writers.get(key)
+    if hit is None:
+        device = current_device()
+        writer = get_registry().select_cache_writer(dtype_name(dtype), device, get_settings())
+        record = diagnostics.DispatchRecord("reshape_and_cache", writer.name, "reshape_and_cache", 0, device.backend)
+        if len(_writers) > 64:
+            _writers.clear()
+        hit = _writers[key] = (writer, device, record)
+    return hit
 
 
 def _device_arg(device: DeviceInfo | str | None) -> DeviceInfo:

@@ -33,6 +33,7 @@ from metal_attn.constants import (
     SCRATCH_CAP_BYTES,
     SIMDGROUPS_PER_CORE,
 )
+from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan, Provider
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,7 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.settings import Settings
 
 ROUTE = "gqa_decode"
-SIMD_WIDTH = 32
 #: Bytes of the two fp32 statistics (max logit, exp sum) per (sequence, head, partition).
 STAT_BYTES = 8
 #: The kernel writes its partial outputs (``tmp_out``) in float32.
@@ -360,9 +360,8 @@ def msl_specializations() -> list:
                     label=f"gqa_decode {dtype} {heads}/{kvh}/{head}/bs{block} P{p}",
                     kernel="gqa_decode", source_files=KERNEL_FILES, input_names=KERNEL_INPUTS,
                     output_names=KERNEL_OUTPUTS,
-                    template=tuple((n, v if n != "T" else dtype)
-                                   for n, v in kernel_template(dtype, kvh, group, head, block, p,
-                                                               kernel_tuning("metal", head, block))),
+                    template=tuple(kernel_template(dtype, kvh, group, head, block, p,
+                                                   kernel_tuning("metal", head, block))),
                     inputs=(((2, heads, head), dtype), ((4, block, kvh, head), dtype),
                             ((4, block, kvh, head), dtype), ((2, 3), "int32"), ((2,), "int32"),
                             ((1,), "float32"), ((2,), "int32")),

@@ -4,7 +4,7 @@ For each sequence it gathers the sequence's pages into contiguous K/V with MLX
 ops and computes attention with the causal rule, sliding window, softcap and
 sinks in float32. It implements every feature, dtype and backend, has the
 lowest priority, and is the always-available fallback. It is not the test
-oracle (that is a float64 numpy implementation in ``tests/``).
+oracle (that is the float64 numpy implementation in ``metal_attn/testing/oracle.py``).
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ class ReferenceProvider(Provider):
         _, block_size, kvh, head = kc.shape
         num_heads = q.shape[1]
         group = num_heads // kvh
-        tables = md._block_tables_host
         outs = []
         start = 0
         sinks = inputs.sinks.reshape(kvh, group, 1, 1) if inputs.sinks is not None else None
         for i, (q_len, seq_len) in enumerate(zip(md.q_lens_host, md.seq_lens_host)):
             nblk = -(-seq_len // block_size)
-            ids = mx.array(tables[i, :nblk].astype(np.int32))
+            ids = md.block_tables[i, :nblk]
             k = kc[ids].reshape(nblk * block_size, kvh, head)[:seq_len].astype(mx.float32)
             v = vc[ids].reshape(nblk * block_size, kvh, head)[:seq_len].astype(mx.float32)
             qs = q[start : start + q_len].astype(mx.float32)  # [q_len, H, D]
@@ -87,8 +86,10 @@ class ReferenceProvider(Provider):
         keep = np.nonzero(host >= 0)[0]
         if keep.size == 0:
             return k_cache, v_cache
-        idx = mx.array(host[keep].astype(np.int64))
-        rows = mx.array(keep.astype(np.int64)) if keep.size != host.size else None
+        if keep.size == host.size:  # no padding: the validated int64 slots are the indices
+            idx, rows = slots, None
+        else:
+            idx, rows = mx.array(host[keep].astype(np.int64)), mx.array(keep.astype(np.int64))
         k_new = key if rows is None else key[rows]
         v_new = value if rows is None else value[rows]
         kf = k_cache.reshape(nb * bs, kvh, head)

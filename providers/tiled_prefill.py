@@ -25,6 +25,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from metal_attn.constants import KERNEL_BLOCK_SIZES, LOG2E, MIXED_DECODE_MIN_CONTEXT
+from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan, Provider
 from metal_attn.request import Phase
 
@@ -39,7 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 ROUTE = "tiled_prefill"
 SPLIT_ROUTE = "mixed_prefill_decode"
-SIMD_WIDTH = 32
 #: Elements of padding per K/V tile row in threadgroup memory (the kernel's ``LD``).
 ROW_PADDING = 8
 
@@ -115,7 +115,6 @@ def decode_request(request: AttentionRequest) -> AttentionRequest:
     return dataclasses.replace(
         request, phase=Phase.DECODE, num_seqs=request.num_decode_seqs, total_q_tokens=request.num_decode_seqs,
         max_q_len=1, max_seq_len=request.max_decode_seq_len, length_plan=(),
-        max_decode_seq_len=request.max_decode_seq_len,
     )
 
 
@@ -264,7 +263,7 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     multiple of 16), for sweeps and tests.
     """
 
-    from metal_attn.providers.classic.gpu import _zeros_f32
+    from metal_attn.providers.classic.gpu import zeros_f32
 
     from metal_attn import kernels
 
@@ -272,7 +271,8 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     _, block_size, num_kv_heads, _ = k_cache.shape
     cfg = config or tile_config(backend, head)
     if cfg is None:
-        raise ValueError(f"head_size={head} has no tile configuration (configured: {_fmt(_UPSTREAM)})")
+        raise ValueError(f"head_size={head} has no tile configuration on {backend} "
+                         f"(configured: {_fmt(TILE_CONFIGS.get(backend, _UPSTREAM))})")
     if (cfg.rb not in (1, 2) or cfg.bq < 8 * cfg.rb or cfg.bq % (8 * cfg.rb)
             or cfg.bkv < 16 or cfg.bkv % 16 or head % 32):
         raise ValueError(f"config={cfg} with head_size={head} (allowed: rb 1 or 2, BQ a positive "
@@ -286,7 +286,7 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
     return kernel_object(backend)(
         inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.cu_seqlens_q, tiles,
-                sinks if use_sinks else _zeros_f32(num_heads), params, fparams],
+                sinks if use_sinks else zeros_f32(num_heads), params, fparams],
         template=kernel_template(q.dtype, head, block_size, cfg),
         grid=(num_tiles * cfg.threads, num_heads, 1),
         threadgroup=(cfg.threads, 1, 1),

@@ -79,6 +79,12 @@ class ClassicProvider(Provider):
     def _cpu(self) -> tuple[ModuleType | None, str | None]:
         return _load(_CPU_MODULE)
 
+    def _cpu_or_raise(self) -> ModuleType:
+        mod, err = self._cpu()
+        if mod is None:
+            raise RuntimeError(f"classic: {err}")
+        return mod
+
     def _gpu(self) -> ModuleType:
         return importlib.import_module(_GPU_MODULE)
 
@@ -134,30 +140,20 @@ class ClassicProvider(Provider):
 
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         if device.backend == "cpu":
-            mod, err = self._cpu()
-            if mod is None:
-                raise RuntimeError(f"classic: {err}")
-            return mod.plan(request, device, settings)
+            return self._cpu_or_raise().plan(request, device, settings)
         return self._gpu().plan(self.name, request, device, settings)
 
     def prepare(self, plan: Plan, device: DeviceInfo) -> None:
         if device.backend == "cpu":
-            mod, err = self._cpu()
-            if mod is None:
-                raise RuntimeError(f"classic: {err}")
-            mod.prepare(plan, device)
+            self._cpu_or_raise().prepare(plan, device)
             return
         self._gpu().prepare(plan, device)
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
-        from metal_attn.device import current_device
-
-        if current_device().backend in GPU_ADMISSION:
+        # Both backends' plans lead their specialization with the backend they were made for.
+        if plan.specialization[0] in GPU_ADMISSION:
             return self._gpu().run(inputs, plan)
-        mod, err = self._cpu()
-        if mod is None:
-            raise RuntimeError(f"classic: {err}")
-        return mod.run(inputs, plan)
+        return self._cpu_or_raise().run(inputs, plan)
 
     def cache_write_reasons(self, dtype: str, device: DeviceInfo, settings: Settings) -> list[str]:
         reasons = super().cache_write_reasons(dtype, device, settings)
@@ -177,10 +173,7 @@ class ClassicProvider(Provider):
         device: DeviceInfo,
     ) -> tuple[mx.array, mx.array]:
         if device.backend == "cpu":
-            mod, err = self._cpu()
-            if mod is None:
-                raise RuntimeError(f"classic: {err}")
-            return mod.write_cache(key, value, k_cache, v_cache, slots, device)
+            return self._cpu_or_raise().write_cache(key, value, k_cache, v_cache, slots, device)
         return self._gpu().write_cache(key, value, k_cache, v_cache, slots, device)
 
     def info(self) -> dict[str, Any]:

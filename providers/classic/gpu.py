@@ -11,7 +11,6 @@ reducer for any kernel that writes the split contract (the GQA decode kernel).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -91,7 +90,8 @@ class Geometry:
     hps: int  # query heads per threadgroup (all of one KV head)
 
 
-def geometry(head_size: int, dtype: str, backend: str = "metal", group: int = 1, split: bool = False) -> Geometry:
+def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: int = 1,
+             split: bool = False) -> Geometry:
     """The kernel geometry for ``head_size`` on ``backend``, GQA ``group`` query heads per KV head, route ``split``."""
     del dtype  # the same geometry for every dtype (registers hold float32 either way)
     vecs = head_size // 4
@@ -188,11 +188,9 @@ def _reduce_kernel(backend: str):
     return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
 
 
-@functools.lru_cache(maxsize=64)
-def _zeros_f32(n: int) -> mx.array:
-    out = mx.zeros((n,), mx.float32)
-    mx.eval(out)
-    return out
+def zeros_f32(n: int) -> mx.array:
+    """``n`` float32 zeros (the sink logits of a call without sinks), built once per ``n``."""
+    return kernels.param_array((0.0,) * n, "float32")
 
 
 def launch_paged(
@@ -216,9 +214,8 @@ def launch_paged(
         total = rows
     _, block_size, num_kv_heads, _ = k_cache.shape
     dtype = q.dtype
-    dname = {v: k for k, v in MX_DTYPES.items()}[dtype]
     group = num_heads // num_kv_heads
-    geo = geometry_override or geometry(head, dname, backend, group, split)
+    geo = geometry_override or geometry(head, None, backend, group, split)
     tpt, unroll, hps = geo.lanes, geo.unroll, geo.hps
     if tpt not in (1, 2, 4, 8, 16, 32) or head % (4 * tpt) or unroll < 1 or hps < 1 or group % hps:
         raise ValueError(f"geometry_override={geometry_override} (allowed: lanes in 1..32, a power of two dividing "
@@ -230,7 +227,7 @@ def launch_paged(
     longest = md.max_decode_seq_len if rows is not None and rows == md.num_decode_seqs else md.max_seq_len
     max_parts = -(-longest // PARTITION_SIZE) if split else 1
     use_sinks = sinks is not None
-    sinks_arr = sinks if use_sinks else _zeros_f32(num_heads)
+    sinks_arr = sinks if use_sinks else zeros_f32(num_heads)
     params = kernels.param_array((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,
                            int(sliding_window or 0), max_parts, int(use_sinks)), "int32")
     fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
@@ -274,7 +271,7 @@ def reduce_partitions(
     out_dtype = out_dtype or tmp_out.dtype
     backend = backend or _backend()
     use_sinks = sinks is not None
-    sinks_arr = sinks.astype(mx.float32) if use_sinks else _zeros_f32(num_heads)
+    sinks_arr = sinks.astype(mx.float32) if use_sinks else zeros_f32(num_heads)
     params = kernels.param_array((metadata.num_seqs, num_heads, max_parts, int(use_sinks)), "int32")
     return _reduce_kernel(backend)(
         inputs=[max_logits, exp_sums, tmp_out, metadata.seq_lens, metadata.cu_seqlens_q, sinks_arr, params],
@@ -286,11 +283,13 @@ def reduce_partitions(
 
 
 def run(inputs: AttentionInputs, plan: Plan) -> mx.array:
-    """The provider's lazy computation for an admitted request."""
+    """The provider's lazy computation for an admitted request, in the plan's exact specialization
+    (the one `prepare` compiled)."""
+    backend, _, _, _, psize, lanes, unroll, hps = plan.specialization
     return launch_paged(
         inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, scale=inputs.scale, sinks=inputs.sinks,
-        sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=plan.partition_size > 0,
-        backend=plan.specialization[0],
+        sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=psize > 0, backend=backend,
+        geometry_override=Geometry(lanes, unroll, hps),
     )
 
 
