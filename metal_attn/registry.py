@@ -139,6 +139,8 @@ class Registry:
         self._prepared: set[tuple[str, tuple]] = set()
         self._avail_cache: dict[tuple[str, DeviceInfo], tuple[str, ...]] = {}
         self._cache: OrderedDict[tuple, Selection] = OrderedDict()
+        #: Cache writers per (dtype, device, settings).
+        self._writers: dict[tuple, Provider] = {}
         self._cache_size = 4096
         self._lock = threading.RLock()
         self._on_selected = on_selected
@@ -172,6 +174,7 @@ class Registry:
     def _invalidate(self) -> None:
         """Providers changed: drop cached answers and tell per-call caches (`metal_attn._epoch`)."""
         self._cache.clear()
+        self._writers.clear()
         self._avail_cache.clear()
         _epoch.bump()
 
@@ -215,7 +218,7 @@ class Registry:
             reasons = list(provider.not_supported_reasons(request, device, settings))
         except Exception as exc:
             return [f"admission check raised {type(exc).__name__}: {exc}"]
-        if not reasons:
+        if not reasons and self._failed:  # a plan only matters here if some specialization failed
             plan = provider.plan(request, device, settings)
             failed = self._failed.get((provider.name, plan.specialization))
             if failed is not None:
@@ -324,8 +327,7 @@ class Registry:
             specialization=str(specialization),
             reason=reason,
         )
-        self._cache.clear()
-        _epoch.bump()
+        self._invalidate()
 
     def failures(self) -> dict[tuple[str, tuple], str]:
         """Kernel specializations marked unavailable, with their reasons."""
@@ -339,15 +341,16 @@ class Registry:
 
     def select_cache_writer(self, dtype: str, device: DeviceInfo, settings: Settings) -> Provider:
         """The highest-priority provider that can write a ``dtype`` cache on ``device``."""
-        key = ("cache_write", dtype, device, settings)
-        hit = self._cache.get(key)
+        key = (dtype, device, settings)
+        hit = self._writers.get(key)
         if hit is not None:
-            return hit.provider
+            return hit
         table = []
         for e in self._ordered:
             reasons = e.provider.cache_write_reasons(dtype, device, settings)
             if not reasons:
-                self._cache[key] = Selection(e.provider, Plan(e.provider.name, "reshape_and_cache"))
+                with self._lock:
+                    self._writers[key] = e.provider
                 return e.provider
             table.append(f"  no {e.provider.name}: " + "; ".join(reasons))
         raise NoProviderError(

@@ -40,6 +40,14 @@ def _env(name: str, *aliases: str) -> Any:
     return AliasChoices(name, PREFIX + name.upper(), *aliases)
 
 
+#: Per-provider disable switches: provider name -> (settings field, the variable that sets it).
+PROVIDER_TOGGLES: dict[str, tuple[str, str]] = {
+    "gqa_decode": ("disable_gqa_decode", "METAL_ATTN_DISABLE_GQA_DECODE=1"),
+    "nax_prefill": ("disable_nax", "METAL_ATTN_DISABLE_NAX=1"),
+    "tiled_prefill": ("disable_tiled_prefill", "METAL_ATTN_DISABLE_TILED_PREFILL=1"),
+}
+
+
 class Settings(BaseSettings):
     """Every ``METAL_ATTN_*`` variable, its default and what it does."""
 
@@ -158,13 +166,8 @@ class Settings(BaseSettings):
 
     def is_disabled(self, provider_name: str) -> str | None:
         """The reason ``provider_name`` is disabled by a toggle, or ``None``."""
-        toggles = {
-            "gqa_decode": ("disable_gqa_decode", "METAL_ATTN_DISABLE_GQA_DECODE=1"),
-            "nax_prefill": ("disable_nax", "METAL_ATTN_DISABLE_NAX=1"),
-            "tiled_prefill": ("disable_tiled_prefill", "METAL_ATTN_DISABLE_TILED_PREFILL=1"),
-        }
-        if provider_name in toggles:
-            field, var = toggles[provider_name]
+        if provider_name in PROVIDER_TOGGLES:
+            field, var = PROVIDER_TOGGLES[provider_name]
             if getattr(self, field):
                 return f"disabled by {var}"
         if provider_name in self.disabled_providers:
