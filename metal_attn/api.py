@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_attn import _epoch, diagnostics
-from metal_attn.constants import KERNEL_BLOCK_SIZES
+from metal_attn.constants import DTYPES, KERNEL_BLOCK_SIZES
 from metal_attn.device import DeviceInfo, current_device
 from metal_attn.errors import InvalidInputError
 from metal_attn.metadata import AttentionMetadata
@@ -19,7 +19,9 @@ from metal_attn.registry import Explanation
 from metal_attn.request import AttentionRequest
 from metal_attn.settings import get_settings
 
-DTYPE_NAMES: dict[Any, str] = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+#: The supported dtypes by name, and back.
+MX_DTYPES: dict[str, Any] = {name: getattr(mx, name) for name in DTYPES}
+DTYPE_NAMES: dict[Any, str] = {dt: name for name, dt in MX_DTYPES.items()}
 
 
 def dtype_name(dtype: Any) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from metal_attn.api import DTYPE_NAMES, dtype_name, kernel_block_size, reshape_and_cache
+from metal_attn.api import DTYPE_NAMES, MX_DTYPES, dtype_name, kernel_block_size, reshape_and_cache
 from metal_attn.constants import KERNEL_BLOCK_SIZES
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.metadata import AttentionMetadata
@@ -252,13 +252,12 @@ class PagedKVCache:
 
     @staticmethod
     def _check_dtype(dtype: Any) -> Any:
-        by_name = {name: dt for dt, name in DTYPE_NAMES.items()}
-        if isinstance(dtype, str) and dtype in by_name:
-            return by_name[dtype]
+        if isinstance(dtype, str) and dtype in MX_DTYPES:
+            return MX_DTYPES[dtype]
         if isinstance(dtype, mx.Dtype) and dtype in DTYPE_NAMES:
             return dtype
         shown = dtype_name(dtype) if isinstance(dtype, mx.Dtype) else repr(dtype)
-        raise InvalidInputError(f"dtype={shown} (allowed: {', '.join(by_name)}, as mx dtypes or names)")
+        raise InvalidInputError(f"dtype={shown} (allowed: {', '.join(MX_DTYPES)}, as mx dtypes or names)")
 
     def __repr__(self) -> str:
         return (

@@ -21,6 +21,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from metal_attn.constants import DTYPES
 from metal_attn.errors import MetalAttnError, SettingsError
 
 #: Distributions whose exact versions ``metal-attn providers --versions`` prints.
@@ -30,7 +31,7 @@ VERSION_DISTRIBUTIONS: tuple[str, ...] = (
 )
 _ALWAYS_SHOWN = frozenset({"metal-attn", "mlx", "mlx-lm", "pluggy", "pydantic-settings", "structlog"})
 
-DTYPE_CHOICES = ("float16", "bfloat16", "float32")
+DTYPE_CHOICES = DTYPES
 BACKEND_CHOICES = ("metal", "cuda", "cpu")
 
 

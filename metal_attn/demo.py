@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_attn import diagnostics
-from metal_attn.api import paged_attention
+from metal_attn.api import MX_DTYPES, paged_attention
 from metal_attn.cache import PagedKVCache
 from metal_attn.device import current_device
 from metal_attn.errors import InvalidInputError
@@ -36,7 +36,6 @@ TOLERANCES: dict[str, tuple[float, float, float]] = {
     "bfloat16": (2e-2, 2e-2, 1.6e-2),
 }
 
-_MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +57,8 @@ class DemoConfig:
 
     def validate(self) -> None:
         """Raise `InvalidInputError` naming the first bad option, its value and what is allowed."""
-        if self.dtype not in _MX_DTYPES:
-            raise InvalidInputError(f"dtype={self.dtype!r} (allowed: {', '.join(_MX_DTYPES)})")
+        if self.dtype not in MX_DTYPES:
+            raise InvalidInputError(f"dtype={self.dtype!r} (allowed: {', '.join(MX_DTYPES)})")
         for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "num_layers", "repeats", "chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -219,7 +218,7 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[StepResult], None] | None = 
     """Run the demo; every step's outputs are checked (see `StepResult.failures`)."""
     cfg.validate()
     t_start = time.perf_counter()
-    dt = _MX_DTYPES[cfg.dtype]
+    dt = MX_DTYPES[cfg.dtype]
     mx.random.seed(cfg.seed)
     batches = schedule(cfg)
     final_lens = [0] * len(cfg.prompt_lens)

@@ -35,6 +35,7 @@ from metal_attn.constants import (
 )
 from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan, Provider
+from metal_attn.request import split_scratch_bytes as scratch_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
@@ -46,10 +47,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.settings import Settings
 
 ROUTE = "gqa_decode"
-#: Bytes of the two fp32 statistics (max logit, exp sum) per (sequence, head, partition).
-STAT_BYTES = 8
-#: The kernel writes its partial outputs (``tmp_out``) in float32.
-TMP_OUT_ITEMSIZE = 4
 
 
 def _fmt_geom(g: tuple[int, ...]) -> str:
@@ -89,16 +86,6 @@ def calibration_preference(request: AttentionRequest, device: DeviceInfo,
         if _rule_matches(rule, request, device):
             return int(rule["prefer"])
     return None
-
-
-def scratch_bytes(num_seqs: int, num_heads: int, partitions: int, head_size: int,
-                  itemsize: int = TMP_OUT_ITEMSIZE) -> int:
-    """Split scratch of one call: per (sequence, head, partition) ``head_size * itemsize + 8`` bytes.
-
-    Python integers are unbounded, so the product never wraps (a C ``int32``
-    version of the same formula overflows from about 2**31 bytes).
-    """
-    return int(num_seqs) * int(num_heads) * int(partitions) * (int(head_size) * int(itemsize) + STAT_BYTES)
 
 
 def reducer_threadgroup_bytes(partitions: int) -> int:

@@ -29,6 +29,7 @@ from metal_attn import native
 from metal_attn.constants import DTYPES, PARTITION_SIZE, SCRATCH_CAP_BYTES
 from metal_attn.errors import KernelCompileError
 from metal_attn.provider import Plan
+from metal_attn.request import split_scratch_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
@@ -106,7 +107,7 @@ def plan(request: AttentionRequest, device: DeviceInfo, settings: Settings) -> P
     tiles = n_dec + max(n_pre, -(-pre_rows // rt)) if n_pre else n_dec
     units = tiles * request.num_kv_heads
     parts = -(-request.max_seq_len // PARTITION_SIZE)
-    scratch = request.total_q_tokens * request.num_heads * parts * (request.head_size + 2) * 4
+    scratch = split_scratch_bytes(request.total_q_tokens, request.num_heads, parts, request.head_size)
     wants_split = units < SPLIT_UNITS_PER_THREAD * threads and parts >= 2
     split = wants_split and scratch <= SCRATCH_CAP_BYTES
     notes = [

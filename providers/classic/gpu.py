@@ -20,6 +20,7 @@ import numpy as np
 from metal_attn import kernels
 from metal_attn.constants import LOG2E, PARTITION_SIZE, SCRATCH_CAP_BYTES, SPLIT_GATE_FACTOR
 from metal_attn.provider import Plan
+from metal_attn.request import split_scratch_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.device import DeviceInfo
@@ -40,7 +41,6 @@ PA_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_
 PA_OUTPUTS = {0: ("out",), 1: ("max_logits", "exp_sums", "tmp_out")}
 REDUCE_INPUTS = ("max_logits", "exp_sums", "tmp_out", "seq_lens", "cu_seqlens_q", "sinks", "params")
 
-MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 ROUTES = {False: "per_token_ps0", True: f"per_token_ps{PARTITION_SIZE}"}
 
 
@@ -144,7 +144,7 @@ def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool,
     threshold = factor * cores
     small = grid < threshold
     long_enough = parts >= 2
-    scratch = request.total_q_tokens * request.num_heads * parts * (request.head_size * 4 + 8)
+    scratch = split_scratch_bytes(request.total_q_tokens, request.num_heads, parts, request.head_size)
     fits = scratch <= SCRATCH_CAP_BYTES
     notes = [
         f"split gate: num_heads*total_q_tokens={request.num_heads}*{request.total_q_tokens}={grid} "
@@ -301,7 +301,7 @@ def prepare(plan: Plan, device: DeviceInfo) -> None:
     if device.hypothetical:
         return
     split = psize > 0
-    mdt = MX_DTYPES[dtype]
+    mdt = getattr(mx, dtype)
     seq_len = PARTITION_SIZE + 1 if split else 1
     nblk = -(-seq_len // block)
     md = AttentionMetadata.build(np.arange(nblk, dtype=np.int32)[None, :], [seq_len], [0, 1], validate=False)
