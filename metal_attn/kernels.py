@@ -152,19 +152,11 @@ def load_kernel(
 
         header, body = assemble(name, source_files, backend, defines)
         kname = kernel_name(name, header, body)
-        try:
-            if backend == "metal":
-                got = mx.fast.metal_kernel(
-                    name=kname, input_names=list(input_names), output_names=list(output_names),
-                    source=body, header=header, ensure_row_contiguous=ensure_row_contiguous,
-                )
-            elif backend == "cuda":
-                got = mx.fast.cuda_kernel(
-                    name=kname, input_names=list(input_names), output_names=list(output_names),
-                    source=body, header=header, ensure_row_contiguous=ensure_row_contiguous,
-                )
-            else:
-                raise ValueError(f"backend={backend!r} (supported: metal, cuda)")
+        try:  # assemble() accepted the backend: mx.fast.metal_kernel or mx.fast.cuda_kernel
+            got = getattr(mx.fast, f"{backend}_kernel")(
+                name=kname, input_names=list(input_names), output_names=list(output_names),
+                source=body, header=header, ensure_row_contiguous=ensure_row_contiguous,
+            )
         except (RuntimeError, ValueError, AttributeError) as exc:
             raise KernelCompileError(f"could not build kernel {kname!r} for {backend}: {exc}") from exc
         _kernels[key] = got

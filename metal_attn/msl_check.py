@@ -117,7 +117,7 @@ def classic_specializations() -> list[Specialization]:
         specs.append(Specialization(
             label=f"reshape_and_cache {dtype}",
             kernel="reshape_and_cache", source_files=gpu.CACHE_FILES,
-            input_names=("key", "value", "k_cache", "v_cache", "inv_map", "params"), output_names=("k_out", "v_out"),
+            input_names=gpu.CACHE_INPUTS, output_names=gpu.CACHE_OUTPUTS,
             template=(("T", dtype),),
             inputs=(((3, 2, 64), dtype), ((3, 2, 64), dtype), ((4, 16, 2, 64), dtype), ((4, 16, 2, 64), dtype),
                     ((64,), "int32"), ((3,), "int64")),

@@ -39,6 +39,8 @@ PAGED_FILES = ("paged_common.h", "pagedattention.metal")
 CACHE_FILES = ("reshape_and_cache.metal",)
 PA_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "sinks", "params", "fparams")
 PA_OUTPUTS = {0: ("out",), 1: ("max_logits", "exp_sums", "tmp_out")}
+CACHE_INPUTS = ("key", "value", "k_cache", "v_cache", "inv_map", "params")
+CACHE_OUTPUTS = ("k_out", "v_out")
 REDUCE_INPUTS = ("max_logits", "exp_sums", "tmp_out", "seq_lens", "cu_seqlens_q", "sinks", "params")
 
 ROUTES = {False: "per_token_ps0", True: f"per_token_ps{PARTITION_SIZE}"}
@@ -320,8 +322,7 @@ def prepare(plan: Plan, device: DeviceInfo) -> None:
 
 def _cache_kernel(backend: str):
     return kernels.load_kernel("reshape_and_cache", CACHE_FILES,
-                               ("key", "value", "k_cache", "v_cache", "inv_map", "params"),
-                               ("k_out", "v_out"), backend)
+                               CACHE_INPUTS, CACHE_OUTPUTS, backend)
 
 
 def write_cache(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.array,
