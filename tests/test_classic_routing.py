@@ -73,8 +73,8 @@ def test_scratch_cap_blocks_split():
     assert "> cap 536870912" in " ".join(row.plan.notes)
 
 
-@pytest.mark.skipif("cuda" not in SPLIT_GATE_FACTOR, reason="no CUDA split factor measured yet")
 def test_cuda_gate_uses_its_own_factor():
+    assert "cuda" in SPLIT_GATE_FACTOR, "the CUDA split factor is measured (docs/bench-h200-classic.md)"
     k = SPLIT_GATE_FACTOR["cuda"]
     _, row = _classic_row(q_lens=[1], seq_lens=[8192], device="h200")
     assert f"{k}*gpu_cores={k}*132={k * 132}" in " ".join(row.plan.notes)

@@ -112,7 +112,7 @@ def test_portable_and_vector_builds_agree_closely():
         np.testing.assert_allclose(o, outs[0], rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [2, 3, 8])
 def test_thread_count_does_not_change_the_result(threads):
     case = _case(q_lens=[1, 1, 40], seq_lens=[900, 1600, 200], sinks=True, seed=7)
     ref = to_numpy(_native_run(case, num_threads=1))
@@ -336,7 +336,7 @@ def test_compile_works_and_grad_is_refused():
         return nm.paged_attention(q, case.k_cache, case.v_cache, *args, scale=case.scale)
 
     np.testing.assert_array_equal(to_numpy(mx.compile(f)(case.q)), to_numpy(f(case.q)))
-    with pytest.raises(Exception, match=r"(?i)vjp|not implemented|MetalAttn"):
+    with pytest.raises(ValueError, match=r"vjp\] Not implemented for MetalAttn"):
         mx.eval(mx.grad(lambda q: f(q).sum())(case.q))
 
 

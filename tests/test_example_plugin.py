@@ -35,6 +35,8 @@ NAME = "example_dense_prefill"
 try:
     VERSION = md.version(DIST)
 except md.PackageNotFoundError:
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{DIST} must be installed in CI (.ci/run installs it from examples/)") from None
     pytest.skip(
         f"{DIST} is not installed (install it with: pip install ./examples/third_party_provider; .ci/run does)",
         allow_module_level=True,

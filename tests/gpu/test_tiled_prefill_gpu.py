@@ -202,6 +202,7 @@ def test_bitwise_identical_on_repeat():
         with _mixed_threshold(threshold):
             first = run_case(case, provider="tiled_prefill")
             again = run_case(case, provider="tiled_prefill")
+            assert diagnostics.last_dispatch().route == ("mixed_prefill_decode" if threshold == 0 else "tiled_prefill")
         assert np.array_equal(first, again)
 
 
