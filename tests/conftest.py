@@ -41,3 +41,36 @@ def clean_settings_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _mlx_cache_limit() -> None:
     """Keep MLX's CPU allocator from unmapping large buffers between tests (KERNELS.md)."""
     mx.set_cache_limit(1 << 31)
+
+
+# -- the Metal source check ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def needs_clang() -> None:
+    """Skip (with the reason) where clang++ is missing; CI installs it with apt in .ci/run."""
+    from metal_attn.msl_check import find_clang
+
+    if find_clang() is None:
+        pytest.skip("clang++ is not installed (CI installs it with apt in .ci/run)")
+
+
+@pytest.fixture
+def planted_kernels(tmp_path):
+    """``plant(filename, old, new)``: a copy of kernels_v2 in ``tmp_path`` with the first ``old`` in
+    ``filename`` replaced by ``new`` (``old`` must be there); returns the copy's folder."""
+    import shutil
+
+    from metal_attn._layout import kernels_dir
+
+    def plant(filename: str, old: str, new: str):
+        for f in kernels_dir().iterdir():
+            if f.is_file():
+                shutil.copy(f, tmp_path / f.name)
+        path = tmp_path / filename
+        text = path.read_text()
+        assert old in text, f"{old!r} is no longer in {filename}: update the planted edit"
+        path.write_text(text.replace(old, new, 1))
+        return tmp_path
+
+    return plant

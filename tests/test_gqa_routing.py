@@ -323,13 +323,6 @@ def ma_array(x):
 _MSL_SET = "metal_attn.providers.gqa_decode:msl_specializations"
 
 
-def _needs_clang():
-    from metal_attn.msl_check import find_clang
-
-    if find_clang() is None:
-        pytest.skip("clang++ not found: the Metal source check cannot run here")
-
-
 def test_msl_specializations_cover_every_choice():
     labels = {s.label for s in gq.msl_specializations()}
     for heads, kvh, head, block in gq.geometry_table("metal"):
@@ -339,8 +332,7 @@ def test_msl_specializations_cover_every_choice():
                 assert f"paged_attention_v2_reduce (gqa) {dtype} head={head} P{p}" in labels
 
 
-def test_metal_generated_source_type_checks():
-    _needs_clang()
+def test_metal_generated_source_type_checks(needs_clang):
     from metal_attn.msl_check import check
 
     result = check(_MSL_SET)
@@ -348,20 +340,11 @@ def test_metal_generated_source_type_checks():
     assert result.count == len(gq.msl_specializations()) == 28
 
 
-def test_metal_source_check_catches_a_planted_error(tmp_path):
-    _needs_clang()
-    import shutil
-
-    from metal_attn._layout import kernels_dir
+def test_metal_source_check_catches_a_planted_error(needs_clang, planted_kernels):
     from metal_attn.msl_check import check
 
-    planted = tmp_path / "kernels_v2"
-    shutil.copytree(kernels_dir(), planted)
-    src = planted / "gqa_decode.metal"
-    text = src.read_text()
-    good = "page_next = simd_shuffle(page_after, 0);"
-    assert good in text
-    src.write_text(text.replace(good, "page_next = simd_shuffle(next_page_id, 0);"))
+    planted = planted_kernels("gqa_decode.metal", "page_next = simd_shuffle(page_after, 0);",
+                              "page_next = simd_shuffle(next_page_id, 0);")
     result = check(_MSL_SET, only=r"gqa_decode bfloat16 24/4/256/bs16 P256", kernels_dir=planted)
     assert not result.ok and "next_page_id" in result.summary()
 

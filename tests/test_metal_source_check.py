@@ -6,12 +6,9 @@ What this proves and what it does not: see metal_attn/msl_check.py and kernels_v
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from metal_attn import msl_check
-from metal_attn._layout import kernels_dir
 
 CLANG = msl_check.find_clang()
 pytestmark = pytest.mark.skipif(CLANG is None, reason="clang++ is not installed (CI installs it with apt in .ci/run)")
@@ -37,36 +34,26 @@ def test_generated_source_is_mlx_signature_plus_our_text():
     assert "[[" not in clang_text and "template  decltype(" in clang_text
 
 
-def _planted(tmp_path, old: str, new: str):
-    for f in kernels_dir().iterdir():
-        if f.is_file():
-            shutil.copy(f, tmp_path / f.name)
-    path = tmp_path / "pagedattention.metal"
-    text = path.read_text()
-    assert old in text
-    path.write_text(text.replace(old, new, 1))
-    return tmp_path
-
-
 ONLY = r"^paged_attention split=0 float16 head=128 block=16$"
 
 
-def test_planted_undeclared_name_fails(tmp_path):
-    d = _planted(tmp_path, "const int seq = lo;", "const int seq = lo + not_declared_anywhere;")
+def test_planted_undeclared_name_fails(planted_kernels):
+    d = planted_kernels("pagedattention.metal", "const int seq = lo;", "const int seq = lo + not_declared_anywhere;")
     result = msl_check.check(only=ONLY, kernels_dir=d)
     assert not result.ok
     assert any("not_declared_anywhere" in e for e in result.errors), result.summary()
     assert all(e.startswith("[paged_attention split=0 float16 head=128 block=16]") for e in result.errors)
 
 
-def test_planted_type_mismatch_fails(tmp_path):
+def test_planted_type_mismatch_fails(planted_kernels):
     # A dependent-type error (T* vs float*): only an instantiated template reveals it.
-    d = _planted(tmp_path, "float q_reg[HPS][E];", "device float* wrong = k_cache;\nfloat q_reg[HPS][E];")
+    d = planted_kernels("pagedattention.metal", "float q_reg[HPS][E];",
+                        "device float* wrong = k_cache;\nfloat q_reg[HPS][E];")
     result = msl_check.check(only=ONLY, kernels_dir=d)
     assert not result.ok
     assert any("cannot initialize" in e or "incompatible" in e for e in result.errors), result.summary()
 
 
-def test_unplanted_copy_passes(tmp_path):
-    d = _planted(tmp_path, "const int seq = lo;", "const int seq = lo;")
+def test_unplanted_copy_passes(planted_kernels):
+    d = planted_kernels("pagedattention.metal", "const int seq = lo;", "const int seq = lo;")
     assert msl_check.check(only=ONLY, kernels_dir=d).ok

@@ -193,13 +193,6 @@ def test_classic_decode_rows_launch_refuses_bad_rows():
 _MSL_SET = "metal_attn.providers.tiled_prefill:msl_specializations"
 
 
-def _needs_clang():
-    from metal_attn.msl_check import find_clang
-
-    if find_clang() is None:
-        pytest.skip("clang++ not found: the Metal source check cannot run here")
-
-
 def test_msl_specializations_cover_every_choice():
     labels = {s.label for s in tp.msl_specializations()}
     for dtype in ("float16", "bfloat16"):
@@ -209,8 +202,7 @@ def test_msl_specializations_cover_every_choice():
     assert len(labels) == 24
 
 
-def test_metal_generated_source_type_checks():
-    _needs_clang()
+def test_metal_generated_source_type_checks(needs_clang):
     from metal_attn.msl_check import check
 
     result = check(_MSL_SET)
@@ -218,19 +210,11 @@ def test_metal_generated_source_type_checks():
     assert result.count == 24
 
 
-def test_metal_source_check_catches_a_planted_error(tmp_path):
-    _needs_clang()
-    import shutil
-
-    from metal_attn._layout import kernels_dir
+def test_metal_source_check_catches_a_planted_error(needs_clang, planted_kernels):
     from metal_attn.msl_check import check
 
-    planted = tmp_path / "kernels_v2"
-    shutil.copytree(kernels_dir(), planted)
-    src = planted / "tiled_prefill.metal"
-    text = src.read_text()
-    good = "pf[b][j] = ma_popnd_pack<T>(p[0], p[1]);"
-    assert good in text
-    src.write_text(text.replace(good, "pf[b][j] = ma_popnd_pack<T>(p, p[1]);"))  # an array where a float belongs
+    # an array where a float belongs
+    planted = planted_kernels("tiled_prefill.metal", "pf[b][j] = ma_popnd_pack<T>(p[0], p[1]);",
+                              "pf[b][j] = ma_popnd_pack<T>(p, p[1]);")
     result = check(_MSL_SET, only=r"tiled_prefill bfloat16 head=128 block=16", kernels_dir=planted)
     assert not result.ok and "ma_popnd_pack" in result.summary()

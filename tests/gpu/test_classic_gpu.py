@@ -260,20 +260,13 @@ def test_reducer_contract_with_neutral_partials():
 # -- compile failure becomes a recorded fallback ----------------------------------------------------
 
 
-def test_compile_failure_falls_back(tmp_path):
-    import shutil
-
+def test_compile_failure_falls_back(planted_kernels):
     from metal_attn import kernels
-    from metal_attn._layout import kernels_dir
 
-    for f in kernels_dir().iterdir():
-        if f.is_file():
-            shutil.copy(f, tmp_path / f.name)
-    body = (tmp_path / "pagedattention.metal").read_text()
-    (tmp_path / "pagedattention.metal").write_text(body.replace("const int seq = lo;", "const int seq = lo + nope;"))
+    planted = planted_kernels("pagedattention.metal", "const int seq = lo;", "const int seq = lo + nope;")
     case = make_case(q_lens=[1], seq_lens=[33], num_heads=4, num_kv_heads=2, head_size=192, block_size=8,
                      dtype="float32", seed=31, label="fallback")
-    kernels.use_source_dir(tmp_path)
+    kernels.use_source_dir(planted)
     try:
         got = run_case(case)
         rec = diagnostics.last_dispatch()
