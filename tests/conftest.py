@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 
@@ -74,3 +75,28 @@ def planted_kernels(tmp_path):
         return tmp_path
 
     return plant
+
+
+# -- logging ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[logging.Logger]:
+    """`cli.main` configures the library logger (as the command should); undo it after the test."""
+    lg = logging.getLogger("metal_attn")
+    saved = (lg.handlers[:], lg.level, lg.propagate)
+    yield lg
+    lg.handlers[:], lg.level, lg.propagate = saved
+
+
+@pytest.fixture
+def log_records(caplog, monkeypatch):
+    """``log_records(event)``: the records of the 'metal_attn' stdlib logger with that event
+    (propagation forced on, in case a CLI test turned it off)."""
+    monkeypatch.setattr(logging.getLogger("metal_attn"), "propagate", True)
+    caplog.set_level(logging.DEBUG, logger="metal_attn")
+
+    def _records(event: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "metal_attn" and r.msg == event]
+
+    return _records

@@ -50,13 +50,7 @@ def fresh_process(*argv: str, env: dict[str, str] | None = None, cwd: Path) -> s
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture(autouse=True)
-def restore_logging():
-    """`cli.main` configures the library logger (as the command should); undo it after each test."""
-    lg = logging.getLogger("metal_attn")
-    saved = (lg.handlers[:], lg.level, lg.propagate)
-    yield lg
-    lg.handlers[:], lg.level, lg.propagate = saved[0], saved[1], saved[2]
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 # -- providers -------------------------------------------------------------------------------------

@@ -11,19 +11,13 @@ import mlx.core as mx
 import pytest
 
 from metal_attn import device as device_mod
-from metal_attn import settings as settings_mod
 from metal_attn.device import DEVICE_PRESETS, DeviceInfo, current_device, detect_backend, probe
 from metal_attn.settings import override_settings
 
 HAS_GPU = mx.is_available(mx.gpu)
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for var in list(os.environ):
-        if var.upper().startswith("METAL_ATTN_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setattr(settings_mod, "_current", None)
+pytestmark = pytest.mark.usefixtures("clean_settings_env")
 
 
 @pytest.mark.parametrize(

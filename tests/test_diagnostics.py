@@ -7,8 +7,6 @@ registry, so the recorded provider, route and partition size are known exactly.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -57,11 +55,7 @@ class Plugin:
 
 
 @pytest.fixture(autouse=True)
-def registry(monkeypatch):
-    monkeypatch.setattr(settings_mod, "_current", None)
-    for var in list(os.environ):
-        if var.upper().startswith(("METAL_ATTN_", "VLLM_METAL_")):
-            monkeypatch.delenv(var)
+def registry(monkeypatch, clean_settings_env):
     plugins.reset_registry()
     reg = registry_from([Plugin()])
     monkeypatch.setattr(plugins, "_registry", reg)

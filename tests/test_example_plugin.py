@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -53,14 +52,7 @@ from metal_attn.testing import (  # noqa: E402 - after the skip, like the packag
 
 SMALL = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
 
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """`cli.main` configures the library logger (as the command should); undo it after each test."""
-    lg = logging.getLogger("metal_attn")
-    saved = (lg.handlers[:], lg.level, lg.propagate)
-    yield
-    lg.handlers[:], lg.level, lg.propagate = saved
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def _only_example_and_reference():

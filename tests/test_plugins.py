@@ -131,16 +131,6 @@ def entry_points(monkeypatch, plugin_dir):
     return _set
 
 
-@pytest.fixture
-def records(caplog):
-    caplog.set_level(logging.DEBUG, logger="metal_attn")
-
-    def _records(event: str) -> list[logging.LogRecord]:
-        return [r for r in caplog.records if r.name == "metal_attn" and r.msg == event]
-
-    return _records
-
-
 def names(reg) -> list[str]:
     return [e.provider.name for e in reg.entries]
 
@@ -179,13 +169,13 @@ def test_origin_names_distribution_and_version(monkeypatch, plugin_dir):
     assert entry.origin.describe() == "acme-attn 1.2.3 (good)"
 
 
-def test_plugin_that_raises_at_import_is_isolated_and_logged(entry_points, records, builtin):
+def test_plugin_that_raises_at_import_is_isolated_and_logged(entry_points, log_records, builtin):
     entry_points(broken="ma_test_import_error_plugin", good="ma_test_good_plugin")
     reg = plugins.build_registry()
     assert third_party(reg, builtin) == ["third_party"]  # the rest keep working
     assert reg.load_errors["broken"] == "ImportError: libfoo.so: cannot open shared object file"
     assert "good" not in reg.load_errors
-    [rec] = records("plugin_load_failed")
+    [rec] = log_records("plugin_load_failed")
     assert rec.levelno == logging.ERROR
     assert rec.plugin == "broken"
     assert rec.reason == "libfoo.so: cannot open shared object file"
@@ -193,14 +183,14 @@ def test_plugin_that_raises_at_import_is_isolated_and_logged(entry_points, recor
     assert "ma_test_import_error_plugin.py" in rec.traceback
 
 
-def test_plugin_whose_register_hook_raises_is_isolated(entry_points, records, builtin):
+def test_plugin_whose_register_hook_raises_is_isolated(entry_points, log_records, builtin):
     entry_points(half="ma_test_register_error_plugin", good="ma_test_good_plugin")
     reg = plugins.build_registry()
     # What the failing hook added before raising stays; the other plugins are untouched.
     assert sorted(third_party(reg, builtin)) == ["half_registered", "third_party"]
     assert reg.load_errors["half"] == "RuntimeError: vendor SDK not found"
     assert "good" not in reg.load_errors
-    [rec] = records("plugin_register_failed")
+    [rec] = log_records("plugin_register_failed")
     assert (rec.plugin, rec.reason) == ("half", "vendor SDK not found")
     assert "RuntimeError: vendor SDK not found" in rec.traceback
 

@@ -125,18 +125,6 @@ def install(monkeypatch):
     return _install
 
 
-@pytest.fixture
-def warnings_log(caplog, monkeypatch):
-    """Records of the 'metal_attn' stdlib logger (propagation forced on in case a CLI test turned it off)."""
-    monkeypatch.setattr(logging.getLogger("metal_attn"), "propagate", True)
-    caplog.set_level(logging.DEBUG, logger="metal_attn")
-
-    def _records(event: str) -> list[logging.LogRecord]:
-        return [r for r in caplog.records if r.name == "metal_attn" and r.msg == event]
-
-    return _records
-
-
 def set_env(monkeypatch, **env: str) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -224,12 +212,12 @@ def test_duplicate_name_raises_registry_error():
     assert [(e.provider.name, e.provider.priority) for e in reg.entries] == [("dup", 1)]
 
 
-def test_duplicate_name_across_plugins_is_isolated_to_the_second_plugin(warnings_log):
+def test_duplicate_name_across_plugins_is_isolated_to_the_second_plugin(log_records):
     first, second, other = FakeProvider("dup", 1), FakeProvider("dup", 2), FakeProvider("other", 3)
     reg = registry_from([ProvidersPlugin(first), ProvidersPlugin(second, other)], names=["first", "second"])
     assert reg.get("dup") is first
     assert reg.load_errors == {"second": "RegistryError: provider name='dup' is already registered (by first)"}
-    failed = warnings_log("plugin_register_failed")
+    failed = log_records("plugin_register_failed")
     assert len(failed) == 1 and failed[0].plugin == "second"
     assert "already registered" in failed[0].reason
 
@@ -506,7 +494,7 @@ COMPILE_MSG = "undeclared identifier 'simd_sum' in gqa_decode_f32_h64"
 FLAKY_REASON = f"kernel specialization ('float32', 64) failed to build: {COMPILE_MSG}"
 
 
-def test_kernel_compile_failure_falls_back_records_and_warns_once(install, warnings_log):
+def test_kernel_compile_failure_falls_back_records_and_warns_once(install, log_records):
     flaky = FakeProvider("flaky", 100, route="flaky_route", compile_error=COMPILE_MSG)
     good = FakeProvider("good", 10, route="good_route", fill=2.0)
     reg = install(registry_from([ProvidersPlugin(flaky, good)]))
@@ -520,7 +508,7 @@ def test_kernel_compile_failure_falls_back_records_and_warns_once(install, warni
     assert rec.fallbacks == (("flaky", FLAKY_REASON),)
     assert reg.failures() == {("flaky", ("float32", 64)): COMPILE_MSG}
 
-    warned = warnings_log("kernel_unavailable")
+    warned = log_records("kernel_unavailable")
     assert len(warned) == 1
     w = warned[0]
     assert w.levelno == logging.WARNING
@@ -534,7 +522,7 @@ def test_kernel_compile_failure_falls_back_records_and_warns_once(install, warni
     assert diagnostics.last_dispatch().provider == "good"
     assert diagnostics.last_dispatch().fallbacks == ()  # refused up front now, not a run-time fallback
     assert flaky.prepared == [("float32", 64)] and flaky.runs == 0
-    assert len(warnings_log("kernel_unavailable")) == 1
+    assert len(log_records("kernel_unavailable")) == 1
 
     # explain now shows the specialization failure as flaky's reason.
     exp = ma.explain(decode_request(), device=CPU)
@@ -548,7 +536,7 @@ def test_kernel_compile_failure_falls_back_records_and_warns_once(install, warni
     other = reg.select(decode_request(head_size=128), CPU, settings_mod.get_settings())
     assert other.provider.name == "good"
     assert other.fallbacks == (("flaky", f"kernel specialization ('float32', 128) failed to build: {COMPILE_MSG}"),)
-    assert [w.specialization for w in warnings_log("kernel_unavailable")] == ["('float32', 64)", "('float32', 128)"]
+    assert [w.specialization for w in log_records("kernel_unavailable")] == ["('float32', 64)", "('float32', 128)"]
 
 
 def test_kernel_compile_failure_without_fallback_raises_with_the_reason(install):
@@ -559,14 +547,14 @@ def test_kernel_compile_failure_without_fallback_raises_with_the_reason(install)
     assert f"  no flaky (priority 100, from fakes)\n       - {FLAKY_REASON}" in str(err.value)
 
 
-def test_mark_failed_warns_once_per_provider_and_specialization(warnings_log):
+def test_mark_failed_warns_once_per_provider_and_specialization(log_records):
     reg = Registry()
     reg.add(FakeProvider("p", 1))
     epoch = _epoch.current()
     reg.mark_failed("p", ("float16", 128), "first")
     reg.mark_failed("p", ("float16", 128), "again")
     reg.mark_failed("p", ("float16", 256), "other")
-    assert [(w.specialization, w.reason) for w in warnings_log("kernel_unavailable")] == [
+    assert [(w.specialization, w.reason) for w in log_records("kernel_unavailable")] == [
         ("('float16', 128)", "first"),
         ("('float16', 256)", "other"),
     ]
