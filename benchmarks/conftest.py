@@ -1,15 +1,16 @@
 """pytest-benchmark support for metal-attn: machine info, one group per shape, shared fixtures.
 
-A benchmark module needs only::
+A benchmark module needs only (``test_bench_suite.py`` is that module)::
 
     def test_paged_attention(run_bench, bench_shape, bench_candidate):
         run_bench(bench_shape, bench_candidate)
 
 ``bench_shape`` x ``bench_candidate`` are parametrized from a suite of
-`metal_attn.bench.suites` (``--bench-suite``, default: decode on this backend),
-optionally filtered with ``--bench-shapes`` and overridden with
-``--bench-candidates``. Inputs are built once per shape; a candidate that
-refuses a shape is skipped with its own reasons. See benchmarks/README.md.
+`metal_attn.bench.suites` when a ``--bench-*`` option asks for one (``--bench-suite``,
+default: decode on this backend; ``--bench-shapes`` filters it, ``--bench-candidates``
+overrides its candidates); without one the test is skipped with that reason. Inputs are
+built once per shape; a candidate that refuses a shape is skipped with its own reasons.
+See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if not {"bench_shape", "bench_candidate"} <= set(metafunc.fixturenames):
         return
     cfg = metafunc.config
+    if not any(cfg.getoption(o) for o in ("--bench-suite", "--bench-shapes", "--bench-candidates")):
+        # The fixed benchmark modules run by default; a suite is benchmarked on request.
+        metafunc.parametrize(("bench_shape", "bench_candidate"), [pytest.param(None, None, marks=pytest.mark.skip(
+            reason="pass --bench-suite NAME (or --bench-shapes / --bench-candidates) to benchmark a suite"))],
+            ids=["no-suite-requested"])
+        return
     suite = _suite(cfg)
     patterns = [p.strip() for p in (cfg.getoption("--bench-shapes") or "").split(",") if p.strip()]
     shapes = suite.select(patterns or None)
