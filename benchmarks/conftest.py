@@ -147,10 +147,7 @@ def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) ->
         finally:
             if prep.close:
                 prep.close()
-        stats = getattr(benchmark, "stats", None)
-        if stats is not None and stats.stats.median > 0:
-            median = stats.stats.median
-            benchmark.extra_info["gbps_median"] = shape.kv_bytes / median / 1e9
-            benchmark.extra_info["tflops_median"] = shape.flops / median / 1e12
+        core.record_rates(benchmark, shape)
 
     return run
+

@@ -25,7 +25,7 @@ import numpy as np
 from metal_attn.providers import gqa_decode as gq
 from metal_attn.providers.classic import gpu as classic_gpu
 
-from metal_attn.bench.core import Shape, build_case, time_fn
+from metal_attn.bench.core import Shape, build_case, rel_l2, time_fn
 from metal_attn.device import current_device
 
 GQA_SHAPES = (  # (batch, heads, kv_heads, head, context, block)
@@ -50,11 +50,6 @@ CLASSIC_TUNINGS = ((16, 2, 2, 1), (16, 2, 2, 0), (16, 1, 2, 1), (8, 2, 2, 1), (8
                    (16, 2, 1, 1))
 
 
-def _rel_l2(got: mx.array, ref: np.ndarray) -> float:
-    g = np.array(got.astype(mx.float32))
-    return float(np.linalg.norm(g - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 def _time(compute) -> float:
     return time_fn(lambda: mx.async_eval(compute()), warmup=3, iters=10).median_s
 
@@ -73,7 +68,7 @@ def sweep_gqa(backend: str) -> list[dict]:
             for t in GQA_TUNINGS:
                 if bs % t[0]:
                     continue
-                err = _rel_l2(launch(t), ref)
+                err = rel_l2(launch(t), ref)
                 sec = _time(lambda t=t: launch(t))
                 row = {"kernel": "gqa_decode", "batch": batch, "heads": h, "kv_heads": kvh, "head": d,
                        "context": n, "block": bs, "partition": p, "chunk": t[0], "prefetch": t[1],
@@ -96,13 +91,13 @@ def sweep_classic(backend: str) -> list[dict]:
                                             backend=backend, geometry_override=geo, prefetch=prefetch)
 
         ref = np.array(launch().astype(mx.float32))
-        geo = classic_gpu.geometry(d, "bfloat16", backend, h // kvh)
+        geo = classic_gpu.geometry(d, "bfloat16", backend, h // kvh, split)
         shipped = (geo.lanes, geo.unroll, geo.hps, classic_gpu.PREFETCH_NEXT.get(backend, 0))
         for lanes, unroll, hps, pf in dict.fromkeys((*CLASSIC_TUNINGS, shipped)):
             if d % (4 * lanes) or (h // kvh) % hps:
                 continue
             g = classic_gpu.Geometry(lanes, unroll, hps)
-            err = _rel_l2(launch(g, pf), ref)
+            err = rel_l2(launch(g, pf), ref)
             sec = _time(lambda g=g, pf=pf: launch(g, pf))
             row = {"kernel": "classic", "batch": batch, "heads": h, "kv_heads": kvh, "head": d, "context": n,
                    "split": split, "lanes": lanes, "unroll": unroll, "hps": hps, "prefetch": pf,

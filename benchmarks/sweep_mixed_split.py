@@ -18,11 +18,10 @@ import sys
 from unittest import mock
 
 import mlx.core as mx
-import numpy as np
 from metal_attn.providers import tiled_prefill
 
 import metal_attn
-from metal_attn.bench.core import Rows, Shape, build_case, time_fn
+from metal_attn.bench.core import Rows, Shape, build_case, rel_l2, time_fn
 from metal_attn.device import current_device
 from metal_attn.plugins import get_registry
 
@@ -31,12 +30,14 @@ CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
 PREFILL = Rows(1, 512, 2048)
 
 
-def _run(case, threshold: int, backend: str) -> mx.array:
+def _run(case, threshold: int, backend: str) -> tuple[mx.array, float]:
     get_registry().forget_selections()
     with mock.patch.object(tiled_prefill, "MIXED_DECODE_MIN_CONTEXT", {backend: threshold}):
         out = metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
                                          scale=case.scale, provider="tiled_prefill")
         mx.eval(out)
+        route = metal_attn.diagnostics.last_dispatch().route
+        assert route == ("mixed_prefill_decode" if threshold == 0 else "tiled_prefill"), route
         t = time_fn(lambda: mx.async_eval(metal_attn.paged_attention(
             case.q, case.k_pool, case.v_pool, metadata=case.metadata, scale=case.scale, provider="tiled_prefill")),
             warmup=3, iters=10).median_s
@@ -53,15 +54,12 @@ def main(path: str) -> None:
             case = build_case(shape)
             ride, t_ride = _run(case, 1 << 30, backend)
             split, t_split = _run(case, 0, backend)
-            a = np.array(ride.astype(mx.float32))
-            b = np.array(split.astype(mx.float32))
-            err = float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+            err = rel_l2(split, ride)
             row = {"decode_rows": n, "context": ctx, "ride_us": t_ride * 1e6, "split_us": t_split * 1e6,
                    "split_speedup": t_ride / t_split, "rel_l2": err}
             print(json.dumps(row), flush=True)
             assert err <= 1e-2, row
             rows.append(row)
-            case.release()
     with open(path, "w") as f:
         json.dump({"backend": backend, "prefill": [PREFILL.count, PREFILL.q_len, PREFILL.context], "rows": rows}, f,
                   indent=1)

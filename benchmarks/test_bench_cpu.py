@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from metal_attn.bench import core
 from metal_attn.device import detect_backend
 
 BACKEND = detect_backend()
@@ -61,9 +62,7 @@ def test_cpu(benchmark, run_bench, suite, shape, candidate):
         buf = np.ones(shape.kv_bytes // 8)
         _info(benchmark, shape, candidate=candidate, route="numpy sum (read)")
         benchmark.pedantic(buf.sum, rounds=ROUNDS[candidate], iterations=1, warmup_rounds=1)
-        median = benchmark.stats.stats.median
-        benchmark.extra_info["gbps_median"] = shape.kv_bytes / median / 1e9
-        benchmark.extra_info["tflops_median"] = shape.flops / median / 1e12
+        core.record_rates(benchmark, shape)
     else:
         run_bench(shape, candidate, rounds=ROUNDS[candidate], group=f"{suite} {shape.label}")
 

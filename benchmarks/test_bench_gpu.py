@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import pytest
 
+from metal_attn.bench import core
 from metal_attn.device import current_device, detect_backend
 
 BACKEND = detect_backend()
@@ -93,7 +94,7 @@ def test_split_gate(benchmark, bench_cases, context, batch, route):
         assert metal_attn.diagnostics.last_dispatch().route == route
         benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=3)
     _machine(benchmark, route=route, grid=32 * batch, batch=batch, context=context)
-    benchmark.extra_info["gbps"] = shape.kv_bytes / benchmark.stats.stats.median / 1e9
+    core.record_rates(benchmark, shape)
 
 
 #: (lanes per token, tokens unrolled per lane, heads per threadgroup) variants, 32/8 heads, head 128 bf16.
@@ -106,7 +107,6 @@ GEOMETRY_SHAPES = ((8, 4096, True), (64, 8192, False))  # (batch, context, split
 def test_geometry_sweep(benchmark, bench_cases, batch_ctx_split, geo):
     """Kernel geometry tuning: each variant's output must match the default geometry's."""
     import mlx.core as mx
-    import numpy as np
     from metal_attn.providers.classic.gpu import Geometry, launch_paged
 
     from metal_attn.bench.core import Shape
@@ -123,9 +123,7 @@ def test_geometry_sweep(benchmark, bench_cases, batch_ctx_split, geo):
         mx.eval(out)
         return out
 
-    ref = np.array(run(None).astype(mx.float32))
-    got = np.array(run().astype(mx.float32))
-    assert np.linalg.norm(got - ref) <= 1e-2 * np.linalg.norm(ref)
+    assert core.rel_l2(run(), run(None)) <= 1e-2
     benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=3)
     _machine(benchmark, lanes=geo[0], unroll=geo[1], hps=geo[2], batch=batch, context=context, split=split)
-    benchmark.extra_info["gbps"] = shape.kv_bytes / benchmark.stats.stats.median / 1e9
+    core.record_rates(benchmark, shape)

@@ -28,7 +28,7 @@ import dataclasses
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -70,9 +70,10 @@ def _build_batch() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def batch() -> dict[str, Any]:
-    mx.set_cache_limit(1 << 30)
-    return _build_batch()
+def batch() -> Iterator[dict[str, Any]]:
+    previous = mx.set_cache_limit(1 << 30)
+    yield _build_batch()
+    mx.set_cache_limit(previous)
 
 
 @pytest.fixture

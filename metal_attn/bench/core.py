@@ -664,6 +664,23 @@ def cpu_cache_limit() -> Iterator[None]:
         mx.set_cache_limit(previous)
 
 
+def record_rates(benchmark: Any, shape: Shape) -> None:
+    """Add the GB/s (K+V read once) and TFLOP/s of a pytest-benchmark fixture's median to its
+    ``extra_info`` (nothing when it did not time, e.g. under ``--benchmark-disable``)."""
+    stats = getattr(benchmark, "stats", None)
+    if stats is not None and stats.stats.median > 0:
+        median = stats.stats.median
+        benchmark.extra_info["gbps_median"] = shape.kv_bytes / median / 1e9
+        benchmark.extra_info["tflops_median"] = shape.flops / median / 1e12
+
+
+def rel_l2(got: Any, ref: Any) -> float:
+    """``||got - ref|| / ||ref||`` in float64 (MLX arrays or numpy; 0/0 counts as 0)."""
+    g = np.asarray(got.astype(mx.float32) if isinstance(got, mx.array) else got, dtype=np.float64)
+    r = np.asarray(ref.astype(mx.float32) if isinstance(ref, mx.array) else ref, dtype=np.float64)
+    return float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
+
+
 def _check(results: list[CandidateResult], shape: Shape) -> str | None:
     """Compare every candidate's output with a baseline (mlx_sdpa, else reference, else the first)."""
     have = [r for r in results if r.ok and r.output is not None]

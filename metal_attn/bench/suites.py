@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 
 from metal_attn.bench.core import Rows, Shape
+from metal_attn.constants import GQA_DECODE_GEOMETRIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,8 @@ PEER_TABLE_SHAPES: tuple[Shape, ...] = tuple(
 )
 
 #: Geometries (q heads, kv heads, head size) the GQA decode kernel admits at block size 16.
-GQA_GEOMETRIES: frozenset[tuple[int, int, int]] = frozenset({(32, 8, 128), (24, 4, 256), (16, 2, 128), (16, 2, 256)})
+GQA_GEOMETRIES: frozenset[tuple[int, int, int]] = frozenset(
+    g[:3] for g in GQA_DECODE_GEOMETRIES["cuda"] if g[3] == 16)
 
 _MIXED = (
     Shape.mix((Rows(8, 1, 4096), Rows(1, 512, 2048)), 32, 8, 128),
@@ -69,6 +71,9 @@ _MIXED = (
 _PREFILL = tuple(Shape(b, h, kvh, d, n, "bfloat16", q_len=n)
                  for b, h, kvh, d, n in ((1, 32, 8, 128, 4096), (4, 32, 8, 128, 2048), (1, 16, 2, 128, 16384)))
 _PREFILL += (Shape(1, 32, 8, 128, 8192, "bfloat16", q_len=1024),)
+
+#: What the CPU suites put next to each other.
+_CPU_CANDIDATES = ("classic", "reference", "gather_sdpa", "mlx_sdpa", "ceiling")
 
 
 def _gqa_shapes() -> tuple[Shape, ...]:
@@ -121,7 +126,7 @@ SUITES: dict[str, Suite] = {
             "decode on the CPU: batch 8, 32/8 heads, head 128, contexts 1K/4K/16K, float32 and bfloat16",
             "cpu",
             tuple(_decode(8, 32, 8, 128, n, dt) for dt in ("float32", "bfloat16") for n in (1024, 4096, 16384)),
-            ("classic", "reference", "gather_sdpa", "mlx_sdpa", "ceiling"),
+            _CPU_CANDIDATES,
             warmup=1,
             iters=5,
         ),
@@ -130,7 +135,7 @@ SUITES: dict[str, Suite] = {
             "causal prefill on the CPU: one 2048-token prompt, 32/8 heads, head 128, float32",
             "cpu",
             (Shape(1, 32, 8, 128, 2048, "float32", q_len=2048),),
-            ("classic", "reference", "gather_sdpa", "mlx_sdpa", "ceiling"),
+            _CPU_CANDIDATES,
             warmup=1,
             iters=3,
         ),
