@@ -574,7 +574,7 @@ static void reduce_item_t(const Job& job, int item) {
     sink_l2 = job.sinks[h] * kLog2e;
     gmax = sink_l2 > gmax ? sink_l2 : gmax;
   }
-  alignas(64) float accum[512];
+  alignas(64) float accum[kMaxHeadSize];
   for (int d = 0; d < D; ++d) accum[d] = 0.0f;
   float total = 0.0f;
   for (int z = 0; z < nparts; ++z) {

@@ -42,7 +42,7 @@ struct Job {
   const int32_t* tok_seq;  // query token -> its sequence
   const float* sinks;      // [H] or null
   void* out;               // [T, H, D] contiguous, dtype
-  int num_seqs, num_tokens, H, KVH, D, BS, group;
+  int H, KVH, D, BS, group;
   float scale;    // softmax scale (natural-log space)
   float softcap;  // 0: none
   int window;     // 0: none
@@ -54,7 +54,6 @@ struct Job {
   float* part_out;
   const Unit* units;
   int num_units;
-  int row_tile;
   int64_t work_floats;  // per-thread work buffer size (floats)
 };
 
@@ -70,6 +69,9 @@ MA_DECLARE_ISA(isa_portable)
 MA_DECLARE_ISA(isa_avx2)
 MA_DECLARE_ISA(isa_avx512)
 #endif
+
+// Largest head size the kernels take (the reducer's stack accumulator is this long).
+constexpr int kMaxHeadSize = 512;
 
 // Query heads processed together per row tile (rows * group ~ this many).
 constexpr int kQueryVectorsPerTile = 64;

@@ -360,8 +360,6 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     job.tok_seq = tok_seq.data();
     job.sinks = sinks ? sink_vals.data() : nullptr;
     job.out = out.data<void>();
-    job.num_seqs = S;
-    job.num_tokens = T;
     job.H = H;
     job.KVH = KVH;
     job.D = D;
@@ -377,7 +375,6 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     job.part_out = po.data();
     job.units = sorted.data();
     job.num_units = static_cast<int>(sorted.size());
-    job.row_tile = RT;
     job.work_floats = static_cast<int64_t>(std::max(RT * G, hpu * G)) * (2 * D + 2);
 
     const IsaFns fns = isa_fns(p.isa);

@@ -8,6 +8,8 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
+#include "kernel_api.h"  // kMaxHeadSize
+
 namespace metal_attn_native {
 
 namespace mx = mlx::core;
@@ -63,7 +65,5 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_cache, const mx
 
 std::vector<mx::array> reshape_and_cache(const mx::array& key, const mx::array& value, const mx::array& k_cache,
                                          const mx::array& v_cache, const mx::array& slot_mapping);
-
-constexpr int kMaxHeadSize = 512;
 
 }  // namespace metal_attn_native
