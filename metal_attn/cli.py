@@ -314,18 +314,14 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 # -- doctor ------------------------------------------------------------------------------------------
 
 def native_module_status() -> dict[str, Any]:
-    """Whether the compiled CPU module ``metal_attn._native`` imports, and why not."""
-    try:
-        importlib.import_module("mlx.core")  # MLX's nanobind types must be registered first
-        mod = importlib.import_module("metal_attn._native")
-    except ModuleNotFoundError as exc:
-        if exc.name == "metal_attn._native":
-            return {"status": "not built", "detail": "metal_attn._native is absent (the C++ CPU kernels were not "
-                    "built into this install; CPU providers that need it report themselves unavailable)"}
-        return {"status": "import failed", "detail": f"ModuleNotFoundError: {exc}"}
-    except Exception as exc:  # report it; the doctor never crashes
-        return {"status": "import failed", "detail": f"{type(exc).__name__}: {exc}"}
-    return {"status": "ok", "detail": getattr(mod, "__file__", None) or "built in"}
+    """Whether the compiled CPU module ``metal_attn._native`` imports, and why not (`metal_attn.native`)."""
+    from metal_attn import native
+
+    mod = native.load()
+    if mod is not None:
+        return {"status": "ok", "detail": getattr(mod, "__file__", None) or "built in"}
+    reason = native.unavailable_reason() or "unknown"
+    return {"status": "not built" if "is not built" in reason else "import failed", "detail": reason}
 
 
 def _setting_default(name: str) -> Any:

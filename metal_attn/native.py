@@ -51,11 +51,6 @@ def unavailable_reason() -> str | None:
     return _state.get("reason")  # type: ignore[return-value]
 
 
-def available() -> bool:
-    """Whether the native module loaded."""
-    return load() is not None
-
-
 def _reset_for_tests(module: ModuleType | None = None, reason: str | None = None) -> None:
     """Forget (or replace) the cached load result; tests use it to simulate a missing module."""
     with _lock:
