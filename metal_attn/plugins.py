@@ -62,14 +62,18 @@ def build_registry(
     for name in deny:
         pm.set_blocked(name)
 
+    def _failed(event: str, name: str, exc: Exception) -> None:
+        """Isolate a third-party failure: record it for `metal-attn doctor` and log it with its traceback."""
+        registry.load_errors[name] = f"{type(exc).__name__}: {exc}"
+        _log.error(event, plugin=name, reason=str(exc), traceback=traceback.format_exc())
+
     def _register(plugin: object, name: str, origin: Origin) -> None:
         if pm.is_blocked(name):
             return
         try:
             pm.register(plugin, name=name)
         except Exception as exc:
-            registry.load_errors[name] = f"{type(exc).__name__}: {exc}"
-            _log.error("plugin_load_failed", plugin=name, reason=str(exc), traceback=traceback.format_exc())
+            _failed("plugin_load_failed", name, exc)
             return
         origins[name] = origin
 
@@ -90,8 +94,7 @@ def build_registry(
             try:
                 plugin = ep.load()
             except Exception as exc:
-                registry.load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
-                _log.error("plugin_load_failed", plugin=ep.name, reason=str(exc), traceback=traceback.format_exc())
+                _failed("plugin_load_failed", ep.name, exc)
                 continue
             _register(plugin, ep.name, origin)
         if not seen_builtin and BUILTIN_PLUGIN not in deny:
@@ -106,10 +109,7 @@ def build_registry(
         try:
             impl.function(registrar=ProviderRegistrar(registry, origin))
         except Exception as exc:
-            registry.load_errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
-            _log.error(
-                "plugin_register_failed", plugin=impl.plugin_name, reason=str(exc), traceback=traceback.format_exc()
-            )
+            _failed("plugin_register_failed", impl.plugin_name, exc)
     return registry
 
 
