@@ -5,8 +5,8 @@
 - ``gqa_decode``: ``(CHUNK, PREFETCH)`` variants (tokens whose K/V loads are issued
   together; L2 prefetch of the next page) at each partition size, on the
   geometries of the CUDA table;
-- ``classic``: ``(lanes per token, unroll, PREFETCH)`` variants of the per-token kernel,
-  split and unsplit.
+- ``classic``: geometry variants of the per-token kernel (lanes per token, unroll, heads
+  per threadgroup and per simdgroup, direct or staged loads), split and unsplit.
 
 Bare kernel launches (no dispatch), timed pipelined (calls queued with
 ``mx.async_eval``, one wait per sample), medians of 10 samples. Every variant's
@@ -17,6 +17,7 @@ variant cannot win. The winners go into ``providers/gqa_decode.py::KERNEL_TUNING
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -39,15 +40,25 @@ GQA_SHAPES = (  # (batch, heads, kv_heads, head, context, block)
 GQA_TUNINGS = ((4, 0), (4, 1), (8, 1), (16, 1))
 CLASSIC_SHAPES = (  # (batch, heads, kv_heads, head, context, split)
     (8, 32, 8, 128, 4096, True),
+    (32, 32, 8, 128, 4096, True),
     (8, 32, 8, 128, 32768, True),
     (64, 32, 8, 128, 8192, False),
     (16, 16, 2, 128, 16384, True),
     (128, 32, 8, 128, 1024, False),
+    (1, 32, 8, 128, 32768, True),
     (1, 24, 4, 256, 65536, True),
 )
-#: (lanes per token, unroll, heads per threadgroup, PREFETCH); heads must divide every swept GQA group.
-CLASSIC_TUNINGS = ((16, 2, 2, 1), (16, 2, 2, 0), (16, 1, 2, 1), (8, 2, 2, 1), (8, 1, 2, 1), (4, 1, 1, 1),
-                   (16, 2, 1, 1))
+G = classic_gpu.Geometry
+#: (geometry, PREFETCH): direct loads (stage 0) and chunks staged through threadgroup memory
+#: (stage = tokens per chunk, stages = chunks in flight); variants a shape's group or head
+#: size cannot take are skipped.
+CLASSIC_TUNINGS = (
+    (G(8, 1, 2), 1), (G(8, 2, 2), 1), (G(16, 1, 2), 1),
+    (G(8, 2, 4, 1, 32, 2), 0), (G(8, 4, 4, 1, 32, 2), 0), (G(8, 2, 4, 1, 16, 4), 0), (G(8, 4, 4, 1, 16, 4), 0),
+    (G(8, 2, 4, 2, 32, 2), 0), (G(8, 1, 4, 1, 32, 2), 0),
+    (G(8, 2, 8, 2, 32, 2), 0), (G(8, 4, 8, 2, 32, 2), 0), (G(8, 2, 8, 2, 16, 4), 0), (G(8, 2, 8, 4, 32, 2), 0),
+    (G(16, 2, 6, 3, 16, 2), 0), (G(16, 2, 2, 1, 16, 2), 0), (G(16, 1, 2, 1, 16, 2), 0),
+)
 
 
 def _time(compute) -> float:
@@ -91,17 +102,16 @@ def sweep_classic(backend: str) -> list[dict]:
                                             backend=backend, geometry_override=geo, prefetch=prefetch)
 
         ref = np.array(launch().astype(mx.float32))
-        geo = classic_gpu.geometry(d, "bfloat16", backend, h // kvh, split)
-        shipped = (geo.lanes, geo.unroll, geo.hps, classic_gpu.PREFETCH_NEXT.get(backend, 0))
-        for lanes, unroll, hps, pf in dict.fromkeys((*CLASSIC_TUNINGS, shipped)):
-            if d % (4 * lanes) or (h // kvh) % hps:
+        shipped = (classic_gpu.geometry(d, "bfloat16", backend, h // kvh, split),
+                   classic_gpu.PREFETCH_NEXT.get(backend, 0))
+        for g, pf in dict.fromkeys((*CLASSIC_TUNINGS, shipped)):
+            if classic_gpu.geometry_problem(g, d, h // kvh, 2, backend):
                 continue
-            g = classic_gpu.Geometry(lanes, unroll, hps)
             err = rel_l2(launch(g, pf), ref)
             sec = _time(lambda g=g, pf=pf: launch(g, pf))
             row = {"kernel": "classic", "batch": batch, "heads": h, "kv_heads": kvh, "head": d, "context": n,
-                   "split": split, "lanes": lanes, "unroll": unroll, "hps": hps, "prefetch": pf,
-                   "shipped": (lanes, unroll, hps, pf) == shipped, "us": sec * 1e6,
+                   "split": split, "geometry": list(dataclasses.astuple(g)), "prefetch": pf,
+                   "shipped": (g, pf) == shipped, "us": sec * 1e6,
                    "gbps": case.shape.kv_bytes / sec / 1e9, "rel_l2_vs_shipped": err}
             assert err <= 1e-2, row
             rows.append(row)

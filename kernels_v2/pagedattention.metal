@@ -1,18 +1,27 @@
 // metal-attn: the classic per-token paged-attention kernel and the split-KV reducer.
 // Two kernel bodies, one per `// @kernel NAME` section; MLX writes the signatures.
 // Generated defines (from metal_attn/constants.py via metal_attn/kernels.py):
-//   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_SIMD_WIDTH, and per variant PA_SPLIT.
+//   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_SIMD_WIDTH, and per variant PA_SPLIT and
+//   PA_STAGED (template arguments are not macros, so the code paths they pick are defines).
 
 // @kernel paged_attention
 // One threadgroup per (HPS consecutive query heads, query row, partition). The HPS heads
-// share one KV head (HPS divides the GQA group), so each K/V row is read once for all of
-// them; the NUM_THREADS/32 simdgroups stride over the row's tokens (STEP tokens each in
-// turn) and merge their online-softmax states through threadgroup memory at the end.
+// share one KV head (HPS divides the GQA group). The NUM_THREADS/32 simdgroups form an
+// SG_H x SG_T grid: SG_H = HPS/HPW across heads (HPW heads a simdgroup, q and accumulators
+// in registers) and SG_T across tokens (each takes STEP tokens in turn); at the end the
+// token simdgroups merge their online-softmax states through threadgroup memory.
 // Within a simdgroup, TPT lanes hold one token (a lane: E head elements, 4 at a time) and
 // reduce its q.k with simd_shuffle_xor; the TPP = 32/TPT token slots keep separate states,
-// merged by a butterfly. Each iteration issues all its K/V loads (packed) before any
-// arithmetic and reads the next iteration's page ids, so the block-table read is off the
-// critical path; PREFETCH = 1 also asks L2 for the next iteration's rows (CUDA; no-op on Metal).
+// merged by a butterfly.
+// K/V rows reach the lanes one of two ways (PA_STAGED):
+// - PA_STAGED == 0, direct: each lane loads its slice of its token's rows from the pools. Each
+//   iteration issues all its K/V loads (packed) before any arithmetic and reads the next
+//   iteration's page ids, so the block-table read is off the critical path; PREFETCH = 1
+//   also asks L2 for the next iteration's rows (CUDA; a no-op on Metal).
+// - PA_STAGED == 1, staged: the threadgroup copies chunks of STAGE tokens' K and V rows into
+//   threadgroup memory, STAGES chunks in flight (CUDA: cp.async, the copy of the next chunks
+//   overlapping the arithmetic on this one; Metal: plain copies), and the lanes read their
+//   slices from there. Each row is read from the pools once for all HPS heads.
 // Inputs : q [T, H, D], k_cache/v_cache [NB, BS, KVH, D], block_tables [S, MB] int32,
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32, sinks [H] float32,
 //          params int32 [num_seqs, num_heads, num_kv_heads, max_blocks, window, max_parts, use_sinks],
@@ -20,12 +29,17 @@
 // Outputs: PA_SPLIT == 0: out [T, H, D] (T dtype)
 //          PA_SPLIT == 1: max_logits [T, H, P], exp_sums [T, H, P], tmp_out [T, H, P, D] (float32)
 // Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token),
-//           UNROLL (tokens per lane per iteration), HPS (heads per threadgroup), PREFETCH.
-constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;  // simdgroups, striding over tokens
+//           UNROLL (tokens per lane per iteration), HPS (heads per threadgroup), HPW (heads
+//           per simdgroup), PREFETCH, STAGE (tokens per staged chunk, 0 = direct), STAGES.
+constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;  // simdgroups
+constexpr int SG_H = HPS / HPW;                       // simdgroups across heads
+constexpr int SG_T = NUM_SG / SG_H;                   // simdgroups across tokens
 constexpr int NV = HEAD_SIZE / (4 * TPT);             // 4-element vectors per lane
 constexpr int E = 4 * NV;                             // head elements per lane
 constexpr int TPP = MA_SIMD_WIDTH / TPT;              // tokens per simdgroup pass
 constexpr int STEP = TPP * UNROLL;                    // tokens per simdgroup iteration
+static_assert(HPS % HPW == 0 && NUM_SG % SG_H == 0, "HPS/HPW simdgroups must divide the threadgroup");
+static_assert(STAGE % (SG_T * STEP) == 0, "a staged chunk is whole iterations of every token simdgroup");
 // L2 prefetch (PREFETCH = 1): 128-byte lines per K (or V) row of one KV head.
 constexpr int LINE_ELEMS = 128 / int(sizeof(T));
 constexpr int ROW_LINES = HEAD_SIZE / LINE_ELEMS > 0 ? HEAD_SIZE / LINE_ELEMS : 1;
@@ -42,12 +56,14 @@ const float softcap = fparams[1];
 
 const int lane = int(thread_index_in_simdgroup);
 const int sg = int(simdgroup_index_in_threadgroup);
+const int sgh = sg % SG_H;  // which HPW heads
+const int sgt = sg / SG_H;  // which share of the tokens
 const int tid = int(thread_position_in_threadgroup.x);
 const int head0 = int(threadgroup_position_in_grid.x) * HPS;
 const int qtok = int(threadgroup_position_in_grid.y);
 const int part = int(threadgroup_position_in_grid.z);
 // Every exit below depends on the threadgroup's (heads, row, partition) only: the whole
-// threadgroup leaves together, so the barrier at the end is reached by all or none.
+// threadgroup leaves together, so the barriers below are reached by all or none.
 if (head0 >= num_heads) {
   return;
 }
@@ -97,20 +113,21 @@ const int t_begin = win_start;
 const int t_end = ctx;
 #endif
 
-// This lane's slice of each head: vectors (sl + TPT * j), j < NV, of 4 elements.
+// This lane's slice of each of its heads: vectors (sl + TPT * j), j < NV, of 4 elements.
 const int sub = lane / TPT;
 const int sl = lane % TPT;
-float q_reg[HPS][E];
-for (int h = 0; h < HPS; ++h) {
+const int64_t my_head0 = row_head0 + sgh * HPW;
+float q_reg[HPW][E];
+for (int h = 0; h < HPW; ++h) {
   for (int j = 0; j < NV; ++j) {
-    ma_load4(q + (row_head0 + h) * HEAD_SIZE + (sl + TPT * j) * 4, &q_reg[h][4 * j]);
+    ma_load4(q + (my_head0 + h) * HEAD_SIZE + (sl + TPT * j) * 4, &q_reg[h][4 * j]);
   }
 }
 
-float m[HPS];
-float l[HPS];
-float acc[HPS][E];
-for (int h = 0; h < HPS; ++h) {
+float m[HPW];
+float l[HPW];
+float acc[HPW][E];
+for (int h = 0; h < HPW; ++h) {
   m[h] = MA_NEG_FLT_MAX;
   l[h] = 0.0f;
   for (int e = 0; e < E; ++e) {
@@ -121,127 +138,188 @@ for (int h = 0; h < HPS; ++h) {
 const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
 const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
-constexpr int STRIDE = NUM_SG * STEP;  // tokens between a simdgroup's iterations
 
+#if PA_STAGED
+// Staged: chunk c (tokens t_begin + c * STAGE ...) goes to stage c % STAGES, its K rows then
+// its V rows, each row PITCH elements apart (64 bytes of padding, so that the two tokens a
+// half-simdgroup reads sit in different banks).
+constexpr int VEC16 = 16 / int(sizeof(T));             // elements per 16-byte copy
+constexpr int ROW_COPIES = HEAD_SIZE / VEC16;          // copies per row
+constexpr int PITCH = HEAD_SIZE + 64 / int(sizeof(T));
+constexpr int STAGE_ELEMS = 2 * STAGE * PITCH;
+threadgroup T kv_stage[STAGES * STAGE_ELEMS];
+const int n_chunks = (t_end - t_begin + STAGE - 1) / STAGE;
+// Every thread copies some 16-byte pieces of the chunk; tokens past the end are zero-filled.
+#define MA_STAGE_CHUNK(c)                                                                        \
+  for (int i = tid; i < 2 * STAGE * ROW_COPIES; i += NUM_THREADS) {                            \
+    const int r = i / ROW_COPIES;                                                               \
+    const int tok = t_begin + (c) * STAGE + r % STAGE;                                          \
+    const bool live = tok < t_end;                                                              \
+    const int pg = live ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;                          \
+    const int64_t src = (int64_t(pg) * BLOCK_SIZE + (live ? tok % BLOCK_SIZE : 0)) * tok_stride \
+                        + head_off + (i % ROW_COPIES) * VEC16;                                  \
+    ma_async_copy16(kv_stage + ((c) % STAGES) * STAGE_ELEMS + r * PITCH + (i % ROW_COPIES) * VEC16, \
+                    (r < STAGE ? k_cache : v_cache) + src, live);                               \
+  }
+for (int c = 0; c < STAGES - 1; ++c) {
+  if (c < n_chunks) {
+    MA_STAGE_CHUNK(c)
+  }
+  ma_async_commit();
+}
+for (int c = 0; c < n_chunks; ++c) {
+  if (c + STAGES - 1 < n_chunks) {
+    MA_STAGE_CHUNK(c + STAGES - 1)  // into the stage chunk c - 1 used (all done reading it)
+  }
+  ma_async_commit();
+  ma_async_wait<STAGES - 1>();  // this thread's pieces of chunk c have landed
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // ... and everyone's
+  const int cb = t_begin + c * STAGE;
+  // (offsets, not pointers: CUDA's `threadgroup` is a storage class, not a pointer qualifier)
+  const int k_tile = (c % STAGES) * STAGE_ELEMS;
+  const int v_tile = k_tile + STAGE * PITCH;
+  for (int base = cb + sgt * STEP; base < cb + STAGE; base += SG_T * STEP) {
+#else
+constexpr int STRIDE = SG_T * STEP;  // tokens between a simdgroup's iterations
 // Page ids one iteration ahead: blk[u] is the page of token base + u * TPP + sub.
 int blk[UNROLL];
 for (int u = 0; u < UNROLL; ++u) {
-  const int tok = t_begin + sg * STEP + u * TPP + sub;
+  const int tok = t_begin + sgt * STEP + u * TPP + sub;
   blk[u] = tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;
 }
-
-for (int base = t_begin + sg * STEP; base < t_end; base += STRIDE) {
-  // Every K/V load of the iteration first (packed registers), then the next ids.
-  ma_raw4<T> kraw[UNROLL][NV];
-  ma_raw4<T> vraw[UNROLL][NV];
-  bool ok[UNROLL];
+{
+  for (int base = t_begin + sgt * STEP; base < t_end; base += STRIDE) {
+#endif
+    // Every K/V load of the iteration first (packed registers).
+    ma_raw4<T> kraw[UNROLL][NV];
+    ma_raw4<T> vraw[UNROLL][NV];
+    bool ok[UNROLL];
 #pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    const int tok = base + u * TPP + sub;
-    ok[u] = tok < t_end;
-    if (ok[u]) {
-      const int64_t addr = (int64_t(blk[u]) * BLOCK_SIZE + tok % BLOCK_SIZE) * tok_stride + head_off;
+    for (int u = 0; u < UNROLL; ++u) {
+      const int tok = base + u * TPP + sub;
+      ok[u] = tok < t_end;
+#if PA_STAGED
+      const int row = (tok - cb) * PITCH;  // zero-filled past the end: always safe to read
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        kraw[u][j] = ma_load_raw4(k_cache + addr + (sl + TPT * j) * 4);
-        vraw[u][j] = ma_load_raw4(v_cache + addr + (sl + TPT * j) * 4);
+        kraw[u][j] = ma_tg_load_raw4(kv_stage + k_tile + row + (sl + TPT * j) * 4);
+        vraw[u][j] = ma_tg_load_raw4(kv_stage + v_tile + row + (sl + TPT * j) * 4);
       }
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    const int tok = base + STRIDE + u * TPP + sub;
-    blk[u] = tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;
-    if (PREFETCH && tok < t_end) {
-      // The TPT lanes of a token share its K and V rows' 128-byte lines.
-      const int64_t addr = (int64_t(blk[u]) * BLOCK_SIZE + tok % BLOCK_SIZE) * tok_stride + head_off;
-      for (int i = sl; i < 2 * ROW_LINES; i += TPT) {
-        const int64_t off = addr + (i % ROW_LINES) * LINE_ELEMS;
-        if (i < ROW_LINES) {
-          ma_prefetch(k_cache + off);
-        } else {
-          ma_prefetch(v_cache + off);
-        }
-      }
-    }
-  }
-  // K converted once, used by every head.
-  float kf[UNROLL][E];
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
+#else
       if (ok[u]) {
-        ma_unpack4(kraw[u][j], &kf[u][4 * j]);
-      } else {
-        for (int c = 0; c < 4; ++c) {
-          kf[u][4 * j + c] = 0.0f;
+        const int64_t addr = (int64_t(blk[u]) * BLOCK_SIZE + tok % BLOCK_SIZE) * tok_stride + head_off;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          kraw[u][j] = ma_load_raw4(k_cache + addr + (sl + TPT * j) * 4);
+          vraw[u][j] = ma_load_raw4(v_cache + addr + (sl + TPT * j) * 4);
+        }
+      }
+#endif
+    }
+#if !PA_STAGED
+    // The next iteration's page ids (and, with PREFETCH, its rows into L2).
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int tok = base + STRIDE + u * TPP + sub;
+      blk[u] = tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;
+      if (PREFETCH && tok < t_end) {
+        // The TPT lanes of a token share its K and V rows' 128-byte lines.
+        const int64_t addr = (int64_t(blk[u]) * BLOCK_SIZE + tok % BLOCK_SIZE) * tok_stride + head_off;
+        for (int i = sl; i < 2 * ROW_LINES; i += TPT) {
+          const int64_t off = addr + (i % ROW_LINES) * LINE_ELEMS;
+          if (i < ROW_LINES) {
+            ma_prefetch(k_cache + off);
+          } else {
+            ma_prefetch(v_cache + off);
+          }
         }
       }
     }
-  }
-  float p[HPS][UNROLL];
-#pragma unroll
-  for (int h = 0; h < HPS; ++h) {
-    float s[UNROLL];
+#endif
+    // K converted once, used by every head.
+    float kf[UNROLL][E];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      s[u] = 0.0f;
-      for (int e = 0; e < E; ++e) {
-        s[u] += q_reg[h][e] * kf[u][e];
-      }
-    }
-    // Reduce each token's partial dot over its TPT lanes (all 32 lanes take part).
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      for (int o = TPT / 2; o > 0; o >>= 1) {
-        s[u] += simd_shuffle_xor(s[u], ushort(o));
-      }
-    }
-    float m_new = m[h];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      s[u] = ok[u] ? ma_score(s[u], score_scale, softcap) : MA_NEG_FLT_MAX;
-      m_new = metal::max(m_new, s[u]);
-    }
-    if (m_new > m[h]) {
-      // Rescale only when the running max grows (alpha would be exactly 1 otherwise):
-      // after the first tokens of a row this is rare, and it saves E multiplies a step.
-      const float alpha = ma_rescale(m[h], m_new);
-      l[h] *= alpha;
-      for (int e = 0; e < E; ++e) {
-        acc[h][e] *= alpha;
-      }
-      m[h] = m_new;
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      p[h][u] = ok[u] ? metal::exp2(s[u] - m_new) : 0.0f;
-      l[h] += p[h][u];
-    }
-  }
-  // V converted once, accumulated into every head.
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    if (ok[u]) {
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        float vr[4];
-        ma_unpack4(vraw[u][j], vr);
+        if (ok[u]) {
+          ma_unpack4(kraw[u][j], &kf[u][4 * j]);
+        } else {
+          for (int c4 = 0; c4 < 4; ++c4) {
+            kf[u][4 * j + c4] = 0.0f;
+          }
+        }
+      }
+    }
+    float p[HPW][UNROLL];
 #pragma unroll
-        for (int h = 0; h < HPS; ++h) {
-          for (int c = 0; c < 4; ++c) {
-            acc[h][4 * j + c] += p[h][u] * vr[c];
+    for (int h = 0; h < HPW; ++h) {
+      float s[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        s[u] = 0.0f;
+        for (int e = 0; e < E; ++e) {
+          s[u] += q_reg[h][e] * kf[u][e];
+        }
+      }
+      // Reduce each token's partial dot over its TPT lanes (all 32 lanes take part).
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        for (int o = TPT / 2; o > 0; o >>= 1) {
+          s[u] += simd_shuffle_xor(s[u], ushort(o));
+        }
+      }
+      float m_new = m[h];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        s[u] = ok[u] ? ma_score(s[u], score_scale, softcap) : MA_NEG_FLT_MAX;
+        m_new = metal::max(m_new, s[u]);
+      }
+      if (m_new > m[h] + MA_RESCALE_SLACK) {
+        // Rescale only when the max outgrows the reference by more than the slack: the
+        // token slots of a simdgroup would otherwise take this branch (E multiplies a head)
+        // almost every step between them; probabilities stay below 2^MA_RESCALE_SLACK. The
+        // first live token always rescales (the reference starts at -FLT_MAX).
+        const float alpha = ma_rescale(m[h], m_new);
+        l[h] *= alpha;
+        for (int e = 0; e < E; ++e) {
+          acc[h][e] *= alpha;
+        }
+        m[h] = m_new;
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        p[h][u] = ok[u] ? metal::exp2(s[u] - m[h]) : 0.0f;
+        l[h] += p[h][u];
+      }
+    }
+    // V converted once, accumulated into every head.
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (ok[u]) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          float vr[4];
+          ma_unpack4(vraw[u][j], vr);
+#pragma unroll
+          for (int h = 0; h < HPW; ++h) {
+            for (int c4 = 0; c4 < 4; ++c4) {
+              acc[h][4 * j + c4] += p[h][u] * vr[c4];
+            }
           }
         }
       }
     }
   }
+#if PA_STAGED
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // chunk c's stage may be refilled now
+#undef MA_STAGE_CHUNK
+#endif
 }
 
 // Merge the simdgroup's token slots (lanes sl, sl + TPT, ... hold the same slice);
 // after the butterfly every slot holds the merged state.
-for (int h = 0; h < HPS; ++h) {
+for (int h = 0; h < HPW; ++h) {
   for (int o = TPT; o < MA_SIMD_WIDTH; o <<= 1) {
     const float m_o = simd_shuffle_xor(m[h], ushort(o));
     const float l_o = simd_shuffle_xor(l[h], ushort(o));
@@ -256,19 +334,20 @@ for (int h = 0; h < HPS; ++h) {
   }
 }
 
-// Merge the simdgroups through threadgroup memory: each writes its (max, sum, acc) per
-// head, then every thread combines some (head, element) pairs across simdgroups.
-threadgroup float sg_stats[NUM_SG * HPS * 2];
-threadgroup float sg_acc[NUM_SG * HPS * HEAD_SIZE];
-for (int h = 0; h < HPS; ++h) {
+// Merge the token simdgroups through threadgroup memory: each writes its (max, sum, acc)
+// per head, then every thread combines some (head, element) pairs across them.
+threadgroup float sg_stats[SG_T * HPS * 2];
+threadgroup float sg_acc[SG_T * HPS * HEAD_SIZE];
+for (int h = 0; h < HPW; ++h) {
+  const int slot = sgt * HPS + sgh * HPW + h;
   if (lane == 0) {
-    sg_stats[(sg * HPS + h) * 2] = m[h];
-    sg_stats[(sg * HPS + h) * 2 + 1] = l[h];
+    sg_stats[slot * 2] = m[h];
+    sg_stats[slot * 2 + 1] = l[h];
   }
   if (sub == 0) {
     for (int j = 0; j < NV; ++j) {
-      for (int c = 0; c < 4; ++c) {
-        sg_acc[(sg * HPS + h) * HEAD_SIZE + (sl + TPT * j) * 4 + c] = acc[h][4 * j + c];
+      for (int c4 = 0; c4 < 4; ++c4) {
+        sg_acc[slot * HEAD_SIZE + (sl + TPT * j) * 4 + c4] = acc[h][4 * j + c4];
       }
     }
   }
@@ -279,12 +358,12 @@ for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
   const int h = i / HEAD_SIZE;
   const int d = i % HEAD_SIZE;
   float g_max = MA_NEG_FLT_MAX;
-  for (int w = 0; w < NUM_SG; ++w) {
+  for (int w = 0; w < SG_T; ++w) {
     g_max = metal::max(g_max, sg_stats[(w * HPS + h) * 2]);
   }
   float total = 0.0f;
   float o = 0.0f;
-  for (int w = 0; w < NUM_SG; ++w) {
+  for (int w = 0; w < SG_T; ++w) {
     const float wgt = ma_rescale(sg_stats[(w * HPS + h) * 2], g_max);
     total += sg_stats[(w * HPS + h) * 2 + 1] * wgt;
     o += sg_acc[(w * HPS + h) * HEAD_SIZE + d] * wgt;
@@ -312,9 +391,10 @@ for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
 
 // @kernel paged_attention_v2_reduce
 // The split-KV reducer, shared by every kernel that writes the split contract:
-// max_logits (log2 space), exp_sums (un-normalised) and tmp_out (divided by
-// exp_sums + eps) per (query row, head, partition); neutral partials carry
-// max = -FLT_MAX, sum = 0. Sinks are folded once, here.
+// max_logits (a reference maximum in log2 space: the partition's maximum, or up to
+// MA_RESCALE_SLACK below it), exp_sums (un-normalised, relative to that reference) and
+// tmp_out (divided by exp_sums + eps) per (query row, head, partition); neutral partials
+// carry max = -FLT_MAX, sum = 0. Sinks are folded once, here.
 // One threadgroup per (query head, query row); NUM_THREADS threads.
 // Inputs : max_logits [T, H, P] f32, exp_sums [T, H, P] f32, tmp_out [T, H, P, D] (TT),
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32, sinks [H] f32,

@@ -166,6 +166,30 @@ MA_FUNC void ma_unpack4(ma_raw4<__nv_bfloat16> r, float* out) {
   out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
 }
 
+// The same four elements read from threadgroup memory (a staged tile).
+template <typename U>
+MA_FUNC ma_raw4<U> ma_tg_load_raw4(const U* p) {
+  return ma_load_raw4(p);
+}
+
+// Asynchronous 16-byte copies from device into threadgroup memory (cp.async, bypassing
+// registers and L1): `live == false` zero-fills the destination without reading `src`.
+// Copies issued since the last commit form a group; ma_async_wait<N>() returns once at
+// most N of this thread's groups are still in flight (a threadgroup barrier must follow
+// before other threads read what this one copied).
+template <typename U>
+MA_FUNC void ma_async_copy16(U* dst, const U* src, bool live) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(live ? 16 : 0));
+}
+MA_FUNC void ma_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+MA_FUNC void ma_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // Ask L2 for the 128-byte line holding `p` (no register, no wait): used one page
 // ahead so that the page's loads later hit L2 instead of DRAM.
 template <typename U>

@@ -49,6 +49,31 @@ MA_FUNC void ma_unpack4(ma_raw4<U> r, thread float* out) {
   out[3] = static_cast<float>(r.v[3]);
 }
 
+// The same four elements read from threadgroup memory (a staged tile).
+template <typename U>
+MA_FUNC ma_raw4<U> ma_tg_load_raw4(const threadgroup U* p) {
+  ma_raw4<U> r;
+  r.v[0] = p[0];
+  r.v[1] = p[1];
+  r.v[2] = p[2];
+  r.v[3] = p[3];
+  return r;
+}
+
+// 16 bytes from device into threadgroup memory (zeros when `live` is false). The CUDA
+// prelude issues these asynchronously and commits/waits on groups of them; here the copy
+// is done when the call returns, so commit and wait have nothing to do (the threadgroup
+// barrier that follows a wait in the kernels is still what makes the copies visible).
+template <typename U>
+MA_FUNC void ma_async_copy16(threadgroup U* dst, const device U* src, bool live) {
+  for (int i = 0; i < int(16 / sizeof(U)); ++i) {
+    dst[i] = live ? src[i] : U(0.0f);
+  }
+}
+MA_FUNC void ma_async_commit() {}
+template <int N>
+MA_FUNC void ma_async_wait() {}
+
 // An L2 prefetch on CUDA; Metal has no equivalent, so this is a no-op here.
 template <typename U>
 MA_FUNC void ma_prefetch(const device U* p) {

@@ -23,6 +23,13 @@ KERNEL_BLOCK_SIZES: Final[tuple[int, ...]] = (32, 16, 8)
 #: Epsilon of the final normalisation ``acc / (l + SOFTMAX_EPS)``; part of the split contract.
 SOFTMAX_EPS: Final[float] = 1e-6
 
+#: How far (log2 space) a running maximum may trail the scores before the per-token kernel
+#: rescales its accumulators: probabilities then reach at most ``2**RESCALE_SLACK`` (fp32 holds
+#: that for any context), and a rescale happens only when the maximum grows by more than this,
+#: not each time it grows. A split partial's max_logits is its reference maximum, at most this
+#: far below the partition's true maximum; the reducer's arithmetic holds for any reference.
+RESCALE_SLACK: Final[float] = 8.0
+
 #: log2(e): scores are multiplied by it so that every exponential is an ``exp2``.
 LOG2E: Final[float] = 1.4426950408889634
 

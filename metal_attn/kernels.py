@@ -52,6 +52,7 @@ def generated_defines() -> dict[str, str]:
         "MA_LOG2E": f"{constants.LOG2E!r}f",
         "MA_NEG_FLT_MAX": f"({constants.NEG_FLT_MAX!r}f)",
         "MA_SOFTMAX_EPS": f"{constants.SOFTMAX_EPS!r}f",
+        "MA_RESCALE_SLACK": f"{constants.RESCALE_SLACK!r}f",
         "MA_PARTITION_SIZE": str(constants.PARTITION_SIZE),
         "MA_SIMD_WIDTH": str(SIMD_WIDTH),
     }

@@ -232,10 +232,9 @@ class TiledPrefillProvider(Provider):
 
         md = inputs.metadata
         n_dec = md.num_decode_seqs
-        lanes, unroll, hps = decode_spec[5:8]
         decode = classic_gpu.launch_paged(
             inputs.q, inputs.k_cache, inputs.v_cache, md, split=decode_spec[4] > 0, rows=n_dec,
-            geometry_override=classic_gpu.Geometry(lanes, unroll, hps), **common)
+            geometry_override=classic_gpu.plan_geometry(decode_spec), **common)
         prefill = launch(inputs.q, inputs.k_cache, inputs.v_cache, md, config=cfg, first_seq=n_dec, **common)
         return mx.concatenate([decode, prefill[n_dec:]], axis=0)
 

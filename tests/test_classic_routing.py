@@ -39,9 +39,12 @@ def test_full_grid_does_not_split():
     assert row.plan.route == "per_token_ps0" and row.plan.partition_size == 0
     assert "num_heads*total_q_tokens=8*40=320 >= 8*gpu_cores=8*40=320" in " ".join(row.plan.notes)
     assert row.plan.grid == (8 * 128, 40, 1)
-    # On the H200 two query heads of a KV head share a threadgroup: 8 heads, 4 threadgroups.
+    # On the H200 the four query heads of a KV head share a threadgroup (staged loads, two heads
+    # a simdgroup on a large grid): 8 heads, 2 threadgroups.
     _, row = _classic_row(q_lens=[1] * 40, seq_lens=[8192] * 40, device="h200")
-    assert row.plan.grid[0] == 4 * 128 and "heads_per_threadgroup=2" in " ".join(row.plan.notes)
+    notes = " ".join(row.plan.notes)
+    assert row.plan.grid[0] == 2 * 128 and "heads_per_threadgroup=4 heads_per_simdgroup=2" in notes
+    assert "staged chunks of 32 tokens, 2 in flight" in notes
 
 
 def test_single_partition_does_not_split():
@@ -126,18 +129,31 @@ def test_lanes_per_token_geometry():
     assert geometry(112, "float32") == Geometry(4, 1, 1)
     assert geometry(256, "float16") == Geometry(8, 1, 1)
     assert geometry(64, "float32") == Geometry(8, 2, 1)
-    # CUDA (H200): 16 elements per lane where the vectors allow it, two heads of a GQA group per
-    # threadgroup (heads x elements <= 32), 2 tokens unrolled on the unsplit route only.
-    assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(8, 2, 2)
-    assert geometry(128, "bfloat16", "cuda", group=4, split=True) == Geometry(8, 1, 2)
-    assert geometry(128, "bfloat16", "cuda", group=8, split=True) == Geometry(8, 1, 2)
+    # CUDA (H200), direct loads: 16 elements per lane where the vectors allow it, two heads of a GQA
+    # group per threadgroup (heads x elements <= 32), 2 tokens unrolled on the unsplit route only;
+    # groups below 4 and head sizes the staging sweep did not measure.
     assert geometry(128, "bfloat16", "cuda", group=1) == Geometry(8, 2, 1)
+    assert geometry(128, "bfloat16", "cuda", group=2, split=True) == Geometry(8, 1, 2)
     assert geometry(128, "bfloat16", "cuda", group=3) == Geometry(8, 2, 1)
-    assert geometry(256, "bfloat16", "cuda", group=6, split=True) == Geometry(16, 1, 2)
     assert geometry(64, "float16", "cuda", group=4) == Geometry(4, 2, 2)
     assert geometry(80, "float16", "cuda", group=4) == Geometry(4, 1, 1)  # 20 elements a lane: one head
     assert geometry(96, "float16", "cuda", group=4) == Geometry(4, 1, 1)  # 24 elements a lane
     assert geometry(192, "bfloat16", "cuda", group=6) == Geometry(8, 1, 1)  # 48 vectors: 8 lanes x 6
+    # CUDA, staged loads (groups >= 4, heads 128 and 256): the whole group in one threadgroup; two
+    # heads a simdgroup (unroll 2) unless a split grid is small (< 6 threadgroups a core: one head,
+    # unroll 4); chunks of 32 tokens, halved until two fit in 40 KiB.
+    assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(8, 2, 4, 2, 32, 2)
+    assert geometry(128, "bfloat16", "cuda", group=4, split=True, kv_items_per_core=31.0) == Geometry(8, 2, 4, 2, 32, 2)
+    assert geometry(128, "bfloat16", "cuda", group=4, split=True, kv_items_per_core=3.9) == Geometry(8, 4, 4, 1, 32, 2)
+    assert geometry(128, "bfloat16", "cuda", group=4, split=False, kv_items_per_core=3.9) == Geometry(8, 2, 4, 2, 32, 2)
+    # group 8: eight heads need two a simdgroup (unroll 2) even on a small grid
+    assert geometry(128, "bfloat16", "cuda", group=8, split=True, kv_items_per_core=1.0) == Geometry(8, 2, 8, 2, 32, 2)
+    # head 256, group 6: three heads a simdgroup (6 / 3 = 2 simdgroups across heads), chunks of 16
+    assert geometry(256, "bfloat16", "cuda", group=6, split=True, kv_items_per_core=3.9) == Geometry(16, 2, 6, 3, 16, 2)
+    # float32 rows are twice as wide: chunks of 16
+    assert geometry(128, "float32", "cuda", group=4) == Geometry(8, 2, 4, 2, 16, 2)
+    # group 16: eight heads a threadgroup (the largest divisor up to 8)
+    assert geometry(128, "float16", "cuda", group=16) == Geometry(8, 2, 8, 2, 32, 2)
     with pytest.raises(ValueError, match="head_size=66"):
         geometry(66, "float16")
 

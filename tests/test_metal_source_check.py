@@ -19,8 +19,9 @@ def test_every_classic_specialization_type_checks():
     result = msl_check.check()
     assert result.ok, result.summary()
     assert result.count == len(specs)
-    # dtypes x heads x blocks x {unsplit, split}; a reducer per (dtype, head); a cache writer per dtype
-    assert result.count == 3 * 7 * 3 * 2 + 3 * 7 + 3
+    # dtypes x heads x blocks x {unsplit, split} x {direct, staged loads}; a reducer per (dtype, head);
+    # a cache writer per dtype
+    assert result.count == 3 * 7 * 3 * 2 * 2 + 3 * 7 + 3
 
 
 def test_generated_source_is_mlx_signature_plus_our_text():
@@ -47,8 +48,8 @@ def test_planted_undeclared_name_fails(planted_kernels):
 
 def test_planted_type_mismatch_fails(planted_kernels):
     # A dependent-type error (T* vs float*): only an instantiated template reveals it.
-    d = planted_kernels("pagedattention.metal", "float q_reg[HPS][E];",
-                        "device float* wrong = k_cache;\nfloat q_reg[HPS][E];")
+    d = planted_kernels("pagedattention.metal", "float q_reg[HPW][E];",
+                        "device float* wrong = k_cache;\nfloat q_reg[HPW][E];")
     result = msl_check.check(only=ONLY, kernels_dir=d)
     assert not result.ok
     assert any("cannot initialize" in e or "incompatible" in e for e in result.errors), result.summary()

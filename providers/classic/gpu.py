@@ -78,6 +78,46 @@ GEOMETRY_RULES: dict[str, GeometryRule] = {
     "cuda": GeometryRule(max_lanes=32, min_elements=16, unroll_up_to=0, unroll_up_to_unsplit=16,
                          hps_choices=(4, 3, 2, 1), hps_element_budget=32),
 }
+@dataclasses.dataclass(frozen=True)
+class StagingRule:
+    """When and how the per-token kernel stages K/V chunks through threadgroup memory (data).
+
+    Staged launches give one threadgroup every head of a GQA group (``HPS`` = the group, or its
+    largest divisor up to ``max_heads``), so each K/V row is read from the pools once. They apply
+    to groups of at least ``min_group`` heads and to the ``head_sizes`` the sweep measured; other
+    requests keep direct loads (the established geometry).
+
+    - heads per simdgroup (HPW): ``hpw_small_grid`` on split launches with fewer than
+      ``small_grid_per_core`` threadgroups per GPU core (short partitions, few of them: each
+      simdgroup needs its own instruction-level parallelism), else ``hpw``; raised to the first
+      divisor of HPS that leaves at most NUM_THREADS/32 simdgroups across heads;
+    - tokens unrolled per lane: ``unroll_one_head`` when a simdgroup holds one head, else
+      ``unroll_more_heads``;
+    - ``chunk`` tokens per staged chunk (halved until the chunks fit the threadgroup-memory
+      limit), ``stages`` chunks in flight.
+    """
+
+    min_group: int
+    head_sizes: tuple[int, ...]
+    max_heads: int
+    hpw: int
+    hpw_small_grid: int
+    small_grid_per_core: float
+    unroll_one_head: int
+    unroll_more_heads: int
+    chunk: int
+    stages: int
+
+
+#: CUDA: the H200 sweep (docs/bench-h200-classic.md, `benchmarks/sweep_gpu_tuning.py classic`).
+#: Metal: none (direct loads, upstream's shape; nothing here measures an Apple GPU).
+STAGING_RULES: dict[str, StagingRule] = {
+    "cuda": StagingRule(min_group=4, head_sizes=(128, 256), max_heads=8, hpw=2, hpw_small_grid=1,
+                        small_grid_per_core=6.0, unroll_one_head=4, unroll_more_heads=2, chunk=32, stages=2),
+}
+#: Threadgroup memory the staged chunks may take, per backend: CUDA's static limit is 48 KiB a
+#: threadgroup, Apple GPUs have 32 KiB; the rest is left to the simdgroup merge arrays.
+STAGE_BYTES_LIMIT = {"metal": 24 * 1024, "cuda": 40 * 1024}
 #: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
 #: Metal has no such instruction and the kernel's prefetch is a no-op there).
 PREFETCH_NEXT = {"metal": 0, "cuda": 1}
@@ -90,22 +130,84 @@ class Geometry:
     lanes: int  # lanes per token (TPT)
     unroll: int  # tokens per lane per iteration
     hps: int  # query heads per threadgroup (all of one KV head)
+    hpw: int = 0  # query heads per simdgroup (0: all ``hps``, the simdgroups split the tokens)
+    stage: int = 0  # tokens per chunk staged through threadgroup memory (0: direct loads)
+    stages: int = 2  # staged chunks in flight
+
+    def __post_init__(self) -> None:
+        if self.hpw == 0:
+            object.__setattr__(self, "hpw", self.hps)
+
+    @property
+    def simdgroups_across_heads(self) -> int:
+        return self.hps // self.hpw
+
+    def stage_bytes(self, head_size: int, itemsize: int) -> int:
+        """Threadgroup memory of the staged chunks (rows padded by 64 bytes, as the kernel lays them out)."""
+        return self.stages * 2 * self.stage * (head_size * itemsize + 64) if self.stage else 0
 
 
 def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: int = 1,
-             split: bool = False) -> Geometry:
-    """The kernel geometry for ``head_size`` on ``backend``, GQA ``group`` query heads per KV head, route ``split``."""
-    del dtype  # the same geometry for every dtype (registers hold float32 either way)
+             split: bool = False, kv_items_per_core: float | None = None) -> Geometry:
+    """The kernel geometry for ``head_size`` on ``backend``, GQA ``group`` query heads per KV head, route ``split``.
+
+    ``kv_items_per_core``: (KV heads x query rows x partitions) / GPU cores of the launch, for
+    the staging rule's small-grid choice (None: treated as a large grid).
+    """
     vecs = head_size // 4
     if head_size % 4 or vecs == 0:
         raise ValueError(f"head_size={head_size} has no lane geometry (need a positive multiple of 4)")
     rule = GEOMETRY_RULES.get(backend, GEOMETRY_RULES["metal"])
     lanes = next(t for t in (32, 16, 8, 4, 2, 1)
                  if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
+    staged = _staged_geometry(STAGING_RULES.get(backend), backend, head_size, _itemsize(dtype), lanes, group,
+                              split, kv_items_per_core)
+    if staged is not None:
+        return staged
     elements = head_size // lanes
     unroll = 2 if elements <= (rule.unroll_up_to if split else rule.unroll_up_to_unsplit) else 1
     hps = next((h for h in rule.hps_choices if group % h == 0 and h * elements <= rule.hps_element_budget), 1)
     return Geometry(lanes, unroll, hps)
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _itemsize(dtype: str | None) -> int:
+    return 4 if dtype in (None, "float32") else 2  # unknown dtype: size the chunks for the widest
+
+
+def _staged_geometry(rule: StagingRule | None, backend: str, head_size: int, itemsize: int, lanes: int,
+                     group: int, split: bool, kv_items_per_core: float | None) -> Geometry | None:
+    """The staged geometry `StagingRule` gives, or None where it does not apply."""
+    if rule is None or group < rule.min_group or head_size not in rule.head_sizes:
+        return None
+    simdgroups = NUM_THREADS // 32
+    hps = max(d for d in range(1, min(group, rule.max_heads) + 1) if group % d == 0)
+    small = split and kv_items_per_core is not None and kv_items_per_core * group / hps < rule.small_grid_per_core
+    target = rule.hpw_small_grid if small else rule.hpw
+    hpw = next((h for h in range(target, hps + 1) if hps % h == 0 and simdgroups % (hps // h) == 0), None)
+    if hpw is None:
+        return None
+    unroll = rule.unroll_one_head if hpw == 1 else rule.unroll_more_heads
+    per_pass = (simdgroups // (hps // hpw)) * (32 // lanes) * unroll
+    chunk = rule.chunk
+    while chunk >= per_pass:
+        geo = Geometry(lanes, unroll, hps, hpw, chunk, rule.stages)
+        if chunk % per_pass == 0 and geo.stage_bytes(head_size, itemsize) <= STAGE_BYTES_LIMIT[backend]:
+            return geo
+        chunk //= 2
+    return None
+
+
+def source_check_geometries(head_size: int, dtype: str, split: bool) -> list[Geometry]:
+    """The geometries whose Metal text the source check type-checks: Metal's own (direct loads)
+    and one staged chunk per token simdgroup pass (the staged code path the CUDA table chooses;
+    the text is checked, whether or not Apple's threadgroup memory would hold that chunk)."""
+    del dtype  # one geometry for every dtype
+    geo = geometry(head_size, None, "metal", split=split)
+    return [geo, Geometry(geo.lanes, 1, 1, 1, (NUM_THREADS // 32) * (32 // geo.lanes), 2)]
 
 
 def _backend() -> str:
@@ -117,6 +219,32 @@ def _backend() -> str:
 def head_groups(num_heads: int, hps: int) -> int:
     """Threadgroups per (row, partition): ``hps`` query heads each (``hps`` divides the GQA group)."""
     return num_heads // hps
+
+
+def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, backend: str) -> str | None:
+    """Why ``geo`` cannot lay out ``head_size`` for a GQA ``group`` (None when it can)."""
+    simdgroups = NUM_THREADS // 32
+    lanes = geo.lanes
+    if lanes not in (1, 2, 4, 8, 16, 32) or head_size % (4 * lanes):
+        return f"lanes={lanes} (allowed: a power of two up to 32 dividing head_size/4={head_size // 4})"
+    if geo.unroll < 1:
+        return f"unroll={geo.unroll} (allowed: >= 1)"
+    if geo.hps < 1 or group % geo.hps:
+        return f"hps={geo.hps} (allowed: a divisor of the GQA group {group})"
+    if geo.hpw < 1 or geo.hps % geo.hpw or simdgroups % (geo.hps // geo.hpw):
+        return f"hpw={geo.hpw} (allowed: a divisor of hps={geo.hps} with hps/hpw dividing {simdgroups} simdgroups)"
+    if geo.stage:
+        tokens_per_pass = (simdgroups // geo.simdgroups_across_heads) * (32 // lanes) * geo.unroll
+        if geo.stage < 0 or geo.stage % tokens_per_pass:
+            return (f"stage={geo.stage} (allowed: 0, or a multiple of the {tokens_per_pass} tokens the token "
+                    f"simdgroups take per iteration)")
+        if geo.stages < 2:
+            return f"stages={geo.stages} (allowed: >= 2)"
+        limit = STAGE_BYTES_LIMIT.get(backend, STAGE_BYTES_LIMIT["metal"])
+        if geo.stage_bytes(head_size, itemsize) > limit:
+            return (f"stage={geo.stage} stages={geo.stages}: {geo.stage_bytes(head_size, itemsize)} bytes of "
+                    f"threadgroup memory on {backend} (allowed: <= {limit})")
+    return None
 
 
 def availability_reasons(device: DeviceInfo) -> list[str]:
@@ -164,8 +292,11 @@ def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool,
 def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
     """The launch decision for an admitted request."""
     split, notes = split_decision(request, device)
-    geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads, split)
     parts = -(-request.max_seq_len // PARTITION_SIZE) if split else 1
+    items = (request.num_kv_heads * request.total_q_tokens * parts / device.gpu_cores
+             if device.gpu_cores else None)
+    geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads,
+                   split, items)
     return Plan(
         provider=provider,
         route=ROUTES[split],
@@ -173,17 +304,35 @@ def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings:
         grid=(head_groups(request.num_heads, geo.hps) * NUM_THREADS, request.total_q_tokens, parts),
         threadgroup=(NUM_THREADS, 1, 1),
         specialization=(device.backend, request.dtype, request.head_size, request.block_size,
-                        PARTITION_SIZE if split else 0, geo.lanes, geo.unroll, geo.hps),
-        notes=(*notes, f"lanes_per_token={geo.lanes} unroll={geo.unroll} heads_per_threadgroup={geo.hps}"),
+                        PARTITION_SIZE if split else 0, *dataclasses.astuple(geo)),
+        notes=(*notes, describe_geometry(geo, items)),
     )
+
+
+def describe_geometry(geo: Geometry, kv_items_per_core: float | None) -> str:
+    """The geometry as a diagnostics note."""
+    loads = (f"staged chunks of {geo.stage} tokens, {geo.stages} in flight" if geo.stage else "direct loads")
+    grid = "" if kv_items_per_core is None else f" (kv_items_per_core={kv_items_per_core:.1f})"
+    return (f"lanes_per_token={geo.lanes} unroll={geo.unroll} heads_per_threadgroup={geo.hps} "
+            f"heads_per_simdgroup={geo.hpw}, {loads}{grid}")
+
+
+def plan_geometry(specialization: tuple) -> Geometry:
+    """The `Geometry` a classic plan's specialization carries."""
+    return Geometry(*specialization[5:])
 
 
 # -- launching -----------------------------------------------------------------------------------
 
 
-def _paged_kernel(backend: str, split: bool):
+def paged_defines(split: bool, geo: Geometry) -> dict[str, int]:
+    """The per-token kernel's code-path defines (route; direct or staged loads)."""
+    return {"PA_SPLIT": int(split), "PA_STAGED": int(geo.stage > 0)}
+
+
+def _paged_kernel(backend: str, split: bool, geo: Geometry):
     return kernels.load_kernel("paged_attention", PAGED_FILES, PA_INPUTS, PA_OUTPUTS[int(split)], backend,
-                               defines={"PA_SPLIT": int(split)})
+                               defines=paged_defines(split, geo))
 
 
 def _reduce_kernel(backend: str):
@@ -205,9 +354,8 @@ def launch_paged(
     ``rows`` computes only the first ``rows`` query rows (the decode rows at the front of a
     mixed batch) and returns ``[rows, H, D]``.
 
-    ``geometry_override`` replaces `geometry` (lanes per token: a power of two up to 32 with
-    ``head_size % (4 * lanes) == 0``; unroll >= 1; hps dividing the GQA group) and
-    ``prefetch`` replaces `PREFETCH_NEXT` (0 or 1), for tuning sweeps.
+    ``geometry_override`` replaces `geometry` (checked by `geometry_problem`) and ``prefetch``
+    replaces `PREFETCH_NEXT` (0 or 1), for plans and tuning sweeps.
     """
     total, num_heads, head = q.shape
     if rows is not None:
@@ -217,28 +365,32 @@ def launch_paged(
     _, block_size, num_kv_heads, _ = k_cache.shape
     dtype = q.dtype
     group = num_heads // num_kv_heads
-    geo = geometry_override or geometry(head, None, backend, group, split)
-    tpt, unroll, hps = geo.lanes, geo.unroll, geo.hps
-    if tpt not in (1, 2, 4, 8, 16, 32) or head % (4 * tpt) or unroll < 1 or hps < 1 or group % hps:
-        raise ValueError(f"geometry_override={geometry_override} (allowed: lanes in 1..32, a power of two dividing "
-                         f"head_size/4={head // 4}; unroll >= 1; hps dividing the GQA group {group})")
-    prefetch = PREFETCH_NEXT.get(backend, 0) if prefetch is None else prefetch
-    if prefetch not in (0, 1):
-        raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
     # The decode rows of a mixed batch need partitions for the longest decode row only.
     longest = md.max_decode_seq_len if rows is not None and rows == md.num_decode_seqs else md.max_seq_len
     max_parts = -(-longest // PARTITION_SIZE) if split else 1
+    if geometry_override is None:
+        from metal_attn.device import current_device
+
+        cores = current_device().gpu_cores
+        items = num_kv_heads * total * max_parts / cores if cores else None
+        geo = geometry(head, _dtype_name(dtype), backend, group, split, items)
+    else:
+        geo = geometry_override
+    problem = geometry_problem(geo, head, group, dtype.size, backend)
+    if problem:
+        raise ValueError(f"geometry_override={geometry_override}: {problem}")
+    prefetch = PREFETCH_NEXT.get(backend, 0) if prefetch is None else prefetch
+    if prefetch not in (0, 1):
+        raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
     use_sinks = sinks is not None
     sinks_arr = sinks if use_sinks else zeros_f32(num_heads)
     params = kernels.param_array((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,
                            int(sliding_window or 0), max_parts, int(use_sinks)), "int32")
     fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
-    template = [("T", dtype), ("HEAD_SIZE", head), ("BLOCK_SIZE", block_size),
-                ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", NUM_THREADS),
-                ("TPT", tpt), ("UNROLL", unroll), ("HPS", hps), ("PREFETCH", prefetch)]
+    template = paged_template(dtype, head, block_size, split, geo, prefetch)
     inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks_arr, params, fparams]
-    grid = (head_groups(num_heads, hps) * NUM_THREADS, total, max_parts)
-    kern = _paged_kernel(backend, split)
+    grid = (head_groups(num_heads, geo.hps) * NUM_THREADS, total, max_parts)
+    kern = _paged_kernel(backend, split, geo)
     if not split:
         return kern(inputs=inputs, template=template, grid=grid, threadgroup=(NUM_THREADS, 1, 1),
                     output_shapes=[(total, num_heads, head)], output_dtypes=[dtype])[0]
@@ -252,6 +404,15 @@ def launch_paged(
                              out_dtype=dtype, backend=backend)
 
 
+def paged_template(dtype, head_size: int, block_size: int, split: bool, geo: Geometry,
+                   prefetch: int) -> list[tuple[str, object]]:
+    """The per-token kernel's template arguments (``dtype``: an MLX dtype, or its name for the source check)."""
+    return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size),
+            ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", NUM_THREADS),
+            ("TPT", geo.lanes), ("UNROLL", geo.unroll), ("HPS", geo.hps), ("HPW", geo.hpw),
+            ("PREFETCH", prefetch), ("STAGE", geo.stage), ("STAGES", geo.stages)]
+
+
 def reduce_partitions(
     max_logits: mx.array, exp_sums: mx.array, tmp_out: mx.array, metadata: AttentionMetadata,
     sinks: mx.array | None, partition_size: int, *, out_dtype=None, backend: str | None = None,
@@ -259,7 +420,8 @@ def reduce_partitions(
     """Launch ``paged_attention_v2_reduce`` over partials written by the split contract.
 
     ``max_logits``/``exp_sums``: ``[total_q_tokens, num_heads, max_parts]`` float32
-    (log2-space maxima, un-normalised sums); ``tmp_out``: ``[..., head_size]``
+    (log2-space reference maxima, each the partition's maximum or up to
+    ``RESCALE_SLACK`` below it; sums un-normalised, relative to that reference); ``tmp_out``: ``[..., head_size]``
     (float32 or the query dtype), already divided by ``exp_sums + eps``; neutral
     partials are ``(-FLT_MAX, 0, 0)``. Each row's partition count is recomputed
     from ``metadata`` (causal length over ``partition_size``). ``sinks``: float32
@@ -287,11 +449,11 @@ def reduce_partitions(
 def run(inputs: AttentionInputs, plan: Plan) -> mx.array:
     """The provider's lazy computation for an admitted request, in the plan's exact specialization
     (the one `prepare` compiled)."""
-    backend, _, _, _, psize, lanes, unroll, hps = plan.specialization
+    backend, psize = plan.specialization[0], plan.specialization[4]
     return launch_paged(
         inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, scale=inputs.scale, sinks=inputs.sinks,
         sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=psize > 0, backend=backend,
-        geometry_override=Geometry(lanes, unroll, hps),
+        geometry_override=plan_geometry(plan.specialization),
     )
 
 
@@ -299,7 +461,8 @@ def prepare(plan: Plan, device: DeviceInfo) -> None:
     """Compile the plan's specialization now (a tiny launch), raising `KernelCompileError` on failure."""
     from metal_attn.metadata import AttentionMetadata
 
-    backend, dtype, head, block, psize, lanes, unroll, hps = plan.specialization
+    backend, dtype, head, block, psize = plan.specialization[:5]
+    geo = plan_geometry(plan.specialization)
     if device.hypothetical:
         return
     split = psize > 0
@@ -307,12 +470,12 @@ def prepare(plan: Plan, device: DeviceInfo) -> None:
     seq_len = PARTITION_SIZE + 1 if split else 1
     nblk = -(-seq_len // block)
     md = AttentionMetadata.build(np.arange(nblk, dtype=np.int32)[None, :], [seq_len], [0, 1], validate=False)
-    q = mx.zeros((1, hps, head), mdt)  # hps query heads on one KV head: the plan's exact specialization
+    q = mx.zeros((1, geo.hps, head), mdt)  # hps query heads on one KV head: the plan's exact specialization
     kc = mx.zeros((nblk, block, 1, head), mdt)
 
     def _go():
         return launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None,
-                            split=split, backend=backend, geometry_override=Geometry(lanes, unroll, hps))
+                            split=split, backend=backend, geometry_override=geo)
 
     kernels.compile_now(_go, f"classic {plan.route} {plan.specialization}")
 

@@ -88,13 +88,20 @@ def test_lengths_at_page_and_partition_edges(dtype, route):
     _check(case, route)
 
 
-#: Geometry and prefetch variants a table may ship: (lanes per token, unroll, heads per threadgroup, PREFETCH).
-_TUNINGS = [(8, 1, 2, 1), (8, 2, 2, 1), (8, 1, 2, 0), (16, 1, 2, 1), (16, 2, 4, 1), (4, 1, 1, 1), (32, 2, 2, 1),
-            (8, 2, 1, 0)]
+#: Geometry and prefetch variants a table may ship: ((lanes per token, unroll, heads per threadgroup,
+#: heads per simdgroup, staged chunk tokens, stages), PREFETCH); direct loads then staged chunks
+#: (one chunk a partition, several, a chunk longer than the shortest rows).
+_TUNINGS = [((8, 1, 2), 1), ((8, 2, 2), 1), ((8, 1, 2), 0), ((16, 1, 2), 1), ((16, 2, 4), 1), ((4, 1, 1), 1),
+            ((32, 2, 2), 1), ((8, 2, 1), 0), ((8, 1, 4, 1, 32, 2), 0), ((8, 1, 4, 1, 16, 3), 0),
+            ((8, 2, 4, 2, 32, 2), 0), ((8, 1, 2, 1, 16, 2), 0), ((16, 1, 1, 1, 8, 4), 0), ((4, 1, 4, 2, 32, 2), 0)]
+
+
+def _tuning_id(t) -> str:
+    return "geo{}-prefetch{}".format("-".join(map(str, t[0])), t[1])
 
 
 @pytest.mark.parametrize("split", (False, True), ids=("ps0", "ps512"))
-@pytest.mark.parametrize("tuning", _TUNINGS, ids=lambda t: "lanes{}-unroll{}-hps{}-prefetch{}".format(*t))
+@pytest.mark.parametrize("tuning", _TUNINGS, ids=_tuning_id)
 def test_every_tuning_matches_oracle(tuning, split):
     """Each geometry/prefetch variant (bare launch) against the oracle: a window, a sink-free mixed batch,
     rows shorter than a simdgroup's first step (idle simdgroups must merge as empty states)."""
@@ -103,13 +110,13 @@ def test_every_tuning_matches_oracle(tuning, split):
     from metal_attn.metadata import AttentionMetadata
 
     case = make_case(q_lens=[1, 1, 1, 1, 5], seq_lens=[1, 3, 17, 1100, 530], num_heads=8, num_kv_heads=2,
-                     head_size=128, block_size=16, dtype="bfloat16", seed=sum(tuning), sliding_window=700,
+                     head_size=128, block_size=16, dtype="bfloat16", seed=sum(tuning[0]), sliding_window=700,
                      label=f"tuning {tuning}")
     kw = case.kwargs()
     md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
     out = gpu.launch_paged(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
                            sliding_window=700, softcap=None, split=split, backend=metal_attn.current_device().backend,
-                           geometry_override=gpu.Geometry(*tuning[:3]), prefetch=tuning[3])
+                           geometry_override=gpu.Geometry(*tuning[0]), prefetch=tuning[1])
     assert_close_to_oracle(out, case.oracle(), "bfloat16", label=f"{case.label} split={split}")
 
 
