@@ -102,7 +102,7 @@ def sweep_classic(backend: str) -> list[dict]:
                                             backend=backend, geometry_override=geo, prefetch=prefetch)
 
         ref = np.array(launch().astype(mx.float32))
-        shipped = (classic_gpu.geometry(d, "bfloat16", backend, h // kvh, split),
+        shipped = (classic_gpu.launch_geometry(case.q, case.k_pool, case.metadata, split=split, backend=backend),
                    classic_gpu.PREFETCH_NEXT.get(backend, 0))
         for g, pf in dict.fromkeys((*CLASSIC_TUNINGS, shipped)):
             if classic_gpu.geometry_problem(g, d, h // kvh, 2, backend):

@@ -32,15 +32,16 @@ PREFILL = Rows(1, 512, 2048)
 
 def _run(case, threshold: int, backend: str) -> tuple[mx.array, float]:
     get_registry().forget_selections()
+    def call():
+        return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
+                                          scale=case.scale, provider="tiled_prefill")
+
     with mock.patch.object(tiled_prefill, "MIXED_DECODE_MIN_CONTEXT", {backend: threshold}):
-        out = metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
-                                         scale=case.scale, provider="tiled_prefill")
+        out = call()
         mx.eval(out)
         route = metal_attn.diagnostics.last_dispatch().route
         assert route == ("mixed_prefill_decode" if threshold == 0 else "tiled_prefill"), route
-        t = time_fn(lambda: mx.async_eval(metal_attn.paged_attention(
-            case.q, case.k_pool, case.v_pool, metadata=case.metadata, scale=case.scale, provider="tiled_prefill")),
-            warmup=3, iters=10).median_s
+        t = time_fn(lambda: mx.async_eval(call()), warmup=3, iters=10).median_s
     get_registry().forget_selections()
     return out, t
 

@@ -16,15 +16,6 @@ MA_FUNC U ma_from_float(float x) {
   return static_cast<U>(x);
 }
 
-// Load 4 consecutive elements as float (the Metal compiler merges the loads).
-template <typename U>
-MA_FUNC void ma_load4(const device U* p, thread float* out) {
-  out[0] = static_cast<float>(p[0]);
-  out[1] = static_cast<float>(p[1]);
-  out[2] = static_cast<float>(p[2]);
-  out[3] = static_cast<float>(p[3]);
-}
-
 // Four elements kept in registers until they are used (the CUDA prelude packs them
 // into one 8- or 16-byte load); loading a chunk of tokens before any arithmetic
 // keeps many loads in flight.
@@ -32,14 +23,19 @@ template <typename U>
 struct ma_raw4 {
   U v[4];
 };
-template <typename U>
-MA_FUNC ma_raw4<U> ma_load_raw4(const device U* p) {
+// The four elements at `p`, whatever its address space (the two loaders below).
+template <typename U, typename P>
+MA_FUNC ma_raw4<U> ma_read_raw4(P p) {
   ma_raw4<U> r;
   r.v[0] = p[0];
   r.v[1] = p[1];
   r.v[2] = p[2];
   r.v[3] = p[3];
   return r;
+}
+template <typename U>
+MA_FUNC ma_raw4<U> ma_load_raw4(const device U* p) {
+  return ma_read_raw4<U>(p);
 }
 template <typename U>
 MA_FUNC void ma_unpack4(ma_raw4<U> r, thread float* out) {
@@ -49,15 +45,16 @@ MA_FUNC void ma_unpack4(ma_raw4<U> r, thread float* out) {
   out[3] = static_cast<float>(r.v[3]);
 }
 
+// Load 4 consecutive elements as float (the Metal compiler merges the loads).
+template <typename U>
+MA_FUNC void ma_load4(const device U* p, thread float* out) {
+  ma_unpack4(ma_load_raw4(p), out);
+}
+
 // The same four elements read from threadgroup memory (a staged tile).
 template <typename U>
 MA_FUNC ma_raw4<U> ma_tg_load_raw4(const threadgroup U* p) {
-  ma_raw4<U> r;
-  r.v[0] = p[0];
-  r.v[1] = p[1];
-  r.v[2] = p[2];
-  r.v[3] = p[3];
-  return r;
+  return ma_read_raw4<U>(p);
 }
 
 // 16 bytes from device into threadgroup memory (zeros when `live` is false). The CUDA

@@ -84,7 +84,7 @@ def classic_specializations() -> list[Specialization]:
             continue
         for head in sorted(table["head_sizes"]):
             for block in sorted(table["block_sizes"]):
-                for split, geo in ((s, g) for s in (0, 1) for g in gpu.source_check_geometries(head, dtype, bool(s))):
+                for split, geo in gpu.source_check_launches(head):
                     parts = 2 if split else 1
                     common_in = (
                         ((t, h, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
@@ -94,13 +94,12 @@ def classic_specializations() -> list[Specialization]:
                     outs = (((t, h, head), dtype),) if not split else (
                         ((t, h, parts), "float32"), ((t, h, parts), "float32"), ((t, h, parts, head), "float32"))
                     specs.append(Specialization(
-                        label=f"paged_attention split={split} {dtype} head={head} block={block}"
+                        label=f"paged_attention split={int(split)} {dtype} head={head} block={block}"
                               + (" staged" if geo.stage else ""),
                         kernel="paged_attention", source_files=gpu.PAGED_FILES, input_names=gpu.PA_INPUTS,
                         output_names=gpu.PA_OUTPUTS[split],
-                        template=tuple(gpu.paged_template(dtype, head, block, bool(split), geo,
-                                                          gpu.PREFETCH_NEXT["metal"])),
-                        inputs=common_in, outputs=outs, defines=tuple(gpu.paged_defines(bool(split), geo).items()),
+                        template=tuple(gpu.paged_template(dtype, head, block, split, geo, gpu.PREFETCH_NEXT["metal"])),
+                        inputs=common_in, outputs=outs, defines=tuple(gpu.paged_defines(split, geo).items()),
                     ))
             specs.append(Specialization(
                 label=f"paged_attention_v2_reduce {dtype} head={head}",

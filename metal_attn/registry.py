@@ -139,8 +139,6 @@ class Registry:
         self._prepared: set[tuple[str, tuple]] = set()
         self._avail_cache: dict[tuple[str, DeviceInfo], tuple[str, ...]] = {}
         self._cache: OrderedDict[tuple, Selection] = OrderedDict()
-        #: Cache writers per (dtype, device, settings).
-        self._writers: dict[tuple, Provider] = {}
         self._cache_size = 4096
         self._lock = threading.RLock()
         self._on_selected = on_selected
@@ -174,7 +172,6 @@ class Registry:
     def _invalidate(self) -> None:
         """Providers changed: drop cached answers and tell per-call caches (`metal_attn._epoch`)."""
         self._cache.clear()
-        self._writers.clear()
         self._avail_cache.clear()
         _epoch.bump()
 
@@ -327,7 +324,8 @@ class Registry:
             specialization=str(specialization),
             reason=reason,
         )
-        self._invalidate()
+        self._cache.clear()  # availability is unaffected by a kernel failure
+        _epoch.bump()
 
     def failures(self) -> dict[tuple[str, tuple], str]:
         """Kernel specializations marked unavailable, with their reasons."""
@@ -340,17 +338,12 @@ class Registry:
     # -- cache writers ---------------------------------------------------------------------------
 
     def select_cache_writer(self, dtype: str, device: DeviceInfo, settings: Settings) -> Provider:
-        """The highest-priority provider that can write a ``dtype`` cache on ``device``."""
-        key = (dtype, device, settings)
-        hit = self._writers.get(key)
-        if hit is not None:
-            return hit
+        """The highest-priority provider that can write a ``dtype`` cache on ``device`` (not cached
+        here: `metal_attn.api` keeps the answer per dispatch epoch)."""
         table = []
         for e in self._ordered:
             reasons = e.provider.cache_write_reasons(dtype, device, settings)
             if not reasons:
-                with self._lock:
-                    self._writers[key] = e.provider
                 return e.provider
             table.append(f"  no {e.provider.name}: " + "; ".join(reasons))
         raise NoProviderError(

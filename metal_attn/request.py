@@ -117,6 +117,10 @@ class AttentionRequest:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
+    def partitions(self, partition_size: int) -> int:
+        """Partitions of ``partition_size`` tokens the longest row spans (the split grid's depth)."""
+        return -(-self.max_seq_len // partition_size)
+
     def full_partitions(self, partition_size: int) -> int:
         """Complete partitions of ``partition_size`` tokens summed over the batch."""
         for p, n in self.length_plan:

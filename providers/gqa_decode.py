@@ -35,7 +35,7 @@ from metal_attn.constants import (
 )
 from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan, Provider
-from metal_attn.request import split_scratch_bytes as scratch_bytes
+from metal_attn.request import split_scratch_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
@@ -145,8 +145,8 @@ def choose_partition(request: AttentionRequest, device: DeviceInfo) -> Partition
 def resource_reasons(request: AttentionRequest, device: DeviceInfo, partition_size: int) -> list[str]:
     """Scratch-cap and reducer-fit refusals for launching ``request`` with ``partition_size``."""
     reasons = []
-    parts = -(-request.max_seq_len // partition_size)
-    scratch = scratch_bytes(request.num_seqs, request.num_heads, parts, request.head_size)
+    parts = request.partitions(partition_size)
+    scratch = split_scratch_bytes(request.num_seqs, request.num_heads, parts, request.head_size)
     if scratch > SCRATCH_CAP_BYTES:
         reasons.append(
             f"split scratch={scratch} bytes for {request.num_seqs} seqs x {request.num_heads} heads x {parts} "
@@ -171,7 +171,7 @@ def make_plan(request: AttentionRequest, device: DeviceInfo, partition_size: int
     if partition_size not in GQA_PARTITION_SIZES:
         raise ValueError(f"partition_size={partition_size} (allowed: {', '.join(map(str, GQA_PARTITION_SIZES))})")
     group = request.num_heads // request.num_kv_heads
-    parts = -(-request.max_seq_len // partition_size)
+    parts = request.partitions(partition_size)
     threads = SIMD_WIDTH * group
     return Plan(
         provider=GQADecodeProvider.name,

@@ -232,9 +232,7 @@ class TiledPrefillProvider(Provider):
 
         md = inputs.metadata
         n_dec = md.num_decode_seqs
-        decode = classic_gpu.launch_paged(
-            inputs.q, inputs.k_cache, inputs.v_cache, md, split=decode_spec[4] > 0, rows=n_dec,
-            geometry_override=classic_gpu.plan_geometry(decode_spec), **common)
+        decode = classic_gpu.run_specialization(inputs, decode_spec, rows=n_dec)
         prefill = launch(inputs.q, inputs.k_cache, inputs.v_cache, md, config=cfg, first_seq=n_dec, **common)
         return mx.concatenate([decode, prefill[n_dec:]], axis=0)
 

@@ -219,3 +219,56 @@ def test_launch_refuses_a_bad_geometry_before_any_kernel(geo, prefetch):
     with pytest.raises(ValueError, match=r"geometry_override=|prefetch=2"):
         gpu.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, split=False,
                          backend="cuda", geometry_override=gpu.Geometry(*geo), prefetch=prefetch)
+
+
+def test_plan_specialization_reaches_the_launch(monkeypatch):
+    """Host side of a planned launch, with the kernels replaced by recorders: the plan's geometry
+    and grid are what the kernel receives, a split plan goes through the reducer, ``rows`` launches
+    only the first rows, and `launch_geometry` (bare launches, sweeps) agrees with the plan."""
+    import mlx.core as mx
+    import numpy as np
+    from metal_attn.providers.classic import gpu
+
+    from metal_attn.metadata import AttentionMetadata
+    from metal_attn.provider import AttentionInputs
+
+    calls = []
+
+    def recorder(name):
+        def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            calls.append((name, dict(template), grid))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return kernel
+
+    monkeypatch.setattr(gpu, "_paged_kernel", lambda backend, split, geo: recorder(f"paged split={int(split)}"))
+    monkeypatch.setattr(gpu, "_reduce_kernel", lambda backend: recorder("reduce"))
+    batch, ctx, heads, kv_heads = 8, 4096, 32, 8
+    _, row = _classic_row(q_lens=[1] * batch, seq_lens=[ctx] * batch, device="h200", num_heads=heads,
+                          num_kv_heads=kv_heads)
+    plan = row.plan
+    assert plan.route == "per_token_ps512"
+    nblk = ctx // 16
+    md = AttentionMetadata.build(np.arange(batch * nblk, dtype=np.int32).reshape(batch, nblk), [ctx] * batch,
+                                 list(range(batch + 1)))
+    q = mx.zeros((batch, heads, 128), mx.bfloat16)
+    kc = mx.zeros((batch * nblk, 16, kv_heads, 128), mx.bfloat16)
+    inputs = AttentionInputs(q, kc, kc, md, scale=1.0)
+
+    out = gpu.run(inputs, plan)
+    assert out.shape == (batch, heads, 128) and out.dtype == mx.bfloat16
+    (name, template, grid), (reduce_name, _, reduce_grid) = calls
+    geo = gpu.plan_geometry(plan.specialization)
+    assert name == "paged split=1" and reduce_name == "reduce"
+    assert grid == plan.grid and reduce_grid == (heads * gpu.NUM_THREADS, batch, 1)
+    assert (template["TPT"], template["UNROLL"], template["HPS"], template["HPW"], template["STAGE"],
+            template["STAGES"]) == (geo.lanes, geo.unroll, geo.hps, geo.hpw, geo.stage, geo.stages)
+    assert template["PREFETCH"] == gpu.PREFETCH_NEXT["cuda"]
+
+    calls.clear()
+    out = gpu.run_specialization(inputs, plan.specialization, rows=3)
+    assert out.shape == (3, heads, 128) and calls[0][2] == (plan.grid[0], 3, plan.grid[2])
+
+    # A bare launch without an override takes the geometry of a plan (the device here has no GPU
+    # cores to count, so the grid counts as large: two heads a simdgroup, as a plan without cores).
+    bare = gpu.launch_geometry(q, kc, md, split=True, backend="cuda")
+    assert bare == gpu.geometry(128, "bfloat16", "cuda", heads // kv_heads, True, None)

@@ -241,7 +241,7 @@ def test_scratch_is_computed_without_overflow():
     exact = n * 32 * (-(-n // 512)) * (128 * 4 + 8)
     wrapped = int(np.array([n, 32, -(-n // 512), 520], dtype=np.int64).prod())  # what int64 math gives
     assert exact > 2**63 and wrapped != exact
-    assert gq.scratch_bytes(n, 32, -(-n // 512), 128) == exact
+    assert gq.split_scratch_bytes(n, 32, -(-n // 512), 128) == exact
     reasons = _reasons(ma.explain(req, device=M5))
     assert f"split scratch={exact} bytes" in reasons
 

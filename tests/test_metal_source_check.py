@@ -10,8 +10,7 @@ import pytest
 
 from metal_attn import msl_check
 
-CLANG = msl_check.find_clang()
-pytestmark = pytest.mark.skipif(CLANG is None, reason="clang++ is not installed (CI installs it with apt in .ci/run)")
+pytestmark = pytest.mark.usefixtures("needs_clang")
 
 
 def test_every_classic_specialization_type_checks():

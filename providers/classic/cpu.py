@@ -106,7 +106,7 @@ def plan(request: AttentionRequest, device: DeviceInfo, settings: Settings) -> P
     # Decode rows are one tile each; prefill chunks at least one, about rows/rt.
     tiles = n_dec + max(n_pre, -(-pre_rows // rt)) if n_pre else n_dec
     units = tiles * request.num_kv_heads
-    parts = -(-request.max_seq_len // PARTITION_SIZE)
+    parts = request.partitions(PARTITION_SIZE)
     scratch = split_scratch_bytes(request.total_q_tokens, request.num_heads, parts, request.head_size)
     wants_split = units < SPLIT_UNITS_PER_THREAD * threads and parts >= 2
     split = wants_split and scratch <= SCRATCH_CAP_BYTES

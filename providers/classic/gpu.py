@@ -11,6 +11,7 @@ reducer for any kernel that writes the split contract (the GQA decode kernel).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from metal_attn import kernels
 from metal_attn.constants import LOG2E, PARTITION_SIZE, SCRATCH_CAP_BYTES, SPLIT_GATE_FACTOR
+from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan
 from metal_attn.request import split_scratch_bytes
 
@@ -31,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Threads per threadgroup of the per-token kernel and of the reducer.
 NUM_THREADS = 128
+SIMDGROUPS = NUM_THREADS // SIMD_WIDTH
 #: Threads per threadgroup of reshape_and_cache, and its most threadgroups per launch.
 CACHE_THREADS = 256
 CACHE_MAX_GROUPS = 8192
@@ -142,6 +145,11 @@ class Geometry:
     def simdgroups_across_heads(self) -> int:
         return self.hps // self.hpw
 
+    @property
+    def tokens_per_pass(self) -> int:
+        """Tokens the simdgroups that split the tokens take per iteration (a staged chunk is whole passes)."""
+        return (SIMDGROUPS // self.simdgroups_across_heads) * (SIMD_WIDTH // self.lanes) * self.unroll
+
     def stage_bytes(self, head_size: int, itemsize: int) -> int:
         """Threadgroup memory of the staged chunks (rows padded by 64 bytes, as the kernel lays them out)."""
         return self.stages * 2 * self.stage * (head_size * itemsize + 64) if self.stage else 0
@@ -160,8 +168,9 @@ def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: i
     rule = GEOMETRY_RULES.get(backend, GEOMETRY_RULES["metal"])
     lanes = next(t for t in (32, 16, 8, 4, 2, 1)
                  if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
-    staged = _staged_geometry(STAGING_RULES.get(backend), backend, head_size, _itemsize(dtype), lanes, group,
-                              split, kv_items_per_core)
+    itemsize = 4 if dtype in (None, "float32") else 2  # unknown dtype: size the chunks for the widest
+    staged = _staged_geometry(STAGING_RULES.get(backend), backend, head_size, itemsize, lanes, group, split,
+                              kv_items_per_core)
     if staged is not None:
         return staged
     elements = head_size // lanes
@@ -170,44 +179,49 @@ def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: i
     return Geometry(lanes, unroll, hps)
 
 
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def _itemsize(dtype: str | None) -> int:
-    return 4 if dtype in (None, "float32") else 2  # unknown dtype: size the chunks for the widest
-
-
 def _staged_geometry(rule: StagingRule | None, backend: str, head_size: int, itemsize: int, lanes: int,
                      group: int, split: bool, kv_items_per_core: float | None) -> Geometry | None:
     """The staged geometry `StagingRule` gives, or None where it does not apply."""
     if rule is None or group < rule.min_group or head_size not in rule.head_sizes:
         return None
-    simdgroups = NUM_THREADS // 32
     hps = max(d for d in range(1, min(group, rule.max_heads) + 1) if group % d == 0)
     small = split and kv_items_per_core is not None and kv_items_per_core * group / hps < rule.small_grid_per_core
     target = rule.hpw_small_grid if small else rule.hpw
-    hpw = next((h for h in range(target, hps + 1) if hps % h == 0 and simdgroups % (hps // h) == 0), None)
+    hpw = next((h for h in range(target, hps + 1) if hps % h == 0 and SIMDGROUPS % (hps // h) == 0), None)
     if hpw is None:
         return None
     unroll = rule.unroll_one_head if hpw == 1 else rule.unroll_more_heads
-    per_pass = (simdgroups // (hps // hpw)) * (32 // lanes) * unroll
+    per_pass = Geometry(lanes, unroll, hps, hpw).tokens_per_pass
     chunk = rule.chunk
     while chunk >= per_pass:
         geo = Geometry(lanes, unroll, hps, hpw, chunk, rule.stages)
-        if chunk % per_pass == 0 and geo.stage_bytes(head_size, itemsize) <= STAGE_BYTES_LIMIT[backend]:
+        if chunk % per_pass == 0 and geo.stage_bytes(head_size, itemsize) <= stage_bytes_limit(backend):
             return geo
         chunk //= 2
     return None
 
 
-def source_check_geometries(head_size: int, dtype: str, split: bool) -> list[Geometry]:
-    """The geometries whose Metal text the source check type-checks: Metal's own (direct loads)
-    and one staged chunk per token simdgroup pass (the staged code path the CUDA table chooses;
-    the text is checked, whether or not Apple's threadgroup memory would hold that chunk)."""
-    del dtype  # one geometry for every dtype
-    geo = geometry(head_size, None, "metal", split=split)
-    return [geo, Geometry(geo.lanes, 1, 1, 1, (NUM_THREADS // 32) * (32 // geo.lanes), 2)]
+def source_check_launches(head_size: int) -> list[tuple[bool, Geometry]]:
+    """(split, geometry) pairs whose Metal text the source check type-checks, for both routes: Metal's
+    own geometry (direct loads) and one staged chunk per token simdgroup pass (the staged code path
+    the CUDA table chooses; the text is checked, whether or not Apple's threadgroup memory would
+    hold that chunk)."""
+    launches = []
+    for split in (False, True):
+        geo = geometry(head_size, None, "metal", split=split)
+        one_pass = Geometry(geo.lanes, 1, 1, 1).tokens_per_pass
+        launches += [(split, geo), (split, Geometry(geo.lanes, 1, 1, 1, one_pass, 2))]
+    return launches
+
+
+def stage_bytes_limit(backend: str) -> int:
+    """`STAGE_BYTES_LIMIT` for ``backend`` (Apple's, the smaller, for any other)."""
+    return STAGE_BYTES_LIMIT.get(backend, STAGE_BYTES_LIMIT["metal"])
+
+
+def kv_items_per_core(num_kv_heads: int, rows: int, parts: int, gpu_cores: int | None) -> float | None:
+    """(KV heads x query rows x partitions) per GPU core, the staging rule's grid measure (None: cores unknown)."""
+    return num_kv_heads * rows * parts / gpu_cores if gpu_cores else None
 
 
 def _backend() -> str:
@@ -216,14 +230,8 @@ def _backend() -> str:
     return current_device().backend
 
 
-def head_groups(num_heads: int, hps: int) -> int:
-    """Threadgroups per (row, partition): ``hps`` query heads each (``hps`` divides the GQA group)."""
-    return num_heads // hps
-
-
 def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, backend: str) -> str | None:
     """Why ``geo`` cannot lay out ``head_size`` for a GQA ``group`` (None when it can)."""
-    simdgroups = NUM_THREADS // 32
     lanes = geo.lanes
     if lanes not in (1, 2, 4, 8, 16, 32) or head_size % (4 * lanes):
         return f"lanes={lanes} (allowed: a power of two up to 32 dividing head_size/4={head_size // 4})"
@@ -231,16 +239,15 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
         return f"unroll={geo.unroll} (allowed: >= 1)"
     if geo.hps < 1 or group % geo.hps:
         return f"hps={geo.hps} (allowed: a divisor of the GQA group {group})"
-    if geo.hpw < 1 or geo.hps % geo.hpw or simdgroups % (geo.hps // geo.hpw):
-        return f"hpw={geo.hpw} (allowed: a divisor of hps={geo.hps} with hps/hpw dividing {simdgroups} simdgroups)"
+    if geo.hpw < 1 or geo.hps % geo.hpw or SIMDGROUPS % (geo.hps // geo.hpw):
+        return f"hpw={geo.hpw} (allowed: a divisor of hps={geo.hps} with hps/hpw dividing {SIMDGROUPS} simdgroups)"
     if geo.stage:
-        tokens_per_pass = (simdgroups // geo.simdgroups_across_heads) * (32 // lanes) * geo.unroll
-        if geo.stage < 0 or geo.stage % tokens_per_pass:
-            return (f"stage={geo.stage} (allowed: 0, or a multiple of the {tokens_per_pass} tokens the token "
+        if geo.stage < 0 or geo.stage % geo.tokens_per_pass:
+            return (f"stage={geo.stage} (allowed: 0, or a multiple of the {geo.tokens_per_pass} tokens the token "
                     f"simdgroups take per iteration)")
         if geo.stages < 2:
             return f"stages={geo.stages} (allowed: >= 2)"
-        limit = STAGE_BYTES_LIMIT.get(backend, STAGE_BYTES_LIMIT["metal"])
+        limit = stage_bytes_limit(backend)
         if geo.stage_bytes(head_size, itemsize) > limit:
             return (f"stage={geo.stage} stages={geo.stages}: {geo.stage_bytes(head_size, itemsize)} bytes of "
                     f"threadgroup memory on {backend} (allowed: <= {limit})")
@@ -263,7 +270,7 @@ def availability_reasons(device: DeviceInfo) -> list[str]:
 def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool, tuple[str, ...]]:
     """The occupancy gate, with the arithmetic behind it as notes."""
     p = PARTITION_SIZE
-    parts = -(-request.max_seq_len // p)
+    parts = request.partitions(p)
     grid = request.num_heads * request.total_q_tokens
     factor = SPLIT_GATE_FACTOR.get(device.backend)
     cores = device.gpu_cores
@@ -292,16 +299,15 @@ def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool,
 def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
     """The launch decision for an admitted request."""
     split, notes = split_decision(request, device)
-    parts = -(-request.max_seq_len // PARTITION_SIZE) if split else 1
-    items = (request.num_kv_heads * request.total_q_tokens * parts / device.gpu_cores
-             if device.gpu_cores else None)
+    parts = request.partitions(PARTITION_SIZE) if split else 1
+    items = kv_items_per_core(request.num_kv_heads, request.total_q_tokens, parts, device.gpu_cores)
     geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads,
                    split, items)
     return Plan(
         provider=provider,
         route=ROUTES[split],
         partition_size=PARTITION_SIZE if split else 0,
-        grid=(head_groups(request.num_heads, geo.hps) * NUM_THREADS, request.total_q_tokens, parts),
+        grid=(request.num_heads // geo.hps * NUM_THREADS, request.total_q_tokens, parts),
         threadgroup=(NUM_THREADS, 1, 1),
         specialization=(device.backend, request.dtype, request.head_size, request.block_size,
                         PARTITION_SIZE if split else 0, *dataclasses.astuple(geo)),
@@ -317,6 +323,7 @@ def describe_geometry(geo: Geometry, kv_items_per_core: float | None) -> str:
             f"heads_per_simdgroup={geo.hpw}, {loads}{grid}")
 
 
+@functools.lru_cache(maxsize=256)
 def plan_geometry(specialization: tuple) -> Geometry:
     """The `Geometry` a classic plan's specialization carries."""
     return Geometry(*specialization[5:])
@@ -339,9 +346,28 @@ def _reduce_kernel(backend: str):
     return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
 
 
+@functools.lru_cache(maxsize=64)
 def zeros_f32(n: int) -> mx.array:
     """``n`` float32 zeros (the sink logits of a call without sinks), built once per ``n``."""
     return kernels.param_array((0.0,) * n, "float32")
+
+
+def launch_geometry(q: mx.array, k_cache: mx.array, md: AttentionMetadata, *, split: bool, backend: str,
+                    rows: int | None = None) -> Geometry:
+    """The geometry `plan` would give this launch (the device's core count for the grid measure)."""
+    from metal_attn.api import dtype_name
+    from metal_attn.device import current_device
+
+    total, num_heads, head = q.shape
+    num_kv_heads = k_cache.shape[2]
+    items = kv_items_per_core(num_kv_heads, rows or total, _max_parts(md, split, rows), current_device().gpu_cores)
+    return geometry(head, dtype_name(q.dtype), backend, num_heads // num_kv_heads, split, items)
+
+
+def _max_parts(md: AttentionMetadata, split: bool, rows: int | None) -> int:
+    # The decode rows of a mixed batch need partitions for the longest decode row only.
+    longest = md.max_decode_seq_len if rows is not None and rows == md.num_decode_seqs else md.max_seq_len
+    return -(-longest // PARTITION_SIZE) if split else 1
 
 
 def launch_paged(
@@ -354,34 +380,35 @@ def launch_paged(
     ``rows`` computes only the first ``rows`` query rows (the decode rows at the front of a
     mixed batch) and returns ``[rows, H, D]``.
 
-    ``geometry_override`` replaces `geometry` (checked by `geometry_problem`) and ``prefetch``
-    replaces `PREFETCH_NEXT` (0 or 1), for plans and tuning sweeps.
+    ``geometry_override`` replaces `launch_geometry` (checked by `geometry_problem`) and
+    ``prefetch`` replaces `PREFETCH_NEXT` (0 or 1), for tuning sweeps and tests; plans run
+    through `run_specialization`, whose geometry is valid by construction.
     """
     total, num_heads, head = q.shape
-    if rows is not None:
-        if not 1 <= rows <= total:
-            raise ValueError(f"rows={rows} (allowed: 1..{total}, the query rows of the batch)")
-        total = rows
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    dtype = q.dtype
-    group = num_heads // num_kv_heads
-    # The decode rows of a mixed batch need partitions for the longest decode row only.
-    longest = md.max_decode_seq_len if rows is not None and rows == md.num_decode_seqs else md.max_seq_len
-    max_parts = -(-longest // PARTITION_SIZE) if split else 1
-    if geometry_override is None:
-        from metal_attn.device import current_device
-
-        cores = current_device().gpu_cores
-        items = num_kv_heads * total * max_parts / cores if cores else None
-        geo = geometry(head, _dtype_name(dtype), backend, group, split, items)
-    else:
-        geo = geometry_override
-    problem = geometry_problem(geo, head, group, dtype.size, backend)
+    if rows is not None and not 1 <= rows <= total:
+        raise ValueError(f"rows={rows} (allowed: 1..{total}, the query rows of the batch)")
+    geo = geometry_override or launch_geometry(q, k_cache, md, split=split, backend=backend, rows=rows)
+    problem = geometry_problem(geo, head, num_heads // k_cache.shape[2], q.dtype.size, backend)
     if problem:
         raise ValueError(f"geometry_override={geometry_override}: {problem}")
     prefetch = PREFETCH_NEXT.get(backend, 0) if prefetch is None else prefetch
     if prefetch not in (0, 1):
         raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
+    return _launch(q, k_cache, v_cache, md, scale=scale, sinks=sinks, sliding_window=sliding_window,
+                   softcap=softcap, split=split, backend=backend, geo=geo, prefetch=prefetch, rows=rows)
+
+
+def _launch(
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
+    sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
+    geo: Geometry, prefetch: int, rows: int | None,
+) -> mx.array:
+    """`launch_paged` after its checks."""
+    total, num_heads, head = q.shape
+    total = rows or total
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    dtype = q.dtype
+    max_parts = _max_parts(md, split, rows)
     use_sinks = sinks is not None
     sinks_arr = sinks if use_sinks else zeros_f32(num_heads)
     params = kernels.param_array((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,
@@ -389,7 +416,7 @@ def launch_paged(
     fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
     template = paged_template(dtype, head, block_size, split, geo, prefetch)
     inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks_arr, params, fparams]
-    grid = (head_groups(num_heads, geo.hps) * NUM_THREADS, total, max_parts)
+    grid = (num_heads // geo.hps * NUM_THREADS, total, max_parts)
     kern = _paged_kernel(backend, split, geo)
     if not split:
         return kern(inputs=inputs, template=template, grid=grid, threadgroup=(NUM_THREADS, 1, 1),
@@ -449,11 +476,17 @@ def reduce_partitions(
 def run(inputs: AttentionInputs, plan: Plan) -> mx.array:
     """The provider's lazy computation for an admitted request, in the plan's exact specialization
     (the one `prepare` compiled)."""
-    backend, psize = plan.specialization[0], plan.specialization[4]
-    return launch_paged(
+    return run_specialization(inputs, plan.specialization)
+
+
+def run_specialization(inputs: AttentionInputs, specialization: tuple, rows: int | None = None) -> mx.array:
+    """Launch a classic plan's specialization over ``inputs`` (``rows``: only the first rows, as
+    `launch_paged`); no checks: the plan's geometry is valid by construction."""
+    backend = specialization[0]
+    return _launch(
         inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, scale=inputs.scale, sinks=inputs.sinks,
-        sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=psize > 0, backend=backend,
-        geometry_override=plan_geometry(plan.specialization),
+        sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=specialization[4] > 0,
+        backend=backend, geo=plan_geometry(specialization), prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows,
     )
 
 
