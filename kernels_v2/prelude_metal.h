@@ -116,17 +116,11 @@ struct ma_popnd {
 };
 template <typename U>
 MA_FUNC ma_opnd<U> ma_opnd_pack(float a, float b) {
-  ma_opnd<U> r;
-  r.v[0] = a;
-  r.v[1] = b;
-  return r;
+  return {{a, b}};
 }
 template <typename U>
 MA_FUNC ma_popnd<U> ma_popnd_pack(float a, float b) {
-  ma_popnd<U> r;
-  r.v[0] = a;
-  r.v[1] = b;
-  return r;
+  return {{a, b}};
 }
 // Right operand B(k, n) = p[n * LD + k]: K^T read from a row-major K tile.
 template <int LD, typename U>
