@@ -150,4 +150,3 @@ def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) ->
         core.record_rates(benchmark, shape)
 
     return run
-

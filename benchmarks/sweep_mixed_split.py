@@ -15,34 +15,30 @@ from __future__ import annotations
 
 import json
 import sys
-from unittest import mock
 
 import mlx.core as mx
-from metal_attn.providers import tiled_prefill
 
 import metal_attn
 from metal_attn.bench.core import Rows, Shape, build_case, rel_l2, time_fn
 from metal_attn.device import current_device
-from metal_attn.plugins import get_registry
+from metal_attn.testing import forced_mixed_threshold
 
 DECODE_ROWS = (8, 32, 128)
 CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
 PREFILL = Rows(1, 512, 2048)
 
 
-def _run(case, threshold: int, backend: str) -> tuple[mx.array, float]:
-    get_registry().forget_selections()
+def _run(case, threshold: int) -> tuple[mx.array, float]:
     def call():
         return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
                                           scale=case.scale, provider="tiled_prefill")
 
-    with mock.patch.object(tiled_prefill, "MIXED_DECODE_MIN_CONTEXT", {backend: threshold}):
+    with forced_mixed_threshold(threshold):
         out = call()
         mx.eval(out)
         route = metal_attn.diagnostics.last_dispatch().route
         assert route == ("mixed_prefill_decode" if threshold == 0 else "tiled_prefill"), route
         t = time_fn(lambda: mx.async_eval(call()), warmup=3, iters=10).median_s
-    get_registry().forget_selections()
     return out, t
 
 
@@ -53,8 +49,8 @@ def main(path: str) -> None:
         for ctx in CONTEXTS:
             shape = Shape.mix((Rows(n, 1, ctx), PREFILL), 32, 8, 128)
             case = build_case(shape)
-            ride, t_ride = _run(case, 1 << 30, backend)
-            split, t_split = _run(case, 0, backend)
+            ride, t_ride = _run(case, 1 << 30)
+            split, t_split = _run(case, 0)
             err = rel_l2(split, ride)
             row = {"decode_rows": n, "context": ctx, "ride_us": t_ride * 1e6, "split_us": t_split * 1e6,
                    "split_speedup": t_ride / t_split, "rel_l2": err}

@@ -218,3 +218,30 @@ def test_metal_source_check_catches_a_planted_error(needs_clang, planted_kernels
                               "pf[b][j] = ma_popnd_pack<T>(p, p[1]);")
     result = check(_MSL_SET, only=r"tiled_prefill bfloat16 head=128 block=16", kernels_dir=planted)
     assert not result.ok and "ma_popnd_pack" in result.summary()
+
+
+def test_forced_mixed_threshold_routes_both_ways_and_restores():
+    """The GPU tests' and sweep's override: 0 splits a short mixed batch, a huge value keeps its
+    decode rows in the tiles; the table (and cached selections) come back afterwards."""
+    from metal_attn.providers import tiled_prefill
+
+    from metal_attn.testing import forced_mixed_threshold
+
+    before = tiled_prefill.MIXED_DECODE_MIN_CONTEXT
+    with forced_mixed_threshold(0):
+        assert _row(_explain(H200, [1, 1, 300], [50, 100, 800])).plan.route == "mixed_prefill_decode"
+    with forced_mixed_threshold(1 << 30):
+        assert _row(_explain(H200, [1, 1, 300], [8192, 100, 800])).plan.route == "tiled_prefill"
+    assert tiled_prefill.MIXED_DECODE_MIN_CONTEXT is before
+    assert _row(_explain(H200, [1, 1, 300], [8192, 100, 800])).plan.route == "mixed_prefill_decode"
+
+
+def test_case_metadata_matches_its_call_arguments():
+    from metal_attn.testing import make_case
+
+    case = make_case(q_lens=[1, 5], seq_lens=[40, 70], num_heads=4, num_kv_heads=2, head_size=64,
+                     block_size=16, dtype="float16", seed=1, label="metadata")
+    md = case.metadata()
+    kw = case.kwargs()
+    assert md.seq_lens.tolist() == kw["seq_lens"].tolist() and md.cu_seqlens_q.tolist() == [0, 1, 6]
+    assert md.block_tables.tolist() == kw["block_tables"].tolist() and md.num_decode_seqs == 1

@@ -22,6 +22,7 @@ from metal_attn.testing.conformance import (
     spec_by_label,
 )
 from metal_attn.testing.oracle import attention_oracle
+from metal_attn.testing.overrides import forced_mixed_threshold
 
 __all__ = [
     "CONFORMANCE_SPECS",
@@ -33,6 +34,7 @@ __all__ = [
     "attention_oracle",
     "check_case",
     "conformance_ids",
+    "forced_mixed_threshold",
     "make_case",
     "request_kwargs",
     "run_case",

@@ -87,6 +87,13 @@ class AttentionCase:
     def q_lens(self) -> list[int]:
         return np.diff(self.cu_seqlens_q).tolist()
 
+    def metadata(self) -> Any:
+        """The case's `metal_attn.AttentionMetadata` (for launchers that take one directly)."""
+        from metal_attn.metadata import AttentionMetadata
+
+        return AttentionMetadata.build(mx.array(self.block_tables), mx.array(self.seq_lens),
+                                       mx.array(self.cu_seqlens_q))
+
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `metal_attn.paged_attention` (arrays as MLX arrays)."""
         return {

@@ -107,13 +107,10 @@ def test_every_tuning_matches_oracle(tuning, split):
     rows shorter than a simdgroup's first step (idle simdgroups must merge as empty states)."""
     from metal_attn.providers.classic import gpu
 
-    from metal_attn.metadata import AttentionMetadata
-
     case = make_case(q_lens=[1, 1, 1, 1, 5], seq_lens=[1, 3, 17, 1100, 530], num_heads=8, num_kv_heads=2,
                      head_size=128, block_size=16, dtype="bfloat16", seed=sum(tuning[0]), sliding_window=700,
                      label=f"tuning {tuning}")
-    kw = case.kwargs()
-    md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
+    md = case.metadata()
     out = gpu.launch_paged(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
                            sliding_window=700, softcap=None, split=split, backend=metal_attn.current_device().backend,
                            geometry_override=gpu.Geometry(*tuning[0]), prefetch=tuning[1])

@@ -49,8 +49,7 @@ def _case(geom, seq_lens, dtype="bfloat16", seed=0):
 
 
 def _forced(case, partition_size: int) -> mx.array:
-    kw = case.kwargs()
-    md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
+    md = case.metadata()
     out = gq.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, partition_size=partition_size,
                     backend=BACKEND)
     mx.eval(out)
@@ -83,17 +82,16 @@ def test_forced_partition_ragged_batch(geom, dtype, partition_size):
 
 #: Every (CHUNK, PREFETCH) load-pipelining variant a tuning table may ship.
 TUNINGS = [(4, 0), (4, 1), (8, 0), (8, 1), (16, 1), (32, 1)]
+#: Each geometry with every variant whose CHUNK divides its block size (the launcher refuses the others).
+GEOM_TUNINGS = [pytest.param(g, t, id=f"{gid}-chunk{t[0]}-prefetch{t[1]}")
+                for g, gid in zip(TABLE, GEOM_IDS) for t in TUNINGS if g[3] % t[0] == 0]
 
 
-@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: f"chunk{t[0]}-prefetch{t[1]}")
-@pytest.mark.parametrize("geom", TABLE, ids=GEOM_IDS)
+@pytest.mark.parametrize(("geom", "tuning"), GEOM_TUNINGS)
 def test_every_tuning_matches_oracle(geom, tuning):
     """Partial pages, chunk tails and 1-3 token scalar tails under each variant."""
-    if geom[3] % tuning[0]:
-        pytest.skip(f"CHUNK={tuning[0]} does not divide block_size={geom[3]} (the launcher refuses it)")
     case = _case(geom, [1, 2, 3, 5, 13, 31, 257, 530, 2_061], seed=tuning[0] + tuning[1])
-    kw = case.kwargs()
-    md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
+    md = case.metadata()
     for p in (256, 512):
         out = gq.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, partition_size=p,
                         backend=BACKEND, tuning=tuning)

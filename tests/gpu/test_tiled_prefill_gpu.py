@@ -11,37 +11,19 @@ row-block variants) through the launcher; bitwise repeats.
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import metal_attn
 from metal_attn import diagnostics
-from metal_attn.testing import assert_close_to_oracle, make_case, run_case
+from metal_attn.testing import assert_close_to_oracle, forced_mixed_threshold, make_case, run_case
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("float16", "bfloat16")
 HEADS = (64, 96, 128, 256)
 BLOCKS = (8, 16, 32)
-
-
-@contextlib.contextmanager
-def _mixed_threshold(value: int):
-    """Force the mixed split either way: 0 sends every decode row to the per-token kernel."""
-    from metal_attn.providers import tiled_prefill
-
-    from metal_attn.plugins import get_registry
-
-    get_registry().forget_selections()
-    try:
-        with mock.patch.object(tiled_prefill, "MIXED_DECODE_MIN_CONTEXT", {"cuda": value, "metal": value}):
-            yield
-    finally:
-        get_registry().forget_selections()
 
 
 def _check(case, route: str = "tiled_prefill") -> np.ndarray:
@@ -144,7 +126,7 @@ def test_verify_batch():
 def test_mixed_batch_both_routes(dtype, split):
     case = make_case(q_lens=[1, 1, 1, 37, 100], seq_lens=[1, 600, 1100, 37, 900], num_heads=8, num_kv_heads=2,
                      head_size=128, block_size=16, dtype=dtype, sinks=True, seed=29, label=f"mixed {dtype}")
-    with _mixed_threshold(0 if split else 1 << 30):
+    with forced_mixed_threshold(0 if split else 1 << 30):
         _check(case, "mixed_prefill_decode" if split else "tiled_prefill")
 
 
@@ -152,7 +134,7 @@ def test_mixed_split_with_window_and_softcap():
     case = make_case(q_lens=[1, 1, 64], seq_lens=[5000, 4096, 200], num_heads=8, num_kv_heads=2, head_size=64,
                      block_size=32, dtype="float16", sliding_window=1000, softcap=20.0, seed=31,
                      label="mixed split, window, softcap")
-    with _mixed_threshold(4096):
+    with forced_mixed_threshold(4096):
         _check(case, "mixed_prefill_decode")
 
 
@@ -164,12 +146,9 @@ _TILES = [(8, 16, 1), (16, 16, 1), (16, 32, 2), (32, 16, 1), (64, 32, 2), (32, 6
 def test_other_tile_shapes_through_the_launcher(tile):
     from metal_attn.providers import tiled_prefill
 
-    from metal_attn.metadata import AttentionMetadata
-
     case = make_case(q_lens=[70, 33], seq_lens=[300, 33], num_heads=4, num_kv_heads=2, head_size=128,
                      block_size=16, dtype="bfloat16", sliding_window=90, seed=sum(tile), label=f"tile {tile}")
-    kw = case.kwargs()
-    md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
+    md = case.metadata()
     out = tiled_prefill.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
                                sliding_window=90, softcap=None, backend=metal_attn.current_device().backend,
                                config=tiled_prefill.TileConfig(*tile))
@@ -182,13 +161,10 @@ def test_row_block_variants_with_every_feature(tile):
     rows past the end of a block (q_len 13: the second block of the only simdgroup is partial)."""
     from metal_attn.providers import tiled_prefill
 
-    from metal_attn.metadata import AttentionMetadata
-
     case = make_case(q_lens=[13, 77, 40], seq_lens=[500, 77, 1040], num_heads=8, num_kv_heads=2, head_size=64,
                      block_size=8, dtype="float16", sinks=True, softcap=25.0, sliding_window=300, seed=43,
                      label=f"tile {tile} features")
-    kw = case.kwargs()
-    md = AttentionMetadata.build(kw["block_tables"], kw["seq_lens"], kw["cu_seqlens_q"])
+    md = case.metadata()
     out = tiled_prefill.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=case.sinks,
                                sliding_window=300, softcap=25.0, backend=metal_attn.current_device().backend,
                                config=tiled_prefill.TileConfig(*tile))
@@ -199,7 +175,7 @@ def test_bitwise_identical_on_repeat():
     case = make_case(q_lens=[1, 1, 77, 300], seq_lens=[900, 5000, 200, 300], num_heads=8, num_kv_heads=2,
                      head_size=128, block_size=16, dtype="bfloat16", seed=37, label="repeat")
     for threshold in (0, 1 << 30):
-        with _mixed_threshold(threshold):
+        with forced_mixed_threshold(threshold):
             first = run_case(case, provider="tiled_prefill")
             again = run_case(case, provider="tiled_prefill")
             assert diagnostics.last_dispatch().route == ("mixed_prefill_decode" if threshold == 0 else "tiled_prefill")

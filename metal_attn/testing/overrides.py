@@ -1,0 +1,23 @@
+"""Rule-table overrides for GPU tests and sweeps (not for serving)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+
+@contextlib.contextmanager
+def forced_mixed_threshold(value: int) -> Iterator[None]:
+    """Patch the tiled prefill provider's mixed-batch split threshold (every backend) to ``value``
+    for the block: 0 sends every decode row of a mixed batch to the per-token kernel, a huge value
+    keeps them in the tiles. Cached selections are dropped on entry and exit."""
+    from metal_attn.plugins import get_registry
+    from metal_attn.providers import tiled_prefill
+
+    get_registry().forget_selections()
+    try:
+        with mock.patch.object(tiled_prefill, "MIXED_DECODE_MIN_CONTEXT", {"cuda": value, "metal": value}):
+            yield
+    finally:
+        get_registry().forget_selections()
