@@ -18,11 +18,13 @@ struct uint3 {
 
 // Class types (x86 clang has no usable _Float16 here): convertible to and from float.
 struct half {
+  unsigned short bits;  // 16 bits, as in MSL (the kernels' sizeof checks)
   half();
   half(float);
   operator float() const;
 };
 struct bfloat16_t {
+  unsigned short bits;
   bfloat16_t();
   bfloat16_t(float);
   operator float() const;

@@ -1,8 +1,9 @@
 // metal-attn: the classic per-token paged-attention kernel and the split-KV reducer.
 // Two kernel bodies, one per `// @kernel NAME` section; MLX writes the signatures.
 // Generated defines (from metal_attn/constants.py via metal_attn/kernels.py):
-//   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_SIMD_WIDTH, and per variant PA_SPLIT and
-//   PA_STAGED (template arguments are not macros, so the code paths they pick are defines).
+//   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_SIMD_WIDTH, and per variant PA_SPLIT,
+//   PA_STAGED and PA_MMA (template arguments are not macros, so the code paths they pick are
+//   defines).
 
 // @kernel paged_attention
 // One threadgroup per (HPS consecutive query heads, query row, partition). The HPS heads
@@ -22,6 +23,14 @@
 //   threadgroup memory, STAGES chunks in flight (CUDA: cp.async, the copy of the next chunks
 //   overlapping the arithmetic on this one; Metal: plain copies), and the lanes read their
 //   slices from there. Each row is read from the pools once for all HPS heads.
+// PA_MMA == 1 (staged, 16-bit types, HPS <= 8 = HPW): the arithmetic of each query row is
+// still its own (one row per threadgroup, its own causal and window range, the same split
+// contract), but the group's heads are the rows of 8x8 matrix products: per 8 staged tokens a
+// simdgroup computes S = Q K^T (heads x tokens) and O += P V with the products of the tiled
+// prefill kernel (tensor cores on CUDA, the simdgroup matrix unit on Metal), its online
+// softmax per head row (reduced over the four lanes that hold a row); P enters the product
+// as a high and a low 16-bit part (the two halves of one 16-deep product), as in the tiled
+// kernel. The token simdgroups take the chunk's 8-token blocks in turn (STEP = 8).
 // Inputs : q [T, H, D], k_cache/v_cache [NB, BS, KVH, D], block_tables [S, MB] int32,
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32, sinks [H] float32,
 //          params int32 [num_seqs, num_heads, num_kv_heads, max_blocks, window, max_parts, use_sinks],
@@ -37,8 +46,10 @@ constexpr int SG_T = NUM_SG / SG_H;                   // simdgroups across token
 constexpr int NV = HEAD_SIZE / (4 * TPT);             // 4-element vectors per lane
 constexpr int E = 4 * NV;                             // head elements per lane
 constexpr int TPP = MA_SIMD_WIDTH / TPT;              // tokens per simdgroup pass
-constexpr int STEP = TPP * UNROLL;                    // tokens per simdgroup iteration
+constexpr int STEP = PA_MMA ? 8 : TPP * UNROLL;       // tokens per simdgroup iteration
 static_assert(HPS % HPW == 0 && NUM_SG % SG_H == 0, "HPS/HPW simdgroups must divide the threadgroup");
+static_assert(!PA_MMA || (PA_STAGED && HPW == HPS && HPS <= 8 && HEAD_SIZE % 32 == 0 && sizeof(T) == 2),
+              "the matrix path stages 16-bit K/V, with every head of the threadgroup in one 8-row block");
 static_assert(STAGE % (SG_T * STEP) == 0, "a staged chunk is whole iterations of every token simdgroup");
 // L2 prefetch (PREFETCH = 1): 128-byte lines per K (or V) row of one KV head.
 constexpr int LINE_ELEMS = 128 / int(sizeof(T));
@@ -113,6 +124,29 @@ const int t_begin = win_start;
 const int t_end = ctx;
 #endif
 
+#if PA_MMA
+// Heads as fragment rows: this lane's row fr (head head0 + fr; rows >= HPS are zero and
+// masked) and columns fc, fc + 1 of each 8-column block.
+constexpr int D8 = HEAD_SIZE / 8;
+const int fr = ma_frag_row(lane);
+const int fc = ma_frag_col(lane);
+const bool head_ok = fr < HPS;
+// Q as left operands, packed once into threadgroup memory (the same for every simdgroup;
+// registers are the scarcer resource: the output fragments take 2 * D8 a lane).
+threadgroup ma_opnd<T> q_ops[D8 * MA_SIMD_WIDTH];
+ma_frag8 ofr[D8];
+for (int d = 0; d < D8; ++d) {
+  if (sg == 0) {
+    const int64_t qa = (row_head0 + fr) * HEAD_SIZE + d * 8 + fc;
+    q_ops[d * MA_SIMD_WIDTH + lane] =
+        ma_opnd_pack<T>(head_ok ? ma_to_float(q[qa]) : 0.0f, head_ok ? ma_to_float(q[qa + 1]) : 0.0f);
+  }
+  ofr[d].v[0] = 0.0f;
+  ofr[d].v[1] = 0.0f;
+}
+float m_row = MA_NEG_FLT_MAX;  // the reference max of row fr (uniform over its four lanes)
+float l_lane = 0.0f;           // this lane's share of the row's sum (reduced at the end)
+#else
 // This lane's slice of each of its heads: vectors (sl + TPT * j), j < NV, of 4 elements.
 const int sub = lane / TPT;
 const int sl = lane % TPT;
@@ -135,41 +169,61 @@ for (int h = 0; h < HPW; ++h) {
   }
 }
 
+#endif
+
 const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
 const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
 
 #if PA_STAGED
 // Staged: chunk c (tokens t_begin + c * STAGE ...) goes to stage c % STAGES, its K rows then
-// its V rows, each row PITCH elements apart (64 bytes of padding, so that the two tokens a
-// half-simdgroup reads sit in different banks).
+// its V rows, each row PITCH elements apart (padding against bank conflicts: 64 bytes, so that
+// the two tokens a half-simdgroup reads sit in different banks; 16 bytes for the matrix
+// path's 8-row fragment reads). Once the loop is done, the stages hold the simdgroup merge.
 constexpr int VEC16 = 16 / int(sizeof(T));             // elements per 16-byte copy
 constexpr int ROW_COPIES = HEAD_SIZE / VEC16;          // copies per row
-constexpr int PITCH = HEAD_SIZE + 64 / int(sizeof(T));
+constexpr int PITCH = HEAD_SIZE + (PA_MMA ? 16 : 64) / int(sizeof(T));
 constexpr int STAGE_ELEMS = 2 * STAGE * PITCH;
-threadgroup T kv_stage[STAGES * STAGE_ELEMS];
+constexpr int MERGE_ELEMS = (SG_T * HPS * HEAD_SIZE * 4 + int(sizeof(T)) - 1) / int(sizeof(T));
+threadgroup T kv_stage[STAGES * STAGE_ELEMS > MERGE_ELEMS ? STAGES * STAGE_ELEMS : MERGE_ELEMS];
 const int n_chunks = (t_end - t_begin + STAGE - 1) / STAGE;
-// Every thread copies some 16-byte pieces of the chunk; tokens past the end are zero-filled.
+// Every thread copies some 16-byte pieces of the chunk's K and V rows (one address for both;
+// tokens past the end are zero-filled), on pages whose ids it read one chunk earlier
+// (pg[x]), so that no copy waits for a block-table read.
+constexpr int COPIES = STAGE * ROW_COPIES;                           // 16-byte pieces of K (or V)
+constexpr int COPY_ITERS = (COPIES + NUM_THREADS - 1) / NUM_THREADS;  // per thread
+int pg[COPY_ITERS];
+#define MA_STAGE_PAGES(c)                                                      \
+  for (int x = 0; x < COPY_ITERS; ++x) {                                       \
+    const int tok = t_begin + (c) * STAGE + (tid + x * NUM_THREADS) / ROW_COPIES; \
+    pg[x] = tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;         \
+  }
 #define MA_STAGE_CHUNK(c)                                                                        \
-  for (int i = tid; i < 2 * STAGE * ROW_COPIES; i += NUM_THREADS) {                            \
-    const int r = i / ROW_COPIES;                                                               \
-    const int tok = t_begin + (c) * STAGE + r % STAGE;                                          \
-    const bool live = tok < t_end;                                                              \
-    const int pg = live ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;                          \
-    const int64_t src = (int64_t(pg) * BLOCK_SIZE + (live ? tok % BLOCK_SIZE : 0)) * tok_stride \
-                        + head_off + (i % ROW_COPIES) * VEC16;                                  \
-    ma_async_copy16(kv_stage + ((c) % STAGES) * STAGE_ELEMS + r * PITCH + (i % ROW_COPIES) * VEC16, \
-                    (r < STAGE ? k_cache : v_cache) + src, live);                               \
+  for (int x = 0; x < COPY_ITERS; ++x) {                                                       \
+    const int i = tid + x * NUM_THREADS;                                                        \
+    if (COPIES % NUM_THREADS == 0 || i < COPIES) {                                              \
+      const int r = i / ROW_COPIES;                                                             \
+      const int tok = t_begin + (c) * STAGE + r;                                                \
+      const bool live = tok < t_end;                                                            \
+      const int64_t src = (int64_t(pg[x]) * BLOCK_SIZE + (live ? tok % BLOCK_SIZE : 0)) * tok_stride \
+                          + head_off + (i % ROW_COPIES) * VEC16;                                \
+      const int dst = ((c) % STAGES) * STAGE_ELEMS + r * PITCH + (i % ROW_COPIES) * VEC16;      \
+      ma_async_copy16(kv_stage + dst, k_cache + src, live);                                     \
+      ma_async_copy16(kv_stage + dst + STAGE * PITCH, v_cache + src, live);                     \
+    }                                                                                           \
   }
 for (int c = 0; c < STAGES - 1; ++c) {
   if (c < n_chunks) {
+    MA_STAGE_PAGES(c)
     MA_STAGE_CHUNK(c)
   }
   ma_async_commit();
 }
+MA_STAGE_PAGES(STAGES - 1)
 for (int c = 0; c < n_chunks; ++c) {
   if (c + STAGES - 1 < n_chunks) {
     MA_STAGE_CHUNK(c + STAGES - 1)  // into the stage chunk c - 1 used (all done reading it)
+    MA_STAGE_PAGES(c + STAGES)      // read now, used next iteration
   }
   ma_async_commit();
   ma_async_wait<STAGES - 1>();  // this thread's pieces of chunk c have landed
@@ -190,6 +244,55 @@ for (int u = 0; u < UNROLL; ++u) {
 {
   for (int base = t_begin + sgt * STEP; base < t_end; base += STRIDE) {
 #endif
+#if PA_MMA
+    // This simdgroup's 8 tokens (none past the end: uniform over the simdgroup).
+    if (base < t_end) {
+      const int row = (base - cb) * PITCH;
+      // S = Q K^T (heads x tokens).
+      ma_frag8 s0;
+      s0.v[0] = s0.v[1] = 0.0f;
+#pragma unroll
+      for (int d = 0; d < D8; d += 4) {
+        ma_opnd<T> kb[4];
+        ma_load_bt4<PITCH>(kv_stage + k_tile + row + d * 8, lane, kb);
+        ma_mma2<T>(s0, q_ops[d * MA_SIMD_WIDTH + lane], kb[0], q_ops[(d + 1) * MA_SIMD_WIDTH + lane], kb[1]);
+        ma_mma2<T>(s0, q_ops[(d + 2) * MA_SIMD_WIDTH + lane], kb[2], q_ops[(d + 3) * MA_SIMD_WIDTH + lane], kb[3]);
+      }
+      // Online softmax per head row in log2 space, with the scalar path's lazy rescale.
+      float sc[2];
+      for (int i = 0; i < 2; ++i) {
+        const bool ok = head_ok && base + fc + i < t_end;
+        sc[i] = ok ? ma_score(s0.v[i], score_scale, softcap) : MA_NEG_FLT_MAX;
+      }
+      const float m_new = metal::max(m_row, ma_frag_row_max(metal::max(sc[0], sc[1])));
+      if (m_new > m_row + MA_RESCALE_SLACK) {
+        const float alpha = ma_rescale(m_row, m_new);
+        l_lane *= alpha;
+        for (int d = 0; d < D8; ++d) {
+          ofr[d].v[0] *= alpha;
+          ofr[d].v[1] *= alpha;
+        }
+        m_row = m_new;
+      }
+      float pr[2];
+      for (int i = 0; i < 2; ++i) {
+        // A masked score is exactly the sentinel: exp2 of it would be 1 when m_row is too.
+        pr[i] = sc[i] != MA_NEG_FLT_MAX ? metal::exp2(sc[i] - m_row) : 0.0f;
+        l_lane += pr[i];
+      }
+      const ma_popnd<T> pf = ma_popnd_pack<T>(pr[0], pr[1]);
+      // O += P V, four 8-column blocks of V per fragment load.
+#pragma unroll
+      for (int d = 0; d < D8; d += 4) {
+        ma_opnd<T> vb[4];
+        ma_load_b4d<PITCH>(kv_stage + v_tile + row + d * 8, lane, vb);
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          ma_mma_p<T>(ofr[d + x], pf, vb[x]);
+        }
+      }
+    }
+#else
     // Every K/V load of the iteration first (packed registers).
     ma_raw4<T> kraw[UNROLL][NV];
     ma_raw4<T> vraw[UNROLL][NV];
@@ -310,13 +413,38 @@ for (int u = 0; u < UNROLL; ++u) {
         }
       }
     }
+#endif
   }
 #if PA_STAGED
   threadgroup_barrier(mem_flags::mem_threadgroup);  // chunk c's stage may be refilled now
 #undef MA_STAGE_CHUNK
+#undef MA_STAGE_PAGES
 #endif
 }
+#if PA_STAGED
+ma_async_wait<0>();  // nothing is still in flight into the stages (the merge reuses them)
+#define MA_MERGE_ACC(i) ma_tg_floats(kv_stage)[i]
+#else
+threadgroup float sg_acc[SG_T * HPS * HEAD_SIZE];
+#define MA_MERGE_ACC(i) sg_acc[i]
+#endif
 
+threadgroup float sg_stats[SG_T * HPS * 2];
+#if PA_MMA
+// Each token simdgroup's state: (max, sum) per head row, its O fragments.
+const float l_row = ma_frag_row_sum(l_lane);
+if (head_ok) {
+  const int slot = sgt * HPS + fr;
+  if (fc == 0) {
+    sg_stats[slot * 2] = m_row;
+    sg_stats[slot * 2 + 1] = l_row;
+  }
+  for (int d = 0; d < D8; ++d) {
+    MA_MERGE_ACC(slot * HEAD_SIZE + d * 8 + fc) = ofr[d].v[0];
+    MA_MERGE_ACC(slot * HEAD_SIZE + d * 8 + fc + 1) = ofr[d].v[1];
+  }
+}
+#else
 // Merge the simdgroup's token slots (lanes sl, sl + TPT, ... hold the same slice);
 // after the butterfly every slot holds the merged state.
 for (int h = 0; h < HPW; ++h) {
@@ -336,8 +464,6 @@ for (int h = 0; h < HPW; ++h) {
 
 // Merge the token simdgroups through threadgroup memory: each writes its (max, sum, acc)
 // per head, then every thread combines some (head, element) pairs across them.
-threadgroup float sg_stats[SG_T * HPS * 2];
-threadgroup float sg_acc[SG_T * HPS * HEAD_SIZE];
 for (int h = 0; h < HPW; ++h) {
   const int slot = sgt * HPS + sgh * HPW + h;
   if (lane == 0) {
@@ -347,11 +473,12 @@ for (int h = 0; h < HPW; ++h) {
   if (sub == 0) {
     for (int j = 0; j < NV; ++j) {
       for (int c4 = 0; c4 < 4; ++c4) {
-        sg_acc[slot * HEAD_SIZE + (sl + TPT * j) * 4 + c4] = acc[h][4 * j + c4];
+        MA_MERGE_ACC(slot * HEAD_SIZE + (sl + TPT * j) * 4 + c4) = acc[h][4 * j + c4];
       }
     }
   }
 }
+#endif
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
 for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
@@ -366,7 +493,7 @@ for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
   for (int w = 0; w < SG_T; ++w) {
     const float wgt = ma_rescale(sg_stats[(w * HPS + h) * 2], g_max);
     total += sg_stats[(w * HPS + h) * 2 + 1] * wgt;
-    o += sg_acc[(w * HPS + h) * HEAD_SIZE + d] * wgt;
+    o += MA_MERGE_ACC((w * HPS + h) * HEAD_SIZE + d) * wgt;
   }
   const int64_t row_head = row_head0 + h;
 #if PA_SPLIT
@@ -388,6 +515,7 @@ for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
   out[row_head * HEAD_SIZE + d] = ma_from_float<T>(o * fold / (total + MA_SOFTMAX_EPS));
 #endif
 }
+#undef MA_MERGE_ACC
 
 // @kernel paged_attention_v2_reduce
 // The split-KV reducer, shared by every kernel that writes the split contract:

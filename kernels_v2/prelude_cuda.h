@@ -294,23 +294,38 @@ MA_FUNC ma_opnd<U> ma_load_b(const U* p, int lane) {
   const U* r = p + ((lane & 3) << 1) * LD + (lane >> 2);
   return {ma_mma_op<U>::bits(r[0]) | (ma_mma_op<U>::bits(r[LD]) << 16)};
 }
-// Four right operands with one ldmatrix: K^T blocks of dims [8m, 8m + 8), m < 4, of the
-// 8 keys at p (lane l addresses key l % 8 of block l / 8).
+// Four 8x8 blocks of 16-bit elements with one ldmatrix: lanes 8m..8m+7 give the row addresses
+// (`row`, in threadgroup memory) of block m; TRANS transposes each block.
+template <bool TRANS, typename U>
+MA_FUNC void ma_ldmatrix4(const U* row, ma_opnd<U>* r) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0].p), "=r"(r[1].p), "=r"(r[2].p), "=r"(r[3].p)
+                 : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0].p), "=r"(r[1].p), "=r"(r[2].p), "=r"(r[3].p)
+                 : "r"(a));
+  }
+}
+// Four right operands: K^T blocks of dims [8m, 8m + 8), m < 4, of the 8 keys at p (lane l
+// addresses key l % 8 of block l / 8).
 template <int LD, typename U>
 MA_FUNC void ma_load_bt4(const U* p, int lane, ma_opnd<U>* r) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p + (lane & 7) * LD + (lane >> 3) * 8));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0].p), "=r"(r[1].p), "=r"(r[2].p), "=r"(r[3].p)
-               : "r"(a));
+  ma_ldmatrix4<false>(p + (lane & 7) * LD + (lane >> 3) * 8, r);
 }
-// Four right operands with one transposing ldmatrix: V blocks of keys [8m, 8m + 8), m < 4,
-// of the 8 dims at p (lane l addresses key row l).
+// Four right operands: V blocks of keys [8m, 8m + 8), m < 4, of the 8 dims at p (lane l
+// addresses key row l; transposed).
 template <int LD, typename U>
 MA_FUNC void ma_load_b4(const U* p, int lane, ma_opnd<U>* r) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p + lane * LD));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0].p), "=r"(r[1].p), "=r"(r[2].p), "=r"(r[3].p)
-               : "r"(a));
+  ma_ldmatrix4<true>(p + lane * LD, r);
+}
+// Four right operands: V blocks of dims [8m, 8m + 8), m < 4, of the 8 keys at p (lane l
+// addresses key l % 8 of block l / 8; transposed).
+template <int LD, typename U>
+MA_FUNC void ma_load_b4d(const U* p, int lane, ma_opnd<U>* r) {
+  ma_ldmatrix4<true>(p + (lane & 7) * LD + (lane >> 3) * 8, r);
 }
 // d += A0 B0 + A1 B1: two 8x8x8 products, exact 16-bit products with float accumulation
 // (what Metal's float simdgroup product computes for the same values); rows 8..15 of
@@ -339,6 +354,20 @@ MA_FUNC void ma_mma2x2_p(ma_frag8& d, ma_frag8& e, ma_popnd<U> a0, ma_popnd<U> c
                          ma_popnd<U> c1, ma_opnd<U> b1) {
   ma_mma_op<U>::mma(d.v[0], d.v[1], e.v[0], e.v[1], a0.hi, c0.hi, a1.hi, c1.hi, b0.p, b1.p);
   ma_mma_op<U>::mma(d.v[0], d.v[1], e.v[0], e.v[1], a0.lo, c0.lo, a1.lo, c1.lo, b0.p, b1.p);
+}
+
+// d += A B for one float left operand: its high and low parts are the two 8-deep halves of
+// one m16n8k16 (both against the same right operand).
+template <typename U>
+MA_FUNC void ma_mma_p(ma_frag8& d, ma_popnd<U> a, ma_opnd<U> b) {
+  float z0 = 0.0f, z1 = 0.0f;
+  ma_mma_op<U>::mma(d.v[0], d.v[1], z0, z1, a.hi, 0u, a.lo, 0u, b.p, b.p);
+}
+
+// A threadgroup array's memory seen as floats (a region reused once its first use is over).
+template <typename U>
+MA_FUNC float* ma_tg_floats(U* p) {
+  return reinterpret_cast<float*>(p);
 }
 
 // Four elements into threadgroup memory with one 8- or 16-byte store.

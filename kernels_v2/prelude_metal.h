@@ -150,6 +150,13 @@ MA_FUNC void ma_load_b4(const threadgroup U* p, int lane, thread ma_opnd<U>* r) 
     r[m] = ma_load_b<LD>(p + m * 8 * LD, lane);
   }
 }
+// Four right operands: V blocks of dims [8m, 8m + 8), m < 4, of the 8 keys at p.
+template <int LD, typename U>
+MA_FUNC void ma_load_b4d(const threadgroup U* p, int lane, thread ma_opnd<U>* r) {
+  for (int m = 0; m < 4; ++m) {
+    r[m] = ma_load_b<LD>(p + m * 8, lane);
+  }
+}
 // d += A0 B0 + A1 B1 on the simdgroup matrix unit, in float.
 MA_FUNC void ma_sgmm(thread ma_frag8& d, float a0, float a1, float b0, float b1) {
   simdgroup_matrix<float, 8, 8> am;
@@ -191,6 +198,18 @@ MA_FUNC void ma_mma2x2_p(thread ma_frag8& d, thread ma_frag8& e, ma_popnd<U> a0,
                          ma_popnd<U> a1, ma_popnd<U> c1, ma_opnd<U> b1) {
   ma_sgmm2(d, a0, b0, a1, b1);
   ma_sgmm2(e, c0, b0, c1, b1);
+}
+
+// d += A B for one float left operand (the CUDA prelude multiplies its two 16-bit parts).
+template <typename U>
+MA_FUNC void ma_mma_p(thread ma_frag8& d, ma_popnd<U> a, ma_opnd<U> b) {
+  ma_sgmm(d, a.v[0], a.v[1], b.v[0], b.v[1]);
+}
+
+// A threadgroup array's memory seen as floats (a region reused once its first use is over).
+template <typename U>
+MA_FUNC threadgroup float* ma_tg_floats(threadgroup U* p) {
+  return reinterpret_cast<threadgroup float*>(p);
 }
 
 // Four elements into threadgroup memory.

@@ -84,7 +84,7 @@ def classic_specializations() -> list[Specialization]:
             continue
         for head in sorted(table["head_sizes"]):
             for block in sorted(table["block_sizes"]):
-                for split, geo in gpu.source_check_launches(head):
+                for split, geo in gpu.source_check_launches(head, dtype):
                     parts = 2 if split else 1
                     common_in = (
                         ((t, h, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
@@ -95,7 +95,7 @@ def classic_specializations() -> list[Specialization]:
                         ((t, h, parts), "float32"), ((t, h, parts), "float32"), ((t, h, parts, head), "float32"))
                     specs.append(Specialization(
                         label=f"paged_attention split={int(split)} {dtype} head={head} block={block}"
-                              + (" staged" if geo.stage else ""),
+                              + (" mma" if geo.mma else " staged" if geo.stage else ""),
                         kernel="paged_attention", source_files=gpu.PAGED_FILES, input_names=gpu.PA_INPUTS,
                         output_names=gpu.PA_OUTPUTS[split],
                         template=tuple(gpu.paged_template(dtype, head, block, split, geo, gpu.PREFETCH_NEXT["metal"])),

@@ -39,11 +39,11 @@ def test_full_grid_does_not_split():
     assert row.plan.route == "per_token_ps0" and row.plan.partition_size == 0
     assert "num_heads*total_q_tokens=8*40=320 >= 8*gpu_cores=8*40=320" in " ".join(row.plan.notes)
     assert row.plan.grid == (8 * 128, 40, 1)
-    # On the H200 the four query heads of a KV head share a threadgroup (staged loads, two heads
-    # a simdgroup on a large grid): 8 heads, 2 threadgroups.
+    # On the H200 the four query heads of a KV head share a threadgroup (staged loads, the heads
+    # as the rows of matrix products): 8 heads, 2 threadgroups.
     _, row = _classic_row(q_lens=[1] * 40, seq_lens=[8192] * 40, device="h200")
     notes = " ".join(row.plan.notes)
-    assert row.plan.grid[0] == 2 * 128 and "heads_per_threadgroup=4 heads_per_simdgroup=2" in notes
+    assert row.plan.grid[0] == 2 * 128 and "heads_per_threadgroup=4 as the rows of 8x8 matrix products" in notes
     assert "staged chunks of 32 tokens, 2 in flight" in notes
 
 
@@ -139,21 +139,24 @@ def test_lanes_per_token_geometry():
     assert geometry(80, "float16", "cuda", group=4) == Geometry(4, 1, 1)  # 20 elements a lane: one head
     assert geometry(96, "float16", "cuda", group=4) == Geometry(4, 1, 1)  # 24 elements a lane
     assert geometry(192, "bfloat16", "cuda", group=6) == Geometry(8, 1, 1)  # 48 vectors: 8 lanes x 6
-    # CUDA, staged loads (groups >= 4, heads 128 and 256): the whole group in one threadgroup; two
-    # heads a simdgroup (unroll 2) unless a split grid is small (< 6 threadgroups a core: one head,
-    # unroll 4); chunks of 32 tokens, halved until two fit in 40 KiB.
-    assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(8, 2, 4, 2, 32, 2)
-    assert geometry(128, "bfloat16", "cuda", group=4, split=True, kv_items_per_core=31.0) == Geometry(8, 2, 4, 2, 32, 2)
-    assert geometry(128, "bfloat16", "cuda", group=4, split=True, kv_items_per_core=3.9) == Geometry(8, 4, 4, 1, 32, 2)
-    assert geometry(128, "bfloat16", "cuda", group=4, split=False, kv_items_per_core=3.9) == Geometry(8, 2, 4, 2, 32, 2)
-    # group 8: eight heads need two a simdgroup (unroll 2) even on a small grid
-    assert geometry(128, "bfloat16", "cuda", group=8, split=True, kv_items_per_core=1.0) == Geometry(8, 2, 8, 2, 32, 2)
-    # head 256, group 6: three heads a simdgroup (6 / 3 = 2 simdgroups across heads), chunks of 16
-    assert geometry(256, "bfloat16", "cuda", group=6, split=True, kv_items_per_core=3.9) == Geometry(16, 2, 6, 3, 16, 2)
-    # float32 rows are twice as wide: chunks of 16
+    # CUDA, groups >= 4 at heads 128 and 256: the whole group (up to 8 heads) in one threadgroup.
+    # 16-bit types take the matrix path (heads as the rows of 8x8 products): 128 threads and
+    # chunks of 32 tokens where two fit in 40 KiB (head 128), else 64 threads and chunks of 16.
+    assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(8, 1, 4, 4, 32, 2, 1, 128)
+    assert geometry(128, "float16", "cuda", group=8, split=True, kv_items_per_core=1.0) == Geometry(
+        8, 1, 8, 8, 32, 2, 1)
+    assert geometry(256, "bfloat16", "cuda", group=6, split=True) == Geometry(16, 1, 6, 6, 16, 2, 1, 64)
+    assert geometry(128, "float16", "cuda", group=16) == Geometry(8, 1, 8, 8, 32, 2, 1)  # largest divisor <= 8
+    # float32 stages per-token loads: two heads a simdgroup (unroll 2) unless a split grid is
+    # small (< 6 threadgroups a core: one head, unroll 4); chunks halved until two fit in 40 KiB.
     assert geometry(128, "float32", "cuda", group=4) == Geometry(8, 2, 4, 2, 16, 2)
-    # group 16: eight heads a threadgroup (the largest divisor up to 8)
-    assert geometry(128, "float16", "cuda", group=16) == Geometry(8, 2, 8, 2, 32, 2)
+    assert geometry(128, "float32", "cuda", group=4, split=True, kv_items_per_core=31.0) == Geometry(8, 2, 4, 2, 16, 2)
+    assert geometry(128, "float32", "cuda", group=4, split=True, kv_items_per_core=3.9) == Geometry(8, 4, 4, 1, 16, 2)
+    assert geometry(128, "float32", "cuda", group=4, split=False, kv_items_per_core=3.9) == Geometry(8, 2, 4, 2, 16, 2)
+    # group 8: eight heads need two a simdgroup (unroll 2) even on a small grid
+    assert geometry(128, "float32", "cuda", group=8, split=True, kv_items_per_core=1.0) == Geometry(8, 2, 8, 2, 16, 2)
+    # head 256, group 6: three heads a simdgroup (6 / 3 = 2 simdgroups across heads), chunks of 8
+    assert geometry(256, "float32", "cuda", group=6, split=True, kv_items_per_core=3.9) == Geometry(16, 2, 6, 3, 8, 2)
     with pytest.raises(ValueError, match="head_size=66"):
         geometry(66, "float16")
 

@@ -18,9 +18,11 @@ def test_every_classic_specialization_type_checks():
     result = msl_check.check()
     assert result.ok, result.summary()
     assert result.count == len(specs)
-    # dtypes x heads x blocks x {unsplit, split} x {direct, staged loads}; a reducer per (dtype, head);
+    # dtypes x heads x blocks x {unsplit, split} x {direct, staged loads}, plus the matrix path for the
+    # two 16-bit dtypes at the five head sizes that are multiples of 32; a reducer per (dtype, head);
     # a cache writer per dtype
-    assert result.count == 3 * 7 * 3 * 2 * 2 + 3 * 7 + 3
+    assert sum(" mma" in s.label for s in specs) == 2 * 5 * 3 * 2
+    assert result.count == 3 * 7 * 3 * 2 * 2 + 2 * 5 * 3 * 2 + 3 * 7 + 3
 
 
 def test_generated_source_is_mlx_signature_plus_our_text():
@@ -57,3 +59,13 @@ def test_planted_type_mismatch_fails(planted_kernels):
 def test_unplanted_copy_passes(planted_kernels):
     d = planted_kernels("pagedattention.metal", "const int seq = lo;", "const int seq = lo;")
     assert msl_check.check(only=ONLY, kernels_dir=d).ok
+
+
+def test_planted_error_on_the_matrix_path_fails(planted_kernels):
+    # The matrix path is its own code under PA_MMA: the check must instantiate it too.
+    d = planted_kernels("pagedattention.metal", "ma_mma_p<T>(ofr[d + x], pf, vb[x]);",
+                        "ma_mma_p<T>(ofr[d + x], pf, vb_not_declared[x]);")
+    result = msl_check.check(only=r"paged_attention split=1 bfloat16 head=128 block=16", kernels_dir=d)
+    assert not result.ok
+    assert any("vb_not_declared" in e for e in result.errors), result.summary()
+    assert all(" mma]" in e.split("line")[0] for e in result.errors), result.summary()

@@ -31,9 +31,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
 
-#: Threads per threadgroup of the per-token kernel and of the reducer.
+#: Threads per threadgroup of the reducer, and the per-token kernel's default.
 NUM_THREADS = 128
 SIMDGROUPS = NUM_THREADS // SIMD_WIDTH
+#: Threadgroup sizes a per-token geometry may take.
+THREAD_CHOICES = (64, 128, 256)
+#: Tokens a simdgroup takes per step on the matrix path (the columns of one 8x8 block).
+MMA_TOKENS = 8
 #: Threads per threadgroup of reshape_and_cache, and its most threadgroups per launch.
 CACHE_THREADS = 256
 CACHE_MAX_GROUPS = 8192
@@ -97,7 +101,9 @@ class StagingRule:
     - tokens unrolled per lane: ``unroll_one_head`` when a simdgroup holds one head, else
       ``unroll_more_heads``;
     - ``chunk`` tokens per staged chunk (halved until the chunks fit the threadgroup-memory
-      limit), ``stages`` chunks in flight.
+      limit), ``stages`` chunks in flight;
+    - the matrix path (``Geometry.mma``: the heads as rows of 8x8 products) for 16-bit dtypes at
+      the ``mma_head_sizes``: the first of ``mma_launches`` (threads, chunk) whose chunks fit.
     """
 
     min_group: int
@@ -110,13 +116,16 @@ class StagingRule:
     unroll_more_heads: int
     chunk: int
     stages: int
+    mma_head_sizes: tuple[int, ...] = ()
+    mma_launches: tuple[tuple[int, int], ...] = ()
 
 
 #: CUDA: the H200 sweep (docs/bench-h200-classic.md, `benchmarks/sweep_gpu_tuning.py classic`).
 #: Metal: none (direct loads, upstream's shape; nothing here measures an Apple GPU).
 STAGING_RULES: dict[str, StagingRule] = {
     "cuda": StagingRule(min_group=4, head_sizes=(128, 256), max_heads=8, hpw=2, hpw_small_grid=1,
-                        small_grid_per_core=6.0, unroll_one_head=4, unroll_more_heads=2, chunk=32, stages=2),
+                        small_grid_per_core=6.0, unroll_one_head=4, unroll_more_heads=2, chunk=32, stages=2,
+                        mma_head_sizes=(128, 256), mma_launches=((128, 32), (64, 16))),
 }
 #: Threadgroup memory the staged chunks may take, per backend: CUDA's static limit is 48 KiB a
 #: threadgroup, Apple GPUs have 32 KiB; the rest is left to the simdgroup merge arrays.
@@ -136,10 +145,16 @@ class Geometry:
     hpw: int = 0  # query heads per simdgroup (0: all ``hps``, the simdgroups split the tokens)
     stage: int = 0  # tokens per chunk staged through threadgroup memory (0: direct loads)
     stages: int = 2  # staged chunks in flight
+    mma: int = 0  # 1: the heads as rows of 8x8 matrix products (staged, 16-bit; lanes/unroll unused)
+    threads: int = NUM_THREADS  # threads per threadgroup
 
     def __post_init__(self) -> None:
         if self.hpw == 0:
             object.__setattr__(self, "hpw", self.hps)
+
+    @property
+    def simdgroups(self) -> int:
+        return self.threads // SIMD_WIDTH
 
     @property
     def simdgroups_across_heads(self) -> int:
@@ -148,11 +163,14 @@ class Geometry:
     @property
     def tokens_per_pass(self) -> int:
         """Tokens the simdgroups that split the tokens take per iteration (a staged chunk is whole passes)."""
-        return (SIMDGROUPS // self.simdgroups_across_heads) * (SIMD_WIDTH // self.lanes) * self.unroll
+        per_simdgroup = MMA_TOKENS if self.mma else (SIMD_WIDTH // self.lanes) * self.unroll
+        return (self.simdgroups // self.simdgroups_across_heads) * per_simdgroup
 
     def stage_bytes(self, head_size: int, itemsize: int) -> int:
-        """Threadgroup memory of the staged chunks (rows padded by 64 bytes, as the kernel lays them out)."""
-        return self.stages * 2 * self.stage * (head_size * itemsize + 64) if self.stage else 0
+        """Threadgroup memory of the staged chunks (rows padded as the kernel lays them out: 64 bytes,
+        16 on the matrix path)."""
+        pad = 16 if self.mma else 64
+        return self.stages * 2 * self.stage * (head_size * itemsize + pad) if self.stage else 0
 
 
 def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: int = 1,
@@ -169,6 +187,9 @@ def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: i
     lanes = next(t for t in (32, 16, 8, 4, 2, 1)
                  if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
     itemsize = 4 if dtype in (None, "float32") else 2  # unknown dtype: size the chunks for the widest
+    mma = _mma_geometry(STAGING_RULES.get(backend), backend, head_size, dtype, lanes, group)
+    if mma is not None:
+        return mma
     staged = _staged_geometry(STAGING_RULES.get(backend), backend, head_size, itemsize, lanes, group, split,
                               kv_items_per_core)
     if staged is not None:
@@ -177,6 +198,20 @@ def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: i
     unroll = 2 if elements <= (rule.unroll_up_to if split else rule.unroll_up_to_unsplit) else 1
     hps = next((h for h in rule.hps_choices if group % h == 0 and h * elements <= rule.hps_element_budget), 1)
     return Geometry(lanes, unroll, hps)
+
+
+def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype: str | None, lanes: int,
+                  group: int) -> Geometry | None:
+    """The matrix-path geometry `StagingRule` gives, or None where it does not apply."""
+    if (rule is None or dtype not in ("float16", "bfloat16") or group < rule.min_group
+            or head_size not in rule.mma_head_sizes):
+        return None
+    hps = max(d for d in range(1, min(group, rule.max_heads) + 1) if group % d == 0)
+    for threads, chunk in rule.mma_launches:
+        geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, 1, threads)
+        if geometry_problem(geo, head_size, group, 2, backend) is None:
+            return geo
+    return None
 
 
 def _staged_geometry(rule: StagingRule | None, backend: str, head_size: int, itemsize: int, lanes: int,
@@ -201,16 +236,19 @@ def _staged_geometry(rule: StagingRule | None, backend: str, head_size: int, ite
     return None
 
 
-def source_check_launches(head_size: int) -> list[tuple[bool, Geometry]]:
+def source_check_launches(head_size: int, dtype: str | None = None) -> list[tuple[bool, Geometry]]:
     """(split, geometry) pairs whose Metal text the source check type-checks, for both routes: Metal's
-    own geometry (direct loads) and one staged chunk per token simdgroup pass (the staged code path
-    the CUDA table chooses; the text is checked, whether or not Apple's threadgroup memory would
-    hold that chunk)."""
+    own geometry (direct loads), one staged chunk per token simdgroup pass, and for 16-bit ``dtype``
+    and head sizes that are multiples of 32 the matrix path (the staged code paths the CUDA tables
+    choose; the text is checked, whether or not Apple's threadgroup memory would hold that chunk)."""
     launches = []
     for split in (False, True):
         geo = geometry(head_size, None, "metal", split=split)
         one_pass = Geometry(geo.lanes, 1, 1, 1).tokens_per_pass
         launches += [(split, geo), (split, Geometry(geo.lanes, 1, 1, 1, one_pass, 2))]
+        if dtype in ("float16", "bfloat16") and head_size % 32 == 0:
+            launches.append((split, Geometry(geo.lanes, 1, 1, 1, Geometry(geo.lanes, 1, 1, 1, 0, 2, 1)
+                                             .tokens_per_pass, 2, 1)))
     return launches
 
 
@@ -239,8 +277,16 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
         return f"unroll={geo.unroll} (allowed: >= 1)"
     if geo.hps < 1 or group % geo.hps:
         return f"hps={geo.hps} (allowed: a divisor of the GQA group {group})"
-    if geo.hpw < 1 or geo.hps % geo.hpw or SIMDGROUPS % (geo.hps // geo.hpw):
-        return f"hpw={geo.hpw} (allowed: a divisor of hps={geo.hps} with hps/hpw dividing {SIMDGROUPS} simdgroups)"
+    if geo.threads not in THREAD_CHOICES:
+        return f"threads={geo.threads} (allowed: {', '.join(map(str, THREAD_CHOICES))})"
+    if geo.hpw < 1 or geo.hps % geo.hpw or geo.simdgroups % (geo.hps // geo.hpw):
+        return (f"hpw={geo.hpw} (allowed: a divisor of hps={geo.hps} with hps/hpw dividing {geo.simdgroups} "
+                f"simdgroups)")
+    if geo.mma:
+        if geo.mma != 1 or not geo.stage or itemsize != 2 or geo.hpw != geo.hps or geo.hps > 8 or head_size % 32:
+            return (f"mma={geo.mma} (allowed: 0, or 1 with staged chunks, a 16-bit dtype (itemsize={itemsize}), "
+                    f"hpw == hps <= 8 (hps={geo.hps}, hpw={geo.hpw}) and head_size a multiple of 32 "
+                    f"(head_size={head_size}))")
     if geo.stage:
         if geo.stage < 0 or geo.stage % geo.tokens_per_pass:
             return (f"stage={geo.stage} (allowed: 0, or a multiple of the {geo.tokens_per_pass} tokens the token "
@@ -307,8 +353,8 @@ def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings:
         provider=provider,
         route=ROUTES[split],
         partition_size=PARTITION_SIZE if split else 0,
-        grid=(request.num_heads // geo.hps * NUM_THREADS, request.total_q_tokens, parts),
-        threadgroup=(NUM_THREADS, 1, 1),
+        grid=(request.num_heads // geo.hps * geo.threads, request.total_q_tokens, parts),
+        threadgroup=(geo.threads, 1, 1),
         specialization=(device.backend, request.dtype, request.head_size, request.block_size,
                         PARTITION_SIZE if split else 0, *dataclasses.astuple(geo)),
         notes=(*notes, describe_geometry(geo, items)),
@@ -319,6 +365,9 @@ def describe_geometry(geo: Geometry, kv_items_per_core: float | None) -> str:
     """The geometry as a diagnostics note."""
     loads = (f"staged chunks of {geo.stage} tokens, {geo.stages} in flight" if geo.stage else "direct loads")
     grid = "" if kv_items_per_core is None else f" (kv_items_per_core={kv_items_per_core:.1f})"
+    if geo.mma:
+        return (f"heads_per_threadgroup={geo.hps} as the rows of 8x8 matrix products, {MMA_TOKENS} tokens a "
+                f"simdgroup step, {loads}{grid}")
     return (f"lanes_per_token={geo.lanes} unroll={geo.unroll} heads_per_threadgroup={geo.hps} "
             f"heads_per_simdgroup={geo.hpw}, {loads}{grid}")
 
@@ -334,7 +383,7 @@ def plan_geometry(specialization: tuple) -> Geometry:
 
 def paged_defines(split: bool, geo: Geometry) -> dict[str, int]:
     """The per-token kernel's code-path defines (route; direct or staged loads)."""
-    return {"PA_SPLIT": int(split), "PA_STAGED": int(geo.stage > 0)}
+    return {"PA_SPLIT": int(split), "PA_STAGED": int(geo.stage > 0), "PA_MMA": int(geo.mma)}
 
 
 def _paged_kernel(backend: str, split: bool, geo: Geometry):
@@ -416,13 +465,13 @@ def _launch(
     fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
     template = paged_template(dtype, head, block_size, split, geo, prefetch)
     inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks_arr, params, fparams]
-    grid = (num_heads // geo.hps * NUM_THREADS, total, max_parts)
+    grid = (num_heads // geo.hps * geo.threads, total, max_parts)
     kern = _paged_kernel(backend, split, geo)
     if not split:
-        return kern(inputs=inputs, template=template, grid=grid, threadgroup=(NUM_THREADS, 1, 1),
+        return kern(inputs=inputs, template=template, grid=grid, threadgroup=(geo.threads, 1, 1),
                     output_shapes=[(total, num_heads, head)], output_dtypes=[dtype])[0]
     max_logits, exp_sums, tmp_out = kern(
-        inputs=inputs, template=template, grid=grid, threadgroup=(NUM_THREADS, 1, 1),
+        inputs=inputs, template=template, grid=grid, threadgroup=(geo.threads, 1, 1),
         output_shapes=[(total, num_heads, max_parts), (total, num_heads, max_parts),
                        (total, num_heads, max_parts, head)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
@@ -435,7 +484,7 @@ def paged_template(dtype, head_size: int, block_size: int, split: bool, geo: Geo
                    prefetch: int) -> list[tuple[str, object]]:
     """The per-token kernel's template arguments (``dtype``: an MLX dtype, or its name for the source check)."""
     return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size),
-            ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", NUM_THREADS),
+            ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", geo.threads),
             ("TPT", geo.lanes), ("UNROLL", geo.unroll), ("HPS", geo.hps), ("HPW", geo.hpw),
             ("PREFETCH", prefetch), ("STAGE", geo.stage), ("STAGES", geo.stages)]
 
