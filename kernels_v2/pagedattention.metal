@@ -23,14 +23,15 @@
 //   threadgroup memory, STAGES chunks in flight (CUDA: cp.async, the copy of the next chunks
 //   overlapping the arithmetic on this one; Metal: plain copies), and the lanes read their
 //   slices from there. Each row is read from the pools once for all HPS heads.
-// PA_MMA == 1 (staged, 16-bit types, HPS <= 8 = HPW): the arithmetic of each query row is
+// PA_MMA == 1 (staged, 16-bit types, HPW = HPS <= 8): the arithmetic of each query row is
 // still its own (one row per threadgroup, its own causal and window range, the same split
 // contract), but the group's heads are the rows of 8x8 matrix products: per 8 staged tokens a
 // simdgroup computes S = Q K^T (heads x tokens) and O += P V with the products of the tiled
 // prefill kernel (tensor cores on CUDA, the simdgroup matrix unit on Metal), its online
 // softmax per head row (reduced over the four lanes that hold a row); P enters the product
-// as a high and a low 16-bit part (the two halves of one 16-deep product), as in the tiled
-// kernel. The token simdgroups take the chunk's 8-token blocks in turn (STEP = 8).
+// as a high and a low 16-bit part, as in the tiled kernel (here the two 8-deep halves of one
+// 16-deep product on CUDA). The token simdgroups take the chunk's 8-token blocks in turn
+// (STEP = 8).
 // Inputs : q [T, H, D], k_cache/v_cache [NB, BS, KVH, D], block_tables [S, MB] int32,
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32, sinks [H] float32,
 //          params int32 [num_seqs, num_heads, num_kv_heads, max_blocks, window, max_parts, use_sinks],
@@ -132,7 +133,8 @@ const int fr = ma_frag_row(lane);
 const int fc = ma_frag_col(lane);
 const bool head_ok = fr < HPS;
 // Q as left operands, packed once into threadgroup memory (the same for every simdgroup;
-// registers are the scarcer resource: the output fragments take 2 * D8 a lane).
+// registers are the scarcer resource: the output fragments take 2 * D8 a lane). Simdgroup 0
+// writes them; the first chunk's barrier makes them visible before any product reads them.
 threadgroup ma_opnd<T> q_ops[D8 * MA_SIMD_WIDTH];
 ma_frag8 ofr[D8];
 for (int d = 0; d < D8; ++d) {
@@ -185,7 +187,7 @@ constexpr int ROW_COPIES = HEAD_SIZE / VEC16;          // copies per row
 constexpr int PITCH = HEAD_SIZE + (PA_MMA ? 16 : 64) / int(sizeof(T));
 constexpr int STAGE_ELEMS = 2 * STAGE * PITCH;
 constexpr int MERGE_ELEMS = (SG_T * HPS * HEAD_SIZE * 4 + int(sizeof(T)) - 1) / int(sizeof(T));
-threadgroup T kv_stage[STAGES * STAGE_ELEMS > MERGE_ELEMS ? STAGES * STAGE_ELEMS : MERGE_ELEMS];
+threadgroup alignas(16) T kv_stage[STAGES * STAGE_ELEMS > MERGE_ELEMS ? STAGES * STAGE_ELEMS : MERGE_ELEMS];
 const int n_chunks = (t_end - t_begin + STAGE - 1) / STAGE;
 // Every thread copies some 16-byte pieces of the chunk's K and V rows (one address for both;
 // tokens past the end are zero-filled), on pages whose ids it read one chunk earlier
@@ -193,10 +195,12 @@ const int n_chunks = (t_end - t_begin + STAGE - 1) / STAGE;
 constexpr int COPIES = STAGE * ROW_COPIES;                           // 16-byte pieces of K (or V)
 constexpr int COPY_ITERS = (COPIES + NUM_THREADS - 1) / NUM_THREADS;  // per thread
 int pg[COPY_ITERS];
-#define MA_STAGE_PAGES(c)                                                      \
-  for (int x = 0; x < COPY_ITERS; ++x) {                                       \
-    const int tok = t_begin + (c) * STAGE + (tid + x * NUM_THREADS) / ROW_COPIES; \
-    pg[x] = tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;         \
+#define MA_STAGE_PAGES(c)                                                        \
+  for (int x = 0; x < COPY_ITERS; ++x) {                                         \
+    const int i = tid + x * NUM_THREADS;                                          \
+    const int tok = t_begin + (c) * STAGE + i / ROW_COPIES;                       \
+    const bool live = (COPIES % NUM_THREADS == 0 || i < COPIES) && tok < t_end;   \
+    pg[x] = live ? block_tables[bt_row + tok / BLOCK_SIZE] : 0;                   \
   }
 #define MA_STAGE_CHUNK(c)                                                                        \
   for (int x = 0; x < COPY_ITERS; ++x) {                                                       \
@@ -245,7 +249,8 @@ for (int u = 0; u < UNROLL; ++u) {
   for (int base = t_begin + sgt * STEP; base < t_end; base += STRIDE) {
 #endif
 #if PA_MMA
-    // This simdgroup's 8 tokens (none past the end: uniform over the simdgroup).
+    // This simdgroup's 8 tokens, if any is before the end (uniform over the simdgroup; those past
+    // it are zero-filled and masked).
     if (base < t_end) {
       const int row = (base - cb) * PITCH;
       // S = Q K^T (heads x tokens).
@@ -422,7 +427,8 @@ for (int u = 0; u < UNROLL; ++u) {
 #endif
 }
 #if PA_STAGED
-ma_async_wait<0>();  // nothing is still in flight into the stages (the merge reuses them)
+// The merge reuses the stages: the last chunk's closing barrier has every thread done reading
+// them, and every copy group committed after that chunk's was empty (nothing in flight).
 #define MA_MERGE_ACC(i) ma_tg_floats(kv_stage)[i]
 #else
 threadgroup float sg_acc[SG_T * HPS * HEAD_SIZE];

@@ -224,6 +224,34 @@ def test_launch_refuses_a_bad_geometry_before_any_kernel(geo, prefetch):
                          backend="cuda", geometry_override=gpu.Geometry(*geo), prefetch=prefetch)
 
 
+@pytest.mark.parametrize(("geo", "head", "group", "itemsize", "backend", "needle"), [
+    ((8, 1, 4, 4, 32, 2, 1), 128, 4, 4, "cuda", "itemsize=4"),          # the matrix path is 16-bit only
+    ((8, 1, 4, 2, 32, 2, 1), 128, 4, 2, "cuda", "hps=4, hpw=2"),        # every head in one row block
+    ((8, 1, 8, 8, 0, 2, 1), 128, 8, 2, "cuda", "mma=1"),                # staged only
+    ((4, 1, 4, 4, 32, 2, 1), 80, 4, 2, "cuda", "head_size=80"),         # whole 32-column fragment loads
+    ((8, 1, 4, 4, 32, 2, 1), 128, 4, 2, "metal", "on metal"),           # 34 KiB of chunks: not on Apple
+    ((8, 1, 4, 4, 32, 2, 1, 96), 128, 4, 2, "cuda", "threads=96"),
+    ((8, 1, 4, 4, 16, 2, 1, 128), 128, 4, 2, "cuda", "stage=16"),       # 4 simdgroups x 8 tokens a pass
+])
+def test_geometry_problem_names_what_the_matrix_path_needs(geo, head, group, itemsize, backend, needle):
+    from metal_attn.providers.classic import gpu
+
+    problem = gpu.geometry_problem(gpu.Geometry(*geo), head, group, itemsize, backend)
+    assert problem is not None and needle in problem, problem
+
+
+def test_matrix_path_geometries_are_valid_where_the_rule_gives_them():
+    from metal_attn.providers.classic import gpu
+
+    for dtype in ("float16", "bfloat16"):
+        for head in (128, 256):
+            for group in (4, 6, 8, 16):
+                geo = gpu.geometry(head, dtype, "cuda", group, split=True, kv_items_per_core=4.0)
+                assert geo.mma == 1 and geo.hps == geo.hpw == max(d for d in range(1, 9) if group % d == 0)
+                assert gpu.geometry_problem(geo, head, group, 2, "cuda") is None
+                assert geo.stage % geo.tokens_per_pass == 0
+
+
 def test_plan_specialization_reaches_the_launch(monkeypatch):
     """Host side of a planned launch, with the kernels replaced by recorders: the plan's geometry
     and grid are what the kernel receives, a split plan goes through the reducer, ``rows`` launches

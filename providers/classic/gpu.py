@@ -127,9 +127,13 @@ STAGING_RULES: dict[str, StagingRule] = {
                         small_grid_per_core=6.0, unroll_one_head=4, unroll_more_heads=2, chunk=32, stages=2,
                         mma_head_sizes=(128, 256), mma_launches=((128, 32), (64, 16))),
 }
-#: Threadgroup memory the staged chunks may take, per backend: CUDA's static limit is 48 KiB a
-#: threadgroup, Apple GPUs have 32 KiB; the rest is left to the simdgroup merge arrays.
+#: Threadgroup memory the staged chunks may take, per backend (the rule's budget: the rest of
+#: `THREADGROUP_BYTES_LIMIT` holds Q's matrix operands and the merge statistics; the merge's
+#: partial outputs reuse the stages).
 STAGE_BYTES_LIMIT = {"metal": 24 * 1024, "cuda": 40 * 1024}
+#: All of the per-token kernel's threadgroup memory, per backend: CUDA's static limit is 48 KiB
+#: a threadgroup, Apple GPUs have 32 KiB.
+THREADGROUP_BYTES_LIMIT = {"metal": 32 * 1024, "cuda": 48 * 1024}
 #: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
 #: Metal has no such instruction and the kernel's prefetch is a no-op there).
 PREFETCH_NEXT = {"metal": 0, "cuda": 1}
@@ -172,6 +176,18 @@ class Geometry:
         pad = 16 if self.mma else 64
         return self.stages * 2 * self.stage * (head_size * itemsize + pad) if self.stage else 0
 
+    def threadgroup_bytes(self, head_size: int, itemsize: int, backend: str) -> int:
+        """All the threadgroup memory the kernel declares for this geometry: the stages (or, with
+        direct loads, the merge's partial outputs; staged, those reuse the stages), the merge
+        statistics and, on the matrix path, Q's packed operands (a 32-bit register each on CUDA,
+        two floats on Metal)."""
+        token_simdgroups = self.simdgroups // self.simdgroups_across_heads
+        merge = token_simdgroups * self.hps * head_size * 4
+        main = max(self.stage_bytes(head_size, itemsize), merge) if self.stage else merge
+        stats = token_simdgroups * self.hps * 2 * 4
+        q_ops = (head_size // 8) * SIMD_WIDTH * (4 if backend == "cuda" else 8) if self.mma else 0
+        return main + stats + q_ops
+
 
 def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: int = 1,
              split: bool = False, kv_items_per_core: float | None = None) -> Geometry:
@@ -202,13 +218,14 @@ def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: i
 
 def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype: str | None, lanes: int,
                   group: int) -> Geometry | None:
-    """The matrix-path geometry `StagingRule` gives, or None where it does not apply."""
+    """The matrix-path geometry `StagingRule` gives, or None where it does not apply (the same for
+    both routes and any grid: the sweep found no split or small-grid variant worth a rule)."""
     if (rule is None or dtype not in ("float16", "bfloat16") or group < rule.min_group
             or head_size not in rule.mma_head_sizes):
         return None
     hps = max(d for d in range(1, min(group, rule.max_heads) + 1) if group % d == 0)
     for threads, chunk in rule.mma_launches:
-        geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, 1, threads)
+        geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, mma=1, threads=threads)
         if geometry_problem(geo, head_size, group, 2, backend) is None:
             return geo
     return None
@@ -230,7 +247,7 @@ def _staged_geometry(rule: StagingRule | None, backend: str, head_size: int, ite
     chunk = rule.chunk
     while chunk >= per_pass:
         geo = Geometry(lanes, unroll, hps, hpw, chunk, rule.stages)
-        if chunk % per_pass == 0 and geo.stage_bytes(head_size, itemsize) <= stage_bytes_limit(backend):
+        if geometry_problem(geo, head_size, group, itemsize, backend) is None:
             return geo
         chunk //= 2
     return None
@@ -247,8 +264,8 @@ def source_check_launches(head_size: int, dtype: str | None = None) -> list[tupl
         one_pass = Geometry(geo.lanes, 1, 1, 1).tokens_per_pass
         launches += [(split, geo), (split, Geometry(geo.lanes, 1, 1, 1, one_pass, 2))]
         if dtype in ("float16", "bfloat16") and head_size % 32 == 0:
-            launches.append((split, Geometry(geo.lanes, 1, 1, 1, Geometry(geo.lanes, 1, 1, 1, 0, 2, 1)
-                                             .tokens_per_pass, 2, 1)))
+            mma_pass = Geometry(geo.lanes, 1, 1, 1, mma=1).tokens_per_pass
+            launches.append((split, Geometry(geo.lanes, 1, 1, 1, mma_pass, 2, mma=1)))
     return launches
 
 
@@ -297,6 +314,11 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
         if geo.stage_bytes(head_size, itemsize) > limit:
             return (f"stage={geo.stage} stages={geo.stages}: {geo.stage_bytes(head_size, itemsize)} bytes of "
                     f"threadgroup memory on {backend} (allowed: <= {limit})")
+    total = geo.threadgroup_bytes(head_size, itemsize, backend)
+    total_limit = THREADGROUP_BYTES_LIMIT.get(backend, THREADGROUP_BYTES_LIMIT["metal"])
+    if total > total_limit:
+        return (f"{geo}: {total} bytes of threadgroup memory in all at head_size={head_size} on {backend} "
+                f"(allowed: <= {total_limit})")
     return None
 
 
