@@ -221,6 +221,17 @@ MA_FUNC float ma_frag_row_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The whole m16n8k16 with 16-bit operands of PTX type TY ("f16", "bf16") and float
+// accumulators: rows 0..7 of A/C in (a0, a2) / (c0, c1), rows 8..15 in (a1, a3) / (c2, c3).
+#define MA_MMA_ARGS                                                                              \
+  float &c0, float &c1, float &c2, float &c3, unsigned a0, unsigned a1, unsigned a2, unsigned a3, \
+      unsigned b0, unsigned b1
+#define MA_MMA_M16N8K16(TY)                                                                       \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+      "{%0,%1,%2,%3};\n"                                                                          \
+      : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)                                                     \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+
 // One 16-bit element type: packing and the tensor-core product.
 template <typename U>
 struct ma_mma_op;
@@ -232,14 +243,7 @@ struct ma_mma_op<__half> {
   }
   static MA_FUNC float2 unpack(unsigned p) { return __half22float2(*reinterpret_cast<const __half2*>(&p)); }
   static MA_FUNC unsigned bits(__half x) { return __half_as_ushort(x); }
-  // The whole m16n8k16: rows 0..7 of A/C in (a0, a2) / (c0, c1), rows 8..15 in (a1, a3) / (c2, c3).
-  static MA_FUNC void mma(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1, unsigned a2,
-                          unsigned a3, unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
+  static MA_FUNC void mma(MA_MMA_ARGS) { MA_MMA_M16N8K16("f16"); }
 };
 template <>
 struct ma_mma_op<__nv_bfloat16> {
@@ -251,14 +255,7 @@ struct ma_mma_op<__nv_bfloat16> {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p));
   }
   static MA_FUNC unsigned bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
-  // The whole m16n8k16: rows 0..7 of A/C in (a0, a2) / (c0, c1), rows 8..15 in (a1, a3) / (c2, c3).
-  static MA_FUNC void mma(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1, unsigned a2,
-                          unsigned a3, unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
+  static MA_FUNC void mma(MA_MMA_ARGS) { MA_MMA_M16N8K16("bf16"); }
 };
 
 template <typename U>
