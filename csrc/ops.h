@@ -8,8 +8,6 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
-#include "kernel_api.h"  // kMaxHeadSize
-
 namespace metal_attn_native {
 
 namespace mx = mlx::core;

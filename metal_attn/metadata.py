@@ -50,14 +50,15 @@ class AttentionMetadata:
     max_blocks_per_seq: int
     validate: bool = True
     _block_tables_host: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    # Caches: init=False, so every instance (`dataclasses.replace` too) starts them empty.
     #: (num_blocks, block_size) pairs the block table was already checked against.
-    _checked_pools: set = dataclasses.field(default_factory=set, repr=False)
+    _checked_pools: set = dataclasses.field(default_factory=set, repr=False, init=False)
     #: Selection cache (filled by `paged_attention`): per-layer key -> (selection, metadata, ratio, record).
-    _selections: dict = dataclasses.field(default_factory=dict, repr=False)
+    _selections: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
     #: Block tables re-expressed for smaller kernel blocks: ratio -> metadata.
-    _split: dict = dataclasses.field(default_factory=dict, repr=False)
+    _split: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
     #: Query-tile maps of the tiled kernels: (rows per tile, first sequence) -> array.
-    _tiles: dict = dataclasses.field(default_factory=dict, repr=False)
+    _tiles: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
     def num_seqs(self) -> int:
@@ -191,11 +192,7 @@ class AttentionMetadata:
             block_tables=mx.array(expanded.astype(np.int32)),
             max_blocks_per_seq=int(expanded.shape[1]),
             _block_tables_host=expanded,
-            _checked_pools=set(),
-            _selections={},
-            _split={},
-            _tiles={},
-        )
+        )  # the caches (init=False fields) start empty
         self._split[ratio] = out
         return out
 

@@ -79,14 +79,14 @@ def length_plan(seq_lens: Iterable[int], sizes: Sequence[int] = LENGTH_PLAN_SIZE
     return tuple((p, sum(n // p for n in lens)) for p in sizes)
 
 
-def split_scratch_bytes(rows: int, num_heads: int, partitions: int, head_size: int, itemsize: int = 4) -> int:
-    """Split-KV scratch of one call: per (query row, head, partition) a partial output of
-    ``head_size`` elements of ``itemsize`` bytes and two float32 statistics (max logit, exp sum).
+def split_scratch_bytes(rows: int, num_heads: int, partitions: int, head_size: int) -> int:
+    """Split-KV scratch of one call: per (query row, head, partition) a float32 partial output of
+    ``head_size`` elements and two float32 statistics (max logit, exp sum).
 
     Every split kernel's gate checks it against `SCRATCH_CAP_BYTES`. Python integers are
     unbounded, so the product never wraps (a C ``int32`` version overflows from about 2**31 bytes).
     """
-    return int(rows) * int(num_heads) * int(partitions) * (int(head_size) * int(itemsize) + 8)
+    return int(rows) * int(num_heads) * int(partitions) * (int(head_size) * 4 + 8)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -26,10 +26,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from metal_attn import kernels
 from metal_attn.constants import (
     GQA_CALIBRATION_RULES,
     GQA_DECODE_GEOMETRIES,
     GQA_PARTITION_SIZES,
+    LOG2E,
     SCRATCH_CAP_BYTES,
     SIMDGROUPS_PER_CORE,
 )
@@ -228,7 +230,6 @@ class GQADecodeProvider(Provider):
         import mlx.core as mx
         import numpy as np
 
-        from metal_attn import kernels
         from metal_attn.metadata import AttentionMetadata
 
         _, backend, dtype, heads, kvh, head, block, psize = plan.specialization
@@ -251,7 +252,6 @@ KERNEL_OUTPUTS = ("max_logits", "exp_sums", "tmp_out")
 
 def kernel_object(backend: str) -> Any:
     """The ``mx.fast`` kernel object of ``gqa_decode`` on ``backend`` (built once)."""
-    from metal_attn import kernels
 
     return kernels.load_kernel("gqa_decode", KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend)
 
@@ -294,8 +294,6 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     import mlx.core as mx
     from metal_attn.providers.classic.gpu import reduce_partitions
 
-    from metal_attn import kernels
-    from metal_attn.constants import LOG2E
 
     if partition_size not in GQA_PARTITION_SIZES:
         raise ValueError(f"partition_size={partition_size} (allowed: {', '.join(map(str, GQA_PARTITION_SIZES))})")

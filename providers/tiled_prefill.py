@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from metal_attn import kernels
 from metal_attn.constants import KERNEL_BLOCK_SIZES, LOG2E, MIXED_DECODE_MIN_CONTEXT
 from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan, Provider
@@ -205,7 +206,6 @@ class TiledPrefillProvider(Provider):
         import numpy as np
         from metal_attn.providers.classic import gpu as classic_gpu
 
-        from metal_attn import kernels
         from metal_attn.metadata import AttentionMetadata
 
         _, backend, dtype, head, block, tile, decode_spec = plan.specialization
@@ -239,7 +239,6 @@ class TiledPrefillProvider(Provider):
 
 def kernel_object(backend: str) -> Any:
     """The ``mx.fast`` kernel object of ``tiled_prefill`` on ``backend`` (built once)."""
-    from metal_attn import kernels
 
     return kernels.load_kernel(ROUTE, KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend)
 
@@ -262,7 +261,6 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
 
     from metal_attn.providers.classic.gpu import zeros_f32
 
-    from metal_attn import kernels
 
     total, num_heads, head = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -494,6 +494,12 @@ class Candidate(Protocol):
     def measure(self, case: Case, *, warmup: int, iters: int, pipelined: bool = False) -> CandidateResult: ...
 
 
+def pipelined_median_s(compute: Callable[[], Any], *, warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds per call of ``compute`` queued with ``mx.async_eval`` (one wait per sample,
+    `time_fn` around it): the sweeps' bare-launch timing."""
+    return time_fn(lambda: mx.async_eval(compute()), warmup=warmup, iters=iters).median_s
+
+
 def mlx_prepared(compute: Callable[[], Any], to_rows: Callable[[Any], np.ndarray], route: str) -> Prepared:
     """`Prepared` for an MLX computation: ``run`` evaluates it (``mx.eval``), ``launch`` queues it
     (``mx.async_eval``)."""
@@ -543,12 +549,16 @@ class TimedCandidate:
         return prep.route
 
 
+def rates(shape: Shape, median_s: float) -> tuple[float, float]:
+    """(GB/s of K+V read once, TFLOP/s) of ``shape`` at a median of ``median_s`` seconds."""
+    return shape.kv_bytes / median_s / 1e9, shape.flops / median_s / 1e12
+
+
 def apply_metrics(res: CandidateResult, shape: Shape) -> None:
     """Fill GB/s and TFLOP/s from the median (both always; the table shows the shape's headline)."""
     if res.timing is None or res.timing.median_s <= 0:
         return
-    res.gbps = shape.kv_bytes / res.timing.median_s / 1e9
-    res.tflops = shape.flops / res.timing.median_s / 1e12
+    res.gbps, res.tflops = rates(shape, res.timing.median_s)
 
 
 class ProviderCandidate(TimedCandidate):
@@ -669,16 +679,9 @@ def record_rates(benchmark: Any, shape: Shape) -> None:
     ``extra_info`` (nothing when it did not time, e.g. under ``--benchmark-disable``)."""
     stats = getattr(benchmark, "stats", None)
     if stats is not None and stats.stats.median > 0:
-        median = stats.stats.median
-        benchmark.extra_info["gbps_median"] = shape.kv_bytes / median / 1e9
-        benchmark.extra_info["tflops_median"] = shape.flops / median / 1e12
-
-
-def rel_l2(got: Any, ref: Any) -> float:
-    """``||got - ref|| / ||ref||`` in float64 (MLX arrays or numpy; 0/0 counts as 0)."""
-    g = np.asarray(got.astype(mx.float32) if isinstance(got, mx.array) else got, dtype=np.float64)
-    r = np.asarray(ref.astype(mx.float32) if isinstance(ref, mx.array) else ref, dtype=np.float64)
-    return float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
+        gbps, tflops = rates(shape, stats.stats.median)
+        benchmark.extra_info["gbps_median"] = gbps
+        benchmark.extra_info["tflops_median"] = tflops
 
 
 def _check(results: list[CandidateResult], shape: Shape) -> str | None:

@@ -17,13 +17,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from metal_attn.api import MX_DTYPES
 from metal_attn.testing.oracle import attention_oracle
 
 #: Key value written into garbage slots: large enough to dominate any softmax it leaks into,
 #: exactly representable in float16 and bfloat16.
 GARBAGE_KEY = 8192.0
 
-_MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_MX_DTYPES = {name: MX_DTYPES[name] for name in ("float32", "float16", "bfloat16")}  # message order
 
 
 def dtype_name(dtype: Any) -> str:

@@ -17,7 +17,8 @@ def forced_mixed_threshold(value: int) -> Iterator[None]:
 
     get_registry().forget_selections()
     try:
-        with mock.patch.object(tiled_prefill, "MIXED_DECODE_MIN_CONTEXT", {"cuda": value, "metal": value}):
+        with mock.patch.object(tiled_prefill, "MIXED_DECODE_MIN_CONTEXT",
+                               dict.fromkeys(tiled_prefill.MIXED_DECODE_MIN_CONTEXT, value)):
             yield
     finally:
         get_registry().forget_selections()

@@ -165,10 +165,15 @@ class Geometry:
         return self.hps // self.hpw
 
     @property
+    def token_simdgroups(self) -> int:
+        """Simdgroups that split the tokens (each holding its own softmax state until the merge)."""
+        return self.simdgroups // self.simdgroups_across_heads
+
+    @property
     def tokens_per_pass(self) -> int:
         """Tokens the simdgroups that split the tokens take per iteration (a staged chunk is whole passes)."""
         per_simdgroup = MMA_TOKENS if self.mma else (SIMD_WIDTH // self.lanes) * self.unroll
-        return (self.simdgroups // self.simdgroups_across_heads) * per_simdgroup
+        return self.token_simdgroups * per_simdgroup
 
     def stage_bytes(self, head_size: int, itemsize: int) -> int:
         """Threadgroup memory of the staged chunks (rows padded as the kernel lays them out: 64 bytes,
@@ -181,10 +186,9 @@ class Geometry:
         direct loads, the merge's partial outputs; staged, those reuse the stages), the merge
         statistics and, on the matrix path, Q's packed operands (a 32-bit register each on CUDA,
         two floats on Metal)."""
-        token_simdgroups = self.simdgroups // self.simdgroups_across_heads
-        merge = token_simdgroups * self.hps * head_size * 4
+        merge = self.token_simdgroups * self.hps * head_size * 4
         main = max(self.stage_bytes(head_size, itemsize), merge) if self.stage else merge
-        stats = token_simdgroups * self.hps * 2 * 4
+        stats = self.token_simdgroups * self.hps * 2 * 4
         q_ops = (head_size // 8) * SIMD_WIDTH * (4 if backend == "cuda" else 8) if self.mma else 0
         return main + stats + q_ops
 
@@ -216,6 +220,11 @@ def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: i
     return Geometry(lanes, unroll, hps)
 
 
+def _group_heads(rule: StagingRule, group: int) -> int:
+    """Heads per threadgroup on a staged launch: the GQA group, or its largest divisor up to ``max_heads``."""
+    return max(d for d in range(1, min(group, rule.max_heads) + 1) if group % d == 0)
+
+
 def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype: str | None, lanes: int,
                   group: int) -> Geometry | None:
     """The matrix-path geometry `StagingRule` gives, or None where it does not apply (the same for
@@ -223,7 +232,7 @@ def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype:
     if (rule is None or dtype not in ("float16", "bfloat16") or group < rule.min_group
             or head_size not in rule.mma_head_sizes):
         return None
-    hps = max(d for d in range(1, min(group, rule.max_heads) + 1) if group % d == 0)
+    hps = _group_heads(rule, group)
     for threads, chunk in rule.mma_launches:
         geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, mma=1, threads=threads)
         if geometry_problem(geo, head_size, group, 2, backend) is None:
@@ -236,7 +245,7 @@ def _staged_geometry(rule: StagingRule | None, backend: str, head_size: int, ite
     """The staged geometry `StagingRule` gives, or None where it does not apply."""
     if rule is None or group < rule.min_group or head_size not in rule.head_sizes:
         return None
-    hps = max(d for d in range(1, min(group, rule.max_heads) + 1) if group % d == 0)
+    hps = _group_heads(rule, group)
     small = split and kv_items_per_core is not None and kv_items_per_core * group / hps < rule.small_grid_per_core
     target = rule.hpw_small_grid if small else rule.hpw
     hpw = next((h for h in range(target, hps + 1) if hps % h == 0 and SIMDGROUPS % (hps // h) == 0), None)
@@ -272,6 +281,11 @@ def source_check_launches(head_size: int, dtype: str | None = None) -> list[tupl
 def stage_bytes_limit(backend: str) -> int:
     """`STAGE_BYTES_LIMIT` for ``backend`` (Apple's, the smaller, for any other)."""
     return STAGE_BYTES_LIMIT.get(backend, STAGE_BYTES_LIMIT["metal"])
+
+
+def threadgroup_bytes_limit(backend: str) -> int:
+    """`THREADGROUP_BYTES_LIMIT` for ``backend`` (Apple's, the smaller, for any other)."""
+    return THREADGROUP_BYTES_LIMIT.get(backend, THREADGROUP_BYTES_LIMIT["metal"])
 
 
 def kv_items_per_core(num_kv_heads: int, rows: int, parts: int, gpu_cores: int | None) -> float | None:
@@ -315,7 +329,7 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
             return (f"stage={geo.stage} stages={geo.stages}: {geo.stage_bytes(head_size, itemsize)} bytes of "
                     f"threadgroup memory on {backend} (allowed: <= {limit})")
     total = geo.threadgroup_bytes(head_size, itemsize, backend)
-    total_limit = THREADGROUP_BYTES_LIMIT.get(backend, THREADGROUP_BYTES_LIMIT["metal"])
+    total_limit = threadgroup_bytes_limit(backend)
     if total > total_limit:
         return (f"{geo}: {total} bytes of threadgroup memory in all at head_size={head_size} on {backend} "
                 f"(allowed: <= {total_limit})")
