@@ -26,8 +26,9 @@ import numpy as np
 from metal_attn.providers import gqa_decode as gq
 from metal_attn.providers.classic import gpu as classic_gpu
 
-from metal_attn.bench.core import Shape, build_case, rel_l2, time_fn
+from metal_attn.bench.core import Shape, build_case, pipelined_median_s
 from metal_attn.device import current_device
+from metal_attn.testing.conformance import rel_l2
 
 GQA_SHAPES = (  # (batch, heads, kv_heads, head, context, block)
     (1, 32, 8, 128, 32768, 16),
@@ -64,10 +65,6 @@ CLASSIC_TUNINGS = (
 )
 
 
-def _time(compute) -> float:
-    return time_fn(lambda: mx.async_eval(compute()), warmup=3, iters=10).median_s
-
-
 def sweep_gqa(backend: str) -> list[dict]:
     rows = []
     for batch, h, kvh, d, n, bs in GQA_SHAPES:
@@ -83,7 +80,7 @@ def sweep_gqa(backend: str) -> list[dict]:
                 if bs % t[0]:
                     continue
                 err = rel_l2(launch(t), ref)
-                sec = _time(lambda t=t: launch(t))
+                sec = pipelined_median_s(lambda t=t: launch(t))
                 row = {"kernel": "gqa_decode", "batch": batch, "heads": h, "kv_heads": kvh, "head": d,
                        "context": n, "block": bs, "partition": p, "chunk": t[0], "prefetch": t[1],
                        "shipped": t == shipped, "us": sec * 1e6,
@@ -111,7 +108,7 @@ def sweep_classic(backend: str) -> list[dict]:
             if classic_gpu.geometry_problem(g, d, h // kvh, 2, backend):
                 continue
             err = rel_l2(launch(g, pf), ref)
-            sec = _time(lambda g=g, pf=pf: launch(g, pf))
+            sec = pipelined_median_s(lambda g=g, pf=pf: launch(g, pf))
             row = {"kernel": "classic", "batch": batch, "heads": h, "kv_heads": kvh, "head": d, "context": n,
                    "split": split, "geometry": list(dataclasses.astuple(g)), "prefetch": pf,
                    "shipped": (g, pf) == shipped, "us": sec * 1e6,

@@ -19,9 +19,10 @@ import sys
 import mlx.core as mx
 
 import metal_attn
-from metal_attn.bench.core import Rows, Shape, build_case, rel_l2, time_fn
+from metal_attn.bench.core import Rows, Shape, build_case, pipelined_median_s
 from metal_attn.device import current_device
 from metal_attn.testing import forced_mixed_threshold
+from metal_attn.testing.conformance import rel_l2
 
 DECODE_ROWS = (8, 32, 128)
 CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
@@ -38,7 +39,7 @@ def _run(case, threshold: int) -> tuple[mx.array, float]:
         mx.eval(out)
         route = metal_attn.diagnostics.last_dispatch().route
         assert route == ("mixed_prefill_decode" if threshold == 0 else "tiled_prefill"), route
-        t = time_fn(lambda: mx.async_eval(call()), warmup=3, iters=10).median_s
+        t = pipelined_median_s(call)
     return out, t
 
 

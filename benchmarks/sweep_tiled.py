@@ -19,8 +19,9 @@ import mlx.core as mx
 import numpy as np
 from metal_attn.providers import tiled_prefill as tp
 
-from metal_attn.bench.core import Rows, Shape, build_case, rel_l2, time_fn
+from metal_attn.bench.core import Rows, Shape, build_case, pipelined_median_s
 from metal_attn.device import current_device
+from metal_attn.testing.conformance import rel_l2
 
 SHAPES = (
     Shape(1, 32, 8, 128, 4096, "bfloat16", q_len=4096),
@@ -51,7 +52,7 @@ def main(path: str) -> None:
             try:
                 got = launch(cfg)
                 mx.eval(got)
-                sec = time_fn(lambda cfg=cfg: mx.async_eval(launch(cfg)), warmup=3, iters=10).median_s
+                sec = pipelined_median_s(lambda cfg=cfg: launch(cfg))
             except RuntimeError as exc:  # e.g. more registers than the SM has for this many threads
                 print(json.dumps({"shape": shape.label, "config": [bq, bkv, rb], "error": str(exc)}))
                 continue
