@@ -48,8 +48,6 @@ float exp2(float);
 template <typename T>
 T simd_sum(T);
 template <typename T>
-T simd_max(T);
-template <typename T>
 T simd_shuffle_xor(T, ushort);
 template <typename T>
 T simd_shuffle(T, ushort);
@@ -61,7 +59,6 @@ struct simdgroup_matrix {
     T& operator[](int);
   };
   simdgroup_matrix();
-  explicit simdgroup_matrix(T);
   elements thread_elements();
 };
 template <typename T, int R, int C>

@@ -19,3 +19,19 @@ MA_FUNC float ma_score(float dot, float scale, float softcap) {
 MA_FUNC float ma_rescale(float m, float m_new) {
   return metal::exp2(m - m_new);
 }
+
+// The sequence of query row `qtok` in a varlen batch: the last s with cu_seqlens_q[s] <= qtok.
+template <typename P>
+MA_FUNC int ma_seq_of(P cu_seqlens_q, int num_seqs, int qtok) {
+  int lo = 0;
+  int hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (cu_seqlens_q[mid] <= qtok) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}

@@ -44,17 +44,21 @@
 constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;  // simdgroups
 constexpr int SG_H = HPS / HPW;                       // simdgroups across heads
 constexpr int SG_T = NUM_SG / SG_H;                   // simdgroups across tokens
+#if !PA_MMA
 constexpr int NV = HEAD_SIZE / (4 * TPT);             // 4-element vectors per lane
 constexpr int E = 4 * NV;                             // head elements per lane
+#endif
 constexpr int TPP = MA_SIMD_WIDTH / TPT;              // tokens per simdgroup pass
 constexpr int STEP = PA_MMA ? 8 : TPP * UNROLL;       // tokens per simdgroup iteration
 static_assert(HPS % HPW == 0 && NUM_SG % SG_H == 0, "HPS/HPW simdgroups must divide the threadgroup");
 static_assert(!PA_MMA || (PA_STAGED && HPW == HPS && HPS <= 8 && HEAD_SIZE % 32 == 0 && sizeof(T) == 2),
               "the matrix path stages 16-bit K/V, with every head of the threadgroup in one 8-row block");
 static_assert(STAGE % (SG_T * STEP) == 0, "a staged chunk is whole iterations of every token simdgroup");
+#if !PA_STAGED
 // L2 prefetch (PREFETCH = 1): 128-byte lines per K (or V) row of one KV head.
 constexpr int LINE_ELEMS = 128 / int(sizeof(T));
 constexpr int ROW_LINES = HEAD_SIZE / LINE_ELEMS > 0 ? HEAD_SIZE / LINE_ELEMS : 1;
+#endif
 
 const int num_seqs = params[0];
 const int num_heads = params[1];
@@ -68,7 +72,6 @@ const float softcap = fparams[1];
 
 const int lane = int(thread_index_in_simdgroup);
 const int sg = int(simdgroup_index_in_threadgroup);
-const int sgh = sg % SG_H;  // which HPW heads
 const int sgt = sg / SG_H;  // which share of the tokens
 const int tid = int(thread_position_in_threadgroup.x);
 const int head0 = int(threadgroup_position_in_grid.x) * HPS;
@@ -80,18 +83,7 @@ if (head0 >= num_heads) {
   return;
 }
 
-// The sequence of this query row: last s with cu_seqlens_q[s] <= qtok.
-int lo = 0;
-int hi = num_seqs - 1;
-while (lo < hi) {
-  const int mid = (lo + hi + 1) >> 1;
-  if (cu_seqlens_q[mid] <= qtok) {
-    lo = mid;
-  } else {
-    hi = mid - 1;
-  }
-}
-const int seq = lo;
+const int seq = ma_seq_of(cu_seqlens_q, num_seqs, qtok);
 const int q_start = cu_seqlens_q[seq];
 const int q_len = cu_seqlens_q[seq + 1] - q_start;
 // Causal rule: row i attends to [0, seq_len - q_len + i + 1).
@@ -150,6 +142,7 @@ float m_row = MA_NEG_FLT_MAX;  // the reference max of row fr (uniform over its 
 float l_lane = 0.0f;           // this lane's share of the row's sum (reduced at the end)
 #else
 // This lane's slice of each of its heads: vectors (sl + TPT * j), j < NV, of 4 elements.
+const int sgh = sg % SG_H;  // which HPW heads
 const int sub = lane / TPT;
 const int sl = lane % TPT;
 const int64_t my_head0 = row_head0 + sgh * HPW;
@@ -422,11 +415,11 @@ for (int u = 0; u < UNROLL; ++u) {
   }
 #if PA_STAGED
   threadgroup_barrier(mem_flags::mem_threadgroup);  // chunk c's stage may be refilled now
-#undef MA_STAGE_CHUNK
-#undef MA_STAGE_PAGES
 #endif
 }
 #if PA_STAGED
+#undef MA_STAGE_CHUNK
+#undef MA_STAGE_PAGES
 // The merge reuses the stages: the last chunk's closing barrier has every thread done reading
 // them, and every copy group committed after that chunk's was empty (nothing in flight).
 #define MA_MERGE_ACC(i) ma_tg_floats(kv_stage)[i]
@@ -545,19 +538,10 @@ const int tid = int(thread_position_in_threadgroup.x);
 if (head >= num_heads) {
   return;
 }
-int lo = 0;
-int hi = num_seqs - 1;
-while (lo < hi) {
-  const int mid = (lo + hi + 1) >> 1;
-  if (cu_seqlens_q[mid] <= qtok) {
-    lo = mid;
-  } else {
-    hi = mid - 1;
-  }
-}
-const int q_start = cu_seqlens_q[lo];
-const int q_len = cu_seqlens_q[lo + 1] - q_start;
-const int ctx = seq_lens[lo] - q_len + (qtok - q_start) + 1;
+const int seq = ma_seq_of(cu_seqlens_q, num_seqs, qtok);
+const int q_start = cu_seqlens_q[seq];
+const int q_len = cu_seqlens_q[seq + 1] - q_start;
+const int ctx = seq_lens[seq] - q_len + (qtok - q_start) + 1;
 const int n_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
 const int64_t base = (int64_t(qtok) * num_heads + head) * max_parts;
 

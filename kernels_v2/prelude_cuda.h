@@ -55,14 +55,6 @@ MA_FUNC U simd_sum(U v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-template <typename U>
-MA_FUNC U simd_max(U v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    U w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = w > v ? w : v;
-  }
-  return v;
-}
 
 // Four warp sums at once, every lane receiving all four: a transposed butterfly
 // (2 + 1 + 3 exchanges, then 4 broadcasts: 10 shuffles instead of 4 x 5). Lanes 0, 8,
@@ -117,24 +109,6 @@ MA_FUNC __half ma_from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
 MA_FUNC __nv_bfloat16 ma_from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// Load 4 consecutive elements as float with one vector load (8 or 16 bytes).
-MA_FUNC void ma_load4(const float* p, float* out) {
-  const float4 v = *reinterpret_cast<const float4*>(p);
-  out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-}
-MA_FUNC void ma_load4(const __half* p, float* out) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
-  out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
-}
-MA_FUNC void ma_load4(const __nv_bfloat16* p, float* out) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-  out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
-}
-
 // Four packed elements kept in registers until they are used: one 8-byte (16-bit
 // types) or 16-byte (float) load now, the conversion later. Issuing every load of a
 // chunk of tokens before any arithmetic keeps many loads in flight per warp.
@@ -164,6 +138,12 @@ MA_FUNC void ma_unpack4(ma_raw4<__nv_bfloat16> r, float* out) {
   const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.bits.x));
   const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.bits.y));
   out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
+}
+
+// Load 4 consecutive elements as float with one vector load (8 or 16 bytes).
+template <typename U>
+MA_FUNC void ma_load4(const U* p, float* out) {
+  ma_unpack4(ma_load_raw4(p), out);
 }
 
 // The same four elements read from threadgroup memory (a staged tile).
@@ -279,11 +259,6 @@ MA_FUNC ma_popnd<U> ma_popnd_pack(float a, float b) {
   const unsigned hi = ma_mma_op<U>::pack(a, b);
   const float2 h = ma_mma_op<U>::unpack(hi);
   return {hi, ma_mma_op<U>::pack(a - h.x, b - h.y)};
-}
-// Right operand B(k, n) = p[n * LD + k]: K^T read from a row-major K tile (one 32-bit load).
-template <int LD, typename U>
-MA_FUNC ma_opnd<U> ma_load_bt(const U* p, int lane) {
-  return {*reinterpret_cast<const unsigned*>(p + (lane >> 2) * LD + ((lane & 3) << 1))};
 }
 // Right operand B(k, n) = p[k * LD + n]: V read from a row-major V tile.
 template <int LD, typename U>

@@ -3,7 +3,7 @@
 One threadgroup per (tile of BQ query rows of one sequence, query head); K and V
 tiles gathered through the block table into threadgroup memory; S = Q K^T and
 O += P V as 8x8 simdgroup-matrix products (``kernels_v2/tiled_prefill.metal``;
-on CUDA the prelude maps the 8x8 product onto the tensor-core ``mma.m16n8k8``).
+on CUDA the prelude maps the 8x8 product onto the tensor-core ``mma.m16n8k16``).
 Admission is data plus two rules, and every refusal is a reason ``explain`` prints:
 
 - batches with prefill rows (``prefill``, ``mixed``, ``verify``), float16/bfloat16

@@ -32,6 +32,10 @@ ROUTE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
 ROUTES = tuple(ROUTE_CORES)
 
 
+#: The per-token kernel's sequence lookup (the file's first such line), where the planted tests put errors.
+SEQ_LINE = "const int seq = ma_seq_of(cu_seqlens_q, num_seqs, qtok);"
+
+
 @contextlib.contextmanager
 def _forced_route(route: str):
     """Force the occupancy gate: 4096 cores always split (given two partitions); for the
@@ -270,7 +274,7 @@ def test_reducer_contract_with_neutral_partials():
 def test_compile_failure_falls_back(planted_kernels):
     from metal_attn import kernels
 
-    planted = planted_kernels("pagedattention.metal", "const int seq = lo;", "const int seq = lo + nope;")
+    planted = planted_kernels("pagedattention.metal", SEQ_LINE, SEQ_LINE.replace("qtok);", "qtok) + nope;"))
     case = make_case(q_lens=[1], seq_lens=[33], num_heads=4, num_kv_heads=2, head_size=192, block_size=8,
                      dtype="float32", seed=31, label="fallback")
     kernels.use_source_dir(planted)
