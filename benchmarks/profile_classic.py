@@ -1,9 +1,11 @@
 """Launch the classic per-token kernel a few times on one shape, for a profiler (not a test).
 
     ncu --kernel-name regex:paged_attention --launch-skip 2 --launch-count 1 \\
-        python3 benchmarks/profile_classic.py BATCH CONTEXT SPLIT [LANES UNROLL HPS HPW STAGE STAGES PREFETCH]
+        python3 benchmarks/profile_classic.py BATCH CONTEXT SPLIT [GEOMETRY [PREFETCH]]
 
-32/8 heads, head 128, bf16 decode; the geometry defaults to the shipped one.
+32/8 heads, head 128, bf16 decode; GEOMETRY is `Geometry`'s fields comma-separated
+(lanes,unroll,hps,hpw,stage,stages,mma,threads; e.g. 8,1,4,4,32,2,1,128), by default the
+shipped one.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from metal_attn.device import current_device
 def main(argv: list[str]) -> None:
     backend = current_device().backend
     batch, context, split = int(argv[0]), int(argv[1]), bool(int(argv[2]))
-    geo = gpu.Geometry(*map(int, argv[3:9])) if len(argv) > 3 else None
-    prefetch = int(argv[9]) if len(argv) > 9 else None
+    geo = gpu.Geometry(*map(int, argv[3].split(","))) if len(argv) > 3 else None
+    prefetch = int(argv[4]) if len(argv) > 4 else None
     case = build_case(Shape(batch, 32, 8, 128, context, "bfloat16"))
     for _ in range(4):
         out = gpu.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,

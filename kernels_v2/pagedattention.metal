@@ -545,25 +545,83 @@ const int ctx = seq_lens[seq] - q_len + (qtok - q_start) + 1;
 const int n_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
 const int64_t base = (int64_t(qtok) * num_heads + head) * max_parts;
 
+// Partitions are independent loads: the maximum takes one per thread (then a simdgroup
+// butterfly and the simdgroups' values through threadgroup memory); the weights of a block of
+// NUM_THREADS partitions are computed once, one per thread, into threadgroup memory, and every
+// thread sums its head elements over the block UNROLL_Z partitions at a time (their loads
+// issued together), so a row's reduction is a few load latencies, not one per partition.
+constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;
+constexpr int DPT = (HEAD_SIZE + NUM_THREADS - 1) / NUM_THREADS;  // head elements per thread
+constexpr int UNROLL_Z = 8;
+threadgroup float sg_part[NUM_SG];
+threadgroup float w_block[NUM_THREADS];
+const int lane = tid % MA_SIMD_WIDTH;
+const int sg = tid / MA_SIMD_WIDTH;
+
 float g_max = MA_NEG_FLT_MAX;
-for (int z = 0; z < n_parts; ++z) {
+for (int z = tid; z < n_parts; z += NUM_THREADS) {
   g_max = metal::max(g_max, max_logits[base + z]);
+}
+for (int x = MA_SIMD_WIDTH / 2; x > 0; x >>= 1) {
+  g_max = metal::max(g_max, simd_shuffle_xor(g_max, ushort(x)));
+}
+if (lane == 0) {
+  sg_part[sg] = g_max;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (int w = 0; w < NUM_SG; ++w) {
+  g_max = metal::max(g_max, sg_part[w]);
 }
 float sink = MA_NEG_FLT_MAX;
 if (use_sinks) {
   sink = sinks[head] * MA_LOG2E;
   g_max = metal::max(g_max, sink);
 }
+
+float part_sum = 0.0f;  // this thread's partitions' weights
+float o[DPT];
+for (int j = 0; j < DPT; ++j) {
+  o[j] = 0.0f;
+}
+for (int z0 = 0; z0 < n_parts; z0 += NUM_THREADS) {
+  const int z = z0 + tid;
+  const float w = z < n_parts ? exp_sums[base + z] * ma_rescale(max_logits[base + z], g_max) : 0.0f;
+  part_sum += w;
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's weights (and sg_part) are read
+  w_block[tid] = w;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const int nz = metal::min(NUM_THREADS, n_parts - z0);
+  for (int j = 0; j < DPT; ++j) {
+    const int d = tid + j * NUM_THREADS;
+    if (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) {
+      for (int y = 0; y < nz; y += UNROLL_Z) {
+        float t[UNROLL_Z];
+        for (int k = 0; k < UNROLL_Z; ++k) {
+          t[k] = y + k < nz ? ma_to_float(tmp_out[(base + z0 + y + k) * HEAD_SIZE + d]) : 0.0f;
+        }
+        for (int k = 0; k < UNROLL_Z; ++k) {
+          o[j] += (y + k < nz ? w_block[y + k] : 0.0f) * t[k];
+        }
+      }
+    }
+  }
+}
+// The total weight: the threads' sums, then the simdgroups' (sg_part is free again: every
+// thread read it before the first block's barriers).
+part_sum = simd_sum(part_sum);
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (lane == 0) {
+  sg_part[sg] = part_sum;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
 float total = use_sinks ? metal::exp2(sink - g_max) : 0.0f;
-for (int z = 0; z < n_parts; ++z) {
-  total += exp_sums[base + z] * ma_rescale(max_logits[base + z], g_max);
+for (int w = 0; w < NUM_SG; ++w) {
+  total += sg_part[w];
 }
 const float inv = 1.0f / (total + MA_SOFTMAX_EPS);
-for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS) {
-  float o = 0.0f;
-  for (int z = 0; z < n_parts; ++z) {
-    const float w = exp_sums[base + z] * ma_rescale(max_logits[base + z], g_max);
-    o += w * ma_to_float(tmp_out[(base + z) * HEAD_SIZE + d]);
+for (int j = 0; j < DPT; ++j) {
+  const int d = tid + j * NUM_THREADS;
+  if (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) {
+    out[(int64_t(qtok) * num_heads + head) * HEAD_SIZE + d] = ma_from_float<T>(o[j] * inv);
   }
-  out[(int64_t(qtok) * num_heads + head) * HEAD_SIZE + d] = ma_from_float<T>(o * inv);
 }
