@@ -97,7 +97,7 @@ def reducer_threadgroup_bytes(partitions: int) -> int:
     memory (``2 * partitions * 4`` bytes, rounded up to 16) plus two floats per
     simdgroup for its reductions; admission keeps that bound, so a row that an
     upstream-style reducer could not hold is never launched. (Our shared
-    reducer reads the statistics from device memory and needs less.)
+    reducer stages 128 partitions' weights at a time: a fixed 528 bytes.)
     """
     from metal_attn.providers.classic.gpu import NUM_THREADS
 
