@@ -384,7 +384,7 @@ def providers(device: DeviceInfo | str | None = None) -> list[dict[str, Any]]:
     reg = get_registry()
     settings = get_settings()
     out = []
-    for e in reg.entries:
+    for e in reg.ordered(dev.backend):
         avail = reg.availability_reasons(e.provider, dev)
         disabled = settings.is_disabled(e.provider.name)
         out.append(

@@ -189,11 +189,11 @@ def _cmd_providers(args: argparse.Namespace) -> int:
     table_rows = []
     for p in rows:
         table_rows.append([
-            p["name"], p["priority"], _origin_cell(p), "\n".join(p["backends"]), "\n".join(p["phases"]),
+            p["name"], _priority_cell(p), _origin_cell(p), "\n".join(p["backends"]), "\n".join(p["phases"]),
             p["enabled"], p["available"], _why_not(p),
         ])
     con.print(_table(
-        f"providers on {device.describe()} (highest priority first)",
+        f"providers on {device.describe()} (highest priority on {device.backend} first)",
         ["name", "priority", "from", "backends", "phases", "enabled", "available", "reasons"],
         table_rows,
     ))
@@ -208,6 +208,12 @@ def _why_not(p: dict[str, Any]) -> str:
     return "\n".join(reasons) or "-"
 
 
+def _priority_cell(p: dict[str, Any]) -> str:
+    """The declared priority, then any per-backend ones: ``80 (cuda: 5)``."""
+    extra = ", ".join(f"{b}: {v}" for b, v in p.get("backend_priority", {}).items())
+    return f"{p['priority']} ({extra})" if extra else str(p["priority"])
+
+
 def _origin_cell(p: dict[str, Any]) -> str:
     """Distribution and version on one line, the entry-point (plugin) name on the next."""
     if p.get("distribution"):
@@ -219,7 +225,7 @@ def providers_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The README/docs provider table (name, priority, backends, phases, what it is)."""
     lines = ["| provider | priority | backends | phases | what it is |", "|---|---|---|---|---|"]
     for p in rows:
-        cells = [f"`{p['name']}`", str(p["priority"]), ", ".join(p["backends"]), ", ".join(p["phases"]),
+        cells = [f"`{p['name']}`", _priority_cell(p), ", ".join(p["backends"]), ", ".join(p["phases"]),
                  p["description"] or "-"]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)

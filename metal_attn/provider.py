@@ -78,6 +78,9 @@ class Provider:
     name: ClassVar[str] = ""
     #: Higher runs first. Explicit data: registration order never matters.
     priority: ClassVar[int] = 0
+    #: Priorities on single backends where measurement ranks the provider differently there
+    #: (``{"cuda": 5}``); a backend not listed uses `priority`.
+    backend_priority: ClassVar[Mapping[str, int]] = {}
     #: Backends this provider has an implementation for.
     backends: ClassVar[frozenset[str]] = frozenset()
     #: Phases it computes.
@@ -186,6 +189,10 @@ class Provider:
             reasons.append(f"dtype={dtype} (supported: {_fmt(sorted(self.dtypes))})")
         return reasons
 
+    def priority_on(self, backend: str) -> int:
+        """The priority on ``backend``: its `backend_priority` entry, else `priority`."""
+        return self.backend_priority.get(backend, self.priority)
+
     def info(self) -> Mapping[str, Any]:
         """Declarative facts for inventories (`metal-attn providers`)."""
 
@@ -195,6 +202,7 @@ class Provider:
         return {
             "name": self.name,
             "priority": self.priority,
+            "backend_priority": dict(sorted(self.backend_priority.items())),
             "backends": sorted(self.backends),
             "phases": sorted(self.phases),
             "dtypes": _s(self.dtypes),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from metal_attn import _epoch
@@ -135,6 +135,7 @@ class Registry:
     def __init__(self, *, on_selected: Callable[..., None] | None = None) -> None:
         self._entries: dict[str, ProviderEntry] = {}
         self._ordered: tuple[ProviderEntry, ...] = ()
+        self._by_backend: dict[str, tuple[ProviderEntry, ...]] = {}
         self._failed: dict[tuple[str, tuple], str] = {}
         self._prepared: set[tuple[str, tuple]] = set()
         self._avail_cache: dict[tuple[str, DeviceInfo], tuple[str, ...]] = {}
@@ -161,12 +162,21 @@ class Registry:
                 f"provider {name!r}: backends={sorted(provider.backends)} "
                 "(allowed: a non-empty subset of metal, cuda, cpu)"
             )
+        bp = provider.backend_priority
+        if not isinstance(bp, Mapping) or any(
+            b not in provider.backends or type(v) is not int for b, v in bp.items()
+        ):
+            raise RegistryError(
+                f"provider {name!r}: backend_priority={bp!r} (allowed: a mapping from its backends "
+                f"{sorted(provider.backends)} to int priorities)"
+            )
         with self._lock:
             if name in self._entries:
                 prev = self._entries[name].origin.describe()
                 raise RegistryError(f"provider name={name!r} is already registered (by {prev})")
             self._entries[name] = ProviderEntry(provider, origin or Origin("direct"))
             self._ordered = tuple(sorted(self._entries.values(), key=lambda e: (-e.provider.priority, e.provider.name)))
+            self._by_backend = {}
             self._invalidate()
 
     def _invalidate(self) -> None:
@@ -183,8 +193,18 @@ class Registry:
 
     @property
     def entries(self) -> tuple[ProviderEntry, ...]:
-        """Providers in priority order (highest first)."""
+        """Providers in declared priority order (highest first)."""
         return self._ordered
+
+    def ordered(self, backend: str) -> tuple[ProviderEntry, ...]:
+        """Providers in their priority order on ``backend`` (`Provider.priority_on`, highest first):
+        the order `explain` and selection ask them in."""
+        got = self._by_backend.get(backend)
+        if got is None:
+            got = tuple(sorted(self._entries.values(),
+                               key=lambda e: (-e.provider.priority_on(backend), e.provider.name)))
+            self._by_backend[backend] = got
+        return got
 
     def get(self, name: str) -> Provider:
         try:
@@ -230,7 +250,7 @@ class Registry:
         if forced:
             entries = [self._entries[forced]] if forced in self._entries else []
         else:
-            entries = list(self._ordered)
+            entries = list(self.ordered(device.backend))
         rows: list[ExplainRow] = []
         chosen_done = False
         for e in entries:
@@ -239,7 +259,8 @@ class Registry:
             plan = p.plan(request, device, settings) if not reasons else None
             chosen = not reasons and not chosen_done
             chosen_done = chosen_done or chosen
-            rows.append(ExplainRow(p.name, p.priority, e.origin.describe(), not reasons, tuple(reasons), plan, chosen))
+            rows.append(ExplainRow(p.name, p.priority_on(device.backend), e.origin.describe(), not reasons,
+                                   tuple(reasons), plan, chosen))
         if forced and forced not in self._entries:
             rows.append(ExplainRow(forced, 0, "-", False, (f"provider={forced!r} is not registered",)))
         return Explanation(request, device, tuple(rows), forced)
@@ -284,7 +305,7 @@ class Registry:
             return Selection(p, plan)
         fallbacks: list[tuple[str, str]] = []
         refused: dict[str, list[str]] = {}
-        for e in self._ordered:
+        for e in self.ordered(device.backend):
             p = e.provider
             reasons = self._reasons(p, request, device, settings)
             if reasons:
@@ -341,7 +362,7 @@ class Registry:
         """The highest-priority provider that can write a ``dtype`` cache on ``device`` (not cached
         here: `metal_attn.api` keeps the answer per dispatch epoch)."""
         table = []
-        for e in self._ordered:
+        for e in self.ordered(device.backend):
             reasons = e.provider.cache_write_reasons(dtype, device, settings)
             if not reasons:
                 return e.provider

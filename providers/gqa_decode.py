@@ -192,6 +192,10 @@ class GQADecodeProvider(Provider):
 
     name = ROUTE
     priority = 80
+    #: Below `classic` (10) on CUDA: there the classic kernel's matrix path (a group's heads as the
+    #: rows of tensor-core products) measured 1.7x-3.4x faster on every decode shape of the suite
+    #: (H200, docs/bench-h200-classic.md, session 6). Metal keeps 80 (upstream's measurements).
+    backend_priority = {"cuda": 5}
     backends = frozenset({"metal", "cuda"})
     phases = frozenset({"decode"})
     dtypes = frozenset({"float16", "bfloat16"})

@@ -1,9 +1,9 @@
 """Routing of the ``gqa_decode`` provider, with the device probe overridden (CPU only).
 
 Every admission rule is asserted through `metal_attn.explain`: the chosen
-provider, the partition size in the plan, and the exact reason substrings of
-each refusal. Devices: a 10-core M3 (``applegpu_g15g``), a 40-core M5 Max and
-the H200.
+provider (on CUDA gqa_decode ranks below classic: there its own plan is read),
+the partition size in the plan, and the exact reason substrings of each
+refusal. Devices: a 10-core M3 (``applegpu_g15g``), a 40-core M5 Max and the H200.
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ def _chosen_partition(ex) -> int | None:
         return None
     assert row.plan.route == "gqa_decode"
     return row.plan.partition_size
+
+
+def _admitted_partition(ex) -> int | None:
+    """The partition size in gqa_decode's own plan when it admits, chosen or not (on CUDA it ranks
+    below classic), else None."""
+    row = _gqa_row(ex)
+    return row.plan.partition_size if row.admitted else None
 
 
 def _reasons(ex) -> str:
@@ -173,15 +180,30 @@ def test_h200_thresholds(heads):
     budget = 132 * SIMDGROUPS_PER_CORE["cuda"]
     t256 = _threshold(budget, heads[0], 256)
     t512 = _threshold(budget, heads[0], 512)
-    assert _chosen_partition(_explain(H200, [t256 - 1], heads=heads)) is None
-    assert _chosen_partition(_explain(H200, [t256], heads=heads)) == 256
-    assert _chosen_partition(_explain(H200, [t512 - 1], heads=heads)) == 256
-    assert _chosen_partition(_explain(H200, [t512], heads=heads)) == 512
+    assert _admitted_partition(_explain(H200, [t256 - 1], heads=heads)) is None
+    assert _admitted_partition(_explain(H200, [t256], heads=heads)) == 256
+    assert _admitted_partition(_explain(H200, [t512 - 1], heads=heads)) == 256
+    assert _admitted_partition(_explain(H200, [t512], heads=heads)) == 512
+
+
+def test_h200_auto_takes_classic_where_gqa_decode_admits():
+    """On CUDA gqa_decode ranks below classic (its measured backend_priority): it still admits and
+    plans, classic runs; forcing it runs it; on Metal the same request goes to gqa_decode."""
+    ex = _explain(H200, [131_072])
+    assert _admitted_partition(ex) == 512 and ex.chosen.name == "classic"
+    prio = {r.name: r.priority for r in ex.rows}
+    assert (prio["gqa_decode"], prio["classic"]) == (5, 10)
+    assert [r.name for r in ex.rows].index("classic") < [r.name for r in ex.rows].index("gqa_decode")
+    forced = ma.explain(q_lens=[1], seq_lens=[131_072], num_heads=32, num_kv_heads=8, head_size=128,
+                        block_size=16, dtype="bfloat16", device=H200, provider="gqa_decode")
+    assert forced.chosen.name == "gqa_decode" and forced.chosen.plan.partition_size == 512
+    on_metal = _explain(M5, [131_072])
+    assert on_metal.chosen.name == "gqa_decode" and _gqa_row(on_metal).priority == 80
 
 
 def test_h200_unknown_core_count_falls_back():
     ex = _explain(H200.replace(gpu_cores=None), [131_072])
-    assert _chosen_partition(ex) is None
+    assert _admitted_partition(ex) is None
     assert "gpu_cores unknown" in _reasons(ex)
 
 

@@ -8,6 +8,7 @@ installs it as the process-wide registry for the duration of the test.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -243,6 +244,42 @@ def test_bad_declarations_raise_registry_error(name, backends, message):
     with pytest.raises(RegistryError) as err:
         Registry().add(FakeProvider(name, 1, backends=backends))
     assert message in str(err.value)
+
+
+def test_backend_priority_reorders_one_backend_only():
+    """A provider ranked differently on one backend (measured there) is asked later only on that
+    backend; explain reports the priority in force, forcing it still works."""
+    fast_elsewhere = FakeProvider("fast_elsewhere", 80, backends=("cpu", "cuda"), fill=1.0)
+    fast_elsewhere.backend_priority = {"cuda": 5}
+    general = FakeProvider("general", 10, backends=("cpu", "cuda"), fill=2.0)
+    reg = Registry()
+    reg.add(general)
+    reg.add(fast_elsewhere)
+    cuda = dataclasses.replace(CPU, backend="cuda", name="test GPU")
+    assert [e.provider.name for e in reg.ordered("cpu")] == ["fast_elsewhere", "general"]
+    assert [e.provider.name for e in reg.ordered("cuda")] == ["general", "fast_elsewhere"]
+    assert [e.provider.name for e in reg.entries] == ["fast_elsewhere", "general"]  # declared order
+    settings = settings_mod.get_settings()
+    cuda_req = dataclasses.replace(decode_request(), backend="cuda")
+    assert reg.select(decode_request(), CPU, settings).provider is fast_elsewhere
+    assert reg.select(cuda_req, cuda, settings).provider is general
+    ex = reg.explain(cuda_req, cuda, settings)
+    assert [(r.name, r.priority, r.chosen) for r in ex.rows] == [("general", 10, True), ("fast_elsewhere", 5, False)]
+    assert reg.select(cuda_req, cuda, settings, forced="fast_elsewhere").provider is fast_elsewhere
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [({"metal": 5}, "metal is not one of its backends"), ({"cpu": 1.5}, "a float"), ({"cpu": True}, "a bool"),
+     ([("cpu", 5)], "not a mapping")],
+)
+def test_bad_backend_priority_raises_registry_error(bad, why):
+    p = FakeProvider("bad_bp", 1)
+    p.backend_priority = bad
+    with pytest.raises(RegistryError) as err:
+        Registry().add(p)
+    assert (f"provider 'bad_bp': backend_priority={bad!r} (allowed: a mapping from its backends ['cpu'] "
+            "to int priorities)") in str(err.value), why
 
 
 def test_registrar_accepts_classes_and_rejects_non_providers():

@@ -98,7 +98,7 @@ SUITES: dict[str, Suite] = {
             "prefill chunks)",
             "gpu",
             PEER_TABLE_SHAPES + _MIXED,
-            ("auto", "classic", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling"),
+            ("auto", "classic", "gqa_decode", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling"),
             warmup=3,
             iters=20,
         ),

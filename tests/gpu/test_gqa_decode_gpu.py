@@ -2,10 +2,11 @@
 
 Against the float64 oracle (`metal_attn.testing`): every geometry of the
 backend's table, both partition sizes (forced through `launch`, and chosen by
-the budget through `paged_attention`), lengths around the thresholds and up to
-131,072 tokens, ragged multi-request batches, scattered block tables with
-garbage elsewhere in the pool; bitwise-identical output on repeat; the route
-and partition size asserted through diagnostics.
+the budget through `paged_attention(provider="gqa_decode")`), lengths around the
+thresholds and up to 131,072 tokens, ragged multi-request batches, scattered block
+tables with garbage elsewhere in the pool; bitwise-identical output on repeat; the
+route and partition size asserted through diagnostics, and the route `auto` takes on
+this backend (CUDA: classic, which ranks above gqa_decode there).
 
 ``python3 tests/gpu/test_gqa_decode_gpu.py --sweep OUT.json`` times the kernel
 against the classic split path at growing work sizes: the measurement behind
@@ -23,6 +24,7 @@ from metal_attn import compat
 from metal_attn._layout import import_builtin_providers
 from metal_attn.constants import SIMDGROUPS_PER_CORE
 from metal_attn.device import current_device
+from metal_attn.errors import ProviderRefusedError
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.testing import assert_close_to_oracle, make_case, run_case
 from metal_attn.testing.cases import to_numpy
@@ -110,22 +112,27 @@ def test_forced_partition_long_rows(geom, partition_size):
 
 @pytest.mark.parametrize("geom", TABLE, ids=GEOM_IDS)
 def test_chosen_partition_around_thresholds(geom):
+    """gqa_decode's own choice (forced: on CUDA `auto` ranks classic first); below the first
+    threshold it refuses, and `auto` takes another provider."""
     t = _thresholds(geom[0])
     for length, expected in ((t[256] - 1, None), (t[256], 256), (t[512] - 1, 256), (t[512], 512)):
         case = _case(geom, [length], seed=length)
-        got = run_case(case)
-        assert_close_to_oracle(got, case.oracle(), "bfloat16", label=case.label)
-        assert compat.last_gqa_partition_size() == expected, (length, ma.diagnostics.last_dispatch())
         if expected is None:
+            with pytest.raises(ProviderRefusedError, match="full partitions x heads below the budget"):
+                run_case(case, provider="gqa_decode")
+            got = run_case(case)
             assert compat.last_paged_dispatch() != "gqa_decode"
         else:
+            got = run_case(case, provider="gqa_decode")
             assert compat.last_paged_dispatch() == "gqa_decode"
+        assert_close_to_oracle(got, case.oracle(), "bfloat16", label=case.label)
+        assert compat.last_gqa_partition_size() == expected, (length, ma.diagnostics.last_dispatch())
 
 
 @pytest.mark.parametrize("geom", TABLE, ids=GEOM_IDS)
 def test_chosen_single_request_131072(geom):
     case = _case(geom, [131_072], seed=3)
-    got = run_case(case)
+    got = run_case(case, provider="gqa_decode")
     assert compat.last_paged_dispatch() == "gqa_decode"
     assert compat.last_gqa_partition_size() == 512
     assert_close_to_oracle(got, case.oracle(), "bfloat16", label=case.label)
@@ -135,9 +142,20 @@ def test_ragged_multi_request_batch_is_routed_and_correct():
     geom = TABLE[0]
     lens = [131_072, 65_537, 4_097, 1, 300, 20_000, 511, 99_999]
     case = _case(geom, lens, seed=11)
-    got = run_case(case)
+    got = run_case(case, provider="gqa_decode")
     rec = ma.diagnostics.last_dispatch()
     assert rec.route == "gqa_decode" and rec.partition_size in (256, 512)
+    assert_close_to_oracle(got, case.oracle(), "bfloat16", label=case.label)
+
+
+def test_auto_route_follows_the_backend_priority():
+    """`auto` asks providers in their priority order on this backend: on CUDA classic (10) before
+    gqa_decode (5, measured slower there), on Metal gqa_decode (80) first."""
+    case = _case(TABLE[0], [131_072, 4_097], seed=13)
+    got = run_case(case)
+    gqa_first = gq.GQADecodeProvider().priority_on(BACKEND) > 10
+    expected = "gqa_decode" if gqa_first else "per_token_ps512"
+    assert compat.last_paged_dispatch() == expected, ma.diagnostics.last_dispatch()
     assert_close_to_oracle(got, case.oracle(), "bfloat16", label=case.label)
 
 
