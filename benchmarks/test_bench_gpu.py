@@ -6,12 +6,13 @@ Run on a GPU machine:
     python3 -m pytest benchmarks/test_bench_gpu.py --benchmark-only --benchmark-json out.json
 
 - group ``decode-gpu <shape>``: one group per shape of the ``decode-gpu`` suite
-  (KERNELS.md's peer table plus two mixed batches), candidates ``auto`` (what the
-  registry routes to), ``classic`` (split where the gate says so), ``gather_sdpa``,
-  ``mlx_sdpa`` and ``torch_sdpa`` (when importable), built by `metal_attn.bench` (same
-  inputs and peers as ``metal-attn bench``);
+  (KERNELS.md's peer table plus two mixed batches), the suite's candidates (``auto``,
+  what the registry routes to; the providers; ``gather_sdpa``, ``mlx_sdpa`` and
+  ``torch_sdpa`` when importable; not the copy ceiling, which ``metal-attn bench``
+  measures), built by `metal_attn.bench` (same inputs and peers as ``metal-attn bench``);
+  a candidate that refuses a shape skips with its reasons;
 - group ``prefill-gpu <shape>``: the ``prefill-gpu`` suite (causal prompts, a chunk
-  after earlier context, the two mixed batches), ``tiled_prefill`` next to the peers;
+  after earlier context, the two mixed batches), its candidates likewise;
 - group ``split-gate ctx=<n>``: 32/8 heads, head 128, bf16 decode, batch 1..64,
   each route forced through the gate (GPU core count overridden), to find where
   splitting stops paying: the crossover ``num_heads * batch / gpu_cores`` is the
@@ -19,6 +20,7 @@ Run on a GPU machine:
 
 Every timed call evaluates its output (``mx.eval``; MLX then waits for the GPU);
 warm-up rounds keep the first compile out of the numbers. Skips elsewhere with a reason.
+Kernel geometry variants are timed by ``benchmarks/sweep_gpu_tuning.py`` (bare launches).
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ pytestmark = [
 ]
 pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed")
 
-DECODE_CANDIDATES = ("auto", "classic", "gather_sdpa", "mlx_sdpa", "torch_sdpa")
-PREFILL_CANDIDATES = ("tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa")
 GATE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 GATE_CONTEXTS = (2048, 8192)
 GATE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
@@ -47,6 +47,19 @@ def _suite_shapes(name: str = "decode-gpu"):
     from metal_attn.bench.suites import get_suite
 
     return get_suite(name).shapes
+
+
+def _suite_candidates(name: str) -> tuple[str, ...]:
+    """The suite's candidates that pytest-benchmark times (the copy ceiling is `metal-attn bench`'s)."""
+    from metal_attn.bench import peers
+    from metal_attn.bench.suites import get_suite
+
+    names = get_suite(name).candidates
+    return tuple(n for n, c in zip(names, peers.resolve(names)) if isinstance(c, core.TimedCandidate))
+
+
+DECODE_CANDIDATES = _suite_candidates("decode-gpu")
+PREFILL_CANDIDATES = _suite_candidates("prefill-gpu")
 
 
 def _machine(benchmark, **extra) -> None:
@@ -94,36 +107,4 @@ def test_split_gate(benchmark, bench_cases, context, batch, route):
         assert metal_attn.diagnostics.last_dispatch().route == route
         benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=3)
     _machine(benchmark, route=route, grid=32 * batch, batch=batch, context=context)
-    core.record_rates(benchmark, shape)
-
-
-#: (lanes per token, tokens unrolled per lane, heads per threadgroup) variants, 32/8 heads, head 128 bf16.
-GEOMETRIES = ((16, 2, 4), (16, 1, 4), (8, 2, 4), (16, 2, 2), (16, 2, 1), (4, 1, 1), (8, 2, 1))
-GEOMETRY_SHAPES = ((8, 4096, True), (64, 8192, False))  # (batch, context, split)
-
-
-@pytest.mark.parametrize("geo", GEOMETRIES, ids=lambda g: "lanes{}-unroll{}-hps{}".format(*g))
-@pytest.mark.parametrize("batch_ctx_split", GEOMETRY_SHAPES, ids=lambda t: f"b{t[0]}-L{t[1]}-split{int(t[2])}")
-def test_geometry_sweep(benchmark, bench_cases, batch_ctx_split, geo):
-    """Kernel geometry tuning: each variant's output must match the default geometry's."""
-    import mlx.core as mx
-    from metal_attn.providers.classic.gpu import Geometry, launch_paged
-
-    from metal_attn.bench.core import Shape
-
-    batch, context, split = batch_ctx_split
-    shape = Shape(batch, 32, 8, 128, context, "bfloat16")
-    case = bench_cases.get(shape)
-    benchmark.group = f"geometry b{batch} L{context} split={int(split)}"
-
-    def run(g=Geometry(*geo)):
-        out = launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,
-                           sliding_window=None, softcap=None, split=split, backend=current_device().backend,
-                           geometry_override=g)
-        mx.eval(out)
-        return out
-
-    assert core.rel_l2(run(), run(None)) <= 1e-2
-    benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=3)
-    _machine(benchmark, lanes=geo[0], unroll=geo[1], hps=geo[2], batch=batch, context=context, split=split)
     core.record_rates(benchmark, shape)

@@ -326,8 +326,7 @@ def native_module_status() -> dict[str, Any]:
     mod = native.load()
     if mod is not None:
         return {"status": "ok", "detail": getattr(mod, "__file__", None) or "built in"}
-    reason = native.unavailable_reason() or "unknown"
-    return {"status": "not built" if "is not built" in reason else "import failed", "detail": reason}
+    return {"status": native.status(), "detail": native.unavailable_reason() or "unknown"}
 
 
 def _setting_default(name: str) -> Any:

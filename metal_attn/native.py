@@ -26,21 +26,26 @@ def load() -> ModuleType | None:
         if "module" not in _state:
             module: ModuleType | None = None
             reason: str | None = None
+            status = "ok"
             try:
                 import mlx.core  # noqa: F401 - MLX's nanobind types must be registered first
 
                 module = importlib.import_module("metal_attn._native")
             except ModuleNotFoundError as exc:
                 if exc.name == "metal_attn._native":
+                    status = "not built"
                     reason = (
                         "native module metal_attn._native is not built (install the package with pip, "
                         "or run: cmake -S . -B build/dev && cmake --build build/dev)"
                     )
                 else:
+                    status = "import failed"
                     reason = f"native module metal_attn._native failed to import: {type(exc).__name__}: {exc}"
             except Exception as exc:
+                status = "import failed"
                 reason = f"native module metal_attn._native failed to import: {type(exc).__name__}: {exc}"
             _state["reason"] = reason
+            _state["status"] = status
             _state["module"] = module
     return _state["module"]  # type: ignore[return-value]
 
@@ -51,10 +56,18 @@ def unavailable_reason() -> str | None:
     return _state.get("reason")  # type: ignore[return-value]
 
 
-def _reset_for_tests(module: ModuleType | None = None, reason: str | None = None) -> None:
+def status() -> str:
+    """``"ok"``, ``"not built"`` (no compiled module in the install) or ``"import failed"``."""
+    load()
+    return _state["status"]  # type: ignore[return-value]
+
+
+def _reset_for_tests(module: ModuleType | None = None, reason: str | None = None,
+                     status: str = "not built") -> None:
     """Forget (or replace) the cached load result; tests use it to simulate a missing module."""
     with _lock:
         _state.clear()
         if module is not None or reason is not None:
             _state["module"] = module
             _state["reason"] = reason
+            _state["status"] = "ok" if module is not None else status
