@@ -390,6 +390,7 @@ def providers(device: DeviceInfo | str | None = None) -> list[dict[str, Any]]:
         out.append(
             dict(e.provider.info())
             | {
+                "priority_here": e.provider.priority_on(dev.backend),
                 "origin": e.origin.describe(),
                 "distribution": e.origin.distribution,
                 "version": e.origin.version,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,7 +81,7 @@ class Provider:
     priority: ClassVar[int] = 0
     #: Priorities on single backends where measurement ranks the provider differently there
     #: (``{"cuda": 5}``); a backend not listed uses `priority`.
-    backend_priority: ClassVar[Mapping[str, int]] = {}
+    backend_priority: ClassVar[Mapping[str, int]] = MappingProxyType({})
     #: Backends this provider has an implementation for.
     backends: ClassVar[frozenset[str]] = frozenset()
     #: Phases it computes.

@@ -176,13 +176,13 @@ class Registry:
                 raise RegistryError(f"provider name={name!r} is already registered (by {prev})")
             self._entries[name] = ProviderEntry(provider, origin or Origin("direct"))
             self._ordered = tuple(sorted(self._entries.values(), key=lambda e: (-e.provider.priority, e.provider.name)))
-            self._by_backend = {}
             self._invalidate()
 
     def _invalidate(self) -> None:
         """Providers changed: drop cached answers and tell per-call caches (`metal_attn._epoch`)."""
         self._cache.clear()
         self._avail_cache.clear()
+        self._by_backend.clear()
         _epoch.bump()
 
     def forget_selections(self) -> None:
@@ -201,9 +201,12 @@ class Registry:
         the order `explain` and selection ask them in."""
         got = self._by_backend.get(backend)
         if got is None:
-            got = tuple(sorted(self._entries.values(),
-                               key=lambda e: (-e.provider.priority_on(backend), e.provider.name)))
-            self._by_backend[backend] = got
+            with self._lock:
+                got = self._by_backend.get(backend)
+                if got is None:
+                    got = tuple(sorted(self._ordered,
+                                       key=lambda e: (-e.provider.priority_on(backend), e.provider.name)))
+                    self._by_backend[backend] = got
         return got
 
     def get(self, name: str) -> Provider:

@@ -65,8 +65,10 @@ def test_providers_json_lists_reference_as_enabled_and_available(capsys):
     assert ref["plugin"] == "builtin" and ref["distribution"] == "metal-attn"
     assert set(ref["backends"]) == {"metal", "cuda", "cpu"}
     assert data["device"]["backend"] == metal_attn.current_device().backend
-    priorities = [p["priority"] for p in data["providers"]]
-    assert priorities == sorted(priorities, reverse=True)
+    priorities = [p["priority_here"] for p in data["providers"]]
+    assert priorities == sorted(priorities, reverse=True)  # the order on this device's backend
+    assert all(p["priority_here"] == p["backend_priority"].get(data["device"]["backend"], p["priority"])
+               for p in data["providers"])
     assert "versions" not in data
 
 

@@ -254,6 +254,7 @@ def test_backend_priority_reorders_one_backend_only():
     general = FakeProvider("general", 10, backends=("cpu", "cuda"), fill=2.0)
     reg = Registry()
     reg.add(general)
+    assert [e.provider.name for e in reg.ordered("cuda")] == ["general"]  # cached, then dropped by add
     reg.add(fast_elsewhere)
     cuda = dataclasses.replace(CPU, backend="cuda", name="test GPU")
     assert [e.provider.name for e in reg.ordered("cpu")] == ["fast_elsewhere", "general"]
@@ -266,6 +267,33 @@ def test_backend_priority_reorders_one_backend_only():
     ex = reg.explain(cuda_req, cuda, settings)
     assert [(r.name, r.priority, r.chosen) for r in ex.rows] == [("general", 10, True), ("fast_elsewhere", 5, False)]
     assert reg.select(cuda_req, cuda, settings, forced="fast_elsewhere").provider is fast_elsewhere
+    # The cache writer follows the same order.
+    fast_elsewhere.writes_cache = general.writes_cache = True
+    assert reg.select_cache_writer("float32", CPU, settings) is fast_elsewhere
+    assert reg.select_cache_writer("float32", cuda, settings) is general
+
+
+def test_backend_priority_default_is_shared_read_only():
+    """The base class's empty mapping cannot be written through one provider into all of them."""
+    p = FakeProvider("plain", 1)
+    with pytest.raises(TypeError):
+        p.backend_priority["cpu"] = 5
+    assert dict(Provider.backend_priority) == {}
+
+
+def test_providers_inventory_follows_the_backend_order():
+    """`metal_attn.providers(device)` lists providers as selection asks them on that device, each row
+    with its declared priorities and the one in force there."""
+    from metal_attn.providers import gqa_decode as gq
+
+    cuda_rows = ma.providers(DeviceInfo.preset("h200"))
+    names = [r["name"] for r in cuda_rows]
+    assert names.index("classic") < names.index("gqa_decode")
+    gqa = next(r for r in cuda_rows if r["name"] == "gqa_decode")
+    assert (gqa["priority"], gqa["backend_priority"], gqa["priority_here"]) == (80, {"cuda": 5}, 5)
+    assert gq.GQADecodeProvider.backend_priority == {"cuda": 5}
+    metal_names = [r["name"] for r in ma.providers(DeviceInfo.preset("m5-max"))]
+    assert metal_names.index("gqa_decode") < metal_names.index("classic")
 
 
 @pytest.mark.parametrize(
