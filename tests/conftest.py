@@ -60,6 +60,13 @@ def needs_clang() -> None:
 
 
 @pytest.fixture
+def seq_line() -> str:
+    """The per-token kernel's sequence lookup (the file's first such line), where the planted
+    tests put their errors."""
+    return "const int seq = ma_seq_of(cu_seqlens_q, num_seqs, qtok);"
+
+
+@pytest.fixture
 def planted_kernels(tmp_path):
     """``plant(filename, old, new)``: a copy of kernels_v2 in ``tmp_path`` with the first ``old`` in
     ``filename`` replaced by ``new`` (``old`` must be there); returns the copy's folder."""

@@ -293,9 +293,9 @@ def test_doctor_json_reports_device_settings_native_module_providers_and_smoke(c
     assert "mlx" in data["versions"]
 
 
-@pytest.mark.parametrize(("status", "reason"), [
-    ("not built", "no compiled module in this install (simulated)"),
-    ("import failed", "native module metal_attn._native failed to import: ImportError: undefined symbol (simulated)"),
+@pytest.mark.parametrize(("status", "reason"), [  # each reason reads like the other status: no message match
+    ("not built", "native module metal_attn._native failed to import (simulated)"),
+    ("import failed", "native module metal_attn._native is not built (simulated)"),
 ])
 def test_doctor_native_status_comes_from_the_loader_not_the_message(status, reason):
     from metal_attn import native
@@ -305,7 +305,6 @@ def test_doctor_native_status_comes_from_the_loader_not_the_message(status, reas
         assert cli.native_module_status() == {"status": status, "detail": reason}
     finally:
         native._reset_for_tests()
-    assert cli.native_module_status()["status"] in ("ok", "not built", "import failed")
 
 
 def test_doctor_table(capsys):

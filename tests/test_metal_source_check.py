@@ -36,15 +36,12 @@ def test_generated_source_is_mlx_signature_plus_our_text():
     assert "[[" not in clang_text and "template  decltype(" in clang_text
 
 
-#: The per-token kernel's sequence lookup (the file's first such line), where the planted tests put errors.
-SEQ_LINE = "const int seq = ma_seq_of(cu_seqlens_q, num_seqs, qtok);"
-
 ONLY = r"^paged_attention split=0 float16 head=128 block=16$"
 
 
-def test_planted_undeclared_name_fails(planted_kernels):
-    d = planted_kernels("pagedattention.metal", SEQ_LINE,
-                        SEQ_LINE.replace("qtok);", "qtok) + not_declared_anywhere;"))
+def test_planted_undeclared_name_fails(planted_kernels, seq_line):
+    d = planted_kernels("pagedattention.metal", seq_line,
+                        seq_line.replace("qtok);", "qtok) + not_declared_anywhere;"))
     result = msl_check.check(only=ONLY, kernels_dir=d)
     assert not result.ok
     assert any("not_declared_anywhere" in e for e in result.errors), result.summary()
@@ -60,8 +57,8 @@ def test_planted_type_mismatch_fails(planted_kernels):
     assert any("cannot initialize" in e or "incompatible" in e for e in result.errors), result.summary()
 
 
-def test_unplanted_copy_passes(planted_kernels):
-    d = planted_kernels("pagedattention.metal", SEQ_LINE, SEQ_LINE)
+def test_unplanted_copy_passes(planted_kernels, seq_line):
+    d = planted_kernels("pagedattention.metal", seq_line, seq_line)
     assert msl_check.check(only=ONLY, kernels_dir=d).ok
 
 

@@ -225,6 +225,8 @@ def test_forced_mixed_threshold_routes_both_ways_and_restores():
     decode rows in the tiles; the table (and cached selections) come back afterwards."""
     from metal_attn.providers import tiled_prefill
 
+    from metal_attn.plugins import get_registry
+    from metal_attn.settings import get_settings
     from metal_attn.testing import forced_mixed_threshold
 
     before = tiled_prefill.MIXED_DECODE_MIN_CONTEXT
@@ -234,6 +236,16 @@ def test_forced_mixed_threshold_routes_both_ways_and_restores():
         assert _row(_explain(H200, [1, 1, 300], [8192, 100, 800])).plan.route == "tiled_prefill"
     assert tiled_prefill.MIXED_DECODE_MIN_CONTEXT is before
     assert _row(_explain(H200, [1, 1, 300], [8192, 100, 800])).plan.route == "mixed_prefill_decode"
+    # Selections are cached: the override drops them on the way in and out.
+    req = _explain(H200, [1, 1, 300], [8192, 100, 800]).request
+
+    def route() -> str:
+        return get_registry().select(req, H200, get_settings()).plan.route
+
+    assert route() == "mixed_prefill_decode"
+    with forced_mixed_threshold(1 << 30):
+        assert route() == "tiled_prefill"
+    assert route() == "mixed_prefill_decode"
 
 
 def test_case_metadata_matches_its_call_arguments():
