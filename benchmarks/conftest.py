@@ -74,7 +74,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     raw = cfg.getoption("--bench-candidates")
     names = [c.strip() for c in raw.split(",") if c.strip()] if raw else list(suite.candidates)
     # The ceiling is a reference line of `metal-attn bench`, not a kernel whose history is tracked.
-    names = [n for n in dict.fromkeys(names) if n != "ceiling"]
+    names = peers.timed(names)
     pairs = [(s, n) for s in shapes for n in names]
     metafunc.parametrize(("bench_shape", "bench_candidate"), pairs,
                          ids=[f"{s.label.replace(' ', '_')}-{n}" for s, n in pairs])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metal_attn.bench import core, suites
+from metal_attn.bench import core, peers, suites
 from metal_attn.device import detect_backend
 
 BACKEND = detect_backend()
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed")
 
 #: The CPU suites' candidates (metal_attn/bench/suites.py) but the copy ceiling, which `numpy_sum` stands for here.
-CANDIDATES = tuple(c for c in suites.get_suite("decode-cpu").candidates if c != "ceiling")
+CANDIDATES = peers.timed(suites.get_suite("decode-cpu").candidates)
 #: Rounds per candidate: the peers take up to seconds per call on 2 cores.
 ROUNDS = {"classic": 10, "mlx_sdpa": 3, "gather_sdpa": 2, "reference": 2, "numpy_sum": 10}
 

@@ -54,8 +54,7 @@ def _suite_candidates(name: str) -> tuple[str, ...]:
     from metal_attn.bench import peers
     from metal_attn.bench.suites import get_suite
 
-    names = get_suite(name).candidates
-    return tuple(n for n, c in zip(names, peers.resolve(names)) if isinstance(c, core.TimedCandidate))
+    return peers.timed(get_suite(name).candidates)
 
 
 DECODE_CANDIDATES = _suite_candidates("decode-gpu")

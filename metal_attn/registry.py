@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from metal_attn import _epoch
-from metal_attn.device import DeviceInfo
+from metal_attn.device import BACKENDS, DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
 from metal_attn.log import get_logger, warn_once
 from metal_attn.provider import Plan, Provider
@@ -135,7 +135,7 @@ class Registry:
     def __init__(self, *, on_selected: Callable[..., None] | None = None) -> None:
         self._entries: dict[str, ProviderEntry] = {}
         self._ordered: tuple[ProviderEntry, ...] = ()
-        self._by_backend: dict[str, tuple[ProviderEntry, ...]] = {}
+        self._by_backend: dict[str, tuple[ProviderEntry, ...]] = {b: () for b in BACKENDS}
         self._failed: dict[tuple[str, tuple], str] = {}
         self._prepared: set[tuple[str, tuple]] = set()
         self._avail_cache: dict[tuple[str, DeviceInfo], tuple[str, ...]] = {}
@@ -157,7 +157,7 @@ class Registry:
             raise RegistryError(f"provider name={name!r} must be a non-empty identifier")
         if type(provider.priority) is not int:
             raise RegistryError(f"provider {name!r}: priority={provider.priority!r} must be an int")
-        if not provider.backends or not set(provider.backends) <= {"metal", "cuda", "cpu"}:
+        if not provider.backends or not set(provider.backends) <= set(BACKENDS):
             raise RegistryError(
                 f"provider {name!r}: backends={sorted(provider.backends)} "
                 "(allowed: a non-empty subset of metal, cuda, cpu)"
@@ -176,13 +176,15 @@ class Registry:
                 raise RegistryError(f"provider name={name!r} is already registered (by {prev})")
             self._entries[name] = ProviderEntry(provider, origin or Origin("direct"))
             self._ordered = tuple(sorted(self._entries.values(), key=lambda e: (-e.provider.priority, e.provider.name)))
+            self._by_backend = {b: tuple(sorted(self._ordered, key=lambda e, b=b: (-e.provider.priority_on(b),
+                                                                                e.provider.name)))
+                                 for b in BACKENDS}
             self._invalidate()
 
     def _invalidate(self) -> None:
         """Providers changed: drop cached answers and tell per-call caches (`metal_attn._epoch`)."""
         self._cache.clear()
         self._avail_cache.clear()
-        self._by_backend.clear()
         _epoch.bump()
 
     def forget_selections(self) -> None:
@@ -199,15 +201,7 @@ class Registry:
     def ordered(self, backend: str) -> tuple[ProviderEntry, ...]:
         """Providers in their priority order on ``backend`` (`Provider.priority_on`, highest first):
         the order `explain` and selection ask them in."""
-        got = self._by_backend.get(backend)
-        if got is None:
-            with self._lock:
-                got = self._by_backend.get(backend)
-                if got is None:
-                    got = tuple(sorted(self._ordered,
-                                       key=lambda e: (-e.provider.priority_on(backend), e.provider.name)))
-                    self._by_backend[backend] = got
-        return got
+        return self._by_backend.get(backend, self._ordered)
 
     def get(self, name: str) -> Provider:
         try:

@@ -294,6 +294,12 @@ PEERS: dict[str, type] = {"mlx_sdpa": MlxSdpa, "gather_sdpa": GatherSdpa, "torch
                           "ceiling": Ceiling}
 
 
+def timed(names: Sequence[str]) -> tuple[str, ...]:
+    """The names among ``names`` (deduplicated, in order) whose candidates pytest-benchmark can time:
+    every provider and peer but the copy ceiling, a reference line of `metal-attn bench`."""
+    return tuple(c.name for c in resolve(names) if isinstance(c, TimedCandidate))
+
+
 def resolve(names: Sequence[str]) -> list[Candidate]:
     """Candidates by name: peers and the ceiling by their names, anything else a provider (``auto``: the
     registry's choice). Unregistered providers are reported as such when measured, never raised here."""

@@ -59,7 +59,7 @@ PEER_TABLE_SHAPES: tuple[Shape, ...] = tuple(
 
 #: Geometries (q heads, kv heads, head size) the GQA decode kernel admits at block size 16.
 GQA_GEOMETRIES: frozenset[tuple[int, int, int]] = frozenset(
-    g[:3] for g in GQA_DECODE_GEOMETRIES["cuda"] if g[3] == 16)
+    g[:3] for table in GQA_DECODE_GEOMETRIES.values() for g in table if g[3] == 16)
 
 _MIXED = (
     Shape.mix((Rows(8, 1, 4096), Rows(1, 512, 2048)), 32, 8, 128),

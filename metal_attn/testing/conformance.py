@@ -57,8 +57,7 @@ TOLERANCES: dict[str, Tolerance] = {
 
 def rel_l2(got: Any, ref: Any) -> float:
     """``||got - ref|| / ||ref||`` in float64 (MLX arrays or numpy; 0/0 counts as 0)."""
-    g = np.asarray(got.astype(mx.float32) if isinstance(got, mx.array) else got, dtype=np.float64)
-    r = np.asarray(ref.astype(mx.float32) if isinstance(ref, mx.array) else ref, dtype=np.float64)
+    g, r = _as_f64(got), _as_f64(ref)
     return float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
 
 

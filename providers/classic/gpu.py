@@ -278,14 +278,9 @@ def source_check_launches(head_size: int, dtype: str | None = None) -> list[tupl
     return launches
 
 
-def stage_bytes_limit(backend: str) -> int:
-    """`STAGE_BYTES_LIMIT` for ``backend`` (Apple's, the smaller, for any other)."""
-    return STAGE_BYTES_LIMIT.get(backend, STAGE_BYTES_LIMIT["metal"])
-
-
-def threadgroup_bytes_limit(backend: str) -> int:
-    """`THREADGROUP_BYTES_LIMIT` for ``backend`` (Apple's, the smaller, for any other)."""
-    return THREADGROUP_BYTES_LIMIT.get(backend, THREADGROUP_BYTES_LIMIT["metal"])
+def _bytes_limit(table: dict[str, int], backend: str) -> int:
+    """A per-backend threadgroup-memory ``table``'s value for ``backend`` (Apple's, the smaller, for any other)."""
+    return table.get(backend, table["metal"])
 
 
 def kv_items_per_core(num_kv_heads: int, rows: int, parts: int, gpu_cores: int | None) -> float | None:
@@ -324,12 +319,12 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
                     f"simdgroups take per iteration)")
         if geo.stages < 2:
             return f"stages={geo.stages} (allowed: >= 2)"
-        limit = stage_bytes_limit(backend)
+        limit = _bytes_limit(STAGE_BYTES_LIMIT, backend)
         if geo.stage_bytes(head_size, itemsize) > limit:
             return (f"stage={geo.stage} stages={geo.stages}: {geo.stage_bytes(head_size, itemsize)} bytes of "
                     f"threadgroup memory on {backend} (allowed: <= {limit})")
     total = geo.threadgroup_bytes(head_size, itemsize, backend)
-    total_limit = threadgroup_bytes_limit(backend)
+    total_limit = _bytes_limit(THREADGROUP_BYTES_LIMIT, backend)
     if total > total_limit:
         return (f"{geo}: {total} bytes of threadgroup memory in all at head_size={head_size} on {backend} "
                 f"(allowed: <= {total_limit})")
