@@ -80,6 +80,34 @@ def sections(filename: str) -> Mapping[str, str]:
     return out
 
 
+def strip_comments(text: str) -> str:
+    """``text`` without its C/C++ comments, line for line.
+
+    MLX copies a kernel's whole text into a new source string on every call, so comments
+    cost host time per launch (about 4 µs a classic split call on the H200's host, a third
+    of the text). Each comment's newlines stay, so compiler messages and the Metal source
+    check keep the files' line numbers; string and character literals are left alone, and
+    a ``//`` comment continued by a trailing backslash is kept whole (removing it would
+    turn the next line into code).
+    """
+    return _COMMENT_OR_LITERAL.sub(_drop_comment, text)
+
+
+#: A string or character literal (kept), or a comment with the blanks before it (dropped).
+_COMMENT_OR_LITERAL = re.compile(
+    r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|[ \t]*//[^\n]*|[ \t]*/\*.*?\*/', re.DOTALL)
+
+
+def _drop_comment(m: re.Match) -> str:
+    text = m.group(0)
+    stripped = text.lstrip(" \t")
+    if stripped.startswith("/*"):  # C reads a comment as one space
+        return "\n" * text.count("\n") or " "
+    if stripped.startswith("//"):
+        return text if text.endswith("\\") else ""
+    return text
+
+
 def _format_defines(defines: Mapping[str, Any]) -> str:
     lines = []
     for key, value in defines.items():
@@ -115,7 +143,7 @@ def assemble(
                 body = read_source(f)
     if body is None:
         raise KernelCompileError(f"kernel {name!r} not found in {', '.join(source_files)}")
-    return "".join(parts), body
+    return strip_comments("".join(parts)), strip_comments(body)
 
 
 def kernel_name(name: str, header: str, body: str) -> str:

@@ -1,0 +1,105 @@
+"""Host time of one classic call on a GPU, next to its GPU work (a profiling aid, not a test).
+
+    python3 benchmarks/host_cost_classic.py [BATCH CONTEXT ...]   # default: 8 4096  32 4096
+
+32/8 heads, head 128, bf16 decode, split route. Per call, medians (µs):
+
+- ``trivial``: ``mx.async_eval(x * 1)`` on 16 floats, MLX's own floor for one queued op;
+- ``build``: building the call's lazy graph through `metal_attn.paged_attention` (no evaluation);
+- ``api``: the same call queued (``mx.async_eval``), one wait per sample: what the suite's
+  pipelined figure measures;
+- ``per_token`` / ``reduce``: each of the call's two kernels alone, queued the same way.
+
+When ``api`` is well above the GPU time of the two kernels (ncu), the suite's per-call figure
+measures the host, not the kernels.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+from metal_attn.providers.classic import gpu
+
+import metal_attn
+from metal_attn.bench.core import Shape, build_case, time_fn
+from metal_attn.constants import LOG2E, PARTITION_SIZE
+from metal_attn.device import current_device
+
+
+def per_call_us(fn, iters: int = 15) -> float:
+    return time_fn(fn, warmup=3, iters=iters).median_s * 1e6
+
+
+def build_us(fn, calls: int = 200, reps: int = 5) -> float:
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = [fn() for _ in range(calls)]
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        mx.eval(outs)
+    return statistics.median(samples)
+
+
+def measure(batch: int, context: int) -> dict[str, float]:
+    backend = current_device().backend
+    case = build_case(Shape(batch, 32, 8, 128, context, "bfloat16"))
+    md = case.metadata
+
+    def api() -> mx.array:
+        return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=md, scale=case.scale,
+                                          provider="classic")
+
+    route = None
+    mx.eval(api())
+    rec = metal_attn.diagnostics.last_dispatch()
+    if rec is not None:
+        route = rec.route
+    geo = gpu.launch_geometry(case.q, case.k_pool, md, split=True, backend=backend)
+    parts = -(-context // PARTITION_SIZE)
+    params = gpu.kernels.param_array((md.num_seqs, 32, 8, md.max_blocks_per_seq, 0, parts, 0), "int32")
+    fparams = gpu.kernels.param_array((case.scale * LOG2E, 0.0), "float32")
+    x = mx.zeros((16,))
+    mx.eval(x)
+
+    def per_token() -> list[mx.array]:
+        return gpu._paged_kernel(backend, True, geo)(
+            inputs=[case.q, case.k_pool, case.v_pool, md.block_tables, md.seq_lens, md.cu_seqlens_q,
+                    gpu.zeros_f32(32), params, fparams],
+            template=gpu.paged_template(case.q.dtype, 128, 16, True, geo, gpu.PREFETCH_NEXT.get(backend, 0)),
+            grid=(32 // geo.hps * geo.threads, batch, parts), threadgroup=(geo.threads, 1, 1),
+            output_shapes=[(batch, 32, parts), (batch, 32, parts), (batch, 32, parts, 128)],
+            output_dtypes=[mx.float32] * 3)
+
+    partials = per_token()
+    mx.eval(partials)
+
+    def reduce() -> mx.array:
+        return gpu.reduce_partitions(*partials, md, None, PARTITION_SIZE,
+                                     out_dtype=case.q.dtype, backend=backend)
+
+    return {
+        "route": route,
+        "trivial": per_call_us(lambda: mx.async_eval(x * 1)),
+        "build": build_us(api),
+        "api": per_call_us(lambda: mx.async_eval(api())),
+        "per_token": per_call_us(lambda: mx.async_eval(per_token())),
+        "reduce": per_call_us(lambda: mx.async_eval(reduce())),
+    }
+
+
+def main(argv: list[str]) -> None:
+    nums = [int(x) for x in argv] or [8, 4096, 32, 4096]
+    if len(nums) % 2:
+        raise SystemExit("arguments: BATCH CONTEXT pairs")
+    for batch, context in zip(nums[::2], nums[1::2]):
+        res = measure(batch, context)
+        route = res.pop("route")
+        print(f"b{batch} h32/8 d128 L{context} ({route}), µs per call: "
+              + "  ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,83 @@
+"""The kernel text handed to MLX: comments stripped (MLX copies the whole text on every call),
+nothing else changed, line numbers kept.
+
+The oracle for "nothing else changed" is GCC's own comment removal (``g++ -fpreprocessed -E``:
+comments out, directives kept, no macro expanded), compared token for token.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from metal_attn import kernels
+from metal_attn._layout import kernels_dir
+from metal_attn.kernels import strip_comments
+
+
+def test_line_and_block_comments_go_lines_stay():
+    text = ("int a = 1;  // one\n"
+            "/* two\n   lines */ int b = 2;\n"
+            "int c = a/*x*/+b;\n"
+            "// whole line\n"
+            "int d;\n")
+    out = strip_comments(text)
+    assert out == "int a = 1;\n\n int b = 2;\nint c = a +b;\n\nint d;\n"
+    assert out.count("\n") == text.count("\n")
+
+
+def test_comment_markers_inside_literals_are_code():
+    text = 'asm("mov %0; // not a comment /* nor this */" : "=r"(x));  // this is\nchar q = \'"\'; char s = \'/\';\n'
+    out = strip_comments(text)
+    assert out == 'asm("mov %0; // not a comment /* nor this */" : "=r"(x));\nchar q = \'"\'; char s = \'/\';\n'
+
+
+def test_escaped_quotes_do_not_end_a_literal():
+    text = 'const char* s = "a \\" // still the string";  // gone\n'
+    assert strip_comments(text) == 'const char* s = "a \\" // still the string";\n'
+
+
+def test_a_backslash_continued_line_comment_is_kept():
+    # C joins the next line into such a comment: dropping the comment would make that line code.
+    text = "int a; // continued \\\nint not_code;\nint b;\n"
+    assert strip_comments(text) == text
+
+
+def test_assembled_kernels_carry_no_comments_and_keep_their_lines():
+    header, body = kernels.assemble("paged_attention", ("paged_common.h", "pagedattention.metal"), "cuda",
+                                    {"PA_SPLIT": 1, "PA_STAGED": 1, "PA_MMA": 1})
+    raw_body = kernels.sections("pagedattention.metal")["paged_attention"]
+    assert body.count("\n") == raw_body.count("\n")
+    assert body == strip_comments(raw_body)
+    for text in (header, body):
+        lines = [ln for ln in text.splitlines() if ln.lstrip().startswith(("//", "/*"))]
+        assert lines == [], lines[:3]
+    assert len(body) < 0.8 * len(raw_body)  # the point of it: the commented text is much longer
+
+
+def _gxx() -> str:
+    found = shutil.which("g++")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("g++ must be installed in CI (.ci/run installs it with apt)")
+        pytest.skip("g++ is not installed (CI installs it with apt in .ci/run)")
+    return found
+
+
+def _gcc_tokens(text: str, tmp_path) -> list[str]:
+    src = tmp_path / "kernel.txt"
+    src.write_text(text)
+    out = subprocess.run([_gxx(), "-x", "c++", "-fpreprocessed", "-dD", "-E", "-P", str(src)],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+@pytest.mark.parametrize("filename", sorted(f.name for f in kernels_dir().iterdir()
+                                            if f.suffix in (".h", ".metal") and f.name != "msl_shim.h"))
+def test_every_kernel_file_loses_only_its_comments(filename, tmp_path):
+    text = (kernels_dir() / filename).read_text()
+    assert strip_comments(text).split() == _gcc_tokens(text, tmp_path)
+    assert strip_comments(text).count("\n") == text.count("\n")
