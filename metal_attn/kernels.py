@@ -37,6 +37,7 @@ _SECTION = re.compile(r"^//\s*@kernel\s+(\w+)\s*$", re.MULTILINE)
 _lock = threading.Lock()
 _kernels: dict[tuple, Any] = {}
 _source_dir: Path | None = None
+_generation = 0
 
 
 def use_source_dir(path: str | Path | None) -> None:
@@ -221,9 +222,17 @@ def param_array(values: tuple, dtype: str) -> Any:
     return out
 
 
+def generation() -> int:
+    """A number that changes whenever `clear_cache` drops the kernel objects (a new source folder,
+    tests): callers that keep kernel objects in caches of their own put it in their keys."""
+    return _generation
+
+
 def clear_cache() -> None:
     """Forget every kernel object (tests)."""
+    global _generation
     with _lock:
         _kernels.clear()
+        _generation += 1
     read_source.cache_clear()
     sections.cache_clear()

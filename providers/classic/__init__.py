@@ -15,6 +15,7 @@ its own table.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,13 @@ def _fmt(values: Any) -> str:
     return ", ".join(str(v) for v in sorted(values))
 
 
+@functools.cache
+def _gpu_module() -> ModuleType:
+    """The GPU half, imported on first use and kept (an import lookup per call costs a few µs on the
+    decode hot path)."""
+    return importlib.import_module(_GPU_MODULE)
+
+
 def _load(name: str) -> tuple[ModuleType | None, str | None]:
     """Import ``name``; on failure return the reason instead of raising."""
     try:
@@ -86,7 +94,7 @@ class ClassicProvider(Provider):
         return mod
 
     def _gpu(self) -> ModuleType:
-        return importlib.import_module(_GPU_MODULE)
+        return _gpu_module()
 
     # -- availability and admission ---------------------------------------------------------------
 

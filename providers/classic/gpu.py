@@ -413,16 +413,32 @@ def plan_geometry(specialization: tuple) -> Geometry:
 
 
 def paged_defines(split: bool, geo: Geometry) -> dict[str, int]:
-    """The per-token kernel's code-path defines (route; direct or staged loads)."""
-    return {"PA_SPLIT": int(split), "PA_STAGED": int(geo.stage > 0), "PA_MMA": int(geo.mma)}
+    """The per-token kernel's code-path defines (route; direct or staged loads; the matrix path)."""
+    return _code_path_defines(bool(split), geo.stage > 0, bool(geo.mma))
+
+
+def _code_path_defines(split: bool, staged: bool, mma: bool) -> dict[str, int]:
+    return {"PA_SPLIT": int(split), "PA_STAGED": int(staged), "PA_MMA": int(mma)}
 
 
 def _paged_kernel(backend: str, split: bool, geo: Geometry):
-    return kernels.load_kernel("paged_attention", PAGED_FILES, PA_INPUTS, PA_OUTPUTS[int(split)], backend,
-                               defines=paged_defines(split, geo))
+    return _paged_kernel_for(backend, bool(split), geo.stage > 0, bool(geo.mma), kernels.generation())
 
 
 def _reduce_kernel(backend: str):
+    return _reduce_kernel_for(backend, kernels.generation())
+
+
+# The kernel objects per code path, kept here too: `kernels.load_kernel`'s own cache key (names,
+# sources, sorted defines) costs a few µs a lookup, twice per split call on the decode hot path.
+@functools.lru_cache(maxsize=64)
+def _paged_kernel_for(backend: str, split: bool, staged: bool, mma: bool, generation: int):
+    return kernels.load_kernel("paged_attention", PAGED_FILES, PA_INPUTS, PA_OUTPUTS[int(split)], backend,
+                               defines=_code_path_defines(split, staged, mma))
+
+
+@functools.lru_cache(maxsize=8)
+def _reduce_kernel_for(backend: str, generation: int):
     return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
 
 

@@ -1,5 +1,6 @@
-"""The kernel text handed to MLX: comments stripped (MLX copies the whole text on every call),
-nothing else changed, line numbers kept.
+"""The kernel loader's host side: the text handed to MLX has its comments stripped (MLX copies
+the whole text on every call) and nothing else changed, line numbers kept; kernel objects kept
+by providers follow the loader's cache.
 
 The oracle for "nothing else changed" is GCC's own comment removal (``g++ -fpreprocessed -E``:
 comments out, directives kept, no macro expanded), compared token for token.
@@ -81,3 +82,21 @@ def test_every_kernel_file_loses_only_its_comments(filename, tmp_path):
     text = (kernels_dir() / filename).read_text()
     assert strip_comments(text).split() == _gcc_tokens(text, tmp_path)
     assert strip_comments(text).count("\n") == text.count("\n")
+
+
+def test_kept_kernel_objects_follow_the_source_folder(planted_kernels, seq_line):
+    """The classic provider keeps its kernel objects per code path; a new source folder (or any
+    `kernels.clear_cache`) must reach them, or planted sources would run the old text."""
+    from metal_attn.providers.classic import gpu
+
+    geo = gpu.geometry(128, "bfloat16", "metal", split=True)
+    first = gpu._paged_kernel("metal", True, geo)
+    reducer = gpu._reduce_kernel("metal")
+    assert gpu._paged_kernel("metal", True, geo) is first and gpu._reduce_kernel("metal") is reducer
+    kernels.use_source_dir(planted_kernels("pagedattention.metal", seq_line, seq_line))
+    try:
+        assert gpu._paged_kernel("metal", True, geo) is not first
+        assert gpu._reduce_kernel("metal") is not reducer
+    finally:
+        kernels.use_source_dir(None)
+    assert gpu._paged_kernel("metal", True, geo) is not first  # rebuilt from the package's text again
