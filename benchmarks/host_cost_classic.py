@@ -69,7 +69,7 @@ def measure(batch: int, context: int) -> dict[str, float]:
             inputs=[case.q, case.k_pool, case.v_pool, md.block_tables, md.seq_lens, md.cu_seqlens_q,
                     gpu.zeros_f32(32), params, fparams],
             template=gpu.paged_template(case.q.dtype, 128, 16, True, geo, gpu.PREFETCH_NEXT.get(backend, 0)),
-            grid=(32 // geo.hps * geo.threads, batch, parts), threadgroup=(geo.threads, 1, 1),
+            grid=(geo.grid_x(32), batch, parts), threadgroup=(geo.threads, 1, 1),
             output_shapes=[(batch, 32, parts), (batch, 32, parts), (batch, 32, parts, 128)],
             output_dtypes=[mx.float32] * 3)
 

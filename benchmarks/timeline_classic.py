@@ -69,7 +69,7 @@ def timeline(kern, batch: int, context: int) -> np.ndarray:
         return kern(inputs=[case.q, case.k_pool, case.v_pool, md.block_tables, md.seq_lens, md.cu_seqlens_q,
                             gpu.zeros_f32(HEADS), params, fparams],
                     template=gpu.paged_template(case.q.dtype, HEAD, BLOCK, True, geo, gpu.PREFETCH_NEXT["cuda"]),
-                    grid=(HEADS // geo.hps * geo.threads, batch, parts), threadgroup=(geo.threads, 1, 1),
+                    grid=(geo.grid_x(HEADS), batch, parts), threadgroup=(geo.threads, 1, 1),
                     output_shapes=[(batch, HEADS, parts), (batch, HEADS, parts), (batch, HEADS, parts, HEAD),
                                    (groups * 4,)],
                     output_dtypes=[mx.float32] * 3 + [mx.int64])

@@ -1,7 +1,7 @@
 // metal-attn: the classic per-token paged-attention kernel and the split-KV reducer.
 // Two kernel bodies, one per `// @kernel NAME` section; MLX writes the signatures.
 // Generated defines (from metal_attn/constants.py via metal_attn/kernels.py):
-//   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_SIMD_WIDTH, and per variant PA_SPLIT,
+//   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_RESCALE_SLACK, MA_SIMD_WIDTH, and per variant PA_SPLIT,
 //   PA_STAGED and PA_MMA (template arguments are not macros, so the code paths they pick are
 //   defines).
 

@@ -37,7 +37,6 @@ _SECTION = re.compile(r"^//\s*@kernel\s+(\w+)\s*$", re.MULTILINE)
 _lock = threading.Lock()
 _kernels: dict[tuple, Any] = {}
 _source_dir: Path | None = None
-_generation = 0
 
 
 def use_source_dir(path: str | Path | None) -> None:
@@ -119,7 +118,8 @@ def _format_defines(defines: Mapping[str, Any]) -> str:
 
 
 def assemble(
-    name: str, source_files: Sequence[str], backend: str, defines: Mapping[str, Any] | None = None
+    name: str, source_files: Sequence[str], backend: str,
+    defines: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
 ) -> tuple[str, str]:
     """``(header, body)`` of kernel ``name``: prelude, defines and ``*.h`` files, then the body.
 
@@ -160,17 +160,21 @@ def load_kernel(
     output_names: Sequence[str],
     backend: str,
     *,
-    defines: Mapping[str, Any] | None = None,
+    defines: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
     ensure_row_contiguous: bool = True,
 ) -> Callable[..., list]:
     """The ``mx.fast`` kernel object for ``name`` on ``backend`` (built once, cached).
 
     Call it like any ``mx.fast.metal_kernel`` object (``inputs=``, ``template=``,
     ``grid=``, ``threadgroup=``, ``output_shapes=``, ``output_dtypes=``). Raises
-    `KernelCompileError` when the backend cannot build kernels here.
+    `KernelCompileError` when the backend cannot build kernels here. ``defines`` is a mapping
+    or a tuple of ``(name, value)`` pairs; launchers on a hot path pass pairs (and tuples of
+    names), so the lookup only hashes what it was given (pairs in another order make another
+    object of the same text and name, which MLX compiles once).
     """
-    key = (backend, name, tuple(source_files), tuple(input_names), tuple(output_names),
-           tuple(sorted((defines or {}).items())), ensure_row_contiguous)
+    dkey = defines if type(defines) is tuple else tuple(sorted((defines or {}).items()))
+    key = (backend, name, tuple(source_files), tuple(input_names), tuple(output_names), dkey,
+           ensure_row_contiguous)
     got = _kernels.get(key)
     if got is not None:
         return got
@@ -222,17 +226,9 @@ def param_array(values: tuple, dtype: str) -> Any:
     return out
 
 
-def generation() -> int:
-    """A number that changes whenever `clear_cache` drops the kernel objects (a new source folder,
-    tests): callers that keep kernel objects in caches of their own put it in their keys."""
-    return _generation
-
-
 def clear_cache() -> None:
     """Forget every kernel object (tests)."""
-    global _generation
     with _lock:
         _kernels.clear()
-        _generation += 1
     read_source.cache_clear()
     sections.cache_clear()

@@ -99,7 +99,7 @@ def classic_specializations() -> list[Specialization]:
                         kernel="paged_attention", source_files=gpu.PAGED_FILES, input_names=gpu.PA_INPUTS,
                         output_names=gpu.PA_OUTPUTS[split],
                         template=tuple(gpu.paged_template(dtype, head, block, split, geo, gpu.PREFETCH_NEXT["metal"])),
-                        inputs=common_in, outputs=outs, defines=tuple(gpu.paged_defines(split, geo).items()),
+                        inputs=common_in, outputs=outs, defines=gpu.paged_defines(split, geo),
                     ))
             specs.append(Specialization(
                 label=f"paged_attention_v2_reduce {dtype} head={head}",

@@ -17,13 +17,17 @@ functions, and every refusal is a reason ``explain`` prints:
 - the split scratch stays under `SCRATCH_CAP_BYTES` and the reducer's
   threadgroup memory fits the device limit.
 
-Otherwise the next provider (``classic``) takes the call.
+Otherwise the next provider (``classic``) takes the call. On CUDA ``classic`` ranks first
+(`GQADecodeProvider.backend_priority`: the H200 measured this kernel slower on every decode
+shape), so there ``gqa_decode`` runs when forced (``provider="gqa_decode"``) or when
+``classic`` cannot take the call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from metal_attn import kernels
@@ -97,7 +101,8 @@ def reducer_threadgroup_bytes(partitions: int) -> int:
     memory (``2 * partitions * 4`` bytes, rounded up to 16) plus two floats per
     simdgroup for its reductions; admission keeps that bound, so a row that an
     upstream-style reducer could not hold is never launched. (Our shared
-    reducer stages 128 partitions' weights at a time: a fixed 528 bytes.)
+    reducer stages one block of partitions' weights at a time: a fixed size, whatever the
+    partition count.)
     """
     from metal_attn.providers.classic.gpu import NUM_THREADS
 
@@ -195,7 +200,7 @@ class GQADecodeProvider(Provider):
     #: Below `classic` (10) on CUDA: there the classic kernel's matrix path (a group's heads as the
     #: rows of tensor-core products) measured 1.7x-3.4x faster on every decode shape of the suite
     #: (H200, docs/bench-h200-classic.md, session 6). Metal keeps 80 (upstream's measurements).
-    backend_priority = {"cuda": 5}
+    backend_priority = MappingProxyType({"cuda": 5})
     backends = frozenset({"metal", "cuda"})
     phases = frozenset({"decode"})
     dtypes = frozenset({"float16", "bfloat16"})
@@ -256,7 +261,6 @@ KERNEL_OUTPUTS = ("max_logits", "exp_sums", "tmp_out")
 
 def kernel_object(backend: str) -> Any:
     """The ``mx.fast`` kernel object of ``gqa_decode`` on ``backend`` (built once)."""
-
     return kernels.load_kernel("gqa_decode", KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend)
 
 
@@ -297,7 +301,6 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     """
     import mlx.core as mx
     from metal_attn.providers.classic.gpu import reduce_partitions
-
 
     if partition_size not in GQA_PARTITION_SIZES:
         raise ValueError(f"partition_size={partition_size} (allowed: {', '.join(map(str, GQA_PARTITION_SIZES))})")

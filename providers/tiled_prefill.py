@@ -239,7 +239,6 @@ class TiledPrefillProvider(Provider):
 
 def kernel_object(backend: str) -> Any:
     """The ``mx.fast`` kernel object of ``tiled_prefill`` on ``backend`` (built once)."""
-
     return kernels.load_kernel(ROUTE, KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend)
 
 
@@ -258,9 +257,7 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     ``config`` overrides `TILE_CONFIGS` (BQ a positive multiple of 8, BKV a positive
     multiple of 16), for sweeps and tests.
     """
-
     from metal_attn.providers.classic.gpu import zeros_f32
-
 
     total, num_heads, head = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

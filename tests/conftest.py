@@ -47,16 +47,33 @@ def _mlx_cache_limit() -> None:
 # -- the Metal source check ---------------------------------------------------------------------------
 
 
+def _missing_tool(tool: str, why_ci_needs_it: str) -> None:
+    """A system tool a test needs is not installed: fail in CI (``.ci/run`` installs it with apt),
+    skip with the reason elsewhere."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{tool} must be installed in CI (.ci/run installs it with apt): {why_ci_needs_it}")
+    pytest.skip(f"{tool} is not installed (CI installs it with apt in .ci/run)")
+
+
 @pytest.fixture
 def needs_clang() -> None:
     """Skip (with the reason) where clang++ is missing; CI installs it with apt in .ci/run."""
     from metal_attn.msl_check import find_clang
 
     if find_clang() is None:
-        if os.environ.get("CI"):
-            pytest.fail("clang++ must be installed in CI (.ci/run installs it with apt): the Metal source "
-                        "checks are the only verification the Metal text gets")
-        pytest.skip("clang++ is not installed (CI installs it with apt in .ci/run)")
+        _missing_tool("clang++", "the Metal source checks are the only verification the Metal text gets")
+
+
+@pytest.fixture
+def gxx() -> str:
+    """The path of g++ (its comment removal is the oracle of the kernel-text tests); skips with
+    the reason where it is missing, fails in CI."""
+    import shutil
+
+    found = shutil.which("g++")
+    if found is None:
+        _missing_tool("g++", "the kernel-text tests compare with its comment removal")
+    return found
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The kernel loader's host side: the text handed to MLX has its comments stripped (MLX copies
-the whole text on every call) and nothing else changed, line numbers kept; kernel objects kept
-by providers follow the loader's cache.
+the whole text on every call) and nothing else changed, line numbers kept; kernel objects are
+kept, and dropped with their sources.
 
 The oracle for "nothing else changed" is GCC's own comment removal (``g++ -fpreprocessed -E``:
 comments out, directives kept, no macro expanded), compared token for token.
@@ -8,8 +8,6 @@ comments out, directives kept, no macro expanded), compared token for token.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
@@ -59,44 +57,38 @@ def test_assembled_kernels_carry_no_comments_and_keep_their_lines():
     assert len(body) < 0.8 * len(raw_body)  # the point of it: the commented text is much longer
 
 
-def _gxx() -> str:
-    found = shutil.which("g++")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("g++ must be installed in CI (.ci/run installs it with apt)")
-        pytest.skip("g++ is not installed (CI installs it with apt in .ci/run)")
-    return found
-
-
-def _gcc_tokens(text: str, tmp_path) -> list[str]:
+def _gcc_tokens(gxx: str, text: str, tmp_path) -> list[str]:
     src = tmp_path / "kernel.txt"
     src.write_text(text)
-    out = subprocess.run([_gxx(), "-x", "c++", "-fpreprocessed", "-dD", "-E", "-P", str(src)],
+    out = subprocess.run([gxx, "-x", "c++", "-fpreprocessed", "-dD", "-E", "-P", str(src)],
                          capture_output=True, text=True, check=True).stdout
     return out.split()
 
 
-@pytest.mark.parametrize("filename", sorted(f.name for f in kernels_dir().iterdir()
-                                            if f.suffix in (".h", ".metal") and f.name != "msl_shim.h"))
-def test_every_kernel_file_loses_only_its_comments(filename, tmp_path):
+@pytest.mark.parametrize("filename", sorted(f.name for f in kernels_dir().iterdir() if f.suffix in (".h", ".metal")))
+def test_every_kernel_file_loses_only_its_comments(filename, gxx, tmp_path):
     text = (kernels_dir() / filename).read_text()
-    assert strip_comments(text).split() == _gcc_tokens(text, tmp_path)
+    assert strip_comments(text).split() == _gcc_tokens(gxx, text, tmp_path)
     assert strip_comments(text).count("\n") == text.count("\n")
 
 
-def test_kept_kernel_objects_follow_the_source_folder(planted_kernels, seq_line):
-    """The classic provider keeps its kernel objects per code path; a new source folder (or any
-    `kernels.clear_cache`) must reach them, or planted sources would run the old text."""
+def test_kernel_objects_are_kept_and_follow_the_source_folder(planted_kernels, seq_line):
+    """Kernel objects are kept per (backend, kernel, sources, defines). Launchers pass the defines as
+    pairs, others as a mapping: both reach the same object. A new source folder (any
+    `kernels.clear_cache`) drops them, or planted sources would run the old text."""
     from metal_attn.providers.classic import gpu
 
     geo = gpu.geometry(128, "bfloat16", "metal", split=True)
     first = gpu._paged_kernel("metal", True, geo)
     reducer = gpu._reduce_kernel("metal")
     assert gpu._paged_kernel("metal", True, geo) is first and gpu._reduce_kernel("metal") is reducer
+    as_mapping = kernels.load_kernel("paged_attention", gpu.PAGED_FILES, gpu.PA_INPUTS, gpu.PA_OUTPUTS[1], "metal",
+                                     defines=dict(gpu.paged_defines(True, geo)))
+    assert as_mapping is first
     kernels.use_source_dir(planted_kernels("pagedattention.metal", seq_line, seq_line))
     try:
-        assert gpu._paged_kernel("metal", True, geo) is not first
-        assert gpu._reduce_kernel("metal") is not reducer
+        planted = gpu._paged_kernel("metal", True, geo)
+        assert planted is not first and gpu._reduce_kernel("metal") is not reducer
     finally:
         kernels.use_source_dir(None)
-    assert gpu._paged_kernel("metal", True, geo) is not first  # rebuilt from the package's text again
+    assert gpu._paged_kernel("metal", True, geo) is not planted  # rebuilt from the package's text again

@@ -57,16 +57,16 @@ def _fmt(values: Any) -> str:
 
 
 @functools.cache
-def _gpu_module() -> ModuleType:
-    """The GPU half, imported on first use and kept (an import lookup per call costs a few µs on the
-    decode hot path)."""
-    return importlib.import_module(_GPU_MODULE)
+def _import(name: str) -> ModuleType:
+    """Import a backend half once and keep it (an import lookup per call costs a few µs on the hot
+    path); a failed import raises and is tried again next time (exceptions are not cached)."""
+    return importlib.import_module(name)
 
 
 def _load(name: str) -> tuple[ModuleType | None, str | None]:
     """Import ``name``; on failure return the reason instead of raising."""
     try:
-        return importlib.import_module(name), None
+        return _import(name), None
     except ImportError as exc:
         return None, f"{name} could not be imported ({type(exc).__name__}: {exc})"
 
@@ -94,7 +94,7 @@ class ClassicProvider(Provider):
         return mod
 
     def _gpu(self) -> ModuleType:
-        return _gpu_module()
+        return _import(_GPU_MODULE)
 
     # -- availability and admission ---------------------------------------------------------------
 

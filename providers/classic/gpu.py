@@ -97,7 +97,7 @@ class StagingRule:
     - heads per simdgroup (HPW): ``hpw_small_grid`` on split launches with fewer than
       ``small_grid_per_core`` threadgroups per GPU core (short partitions, few of them: each
       simdgroup needs its own instruction-level parallelism), else ``hpw``; raised to the first
-      divisor of HPS that leaves at most NUM_THREADS/32 simdgroups across heads;
+      divisor of HPS whose simdgroups across heads (HPS/HPW) divide the NUM_THREADS/32 simdgroups;
     - tokens unrolled per lane: ``unroll_one_head`` when a simdgroup holds one head, else
       ``unroll_more_heads``;
     - ``chunk`` tokens per staged chunk (halved until the chunks fit the threadgroup-memory
@@ -160,6 +160,10 @@ class Geometry:
     def simdgroups(self) -> int:
         return self.threads // SIMD_WIDTH
 
+    def grid_x(self, num_heads: int) -> int:
+        """The launch grid's x extent in threads: one threadgroup per ``hps`` query heads."""
+        return num_heads // self.hps * self.threads
+
     @property
     def simdgroups_across_heads(self) -> int:
         return self.hps // self.hpw
@@ -187,7 +191,7 @@ class Geometry:
         statistics and, on the matrix path, Q's packed operands (a 32-bit register each on CUDA,
         two floats on Metal)."""
         merge = self.token_simdgroups * self.hps * head_size * 4
-        main = max(self.stage_bytes(head_size, itemsize), merge) if self.stage else merge
+        main = max(self.stage_bytes(head_size, itemsize), merge)
         stats = self.token_simdgroups * self.hps * 2 * 4
         q_ops = (head_size // 8) * SIMD_WIDTH * (4 if backend == "cuda" else 8) if self.mma else 0
         return main + stats + q_ops
@@ -384,7 +388,7 @@ def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings:
         provider=provider,
         route=ROUTES[split],
         partition_size=PARTITION_SIZE if split else 0,
-        grid=(request.num_heads // geo.hps * geo.threads, request.total_q_tokens, parts),
+        grid=(geo.grid_x(request.num_heads), request.total_q_tokens, parts),
         threadgroup=(geo.threads, 1, 1),
         specialization=(device.backend, request.dtype, request.head_size, request.block_size,
                         PARTITION_SIZE if split else 0, *dataclasses.astuple(geo)),
@@ -412,33 +416,18 @@ def plan_geometry(specialization: tuple) -> Geometry:
 # -- launching -----------------------------------------------------------------------------------
 
 
-def paged_defines(split: bool, geo: Geometry) -> dict[str, int]:
-    """The per-token kernel's code-path defines (route; direct or staged loads; the matrix path)."""
-    return _code_path_defines(bool(split), geo.stage > 0, bool(geo.mma))
-
-
-def _code_path_defines(split: bool, staged: bool, mma: bool) -> dict[str, int]:
-    return {"PA_SPLIT": int(split), "PA_STAGED": int(staged), "PA_MMA": int(mma)}
+def paged_defines(split: bool, geo: Geometry) -> tuple[tuple[str, int], ...]:
+    """The per-token kernel's code-path defines (route; direct or staged loads; the matrix path), as
+    the pairs `kernels.load_kernel` hashes as given on every launch."""
+    return (("PA_MMA", int(geo.mma)), ("PA_SPLIT", int(split)), ("PA_STAGED", int(geo.stage > 0)))
 
 
 def _paged_kernel(backend: str, split: bool, geo: Geometry):
-    return _paged_kernel_for(backend, bool(split), geo.stage > 0, bool(geo.mma), kernels.generation())
+    return kernels.load_kernel("paged_attention", PAGED_FILES, PA_INPUTS, PA_OUTPUTS[int(split)], backend,
+                               defines=paged_defines(split, geo))
 
 
 def _reduce_kernel(backend: str):
-    return _reduce_kernel_for(backend, kernels.generation())
-
-
-# The kernel objects per code path, kept here too: `kernels.load_kernel`'s own cache key (names,
-# sources, sorted defines) costs a few µs a lookup, twice per split call on the decode hot path.
-@functools.lru_cache(maxsize=64)
-def _paged_kernel_for(backend: str, split: bool, staged: bool, mma: bool, generation: int):
-    return kernels.load_kernel("paged_attention", PAGED_FILES, PA_INPUTS, PA_OUTPUTS[int(split)], backend,
-                               defines=_code_path_defines(split, staged, mma))
-
-
-@functools.lru_cache(maxsize=8)
-def _reduce_kernel_for(backend: str, generation: int):
     return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
 
 
@@ -483,10 +472,13 @@ def launch_paged(
     total, num_heads, head = q.shape
     if rows is not None and not 1 <= rows <= total:
         raise ValueError(f"rows={rows} (allowed: 1..{total}, the query rows of the batch)")
-    geo = geometry_override or launch_geometry(q, k_cache, md, split=split, backend=backend, rows=rows)
-    problem = geometry_problem(geo, head, num_heads // k_cache.shape[2], q.dtype.size, backend)
-    if problem:
-        raise ValueError(f"geometry_override={geometry_override}: {problem}")
+    if geometry_override is None:
+        geo = launch_geometry(q, k_cache, md, split=split, backend=backend, rows=rows)  # valid by construction
+    else:
+        geo = geometry_override
+        problem = geometry_problem(geo, head, num_heads // k_cache.shape[2], q.dtype.size, backend)
+        if problem:
+            raise ValueError(f"geometry_override={geometry_override}: {problem}")
     prefetch = PREFETCH_NEXT.get(backend, 0) if prefetch is None else prefetch
     if prefetch not in (0, 1):
         raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
@@ -512,7 +504,7 @@ def _launch(
     fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
     template = paged_template(dtype, head, block_size, split, geo, prefetch)
     inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks_arr, params, fparams]
-    grid = (num_heads // geo.hps * geo.threads, total, max_parts)
+    grid = (geo.grid_x(num_heads), total, max_parts)
     kern = _paged_kernel(backend, split, geo)
     if not split:
         return kern(inputs=inputs, template=template, grid=grid, threadgroup=(geo.threads, 1, 1),
