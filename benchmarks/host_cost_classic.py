@@ -24,13 +24,9 @@ import mlx.core as mx
 from metal_attn.providers.classic import gpu
 
 import metal_attn
-from metal_attn.bench.core import Shape, build_case, time_fn
+from metal_attn.bench.core import Shape, build_case, pipelined_median_s
 from metal_attn.constants import LOG2E, PARTITION_SIZE
 from metal_attn.device import current_device
-
-
-def per_call_us(fn, iters: int = 15) -> float:
-    return time_fn(fn, warmup=3, iters=iters).median_s * 1e6
 
 
 def build_us(fn, calls: int = 200, reps: int = 5) -> float:
@@ -52,11 +48,11 @@ def measure(batch: int, context: int) -> dict[str, float]:
         return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=md, scale=case.scale,
                                           provider="classic")
 
-    route = None
     mx.eval(api())
-    rec = metal_attn.diagnostics.last_dispatch()
-    if rec is not None:
-        route = rec.route
+    route = metal_attn.diagnostics.last_dispatch().route
+    if route != f"per_token_ps{PARTITION_SIZE}":
+        raise SystemExit(f"b{batch} L{context}: classic takes route {route}; this script times the split route's "
+                         "two kernels (pick a shorter grid or a longer context)")
     geo = gpu.launch_geometry(case.q, case.k_pool, md, split=True, backend=backend)
     parts = -(-context // PARTITION_SIZE)
     params = gpu.kernels.param_array((md.num_seqs, 32, 8, md.max_blocks_per_seq, 0, parts, 0), "int32")
@@ -82,11 +78,11 @@ def measure(batch: int, context: int) -> dict[str, float]:
 
     return {
         "route": route,
-        "trivial": per_call_us(lambda: mx.async_eval(x * 1)),
+        "trivial": pipelined_median_s(lambda: x * 1, iters=15) * 1e6,
         "build": build_us(api),
-        "api": per_call_us(lambda: mx.async_eval(api())),
-        "per_token": per_call_us(lambda: mx.async_eval(per_token())),
-        "reduce": per_call_us(lambda: mx.async_eval(reduce())),
+        "api": pipelined_median_s(api, iters=15) * 1e6,
+        "per_token": pipelined_median_s(per_token, iters=15) * 1e6,
+        "reduce": pipelined_median_s(reduce, iters=15) * 1e6,
     }
 
 

@@ -61,7 +61,7 @@ def test_cpu(benchmark, run_bench, suite, shape, candidate):
         benchmark.group = f"{suite} {shape.label}"
         buf = np.ones(shape.kv_bytes // 8)
         _info(benchmark, shape, candidate=candidate, route="numpy sum (read)")
-        benchmark.pedantic(buf.sum, rounds=ROUNDS.get(candidate, 2), iterations=1, warmup_rounds=1)
+        benchmark.pedantic(buf.sum, rounds=ROUNDS[candidate], iterations=1, warmup_rounds=1)
         core.record_rates(benchmark, shape)
     else:
-        run_bench(shape, candidate, rounds=ROUNDS.get(candidate, 2), group=f"{suite} {shape.label}")
+        run_bench(shape, candidate, rounds=ROUNDS[candidate], group=f"{suite} {shape.label}")

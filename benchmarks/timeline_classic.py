@@ -6,8 +6,8 @@
 in memory (never in kernels_v2/): each threadgroup records the GPU's global timer when it
 starts, when its first staged chunk has landed, and when it is done, plus its SM. Printed
 per shape: percentiles of those times, of the threadgroup durations and of each SM's last
-end, and the K/V bandwidth delivered over time (16 KiB chunks; chunk 0 counted when it
-lands, the others spread evenly up to the end). docs/bench-h200-classic.md (session 7) has
+end, and the K/V bandwidth delivered over time (chunk 0 counted when it lands, the
+others spread evenly up to the end). docs/bench-h200-classic.md (session 7) has
 what it showed.
 """
 
@@ -53,8 +53,8 @@ def instrumented_kernel():
                                output_names=[*gpu.PA_OUTPUTS[1], "timing"], source=body, header=header)
 
 
-def timeline(kern, batch: int, context: int) -> np.ndarray:
-    """[threadgroups, 4] int64: start, first chunk landed, end (ns, global timer), SM id."""
+def timeline(kern, batch: int, context: int) -> tuple[np.ndarray, gpu.Geometry]:
+    """([threadgroups, 4] int64: start, first chunk landed, end (ns, global timer), SM id; the geometry)."""
     case = build_case(Shape(batch, HEADS, KV_HEADS, HEAD, context, "bfloat16"))
     md = case.metadata
     geo = gpu.launch_geometry(case.q, case.k_pool, md, split=True, backend="cuda")
@@ -78,10 +78,10 @@ def timeline(kern, batch: int, context: int) -> np.ndarray:
         mx.eval(launch())
     out = launch()
     mx.eval(out)
-    return np.array(out[3]).reshape(groups, 4)
+    return np.array(out[3]).reshape(groups, 4), geo
 
 
-def report(t: np.ndarray, label: str, chunk_kib: float = 16.0) -> None:
+def report(t: np.ndarray, geo: gpu.Geometry, label: str) -> None:
     base = t[:, 0].min()
     start, first, end = ((t[:, i] - base) / 1e3 for i in range(3))
     sm = t[:, 3]
@@ -98,7 +98,8 @@ def report(t: np.ndarray, label: str, chunk_kib: float = 16.0) -> None:
     print(f"  end                   {pct(end)}")
     print(f"  duration              {pct(end - start)}")
     print(f"  each SM's last end    {pct(last)}")
-    chunks = PARTITION_SIZE // 32
+    chunks = PARTITION_SIZE // geo.stage
+    chunk_kib = 2 * geo.stage * HEAD * 2 / 1024  # K and V rows, bf16
     bins = np.arange(0.0, end.max() + 2.0, 2.0)
     delivered = np.zeros(len(bins))
     for f0, e0 in zip(first, end):
@@ -116,7 +117,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit("arguments: BATCH CONTEXT pairs")
     kern = instrumented_kernel()
     for batch, context in zip(nums[::2], nums[1::2]):
-        report(timeline(kern, batch, context), f"b{batch} h{HEADS}/{KV_HEADS} d{HEAD} L{context}")
+        t, geo = timeline(kern, batch, context)
+        report(t, geo, f"b{batch} h{HEADS}/{KV_HEADS} d{HEAD} L{context}")
 
 
 if __name__ == "__main__":

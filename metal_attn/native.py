@@ -62,12 +62,11 @@ def status() -> str:
     return _state["status"]  # type: ignore[return-value]
 
 
-def _reset_for_tests(module: ModuleType | None = None, reason: str | None = None,
-                     status: str = "not built") -> None:
+def _reset_for_tests(module: ModuleType | None = None, reason: str | None = None) -> None:
     """Forget (or replace) the cached load result; tests use it to simulate a missing module."""
     with _lock:
         _state.clear()
         if module is not None or reason is not None:
             _state["module"] = module
             _state["reason"] = reason
-            _state["status"] = "ok" if module is not None else status
+            _state["status"] = "ok" if module is not None else "not built"

@@ -265,13 +265,19 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
 
     calls = []
 
+    kernel_geometries = []
+
     def recorder(name):
         def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            calls.append((name, dict(template), grid))
+            calls.append((name, dict(template), grid, threadgroup))
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
         return kernel
 
-    monkeypatch.setattr(gpu, "_paged_kernel", lambda backend, split, geo: recorder(f"paged split={int(split)}"))
+    def paged_kernel(backend, split, geo):
+        kernel_geometries.append(geo)  # the code path (defines) is chosen from it
+        return recorder(f"paged split={int(split)}")
+
+    monkeypatch.setattr(gpu, "_paged_kernel", paged_kernel)
     monkeypatch.setattr(gpu, "_reduce_kernel", lambda backend: recorder("reduce"))
     batch, ctx, heads, kv_heads = 8, 4096, 32, 8
     _, row = _classic_row(q_lens=[1] * batch, seq_lens=[ctx] * batch, device="h200", num_heads=heads,
@@ -287,10 +293,12 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
 
     out = gpu.run(inputs, plan)
     assert out.shape == (batch, heads, 128) and out.dtype == mx.bfloat16
-    (name, template, grid), (reduce_name, _, reduce_grid) = calls
+    (name, template, grid, threadgroup), (reduce_name, _, reduce_grid, reduce_threadgroup) = calls
     geo = gpu.plan_geometry(plan.specialization)
     assert name == "paged split=1" and reduce_name == "reduce"
+    assert kernel_geometries == [geo] and geo.mma == 1 and geo.stage > 0  # the matrix path, staged
     assert grid == plan.grid and reduce_grid == (heads * gpu.NUM_THREADS, batch, 1)
+    assert threadgroup == plan.threadgroup == (geo.threads, 1, 1) and reduce_threadgroup == (gpu.NUM_THREADS, 1, 1)
     assert (template["TPT"], template["UNROLL"], template["HPS"], template["HPW"], template["STAGE"],
             template["STAGES"]) == (geo.lanes, geo.unroll, geo.hps, geo.hpw, geo.stage, geo.stages)
     assert template["PREFETCH"] == gpu.PREFETCH_NEXT["cuda"]
@@ -298,8 +306,17 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
     calls.clear()
     out = gpu.run_specialization(inputs, plan.specialization, rows=3)
     assert out.shape == (3, heads, 128) and calls[0][2] == (plan.grid[0], 3, plan.grid[2])
+    assert kernel_geometries == [geo, geo]
 
-    # A bare launch without an override takes the plan's geometry (with the plan device's core
-    # count: the staging rule's grid measure depends on it).
+    # A bare launch without an override takes the plan's geometry, with the device's core count:
+    # float32's staged per-token path picks its heads per simdgroup by threadgroups per core.
     with override_settings(gpu_cores=132):
         assert gpu.launch_geometry(q, kc, md, split=True, backend="cuda") == geo
+    q32, kc32 = q.astype(mx.float32), kc.astype(mx.float32)
+    by_cores = {}
+    for cores in (132, 16):
+        with override_settings(gpu_cores=cores):
+            by_cores[cores] = gpu.launch_geometry(q32, kc32, md, split=True, backend="cuda")
+        items = gpu.kv_items_per_core(kv_heads, batch, ctx // 512, cores)
+        assert by_cores[cores] == gpu.geometry(128, "float32", "cuda", heads // kv_heads, True, items)
+    assert by_cores[132] != by_cores[16]

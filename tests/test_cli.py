@@ -67,8 +67,8 @@ def test_providers_json_lists_reference_as_enabled_and_available(capsys):
     assert data["device"]["backend"] == metal_attn.current_device().backend
     priorities = [p["priority_here"] for p in data["providers"]]
     assert priorities == sorted(priorities, reverse=True)  # the order on this device's backend
-    assert all(p["priority_here"] == p["backend_priority"].get(data["device"]["backend"], p["priority"])
-               for p in data["providers"])
+    gqa = rows["gqa_decode"]  # declares 80 and {"cuda": 5}
+    assert gqa["priority_here"] == (5 if data["device"]["backend"] == "cuda" else 80)
     assert "versions" not in data
 
 
@@ -293,17 +293,34 @@ def test_doctor_json_reports_device_settings_native_module_providers_and_smoke(c
     assert "mlx" in data["versions"]
 
 
-@pytest.mark.parametrize(("status", "reason"), [  # each reason reads like the other status: no message match
-    ("not built", "native module metal_attn._native failed to import (simulated)"),
-    ("import failed", "native module metal_attn._native is not built (simulated)"),
+@pytest.mark.parametrize(("error", "status"), [
+    (ModuleNotFoundError("No module named 'metal_attn._native'", name="metal_attn._native"), "not built"),
+    (ModuleNotFoundError("No module named 'libsimulated'", name="libsimulated"), "import failed"),
+    (ImportError("undefined symbol: simulated"), "import failed"),
 ])
-def test_doctor_native_status_comes_from_the_loader_not_the_message(status, reason):
+def test_doctor_native_status_comes_from_the_loader(monkeypatch, error, status):
+    """The loader classifies the import failure itself (a missing module of its own is "not built",
+    anything else "import failed"), and doctor shows its status."""
+    import importlib
+
     from metal_attn import native
 
+    real_import = importlib.import_module
+
+    def import_module(name, *args, **kwargs):
+        if name == "metal_attn._native":
+            raise error
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(native.importlib, "import_module", import_module)
     try:
-        native._reset_for_tests(None, reason, status=status)
-        assert cli.native_module_status() == {"status": status, "detail": reason}
+        native._reset_for_tests()
+        got = cli.native_module_status()
+        assert got["status"] == status and got["detail"] == native.unavailable_reason()
+        if status == "import failed":
+            assert str(error) in got["detail"]
     finally:
+        monkeypatch.undo()
         native._reset_for_tests()
 
 

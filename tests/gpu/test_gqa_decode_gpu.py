@@ -174,8 +174,7 @@ def test_disable_switch_routes_to_classic():
         with pytest.raises(ProviderRefusedError, match="disabled by METAL_ATTN_DISABLE_GQA_DECODE=1"):
             run_case(case, provider="gqa_decode")
         got = run_case(case)
-        assert compat.last_paged_dispatch() != "gqa_decode"
-        assert compat.last_gqa_partition_size() is None
+        assert ma.diagnostics.last_dispatch().provider == "classic"
     assert_close_to_oracle(got, case.oracle(), "bfloat16", label=case.label)
 
 
