@@ -38,3 +38,11 @@ class SettingsError(MetalAttnError, ValueError):
 
 class CacheExhaustedError(MetalAttnError, RuntimeError):
     """The block allocator has fewer free blocks than a request needs."""
+
+
+class ModelError(MetalAttnError, ValueError):
+    """A model cannot be served: unknown path, unsupported architecture, bad model option."""
+
+
+class ModelFetchError(MetalAttnError, RuntimeError):
+    """The default model could not be fetched (no network, pip failed); the message says what to run instead."""
