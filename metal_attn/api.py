@@ -322,6 +322,13 @@ def reshape_and_cache(
     if k_cache.dtype not in DTYPE_NAMES:
         raise InvalidInputError(f"k_cache.dtype={dtype_name(k_cache.dtype)} (supported: float16, bfloat16, float32)")
     slots = _check_slots(slot_mapping, key.shape[0], k_cache.shape[0] * k_cache.shape[1])
+    return write_checked(key, value, k_cache, v_cache, slots)
+
+
+def write_checked(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array,
+                  slots: mx.array) -> tuple[mx.array, mx.array]:
+    """`reshape_and_cache` after its checks: for callers whose tensors and int64 ``slots`` are
+    valid by construction (`PagedKVCache.write_step` writes the slots its own step plan built)."""
     writer, device, record = _cache_writer(k_cache.dtype)
     out = writer.write_cache(key, value, k_cache, v_cache, slots, device)
     diagnostics.record(record)

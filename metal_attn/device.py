@@ -145,6 +145,14 @@ def _cuda_multiprocessors() -> int | None:
     return count.value or None
 
 
+def _host_memory() -> int | None:
+    """Physical memory of this machine (the CPU backend's device memory), or ``None``."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
+        return None
+
+
 def probe() -> DeviceInfo:
     """Probe this machine (no setting overrides applied)."""
     import mlx.core as mx
@@ -170,6 +178,7 @@ def probe() -> DeviceInfo:
         cores, tg_mem = None, None
         name = name or "CPU"
         arch = arch or platform.machine() or None
+        memory = memory or _host_memory()
     return DeviceInfo(
         backend=backend,
         name=name,

@@ -16,6 +16,7 @@ import threading
 import types
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
@@ -150,6 +151,44 @@ class Settings(BaseSettings):
         description="Threads the CPU kernels may use (default: all CPUs).",
     )
 
+    # -- models -----------------------------------------------------------------------------
+    cache_dir: Path | None = Field(
+        None,
+        validation_alias=_env("cache_dir"),
+        description=(
+            "Where fetched models are kept (unset: $XDG_CACHE_HOME/metal-attn, else ~/.cache/metal-attn)."
+        ),
+    )
+
+    # -- the serving engine (defaults of metal_attn.engine.EngineConfig) ------------------------
+    max_num_batched_tokens: int = Field(
+        512,
+        ge=1,
+        validation_alias=_env("max_num_batched_tokens"),
+        description="Engine: token budget of one step (decode rows plus prefill-chunk tokens).",
+    )
+    max_num_seqs: int = Field(
+        64, ge=1, validation_alias=_env("max_num_seqs"), description="Engine: cap on running sequences."
+    )
+    kv_cache_memory: int | None = Field(
+        None,
+        ge=1,
+        validation_alias=_env("kv_cache_memory"),
+        description="Engine: KV pool budget in bytes (unset: METAL_ATTN_KV_CACHE_FRACTION of the device's memory).",
+    )
+    kv_cache_fraction: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        validation_alias=_env("kv_cache_fraction"),
+        description="Engine: share of the device's memory for the KV pool when no byte budget is set.",
+    )
+    prefix_caching: bool = Field(
+        True,
+        validation_alias=_env("prefix_caching"),
+        description="Engine: reuse cached full blocks of shared prompt prefixes.",
+    )
+
     @field_validator("disabled_providers", "plugins_deny", "plugins_allow", mode="before")
     @classmethod
     def _split_commas(cls, v: Any) -> Any:
@@ -159,7 +198,7 @@ class Settings(BaseSettings):
             return tuple(v)
         return v
 
-    @field_validator("provider", "gpu_architecture", "gpu_name", mode="before")
+    @field_validator("provider", "gpu_architecture", "gpu_name", "cache_dir", mode="before")
     @classmethod
     def _blank_is_none(cls, v: Any) -> Any:
         return None if isinstance(v, str) and not v.strip() else v

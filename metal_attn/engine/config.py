@@ -1,0 +1,109 @@
+"""`EngineConfig`: the engine's policies as data (budgets, pool sizing, admission, preemption)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from metal_attn.errors import InvalidInputError
+
+__all__ = ["PREEMPTION_ORDERS", "EngineConfig"]
+
+#: Which running request gives its blocks back when another cannot grow: the most recently
+#: admitted one ("newest", vLLM's recompute policy) or the one holding most blocks ("largest").
+PREEMPTION_ORDERS = ("newest", "largest")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler and pool policies. Every field has a default; `validate` names a bad one.
+
+    Pool size, in order of precedence: ``num_blocks``; else ``kv_cache_memory`` bytes;
+    else ``kv_cache_fraction`` of the device's memory. Either way the pool never exceeds
+    what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
+    """
+
+    #: Token budget of one step: decode rows plus prefill-chunk tokens.
+    max_num_batched_tokens: int = 512
+    #: Cap on running sequences.
+    max_num_seqs: int = 64
+    #: Tokens per page of the pool (a multiple of 8).
+    block_size: int = 16
+    #: Pool size in pages (per layer); ``None`` sizes it from memory.
+    num_blocks: int | None = None
+    #: Pool budget in bytes (K and V of every layer); ``None`` uses ``kv_cache_fraction``.
+    kv_cache_memory: int | None = None
+    #: Share of the device's memory for the pool when no byte budget is given.
+    kv_cache_fraction: float = 0.2
+    #: Share of the pool kept free when a new request is admitted (headroom for decode growth).
+    watermark: float = 0.01
+    #: Reuse cached full blocks of shared prompt prefixes.
+    enable_prefix_caching: bool = True
+    #: See `PREEMPTION_ORDERS`.
+    preemption_order: str = "newest"
+    #: Longest sequence (prompt plus generated tokens); ``None``: the model's own limit.
+    max_model_len: int | None = None
+    #: Build and queue step N+1 while step N runs (mlx-lm's ``generate_step`` pattern).
+    pipeline: bool = True
+
+    @classmethod
+    def from_settings(cls, **overrides: object) -> EngineConfig:
+        """Defaults from the ``METAL_ATTN_*`` engine settings, then ``overrides``."""
+        from metal_attn.settings import get_settings
+
+        s = get_settings()
+        values = {
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "max_num_seqs": s.max_num_seqs,
+            "kv_cache_memory": s.kv_cache_memory,
+            "kv_cache_fraction": s.kv_cache_fraction,
+            "enable_prefix_caching": s.prefix_caching,
+        }
+        return cls(**(values | overrides)).validate()
+
+    def validate(self) -> EngineConfig:
+        """Return ``self``; raise `InvalidInputError` naming the first bad field, its value and what is allowed."""
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.block_size % 8:
+            raise InvalidInputError(f"block_size={self.block_size} (allowed: a multiple of 8, e.g. 8, 16, 32)")
+        if not (isinstance(self.kv_cache_fraction, (int, float)) and 0 < self.kv_cache_fraction <= 1):
+            raise InvalidInputError(f"kv_cache_fraction={self.kv_cache_fraction!r} (allowed: a number in (0, 1])")
+        if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
+            raise InvalidInputError(f"watermark={self.watermark!r} (allowed: a number in [0, 1))")
+        if self.preemption_order not in PREEMPTION_ORDERS:
+            raise InvalidInputError(
+                f"preemption_order={self.preemption_order!r} (allowed: {', '.join(PREEMPTION_ORDERS)})"
+            )
+        return self
+
+    def pool_blocks(self, block_bytes: int, device_memory: int | None, max_model_len: int) -> tuple[int, str]:
+        """Pages to allocate, and a sentence saying where the number came from."""
+        need = self.max_num_seqs * math.ceil(max_model_len / self.block_size)
+        if self.num_blocks is not None:
+            return self.num_blocks, f"num_blocks={self.num_blocks}"
+        if self.kv_cache_memory is not None:
+            budget, source = self.kv_cache_memory, f"kv_cache_memory={self.kv_cache_memory:,} bytes"
+        elif device_memory:
+            budget = int(device_memory * self.kv_cache_fraction)
+            source = f"kv_cache_fraction={self.kv_cache_fraction:g} of {device_memory:,} bytes"
+        else:
+            raise InvalidInputError(
+                "kv_cache_memory is required: the device's memory size is unknown here (allowed: bytes >= 1)"
+            )
+        blocks = budget // block_bytes
+        if blocks < 1:
+            raise InvalidInputError(
+                f"{source} holds no page of {block_bytes:,} bytes (allowed: at least one page's worth)"
+            )
+        if blocks > need:
+            return need, f"{source}, capped at {need} pages ({self.max_num_seqs} x {max_model_len} tokens)"
+        return blocks, source
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")

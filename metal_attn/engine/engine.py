@@ -1,0 +1,387 @@
+"""`Engine`: continuous batching of mlx-lm models on the paged cache.
+
+The engine owns the loop. Each `Engine.step` lets the scheduler pick a batch, has the
+step runner build and queue it, and, while it runs on the device, finishes the step
+before it: its tokens come back to the host, are detokenized and checked against the
+stop conditions. One forward per call; the host's work overlaps the device's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from metal_attn.device import current_device
+from metal_attn.engine.block_manager import BlockManager
+from metal_attn.engine.config import EngineConfig
+from metal_attn.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from metal_attn.engine.runner import InFlight, StepRunner
+from metal_attn.engine.sampling import init_sampling_state
+from metal_attn.engine.scheduler import Scheduler
+from metal_attn.engine.stats import EngineStats, RequestStats
+from metal_attn.errors import InvalidInputError
+from metal_attn.mlx_lm.runner import PagedModel
+
+__all__ = ["Completion", "Engine", "RequestOutput"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: int
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished request, in the shape `metal-attn generate --json` prints."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None = None
+    stats: RequestStats | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "prompt": self.prompt,
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def _model_max_len(model: nn.Module) -> int | None:
+    for obj in (getattr(model, "args", None), getattr(getattr(model, "language_model", None), "args", None)):
+        n = getattr(obj, "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+class Engine:
+    """Serve requests on ``model`` (an mlx-lm model) with ``tokenizer`` (mlx-lm's `TokenizerWrapper`)."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, config: EngineConfig | None = None) -> None:
+        self.config = (config or EngineConfig.from_settings()).validate()
+        self.tokenizer = tokenizer
+        cfg = self.config
+        self.max_model_len = cfg.max_model_len or _model_max_len(model) or 8192
+        block_bytes = PagedModel.block_bytes(model, cfg.block_size)
+        num_blocks, self.pool_source = cfg.pool_blocks(block_bytes, current_device().memory_bytes, self.max_model_len)
+        self.model = PagedModel(model, num_blocks=num_blocks, block_size=cfg.block_size)
+        self.pool_bytes = num_blocks * block_bytes
+        self.blocks = BlockManager(self.model.kv.allocator, cfg.block_size,
+                                   enable_prefix_caching=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.blocks)
+        self.runner = StepRunner(self.model, self.blocks)
+        self.requests: dict[int, Request] = {}
+        self._inflight: deque[InFlight] = deque()
+        self._next_id = 0
+        self.stats = EngineStats()
+        eos = getattr(tokenizer, "eos_token_ids", None) or ()
+        self._eos = frozenset(int(t) for t in eos)
+
+    def __repr__(self) -> str:
+        return f"Engine({self.model!r}, {self.config})"
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.blocks.num_blocks * self.config.block_size
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        max_tokens: int = 256,
+        stop: Iterable[str] | str | None = None,
+        prompt_text: str | None = None,
+    ) -> int:
+        """Queue a prompt (text, tokenized as is, or token ids); return its request id.
+
+        Everything is checked here (`check_request`), before any model work. ``prompt_text``
+        is what `Completion.prompt` reports (default: the prompt when it is text).
+        """
+        ids, sampling, stops = self.check_request(prompt, sampling, max_tokens=max_tokens, stop=stop)
+        req = Request(
+            id=self._next_id,
+            prompt_ids=ids,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop_strings=stops,
+            stop_token_ids=self._eos,
+            prompt_text=prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None),
+        )
+        req.detokenizer = self.tokenizer.detokenizer
+        init_sampling_state(req)
+        self._next_id += 1
+        self.requests[req.id] = req
+        self.scheduler.add(req)
+        return req.id
+
+    def check_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        max_tokens: int = 256,
+        stop: Iterable[str] | str | None = None,
+        label: str = "prompt",
+    ) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
+        """Check a request without queueing it: an empty prompt, ids outside the vocabulary,
+        ``max_tokens`` < 1, bad sampling values, or a request that can never fit (longer than
+        the model's context or than the whole pool) raise `InvalidInputError`."""
+        sampling = (sampling or SamplingParams()).validate()
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise InvalidInputError(f"max_tokens={max_tokens!r} (allowed: an int >= 1)")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise InvalidInputError(f"stop={stop!r} (allowed: non-empty strings)")
+        ids = self._prompt_ids(prompt)
+        total = len(ids) + max_tokens
+        if total > self.max_model_len:
+            raise InvalidInputError(
+                f"{label} of {len(ids)} tokens + max_tokens={max_tokens} = {total} tokens exceeds the model's "
+                f"context of {self.max_model_len} tokens (allowed: at most {self.max_model_len} in all)"
+            )
+        if total > self.pool_tokens:
+            raise InvalidInputError(
+                f"{label} of {len(ids)} tokens + max_tokens={max_tokens} = {total} tokens can never fit the KV pool "
+                f"of {self.blocks.num_blocks} blocks x {self.config.block_size} = {self.pool_tokens} tokens "
+                f"(allowed: at most {self.pool_tokens}; give the pool more memory)"
+            )
+        return ids, sampling, stops
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInputError("prompt='' (allowed: a non-empty text or a non-empty list of token ids)")
+            bos = getattr(self.tokenizer, "bos_token", None)
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise InvalidInputError(f"prompt={prompt!r} (allowed: a text or a list of int token ids)") from None
+        if not ids:
+            raise InvalidInputError("prompt has no tokens (allowed: a non-empty text or list of token ids)")
+        vocab = self.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidInputError(f"prompt token id {bad[0]} is out of range (allowed: 0..{vocab - 1})")
+        return ids
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now; its pages go back (an unknown id is an error)."""
+        req = self._get(request_id)
+        if req.finished:
+            return
+        self._finish(req, FinishReason.ABORT)
+
+    def _get(self, request_id: int) -> Request:
+        try:
+            return self.requests[request_id]
+        except (KeyError, TypeError):
+            known = ", ".join(map(str, list(self.requests)[:8])) or "none"
+            raise InvalidInputError(f"request_id={request_id!r} is unknown (known: {known})") from None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inflight) or any(not r.finished for r in self.requests.values())
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward for the batch the scheduler picks; return each request's new tokens.
+
+        With pipelining on, the step launched now runs while the previous one is finished
+        on the host, so the tokens returned are those of the previous forward (the first
+        call launches two). Returns ``[]`` when there is nothing left to do.
+        """
+        if not self._inflight:
+            self._launch()
+        if self.config.pipeline:
+            self._launch()
+        if not self._inflight:
+            return []
+        return self._complete(self._inflight.popleft())
+
+    def _launch(self) -> None:
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if not out.rows:
+            return
+        previous = self._inflight[-1] if self._inflight else None
+        flight = self.runner.launch(out, previous)
+        for row in out.rows:
+            req = row.request
+            req.num_computed = row.start + row.num_tokens
+            if row.samples:
+                req.pending += 1
+            self.blocks.register(req.id, req.known_ids(), req.num_computed)
+        self.stats.record_launch(out, flight.build_seconds)
+        self._inflight.append(flight)
+
+    def _complete(self, flight: InFlight) -> list[RequestOutput]:
+        tokens = flight.tokens()
+        now = time.perf_counter()
+        self.stats.record_complete(flight, now)
+        outputs = []
+        for row, tok in zip(flight.sampling_rows, tokens):
+            req = row.request
+            req.pending -= 1
+            if req.finished:
+                continue  # stopped or aborted while this step ran: its token is dropped
+            error = flight.errors.get(req.id)
+            if error is not None:
+                self._finish(req, FinishReason.ERROR, error)
+                outputs.append(RequestOutput(req.id, (), "", True, FinishReason.ERROR.value, error))
+                continue
+            outputs.append(self._accept(req, int(tok), now))
+        return outputs
+
+    def _accept(self, req: Request, tok: int, now: float) -> RequestOutput:
+        """Append a sampled token, detokenize it, and finish the request if a stop condition holds."""
+        req.output_ids.append(tok)
+        req.token_times.append(now)
+        self.stats.record_token()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        before = len(req.text)
+        reason = None
+        if tok in req.stop_token_ids:
+            reason = FinishReason.STOP  # kept in output_ids, not in the text
+            req.detokenizer.finalize()
+        else:
+            req.detokenizer.add_token(tok)
+            if len(req.output_ids) >= req.max_tokens:
+                reason = FinishReason.LENGTH
+                req.detokenizer.finalize()
+        req.text = req.detokenizer.text
+        if req.stop_strings:
+            longest = max(len(s) for s in req.stop_strings)
+            cut = _first_stop(req.text, req.stop_strings, max(0, before - longest))
+            if cut is not None:
+                req.text = req.text[:cut]
+                reason = FinishReason.STOP
+        if reason is not None:
+            self._finish(req, reason)
+        return RequestOutput(req.id, (tok,), req.text[before:], req.finished,
+                             req.finish_reason.value if req.finish_reason else None)
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        req.move_to(RequestStatus.FINISHED, reason, error)
+        self.scheduler.remove(req)
+        self.stats.record_finish(req)
+
+    # -- conveniences --------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        max_tokens: int = 256,
+        stop: Iterable[str] | str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Add ``prompts`` and yield every request's new tokens as steps produce them."""
+        yield from self.stream_ids(self._add_all(prompts, sampling, max_tokens, stop))
+
+    def stream_ids(self, request_ids: Iterable[int]) -> Iterator[RequestOutput]:
+        """Step until the given (already added) requests finish, yielding their new tokens."""
+        pending = {self._get(i).id for i in request_ids}
+        pending -= {i for i in pending if self.requests[i].finished}
+        while pending:
+            outs = self.step()
+            if not outs and not self._inflight and not self.scheduler.has_work():
+                break
+            for o in outs:
+                if o.request_id in pending:
+                    yield o
+                    if o.finished:
+                        pending.discard(o.request_id)
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        max_tokens: int = 256,
+        stop: Iterable[str] | str | None = None,
+    ) -> list[Completion]:
+        """Run ``prompts`` to completion; one `Completion` per prompt, in input order."""
+        single = isinstance(prompts, str)
+        ids = self._add_all(prompts, sampling, max_tokens, stop)
+        wanted = set(ids)
+        while any(not self.requests[i].finished for i in wanted):
+            if not self.step() and not self._inflight and not self.scheduler.has_work():
+                break
+        out = [self.completion(i) for i in ids]
+        return out[:1] if single else out
+
+    def _add_all(self, prompts, sampling, max_tokens, stop) -> list[int]:
+        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not items:
+            raise InvalidInputError("prompts is empty (allowed: one or more prompts)")
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(items)
+        if len(params) != len(items):
+            raise InvalidInputError(f"{len(params)} sampling parameter sets for {len(items)} prompts (need one each)")
+        for p in params:
+            (p or SamplingParams()).validate()
+        return [self.add_request(p, s, max_tokens=max_tokens, stop=stop) for p, s in zip(items, params)]
+
+    def completion(self, request_id: int) -> Completion:
+        """The result of a finished request."""
+        req = self._get(request_id)
+        if not req.finished:
+            raise InvalidInputError(f"request_id={request_id} is still {req.status.value} (allowed: a finished one)")
+        return Completion(
+            prompt=req.prompt_text,
+            prompt_token_ids=list(req.prompt_ids),
+            token_ids=list(req.output_ids),
+            text=req.text,
+            finish_reason=req.finish_reason.value,
+            error=req.error,
+            stats=RequestStats.of(req),
+        )
+
+    def kv_usage(self) -> dict[str, int]:
+        """Pages used by requests, free, and cached (evictable), and the pool size."""
+        return {
+            "blocks": self.blocks.num_blocks,
+            "used": self.blocks.num_used,
+            "free": self.blocks.allocator.num_free,
+            "cached": self.blocks.num_evictable,
+        }
+
+    def synchronize(self) -> None:
+        """Finish every step in flight (their tokens are processed as usual)."""
+        while self._inflight:
+            self._complete(self._inflight.popleft())
+        mx.synchronize()
+
+
+def _first_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
+    hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+

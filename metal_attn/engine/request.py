@@ -1,0 +1,148 @@
+"""Requests and their state: sampling parameters, the status machine, per-request timings."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from metal_attn.errors import InvalidInputError
+
+__all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, never admitted
+    RUNNING = "running"  # holds blocks; scheduled every step it needs
+    PREEMPTED = "preempted"  # blocks given back; queued again, recomputed from its tokens when readmitted
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token or stop string ended it
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # `Engine.abort`
+    ERROR = "error"  # its own sampling failed; `Request.error` says how
+
+
+#: Every allowed status change; `Request.move_to` is the one place a status changes.
+_TRANSITIONS: Mapping[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+    RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED, RequestStatus.FINISHED}),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+    RequestStatus.FINISHED: frozenset(),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples; mlx-lm's samplers and logits processors do the work.
+
+    ``temperature`` 0 is greedy (argmax). ``seed`` makes a sampled request reproducible
+    whatever it is batched with (each request draws from its own key).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    logit_bias: Mapping[int, float] | None = None
+    #: Extra mlx-lm logits processors ``(tokens, logits) -> logits``.
+    logits_processors: Sequence[Callable[[Any, Any], Any]] = ()
+
+    def validate(self) -> SamplingParams:
+        """Return ``self``; raise `InvalidInputError` naming the first bad value and what is allowed."""
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise InvalidInputError(f"temperature={self.temperature!r} (allowed: a number >= 0; 0 is greedy)")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidInputError(f"top_p={self.top_p!r} (allowed: a number in (0, 1]; 1 disables it)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise InvalidInputError(f"top_k={self.top_k!r} (allowed: an int >= 0; 0 disables it)")
+        if not _finite(self.min_p) or not 0 <= self.min_p < 1:
+            raise InvalidInputError(f"min_p={self.min_p!r} (allowed: a number in [0, 1); 0 disables it)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise InvalidInputError(f"seed={self.seed!r} (allowed: an int in [0, 2**63), or None)")
+        if self.repetition_penalty is not None and (not _finite(self.repetition_penalty)
+                                                    or self.repetition_penalty <= 0):
+            raise InvalidInputError(f"repetition_penalty={self.repetition_penalty!r} (allowed: a number > 0, or None)")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One prompt's life in the engine. Token counts:
+
+    - ``num_tokens``: prompt plus generated tokens known on the host, plus ``pending``
+      (sampled on the device by a step still in flight);
+    - ``num_computed``: tokens whose K/V are written, or queued to be written by a launched step.
+    """
+
+    id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_computed: int = 0
+    pending: int = 0
+    #: Position in admission order (for preemption); set when it starts running.
+    admitted: int = -1
+    num_preemptions: int = 0
+    #: Prompt tokens served from the prefix cache at the last admission.
+    num_cached_tokens: int = 0
+    #: The prompt as text, when it was given as text.
+    prompt_text: str | None = None
+    text: str = ""
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    #: Sampling state: an mx.random key (sampled requests), mlx-lm logits processors, the streaming detokenizer.
+    key: Any = None
+    processors: list[Any] = dataclasses.field(default_factory=list)
+    detokenizer: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def wants_more(self) -> bool:
+        """Whether another token should be sampled (max_tokens not yet reached, counting in-flight ones)."""
+        return not self.finished and len(self.output_ids) + self.pending < self.max_tokens
+
+    def known_ids(self) -> list[int]:
+        """Prompt plus generated tokens known on the host (not the in-flight ones)."""
+        return self.prompt_ids + self.output_ids
+
+    def move_to(self, status: RequestStatus, reason: FinishReason | None = None, error: str | None = None) -> None:
+        """The one place a status changes; an illegal change is a bug and raises."""
+        if status not in _TRANSITIONS[self.status]:
+            raise RuntimeError(f"request {self.id}: {self.status.value} -> {status.value} is not a legal transition")
+        self.status = status
+        if status is RequestStatus.FINISHED:
+            self.finish_reason = reason
+            self.error = error
+            self.finish_time = time.perf_counter()

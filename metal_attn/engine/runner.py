@@ -1,0 +1,117 @@
+"""The step runner: turns a `SchedulerOutput` into tensors, runs the model, samples, queues it.
+
+It never decides who runs. A launched step is queued with ``mx.async_eval`` and handed
+back as an `InFlight`; its tokens stay on the device, and the next step's decode rows
+read them from there, so the host can build step N+1 while step N runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from metal_attn.cache import StepPlan, build_step_plan
+from metal_attn.engine.block_manager import BlockManager
+from metal_attn.engine.sampling import sample
+from metal_attn.engine.scheduler import ScheduledRow, SchedulerOutput
+from metal_attn.mlx_lm.runner import PagedModel
+
+__all__ = ["InFlight", "StepRunner"]
+
+
+@dataclasses.dataclass(eq=False)
+class InFlight:
+    """A launched step: what ran, and its sampled tokens (on the device until `tokens` is called)."""
+
+    output: SchedulerOutput
+    plan: StepPlan
+    #: The rows that sample, in the order of ``sampled``.
+    sampling_rows: tuple[ScheduledRow, ...]
+    sampled: mx.array | None
+    #: Request id -> its row in ``sampled``.
+    index: dict[int, int]
+    errors: dict[int, str]
+    launched_at: float
+    build_seconds: float
+
+    def tokens(self) -> list[int]:
+        """Wait for the step and return its sampled tokens (host ints)."""
+        return self.sampled.tolist() if self.sampled is not None else []
+
+
+class StepRunner:
+    """Runs scheduled steps of one `PagedModel` whose pages the `BlockManager` hands out."""
+
+    def __init__(self, model: PagedModel, blocks: BlockManager) -> None:
+        self.model = model
+        self.blocks = blocks
+
+    def launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight:
+        """Build the step's graph and queue it. ``previous``: the step still in flight, whose
+        sampled tokens are this step's inputs wherever a request's newest token is pending."""
+        t0 = time.perf_counter()
+        rows = out.rows
+        plan = build_step_plan(
+            [r.request.id for r in rows],
+            [r.start for r in rows],
+            [r.num_tokens for r in rows],
+            [self.blocks.table(r.request.id) for r in rows],
+            self.blocks.block_size,
+        )
+        tokens = self._input_tokens(rows, previous)
+        ends = np.cumsum([r.num_tokens for r in rows]) - 1
+        sampling = [(i, r) for i, r in enumerate(rows) if r.samples]
+        sampled, errors = None, {}
+        if sampling:
+            logits = self.model.forward(plan, tokens, [int(ends[i]) for i, _ in sampling])
+            reqs = [r.request for _, r in sampling]
+            hists = [self._history(r, previous) if r.request.processors else None for _, r in sampling]
+            sampled, errors = sample(logits, reqs, hists)
+            mx.async_eval(sampled)
+        else:
+            # A step of prompt chunks only: nothing to sample, but its K/V writes must run.
+            mx.async_eval(self.model.forward(plan, tokens, [int(ends[-1])]))
+        return InFlight(
+            output=out,
+            plan=plan,
+            sampling_rows=tuple(r for _, r in sampling),
+            sampled=sampled,
+            index={r.request.id: j for j, (_, r) in enumerate(sampling)},
+            errors=errors,
+            launched_at=t0,
+            build_seconds=time.perf_counter() - t0,
+        )
+
+    @staticmethod
+    def _input_tokens(rows: tuple[ScheduledRow, ...], previous: InFlight | None) -> mx.array:
+        """``[T]`` int32 ids: host ids where known, the previous step's samples where pending."""
+        host = np.zeros(sum(r.num_tokens for r in rows), dtype=np.int32)
+        dev_at, dev_from = [], []
+        at = 0
+        for r in rows:
+            req = r.request
+            known = req.known_ids()
+            end = r.start + r.num_tokens
+            take = known[r.start : min(end, len(known))]
+            host[at : at + len(take)] = take
+            if end > len(known):  # the row's last token was sampled by the step in flight
+                dev_at.append(at + r.num_tokens - 1)
+                dev_from.append(previous.index[req.id])
+            at += r.num_tokens
+        tokens = mx.array(host)
+        if dev_at:
+            tokens[mx.array(dev_at)] = previous.sampled[mx.array(dev_from)]
+        return tokens
+
+    @staticmethod
+    def _history(row: ScheduledRow, previous: InFlight | None) -> mx.array:
+        """Every token of the request up to this row's last (for mlx-lm's logits processors)."""
+        req = row.request
+        hist = mx.array(req.known_ids(), dtype=mx.int32)
+        if req.num_tokens > len(req.known_ids()) and previous is not None and req.id in previous.index:
+            j = previous.index[req.id]
+            hist = mx.concatenate([hist, previous.sampled[j : j + 1]])
+        return hist

@@ -1,0 +1,106 @@
+"""Per-request and engine-wide statistics: latency, throughput, pool use, preemptions, prefix hits."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from metal_attn.engine.request import Request
+    from metal_attn.engine.runner import InFlight
+    from metal_attn.engine.scheduler import SchedulerOutput
+
+__all__ = ["EngineStats", "RequestStats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestStats:
+    """One finished request's timings (seconds) and counts."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    time_to_first_token: float | None
+    mean_inter_token_latency: float | None
+    total_time: float | None
+    preemptions: int
+
+    @classmethod
+    def of(cls, req: Request) -> RequestStats:
+        gaps = [b - a for a, b in zip(req.token_times, req.token_times[1:])]
+        return cls(
+            prompt_tokens=len(req.prompt_ids),
+            cached_prompt_tokens=req.num_cached_tokens,
+            generated_tokens=len(req.output_ids),
+            time_to_first_token=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+            mean_inter_token_latency=statistics.fmean(gaps) if gaps else None,
+            total_time=(req.finish_time - req.arrival_time) if req.finish_time else None,
+            preemptions=req.num_preemptions,
+        )
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Totals since the engine started (`as_dict` adds rates and the pool's state)."""
+
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded, recomputation included)
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    build_seconds: float = 0.0  # host time spent building and queueing steps
+    first_launch: float | None = None
+    last_complete: float | None = None
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    itls: list[float] = dataclasses.field(default_factory=list)
+
+    def record_launch(self, out: SchedulerOutput, build_seconds: float) -> None:
+        self.steps += 1
+        self.build_seconds += build_seconds
+        if self.first_launch is None:
+            self.first_launch = time.perf_counter() - build_seconds
+        self.prompt_tokens += sum(r.num_tokens for r in out.rows if r.start < len(r.request.prompt_ids))
+
+    def record_complete(self, flight: InFlight, now: float) -> None:
+        self.last_complete = now
+
+    def record_token(self) -> None:
+        self.generated_tokens += 1
+
+    def record_finish(self, req: Request) -> None:
+        self.finished += 1
+        s = RequestStats.of(req)
+        if s.time_to_first_token is not None:
+            self.ttfts.append(s.time_to_first_token)
+        if s.mean_inter_token_latency is not None:
+            self.itls.append(s.mean_inter_token_latency)
+
+    def as_dict(self, blocks: Any = None) -> dict[str, Any]:
+        span = (self.last_complete - self.first_launch) if self.first_launch and self.last_complete else 0.0
+        out: dict[str, Any] = {
+            "steps": self.steps,
+            "requests_finished": self.finished,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "elapsed_s": span,
+            "tokens_per_s": (self.prompt_tokens + self.generated_tokens) / span if span else None,
+            "generation_tokens_per_s": self.generated_tokens / span if span else None,
+            "mean_ttft_s": statistics.fmean(self.ttfts) if self.ttfts else None,
+            "mean_itl_s": statistics.fmean(self.itls) if self.itls else None,
+            "host_build_s": self.build_seconds,
+            "preemptions": self.preemptions,
+        }
+        if blocks is not None:
+            q = blocks.prefix_queries
+            out |= {
+                "blocks_total": blocks.num_blocks,
+                "blocks_used": blocks.num_used,
+                "blocks_free": blocks.allocator.num_free,
+                "blocks_cached": blocks.num_evictable,
+                "prefix_cache_hit_rate": blocks.prefix_hits / q if q else 0.0,
+                "evictions": blocks.evictions,
+            }
+        return out

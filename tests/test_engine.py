@@ -1,0 +1,319 @@
+"""The continuous-batching engine: token identity with stock mlx-lm under any batching, the
+scheduler's invariants under random workloads (hypothesis), and faults."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from metal_attn.engine import Engine, EngineConfig, SamplingParams
+from metal_attn.engine.block_manager import BlockManager, block_hash
+from metal_attn.engine.request import RequestStatus
+from metal_attn.engine.scheduler import Scheduler
+from metal_attn.errors import InvalidInputError
+from metal_attn.testing.greedy import assert_same_greedy, reference_greedy
+from metal_attn.testing.models import WordTokenizer, tiny_model
+
+TOL = 1e-4  # float32 on the CPU
+EOS = WordTokenizer.eos_token_ids
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def workload(llama):
+    """32 prompts of random lengths (1..90 tokens), some sharing a 48-token prefix, and their stock
+    mlx-lm greedy continuations (single stream, mlx-lm's own cache)."""
+    rng = random.Random(7)
+    shared = [rng.randrange(1, 256) for _ in range(48)]
+    prompts = []
+    for i in range(32):
+        tail = [rng.randrange(1, 256) for _ in range(rng.randrange(1, 43))]
+        prompts.append(shared + tail if i % 3 == 0 else tail + tail[: rng.randrange(0, 48)])
+    n_tokens = [rng.randrange(4, 20) for _ in prompts]
+    refs = [reference_greedy(llama, p, n, EOS) for p, n in zip(prompts, n_tokens)]
+    return prompts, n_tokens, refs
+
+
+def _engine(model, **cfg) -> Engine:
+    return Engine(model, WordTokenizer(), EngineConfig(**({"num_blocks": 256, "block_size": 16} | cfg)))
+
+
+def _run_arrivals(eng: Engine, prompts, n_tokens, seed: int, check=None) -> list[int]:
+    """Requests arrive over time (a few per step) until all are queued; then run to the end."""
+    rng = random.Random(seed)
+    ids, i = [], 0
+    while i < len(prompts) or eng.has_unfinished():
+        for _ in range(rng.randrange(0, 4) if i < len(prompts) else 0):
+            if i < len(prompts):
+                ids.append(eng.add_request(prompts[i], max_tokens=n_tokens[i]))
+                i += 1
+        eng.step()
+        if check is not None:
+            check(eng)
+    return ids
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pytest.param({}, id="default"),
+        pytest.param({"max_num_batched_tokens": 24}, id="chunked-prefill-budget-24"),
+        pytest.param({"num_blocks": 14, "max_num_batched_tokens": 64}, id="small-pool-preemption"),
+        pytest.param({"pipeline": False}, id="no-pipeline"),
+        pytest.param({"max_num_seqs": 5, "block_size": 8}, id="cap-5-block-8"),
+    ],
+)
+def test_32_requests_arriving_over_time_match_stock(llama, workload, cfg):
+    prompts, n_tokens, refs = workload
+    eng = _engine(llama, **cfg)
+    ids = _run_arrivals(eng, prompts, n_tokens, seed=3)
+    for rid, ref in zip(ids, refs):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"engine {cfg} req {rid}")
+    stats = eng.stats.as_dict(eng.blocks)
+    if "num_blocks" in cfg:
+        assert stats["preemptions"] > 0, "the small pool must force preemptions"
+    if cfg.get("max_num_batched_tokens") == 24:
+        assert stats["steps"] > 40
+    assert stats["blocks_used"] == 0
+    eng.blocks.check_invariants()
+
+
+def test_shared_prefixes_hit_the_cache_and_match(llama, workload):
+    prompts, n_tokens, refs = workload
+    eng = _engine(llama, max_num_batched_tokens=64)
+    ids = _run_arrivals(eng, prompts, n_tokens, seed=5)
+    for rid, ref in zip(ids, refs):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"prefix req {rid}")
+    assert eng.blocks.prefix_hits > 0
+    assert sum(eng.requests[r].num_cached_tokens for r in ids) == eng.blocks.prefix_hits
+    # Requests that began with the 48-token shared prefix were served 3 full blocks from the cache.
+    assert max(eng.requests[r].num_cached_tokens for r in ids[3::3]) == 48
+
+
+def test_prefix_caching_off_computes_everything(llama, workload):
+    prompts, n_tokens, refs = workload
+    eng = _engine(llama, enable_prefix_caching=False)
+    ids = _run_arrivals(eng, prompts[:8], n_tokens[:8], seed=5)
+    assert eng.blocks.prefix_hits == 0 and eng.blocks.num_cached == 0
+    for rid, ref in zip(ids, refs):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"no-prefix req {rid}")
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llama):
+    prompt = [5, 9, 200, 31, 77, 12]
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
+    alone = _engine(llama).generate([prompt], sp, max_tokens=16)[0].token_ids
+    others = [[3, 4, 5], [100] * 30, [7, 8]]
+    batched = _engine(llama).generate(
+        [*others, prompt], [*(SamplingParams(temperature=1.0, seed=i) for i in range(3)), sp], max_tokens=16
+    )[-1].token_ids
+    assert alone == batched
+    different = _engine(llama).generate([prompt], SamplingParams(temperature=0.8, top_p=0.9, seed=99),
+                                        max_tokens=16)[0].token_ids
+    assert different != alone
+
+
+def test_mlx_lm_logits_processors_apply(llama):
+    """logit_bias through mlx-lm's make_logits_processors forces a token."""
+    out = _engine(llama).generate([[1, 2, 3]], SamplingParams(logit_bias={42: 1e4}), max_tokens=5)[0]
+    assert out.token_ids == [42] * 5
+
+
+def test_stop_strings_and_lengths(llama):
+    eng = _engine(llama)
+    base = eng.generate([[9, 8, 7]], max_tokens=12)[0]
+    assert base.finish_reason in ("length", "stop")
+    stop_at = WordTokenizer().decode(base.token_ids[3:4])
+    c = _engine(llama).generate([[9, 8, 7]], max_tokens=12, stop=stop_at)[0]
+    assert c.finish_reason == "stop" and stop_at not in c.text and c.token_ids == base.token_ids[:4]
+
+
+# -- faults --------------------------------------------------------------------------------------
+
+
+def test_a_request_that_can_never_fit_is_refused_at_add(llama):
+    eng = _engine(llama, num_blocks=4)  # 64 tokens
+    with pytest.raises(InvalidInputError, match=r"can never fit the KV pool of 4 blocks x 16 = 64 tokens"):
+        eng.add_request(list(range(1, 60)), max_tokens=10)
+    with pytest.raises(InvalidInputError, match="exceeds the model's context of 2048"):
+        _engine(llama, num_blocks=256).add_request([1] * 2000, max_tokens=100)
+    assert not eng.requests
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt": []}, "prompt has no tokens"),
+        ({"prompt": ""}, "prompt=''"),
+        ({"prompt": [1, 999]}, r"prompt token id 999 is out of range \(allowed: 0..255\)"),
+        ({"prompt": [1], "max_tokens": 0}, r"max_tokens=0 \(allowed: an int >= 1\)"),
+        ({"prompt": [1], "sampling": SamplingParams(temperature=-1)}, "temperature=-1"),
+        ({"prompt": [1], "sampling": SamplingParams(top_p=0)}, r"top_p=0 \(allowed: a number in \(0, 1\]"),
+        ({"prompt": [1], "sampling": SamplingParams(seed=-3)}, "seed=-3"),
+        ({"prompt": [1], "stop": [""]}, "stop="),
+    ],
+)
+def test_bad_requests_are_named(llama, kwargs, message):
+    eng = _engine(llama)
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(InvalidInputError, match=message):
+        eng.add_request(prompt, **kwargs)
+    assert not eng.requests
+
+
+def test_abort_unknown_id_and_running_request(llama):
+    eng = _engine(llama)
+    with pytest.raises(InvalidInputError, match="request_id=17 is unknown"):
+        eng.abort(17)
+    a = eng.add_request([1, 2, 3], max_tokens=50)
+    b = eng.add_request([4, 5, 6], max_tokens=5)
+    eng.step()
+    eng.abort(a)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.completion(a).finish_reason == "abort"
+    assert eng.completion(b).finish_reason in ("length", "stop")
+    assert eng.blocks.num_used == 0
+    eng.blocks.check_invariants()
+
+
+def test_a_failing_sampler_ends_only_its_request(llama, workload):
+    prompts, n_tokens, refs = workload
+
+    def boom(tokens, logits):
+        raise RuntimeError("processor exploded")
+
+    eng = _engine(llama)
+    bad = eng.add_request([1, 2, 3], SamplingParams(logits_processors=(boom,)), max_tokens=8)
+    good = [eng.add_request(p, max_tokens=n) for p, n in zip(prompts[:4], n_tokens[:4])]
+    while eng.has_unfinished():
+        eng.step()
+    c = eng.completion(bad)
+    assert c.finish_reason == "error" and "processor exploded" in c.error
+    for rid, ref in zip(good, refs):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"neighbour {rid}")
+    assert eng.blocks.num_used == 0
+
+
+# -- properties (hypothesis) ----------------------------------------------------------------------
+
+_actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("abort"), st.integers(0, 40)),
+        st.tuples(st.just("step"), st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                HealthCheck.too_slow])
+@given(actions=_actions, num_blocks=st.integers(6, 40), budget=st.integers(8, 96), cap=st.integers(1, 8),
+       block_size=st.sampled_from([8, 16]))
+def test_random_workloads_keep_the_invariants(llama, actions, num_blocks, budget, cap, block_size):
+    eng = _engine(llama, num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
+                  max_num_seqs=cap)
+    prefixes = [[11] * 40, [12] * 24, [13] * 8, [14] * 56]
+    added: list[int] = []
+    steps = 0
+
+    def checked_step():
+        nonlocal steps
+        eng.step()
+        steps += 1
+        eng.blocks.check_invariants()
+        assert len(eng.scheduler.running) <= cap
+        for flight in eng._inflight:
+            out = flight.output
+            assert out.num_tokens <= budget
+            ones = [r.num_tokens == 1 for r in out.rows]
+            assert ones == sorted(ones, reverse=True), "decode rows must come first"
+            for row in out.rows:  # no block is written while shared
+                if row.request.id not in eng.blocks:
+                    continue  # finished meanwhile: its pages went back
+                table = eng.blocks.table(row.request.id)
+                for pos in range(row.start, row.start + row.num_tokens):
+                    b = table[pos // block_size]
+                    holders = eng.blocks.allocator.refcount(b) - (1 if eng.blocks.is_cached(b) else 0)
+                    assert holders == 1, f"block {b} written at position {pos} while held by {holders}"
+
+    for act in actions:
+        if act[0] == "add":
+            _, n, m, pre = act
+            prompt = (prefixes[pre] + list(range(1, n)))[: max(1, n)]
+            if len(prompt) + m > num_blocks * block_size:
+                with pytest.raises(InvalidInputError, match="can never fit"):
+                    eng.add_request(prompt, max_tokens=m)
+                continue
+            added.append(eng.add_request(prompt, max_tokens=m))
+        elif act[0] == "abort" and added:
+            eng.abort(added[act[1] % len(added)])
+        else:
+            for _ in range(act[1]):
+                checked_step()
+    # Every request finishes within a bound (no starvation): at most one step per token plus restarts.
+    bound = sum(len(eng.requests[r].prompt_ids) + eng.requests[r].max_tokens for r in added) * 3 + 10
+    while eng.has_unfinished():
+        checked_step()
+        assert steps <= bound, f"not finished after {steps} steps (bound {bound})"
+    for r in added:
+        req = eng.requests[r]
+        assert req.status is RequestStatus.FINISHED
+        if req.finish_reason.value != "abort":
+            assert 1 <= len(req.output_ids) <= req.max_tokens
+    assert eng.blocks.num_used == 0  # every block free or cached, none referenced by a request
+    assert eng.blocks.allocator.num_free + eng.blocks.num_evictable == num_blocks
+
+
+# -- block manager ---------------------------------------------------------------------------------
+
+
+def test_block_hash_chains_through_the_parent():
+    a = block_hash(None, [1, 2, 3, 4])
+    assert a == block_hash(None, [1, 2, 3, 4]) and a != block_hash(None, [1, 2, 3, 5])
+    assert block_hash(a, [5, 6]) != block_hash(block_hash(None, [9, 9, 9, 9]), [5, 6])
+
+
+def test_block_manager_prefix_cache_lru_eviction():
+    from metal_attn.cache import BlockAllocator
+
+    bm = BlockManager(BlockAllocator(6), block_size=4)
+    ids = list(range(1, 14))  # 13 tokens: 3 full blocks and a partial one
+    assert bm.admit("a", ids, 13) == 0
+    bm.register("a", ids, 13)
+    assert bm.num_cached == 3
+    bm.free("a")
+    assert bm.num_evictable == 3 and bm.num_used == 0
+    # A request with the same 12 leading tokens gets all 3 cached blocks.
+    assert bm.admit("b", [*ids[:12], 99], 13) == 12
+    assert bm.num_evictable == 0
+    bm.free("b")
+    # A fully cached prompt still computes its last token: 8 of its 8 tokens match 1 block only.
+    assert bm.admit("c", ids[:8], 8) == 4
+    bm.free("c")
+    # A pool that needs pages evicts least recently used cached blocks first.
+    assert bm.admit("d", [50] * 24, 24) == 0
+    assert bm.evictions == 3 and bm.num_cached == 0
+    bm.check_invariants()
+
+
+def test_scheduler_orders_decode_rows_first(llama):
+    eng = _engine(llama)
+    a = eng.add_request([1] * 10, max_tokens=5)
+    eng.step()  # a prefilled and sampling
+    eng.add_request([2] * 30, max_tokens=5)
+    out = eng.scheduler.schedule()
+    assert [r.num_tokens for r in out.rows] == [1, 30]
+    assert out.rows[0].request.id == a
+    assert isinstance(eng.scheduler, Scheduler)
+    mx.synchronize()
