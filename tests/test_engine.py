@@ -317,3 +317,18 @@ def test_scheduler_orders_decode_rows_first(llama):
     assert out.rows[0].request.id == a
     assert isinstance(eng.scheduler, Scheduler)
     mx.synchronize()
+
+
+def test_requests_admitted_in_one_step_share_a_prefix(llama):
+    """Later admissions of the same pass reuse blocks an earlier one computes in that very step."""
+    prefix = list(range(1, 49))  # 3 full blocks
+    prompts = [[*prefix, 200 + i] for i in range(4)]
+    refs = [reference_greedy(llama, p, 6, EOS) for p in prompts]
+    eng = _engine(llama)
+    ids = [eng.add_request(p, max_tokens=6) for p in prompts]
+    eng.step()
+    assert [eng.requests[i].num_cached_tokens for i in ids] == [0, 48, 48, 48]
+    while eng.has_unfinished():
+        eng.step()
+    for rid, ref in zip(ids, refs):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"same-step prefix req {rid}")

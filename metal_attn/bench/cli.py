@@ -43,7 +43,7 @@ def _csv(value: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` flags to ``parser``."""
     parser.add_argument("--suite", action="append", metavar="NAME",
-                        help=f"suite(s) to run, repeatable or comma-separated ({', '.join(SUITES)}); "
+                        help=f"suite(s) to run, repeatable or comma-separated ({', '.join(SUITES)}, generate); "
                              "default: decode-cpu on the CPU, decode-gpu on GPUs")
     parser.add_argument("--candidates", metavar="A,B,...",
                         help="providers by name (auto = the registry's choice) and peers (gather_sdpa, mlx_sdpa, "
@@ -65,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables to paste into docs")
     parser.add_argument("--list", action="store_true", help="list the suites, their shapes and candidates, and exit")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    g = parser.add_argument_group("--suite generate (model generation throughput against mlx-lm)")
+    g.add_argument("--concurrency", metavar="N,...", help="requests at once (default 1,8,32,64 on GPUs, 1,8,32 on "
+                                                          "the CPU)")
+    g.add_argument("--prompt-len", type=int_at_least(1), metavar="N", help="prompt tokens (default 512; CPU 32)")
+    g.add_argument("--gen-tokens", type=int_at_least(1), metavar="N", help="tokens generated per request "
+                                                                            "(default 128; CPU 32)")
+    g.add_argument("--shared-prefix", type=int_at_least(0), metavar="N",
+                   help="tokens of the shared system prompt of the prefix-caching workload (default 2048 on GPUs, "
+                        "0 = off on the CPU)")
+    g.add_argument("--num-layers", type=int_at_least(1), metavar="N", help="layers of the GPU model (default 32)")
 
 
 # -- formatting -------------------------------------------------------------------------------------
@@ -303,6 +313,13 @@ def run(args: argparse.Namespace) -> int:
         list_suites(sys.stdout)
         return 0
     names = [n for v in (args.suite or [default_suite(current_device().backend)]) for n in _csv(v)]
+    if "generate" in names:
+        if len(names) > 1:
+            print("metal-attn bench: error: --suite generate runs alone (it loads a model)", file=err)
+            return 2
+        from metal_attn.bench import generate
+
+        return generate.run(args)
     try:
         suites = [get_suite(n) for n in dict.fromkeys(names)]
     except ValueError as exc:

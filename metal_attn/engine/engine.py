@@ -238,7 +238,6 @@ class Engine:
             req.num_computed = row.start + row.num_tokens
             if row.samples:
                 req.pending += 1
-            self.blocks.register(req.id, req.known_ids(), req.num_computed)
         self.stats.record_launch(out, flight.build_seconds)
         self._inflight.append(flight)
 

@@ -104,7 +104,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            rows.append(ScheduledRow(req, req.num_computed, n))
+            self._schedule(rows, req, req.num_computed, n)
             scheduled.add(req.id)
             budget -= n
 
@@ -125,12 +125,19 @@ class Scheduler:
             self._admissions += 1
             req.move_to(RequestStatus.RUNNING)
             self.running.append(req)
-            rows.append(ScheduledRow(req, got, n))
+            self._schedule(rows, req, got, n)
             scheduled.add(req.id)
             budget -= n
 
         rows.sort(key=lambda r: r.num_tokens != 1)  # stable: decode rows first, then prefill chunks
         return SchedulerOutput(tuple(rows), tuple(preempted))
+
+    def _schedule(self, rows: list[ScheduledRow], req: Request, start: int, n: int) -> None:
+        """Add a row, and register the full blocks it completes (ids known) in the prefix cache at once:
+        a request admitted later in the same pass may share them, since every layer writes the whole
+        step's K/V before its attention reads any of it."""
+        rows.append(ScheduledRow(req, start, n))
+        self.blocks.register(req.id, req.known_ids(), start + n)
 
     def _victim(self, exclude: set[int]) -> Request:
         """The running request to preempt: never one already scheduled this step."""

@@ -55,6 +55,8 @@ class EngineStats:
     first_launch: float | None = None
     last_complete: float | None = None
     ttfts: list[float] = dataclasses.field(default_factory=list)
+    #: (time a step's tokens came back, whether the step computed prompt tokens), in order.
+    completions: list[tuple[float, bool]] = dataclasses.field(default_factory=list)
     itls: list[float] = dataclasses.field(default_factory=list)
 
     def record_launch(self, out: SchedulerOutput, build_seconds: float) -> None:
@@ -66,6 +68,19 @@ class EngineStats:
 
     def record_complete(self, flight: InFlight, now: float) -> None:
         self.last_complete = now
+        prompt = any(r.start < len(r.request.prompt_ids) for r in flight.output.rows)
+        self.completions.append((now, prompt))
+
+    def prompt_seconds(self, since: float) -> float:
+        """Wall time, from ``since``, between step completions whose step computed prompt tokens
+        (mlx-lm's ``BatchStats.prompt_time`` counts the same)."""
+        total, last = 0.0, since
+        for t, prompt in self.completions:
+            if t >= since:
+                if prompt:
+                    total += t - last
+                last = t
+        return total
 
     def record_token(self) -> None:
         self.generated_tokens += 1

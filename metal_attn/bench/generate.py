@@ -1,0 +1,288 @@
+"""``metal-attn bench --suite generate``: generation throughput against mlx-lm, same model, one run.
+
+Candidates, on the same model and prompts, in one process:
+
+- ``engine``: metal-attn's continuous-batching engine (`metal_attn.engine.Engine`);
+- ``batch_generator``: ``mlx_lm.generate.BatchGenerator`` (mlx-lm's own batching);
+- ``generate_step``: ``mlx_lm.generate.generate_step``, single stream (concurrency 1 only).
+
+Each concurrency level runs ``concurrency`` prompts of ``prompt_len`` random token ids,
+every one generating exactly ``gen_tokens`` tokens greedily (no stop token). Reported per
+candidate: end-to-end tokens/s (generated tokens over the whole wall time), generation
+tokens/s (generated tokens over the wall time minus prompt processing, mlx-lm's
+``BatchStats`` definition), mean time to first token, and peak memory. The ``shared``
+workload adds a common system prompt to every request and compares the engine's time to
+first token with prefix caching on and off.
+
+The model: on the CPU the default SmolLM2 (fetched on first use); on a GPU an 8B-shaped
+random-weight llama in bf16 (`metal_attn.testing.models.llama_8b_shaped`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["GenerateResult", "bench_generate", "load_bench_model", "run"]
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    workload: str
+    concurrency: int
+    candidate: str
+    prompt_len: int
+    gen_tokens: int
+    wall_s: float
+    prompt_s: float
+    generated: int
+    mean_ttft_s: float | None
+    peak_memory_bytes: int
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def e2e_tps(self) -> float:
+        return self.generated / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        t = self.wall_s - self.prompt_s
+        return self.generated / t if t > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"e2e_tps": self.e2e_tps, "generation_tps": self.generation_tps}
+
+
+class _NoStopTokenizer:
+    """What the engine needs of a tokenizer when only token ids are generated and nothing stops early."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+    bos_token = None
+
+    @property
+    def detokenizer(self) -> Any:
+        return _NullDetokenizer()
+
+
+class _NullDetokenizer:
+    text = ""
+
+    def add_token(self, t: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+
+def load_bench_model(backend: str, num_layers: int | None = None) -> tuple[Any, str]:
+    """The suite's model on this backend, and a label for it."""
+    if backend == "cpu":
+        from metal_attn.mlx_lm import load
+
+        model, _ = load("smollm2")
+        return model, "SmolLM2-135M-Instruct Q4_1 (float32 activations)"
+    from metal_attn.testing.models import llama_8b_shaped
+
+    layers = num_layers or 32
+    return llama_8b_shaped(num_layers=layers), f"8B-shaped random llama ({layers} layers, bf16)"
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    head = rng.integers(1, vocab, size=shared).tolist()
+    return [head + rng.integers(1, vocab, size=length).tolist() for _ in range(n)]
+
+
+def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_caching: bool = True,
+                budget: int = 4096) -> tuple[float, float, int, list[float], dict[str, Any]]:
+    from metal_attn.engine import Engine, EngineConfig
+
+    need = sum(len(p) + gen for p in prompts)
+    cfg = EngineConfig(num_blocks=-(-need // 16) + 2 * len(prompts) + 8, max_num_seqs=max(len(prompts), 1),
+                       max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching)
+    eng = Engine(model, _NoStopTokenizer(), cfg)
+    ids = [eng.add_request(p, max_tokens=gen) for p in prompts]
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    wall = time.perf_counter() - t0
+    prompt_s = eng.stats.prompt_seconds(t0)
+    ttft = [eng.requests[i].first_token_time - t0 for i in ids]
+    generated = sum(len(eng.requests[i].output_ids) for i in ids)
+    extra = {"steps": eng.stats.steps, "host_build_s": eng.stats.build_seconds,
+             "prefix_hit_rate": eng.blocks.prefix_hits / max(eng.blocks.prefix_queries, 1),
+             "preemptions": eng.stats.preemptions}
+    del eng
+    return wall, prompt_s, generated, ttft, extra
+
+
+def _run_batch_generator(model: Any, prompts: list[list[int]], gen: int) -> tuple[float, float, int, list[float],
+                                                                               dict[str, Any]]:
+    from mlx_lm.generate import BatchGenerator
+
+    bg = BatchGenerator(model, max_tokens=gen, completion_batch_size=max(32, len(prompts)),
+                        prefill_batch_size=min(8, len(prompts)))
+    uids = bg.insert(prompts, [gen] * len(prompts))
+    first: dict[int, float] = {}
+    generated = 0
+    t0 = time.perf_counter()
+    with bg.stats() as stats:
+        while responses := bg.next_generated():
+            now = time.perf_counter()
+            for r in responses:
+                first.setdefault(r.uid, now - t0)
+                generated += 1
+    wall = time.perf_counter() - t0
+    bg.close()
+    return wall, stats.prompt_time, generated, [first[u] for u in uids], {"bg_generation_tps": stats.generation_tps}
+
+
+def _run_generate_step(model: Any, prompts: list[list[int]], gen: int) -> tuple[float, float, int, list[float],
+                                                                             dict[str, Any]]:
+    from mlx_lm.generate import generate_step
+
+    (prompt,) = prompts
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for (_tok, _lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=gen), range(gen)):
+        if first is None:
+            first = time.perf_counter() - t0
+        n += 1
+    wall = time.perf_counter() - t0
+    return wall, first or 0.0, n, [first or 0.0], {}
+
+
+RUNNERS: dict[str, Callable[..., tuple[float, float, int, list[float], dict[str, Any]]]] = {
+    "engine": _run_engine,
+    "batch_generator": _run_batch_generator,
+    "generate_step": _run_generate_step,
+}
+
+
+def bench_generate(
+    model: Any,
+    *,
+    concurrencies: Sequence[int] = (1, 8, 32, 64),
+    prompt_len: int = 512,
+    gen_tokens: int = 128,
+    candidates: Sequence[str] = ("engine", "batch_generator", "generate_step"),
+    shared_prefix: int = 0,
+    shared_requests: int = 32,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    on_result: Callable[[GenerateResult], None] | None = None,
+) -> list[GenerateResult]:
+    """Run the workloads; every result goes to ``on_result`` as soon as it exists."""
+    vocab = int(model.model.embed_tokens.weight.shape[0]) if hasattr(model, "model") else 32000
+    results: list[GenerateResult] = []
+
+    def one(workload: str, name: str, prompts: list[list[int]], **kw: Any) -> None:
+        if progress:
+            progress(f"{workload} c={len(prompts)} {name} ...")
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        wall, prompt_s, generated, ttft, extra = RUNNERS[name](model, prompts, gen_tokens, **kw)
+        r = GenerateResult(workload, len(prompts), name + ("" if kw.get("prefix_caching", True) else "-noprefix"),
+                           len(prompts[0]), gen_tokens, wall, prompt_s, generated,
+                           statistics.fmean(ttft) if ttft else None, int(mx.get_peak_memory()), extra)
+        results.append(r)
+        if on_result:
+            on_result(r)
+
+    warm = _prompts(2, 16, vocab, seed + 99)
+    for name in candidates:  # compile every kernel once before anything is timed
+        RUNNERS[name](model, warm[:1] if name == "generate_step" else warm, 4)
+    for c in concurrencies:
+        prompts = _prompts(c, prompt_len, vocab, seed + c)
+        for name in candidates:
+            if name == "generate_step" and c != 1:
+                continue
+            one("random", name, prompts)
+    if shared_prefix:
+        prompts = _prompts(shared_requests, max(1, prompt_len // 8), vocab, seed + 7, shared=shared_prefix)
+        one("shared-prefix", "engine", prompts, prefix_caching=True)
+        one("shared-prefix", "engine", prompts, prefix_caching=False)
+    return results
+
+
+def ratios(results: Sequence[GenerateResult]) -> list[dict[str, Any]]:
+    """engine / peer ratios per (workload, concurrency): generation and end-to-end tokens/s, TTFT."""
+    out = []
+    keys = sorted({(r.workload, r.concurrency) for r in results})
+    for w, c in keys:
+        rs = {r.candidate: r for r in results if (r.workload, r.concurrency) == (w, c)}
+        eng = rs.get("engine")
+        if eng is None:
+            continue
+        for peer in ("batch_generator", "generate_step", "engine-noprefix"):
+            p = rs.get(peer)
+            if p is None:
+                continue
+            row = {"workload": w, "concurrency": c, "peer": peer,
+                   "generation_ratio": eng.generation_tps / p.generation_tps if p.generation_tps else None,
+                   "e2e_ratio": eng.e2e_tps / p.e2e_tps if p.e2e_tps else None,
+                   "ttft_ratio": (p.mean_ttft_s / eng.mean_ttft_s) if eng.mean_ttft_s else None,
+                   "peak_memory_ratio": eng.peak_memory_bytes / p.peak_memory_bytes if p.peak_memory_bytes else None}
+            out.append(row)
+    return out
+
+
+def format_row(r: GenerateResult) -> str:
+    ttft = f"{r.mean_ttft_s * 1e3:.0f}" if r.mean_ttft_s is not None else "-"
+    return (f"| {r.workload} | {r.concurrency} | {r.candidate} | {r.prompt_len} | {r.gen_tokens} | "
+            f"{r.generation_tps:,.1f} | {r.e2e_tps:,.1f} | {ttft} | {r.peak_memory_bytes / 2**30:.2f} |")
+
+
+HEADER = ("| workload | concurrency | candidate | prompt | generated each | generation tok/s | end-to-end tok/s | "
+          "mean TTFT ms | peak GiB |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def run(args: Any) -> int:
+    """The ``--suite generate`` path of ``metal-attn bench``: prints each row as it completes."""
+    import json
+
+    from metal_attn.device import current_device
+
+    backend = current_device().backend
+    concurrencies = [int(x) for x in (args.concurrency or ("1,8,32,64" if backend != "cpu" else "1,8,32")).split(",")]
+    prompt_len = args.prompt_len or (512 if backend != "cpu" else 32)
+    gen = args.gen_tokens or (128 if backend != "cpu" else 32)
+    model, label = load_bench_model(backend, getattr(args, "num_layers", None))
+    err = sys.stderr
+    print(f"generate suite on {backend}: {label}; prompts of {prompt_len} tokens, {gen} generated each", file=err)
+    print(HEADER)
+    results = bench_generate(
+        model, concurrencies=concurrencies, prompt_len=prompt_len, gen_tokens=gen,
+        candidates=[c for c in (args.candidates.split(",") if args.candidates else RUNNERS)],
+        shared_prefix=args.shared_prefix if args.shared_prefix is not None else (2048 if backend != "cpu" else 0),
+        progress=None if args.quiet else (lambda m: print(m, file=err, flush=True)),
+        on_result=lambda r: print(format_row(r), flush=True),
+    )
+    rows = ratios(results)
+    for row in rows:
+        print(f"ratio {row['workload']} c={row['concurrency']} engine/{row['peer']}: generation "
+              f"{_x(row['generation_ratio'])}, end-to-end {_x(row['e2e_ratio'])}, TTFT {_x(row['ttft_ratio'])} "
+              f"(peer/engine), peak memory {_x(row['peak_memory_ratio'])}")
+    if args.json:
+        text = json.dumps({"schema": "metal-attn-bench-generate/1", "model": label, "backend": backend,
+                           "results": [r.to_dict() for r in results], "ratios": rows}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+def _x(v: float | None) -> str:
+    return f"{v:.2f}x" if v else "-"

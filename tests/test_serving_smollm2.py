@@ -1,0 +1,114 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) on the paged path, token-identical to
+stock mlx-lm: ``metal-attn generate --json`` and the Python API, single stream, packed prefill
+and a prompt joining while others decode. Greedy, float32, the first 48 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from metal_attn import diagnostics
+from metal_attn.engine import Engine, EngineConfig
+from metal_attn.generate import DEFAULT_PROMPT
+from metal_attn.testing.greedy import assert_same_greedy, reference_greedy
+
+TOL = 1e-4
+MAX_TOKENS = 48
+MESSAGES = (
+    "What is the capital of France?",
+    "Write a haiku about the sea at night, then explain it in one sentence.",
+    "List three uses of copper.",
+)
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+@pytest.fixture(scope="module")
+def refs(smollm2):
+    """Stock ``mlx_lm.generate_step`` on the same loaded model: templated ids and greedy tokens."""
+    model, tok = smollm2
+    ids = [_chat_ids(tok, m) for m in MESSAGES]
+    return ids, [reference_greedy(model, p, MAX_TOKENS, frozenset(tok.eos_token_ids)) for p in ids]
+
+
+def test_cli_json_matches_stock_mlx_lm(refs, smollm2):
+    ids, expected = refs
+    cmd = [sys.executable, "-m", "metal_attn", "generate", "--json", "--max-tokens", str(MAX_TOKENS)]
+    for m in MESSAGES:
+        cmd += ["--prompt", m]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert [c["prompt"] for c in out["completions"]] == list(MESSAGES)
+    for c, want_ids, ref in zip(out["completions"], ids, expected):
+        assert c["prompt_token_ids"] == want_ids
+        assert_same_greedy(c["token_ids"], ref, TOL, f"cli {c['prompt']!r}")
+        assert c["finish_reason"] == ("stop" if ref.tokens[-1] in smollm2[1].eos_token_ids else "length")
+        assert c["text"] == smollm2[1].decode([t for t in c["token_ids"] if t not in smollm2[1].eos_token_ids])
+    stats = out["stats"]
+    assert stats["generation_tokens"] == sum(len(c["token_ids"]) for c in out["completions"])
+    assert {(r["op"], r["provider"]) for r in stats["routes"]} == {("paged_attention", "classic"),
+                                                                  ("reshape_and_cache", "classic")}
+    assert stats["peak_memory_bytes"] > 0 and stats["prompt_tokens_per_s"] > 0
+
+
+def test_python_api_single_stream_matches(refs, smollm2):
+    model, tok = smollm2
+    ids, expected = refs
+    eng = Engine(model, tok, EngineConfig(num_blocks=64))
+    for p, ref in zip(ids, expected):
+        (c,) = eng.generate([p], max_tokens=MAX_TOKENS)
+        assert_same_greedy(c.token_ids, ref, TOL, f"api single len={len(p)}")
+    assert eng.blocks.num_used == 0
+
+
+def test_a_prompt_joining_while_others_decode_matches(refs, smollm2):
+    model, tok = smollm2
+    ids, expected = refs
+    eng = Engine(model, tok, EngineConfig(num_blocks=64))
+    first = [eng.add_request(p, max_tokens=MAX_TOKENS) for p in ids[:2]]
+    with diagnostics.collect() as records:
+        for _ in range(5):
+            eng.step()
+        late = eng.add_request(ids[2], max_tokens=MAX_TOKENS)
+        while eng.has_unfinished():
+            eng.step()
+    mixed = [r.request for r in records if r.op == "paged_attention" and r.request.phase.value == "mixed"]
+    assert mixed and mixed[0].num_decode_seqs == 2
+    for rid, ref in zip([*first, late], expected):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"join req {rid}")
+
+
+def test_default_generate_answers_the_built_in_prompt(smollm2):
+    """`metal-attn generate` with no flags: the built-in chat prompt, streamed."""
+    done = subprocess.run([sys.executable, "-m", "metal_attn", "generate", "--max-tokens", "16"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout, (DEFAULT_PROMPT, done.stdout)
+    assert "generation:" in done.stderr and "routes: paged_attention: classic/" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-tokens", "0"], "--max-tokens: invalid value '0' (allowed: an integer >= 1)"),
+        (["--temp", "-0.5"], "--temp: invalid value '-0.5' (allowed: a number >= 0"),
+        (["--top-p", "1.5"], "--top-p: invalid value '1.5' (allowed: a number in (0, 1])"),
+        (["--model", "/no/such/model"], "--model='/no/such/model' does not exist"),
+        (["--prompt", " "], "is empty (allowed: a non-empty text)"),
+        (["--max-tokens", "9000"], "exceeds the model's context of 8192 tokens"),
+        (["--prompt", "x " * 600, "--kv-cache-memory", "2000000"], "can never fit the KV pool"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_flag(flags, message, smollm2):
+    done = subprocess.run([sys.executable, "-m", "metal_attn", "generate", *flags], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert message in done.stderr
+    assert done.stdout == ""
