@@ -20,8 +20,9 @@ from metal_attn.testing.models import TINY_CONFIGS, WordTokenizer, tiny_model
 
 pytestmark = pytest.mark.gpu
 
-#: bf16 logits of magnitude ~10-30 are quantized in steps of 0.06-0.125: a margin below this is a near-tie.
-TOL = 0.25
+#: bf16 logits of magnitude ~10-60 are quantized in steps of 0.06-0.25, and a bf16 difference in attention can
+#: flip a MoE router (gpt_oss); a top-2 log-prob margin below this is a near-tie.
+TOL = 0.5
 MAX_TOKENS = 24
 EOS = WordTokenizer.eos_token_ids
 
