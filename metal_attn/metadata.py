@@ -161,21 +161,22 @@ class AttentionMetadata:
         if not self.validate or key in self._checked_pools:
             return
         bt = self._block_tables_host
-        for i, (seq_len, row) in enumerate(zip(self.seq_lens_host, bt)):
-            need = -(-seq_len // block_size)
-            if need > row.shape[0]:
-                raise InvalidInputError(
-                    f"block_tables row {i} has {row.shape[0]} entries but seq_lens[{i}]={seq_len} "
-                    f"with block_size={block_size} needs {need}"
-                )
-            used = row[:need]
-            bad = np.nonzero((used < 0) | (used >= num_blocks))[0]
-            if bad.size:
-                j = int(bad[0])
-                raise InvalidInputError(
-                    f"block_tables[{i}][{j}]={int(used[j])} is out of range "
-                    f"(pool has {num_blocks} blocks: 0..{num_blocks - 1})"
-                )
+        need = -(-np.asarray(self.seq_lens_host, dtype=np.int64) // block_size)
+        short = np.nonzero(need > bt.shape[1])[0]
+        if short.size:
+            i = int(short[0])
+            raise InvalidInputError(
+                f"block_tables row {i} has {bt.shape[1]} entries but seq_lens[{i}]={self.seq_lens_host[i]} "
+                f"with block_size={block_size} needs {int(need[i])}"
+            )
+        used = np.arange(bt.shape[1])[None, :] < need[:, None]  # the entries each row's length reads
+        bad = np.argwhere(used & ((bt < 0) | (bt >= num_blocks)))
+        if bad.size:
+            i, j = (int(x) for x in bad[0])
+            raise InvalidInputError(
+                f"block_tables[{i}][{j}]={int(bt[i, j])} is out of range "
+                f"(pool has {num_blocks} blocks: 0..{num_blocks - 1})"
+            )
         self._checked_pools.add(key)
 
     def split_blocks(self, ratio: int) -> AttentionMetadata:

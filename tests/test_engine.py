@@ -319,16 +319,18 @@ def test_scheduler_orders_decode_rows_first(llama):
     mx.synchronize()
 
 
-def test_requests_admitted_in_one_step_share_a_prefix(llama):
-    """Later admissions of the same pass reuse blocks an earlier one computes in that very step."""
+def test_prefix_blocks_are_shared_from_the_step_after_they_are_written(llama):
+    """Requests admitted in the same step compute their prefix each (a block is never shared while it
+    is being written); a request admitted one step later reuses it."""
     prefix = list(range(1, 49))  # 3 full blocks
     prompts = [[*prefix, 200 + i] for i in range(4)]
     refs = [reference_greedy(llama, p, 6, EOS) for p in prompts]
     eng = _engine(llama)
-    ids = [eng.add_request(p, max_tokens=6) for p in prompts]
+    ids = [eng.add_request(p, max_tokens=6) for p in prompts[:2]]
     eng.step()
-    assert [eng.requests[i].num_cached_tokens for i in ids] == [0, 48, 48, 48]
+    ids += [eng.add_request(p, max_tokens=6) for p in prompts[2:]]
     while eng.has_unfinished():
         eng.step()
+    assert [eng.requests[i].num_cached_tokens for i in ids] == [0, 0, 48, 48]
     for rid, ref in zip(ids, refs):
-        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"same-step prefix req {rid}")
+        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"prefix req {rid}")

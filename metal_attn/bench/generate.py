@@ -199,8 +199,12 @@ def bench_generate(
         if on_result:
             on_result(r)
 
-    warm = _prompts(2, 16, vocab, seed + 99)
-    for name in candidates:  # compile every kernel once before anything is timed
+    # Compile every kernel once before anything is timed: full-length prompts, enough of them that
+    # the engine chunks its prefill and mixes decode rows into prefill steps.
+    warm = _prompts(max(2, 4096 // prompt_len + 2), prompt_len, vocab, seed + 99)
+    for name in candidates:
+        if progress:
+            progress(f"warm-up {name} ...")
         RUNNERS[name](model, warm[:1] if name == "generate_step" else warm, 4)
     for c in concurrencies:
         prompts = _prompts(c, prompt_len, vocab, seed + c)

@@ -238,6 +238,8 @@ class Engine:
             req.num_computed = row.start + row.num_tokens
             if row.samples:
                 req.pending += 1
+            # Full blocks this step writes become shareable from the next step on (never while being written).
+            self.blocks.register(req.id, req.known_ids(), req.num_computed)
         self.stats.record_launch(out, flight.build_seconds)
         self._inflight.append(flight)
 
@@ -261,7 +263,7 @@ class Engine:
 
     def _accept(self, req: Request, tok: int, now: float) -> RequestOutput:
         """Append a sampled token, detokenize it, and finish the request if a stop condition holds."""
-        req.output_ids.append(tok)
+        req.append_output(tok)
         req.token_times.append(now)
         self.stats.record_token()
         if req.first_token_time is None:

@@ -120,9 +120,12 @@ class Request:
     processors: list[Any] = dataclasses.field(default_factory=list)
     detokenizer: Any = None
 
+    def __post_init__(self) -> None:
+        self._ids = [*self.prompt_ids, *self.output_ids]
+
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+        return len(self._ids) + self.pending
 
     @property
     def finished(self) -> bool:
@@ -134,8 +137,14 @@ class Request:
         return not self.finished and len(self.output_ids) + self.pending < self.max_tokens
 
     def known_ids(self) -> list[int]:
-        """Prompt plus generated tokens known on the host (not the in-flight ones)."""
-        return self.prompt_ids + self.output_ids
+        """Prompt plus generated tokens known on the host (not the in-flight ones): the live list,
+        kept by `append_output`; read it, do not modify it."""
+        return self._ids
+
+    def append_output(self, token: int) -> None:
+        """Add a generated token (the one place outputs grow)."""
+        self.output_ids.append(token)
+        self._ids.append(token)
 
     def move_to(self, status: RequestStatus, reason: FinishReason | None = None, error: str | None = None) -> None:
         """The one place a status changes; an illegal change is a bug and raises."""

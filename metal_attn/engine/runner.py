@@ -110,8 +110,9 @@ class StepRunner:
     def _history(row: ScheduledRow, previous: InFlight | None) -> mx.array:
         """Every token of the request up to this row's last (for mlx-lm's logits processors)."""
         req = row.request
-        hist = mx.array(req.known_ids(), dtype=mx.int32)
-        if req.num_tokens > len(req.known_ids()) and previous is not None and req.id in previous.index:
+        known = req.known_ids()
+        hist = mx.array(known, dtype=mx.int32)
+        if req.num_tokens > len(known) and previous is not None and req.id in previous.index:
             j = previous.index[req.id]
             hist = mx.concatenate([hist, previous.sampled[j : j + 1]])
         return hist

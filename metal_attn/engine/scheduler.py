@@ -132,12 +132,9 @@ class Scheduler:
         rows.sort(key=lambda r: r.num_tokens != 1)  # stable: decode rows first, then prefill chunks
         return SchedulerOutput(tuple(rows), tuple(preempted))
 
-    def _schedule(self, rows: list[ScheduledRow], req: Request, start: int, n: int) -> None:
-        """Add a row, and register the full blocks it completes (ids known) in the prefix cache at once:
-        a request admitted later in the same pass may share them, since every layer writes the whole
-        step's K/V before its attention reads any of it."""
+    @staticmethod
+    def _schedule(rows: list[ScheduledRow], req: Request, start: int, n: int) -> None:
         rows.append(ScheduledRow(req, start, n))
-        self.blocks.register(req.id, req.known_ids(), start + n)
 
     def _victim(self, exclude: set[int]) -> Request:
         """The running request to preempt: never one already scheduled this step."""
