@@ -65,11 +65,11 @@ def _profiler(call: str) -> None:
 
 def run(args: argparse.Namespace) -> None:
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     from metal_attn.bench.generate import _NoStopTokenizer, _prompts, load_bench_model
     from metal_attn.device import current_device
     from metal_attn.engine import Engine, EngineConfig
-    from mlx.utils import tree_flatten
 
     model, label = load_bench_model(current_device().backend, args.layers)
     c = args.concurrency
@@ -132,7 +132,8 @@ def main() -> None:
         print(f"| all kernels | {total:.3f} ms |")
         if args.wall_ms:
             idle = max(0.0, args.wall_ms - total)
-            print(f"| GPU idle (wall {args.wall_ms:.2f} ms - kernels) | {idle:.3f} ms ({100 * idle / args.wall_ms:.0f}%) |")
+            share = 100 * idle / args.wall_ms
+            print(f"| GPU idle (wall {args.wall_ms:.2f} ms - kernels) | {idle:.3f} ms ({share:.0f}%) |")
         if args.roofline_ms:
             print(f"| roofline | {args.roofline_ms:.3f} ms; wall / roofline {args.wall_ms / args.roofline_ms:.2f}x |")
         return
