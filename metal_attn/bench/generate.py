@@ -117,7 +117,9 @@ def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_cachin
     prompt_s = eng.stats.prompt_seconds(t0)
     ttft = [eng.requests[i].first_token_time - t0 for i in ids]
     generated = sum(len(eng.requests[i].output_ids) for i in ids)
+    gaps = [b - a for (a, pa), (b, pb) in zip(eng.stats.completions, eng.stats.completions[1:]) if not pb and not pa]
     extra = {"steps": eng.stats.steps, "host_build_s": eng.stats.build_seconds,
+             "decode_step_ms": statistics.median(gaps) * 1e3 if gaps else None,
              "prefix_hit_rate": eng.blocks.prefix_hits / max(eng.blocks.prefix_queries, 1),
              "preemptions": eng.stats.preemptions}
     del eng
@@ -178,6 +180,7 @@ def bench_generate(
     shared_prefix: int = 0,
     shared_requests: int = 32,
     seed: int = 0,
+    warm: bool = True,
     progress: Callable[[str], None] | None = None,
     on_result: Callable[[GenerateResult], None] | None = None,
 ) -> list[GenerateResult]:
@@ -199,13 +202,16 @@ def bench_generate(
         if on_result:
             on_result(r)
 
-    # Compile every kernel once before anything is timed: full-length prompts, enough of them that
-    # the engine chunks its prefill and mixes decode rows into prefill steps.
-    warm = _prompts(max(2, 4096 // prompt_len + 2), prompt_len, vocab, seed + 99)
-    for name in candidates:
+    # Compile every kernel once before anything is timed: full-length prompts, on a GPU enough of them
+    # that the engine chunks its prefill and mixes decode rows into prefill steps (the CPU compiles nothing).
+    from metal_attn.device import current_device
+
+    n_warm = 2 if current_device().backend == "cpu" else max(2, 4096 // prompt_len + 2)
+    warm_prompts = _prompts(n_warm, prompt_len, vocab, seed + 99)
+    for name in candidates if warm else ():
         if progress:
             progress(f"warm-up {name} ...")
-        RUNNERS[name](model, warm[:1] if name == "generate_step" else warm, 4)
+        RUNNERS[name](model, warm_prompts[:1] if name == "generate_step" else warm_prompts, 4)
     for c in concurrencies:
         prompts = _prompts(c, prompt_len, vocab, seed + c)
         for name in candidates:
