@@ -169,7 +169,7 @@ def paged_attention(
     if hit is None:
         hit = _select(md, q, k_cache, num_heads, sinks, sliding_window, softcap, provider)
         md._selections[key] = hit
-    sel, eff_md, ratio, record = hit
+    sel, eff_md, ratio, record, poison = hit
     if ratio > 1:
         nb, bs, kvh, d = k_cache.shape
         k_cache = k_cache.reshape(nb * ratio, bs // ratio, kvh, d)
@@ -187,6 +187,8 @@ def paged_attention(
         float(softcap) if softcap is not None else None,
     )
     out = sel.provider.run(inputs, sel.plan)
+    if poison is not None:  # validate_metadata off and a table outside the pool: those rows are NaN
+        out = mx.where(poison, mx.array(float("nan"), dtype=out.dtype), out)
     diagnostics.record(record)
     return out
 
@@ -205,8 +207,10 @@ def _select(
     nb, page, kvh, head = k_cache.shape
     kbs = kernel_block_size(page)
     ratio = page // kbs if kbs else 1
-    md.check_against_pool(nb, page)  # in the caller's terms (pages), before any split
-    eff = md.split_blocks(ratio)
+    # In the caller's terms (pages), before any split: raises on a bad table (validation on), or
+    # gives a table every provider can read safely and the rows to make NaN (validation off).
+    safe, poison = md.pool_guard(nb, page)
+    eff = safe.split_blocks(ratio)
     device = current_device()
     settings = get_settings()
     if settings.diagnostics and not diagnostics.history_enabled():
@@ -241,7 +245,7 @@ def _select(
         sel.fallbacks,
         request,
     )
-    return sel, eff, ratio, record
+    return sel, eff, ratio, record, poison
 
 
 def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array:

@@ -116,7 +116,9 @@ class Settings(BaseSettings):
         validation_alias=_env("validate_metadata"),
         description=(
             "Value checks against the pool: block ids in range and tables long enough (once per "
-            "metadata and pool), slot_mapping range and duplicates (every reshape_and_cache call). "
+            "metadata and pool), slot_mapping range and duplicates (every reshape_and_cache call); "
+            "a bad value raises. Off: a sequence with a bad table gives NaN rows, a slot outside the "
+            "pool is skipped (duplicates: one row wins); nothing is read or written outside the pool. "
             "Structural checks always run."
         ),
     )

@@ -103,10 +103,12 @@ class ReferenceProvider(Provider):
     ) -> tuple[mx.array, mx.array]:
         nb, bs, kvh, head = k_cache.shape
         host = np.array(slots, copy=False)
-        keep = np.nonzero(host >= 0)[0]
+        # Negative slots are padding; slots past the pool (possible with validate_metadata off)
+        # are skipped too: MLX's scatter does not bounds-check its indices.
+        keep = np.nonzero((host >= 0) & (host < nb * bs))[0]
         if keep.size == 0:
             return k_cache, v_cache
-        if keep.size == host.size:  # no padding: the validated int64 slots are the indices
+        if keep.size == host.size:  # every slot in the pool: the int64 slots are the indices
             idx, rows = slots, None
         else:
             idx, rows = mx.array(host[keep].astype(np.int64)), mx.array(keep.astype(np.int64))

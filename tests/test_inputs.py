@@ -147,8 +147,8 @@ def test_block_table_errors_name_the_callers_values_for_large_pages() -> None:
 
 
 def test_validate_metadata_off_skips_the_pool_checks() -> None:
-    """Block ids and table lengths are checked unless METAL_ATTN_VALIDATE_METADATA=0; the structural
-    checks (which cost nothing extra) stay on."""
+    """Block ids and table lengths raise unless METAL_ATTN_VALIDATE_METADATA=0; off, the bad sequence's
+    rows are NaN (tests/test_validation_off.py has the rest); the structural checks stay on."""
     bt, sl, cu = np.array([[1, -1]], np.int32), np.array([10], np.int32), np.array([0, 1], np.int32)
     with pytest.raises(InvalidInputError, match=r"block_tables\[0\]\[1\]=-1 is out of range"):
         AttentionMetadata.build(bt, sl, cu).check_against_pool(6, 8)
@@ -157,9 +157,11 @@ def test_validate_metadata_off_skips_the_pool_checks() -> None:
         assert md.validate is False
         md.check_against_pool(6, 8)  # no error
         md.check_against_pool(6, 1)  # a table far too short: no error either
-        # the call goes through (MLX wraps the negative id to the last block: no out-of-bounds read)
+        safe, poison = md.pool_guard(6, 8)
+        assert safe.block_tables.tolist() == [[1, 0]] and poison.tolist() == [[[True]]]
         args = _attention_args(q=_f32((1, 4, HEAD)), block_tables=bt, seq_lens=sl, cu_seqlens_q=cu)
-        mx.eval(metal_attn.paged_attention(**args))
+        out = metal_attn.paged_attention(**args)
+        assert np.isnan(np.array(out)).all()
         with pytest.raises(InvalidInputError, match=r"seq_lens\[0\]=1 is smaller than that sequence's q_len=2"):
             AttentionMetadata.build(bt, [1], [0, 2])
 
