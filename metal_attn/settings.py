@@ -1,7 +1,8 @@
 """Settings: one pydantic-settings model, environment prefix ``METAL_ATTN_``.
 
 Read once per process (`get_settings`), overridable in code with
-`override_settings` (a context manager, for tests and A/B runs). Bad values
+`override_settings` (a context manager, for tests and A/B runs; context-local, so
+threads never see, or undo, each other's overrides). Bad values
 fail at load with the variable, the value and the allowed domain; unknown
 ``METAL_ATTN_*`` names are warned about with the closest valid name.
 """
@@ -9,6 +10,7 @@ fail at load with the variable, the value and the allowed domain; unknown
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import difflib
 import os
 import sys
@@ -257,12 +259,18 @@ def load_settings(**overrides: Any) -> Settings:
 
 
 _lock = threading.RLock()
+#: The process-wide settings (from the environment), and this context's override, if any.
 _current: Settings | None = None
+_override: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("metal_attn_settings", default=None)
 
 
 def get_settings() -> Settings:
-    """The active settings (loaded from the environment on first use)."""
+    """The active settings: this context's `override_settings`, else the process-wide ones
+    (loaded from the environment on first use)."""
     global _current
+    s = _override.get()
+    if s is not None:
+        return s
     s = _current
     if s is None:
         with _lock:
@@ -274,7 +282,8 @@ def get_settings() -> Settings:
 
 
 def reload_settings() -> Settings:
-    """Re-read the environment (after changing ``os.environ``)."""
+    """Re-read the environment (after changing ``os.environ``) into the process-wide settings
+    (an `override_settings` block in force still wins in its own context)."""
     global _current
     with _lock:
         _current = load_settings()
@@ -284,29 +293,32 @@ def reload_settings() -> Settings:
 
 @contextlib.contextmanager
 def override_settings(**changes: Any) -> Iterator[Settings]:
-    """Temporarily replace some settings (field names, e.g. ``gpu_cores=40``)."""
-    global _current
+    """Temporarily replace some settings (field names, e.g. ``gpu_cores=40``), in this context only.
+
+    The override is context-local (`contextvars`): it applies to the code of this thread (or
+    asyncio task) inside the block, nests, and is undone on exit whatever other threads do
+    meanwhile; other threads keep their own settings, and a thread started inside the block starts
+    from the process-wide settings (Python gives a new thread a fresh context). Dispatch caches are
+    keyed by the settings scope (`metal_attn._epoch`), so no thread reuses another's decisions.
+    """
     unknown = sorted(set(changes) - set(Settings.model_fields))
     if unknown:
         close = {u: difflib.get_close_matches(u, list(Settings.model_fields), n=1) for u in unknown}
         hints = ", ".join(f"{u} (did you mean {c[0]}?)" if c else u for u, c in close.items())
         raise SettingsError(f"unknown setting(s): {hints}; known: {', '.join(Settings.model_fields)}")
-    with _lock:
-        previous = get_settings()
-        data = previous.model_dump()
-        data.update(changes)
-        try:
-            new = Settings.model_validate(data)
-        except ValidationError as err:
-            raise SettingsError(_format_validation_error(err, "overrides")) from None
-        _current = new
-        _epoch.bump()
+    data = get_settings().model_dump()
+    data.update(changes)
+    try:
+        new = Settings.model_validate(data)
+    except ValidationError as err:
+        raise SettingsError(_format_validation_error(err, "overrides")) from None
+    token = _override.set(new)
+    scope = _epoch.enter_scope()
     try:
         yield new
     finally:
-        with _lock:
-            _current = previous
-            _epoch.bump()
+        _epoch.exit_scope(scope)
+        _override.reset(token)
 
 
 class _CallableModule(types.ModuleType):

@@ -289,7 +289,7 @@ def test_process_registry_is_cached_and_rebuilt_when_plugin_settings_change(entr
 def test_importing_metal_attn_loads_no_plugins():
     code = (
         "import sys, metal_attn, metal_attn.plugins as p; "
-        "assert p._registry is None, 'registry built at import'; "
+        "assert p._registries == {}, 'registry built at import'; "
         "assert 'metal_attn.providers.reference' not in sys.modules, 'provider imported at import'; "
         "print('ok')"
     )

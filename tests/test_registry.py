@@ -119,8 +119,7 @@ def install(monkeypatch):
 
     def _install(reg: Registry) -> Registry:
         plugins.reset_registry()
-        monkeypatch.setattr(plugins, "_registry", reg)
-        monkeypatch.setattr(plugins, "_registry_key", plugins._plugin_key(settings_mod.get_settings()))
+        monkeypatch.setitem(plugins._registries, plugins._plugin_key(settings_mod.get_settings()), reg)
         return reg
 
     return _install
@@ -626,7 +625,7 @@ def test_mark_failed_warns_once_per_provider_and_specialization(log_records):
         ("('float16', 256)", "other"),
     ]
     assert reg.failures()[("p", ("float16", 128))] == "again"
-    assert _epoch.current() == epoch + 3  # each mark invalidates the per-call selection caches
+    assert _epoch.current() == (epoch[0] + 3, epoch[1])  # each mark invalidates the per-call selection caches
 
 
 # -- selection cache and observer hook ---------------------------------------------------------------------
