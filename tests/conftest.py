@@ -12,7 +12,21 @@ import pytest
 from metal_attn import _epoch, diagnostics, log
 from metal_attn import settings as settings_mod
 from metal_attn.plugins import reset_registry
-from metal_attn.settings import Settings
+from metal_attn.settings import Settings, override_settings
+
+# A hermetic suite: it tests this package, whatever else is installed. Third-party providers in the
+# environment (a decode plugin ranked above classic would take classic's decode batches) are loaded
+# only by the tests about them, which turn autoload back on (`third_party_plugins`). Set here, at
+# import, so that module-level provider lists and subprocesses see it too; an explicit
+# METAL_ATTN_PLUGIN_AUTOLOAD in the environment wins.
+os.environ.setdefault("METAL_ATTN_PLUGIN_AUTOLOAD", "0")
+
+
+@pytest.fixture
+def third_party_plugins() -> Iterator[None]:
+    """Load the installed third-party providers again (the suite turns autoload off)."""
+    with override_settings(plugin_autoload=True):
+        yield
 
 
 @pytest.fixture(autouse=True)
