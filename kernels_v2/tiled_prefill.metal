@@ -15,8 +15,10 @@
 // hold it), and O += P V with P in float. Causal rule per row as in the per-token kernel;
 // tiles left of a sliding window are never loaded, and a simdgroup skips the arithmetic
 // of tiles that lie entirely outside its rows' windows. Non-finite values follow the NaN
-// contract: a non-finite q or K element gives a NaN score (ma_score); a non-finite V row a row
-// does not attend is kept out of its product (v_bad below).
+// contract (docs/providers.md): a non-finite q or K element gives a NaN score (ma_score); on a
+// tile where some row of the tile does not attend every key, a non-finite V element is replaced
+// by 0 and its key's K elements by NaN, so the rows attending that key get a NaN score and the
+// others, whose masked scores are replaced, nothing (the V row would reach them as 0 * NaN).
 // Inputs : q [T, H, D], k_cache/v_cache [NB, BS, KVH, D], block_tables [S, MB] int32,
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32,
 //          tiles [N, 2] int32 (sequence, first query row of the tile within it),
@@ -109,27 +111,13 @@ for (int b = 0; b < RB; ++b) {
 
 threadgroup T k_tile[BKV * LD];
 threadgroup T v_tile[BKV * LD];
-// Keys of a tile whose V row holds a NaN or an infinity (the NaN contract, docs/providers.md). A
-// key a row does not attend still enters that row's P V product with weight 0, and 0 * NaN is
-// NaN; so on a tile where not every row of the tile attends every key, such V rows are stored as
-// zeros and flagged here, and a row that attends a flagged key gets a NaN probability for it
-// instead. Two tiles' flags (by the parity of the tile's index): one tile's are cleared while the
-// other's are read, so no extra barrier is needed.
-threadgroup int v_bad[2 * BKV];
-for (int i = tid; i < 2 * BKV; i += NUM_THREADS) {
-  v_bad[i] = 0;
-}
 // Keys from which every row of the tile is inside its window (the last row's window start).
 const int tile_full_lo = window > 0 ? metal::max(ctx0 + row0 + tile_rows - window, 0) : 0;
 const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
 const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
 
-for (int kt = kv_begin, it = 0; kt < kv_end; kt += BKV, ++it) {
-  // Every row of the tile attends every key of this tile (uniform over the threadgroup): a
-  // non-finite V row reaches all of them through the product itself, nothing to flag.
-  const bool tile_full = kt + BKV <= ctx0 + row0 + 1 && kt >= tile_full_lo;
-  const int flags = (it & 1) * BKV;
+for (int kt = kv_begin; kt < kv_end; kt += BKV) {
   // This tile's K/V rows into registers (CH 4-element chunks of K and of V per thread),
   // then, once every simdgroup is done with the last tile, into threadgroup memory.
   ma_raw4<T> k_reg[CH];
@@ -154,20 +142,7 @@ for (int kt = kv_begin, it = 0; kt < kv_end; kt += BKV, ++it) {
       const int e = (c % V4) * 4;
       if (kt + t < kv_end) {
         ma_tg_store4(k_tile + t * LD + e, k_reg[x]);
-        bool v_ok = true;
-        if (!tile_full) {
-          float vf[4];
-          ma_unpack4(v_reg[x], vf);
-          v_ok = ma_isfinite(vf[0]) && ma_isfinite(vf[1]) && ma_isfinite(vf[2]) && ma_isfinite(vf[3]);
-        }
-        if (v_ok) {
-          ma_tg_store4(v_tile + t * LD + e, v_reg[x]);
-        } else {
-          for (int z = 0; z < 4; ++z) {
-            v_tile[t * LD + e + z] = ma_from_float<T>(0.0f);
-          }
-          v_bad[flags + t] = 1;
-        }
+        ma_tg_store4(v_tile + t * LD + e, v_reg[x]);
       } else {
         // Past the tile's keys: zeros, so that masked products stay finite.
         for (int z = 0; z < 4; ++z) {
@@ -177,12 +152,24 @@ for (int kt = kv_begin, it = 0; kt < kv_end; kt += BKV, ++it) {
       }
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  // The other parity's flags were last read before this iteration's first barrier; the next
-  // tile sets them after the next iteration's first barrier: clear them now.
-  for (int i = tid; i < BKV; i += NUM_THREADS) {
-    v_bad[BKV - flags + i] = 0;
+  // Unless every row of the tile attends every key of this tile (uniform over the threadgroup;
+  // then a non-finite V element reaches them all through the product itself), each thread
+  // re-reads the V chunks it just stored: a non-finite one becomes 0 and the key's K chunk NaN.
+  if (!(kt + BKV <= ctx0 + row0 + 1 && kt >= tile_full_lo)) {
+    // (Keys past the tile's end hold zeros: finite, so no bound check is needed.)
+#pragma unroll 1
+    for (int c = tid; c < BKV * V4; c += NUM_THREADS) {
+      const int i = (c / V4) * LD + (c % V4) * 4;
+      if (!(ma_isfinite(ma_to_float(v_tile[i])) && ma_isfinite(ma_to_float(v_tile[i + 1])) &&
+            ma_isfinite(ma_to_float(v_tile[i + 2])) && ma_isfinite(ma_to_float(v_tile[i + 3])))) {
+        for (int z = 0; z < 4; ++z) {
+          k_tile[i + z] = ma_from_float<T>(ma_nan());
+          v_tile[i + z] = ma_from_float<T>(0.0f);
+        }
+      }
+    }
   }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   // Tiles past this simdgroup's last causal key or left of its first row's window hold
   // nothing for its rows (uniform per simdgroup: no divergence inside a product).
   if (sg_rows == 0 || kt >= sg_kv_end || kt + BKV <= sg_kv_lo) {
@@ -240,11 +227,7 @@ for (int kt = kv_begin, it = 0; kt < kv_end; kt += BKV, ++it) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         // A masked score is exactly the sentinel: exp2 of it would be 1 when m_new is too.
-        const bool live = s[b][j].v[i] != MA_NEG_FLT_MAX;
-        p[i] = live ? metal::exp2(s[b][j].v[i] - m_new) : 0.0f;
-        if (!tile_full && live && v_bad[flags + j * 8 + fc + i] != 0) {
-          p[i] = ma_nan();  // an attended key whose V row was zeroed for being non-finite
-        }
+        p[i] = s[b][j].v[i] != MA_NEG_FLT_MAX ? metal::exp2(s[b][j].v[i] - m_new) : 0.0f;
         row_sum += p[i];
       }
       pf[b][j] = ma_popnd_pack<T>(p[0], p[1]);

@@ -66,9 +66,8 @@ class TileConfig:
         return self.simdgroups * SIMD_WIDTH
 
     def threadgroup_bytes(self, head_size: int, itemsize: int) -> int:
-        """Threadgroup memory of the K and V tiles (padded rows) and the two tiles' non-finite-V
-        flags (one int per key)."""
-        return 2 * self.bkv * (head_size + ROW_PADDING) * itemsize + 2 * self.bkv * 4
+        """Threadgroup memory of the K and V tiles (padded rows)."""
+        return 2 * self.bkv * (head_size + ROW_PADDING) * itemsize
 
 
 #: Upstream's shape: 8 rows per simdgroup.

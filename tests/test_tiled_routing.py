@@ -52,8 +52,8 @@ def test_prefill_and_verify_batches_take_the_tiles(device, threads, tile, q_lens
 
 
 @pytest.mark.parametrize(("device", "threads", "tile"),
-                         [(H200, 256, "BQ=128 query rows (8 simdgroups x 16), BKV=16 keys, 17024 bytes"),
-                          (M5, 64, "BQ=16 query rows (2 simdgroups x 8), BKV=16 keys, 17024 bytes")],
+                         [(H200, 256, "BQ=128 query rows (8 simdgroups x 16), BKV=16 keys, 16896 bytes"),
+                          (M5, 64, "BQ=16 query rows (2 simdgroups x 8), BKV=16 keys, 16896 bytes")],
                          ids=("h200", "m5"))
 def test_head_256_tile(device, threads, tile):
     row = _row(_explain(device, [100], [100], heads=(16, 2, 256)))
@@ -85,7 +85,7 @@ def test_threadgroup_memory_must_fit():
     small = dataclasses.replace(H200, max_threadgroup_memory=16 * 1024)
     ex = _explain(small, [40], [40])
     reasons = "\n".join(_row(ex).reasons)
-    assert "K/V tiles need 17664 bytes of threadgroup memory for head_size=128" in reasons
+    assert "K/V tiles need 17408 bytes of threadgroup memory for head_size=128" in reasons
     assert "allowed: <= 16384 bytes" in reasons
     unknown = dataclasses.replace(H200, max_threadgroup_memory=None)
     assert "max_threadgroup_memory unknown" in "\n".join(_row(_explain(unknown, [40], [40])).reasons)
