@@ -17,7 +17,6 @@ import os
 import platform
 import sys
 import types
-import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -436,32 +435,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 # -- settings ----------------------------------------------------------------------------------------
 
-def _strip_optional(annotation: Any) -> tuple[Any, bool]:
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0], True
-    return annotation, False
-
-
 def allowed_values(field: Any) -> str:
-    """A short description of what a settings field accepts, from its type and bounds."""
-    ann, nullable = _strip_optional(field.annotation)
-    if typing.get_origin(ann) is typing.Annotated:
-        ann = typing.get_args(ann)[0]
-    if ann is bool:
-        text = "1/0, true/false"
-    elif typing.get_origin(ann) is typing.Literal:
-        text = ", ".join(str(a) for a in typing.get_args(ann))
-    elif typing.get_origin(ann) is tuple:
-        text = "comma-separated names"
-    elif ann is int:
-        lo = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
-        hi = next((m.le for m in field.metadata if hasattr(m, "le")), None)
-        text = "integer" + (f" >= {lo}" if lo is not None else "") + (f", <= {hi}" if hi is not None else "")
-    else:
-        text = "text"
-    return text + (" (or unset)" if nullable else "")
+    """A short description of what a settings field accepts (`metal_attn.settings.allowed_values`)."""
+    from metal_attn.settings import allowed_values as _allowed
+
+    return _allowed(field)
 
 
 def _show(value: Any) -> str:

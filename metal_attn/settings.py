@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import types
+import typing
 import warnings
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
@@ -66,7 +67,10 @@ class Settings(BaseSettings):
     disable_nax: bool = Field(
         False,
         validation_alias=_env("disable_nax", "VLLM_METAL_DISABLE_NAX"),
-        description="Disable the M5 NAX prefill provider (alias VLLM_METAL_DISABLE_NAX).",
+        description=(
+            "Reserved: disables the M5 NAX prefill provider (nax_prefill), which this version does not "
+            "ship; setting it warns that it has no effect (alias VLLM_METAL_DISABLE_NAX)."
+        ),
     )
     disable_tiled_prefill: bool = Field(
         False,
@@ -191,6 +195,38 @@ class Settings(BaseSettings):
         return tuple((k, v) for k, v in pairs if v is not None)
 
 
+def _strip_optional(annotation: Any) -> tuple[Any, bool]:
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return annotation, False
+
+
+def allowed_values(field: Any) -> str:
+    """What a settings field (a name or its pydantic ``FieldInfo``) accepts, from its type and bounds:
+    ``integer >= 1, <= 4096 (or unset)``, ``1/0, true/false``, ... (the settings table's column and
+    every validation error say it)."""
+    if isinstance(field, str):
+        field = Settings.model_fields[field]
+    ann, nullable = _strip_optional(field.annotation)
+    if typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
+    if ann is bool:
+        text = "1/0, true/false"
+    elif typing.get_origin(ann) is typing.Literal:
+        text = ", ".join(str(a) for a in typing.get_args(ann))
+    elif typing.get_origin(ann) is tuple:
+        text = "comma-separated names"
+    elif ann is int:
+        lo = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
+        hi = next((m.le for m in field.metadata if hasattr(m, "le")), None)
+        text = "integer" + (f" >= {lo}" if lo is not None else "") + (f", <= {hi}" if hi is not None else "")
+    else:
+        text = "text"
+    return text + (" (or unset)" if nullable else "")
+
+
 def env_names() -> dict[str, str]:
     """Every accepted environment name (ours and aliases) -> field name."""
     out: dict[str, str] = {}
@@ -236,19 +272,41 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             allowed = "expected a boolean: 1/0, true/false, yes/no, on/off"
         else:
             allowed = e.get("ctx", {}).get("expected") or e["msg"]
+        if desc is not None and e.get("type") != "bool_parsing":
+            allowed += f" (allowed: {allowed_values(desc)})"
         lines.append(f"{env}={e.get('input')!r}: {allowed}" + (f" ({desc.description})" if desc else ""))
     return f"invalid metal-attn settings from {source}:\n  " + "\n  ".join(lines)
 
 
+#: Settings that are accepted but do nothing yet (a provider they would act on is not shipped):
+#: field -> why. Setting one warns, so that no setting does nothing silently.
+RESERVED_SETTINGS: dict[str, str] = {
+    "disable_nax": ("it is reserved for the M5 NAX prefill provider (nax_prefill), which this version does not "
+                    "ship: it disables nothing unless a plugin registers a provider of that name"),
+}
+
+
+def _warn_reserved(settings: Settings, changed: Any = None) -> None:
+    """Warn about every reserved setting that is on (``changed``: only those among these names)."""
+    for field, why in RESERVED_SETTINGS.items():
+        if getattr(settings, field) and (changed is None or field in changed):
+            msg = f"METAL_ATTN_{field.upper()} is set but has no effect: {why}"
+            warnings.warn(msg, UserWarning, stacklevel=4)
+            from metal_attn.log import get_logger
+
+            get_logger().warning("reserved_setting", setting=f"METAL_ATTN_{field.upper()}", reason=why)
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Read the environment (and ``overrides``), warn about unknown names, validate."""
+    """Read the environment (and ``overrides``), warn about unknown names and reserved settings in
+    use, validate."""
     for msg in _check_unknown_env(dict(os.environ)):
         warnings.warn(msg, UserWarning, stacklevel=3)
         from metal_attn.log import get_logger
 
         get_logger().warning("unknown_setting", reason=msg)
     try:
-        return Settings(**overrides)
+        loaded = Settings(**overrides)
     except ValidationError as err:
         source = (
             "overrides"
@@ -256,6 +314,8 @@ def load_settings(**overrides: Any) -> Settings:
             else "environment"
         )
         raise SettingsError(_format_validation_error(err, source)) from None
+    _warn_reserved(loaded)
+    return loaded
 
 
 _lock = threading.RLock()
@@ -312,6 +372,7 @@ def override_settings(**changes: Any) -> Iterator[Settings]:
         new = Settings.model_validate(data)
     except ValidationError as err:
         raise SettingsError(_format_validation_error(err, "overrides")) from None
+    _warn_reserved(new, changes)
     token = _override.set(new)
     scope = _epoch.enter_scope()
     try:

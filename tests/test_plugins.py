@@ -280,7 +280,7 @@ def test_process_registry_is_cached_and_rebuilt_when_plugin_settings_change(entr
     # Settings that do not concern plugins keep the same registry.
     again = plugins.get_registry()
     assert third_party(again, builtin) == ["third_party"]
-    with override_settings(gpu_cores=40, disable_nax=True):
+    with override_settings(gpu_cores=40, disable_tiled_prefill=True):
         assert plugins.get_registry() is again
     plugins.reset_registry()
     assert plugins.get_registry() is not again

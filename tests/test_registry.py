@@ -347,7 +347,7 @@ def test_explain_lists_every_provider_in_priority_order_with_reasons_and_plan():
 
     lines = str(exp).splitlines()
     assert lines[0] == repr(req)
-    assert lines[1] == "device: cpu test CPU x86_64 cores unknown"
+    assert lines[1] == "device: cpu test CPU x86_64 2 threads"
     assert lines[2:] == [
         "  no big (priority 100, from fakes)",
         "       - phase=decode (supported: prefill)",
@@ -399,7 +399,7 @@ def test_no_provider_error_prints_request_first_then_the_table(install):
     lines = str(err.value).splitlines()
     assert lines[0] == "no provider admits this request:"
     assert lines[1] == repr(req)
-    assert lines[2] == "device: cpu test CPU x86_64 cores unknown"
+    assert lines[2] == "device: cpu test CPU x86_64 2 threads"
     assert lines[3:] == [
         "  no big (priority 100, from fakes)",
         "       - phase=decode (supported: prefill)",

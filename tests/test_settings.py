@@ -126,12 +126,15 @@ def test_our_name_wins_over_the_upstream_alias(monkeypatch):
     ("var", "value", "allowed"),
     [
         ("METAL_ATTN_DISABLE_NAX", "maybe", "expected a boolean: 1/0, true/false, yes/no, on/off"),
-        ("METAL_ATTN_GPU_CORES", "0", "Input should be greater than or equal to 1"),
-        ("METAL_ATTN_GPU_CORES", "ten", "Input should be a valid integer"),
+        ("METAL_ATTN_GPU_CORES", "0", "Input should be greater than or equal to 1 (allowed: integer >= 1, <= 4096"),
+        ("METAL_ATTN_GPU_CORES", "5000", "Input should be less than or equal to 4096 (allowed: integer >= 1, <= 4096"),
+        ("METAL_ATTN_GPU_CORES", "ten", "Input should be a valid integer, unable to parse string as an integer "
+                                        "(allowed: integer >= 1, <= 4096 (or unset))"),
         ("METAL_ATTN_LOG_LEVEL", "verbose", "'debug', 'info', 'warning' or 'error'"),
         ("METAL_ATTN_LOG_FORMAT", "xml", "'console' or 'json'"),
         ("METAL_ATTN_BACKEND_OVERRIDE", "rocm", "'metal', 'cuda' or 'cpu'"),
-        ("METAL_ATTN_MAX_THREADGROUP_MEMORY", "512", "Input should be greater than or equal to 1024"),
+        ("METAL_ATTN_MAX_THREADGROUP_MEMORY", "512",
+         "Input should be greater than or equal to 1024 (allowed: integer >= 1024"),
     ],
 )
 def test_bad_value_names_variable_value_and_allowed(monkeypatch, var, value, allowed):
@@ -196,13 +199,16 @@ def test_renamed_table_points_at_live_variables():
 
 
 def test_known_names_do_not_warn(monkeypatch, recwarn):
+    """Known names are not 'unknown'; the only warning is the reserved NAX toggle's (it does nothing)."""
     for name in env_names():
         if name.startswith("METAL_ATTN_") and name.endswith(("_GQA_DECODE", "_NAX", "_PREFILL")):
             monkeypatch.setenv(name, "1")
     settings_mod.reload_settings()
-    assert [str(w.message) for w in recwarn if issubclass(w.category, UserWarning)] == []
+    warned = [str(w.message) for w in recwarn if issubclass(w.category, UserWarning)]
+    assert len(warned) == 1 and warned[0].startswith("METAL_ATTN_DISABLE_NAX is set but has no effect")
 
 
+@pytest.mark.filterwarnings("ignore:METAL_ATTN_DISABLE_NAX is set but has no effect")
 def test_override_settings_restores_and_nests():
     before = get_settings()
     with override_settings(gpu_cores=40, disable_nax=True) as outer:
@@ -364,3 +370,23 @@ def test_every_field_has_a_description_and_an_env_name():
     for name, field in Settings.model_fields.items():
         assert field.description, f"{name} has no description"
         assert f"METAL_ATTN_{name.upper()}" in live
+
+
+def test_reserved_nax_toggle_is_documented_and_warned_about(monkeypatch, log_records):
+    """METAL_ATTN_DISABLE_NAX has no provider to act on in this version: it is marked reserved in its
+    description, and setting it (environment, upstream alias or override) warns; leaving it off does not."""
+    assert Settings.model_fields["disable_nax"].description.startswith("Reserved:")
+    assert "disable_nax" in settings_mod.RESERVED_SETTINGS
+    with pytest.warns(UserWarning, match=r"DISABLE_NAX is set but has no effect: it is reserved for the M5 NAX"):
+        load(monkeypatch, VLLM_METAL_DISABLE_NAX="1")
+    assert log_records("reserved_setting")[-1].setting == "METAL_ATTN_DISABLE_NAX"
+    with pytest.warns(UserWarning, match=r"METAL_ATTN_DISABLE_NAX is set but has no effect"), \
+            override_settings(disable_nax=True):
+        pass
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load(monkeypatch, VLLM_METAL_DISABLE_NAX="0")
+        with override_settings(gpu_cores=4):  # the toggle is off: nothing to warn about
+            pass
