@@ -12,6 +12,7 @@ from metal_attn import _epoch, diagnostics
 from metal_attn.constants import DTYPES, KERNEL_BLOCK_SIZES
 from metal_attn.device import DeviceInfo, current_device
 from metal_attn.errors import InvalidInputError
+from metal_attn.log import warn_once
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.plugins import get_registry
 from metal_attn.provider import AttentionInputs
@@ -235,7 +236,10 @@ def _select(
         sliding_window=int(sliding_window) if sliding_window is not None else None,
         softcap=float(softcap) if softcap is not None else None,
     )
-    sel = get_registry().select(request, device, settings, forced=provider)
+    registry = get_registry()
+    sel = registry.select(request, device, settings, forced=provider)
+    if sel.provider.name == FALLBACK_PROVIDER and not (provider or settings.provider):
+        _warn_slow_fallback(registry, request, device, settings)
     record = diagnostics.DispatchRecord(
         "paged_attention",
         sel.provider.name,
@@ -246,6 +250,29 @@ def _select(
         request,
     )
     return sel, eff, ratio, record, poison
+
+
+#: The always-available fallback: correct everywhere, fast nowhere.
+FALLBACK_PROVIDER = "reference"
+
+
+def _warn_slow_fallback(registry: Any, request: AttentionRequest, device: DeviceInfo, settings: Any) -> None:
+    """The automatic choice fell back to the reference provider although a kernel provider is
+    available here: say so once per reason (a float32 q over a float16 cache used to land there
+    silently), naming what each kernel refused."""
+    table = registry.explain(request, device, settings)
+    refusals = [(r.name, r.reasons) for r in table.rows
+                if r.name != FALLBACK_PROVIDER and not r.admitted
+                and not registry.availability_reasons(registry.get(r.name), device)]
+    if not refusals:
+        return
+    reasons = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals)
+    hint = (f" (cast q to the cache dtype, {request.cache_dtype}, to use the kernels)"
+            if request.dtype != request.cache_dtype else "")
+    warn_once("slow_fallback", (request.dtype, request.cache_dtype, reasons), provider=FALLBACK_PROVIDER,
+              reason=f"paged_attention runs on the reference provider (gather + dense MLX ops: correct, slow) "
+                     f"because no kernel provider admits the request: {reasons}{hint}",
+              request=repr(request))
 
 
 def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array:

@@ -311,7 +311,8 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     con.print(_table("decision (highest priority first)",
                      ["provider", "priority", "origin", "verdict", "reasons", "plan"], rows))
     if exp.chosen is None:
-        con.print("no provider admits this request", style="red")
+        unknown = [x for r in exp.rows if r.name == exp.forced for x in r.reasons if " is not registered " in x]
+        con.print(unknown[0] if unknown else "no provider admits this request", style="red", markup=False)
         return 1
     return 0
 

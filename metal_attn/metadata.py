@@ -130,10 +130,14 @@ class AttentionMetadata:
             )
         bad = np.nonzero(sl < q_lens)[0]
         if bad.size:
+            # Either array may be the wrong one (e.g. cu_seqlens_q=[0, 1, 30] meant for 30 decode
+            # rows of 30 sequences): name both, with the values that disagree.
             i = int(bad[0])
             raise InvalidInputError(
-                f"seq_lens[{i}]={int(sl[i])} is smaller than that sequence's q_len={int(q_lens[i])} "
-                f"(seq_lens counts this step's tokens too, so seq_len >= q_len)"
+                f"sequence {i} has q_len={int(q_lens[i])} query rows (cu_seqlens_q[{i}]={int(cu[i])} to "
+                f"cu_seqlens_q[{i + 1}]={int(cu[i + 1])}) but seq_lens[{i}]={int(sl[i])} KV tokens; seq_lens "
+                f"counts this step's tokens too, so seq_len >= q_len: check cu_seqlens_q (prefix sums of the query "
+                f"rows per sequence, {n + 1} entries) and seq_lens ({n} sequences)"
             )
         if bt.shape[1] == 0:
             raise InvalidInputError("block_tables has 0 columns: each sequence needs at least one block")

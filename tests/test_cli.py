@@ -179,9 +179,12 @@ def test_explain_forced_provider(capsys):
     code, data = run_json(capsys, "explain", "--provider", "no_such_provider")
     assert code == 1
     assert data["chosen"] is None
-    assert data["providers"][-1]["reasons"] == ["provider='no_such_provider' is not registered"]
+    registered = ", ".join(p["name"] for p in metal_attn.providers())
+    assert data["providers"][-1]["reasons"] == [f"provider='no_such_provider' is not registered (registered: "
+                                                f"{registered})"]
     code, out, _ = run(capsys, "explain", "--provider", "no_such_provider")
-    assert code == 1 and "no provider admits this request" in out
+    assert code == 1
+    assert out.splitlines()[-1] == f"provider='no_such_provider' is not registered (registered: {registered})"
 
 
 # -- bad flags -------------------------------------------------------------------------------------

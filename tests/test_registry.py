@@ -473,7 +473,7 @@ def test_forced_provider_that_is_not_registered(install):
 def test_explain_with_unregistered_forced_provider_chooses_nothing():
     reg = registry_from([ProvidersPlugin(*standard_providers())])
     exp = reg.explain(decode_request(), CPU, settings_mod.get_settings(), forced="nope")
-    assert exp.rows[-1].reasons == ("provider='nope' is not registered",)
+    assert exp.rows[-1].reasons == ("provider='nope' is not registered (registered: big, metal_only, good, also_ok)",)
     assert exp.chosen is None
 
 
