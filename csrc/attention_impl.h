@@ -605,6 +605,32 @@ static void reduce_item_t(const Job& job, int item) {
   for (int d = 0; d < D; ++d) store_scalar<DT>(job.out, ob + d, accum[d] * inv);
 }
 
+// ---- the bandwidth probe: read [begin, end) bytes as fast as this unit can ---------------
+
+// Four independent accumulators of W-float vectors (integer adds on the raw bits: no FP latency
+// chain, nothing the compiler may drop), one 64-byte line per step; the tail byte by byte.
+uint64_t read_span(const char* p, int64_t n) {
+  const int64_t step = 4 * static_cast<int64_t>(sizeof(vu));
+  vu a{}, b{}, c{}, d{};
+  int64_t i = 0;
+  for (; i + step <= n; i += step) {
+    vu x, y, z, w;
+    std::memcpy(&x, p + i, sizeof(vu));
+    std::memcpy(&y, p + i + sizeof(vu), sizeof(vu));
+    std::memcpy(&z, p + i + 2 * sizeof(vu), sizeof(vu));
+    std::memcpy(&w, p + i + 3 * sizeof(vu), sizeof(vu));
+    a += x;
+    b += y;
+    c += z;
+    d += w;
+  }
+  vu t = (a ^ b) + (c ^ d);
+  uint64_t sum = 0;
+  for (int k = 0; k < W; ++k) sum += t[k];
+  for (; i < n; ++i) sum += static_cast<unsigned char>(p[i]);
+  return sum;
+}
+
 void reduce_item(const Job& job, int item) {
   switch (job.dtype) {
     case kFloat32: reduce_item_t<kFloat32>(job, item); break;
