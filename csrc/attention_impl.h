@@ -212,10 +212,16 @@ static inline float hsum(vf v) {
 
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
+// Lanes that hold a NaN or an infinity (all bits set), and NaN written into them.
+static inline vu nonfinite_lanes(vf x) { return (vu)((f_to_bits(x) & 0x7fffffffu) >= 0x7f800000u); }
+static inline vf nan_where(vu lanes, vf x) { return bits_to_f((f_to_bits(x) & ~lanes) | (0x7fc00000u & lanes)); }
+
 // 2^x for every lane: round-to-nearest range reduction and a degree-6 Taylor
 // polynomial on [-0.5, 0.5] (relative error < 2e-7). Inputs at or below -127
-// give exactly 0 (so exp2(-FLT_MAX - m) == 0); inputs above 128 give +inf.
+// give exactly 0 (so exp2(-FLT_MAX - m) == 0); inputs above 128 give +inf; NaN
+// gives NaN (a NaN score must reach the row's sums, never become a weight of 0).
 static inline vf exp2v(vf x) {
+  const vu nan_lanes = (vu)(x != x);
   x = vmax(x, splat(-127.0f));
   x = x < splat(129.0f) ? x : splat(129.0f);
   vf xr = x + splat(0.5f);
@@ -242,7 +248,7 @@ static inline vf exp2v(vf x) {
   vf scale2 = bits_to_f(bits << 23);
   vf r = p * scale2;
   // 2^n with n = 128 is inf; inf * p stays inf. Lanes with e == 0 give 0 * p = 0.
-  return r;
+  return bits_to_f((f_to_bits(r) & ~nan_lanes) | (0x7fc00000u & nan_lanes));
 }
 
 // c * tanh(s / c) * log2(e), with tanh(y) = 1 - 2 / (exp(2y) + 1).
@@ -322,22 +328,30 @@ static inline void attend_chunk(const void* kbase, const void* vbase, int64_t to
     }
     for (int j = 0; j < NQ; ++j) s[j][t] = hsum(a[j]);
   }
-  for (int j = 0; j < NQ; ++j)
-    for (int t = n; t < kChunk; ++t) s[j][t] = kNegMax;
 
   // Online softmax update, one chunk at a time.
   alignas(64) float p[NQ][kChunk];
   float alpha[NQ];
+  constexpr int NV = kChunk / W;
   for (int j = 0; j < NQ; ++j) {
-    if (softcap > 0.0f) {
-      for (int i = 0; i < kChunk; i += W) storeu(&s[j][i], softcap_log2(loadu(&s[j][i]), softcap));
-      for (int t = n; t < kChunk; ++t) s[j][t] = kNegMax;  // padding stays masked
+    // A NaN or infinite dot product (a non-finite q or K element) becomes a NaN score, softcap or
+    // not: exp2 keeps it NaN, so the row's sums turn NaN instead of dropping the key (-inf) or
+    // taking a finite capped value (tanh of +-inf).
+    for (int i = 0; i < NV; ++i) {
+      vf sv = loadu(&s[j][i * W]);
+      const vu bad = nonfinite_lanes(sv);
+      if (softcap > 0.0f) sv = softcap_log2(sv, softcap);
+      storeu(&s[j][i * W], nan_where(bad, sv));
     }
-    constexpr int NV = kChunk / W;
-    vf mv = loadu(&s[j][0]);
-    for (int i = 1; i < NV; ++i) mv = vmax(mv, loadu(&s[j][i * W]));
-    float cmax = mv[0];
-    for (int i = 1; i < W; ++i) cmax = mv[i] > cmax ? mv[i] : cmax;
+    for (int t = n; t < kChunk; ++t) s[j][t] = kNegMax;  // padding stays masked
+    // The chunk's maximum ignores NaN scores (x > mv is false for them).
+    vf mv = splat(kNegMax);
+    for (int i = 0; i < NV; ++i) {
+      const vf x = loadu(&s[j][i * W]);
+      mv = x > mv ? x : mv;
+    }
+    float cmax = kNegMax;
+    for (int i = 0; i < W; ++i) cmax = mv[i] > cmax ? mv[i] : cmax;
     const float m_old = *qs[j].m;
     const float m_new = cmax > m_old ? cmax : m_old;
     // m_old == -FLT_MAX (fresh state): exp2 of a huge negative number is 0.
@@ -589,6 +603,32 @@ static void reduce_item_t(const Job& job, int item) {
   const float inv = 1.0f / (total + kEps);
   const int64_t ob = (t * job.H + h) * D;
   for (int d = 0; d < D; ++d) store_scalar<DT>(job.out, ob + d, accum[d] * inv);
+}
+
+// ---- the bandwidth probe: read [begin, end) bytes as fast as this unit can ---------------
+
+// Four independent accumulators of W-float vectors (integer adds on the raw bits: no FP latency
+// chain, nothing the compiler may drop), one 64-byte line per step; the tail byte by byte.
+uint64_t read_span(const char* p, int64_t n) {
+  const int64_t step = 4 * static_cast<int64_t>(sizeof(vu));
+  vu a{}, b{}, c{}, d{};
+  int64_t i = 0;
+  for (; i + step <= n; i += step) {
+    vu x, y, z, w;
+    std::memcpy(&x, p + i, sizeof(vu));
+    std::memcpy(&y, p + i + sizeof(vu), sizeof(vu));
+    std::memcpy(&z, p + i + 2 * sizeof(vu), sizeof(vu));
+    std::memcpy(&w, p + i + 3 * sizeof(vu), sizeof(vu));
+    a += x;
+    b += y;
+    c += z;
+    d += w;
+  }
+  vu t = (a ^ b) + (c ^ d);
+  uint64_t sum = 0;
+  for (int k = 0; k < W; ++k) sum += t[k];
+  for (; i < n; ++i) sum += static_cast<unsigned char>(p[i]);
+  return sum;
 }
 
 void reduce_item(const Job& job, int item) {

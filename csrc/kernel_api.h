@@ -62,6 +62,7 @@ struct Job {
   namespace ns {                                                    \
   void attend_unit(const Job& job, int unit, float* work);          \
   void reduce_item(const Job& job, int item);                       \
+  uint64_t read_span(const char* p, int64_t n);                     \
   }
 
 MA_DECLARE_ISA(isa_portable)

@@ -28,6 +28,9 @@ num_threads=0 uses every hardware thread; isa is auto, avx512, avx2 or portable.
         "slot_mapping"_a,
         "Scatter key/value rows into the pools at slot_mapping (negative slots skipped); returns the new pools.");
 
+  m.def("read_bytes", &ma::read_bytes, "a"_a, "num_threads"_a = 0, "isa"_a = "auto",
+        "Read every byte of a's buffer (evaluated first) with num_threads workers (0: every hardware thread) "
+        "and the widest vector loads; returns a checksum. Timed, it is the CPU's read-bandwidth ceiling.");
   m.def("supported_isas", &ma::supported_isas, "Kernel instruction sets this CPU can run, best first.");
   m.def("resolve_isa", [](const std::string& name) { return ma::isa_name(ma::resolve_isa(name)); }, "name"_a = "auto",
         "The instruction set a given choice runs ('auto': the best supported).");

@@ -41,14 +41,15 @@ bool cpu_supports(Isa isa) {
 struct IsaFns {
   void (*attend)(const Job&, int, float*);
   void (*reduce)(const Job&, int);
+  uint64_t (*read)(const char*, int64_t);
 };
 
 IsaFns isa_fns(Isa isa) {
 #if defined(MA_HAVE_X86_ISAS)
-  if (isa == Isa::kAvx512) return {isa_avx512::attend_unit, isa_avx512::reduce_item};
-  if (isa == Isa::kAvx2) return {isa_avx2::attend_unit, isa_avx2::reduce_item};
+  if (isa == Isa::kAvx512) return {isa_avx512::attend_unit, isa_avx512::reduce_item, isa_avx512::read_span};
+  if (isa == Isa::kAvx2) return {isa_avx2::attend_unit, isa_avx2::reduce_item, isa_avx2::read_span};
 #endif
-  return {isa_portable::attend_unit, isa_portable::reduce_item};
+  return {isa_portable::attend_unit, isa_portable::reduce_item, isa_portable::read_span};
 }
 
 // ---- array helpers -----------------------------------------------------------------------
@@ -445,6 +446,29 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_cache, const mx
     inputs.push_back(*sinks);
   }
   return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(cpu_stream(), p), std::move(inputs));
+}
+
+// ---- the bandwidth probe -----------------------------------------------------------------------
+
+uint64_t read_bytes(const mx::array& a, int num_threads, const std::string& isa) {
+  if (num_threads < 0)
+    throw std::invalid_argument("num_threads=" + std::to_string(num_threads) +
+                                " (allowed: 0 for every hardware thread, or >= 1)");
+  mx::array x = a;
+  x.eval();
+  const int threads = num_threads > 0 ? num_threads : ThreadPool::hardware_threads();
+  const IsaFns fns = isa_fns(resolve_isa(isa));
+  const char* base = x.data<char>();
+  const int64_t n = static_cast<int64_t>(x.nbytes());
+  // Contiguous shares, one per item; several items per thread so that an uneven thread keeps up.
+  const int items = std::max(1, threads * 4);
+  const int64_t share = ((n + items - 1) / items + 63) / 64 * 64;
+  std::vector<uint64_t> sums(items, 0);
+  ThreadPool::instance().run(threads, items, [&](int i, int) {
+    const int64_t lo = std::min<int64_t>(n, i * share), hi = std::min<int64_t>(n, lo + share);
+    sums[i] = fns.read(base + lo, hi - lo);
+  });
+  return std::accumulate(sums.begin(), sums.end(), uint64_t{0});
 }
 
 // ---- reshape_and_cache -----------------------------------------------------------------------

@@ -61,6 +61,10 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_cache, const mx
                           float softcap, int sliding_window, int partition_size, int num_threads,
                           const std::string& isa);
 
+// Read every byte of `a`'s buffer (evaluated first) with `num_threads` workers of the kernels' pool and
+// the widest vector loads `isa` has, returning a checksum: the CPU's read-bandwidth ceiling.
+uint64_t read_bytes(const mx::array& a, int num_threads, const std::string& isa);
+
 std::vector<mx::array> reshape_and_cache(const mx::array& key, const mx::array& value, const mx::array& k_cache,
                                          const mx::array& v_cache, const mx::array& slot_mapping);
 

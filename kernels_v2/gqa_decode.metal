@@ -137,10 +137,11 @@ for (int b = first_block; b <= last_block; ++b) {
           }
         }
         ma_simd_sum4(d0, d1, d2, d3);  // simd_sum of each, all four on every lane
-        const float s0 = d0;
-        const float s1 = d1;
-        const float s2 = d2;
-        const float s3 = d3;
+        // A non-finite dot (NaN/Inf in q or K) is a NaN score: the sums turn NaN, the key is not dropped.
+        const float s0 = ma_finite_or_nan(d0);
+        const float s1 = ma_finite_or_nan(d1);
+        const float s2 = ma_finite_or_nan(d2);
+        const float s3 = ma_finite_or_nan(d3);
         const float m4 = metal::max(metal::max(s0, s1), metal::max(s2, s3));
         // No sentinel max: the first step takes its own max and rescales nothing.
         const float m_new = first ? m4 : metal::max(m, m4);
@@ -179,7 +180,7 @@ for (int b = first_block; b <= last_block; ++b) {
             d += qr[4 * v + i] * kt[i];
           }
         }
-        const float s = simd_sum(d);
+        const float s = ma_finite_or_nan(simd_sum(d));
         const float m_new = first ? s : metal::max(m, s);
         const float alpha = first ? 0.0f : metal::exp2(m - m_new);
         const float p = metal::exp2(s - m_new);

@@ -31,7 +31,11 @@ struct bfloat16_t {
 };
 typedef half float16_t;
 
+template <typename T, typename U>
+T as_type(U);
+
 namespace metal {
+bool isfinite(float);
 enum class mem_flags { mem_none, mem_device, mem_threadgroup, mem_texture };
 void threadgroup_barrier(mem_flags);
 void simdgroup_barrier(mem_flags);

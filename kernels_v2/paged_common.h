@@ -5,8 +5,10 @@
 // A raw q.k dot product -> score in log2 space.
 // Without softcap, `scale` already carries log2(e); with softcap c > 0 the cap
 // is applied to the natural-log score first: c * tanh(s / c), then * log2(e).
+// A dot product that is not finite (a NaN or infinity in q or K) gives a NaN score, softcap or
+// not: the row's sums then turn NaN instead of the key being dropped (-inf) or capped (+-c).
 MA_FUNC float ma_score(float dot, float scale, float softcap) {
-  float s = dot * scale;
+  float s = ma_finite_or_nan(dot) * scale;
   if (softcap > 0.0f) {
     s = softcap * metal::tanh(s / softcap) * MA_LOG2E;
   }

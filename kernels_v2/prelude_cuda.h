@@ -95,6 +95,12 @@ MA_FUNC float exp2(float x) { return exp2f(x); }
 }  // namespace fast
 }  // namespace metal
 
+// Non-finite values (the NaN contract): exponent bits all set is a NaN or an infinity; a
+// non-finite score becomes NaN (bit tests: independent of any fast-math option).
+MA_FUNC bool ma_isfinite(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
+MA_FUNC float ma_nan() { return __uint_as_float(0x7fc00000u); }
+MA_FUNC float ma_finite_or_nan(float x) { return ma_isfinite(x) ? x : __uint_as_float(0x7fc00000u); }
+
 // Element conversions.
 MA_FUNC float ma_to_float(float x) { return x; }
 MA_FUNC float ma_to_float(__half x) { return __half2float(x); }

@@ -5,6 +5,20 @@
 
 #define MA_FUNC inline
 
+// Non-finite values (the NaN contract, docs/providers.md): a score that is not finite (a NaN or
+// infinite q or K element) becomes NaN, so exp2 keeps it NaN and the row's sums turn NaN, instead
+// of exp2(-inf) = 0 silently dropping the key. MLX builds Metal kernels without fast math, so
+// isfinite is honoured.
+MA_FUNC bool ma_isfinite(float x) {
+  return metal::isfinite(x);
+}
+MA_FUNC float ma_nan() {
+  return as_type<float>(0x7fc00000u);
+}
+MA_FUNC float ma_finite_or_nan(float x) {
+  return metal::isfinite(x) ? x : ma_nan();
+}
+
 // Element conversions (float16_t, bfloat16_t, float <-> float).
 template <typename U>
 MA_FUNC float ma_to_float(U x) {

@@ -14,7 +14,11 @@
 // online softmax in log2 space (a row's maximum and sum reduced over the four lanes that
 // hold it), and O += P V with P in float. Causal rule per row as in the per-token kernel;
 // tiles left of a sliding window are never loaded, and a simdgroup skips the arithmetic
-// of tiles that lie entirely outside its rows' windows.
+// of tiles that lie entirely outside its rows' windows. Non-finite values follow the NaN
+// contract (docs/providers.md): a non-finite q or K element gives a NaN score (ma_score); on a
+// tile where some row of the tile does not attend every key, a non-finite V element is replaced
+// by 0 and its key's K elements by NaN, so the rows attending that key get a NaN score and the
+// others, whose masked scores are replaced, nothing (the V row would reach them as 0 * NaN).
 // Inputs : q [T, H, D], k_cache/v_cache [NB, BS, KVH, D], block_tables [S, MB] int32,
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32,
 //          tiles [N, 2] int32 (sequence, first query row of the tile within it),
@@ -107,6 +111,8 @@ for (int b = 0; b < RB; ++b) {
 
 threadgroup T k_tile[BKV * LD];
 threadgroup T v_tile[BKV * LD];
+// Keys from which every row of the tile is inside its window (the last row's window start).
+const int tile_full_lo = window > 0 ? metal::max(ctx0 + row0 + tile_rows - window, 0) : 0;
 const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
 const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
@@ -142,6 +148,23 @@ for (int kt = kv_begin; kt < kv_end; kt += BKV) {
         for (int z = 0; z < 4; ++z) {
           k_tile[t * LD + e + z] = ma_from_float<T>(0.0f);
           v_tile[t * LD + e + z] = ma_from_float<T>(0.0f);
+        }
+      }
+    }
+  }
+  // Unless every row of the tile attends every key of this tile (uniform over the threadgroup;
+  // then a non-finite V element reaches them all through the product itself), each thread
+  // re-reads the V chunks it just stored: a non-finite one becomes 0 and the key's K chunk NaN.
+  if (!(kt + BKV <= ctx0 + row0 + 1 && kt >= tile_full_lo)) {
+    // (Keys past the tile's end hold zeros: finite, so no bound check is needed.)
+#pragma unroll 1
+    for (int c = tid; c < BKV * V4; c += NUM_THREADS) {
+      const int i = (c / V4) * LD + (c % V4) * 4;
+      if (!(ma_isfinite(ma_to_float(v_tile[i])) && ma_isfinite(ma_to_float(v_tile[i + 1])) &&
+            ma_isfinite(ma_to_float(v_tile[i + 2])) && ma_isfinite(ma_to_float(v_tile[i + 3])))) {
+        for (int z = 0; z < 4; ++z) {
+          k_tile[i + z] = ma_from_float<T>(ma_nan());
+          v_tile[i + z] = ma_from_float<T>(0.0f);
         }
       }
     }

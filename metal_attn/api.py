@@ -12,6 +12,7 @@ from metal_attn import _epoch, diagnostics
 from metal_attn.constants import DTYPES, KERNEL_BLOCK_SIZES
 from metal_attn.device import DeviceInfo, current_device
 from metal_attn.errors import InvalidInputError
+from metal_attn.log import warn_once
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.plugins import get_registry
 from metal_attn.provider import AttentionInputs
@@ -169,7 +170,7 @@ def paged_attention(
     if hit is None:
         hit = _select(md, q, k_cache, num_heads, sinks, sliding_window, softcap, provider)
         md._selections[key] = hit
-    sel, eff_md, ratio, record = hit
+    sel, eff_md, ratio, record, poison = hit
     if ratio > 1:
         nb, bs, kvh, d = k_cache.shape
         k_cache = k_cache.reshape(nb * ratio, bs // ratio, kvh, d)
@@ -187,6 +188,8 @@ def paged_attention(
         float(softcap) if softcap is not None else None,
     )
     out = sel.provider.run(inputs, sel.plan)
+    if poison is not None:  # validate_metadata off and a table outside the pool: those rows are NaN
+        out = mx.where(poison, mx.array(float("nan"), dtype=out.dtype), out)
     diagnostics.record(record)
     return out
 
@@ -205,8 +208,10 @@ def _select(
     nb, page, kvh, head = k_cache.shape
     kbs = kernel_block_size(page)
     ratio = page // kbs if kbs else 1
-    md.check_against_pool(nb, page)  # in the caller's terms (pages), before any split
-    eff = md.split_blocks(ratio)
+    # In the caller's terms (pages), before any split: raises on a bad table (validation on), or
+    # gives a table every provider can read safely and the rows to make NaN (validation off).
+    safe, poison = md.pool_guard(nb, page)
+    eff = safe.split_blocks(ratio)
     device = current_device()
     settings = get_settings()
     if settings.diagnostics and not diagnostics.history_enabled():
@@ -231,7 +236,10 @@ def _select(
         sliding_window=int(sliding_window) if sliding_window is not None else None,
         softcap=float(softcap) if softcap is not None else None,
     )
-    sel = get_registry().select(request, device, settings, forced=provider)
+    registry = get_registry()
+    sel = registry.select(request, device, settings, forced=provider)
+    if sel.provider.name == FALLBACK_PROVIDER and not (provider or settings.provider):
+        _warn_slow_fallback(registry, request, device, settings)
     record = diagnostics.DispatchRecord(
         "paged_attention",
         sel.provider.name,
@@ -241,7 +249,30 @@ def _select(
         sel.fallbacks,
         request,
     )
-    return sel, eff, ratio, record
+    return sel, eff, ratio, record, poison
+
+
+#: The always-available fallback: correct everywhere, fast nowhere.
+FALLBACK_PROVIDER = "reference"
+
+
+def _warn_slow_fallback(registry: Any, request: AttentionRequest, device: DeviceInfo, settings: Any) -> None:
+    """The automatic choice fell back to the reference provider although a kernel provider is
+    available here: say so once per reason (a float32 q over a float16 cache used to land there
+    silently), naming what each kernel refused."""
+    table = registry.explain(request, device, settings)
+    refusals = [(r.name, r.reasons) for r in table.rows
+                if r.name != FALLBACK_PROVIDER and not r.admitted
+                and not registry.availability_reasons(registry.get(r.name), device)]
+    if not refusals:
+        return
+    reasons = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals)
+    hint = (f" (cast q to the cache dtype, {request.cache_dtype}, to use the kernels)"
+            if request.dtype != request.cache_dtype else "")
+    warn_once("slow_fallback", (request.dtype, request.cache_dtype, reasons), provider=FALLBACK_PROVIDER,
+              reason=f"paged_attention runs on the reference provider (gather + dense MLX ops: correct, slow) "
+                     f"because no kernel provider admits the request: {reasons}{hint}",
+              request=repr(request))
 
 
 def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array:

@@ -17,9 +17,7 @@ import os
 import platform
 import sys
 import types
-import typing
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from metal_attn.constants import DTYPES
@@ -313,7 +311,8 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     con.print(_table("decision (highest priority first)",
                      ["provider", "priority", "origin", "verdict", "reasons", "plan"], rows))
     if exp.chosen is None:
-        con.print("no provider admits this request", style="red")
+        unknown = [x for r in exp.rows if r.name == exp.forced for x in r.reasons if " is not registered " in x]
+        con.print(unknown[0] if unknown else "no provider admits this request", style="red", markup=False)
         return 1
     return 0
 
@@ -437,35 +436,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 # -- settings ----------------------------------------------------------------------------------------
 
-def _strip_optional(annotation: Any) -> tuple[Any, bool]:
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0], True
-    return annotation, False
-
-
 def allowed_values(field: Any) -> str:
-    """A short description of what a settings field accepts, from its type and bounds."""
-    ann, nullable = _strip_optional(field.annotation)
-    if typing.get_origin(ann) is typing.Annotated:
-        ann = typing.get_args(ann)[0]
-    if ann is bool:
-        text = "1/0, true/false"
-    elif typing.get_origin(ann) is typing.Literal:
-        text = ", ".join(str(a) for a in typing.get_args(ann))
-    elif typing.get_origin(ann) is tuple:
-        text = "comma-separated names"
-    elif ann in (int, float):
-        bounds = [(op, getattr(m, attr)) for m in field.metadata for attr, op in
-                  (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if getattr(m, attr, None) is not None]
-        text = ("integer" if ann is int else "number") + (" " if bounds else "") + ", ".join(
-            f"{op} {v}" for op, v in bounds)
-    elif ann is Path:
-        text = "a folder path"
-    else:
-        text = "text"
-    return text + (" (or unset)" if nullable else "")
+    """A short description of what a settings field accepts (`metal_attn.settings.allowed_values`)."""
+    from metal_attn.settings import allowed_values as _allowed
+
+    return _allowed(field)
 
 
 def _show(value: Any) -> str:

@@ -59,7 +59,10 @@ class DeviceInfo:
             parts.append(self.name)
         if self.architecture:
             parts.append(self.architecture)
-        parts.append(f"{self.gpu_cores} cores" if self.gpu_cores is not None else "cores unknown")
+        if self.backend == "cpu":  # no GPU here: the CPU kernels' threads are what counts
+            parts.append(f"{self.cpu_threads} threads" if self.cpu_threads else "threads unknown")
+        else:
+            parts.append(f"{self.gpu_cores} cores" if self.gpu_cores is not None else "cores unknown")
         if self.hypothetical:
             parts.append("(hypothetical)")
         return " ".join(parts)

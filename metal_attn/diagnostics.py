@@ -29,20 +29,24 @@ class DispatchRecord:
 _last: DispatchRecord | None = None
 _last_cache_write: DispatchRecord | None = None
 _history: list[DispatchRecord] | None = None
+#: The lists of the `collect` blocks open now (any thread); each gets every dispatch.
+_collectors: list[list[DispatchRecord]] = []
 _history_lock = threading.Lock()
 
 
 def record(rec: DispatchRecord) -> None:
-    """Store ``rec`` as the last dispatch (and append it while collecting)."""
+    """Store ``rec`` as the last dispatch (and append it to the history and open collections)."""
     global _last, _last_cache_write
     if rec.op == "reshape_and_cache":
         _last_cache_write = rec
     else:
         _last = rec
-    if _history is not None:
+    if _history is not None or _collectors:
         with _history_lock:
             if _history is not None:
                 _history.append(rec)
+            for c in _collectors:
+                c.append(rec)
 
 
 def last_dispatch() -> DispatchRecord | None:
@@ -74,19 +78,18 @@ def history() -> list[DispatchRecord]:
 
 @contextlib.contextmanager
 def collect() -> Iterator[list[DispatchRecord]]:
-    """Collect every dispatch made inside the block into the yielded list."""
-    global _history
+    """Collect every dispatch made while the block is open (by any thread: dispatch records are
+    process-wide) into the yielded list. Blocks nest and may overlap across threads: each gets what
+    happened while it was open, and leaving one never closes or leaks another."""
+    mine: list[DispatchRecord] = []
     with _history_lock:
-        previous = _history
-        mine: list[DispatchRecord] = []
-        _history = mine
+        _collectors.append(mine)
     try:
         yield mine
     finally:
         with _history_lock:
-            if previous is not None:
-                previous.extend(mine)
-            _history = previous
+            # By identity: two collections holding the same records compare equal.
+            _collectors[:] = [c for c in _collectors if c is not mine]
 
 
 def reset() -> None:
@@ -96,3 +99,4 @@ def reset() -> None:
     _last_cache_write = None
     with _history_lock:
         _history = None
+        _collectors.clear()

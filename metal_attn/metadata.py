@@ -51,8 +51,8 @@ class AttentionMetadata:
     validate: bool = True
     _block_tables_host: np.ndarray | None = dataclasses.field(default=None, repr=False)
     # Caches: init=False, so every instance (`dataclasses.replace` too) starts them empty.
-    #: (num_blocks, block_size) pairs the block table was already checked against.
-    _checked_pools: set = dataclasses.field(default_factory=set, repr=False, init=False)
+    #: Per (num_blocks, block_size): the metadata to run with and the rows to poison (`pool_guard`).
+    _guards: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
     #: Selection cache (filled by `paged_attention`): per-layer key -> (selection, metadata, ratio, record).
     _selections: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
     #: Block tables re-expressed for smaller kernel blocks: ratio -> metadata.
@@ -96,8 +96,9 @@ class AttentionMetadata:
         ``cu_seqlens_q`` starting at 0 and non-decreasing, ``1 <= q_len <= seq_len``)
         always run; they cost microseconds on host copies the call needs anyway.
         Block-id range and table-length checks need the pool and run on first use
-        (`check_against_pool`), unless ``validate`` (default: the
-        ``METAL_ATTN_VALIDATE_METADATA`` setting) is off.
+        (`pool_guard`): with ``validate`` (default: the ``METAL_ATTN_VALIDATE_METADATA``
+        setting) on, a bad table raises; off, the sequences it concerns give NaN rows and
+        nothing is read outside the pool.
         """
         if validate is None:
             from metal_attn.settings import get_settings
@@ -129,10 +130,14 @@ class AttentionMetadata:
             )
         bad = np.nonzero(sl < q_lens)[0]
         if bad.size:
+            # Either array may be the wrong one (e.g. cu_seqlens_q=[0, 1, 30] meant for 30 decode
+            # rows of 30 sequences): name both, with the values that disagree.
             i = int(bad[0])
             raise InvalidInputError(
-                f"seq_lens[{i}]={int(sl[i])} is smaller than that sequence's q_len={int(q_lens[i])} "
-                f"(seq_lens counts this step's tokens too, so seq_len >= q_len)"
+                f"sequence {i} has q_len={int(q_lens[i])} query rows (cu_seqlens_q[{i}]={int(cu[i])} to "
+                f"cu_seqlens_q[{i + 1}]={int(cu[i + 1])}) but seq_lens[{i}]={int(sl[i])} KV tokens; seq_lens "
+                f"counts this step's tokens too, so seq_len >= q_len: check cu_seqlens_q (prefix sums of the query "
+                f"rows per sequence, {n + 1} entries) and seq_lens ({n} sequences)"
             )
         if bt.shape[1] == 0:
             raise InvalidInputError("block_tables has 0 columns: each sequence needs at least one block")
@@ -156,28 +161,65 @@ class AttentionMetadata:
         )
 
     def check_against_pool(self, num_blocks: int, block_size: int) -> None:
-        """Check table lengths and block ids against a pool (once per pool geometry)."""
+        """Raise `InvalidInputError` if a table is too short for its ``seq_len`` or a block id it
+        uses is outside the pool (once per pool geometry; nothing when ``validate`` is off)."""
+        if self.validate:
+            self.pool_guard(num_blocks, block_size)
+
+    def pool_guard(self, num_blocks: int, block_size: int) -> tuple[AttentionMetadata, mx.array | None]:
+        """The metadata to run against a pool of ``num_blocks`` blocks of ``block_size`` tokens, and
+        the query rows to make NaN (``[total_q_tokens, 1, 1]`` bool, or ``None``), computed once per
+        pool geometry with vectorized checks on the host copy of the table.
+
+        A sequence is *bad* when its table row is shorter than ``ceil(seq_len / block_size)`` or an
+        entry it uses is outside ``0..num_blocks-1``. With ``validate`` on, the first bad sequence
+        raises `InvalidInputError` naming the entry; with it off, the bad sequences' rows are
+        returned for poisoning and the table is re-expressed so that no provider can read outside
+        the pool: out-of-range entries (table padding included) become block 0 and short rows are
+        padded with it. Out-of-range padding alone (e.g. ``-1`` past a sequence's blocks) is not an
+        error either way; the providers get the sanitized table then too.
+        """
         key = (num_blocks, block_size)
-        if not self.validate or key in self._checked_pools:
-            return
+        got = self._guards.get(key)
+        if got is not None:
+            return got
         bt = self._block_tables_host
-        need = -(-np.asarray(self.seq_lens_host, dtype=np.int64) // block_size)
-        short = np.nonzero(need > bt.shape[1])[0]
-        if short.size:
-            i = int(short[0])
-            raise InvalidInputError(
-                f"block_tables row {i} has {bt.shape[1]} entries but seq_lens[{i}]={self.seq_lens_host[i]} "
-                f"with block_size={block_size} needs {int(need[i])}"
-            )
-        used = np.arange(bt.shape[1])[None, :] < need[:, None]  # the entries each row's length reads
-        bad = np.argwhere(used & ((bt < 0) | (bt >= num_blocks)))
-        if bad.size:
-            i, j = (int(x) for x in bad[0])
+        lens = np.asarray(self.seq_lens_host, dtype=np.int64)
+        need = -(-lens // block_size)
+        width = bt.shape[1]
+        short = need > width
+        out_of_range = (bt < 0) | (bt >= num_blocks)
+        used = np.arange(width)[None, :] < need[:, None]
+        bad_used = out_of_range & used
+        bad_seq = short | bad_used.any(axis=1)
+        if self.validate and bad_seq.any():
+            i = int(np.argmax(bad_seq))
+            if short[i]:
+                raise InvalidInputError(
+                    f"block_tables row {i} has {width} entries but seq_lens[{i}]={int(lens[i])} "
+                    f"with block_size={block_size} needs {int(need[i])}"
+                )
+            j = int(np.argmax(bad_used[i]))
             raise InvalidInputError(
                 f"block_tables[{i}][{j}]={int(bt[i, j])} is out of range "
                 f"(pool has {num_blocks} blocks: 0..{num_blocks - 1})"
             )
-        self._checked_pools.add(key)
+        md, poison = self, None
+        if short.any() or out_of_range.any():
+            safe = np.where(out_of_range, 0, bt)
+            if short.any():
+                safe = np.pad(safe, ((0, 0), (0, int(need.max()) - width)))
+            md = dataclasses.replace(
+                self,
+                block_tables=mx.array(safe.astype(np.int32)),
+                max_blocks_per_seq=int(safe.shape[1]),
+                _block_tables_host=safe,
+            )  # the caches (init=False fields) start empty
+            if bad_seq.any():
+                rows = np.repeat(bad_seq, np.asarray(self.q_lens_host, dtype=np.int64))
+                poison = mx.array(rows[:, None, None])
+        got = self._guards[key] = (md, poison)
+        return got
 
     def split_blocks(self, ratio: int) -> AttentionMetadata:
         """The same batch with every page ``b`` seen as kernel blocks ``b*ratio .. b*ratio+ratio-1``."""

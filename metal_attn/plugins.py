@@ -114,8 +114,9 @@ def build_registry(
 
 
 _lock = threading.Lock()
-_registry: Registry | None = None
-_registry_key: tuple | None = None
+#: One registry per plugin-loading configuration (autoload, allow- and deny-lists): threads whose
+#: `override_settings` differ there each get theirs, without rebuilding each other's.
+_registries: dict[tuple, Registry] = {}
 
 
 def _plugin_key(s: Settings) -> tuple:
@@ -123,25 +124,22 @@ def _plugin_key(s: Settings) -> tuple:
 
 
 def get_registry() -> Registry:
-    """The process-wide registry (built on first use; rebuilt when plugin settings change)."""
-    global _registry, _registry_key
+    """The registry for the plugin settings in force (built on first use of those settings)."""
     s = get_settings()
     key = _plugin_key(s)
-    reg = _registry
-    if reg is not None and _registry_key == key:
+    reg = _registries.get(key)
+    if reg is not None:
         return reg
     with _lock:
-        if _registry is None or _registry_key != key:
-            _registry = build_registry(s)
-            _registry_key = key
+        reg = _registries.get(key)
+        if reg is None:
+            reg = _registries[key] = build_registry(s)
             _epoch.bump()
-        return _registry
+        return reg
 
 
 def reset_registry() -> None:
-    """Forget the process-wide registry (the next use rebuilds it)."""
-    global _registry, _registry_key
+    """Forget every registry (the next use rebuilds the one it needs)."""
     with _lock:
-        _registry = None
-        _registry_key = None
+        _registries.clear()
         _epoch.bump()

@@ -259,7 +259,9 @@ class Registry:
             rows.append(ExplainRow(p.name, p.priority_on(device.backend), e.origin.describe(), not reasons,
                                    tuple(reasons), plan, chosen))
         if forced and forced not in self._entries:
-            rows.append(ExplainRow(forced, 0, "-", False, (f"provider={forced!r} is not registered",)))
+            registered = ", ".join(e.provider.name for e in self.ordered(request.backend)) or "none"
+            rows.append(ExplainRow(forced, 0, "-", False,
+                                   (f"provider={forced!r} is not registered (registered: {registered})",)))
         return Explanation(request, device, tuple(rows), forced)
 
     # -- selection -----------------------------------------------------------------------------

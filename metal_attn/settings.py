@@ -1,7 +1,8 @@
 """Settings: one pydantic-settings model, environment prefix ``METAL_ATTN_``.
 
 Read once per process (`get_settings`), overridable in code with
-`override_settings` (a context manager, for tests and A/B runs). Bad values
+`override_settings` (a context manager, for tests and A/B runs; context-local, so
+threads never see, or undo, each other's overrides). Bad values
 fail at load with the variable, the value and the allowed domain; unknown
 ``METAL_ATTN_*`` names are warned about with the closest valid name.
 """
@@ -9,11 +10,13 @@ fail at load with the variable, the value and the allowed domain; unknown
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import difflib
 import os
 import sys
 import threading
 import types
+import typing
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,7 +68,10 @@ class Settings(BaseSettings):
     disable_nax: bool = Field(
         False,
         validation_alias=_env("disable_nax", "VLLM_METAL_DISABLE_NAX"),
-        description="Disable the M5 NAX prefill provider (alias VLLM_METAL_DISABLE_NAX).",
+        description=(
+            "Reserved: disables the M5 NAX prefill provider (nax_prefill), which this version does not "
+            "ship; setting it warns that it has no effect (alias VLLM_METAL_DISABLE_NAX)."
+        ),
     )
     disable_tiled_prefill: bool = Field(
         False,
@@ -117,7 +123,9 @@ class Settings(BaseSettings):
         validation_alias=_env("validate_metadata"),
         description=(
             "Value checks against the pool: block ids in range and tables long enough (once per "
-            "metadata and pool), slot_mapping range and duplicates (every reshape_and_cache call). "
+            "metadata and pool), slot_mapping range and duplicates (every reshape_and_cache call); "
+            "a bad value raises. Off: a sequence with a bad table gives NaN rows, a slot outside the "
+            "pool is skipped (duplicates: one row wins); nothing is read or written outside the pool. "
             "Structural checks always run."
         ),
     )
@@ -226,6 +234,41 @@ class Settings(BaseSettings):
         return tuple((k, v) for k, v in pairs if v is not None)
 
 
+def _strip_optional(annotation: Any) -> tuple[Any, bool]:
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return annotation, False
+
+
+def allowed_values(field: Any) -> str:
+    """What a settings field (a name or its pydantic ``FieldInfo``) accepts, from its type and bounds:
+    ``integer >= 1, <= 4096 (or unset)``, ``1/0, true/false``, ... (the settings table's column and
+    every validation error say it)."""
+    if isinstance(field, str):
+        field = Settings.model_fields[field]
+    ann, nullable = _strip_optional(field.annotation)
+    if typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
+    if ann is bool:
+        text = "1/0, true/false"
+    elif typing.get_origin(ann) is typing.Literal:
+        text = ", ".join(str(a) for a in typing.get_args(ann))
+    elif typing.get_origin(ann) is tuple:
+        text = "comma-separated names"
+    elif ann in (int, float):
+        bounds = [(op, getattr(m, attr)) for m in field.metadata for attr, op in
+                  (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if getattr(m, attr, None) is not None]
+        text = ("integer" if ann is int else "number") + (" " if bounds else "") + ", ".join(
+            f"{op} {v}" for op, v in bounds)
+    elif ann is Path:
+        text = "a folder path"
+    else:
+        text = "text"
+    return text + (" (or unset)" if nullable else "")
+
+
 def env_names() -> dict[str, str]:
     """Every accepted environment name (ours and aliases) -> field name."""
     out: dict[str, str] = {}
@@ -271,19 +314,41 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             allowed = "expected a boolean: 1/0, true/false, yes/no, on/off"
         else:
             allowed = e.get("ctx", {}).get("expected") or e["msg"]
+        if desc is not None and e.get("type") != "bool_parsing":
+            allowed += f" (allowed: {allowed_values(desc)})"
         lines.append(f"{env}={e.get('input')!r}: {allowed}" + (f" ({desc.description})" if desc else ""))
     return f"invalid metal-attn settings from {source}:\n  " + "\n  ".join(lines)
 
 
+#: Settings that are accepted but do nothing yet (a provider they would act on is not shipped):
+#: field -> why. Setting one warns, so that no setting does nothing silently.
+RESERVED_SETTINGS: dict[str, str] = {
+    "disable_nax": ("it is reserved for the M5 NAX prefill provider (nax_prefill), which this version does not "
+                    "ship: it disables nothing unless a plugin registers a provider of that name"),
+}
+
+
+def _warn_reserved(settings: Settings, changed: Any = None) -> None:
+    """Warn about every reserved setting that is on (``changed``: only those among these names)."""
+    for field, why in RESERVED_SETTINGS.items():
+        if getattr(settings, field) and (changed is None or field in changed):
+            msg = f"METAL_ATTN_{field.upper()} is set but has no effect: {why}"
+            warnings.warn(msg, UserWarning, stacklevel=4)
+            from metal_attn.log import get_logger
+
+            get_logger().warning("reserved_setting", setting=f"METAL_ATTN_{field.upper()}", reason=why)
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Read the environment (and ``overrides``), warn about unknown names, validate."""
+    """Read the environment (and ``overrides``), warn about unknown names and reserved settings in
+    use, validate."""
     for msg in _check_unknown_env(dict(os.environ)):
         warnings.warn(msg, UserWarning, stacklevel=3)
         from metal_attn.log import get_logger
 
         get_logger().warning("unknown_setting", reason=msg)
     try:
-        return Settings(**overrides)
+        loaded = Settings(**overrides)
     except ValidationError as err:
         source = (
             "overrides"
@@ -291,15 +356,23 @@ def load_settings(**overrides: Any) -> Settings:
             else "environment"
         )
         raise SettingsError(_format_validation_error(err, source)) from None
+    _warn_reserved(loaded)
+    return loaded
 
 
 _lock = threading.RLock()
+#: The process-wide settings (from the environment), and this context's override, if any.
 _current: Settings | None = None
+_override: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("metal_attn_settings", default=None)
 
 
 def get_settings() -> Settings:
-    """The active settings (loaded from the environment on first use)."""
+    """The active settings: this context's `override_settings`, else the process-wide ones
+    (loaded from the environment on first use)."""
     global _current
+    s = _override.get()
+    if s is not None:
+        return s
     s = _current
     if s is None:
         with _lock:
@@ -311,7 +384,8 @@ def get_settings() -> Settings:
 
 
 def reload_settings() -> Settings:
-    """Re-read the environment (after changing ``os.environ``)."""
+    """Re-read the environment (after changing ``os.environ``) into the process-wide settings
+    (an `override_settings` block in force still wins in its own context)."""
     global _current
     with _lock:
         _current = load_settings()
@@ -321,29 +395,33 @@ def reload_settings() -> Settings:
 
 @contextlib.contextmanager
 def override_settings(**changes: Any) -> Iterator[Settings]:
-    """Temporarily replace some settings (field names, e.g. ``gpu_cores=40``)."""
-    global _current
+    """Temporarily replace some settings (field names, e.g. ``gpu_cores=40``), in this context only.
+
+    The override is context-local (`contextvars`): it applies to the code of this thread (or
+    asyncio task) inside the block, nests, and is undone on exit whatever other threads do
+    meanwhile; other threads keep their own settings, and a thread started inside the block starts
+    from the process-wide settings (Python gives a new thread a fresh context). Dispatch caches are
+    keyed by the settings scope (`metal_attn._epoch`), so no thread reuses another's decisions.
+    """
     unknown = sorted(set(changes) - set(Settings.model_fields))
     if unknown:
         close = {u: difflib.get_close_matches(u, list(Settings.model_fields), n=1) for u in unknown}
         hints = ", ".join(f"{u} (did you mean {c[0]}?)" if c else u for u, c in close.items())
         raise SettingsError(f"unknown setting(s): {hints}; known: {', '.join(Settings.model_fields)}")
-    with _lock:
-        previous = get_settings()
-        data = previous.model_dump()
-        data.update(changes)
-        try:
-            new = Settings.model_validate(data)
-        except ValidationError as err:
-            raise SettingsError(_format_validation_error(err, "overrides")) from None
-        _current = new
-        _epoch.bump()
+    data = get_settings().model_dump()
+    data.update(changes)
+    try:
+        new = Settings.model_validate(data)
+    except ValidationError as err:
+        raise SettingsError(_format_validation_error(err, "overrides")) from None
+    _warn_reserved(new, changes)
+    token = _override.set(new)
+    scope = _epoch.enter_scope()
     try:
         yield new
     finally:
-        with _lock:
-            _current = previous
-            _epoch.bump()
+        _epoch.exit_scope(scope)
+        _override.reset(token)
 
 
 class _CallableModule(types.ModuleType):

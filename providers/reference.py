@@ -5,6 +5,14 @@ ops and computes attention with the causal rule, sliding window, softcap and
 sinks in float32. It implements every feature, dtype and backend, has the
 lowest priority, and is the always-available fallback. It is not the test
 oracle (that is the float64 numpy implementation in ``metal_attn/testing/oracle.py``).
+
+Non-finite inputs follow the contract of ``docs/providers.md``: a NaN or infinity in
+a query row, or in the K/V row of a position the row attends to, makes that (row,
+head) NaN; one at a position the row does not attend to changes nothing. Dense
+attention over the gathered sequence multiplies masked V rows by 0 (and 0 * NaN is
+NaN) and drops keys whose score is -inf, so the arithmetic runs on finite values and
+the poisoned pairs are marked explicitly: per KV head, a running count of non-finite
+positions tells whether a row's range ``[lo, hi)`` holds one.
 """
 
 from __future__ import annotations
@@ -49,16 +57,22 @@ class ReferenceProvider(Provider):
             v = vc[ids].reshape(nblk * block_size, kvh, head)[:seq_len].astype(mx.float32)
             qs = q[start : start + q_len].astype(mx.float32)  # [q_len, H, D]
             start += q_len
+            # Non-finite values: which positions (per KV head) and query vectors hold one; the
+            # arithmetic below sees zeros there, the poisoned (row, head) pairs become NaN at the end.
+            k_ok, v_ok, q_ok = mx.isfinite(k), mx.isfinite(v), mx.isfinite(qs)
+            bad_pos = ~(k_ok.all(axis=-1) & v_ok.all(axis=-1))  # [seq_len, kvh]
+            k, v, qs = mx.where(k_ok, k, 0.0), mx.where(v_ok, v, 0.0), mx.where(q_ok, qs, 0.0)
             # [kvh, group, q_len, D] x [kvh, D, seq_len] -> [kvh, group, q_len, seq_len]
             qh = qs.reshape(q_len, kvh, group, head).transpose(1, 2, 0, 3)
             s = (qh * inputs.scale) @ k.transpose(1, 2, 0)[:, None]
             if inputs.softcap is not None:
                 s = inputs.softcap * mx.tanh(s / inputs.softcap)
-            rows = mx.arange(q_len)[:, None] + (seq_len - q_len)
+            hi = mx.arange(q_len) + (seq_len - q_len + 1)  # row r attends [lo_r, hi_r)
+            lo = mx.maximum(hi - inputs.sliding_window, 0) if inputs.sliding_window is not None else None
             cols = mx.arange(seq_len)[None, :]
-            allowed = cols <= rows
-            if inputs.sliding_window is not None:
-                allowed = allowed & (cols > rows - inputs.sliding_window)
+            allowed = cols < hi[:, None]
+            if lo is not None:
+                allowed = allowed & (cols >= lo[:, None])
             s = mx.where(allowed, s, -mx.inf)
             m = s.max(axis=-1, keepdims=True)
             if sinks is not None:
@@ -68,6 +82,12 @@ class ReferenceProvider(Provider):
             if sinks is not None:
                 denom = denom + mx.exp(sinks - m)
             o = (p @ v.transpose(1, 0, 2)[:, None]) / denom  # [kvh, group, q_len, D]
+            # Poisoned rows: a non-finite position in [lo_r, hi_r) of the row's KV head (prefix
+            # counts), or a non-finite element in the row's query vector.
+            counts = mx.concatenate([mx.zeros((1, kvh), mx.int32), mx.cumsum(bad_pos.astype(mx.int32), axis=0)])
+            reached = counts[hi] - (counts[lo] if lo is not None else 0)  # [q_len, kvh]
+            poisoned = (reached.T > 0)[:, None, :] | ~q_ok.all(axis=-1).reshape(q_len, kvh, group).transpose(1, 2, 0)
+            o = mx.where(poisoned[..., None], mx.nan, o)
             outs.append(o.transpose(2, 0, 1, 3).reshape(q_len, num_heads, head))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return out.astype(q.dtype)
@@ -83,10 +103,12 @@ class ReferenceProvider(Provider):
     ) -> tuple[mx.array, mx.array]:
         nb, bs, kvh, head = k_cache.shape
         host = np.array(slots, copy=False)
-        keep = np.nonzero(host >= 0)[0]
+        # Negative slots are padding; slots past the pool (possible with validate_metadata off)
+        # are skipped too: MLX's scatter does not bounds-check its indices.
+        keep = np.nonzero((host >= 0) & (host < nb * bs))[0]
         if keep.size == 0:
             return k_cache, v_cache
-        if keep.size == host.size:  # no padding: the validated int64 slots are the indices
+        if keep.size == host.size:  # every slot in the pool: the int64 slots are the indices
             idx, rows = slots, None
         else:
             idx, rows = mx.array(host[keep].astype(np.int64)), mx.array(keep.astype(np.int64))

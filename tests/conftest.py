@@ -9,20 +9,37 @@ from collections.abc import Iterator
 import mlx.core as mx
 import pytest
 
-from metal_attn import diagnostics, log
+from metal_attn import _epoch, diagnostics, log
 from metal_attn import settings as settings_mod
 from metal_attn.plugins import reset_registry
 from metal_attn.settings import Settings, override_settings
 
+# A hermetic suite: it tests this package, whatever else is installed. Third-party providers in the
+# environment (a decode plugin ranked above classic would take classic's decode batches) are loaded
+# only by the tests about them, which turn autoload back on (`third_party_plugins`). Set here, at
+# import, so that module-level provider lists and subprocesses see it too; an explicit
+# METAL_ATTN_PLUGIN_AUTOLOAD in the environment wins.
+os.environ.setdefault("METAL_ATTN_PLUGIN_AUTOLOAD", "0")
+
+
+@pytest.fixture
+def third_party_plugins() -> Iterator[None]:
+    """Load the installed third-party providers again (the suite turns autoload off)."""
+    with override_settings(plugin_autoload=True):
+        yield
+
 
 @pytest.fixture(autouse=True)
 def fresh_state() -> Iterator[Settings]:
-    """Isolate global state: settings changes made inside a test are undone, the provider
-    registry is rebuilt on first use, and the dispatch record and history are empty."""
+    """Isolate global state: settings changes made inside a test (`reload_settings` after an
+    environment change included) are undone, the provider registry is rebuilt on first use, and the
+    dispatch record and history are empty. (`override_settings` blocks undo themselves.)"""
     reset_registry()
     diagnostics.reset()
-    with override_settings() as settings:
-        yield settings
+    saved = settings_mod._current
+    yield settings_mod.get_settings()
+    settings_mod._current = saved
+    _epoch.bump()
     reset_registry()
     diagnostics.reset()
 

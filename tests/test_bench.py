@@ -330,3 +330,80 @@ def test_pipelined_mode_is_recorded_and_measures(tmp_path, capsys) -> None:
     assert suite["mode"] == "pipelined"
     assert all(c["status"] == "ok" and c["median_s"] > 0 for c in suite["results"][0]["candidates"])
     assert "pipelined: queued calls" in out
+
+
+# -- streaming, interruption, JSON on stdout, the CPU ceiling -------------------------------------------
+
+
+def test_json_without_a_path_goes_to_stdout_and_tables_to_stderr(capsys) -> None:
+    """`--json` alone writes the JSON on stdout (the README: every command's --json does), the
+    tables then go to stderr; `--json PATH` still writes a file."""
+    rc = cli.main(["--suite", "smoke", "--shapes", "decode b3", "--candidates", "reference,mlx_sdpa",
+                   "--warmup", "1", "--iters", "2", "--quiet", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    data = json.loads(captured.out)
+    assert data["schema"] == "metal-attn-bench/1" and data["suites"][0]["interrupted"] is False
+    assert "decode b3" in captured.err and "route / reasons" in captured.err
+
+
+def test_rows_are_printed_as_each_shape_completes(tmp_path, capsys, monkeypatch) -> None:
+    """Each shape's rows reach stdout before the next shape is measured."""
+    seen_at_start: list[str] = []
+    real = core.build_case
+
+    def spy(shape, **kw):
+        seen_at_start.append(capsys.readouterr().out)  # what was printed before this shape began
+        return real(shape, **kw)
+
+    monkeypatch.setattr(core, "build_case", spy)
+    rc, _, _, err = _bench(tmp_path, capsys, "--shapes", "decode", "--candidates", "reference")
+    assert rc == 0, err
+    labels = [s.label for s in SMOKE.select(["decode"])]
+    assert len(labels) == 2 and len(seen_at_start) == 2
+    assert labels[0] not in seen_at_start[0] and labels[0] in seen_at_start[1]
+
+
+class _Interrupted(peers.MlxSdpa):
+    calls = 0
+
+    def prepare(self, case: core.Case) -> core.Prepared:
+        type(self).calls += 1
+        if type(self).calls == 2:  # Ctrl-C during the second shape
+            raise KeyboardInterrupt
+        return super().prepare(case)
+
+
+def test_an_interrupted_run_keeps_its_partial_table_and_json(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(peers.PEERS, "mlx_sdpa", _Interrupted)
+    rc, data, out, err = _bench(tmp_path, capsys, "--candidates", "reference,mlx_sdpa")
+    assert rc == 130
+    (suite,) = data["suites"]
+    assert suite["interrupted"] is True and len(suite["results"]) == 1
+    assert SMOKE.shapes[0].label in out and SMOKE.shapes[1].label not in out
+    assert "interrupted: 1 of 5 shapes of smoke completed" in err
+
+
+def test_help_says_how_long_each_suite_takes(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for s in suites.SUITES.values():
+        assert s.name in text
+    assert "decode-cpu (about" in text and "on a 2-core CPU" in text
+
+
+def test_the_cpu_ceiling_is_a_multi_threaded_read_the_kernel_does_not_exceed() -> None:
+    """With the native module the ceiling is its read with the kernels' thread count; the classic kernel,
+    which reads the same bytes and computes, stays below it (a single-threaded numpy sum did not)."""
+    from metal_attn import native
+
+    if native.load() is None or core.current_device().backend != "cpu":
+        pytest.skip("the native module's read is the CPU ceiling; it is not built here")
+    shape = Shape(8, 32, 8, 128, 1024, "float32")
+    case = core.build_case(shape)
+    ceiling = peers.Ceiling().measure(case, warmup=2, iters=7)
+    assert ceiling.route.startswith(f"native read ({core.current_device().cpu_threads} threads")
+    classic = core.ProviderCandidate("classic").measure(case, warmup=2, iters=7)
+    assert classic.ok and ceiling.ok
+    assert classic.gbps <= 1.2 * ceiling.gbps, (classic.gbps, ceiling.gbps)

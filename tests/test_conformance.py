@@ -9,6 +9,7 @@ itself is tested below with deliberately wrong providers.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import mlx.core as mx
@@ -106,6 +107,14 @@ def test_specs_cover_the_promised_matrix() -> None:
     assert any(n - w > 512 for w, _, n in windows), "partitions entirely left of a window"
     assert any(s.get("score_bias") for s in specs) and any(s.get("shared_prefix_blocks") for s in specs)
     assert max(n for s in specs for n in s["seq_lens"]) > 32768
+    # The non-finite contract: NaN, +Inf and -Inf in q, K and V; at masked positions (past a row's
+    # causal end, left of its window) too; with sinks and softcap; in every dtype.
+    planted = [(p[0], p[4], s) for s in specs for p in s.get("poison", ())]
+    kinds = {(what, "nan" if math.isnan(v) else ("+inf" if v > 0 else "-inf")) for what, v, _ in planted}
+    assert {(w, x) for w in "qk" for x in ("nan", "+inf", "-inf")} | {("v", "nan"), ("v", "+inf")} <= kinds
+    assert {"float32", "float16", "bfloat16"} <= {s["dtype"] for _, _, s in planted}
+    assert any(s.get("sliding_window") for _, _, s in planted) and any(s.get("sinks") for _, _, s in planted)
+    assert any(s.get("softcap") for _, _, s in planted) and any(max(s["q_lens"]) > 1 for _, _, s in planted)
     assert len(set(conformance_ids())) == len(specs)
 
 
@@ -143,6 +152,20 @@ class _Mutant(Provider):
         elif self.mutation == "gqa_modulo":  # head h reads kv head h % num_kv_heads
             idx = np.arange(q.shape[1]) % kc.shape[2]
             kc, vc = kc[:, :, idx], vc[:, :, idx]
+        elif self.mutation in ("hides_nonfinite", "masked_nan_leaks"):
+            out = attention_oracle(q, kc, vc, tables, np.array(md.seq_lens), np.array(md.cu_seqlens_q),
+                                   scale=inputs.scale, sinks=sinks, sliding_window=window, softcap=inputs.softcap)
+            if self.mutation == "hides_nonfinite":  # classic's old CPU kernel: a NaN row became 0
+                out = np.where(np.isfinite(out), out, 0.0)
+            else:  # the old reference provider: every row of a sequence sees its whole K/V
+                cu = np.concatenate([[0], np.cumsum(md.q_lens_host)])
+                for s, (q0, q1) in enumerate(itertools.pairwise(cu)):
+                    blocks = tables[s, : -(-md.seq_lens_host[s] // kc.shape[1])]
+                    whole = vc[blocks].reshape(-1, *vc.shape[2:])[: md.seq_lens_host[s]]
+                    leak = ~np.isfinite(whole).all(axis=(0, 2))  # per kv head
+                    group = q.shape[1] // kc.shape[2]
+                    out[q0:q1, np.repeat(leak, group)] = np.nan
+            return mx.array(out.astype(np.float32)).astype(inputs.q.dtype)
         elif self.mutation == "max_pinned_at_zero":  # the old neutral-partial bug, with the kernel's epsilon
             out = _pinned_max_attention(q, kc, vc, tables, md, inputs.scale, window)
             return mx.array(out.astype(np.float32)).astype(inputs.q.dtype)
@@ -180,13 +203,17 @@ def _pinned_max_attention(q, kc, vc, tables, md, scale, window):
         ("gqa_modulo", "decode-gqa4"),
         ("max_pinned_at_zero", "neutral-partial"),
         ("max_pinned_at_zero", "neutral-partial-bfloat16"),
+        ("hides_nonfinite", "nonfinite-q-decode"),
+        ("hides_nonfinite", "nonfinite-k-softcap"),
+        ("masked_nan_leaks", "nonfinite-masked-causal"),
+        ("masked_nan_leaks", "nonfinite-masked-window"),
     ],
 )
 def test_checker_rejects_a_wrong_provider(mutation: str, label: str) -> None:
     get_registry().add(_Mutant(mutation))
     case = make_case(**spec_by_label(label))
     got = run_case(case, provider=f"mutant_{mutation}")
-    with pytest.raises(AssertionError, match=r"differs from the float64 oracle|not finite"):
+    with pytest.raises(AssertionError, match=r"differs from the float64 oracle|not finite|are finite where"):
         assert_close_to_oracle(got, case.oracle(), case.dtype, label=label)
 
 
@@ -213,8 +240,22 @@ def test_checker_message_names_the_worst_element() -> None:
     assert "1 of 24 elements exceed" in msg and "(token, head, dim)=(2, 1, 3): got 1.5, expected 1" in msg
     assert "at token 2" in msg
     got[0, 0, 0] = np.nan
-    not_finite = r"1 of 24 outputs are not finite; first at \(token, head, dim\)=\(0, 0, 0\)"
-    with pytest.raises(AssertionError, match=not_finite):
+    leaked = (r"1 \(token, head\) outputs are not finite where the oracle is finite .*"
+              r"first at \(token, head, dim\)=\(0, 0, 0\): nan")
+    with pytest.raises(AssertionError, match=leaked):
         assert_close_to_oracle(got, ref, "float32")
+    # Where the oracle is NaN (a NaN/Inf input reaches the pair), a finite output is the failure ...
+    got = ref.copy()
+    ref_bad = ref.copy()
+    ref_bad[1, 0, :] = np.nan
+    hidden = r"1 \(token, head\) outputs are finite where a NaN/Inf input reaches them.*\(token, head\)=\(1, 0\)"
+    with pytest.raises(AssertionError, match=hidden):
+        assert_close_to_oracle(got, ref_bad, "float32")
+    # ... and one non-finite element there is enough, while the rest must still match.
+    got[1, 0, 2] = np.inf
+    assert_close_to_oracle(got, ref_bad, "float32")
+    got[2, 1, 0] += 1.0
+    with pytest.raises(AssertionError, match=r"1 of 24 elements exceed.*\(2, 1, 0\)"):
+        assert_close_to_oracle(got, ref_bad, "float32")
     with pytest.raises(AssertionError, match=r"output shape \(3, 2\) != expected \(3, 2, 4\)"):
         assert_close_to_oracle(ref[..., 0], ref, "float32")

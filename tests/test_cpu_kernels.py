@@ -545,7 +545,8 @@ def test_package_imports_and_falls_back_without_the_native_module():
         print("ok")
         """
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    # Built-ins only: an installed third-party provider would change the choice (a hermetic test).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), METAL_ATTN_PLUGIN_AUTOLOAD="0")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
 

@@ -82,8 +82,10 @@ def test_generation_and_variant_parsing(arch, generation, variant):
 
 def test_describe():
     assert DeviceInfo.preset("m5-max").describe() == "metal Apple M5 Max applegpu_g17s 40 cores (hypothetical)"
-    assert DeviceInfo("cpu", "CPU", "x86_64").describe() == "cpu CPU x86_64 cores unknown"
-    assert DeviceInfo("cuda").describe() == "cuda cores unknown"
+    # On the CPU the kernels' thread count is what is known and what counts, not GPU cores.
+    assert DeviceInfo("cpu", "CPU", "x86_64", cpu_threads=2).describe() == "cpu CPU x86_64 2 threads"
+    assert DeviceInfo("cpu", "CPU", "x86_64").describe() == "cpu CPU x86_64 threads unknown"
+    assert DeviceInfo("cuda", cpu_threads=16).describe() == "cuda cores unknown"
 
 
 def test_device_info_is_a_frozen_hashable_value():

@@ -7,6 +7,8 @@ registry, so the recorded provider, route and partition size are known exactly.
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -58,8 +60,7 @@ class Plugin:
 def registry(monkeypatch, clean_settings_env):
     plugins.reset_registry()
     reg = registry_from([Plugin()])
-    monkeypatch.setattr(plugins, "_registry", reg)
-    monkeypatch.setattr(plugins, "_registry_key", plugins._plugin_key(settings_mod.get_settings()))
+    monkeypatch.setitem(plugins._registries, plugins._plugin_key(settings_mod.get_settings()), reg)
     diagnostics.reset()
     yield reg
     diagnostics.reset()
@@ -191,3 +192,34 @@ def test_diagnostics_setting_turns_the_history_on():
     with ma.override_settings(diagnostics=True):
         ma.paged_attention(q, k, v, metadata=md)
         assert [r.route for r in diagnostics.history()] == ["gqa_decode"]
+
+
+def test_collect_blocks_overlapping_across_threads_neither_leak_nor_close_each_other():
+    """A opens, B opens, A closes, B closes (the interleaving that left a stale history behind):
+    each block has exactly the dispatches made while it was open, and nothing collects afterwards."""
+    q, k, v, md = batch()
+    opened = {n: threading.Event() for n in "AB"}
+    close = {n: threading.Event() for n in "AB"}
+    seen: dict[str, list] = {}
+
+    def body(name: str) -> None:
+        with diagnostics.collect() as got:
+            opened[name].set()
+            assert close[name].wait(10)
+        seen[name] = got
+
+    ta, tb = threading.Thread(target=body, args=("A",)), threading.Thread(target=body, args=("B",))
+    ta.start()
+    assert opened["A"].wait(10)
+    ma.paged_attention(q, k, v, metadata=md)  # A only
+    tb.start()
+    assert opened["B"].wait(10)
+    ma.paged_attention(q, k, v, metadata=md)  # A and B
+    close["A"].set()
+    ta.join(10)
+    ma.paged_attention(q, k, v, metadata=md)  # B only
+    close["B"].set()
+    tb.join(10)
+    ma.paged_attention(q, k, v, metadata=md)  # nobody
+    assert (len(seen["A"]), len(seen["B"])) == (2, 2)
+    assert not diagnostics.history_enabled() and diagnostics.history() == []

@@ -52,7 +52,8 @@ from metal_attn.testing import (  # noqa: E402 - after the skip, like the packag
 
 SMALL = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
 
-pytestmark = pytest.mark.usefixtures("restore_logging")
+# The suite loads no third-party plugin unless a test asks (tests/conftest.py): these do.
+pytestmark = pytest.mark.usefixtures("restore_logging", "third_party_plugins")
 
 
 def _only_example_and_reference():

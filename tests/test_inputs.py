@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import metal_attn
-from metal_attn import InvalidInputError
+from metal_attn import InvalidInputError, native
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.settings import override_settings
 from metal_attn.testing import assert_close_to_oracle, make_case, run_case
@@ -69,7 +69,13 @@ BAD_ATTENTION = {
                   ["cu_seqlens_q has 2 entries; with 2 sequences it needs 3"]),
     "cu-float": ({"cu_seqlens_q": np.array([0.0, 1.0, 3.0])}, ["cu_seqlens_q must hold integers (got dtype float64)"]),
     "seq-len-below-q-len": ({"seq_lens": np.array([10, 1], np.int32)},
-                            ["seq_lens[1]=1 is smaller than that sequence's q_len=2"]),
+                            ["sequence 1 has q_len=2 query rows (cu_seqlens_q[1]=1 to cu_seqlens_q[2]=3) but "
+                             "seq_lens[1]=1 KV tokens", "check cu_seqlens_q"]),
+    # The issue's case: 30 decode rows meant, cu_seqlens_q written for 2 sequences.
+    "cu-seqlens-for-decode-rows": ({"q": _f32((30, 4, HEAD)), "cu_seqlens_q": np.array([0, 1, 30], np.int32)},
+                                   ["sequence 1 has q_len=29 query rows (cu_seqlens_q[1]=1 to cu_seqlens_q[2]=30)",
+                                    "check cu_seqlens_q (prefix sums of the query rows per sequence, 3 entries) "
+                                    "and seq_lens (2 sequences)"]),
     "seq-lens-rank": ({"seq_lens": np.array([[10, 2]], np.int32)},
                       ["seq_lens must have rank 1 (got shape (1, 2))"]),
     "seq-lens-empty": ({"seq_lens": np.array([], np.int32), "block_tables": np.zeros((0, 2), np.int32),
@@ -147,8 +153,8 @@ def test_block_table_errors_name_the_callers_values_for_large_pages() -> None:
 
 
 def test_validate_metadata_off_skips_the_pool_checks() -> None:
-    """Block ids and table lengths are checked unless METAL_ATTN_VALIDATE_METADATA=0; the structural
-    checks (which cost nothing extra) stay on."""
+    """Block ids and table lengths raise unless METAL_ATTN_VALIDATE_METADATA=0; off, the bad sequence's
+    rows are NaN (tests/test_validation_off.py has the rest); the structural checks stay on."""
     bt, sl, cu = np.array([[1, -1]], np.int32), np.array([10], np.int32), np.array([0, 1], np.int32)
     with pytest.raises(InvalidInputError, match=r"block_tables\[0\]\[1\]=-1 is out of range"):
         AttentionMetadata.build(bt, sl, cu).check_against_pool(6, 8)
@@ -157,10 +163,12 @@ def test_validate_metadata_off_skips_the_pool_checks() -> None:
         assert md.validate is False
         md.check_against_pool(6, 8)  # no error
         md.check_against_pool(6, 1)  # a table far too short: no error either
-        # the call goes through (MLX wraps the negative id to the last block: no out-of-bounds read)
+        safe, poison = md.pool_guard(6, 8)
+        assert safe.block_tables.tolist() == [[1, 0]] and poison.tolist() == [[[True]]]
         args = _attention_args(q=_f32((1, 4, HEAD)), block_tables=bt, seq_lens=sl, cu_seqlens_q=cu)
-        mx.eval(metal_attn.paged_attention(**args))
-        with pytest.raises(InvalidInputError, match=r"seq_lens\[0\]=1 is smaller than that sequence's q_len=2"):
+        out = metal_attn.paged_attention(**args)
+        assert np.isnan(np.array(out)).all()
+        with pytest.raises(InvalidInputError, match=r"sequence 0 has q_len=2 query rows .* seq_lens\[0\]=1 KV tokens"):
             AttentionMetadata.build(bt, [1], [0, 2])
 
 
@@ -336,3 +344,23 @@ def test_reference_matches_oracle_randomized(spec: dict[str, Any]) -> None:
     case = make_case(**spec)
     got = run_case(case, provider="reference")
     assert_close_to_oracle(got, case.oracle(), case.dtype, label=str(spec))
+
+
+def test_mixed_dtypes_fall_back_to_reference_with_a_warning(log_records) -> None:
+    """A float32 q over a float16 cache is computed (by the reference provider, the only one that takes
+    mixed dtypes), and the slow fallback is said once, with what the kernels refused and the remedy."""
+    args = _attention_args(q=_f32((3, 4, HEAD)), k_cache=_f32((6, 8, 2, HEAD)).astype(mx.float16),
+                           v_cache=_f32((6, 8, 2, HEAD)).astype(mx.float16))
+    for _ in range(2):
+        mx.eval(metal_attn.paged_attention(**args))
+    assert metal_attn.diagnostics.last_dispatch().provider == "reference"
+    warned = log_records("slow_fallback")
+    assert len(warned) == 1, [w.reason for w in warned]
+    reason = warned[0].reason
+    assert reason.startswith("paged_attention runs on the reference provider (gather + dense MLX ops: correct, slow)")
+    assert "cast q to the cache dtype, float16, to use the kernels" in reason
+    if metal_attn.current_device().backend == "cpu" and native.load() is not None:
+        assert "classic: cache_dtype=float16 (supported on cpu: same as dtype=float32)" in reason
+    # Forced on reference: the caller asked for it, nothing to warn about.
+    mx.eval(metal_attn.paged_attention(**{**args, "q": _f32((3, 4, HEAD)) * 2}, provider="reference"))
+    assert len(log_records("slow_fallback")) == 1

@@ -12,6 +12,7 @@ import pytest
 from metal_attn.testing import AttentionCase, attention_oracle, make_case
 from metal_attn.testing import oracle as oracle_module
 from metal_attn.testing.cases import GARBAGE_KEY, round_to_dtype, to_numpy
+from metal_attn.testing.conformance import NONFINITE_SPECS
 
 
 def brute_force(q, kc, vc, tables, seq_lens, cu, *, scale, sinks=None, sliding_window=None, softcap=None):
@@ -286,3 +287,66 @@ def test_make_case_rejects_bad_arguments() -> None:
         make_case(q_lens=[1], seq_lens=[3], dtype="int8", **base)
     with pytest.raises(ValueError, match="num_heads=3 is not a multiple of num_kv_heads=2"):
         make_case(q_lens=[1], seq_lens=[3], **{**base, "num_heads": 3})
+
+
+# -- the non-finite contract ------------------------------------------------------------------------
+
+
+def _reached_pairs(spec: dict, case: AttentionCase) -> set[tuple[int, int]]:
+    """(token, head) pairs a spec's poison reaches, by brute force: a poisoned q vector, or a
+    poisoned K/V slot inside a row's attended range (any sequence whose table maps to that slot)."""
+    bs, group = spec["block_size"], spec["num_heads"] // spec["num_kv_heads"]
+    cu = case.cu_seqlens_q
+    window = spec.get("sliding_window")
+    out: set[tuple[int, int]] = set()
+    for what, seq, index, head, _ in spec["poison"]:
+        if what == "q":
+            out.add((int(cu[seq]) + index, head))
+            continue
+        slot = int(case.block_tables[seq][index // bs]) * bs + index % bs
+        for s2, n in enumerate(case.seq_lens.tolist()):
+            q_len = int(cu[s2 + 1] - cu[s2])
+            for i in range(q_len):
+                end = n - q_len + i + 1
+                begin = 0 if window is None else max(0, end - window)
+                slots = {int(case.block_tables[s2][p // bs]) * bs + p % bs for p in range(begin, end)}
+                if slot in slots:
+                    out |= {(int(cu[s2]) + i, h) for h in range(head * group, (head + 1) * group)}
+    return out
+
+
+@pytest.mark.parametrize("spec", NONFINITE_SPECS, ids=[s["label"] for s in NONFINITE_SPECS])
+def test_oracle_poisons_exactly_the_pairs_a_nonfinite_input_reaches(spec: dict) -> None:
+    """Poisoned pairs are NaN in every element; every other pair equals the clean case's output bit for
+    bit (a NaN the row does not attend to changes nothing), and there are some of both."""
+    case = make_case(**spec)
+    clean = make_case(**{**spec, "poison": ()})
+    got, want = case.oracle(), clean.oracle()
+    reached = _reached_pairs(spec, case)
+    bad = {(int(t), int(h)) for t, h in np.argwhere(np.isnan(got).any(axis=-1))}
+    assert bad == reached
+    assert reached and len(reached) < got.shape[0] * got.shape[1]
+    for t, h in reached:
+        assert np.isnan(got[t, h]).all()
+    keep = np.ones(got.shape[:2], dtype=bool)
+    for t, h in reached:
+        keep[t, h] = False
+    np.testing.assert_array_equal(got[keep], want[keep])
+
+
+def test_oracle_nonfinite_corners_that_float64_alone_would_hide() -> None:
+    """A key scored -inf, a softcapped infinite score and a sink next to an infinite query are all
+    poisoned, although plain float64 arithmetic would keep those rows finite."""
+    q = np.ones((1, 1, 4))
+    k = np.ones((2, 1, 4))
+    v = np.arange(8, dtype=np.float64).reshape(2, 1, 4)
+    k_neg = k.copy()
+    k_neg[1, 0, 0] = -np.inf  # score -inf: exp gives weight 0, the row would stay finite
+    assert np.isnan(_single(q, k_neg, v)).all()
+    assert np.isnan(_single(q, k_neg, v, softcap=2.0)).all()  # c*tanh(-inf/c) = -c, finite
+    q_inf = q.copy()
+    q_inf[0, 0, 1] = -np.inf
+    assert np.isnan(_single(q_inf, k, v, sinks=np.array([5.0]))).all()
+    v_bad = v.copy()
+    v_bad[0, 0, 3] = np.nan
+    assert np.isnan(_single(q, k, v_bad)).all()

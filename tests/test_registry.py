@@ -119,8 +119,7 @@ def install(monkeypatch):
 
     def _install(reg: Registry) -> Registry:
         plugins.reset_registry()
-        monkeypatch.setattr(plugins, "_registry", reg)
-        monkeypatch.setattr(plugins, "_registry_key", plugins._plugin_key(settings_mod.get_settings()))
+        monkeypatch.setitem(plugins._registries, plugins._plugin_key(settings_mod.get_settings()), reg)
         return reg
 
     return _install
@@ -348,7 +347,7 @@ def test_explain_lists_every_provider_in_priority_order_with_reasons_and_plan():
 
     lines = str(exp).splitlines()
     assert lines[0] == repr(req)
-    assert lines[1] == "device: cpu test CPU x86_64 cores unknown"
+    assert lines[1] == "device: cpu test CPU x86_64 2 threads"
     assert lines[2:] == [
         "  no big (priority 100, from fakes)",
         "       - phase=decode (supported: prefill)",
@@ -400,7 +399,7 @@ def test_no_provider_error_prints_request_first_then_the_table(install):
     lines = str(err.value).splitlines()
     assert lines[0] == "no provider admits this request:"
     assert lines[1] == repr(req)
-    assert lines[2] == "device: cpu test CPU x86_64 cores unknown"
+    assert lines[2] == "device: cpu test CPU x86_64 2 threads"
     assert lines[3:] == [
         "  no big (priority 100, from fakes)",
         "       - phase=decode (supported: prefill)",
@@ -474,7 +473,7 @@ def test_forced_provider_that_is_not_registered(install):
 def test_explain_with_unregistered_forced_provider_chooses_nothing():
     reg = registry_from([ProvidersPlugin(*standard_providers())])
     exp = reg.explain(decode_request(), CPU, settings_mod.get_settings(), forced="nope")
-    assert exp.rows[-1].reasons == ("provider='nope' is not registered",)
+    assert exp.rows[-1].reasons == ("provider='nope' is not registered (registered: big, metal_only, good, also_ok)",)
     assert exp.chosen is None
 
 
@@ -626,7 +625,7 @@ def test_mark_failed_warns_once_per_provider_and_specialization(log_records):
         ("('float16', 256)", "other"),
     ]
     assert reg.failures()[("p", ("float16", 128))] == "again"
-    assert _epoch.current() == epoch + 3  # each mark invalidates the per-call selection caches
+    assert _epoch.current() == (epoch[0] + 3, epoch[1])  # each mark invalidates the per-call selection caches
 
 
 # -- selection cache and observer hook ---------------------------------------------------------------------

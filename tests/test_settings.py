@@ -4,14 +4,24 @@ and renamed variables, `override_settings`, and probe overrides reaching the dev
 from __future__ import annotations
 
 import logging
+import threading
 
+import mlx.core as mx
 import pytest
 
 import metal_attn as ma
 from metal_attn import _epoch
 from metal_attn import settings as settings_mod
 from metal_attn.errors import SettingsError
-from metal_attn.settings import RENAMED_VARIABLES, Settings, env_names, get_settings, override_settings
+from metal_attn.settings import (
+    RENAMED_VARIABLES,
+    Settings,
+    env_names,
+    get_settings,
+    override_settings,
+    reload_settings,
+)
+from metal_attn.testing import make_case
 
 pytestmark = pytest.mark.usefixtures("clean_settings_env")
 
@@ -116,12 +126,15 @@ def test_our_name_wins_over_the_upstream_alias(monkeypatch):
     ("var", "value", "allowed"),
     [
         ("METAL_ATTN_DISABLE_NAX", "maybe", "expected a boolean: 1/0, true/false, yes/no, on/off"),
-        ("METAL_ATTN_GPU_CORES", "0", "Input should be greater than or equal to 1"),
-        ("METAL_ATTN_GPU_CORES", "ten", "Input should be a valid integer"),
+        ("METAL_ATTN_GPU_CORES", "0", "Input should be greater than or equal to 1 (allowed: integer >= 1, <= 4096"),
+        ("METAL_ATTN_GPU_CORES", "5000", "Input should be less than or equal to 4096 (allowed: integer >= 1, <= 4096"),
+        ("METAL_ATTN_GPU_CORES", "ten", "Input should be a valid integer, unable to parse string as an integer "
+                                        "(allowed: integer >= 1, <= 4096 (or unset))"),
         ("METAL_ATTN_LOG_LEVEL", "verbose", "'debug', 'info', 'warning' or 'error'"),
         ("METAL_ATTN_LOG_FORMAT", "xml", "'console' or 'json'"),
         ("METAL_ATTN_BACKEND_OVERRIDE", "rocm", "'metal', 'cuda' or 'cpu'"),
-        ("METAL_ATTN_MAX_THREADGROUP_MEMORY", "512", "Input should be greater than or equal to 1024"),
+        ("METAL_ATTN_MAX_THREADGROUP_MEMORY", "512",
+         "Input should be greater than or equal to 1024 (allowed: integer >= 1024"),
     ],
 )
 def test_bad_value_names_variable_value_and_allowed(monkeypatch, var, value, allowed):
@@ -186,13 +199,16 @@ def test_renamed_table_points_at_live_variables():
 
 
 def test_known_names_do_not_warn(monkeypatch, recwarn):
+    """Known names are not 'unknown'; the only warning is the reserved NAX toggle's (it does nothing)."""
     for name in env_names():
         if name.startswith("METAL_ATTN_") and name.endswith(("_GQA_DECODE", "_NAX", "_PREFILL")):
             monkeypatch.setenv(name, "1")
     settings_mod.reload_settings()
-    assert [str(w.message) for w in recwarn if issubclass(w.category, UserWarning)] == []
+    warned = [str(w.message) for w in recwarn if issubclass(w.category, UserWarning)]
+    assert len(warned) == 1 and warned[0].startswith("METAL_ATTN_DISABLE_NAX is set but has no effect")
 
 
+@pytest.mark.filterwarnings("ignore:METAL_ATTN_DISABLE_NAX is set but has no effect")
 def test_override_settings_restores_and_nests():
     before = get_settings()
     with override_settings(gpu_cores=40, disable_nax=True) as outer:
@@ -231,11 +247,89 @@ def test_override_settings_rejects_bad_values():
 
 
 def test_dispatch_epoch_changes_with_the_active_settings():
+    """An override block is a scope of its own (each entry a new one); leaving it restores the outer
+    epoch, whose cached decisions hold again; reloading the environment moves every scope on."""
+    get_settings()  # loaded (which moves the epoch) before the first reading
     e0 = _epoch.current()
     with override_settings(gpu_cores=8):
         e1 = _epoch.current()
-    e2 = _epoch.current()
-    assert e0 < e1 < e2
+        with override_settings(gpu_cores=9):
+            e2 = _epoch.current()
+        assert _epoch.current() == e1
+    with override_settings(gpu_cores=8):
+        e3 = _epoch.current()
+    assert len({e0, e1, e2, e3}) == 4 and _epoch.current() == e0
+    reload_settings()
+    assert _epoch.current()[0] > e0[0]
+
+
+def _interleave(first_exit: str) -> dict:
+    """Thread A enters an override, then B enters one, then ``first_exit`` leaves first, then the
+    other; returns what each thread and the main thread saw at every step."""
+    seen: dict = {}
+    steps = {name: (threading.Event(), threading.Event()) for name in "AB"}  # (entered, may exit)
+
+    def body(name: str, changes: dict) -> None:
+        entered, may_exit = steps[name]
+        with override_settings(**changes):
+            seen[name + " inside"] = (get_settings().gpu_cores, get_settings().diagnostics)
+            entered.set()
+            assert may_exit.wait(10)
+            seen[name + " before exit"] = (get_settings().gpu_cores, get_settings().diagnostics)
+        seen[name + " after"] = (get_settings().gpu_cores, get_settings().diagnostics)
+
+    ta = threading.Thread(target=body, args=("A", {"gpu_cores": 11, "diagnostics": True}))
+    tb = threading.Thread(target=body, args=("B", {"gpu_cores": 22}))
+    ta.start()
+    assert steps["A"][0].wait(10)
+    tb.start()
+    assert steps["B"][0].wait(10)
+    seen["main while both inside"] = (get_settings().gpu_cores, get_settings().diagnostics)
+    second = "B" if first_exit == "A" else "A"
+    steps[first_exit][1].set()
+    (ta if first_exit == "A" else tb).join(10)
+    steps[second][1].set()
+    ta.join(10)
+    tb.join(10)
+    seen["main after"] = (get_settings().gpu_cores, get_settings().diagnostics)
+    return seen
+
+
+@pytest.mark.parametrize("first_exit", ["A", "B"])
+def test_override_settings_is_thread_local_and_cannot_leak(first_exit):
+    """The interleaving that leaked before (A enters, B enters, A exits, B exits: B restored A's
+    override for the rest of the process), and its mirror: each thread sees only its own override,
+    the main thread none, and nothing is left behind."""
+    base = (get_settings().gpu_cores, get_settings().diagnostics)
+    seen = _interleave(first_exit)
+    assert seen["A inside"] == seen["A before exit"] == (11, True)
+    assert seen["B inside"] == seen["B before exit"] == (22, base[1])
+    assert seen["A after"] == seen["B after"] == seen["main while both inside"] == seen["main after"] == base
+
+
+def test_override_settings_dispatch_caches_do_not_cross_threads():
+    """A decision cached under one thread's override is not reused by another thread: the selection
+    cache keys carry the settings scope. Here the two threads force different providers through the
+    setting (not the call's argument, so only the scope tells the keys apart), interleaved."""
+    case = make_case(q_lens=[1, 1], seq_lens=[40, 17], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    md = case.metadata()
+    barrier = threading.Barrier(2)
+
+    def body(provider: str) -> None:
+        with override_settings(provider=provider):
+            for _ in range(10):
+                barrier.wait(10)
+                mx.eval(ma.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md))
+
+    threads = [threading.Thread(target=body, args=(p,)) for p in ("reference", "classic")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    by_scope: dict[int, set[str]] = {}
+    for key, hit in md._selections.items():
+        by_scope.setdefault(key[-1][1], set()).add(hit[0].provider.name)
+    assert 0 not in by_scope and sorted(by_scope.values(), key=sorted) == [{"classic"}, {"reference"}], by_scope
 
 
 def test_probe_overrides_reach_current_device():
@@ -276,3 +370,23 @@ def test_every_field_has_a_description_and_an_env_name():
     for name, field in Settings.model_fields.items():
         assert field.description, f"{name} has no description"
         assert f"METAL_ATTN_{name.upper()}" in live
+
+
+def test_reserved_nax_toggle_is_documented_and_warned_about(monkeypatch, log_records):
+    """METAL_ATTN_DISABLE_NAX has no provider to act on in this version: it is marked reserved in its
+    description, and setting it (environment, upstream alias or override) warns; leaving it off does not."""
+    assert Settings.model_fields["disable_nax"].description.startswith("Reserved:")
+    assert "disable_nax" in settings_mod.RESERVED_SETTINGS
+    with pytest.warns(UserWarning, match=r"DISABLE_NAX is set but has no effect: it is reserved for the M5 NAX"):
+        load(monkeypatch, VLLM_METAL_DISABLE_NAX="1")
+    assert log_records("reserved_setting")[-1].setting == "METAL_ATTN_DISABLE_NAX"
+    with pytest.warns(UserWarning, match=r"METAL_ATTN_DISABLE_NAX is set but has no effect"), \
+            override_settings(disable_nax=True):
+        pass
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load(monkeypatch, VLLM_METAL_DISABLE_NAX="0")
+        with override_settings(gpu_cores=4):  # the toggle is off: nothing to warn about
+            pass

@@ -43,8 +43,11 @@ def _csv(value: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` flags to ``parser``."""
     parser.add_argument("--suite", action="append", metavar="NAME",
-                        help=f"suite(s) to run, repeatable or comma-separated ({', '.join(SUITES)}, generate); "
-                             "default: decode-cpu on the CPU, decode-gpu on GPUs")
+                        help="suite(s) to run, repeatable or comma-separated; default: decode-cpu on the CPU, "
+                             "decode-gpu on GPUs. How long each takes: "
+                             + "; ".join(f"{s.name} ({s.runtime})" for s in SUITES.values())
+                             + "; generate (a model against mlx-lm: about 3 minutes on an H200, 25 minutes "
+                               "on a 2-core CPU with its defaults). Each shape's rows are printed as it completes")
     parser.add_argument("--candidates", metavar="A,B,...",
                         help="providers by name (auto = the registry's choice) and peers (gather_sdpa, mlx_sdpa, "
                              "torch_sdpa, ceiling); default: the suite's")
@@ -60,11 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="queue the timed calls (mx.async_eval, torch without a sync per call) and wait once "
                              "per sample: kernel throughput; default: every call waits for its result (mx.eval)")
     parser.add_argument("--seed", type=int_at_least(0), default=0, metavar="N", help="random seed of the inputs (0)")
-    parser.add_argument("--json", metavar="PATH", help="write every raw median and machine info as JSON ('-': stdout)")
+    parser.add_argument("--json", metavar="PATH", nargs="?", const="-",
+                        help="every raw median and machine info as JSON: on stdout (tables then go to stderr), "
+                             "or into PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables to paste into docs")
     parser.add_argument("--list", action="store_true", help="list the suites, their shapes and candidates, and exit")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or progress lines on stderr")
     g = parser.add_argument_group("--suite generate (model generation throughput against mlx-lm)")
     g.add_argument("--concurrency", metavar="N,...", help="requests at once (default 1,8,32,64 on GPUs, 1,8,32 on "
                                                           "the CPU)")
@@ -119,10 +124,15 @@ def _note(r: CandidateResult) -> str:
 
 
 def _columns(suite: SuiteResult) -> tuple[bool, bool, bool, list[str]]:
-    metrics = {m for sr in suite.results for m in sr.shape.metrics}
-    ceiling = any(sr.ceiling_gbps for sr in suite.results)
-    ran = {c.name for sr in suite.results for c in sr.candidates if c.ok}
-    return "GB/s" in metrics, "TFLOP/s" in metrics, ceiling, [p for p in SPEEDUP_PEERS if p in ran]
+    return _planned_columns([sr.shape for sr in suite.results], suite.candidates)
+
+
+def _planned_columns(shapes: Sequence[Any], candidates: Sequence[str]) -> tuple[bool, bool, bool, list[str]]:
+    """Which metric and speedup columns a suite's table has, known before anything is measured (so
+    that rows can be printed shape by shape): GB/s, TFLOP/s, % of the ceiling, vs each peer asked for."""
+    metrics = {m for sh in shapes for m in sh.metrics}
+    ceiling = "ceiling" in candidates and "GB/s" in metrics
+    return "GB/s" in metrics, "TFLOP/s" in metrics, ceiling, [p for p in SPEEDUP_PEERS if p in candidates]
 
 
 def _machine_line(machine: dict[str, Any]) -> str:
@@ -131,46 +141,76 @@ def _machine_line(machine: dict[str, Any]) -> str:
     return f"{machine['backend']}: {dev}{cores}; mlx {machine['mlx_version']}; {machine['date']}"
 
 
-def render_rich(suite: SuiteResult, machine: dict[str, Any], file: TextIO) -> None:
-    """One table per suite: each shape a section, its candidates side by side."""
-    from rich.console import Console
-    from rich.table import Table
+class TableStream:
+    """A suite's table printed shape by shape as each completes (an interrupted run keeps the rows it
+    printed): the title and the header first, then one section per shape, then the caption. Every
+    column but the last has a fixed width, so the sections line up as one table."""
 
-    gbps, tflops, ceiling, speed = _columns(suite)
-    table = Table(title=f"{suite.name}: {suite.description}", title_justify="left", show_lines=False,
-                  caption=_caption(suite, machine), caption_justify="left")
-    table.add_column("shape", overflow="fold", max_width=34)
-    table.add_column("candidate")
-    table.add_column("ms", justify="right")
-    if gbps:
-        table.add_column("GB/s", justify="right")
-    if tflops:
-        table.add_column("TFLOP/s", justify="right")
-    if ceiling:
-        table.add_column("% ceil", justify="right")
-    for p in speed:
-        table.add_column(f"vs {p}", justify="right")
-    table.add_column("route / reasons", overflow="fold", ratio=1)
-    for i, sr in enumerate(suite.results):
-        if i:
-            table.add_section()
+    WIDTH = 160
+
+    def __init__(self, name: str, description: str, shapes: Sequence[Any], candidates: Sequence[str],
+                 file: TextIO) -> None:
+        from rich.console import Console
+
+        self.file = file
+        self.console = Console(file=file, width=max(self.WIDTH, Console(file=file).width), highlight=False)
+        self.gbps, self.tflops, self.ceiling, self.speed = _planned_columns(shapes, candidates)
+        cand = max([len(c) for c in candidates] + [9])
+        self.widths = ([32, cand, 7] + [8] * (self.gbps + self.tflops) + [6] * self.ceiling
+                       + [len(f"vs {p}") for p in self.speed])
+        self.names = (["shape", "candidate", "ms"] + ["GB/s"] * self.gbps + ["TFLOP/s"] * self.tflops
+                      + ["% ceil"] * self.ceiling + [f"vs {p}" for p in self.speed] + ["route / reasons"])
+        self.console.print(f"{name}: {description}", markup=False)
+        self._printed = 0
+
+    def _table(self, header: bool) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        table = Table(show_header=header, box=box.SIMPLE_HEAD, width=self.console.width, pad_edge=False,
+                      padding=(0, 1), collapse_padding=True)
+        for i, n in enumerate(self.names):
+            if i < len(self.widths):
+                table.add_column(n, width=self.widths[i], no_wrap=i != 0, overflow="fold",
+                                 justify="left" if i < 2 else "right")
+            else:
+                table.add_column(n, overflow="fold", ratio=1)
+        return table
+
+    def shape(self, sr: ShapeResult) -> None:
+        """Print one shape's rows (the header with the first)."""
+        table = self._table(self._printed == 0)
         for j, r in enumerate(sr.candidates):
             style = None if r.ok else ("red" if r.status == "error" else "dim")
             if r.check is not None and not r.check.get("ok", True):
                 style = "red"
             cells = [sr.shape.label if j == 0 else "", r.name, _ms(r)]
-            if gbps:
+            if self.gbps:
                 cells.append(_num(r.gbps) if r.ok and ("GB/s" in sr.shape.metrics or r.kind == "ceiling") else "")
-            if tflops:
+            if self.tflops:
                 cells.append(_num(r.tflops) if r.ok and "TFLOP/s" in sr.shape.metrics and r.kind != "ceiling"
                              else "")
-            if ceiling:
+            if self.ceiling:
                 cells.append(_pct(r.fraction_of_ceiling) if r.fraction_of_ceiling is not None else "")
-            for p in speed:
+            for p in self.speed:
                 cells.append(f"{r.speedup[p]:.2f}x" if p in r.speedup else "")
             cells.append(_note(r))
             table.add_row(*cells, style=style)
-    Console(file=file, width=max(160, Console(file=file).width)).print(table)
+        self.console.print(table)
+        self._printed += 1
+        self.file.flush()
+
+    def close(self, suite: SuiteResult, machine: dict[str, Any]) -> None:
+        self.console.print(_caption(suite, machine), markup=False)
+        self.file.flush()
+
+
+def render_rich(suite: SuiteResult, machine: dict[str, Any], file: TextIO) -> None:
+    """The whole table of a finished suite (what `TableStream` prints shape by shape)."""
+    stream = TableStream(suite.name, suite.description, [sr.shape for sr in suite.results], suite.candidates, file)
+    for sr in suite.results:
+        stream.shape(sr)
+    stream.close(suite, machine)
 
 
 def _caption(suite: SuiteResult, machine: dict[str, Any]) -> str:
@@ -183,7 +223,8 @@ def _caption(suite: SuiteResult, machine: dict[str, Any]) -> str:
         lines.append(f"ceiling: {_num(c['gbps'], 4)} GB/s = {c['source']} (MLX x*1 {_num(c['mlx_copy_gbps'], 4)}"
                      f"{torch}; read + write bytes / median)")
     elif any(sr.ceiling_gbps for sr in suite.results):
-        lines.append("ceiling: numpy sum read bandwidth over as many bytes as the shape's K+V")
+        how = next((c.route for sr in suite.results for c in sr.candidates if c.kind == "ceiling" and c.ok), "")
+        lines.append(f"ceiling: the CPU's read bandwidth over as many bytes as the shape's K+V: {how}")
     lines.append("GB/s: K+V bytes read once / median. TFLOP/s: 4 * heads * head_size * causal (query, key) "
                  "pairs / median. vs PEER: peer median / candidate median (> 1 is faster).")
     return "\n".join(lines)
@@ -284,7 +325,7 @@ def to_json(suites: Sequence[SuiteResult], machine: dict[str, Any], argv: Sequen
 
 def list_suites(file: TextIO) -> None:
     for s in SUITES.values():
-        print(f"{s.name} ({s.target}; warmup {s.warmup}, iters {s.iters}): {s.description}", file=file)
+        print(f"{s.name} ({s.target}; warmup {s.warmup}, iters {s.iters}; {s.runtime}): {s.description}", file=file)
         print(f"  candidates: {', '.join(s.candidates)}", file=file)
         for sh in s.shapes:
             print(f"  - {sh.label}", file=file)
@@ -342,27 +383,30 @@ def run(args: argparse.Namespace) -> int:
                   file=err)
     machine = machine_info()
     results: list[SuiteResult] = []
+    plan = []
     for s, shapes in chosen:
         cand_names = _csv(args.candidates) if args.candidates else list(s.candidates)
         if not cand_names:
             print("metal-attn bench: error: --candidates is empty", file=err)
             return 2
-        cands = peers.resolve(cand_names)
-        total = len(shapes) * len(cands)
-        step = iter(range(1, total + 1))
-
-        def progress(msg: str, _s=s, _step=step, _total=total) -> None:
-            if not args.quiet:
-                print(f"[{_s.name} {next(_step, _total)}/{_total}] {msg}", file=err, flush=True)
-
-        results.append(run_suite(
-            s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
-            iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
-            pipelined=getattr(args, "pipelined", False), progress=progress,
-        ))
+        plan.append((s, shapes, peers.resolve(cand_names)))
+    with _Progress(sum(len(shapes) * len(c) for _, shapes, c in plan), quiet=args.quiet, file=err) as bar:
+        for s, shapes, cands in plan:
+            stream = TableStream(s.name, s.description, shapes, [c.name for c in cands], out)
+            suite = run_suite(
+                s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
+                iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
+                pipelined=getattr(args, "pipelined", False), progress=lambda msg, _s=s: bar.step(_s.name, msg),
+                on_shape=stream.shape,
+            )
+            results.append(suite)
+            stream.close(suite, machine)
+            if suite.interrupted:
+                print(f"metal-attn bench: interrupted: {len(suite.results)} of {len(shapes)} shapes of "
+                      f"{s.name} completed (their rows are above)", file=err)
+                break
+    interrupted = any(r.interrupted for r in results)
     machine = machine_info() | {"date": machine["date"]}  # torch may have been imported by now
-    for r in results:
-        render_rich(r, machine, out)
     if args.markdown:
         for r in results:
             print(render_markdown(r, machine), file=out)
@@ -379,7 +423,44 @@ def run(args: argparse.Namespace) -> int:
     problems = _problems(results)
     for p in problems:
         print(f"metal-attn bench: problem: {p}", file=err)
+    if interrupted:
+        return 130
     return 1 if problems else 0
+
+
+class _Progress:
+    """A progress bar on stderr (a terminal), or one line per step (a pipe or a log); nothing with
+    ``quiet``. ``step(suite, msg)`` announces the measurement starting now."""
+
+    def __init__(self, total: int, *, quiet: bool, file: TextIO) -> None:
+        self.total, self.quiet, self.file = total, quiet, file
+        self.done = 0
+        self._bar = None
+
+    def __enter__(self) -> _Progress:
+        if not self.quiet and self.file.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("{task.description}", justify="left"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(),
+                                 console=Console(file=self.file), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("bench", total=self.total)
+        return self
+
+    def step(self, suite: str, msg: str) -> None:
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, description=f"{suite}: {msg}"[:70])
+        else:
+            print(f"[{suite} {self.done + 1}/{self.total}] {msg}", file=self.file, flush=True)
+        self.done += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -630,11 +630,13 @@ class SuiteResult:
     results: list[ShapeResult]
     ceiling: dict[str, Any] | None = None
     mode: str = "blocking"  # blocking: each timed call waits for its result; pipelined: queued calls
+    #: The run was interrupted (Ctrl-C): ``results`` holds the shapes that completed.
+    interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "candidates": list(self.candidates),
                 "warmup": self.warmup, "iters": self.iters, "mode": self.mode, "ceiling": self.ceiling,
-                "results": [r.to_dict() for r in self.results]}
+                "interrupted": self.interrupted, "results": [r.to_dict() for r in self.results]}
 
 
 def is_gpu() -> bool:
@@ -737,44 +739,62 @@ def run_suite(
     seed: int = 0,
     pipelined: bool = False,
     progress: Callable[[str], None] | None = None,
+    on_shape: Callable[[ShapeResult], None] | None = None,
 ) -> SuiteResult:
     """Measure every candidate on every shape (one case built per shape), in one process and run.
 
     ``pipelined=False`` (default): every timed call waits for its result (``mx.eval``; torch synchronizes).
     ``pipelined=True``: calls are queued (``mx.async_eval``; torch launches) and each sample waits once.
+    ``on_shape`` receives each shape's result as soon as it is complete (to print it). A Ctrl-C
+    (KeyboardInterrupt) ends the run early: the shapes completed so far are returned, with
+    ``interrupted`` set.
     """
     say = progress or (lambda _msg: None)
     out: list[ShapeResult] = []
     mem = available_memory()
+    interrupted = False
     with cpu_cache_limit():
-        for shape in shapes:
-            need = shape.memory_estimate()
-            if mem is not None and need > 0.85 * mem:
-                reason = f"needs about {need / 2**30:.1f} GiB, {mem / 2**30:.1f} GiB available"
-                out.append(ShapeResult(shape, [CandidateResult(c.name, c.kind, "skipped", (reason,))
-                                               for c in candidates]))
-                say(f"{shape.label}: skipped ({reason})")
-                continue
-            case = build_case(shape, seed=seed)
-            results = []
-            for cand in candidates:
-                say(f"{shape.label}: {cand.name}")
-                try:
-                    res = cand.measure(case, warmup=warmup, iters=iters, pipelined=pipelined)
-                except Exception as exc:
-                    res = CandidateResult(cand.name, getattr(cand, "kind", "peer"), "error",
-                                          (f"{type(exc).__name__}: {exc}",))
-                results.append(res)
-            sr = ShapeResult(shape, results)
-            finish_shape(sr)
-            out.append(sr)
-            case.release()
-            del case
-            gc.collect()
-            mx.clear_cache()
+        try:
+            _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out)
+        except KeyboardInterrupt:
+            interrupted = True
     ceiling = next((getattr(c, "summary", None) for c in candidates if c.kind == "ceiling"), None)
     return SuiteResult(name, description, tuple(c.name for c in candidates), warmup, iters, out,
-                       ceiling() if callable(ceiling) else None, "pipelined" if pipelined else "blocking")
+                       ceiling() if callable(ceiling) else None, "pipelined" if pipelined else "blocking",
+                       interrupted)
+
+
+def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out) -> None:
+    """`run_suite`'s loop: appends each completed `ShapeResult` to ``out`` (and hands it to ``on_shape``)."""
+    for shape in shapes:
+        need = shape.memory_estimate()
+        if mem is not None and need > 0.85 * mem:
+            reason = f"needs about {need / 2**30:.1f} GiB, {mem / 2**30:.1f} GiB available"
+            sr = ShapeResult(shape, [CandidateResult(c.name, c.kind, "skipped", (reason,)) for c in candidates])
+            out.append(sr)
+            say(f"{shape.label}: skipped ({reason})")
+            if on_shape is not None:
+                on_shape(sr)
+            continue
+        case = build_case(shape, seed=seed)
+        results = []
+        for cand in candidates:
+            say(f"{shape.label}: {cand.name}")
+            try:
+                res = cand.measure(case, warmup=warmup, iters=iters, pipelined=pipelined)
+            except Exception as exc:
+                res = CandidateResult(cand.name, getattr(cand, "kind", "peer"), "error",
+                                      (f"{type(exc).__name__}: {exc}",))
+            results.append(res)
+        sr = ShapeResult(shape, results)
+        finish_shape(sr)
+        out.append(sr)
+        if on_shape is not None:
+            on_shape(sr)
+        case.release()
+        del case
+        gc.collect()
+        mx.clear_cache()
 
 
 # -- machine info -----------------------------------------------------------------------------------

@@ -10,8 +10,12 @@
   group before timing), only when torch with CUDA is importable and MLX runs on CUDA;
 - ``ceiling``: on GPUs the copy bandwidth measured in the same run (MLX ``x * 1``
   and torch's device-to-device copy over a large buffer, queued calls, read +
-  write bytes; the larger is the ceiling); on the CPU the read bandwidth of a
-  numpy sum over as many bytes as the shape's K+V.
+  write bytes; the larger is the ceiling); on the CPU the read bandwidth of the
+  native module's multi-threaded read (`metal_attn._native.read_bytes`: as many threads
+  as the CPU kernels use, the widest vector loads, four independent accumulators) over
+  as many bytes as the shape's K+V, which a kernel that reads those bytes and computes
+  cannot exceed (without the native module: a single-threaded numpy sum, which a
+  multi-threaded kernel can exceed, and the row says so).
 
 Each peer computes exactly what the provider computes on the same data, so the
 runner can check their outputs against each other.
@@ -273,14 +277,7 @@ class Ceiling:
         nbytes = case.shape.kv_bytes
         hit = self._cpu.get(nbytes)
         if hit is None:
-            buf = np.ones(max(nbytes // 4, 1), dtype=np.float32)
-            t = time_fn(buf.sum, warmup=max(warmup, 1), iters=iters, sync=_noop)
-            hit = CandidateResult(self.name, self.kind, "ok", timing=t, gbps=buf.nbytes / t.median_s / 1e9,
-                                  route="numpy sum (read)",
-                                  details={"method": "read bandwidth: bytes / median of numpy sum",
-                                           "bytes": buf.nbytes})
-            del buf
-            self._cpu[nbytes] = hit
+            hit = self._cpu[nbytes] = cpu_read_ceiling(nbytes, warmup=max(warmup, 1), iters=iters)
         return dataclasses.replace(hit, details=dict(hit.details))
 
     def summary(self) -> dict[str, Any] | None:
@@ -288,6 +285,30 @@ class Ceiling:
         if not _gpu_ceiling:
             return None
         return {k: v for k, v in _gpu_ceiling.items() if not k.endswith("timing")}
+
+
+def cpu_read_ceiling(nbytes: int, *, warmup: int, iters: int) -> CandidateResult:
+    """The CPU's read bandwidth over ``nbytes`` bytes: the native multi-threaded read with the CPU
+    kernels' thread count, or (native module missing) a single-threaded numpy sum."""
+    from metal_attn import native
+
+    mod = native.load()
+    if mod is None:
+        buf = np.ones(max(nbytes // 4, 1), dtype=np.float32)
+        t = time_fn(buf.sum, warmup=warmup, iters=iters, sync=_noop)
+        return CandidateResult("ceiling", "ceiling", "ok", timing=t, gbps=buf.nbytes / t.median_s / 1e9,
+                               route="numpy sum (read, one thread: not a bound for a multi-threaded kernel)",
+                               details={"method": "read bandwidth: bytes / median of a single-threaded numpy sum "
+                                                  "(the native module is not built)", "bytes": buf.nbytes})
+    threads = current_device().cpu_threads or int(mod.hardware_threads())
+    buf = mx.ones((max(nbytes // 4, 1),), dtype=mx.float32)  # written: every page is committed
+    mx.eval(buf)
+    t = time_fn(lambda: mod.read_bytes(buf, threads), warmup=warmup, iters=iters, sync=_noop)
+    return CandidateResult("ceiling", "ceiling", "ok", timing=t, gbps=buf.nbytes / t.median_s / 1e9,
+                           route=f"native read ({threads} threads, {mod.resolve_isa('auto')})",
+                           details={"method": f"read bandwidth: bytes / median of the native {threads}-thread "
+                                              "read (metal_attn._native.read_bytes)", "bytes": buf.nbytes,
+                                    "threads": threads})
 
 
 PEERS: dict[str, type] = {"mlx_sdpa": MlxSdpa, "gather_sdpa": GatherSdpa, "torch_sdpa": TorchSdpa,

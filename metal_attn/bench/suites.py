@@ -25,6 +25,8 @@ class Suite:
     candidates: tuple[str, ...]
     warmup: int
     iters: int
+    #: How long a run with the default candidates took, and where (for ``--help`` and ``--list``).
+    runtime: str = ""
 
     def select(self, patterns: list[str] | None) -> tuple[Shape, ...]:
         """Shapes whose label matches any pattern (a substring, or a glob with ``*``/``?``; case-insensitive)."""
@@ -89,6 +91,9 @@ def _gqa_shapes() -> tuple[Shape, ...]:
     return tuple(out)
 
 
+#: The GPU suites' runtime note: their kernels need a GPU backend.
+_GPU_ONLY = "needs a GPU backend (not timed on a CPU)"
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -101,6 +106,7 @@ SUITES: dict[str, Suite] = {
             ("auto", "classic", "gqa_decode", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling"),
             warmup=3,
             iters=20,
+            runtime=_GPU_ONLY,
         ),
         Suite(
             "prefill-gpu",
@@ -111,6 +117,7 @@ SUITES: dict[str, Suite] = {
             ("auto", "tiled_prefill", "classic", "gather_sdpa", "mlx_sdpa", "torch_sdpa"),
             warmup=2,
             iters=10,
+            runtime=_GPU_ONLY,
         ),
         Suite(
             "gqa-gpu",
@@ -120,6 +127,7 @@ SUITES: dict[str, Suite] = {
             ("auto", "gqa_decode", "classic", "gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling"),
             warmup=3,
             iters=20,
+            runtime=_GPU_ONLY,
         ),
         Suite(
             "decode-cpu",
@@ -129,6 +137,8 @@ SUITES: dict[str, Suite] = {
             _CPU_CANDIDATES,
             warmup=1,
             iters=5,
+            runtime="about 4.5 min on a 2-core CPU (278 s; the peers take most of it: --candidates classic,ceiling "
+                    "takes under a minute)",
         ),
         Suite(
             "prefill-cpu",
@@ -138,6 +148,7 @@ SUITES: dict[str, Suite] = {
             _CPU_CANDIDATES,
             warmup=1,
             iters=3,
+            runtime="about 5.5 min on a 2-core CPU (325 s; MLX SDPA and the gathers take seconds a call)",
         ),
         Suite(
             "smoke",
@@ -153,6 +164,7 @@ SUITES: dict[str, Suite] = {
             ("auto", "classic", "reference", "gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling"),
             warmup=1,
             iters=3,
+            runtime="about 2 s on a 2-core CPU",
         ),
     )
 }

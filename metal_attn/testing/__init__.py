@@ -2,8 +2,9 @@
 
 - `attention_oracle`: an independent float64 numpy implementation of paged attention;
 - `make_case` / `AttentionCase`: random cases with scattered pages and garbage elsewhere;
-- `CONFORMANCE_SPECS`, `run_case`, `check_case`, `assert_close_to_oracle`, `TOLERANCES`:
-  the conformance suite every provider runs (see `metal_attn.testing.conformance`).
+- `CONFORMANCE_SPECS` (with `NONFINITE_SPECS`, the NaN contract's cases), `run_case`, `check_case`,
+  `assert_close_to_oracle`, `TOLERANCES`: the conformance suite every provider runs (see
+  `metal_attn.testing.conformance`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from metal_attn.testing.cases import AttentionCase, make_case
 from metal_attn.testing.conformance import (
     CONFORMANCE_SPECS,
+    NONFINITE_SPECS,
     TOLERANCES,
     Tolerance,
     admission_reasons,
@@ -27,6 +29,7 @@ from metal_attn.testing.overrides import forced_mixed_threshold
 
 __all__ = [
     "CONFORMANCE_SPECS",
+    "NONFINITE_SPECS",
     "TOLERANCES",
     "AttentionCase",
     "Tolerance",

@@ -207,6 +207,7 @@ def make_case(
     scale: float | None = None,
     score_bias: float = 0.0,
     contiguous: bool = False,
+    poison: Sequence[tuple[str, int, int, int, float]] = (),
     label: str = "",
 ) -> AttentionCase:
     """A random case: standard-normal q/K/V in ``dtype``, scattered pages, garbage elsewhere.
@@ -217,7 +218,13 @@ def make_case(
     - ``score_bias``: K's channel 0 is set to 1 and q's channel 0 to ``score_bias / scale``, so
       every score is shifted by ``score_bias`` (e.g. -120 puts in-window scores far below zero);
     - ``contiguous``: sequence i gets the next consecutive block ids, no garbage blocks;
-    - ``sinks``: one random float32 logit per query head.
+    - ``sinks``: one random float32 logit per query head;
+    - ``poison``: non-finite values planted in real data, each ``(what, seq, index, head, value)``:
+      ``("q", seq, row, head, value)`` sets element 0 of query row ``row`` (within sequence
+      ``seq``) of query head ``head``; ``("k" | "v", seq, pos, kv_head, value)`` sets one element
+      (dimension ``pos % head_size``) of the K or V row of KV position ``pos`` of sequence ``seq``
+      (a shared block is poisoned for every sequence that holds it). The oracle says which
+      (row, head) outputs that reaches (`attention_oracle`).
     """
     name = dtype_name(dtype)
     ql, sl = _check_lengths(q_lens, seq_lens)
@@ -251,6 +258,8 @@ def make_case(
     q_host = round_to_dtype(q_np, name)
     sinks_host = (rng.standard_normal(num_heads, dtype=np.float32) * 2.0) if sinks else None
 
+    _plant(poison, q_host, k_host, v_host, tables, sl, ql, block_size)
+
     mxd = _MX_DTYPES[name]
     q_mx, k_mx, v_mx = (mx.array(x).astype(mxd) for x in (q_host, k_host, v_host))
     mx.eval(q_mx, k_mx, v_mx)
@@ -268,3 +277,35 @@ def make_case(
         label=label,
         host={"q": q_host, "k_cache": k_host, "v_cache": v_host, "sinks": sinks_host},
     )
+
+
+def _plant(
+    poison: Sequence[tuple[str, int, int, int, float]],
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    tables: np.ndarray,
+    seq_lens: list[int],
+    q_lens: list[int],
+    block_size: int,
+) -> None:
+    """Write `make_case`'s ``poison`` entries into the host arrays (in place), checking each."""
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(int)
+    for entry in poison:
+        what, seq, index, head, value = entry
+        if not 0 <= seq < len(seq_lens):
+            raise ValueError(f"poison {entry}: seq={seq} (allowed: 0..{len(seq_lens) - 1})")
+        if what == "q":
+            if not (0 <= index < q_lens[seq] and 0 <= head < q.shape[1]):
+                raise ValueError(f"poison {entry}: row={index}, head={head} (allowed: rows 0..{q_lens[seq] - 1}, "
+                                 f"heads 0..{q.shape[1] - 1})")
+            q[starts[seq] + index, head, 0] = value
+        elif what in ("k", "v"):
+            if not (0 <= index < seq_lens[seq] and 0 <= head < k.shape[2]):
+                raise ValueError(f"poison {entry}: pos={index}, kv_head={head} (allowed: positions "
+                                 f"0..{seq_lens[seq] - 1}, kv heads 0..{k.shape[2] - 1})")
+            block = int(tables[seq, index // block_size])
+            pool = k if what == "k" else v
+            pool[block, index % block_size, head, index % pool.shape[3]] = value
+        else:
+            raise ValueError(f"poison {entry}: what={what!r} (allowed: 'q', 'k', 'v')")

@@ -70,9 +70,12 @@ def _as_f64(out: Any) -> np.ndarray:
 def assert_close_to_oracle(out: Any, ref: np.ndarray, dtype: Any, *, label: str = "") -> None:
     """Assert ``out`` (MLX or numpy) matches the float64 ``ref`` within ``TOLERANCES[dtype]``.
 
-    Checks shape, finiteness, the elementwise bound and the relative L2 bound; the
-    message shows the worst element (where, got, expected), how many elements
-    fail, and the relative L2 error against its bound.
+    Checks shape, the non-finite contract, the elementwise bound and the relative L2 bound.
+    Where the oracle is NaN (a NaN or infinity in the inputs reaches that (token, head): see
+    `attention_oracle`), ``out[token, head]`` must hold at least one non-finite element; everywhere
+    else every element must be finite and close. The message shows the first (token, head) that
+    breaks the contract, or the worst element (where, got, expected), how many elements fail, and
+    the relative L2 error against its bound.
     """
     tol = TOLERANCES[dtype_name(dtype)]
     got = _as_f64(out)
@@ -80,13 +83,31 @@ def assert_close_to_oracle(out: Any, ref: np.ndarray, dtype: Any, *, label: str 
     where = f"[{label}] " if label else ""
     if got.shape != ref.shape:
         raise AssertionError(f"{where}output shape {got.shape} != expected {ref.shape}")
-    bad_values = ~np.isfinite(got)
-    if bad_values.any():
-        idx = tuple(int(i) for i in np.argwhere(bad_values)[0])
+    # The non-finite contract, per (token, head) vector.
+    want_bad = np.isnan(ref).any(axis=-1) if ref.ndim > 1 else np.isnan(ref)
+    got_bad = ~np.isfinite(got).all(axis=-1) if got.ndim > 1 else ~np.isfinite(got)
+    hidden = want_bad & ~got_bad
+    if hidden.any():
+        idx = tuple(int(i) for i in np.argwhere(hidden)[0])
         raise AssertionError(
-            f"{where}{int(bad_values.sum())} of {got.size} outputs are not finite; first at "
-            f"(token, head, dim)={idx}: {got[idx]} (expected {ref[idx]:.6g})"
+            f"{where}{int(hidden.sum())} (token, head) outputs are finite where a NaN/Inf input reaches them "
+            f"(the contract: a non-finite q, or K/V at an attended position, makes the output non-finite); "
+            f"first at (token, head)={idx}: {got[idx][:4]}..."
         )
+    leaked = got_bad & ~want_bad
+    if leaked.any():
+        idx = tuple(int(i) for i in np.argwhere(leaked)[0])
+        bad_el = ~np.isfinite(got[idx])
+        el = int(np.argmax(bad_el)) if got.ndim > 1 else 0
+        value = got[idx][el] if got.ndim > 1 else got[idx]
+        raise AssertionError(
+            f"{where}{int(leaked.sum())} (token, head) outputs are not finite where the oracle is finite (a value "
+            f"the row does not attend to, or none at all, leaked in); first at (token, head, dim)={(*idx, el)}: "
+            f"{value} (expected {ref[idx][el] if got.ndim > 1 else ref[idx]:.6g})"
+        )
+    if want_bad.any():  # compare the finite part only
+        got = np.where(want_bad[..., None] if got.ndim > 1 else want_bad, 0.0, got)
+        ref = np.where(want_bad[..., None] if ref.ndim > 1 else want_bad, 0.0, ref)
     err = np.abs(got - ref)
     bound = tol.atol + tol.rtol * np.abs(ref)
     excess = err - bound
@@ -205,6 +226,41 @@ _DTYPE_VARIANTS: list[dict[str, Any]] = [
     _spec("neutral-partial", [1, 1], [2000, 1100], sliding_window=64, score_bias=-120.0),
 ]
 
+_NAN, _INF = float("nan"), float("inf")
+
+#: The non-finite contract (``docs/providers.md``): a NaN or infinity in q, or in K/V at a position
+#: a row attends to, makes that (row, head) non-finite; one at a position the row does not attend
+#: (past its causal end, left of its window, in a partition left of the window) changes nothing.
+NONFINITE_SPECS: list[dict[str, Any]] = [
+    # q: NaN, +Inf and -Inf in three decode rows (one head each), with and without sinks.
+    _spec("nonfinite-q-decode", [1, 1, 1], [40, 17, 300],
+          poison=[("q", 0, 0, 0, _NAN), ("q", 1, 0, 3, _INF), ("q", 2, 0, 1, -_INF)]),
+    _spec("nonfinite-q-sinks", [1, 5], [33, 20], sinks=True, num_heads=8, num_kv_heads=2,
+          poison=[("q", 0, 0, 2, _NAN), ("q", 1, 3, 7, _INF)]),
+    # K: NaN, -Inf (a score of -inf must not just drop the key) and +Inf at attended positions,
+    # at page edges; with a softcap too (tanh would turn an infinite score into a finite one).
+    _spec("nonfinite-k-decode", [1, 1, 1], [40, 17, 300],
+          poison=[("k", 0, 15, 0, _NAN), ("k", 1, 16, 1, -_INF), ("k", 2, 0, 0, _INF)]),
+    _spec("nonfinite-k-softcap", [1, 6], [90, 30], softcap=2.0,
+          poison=[("k", 0, 89, 1, -_INF), ("k", 1, 2, 0, _INF)]),
+    # V: NaN and +Inf at attended positions (also in the second 512-token partition).
+    _spec("nonfinite-v-decode", [1, 1, 1], [40, 17, 1100],
+          poison=[("v", 0, 39, 0, _NAN), ("v", 1, 0, 1, _INF), ("v", 2, 700, 0, _NAN)]),
+    # Masked positions: a 4-row chunk on 32 tokens with NaN V at position 31 (only the last row
+    # attends it) and NaN K at position 30 (rows 2 and 3); the other rows stay finite.
+    _spec("nonfinite-masked-causal", [4], [32], poison=[("v", 0, 31, 0, _NAN), ("k", 0, 30, 1, _NAN)]),
+    _spec("nonfinite-masked-continuation", [1, 9], [50, 40], num_heads=8, num_kv_heads=2,
+          poison=[("v", 1, 39, 0, _NAN), ("v", 1, 35, 1, _INF), ("k", 1, 33, 1, -_INF)]),
+    # Left of a sliding window: a decode row (window [32, 40)) and a 6-row chunk whose row i
+    # attends [17 + i, 25 + i): V NaN at 31 and 20 reach rows 0-3 of the chunk only.
+    _spec("nonfinite-masked-window", [1, 6], [40, 30], sliding_window=8,
+          poison=[("v", 0, 31, 0, _NAN), ("k", 0, 39, 1, _NAN), ("v", 1, 20, 0, _NAN), ("k", 1, 16, 1, _NAN)]),
+    # A whole partition left of the window (a neutral partial) holds NaN; the last partition
+    # of another row holds it where it is attended.
+    _spec("nonfinite-window-partitions", [1, 1], [2000, 1300], sliding_window=64,
+          poison=[("v", 0, 100, 0, _NAN), ("k", 0, 600, 1, _NAN), ("v", 1, 1299, 1, _NAN)]),
+]
+
 #: The conformance cases: dicts of `make_case` keyword arguments, each with a unique ``label``.
 CONFORMANCE_SPECS: list[dict[str, Any]] = [
     # -- decode: lengths at page and partition edges, GQA ratios 1/2/4/8 and MQA ----------
@@ -259,6 +315,14 @@ CONFORMANCE_SPECS: list[dict[str, Any]] = [
     _spec("contiguous-tables", [1, 8], [30, 8], contiguous=True),
     # -- the same cases in float16 and bfloat16 -------------------------------------------------
     *(_with_dtype(s, d) for d in ("float16", "bfloat16") for s in _DTYPE_VARIANTS),
+    # -- non-finite inputs in half precision, on the kernels' geometries -------------------------
+    *(_with_dtype(s, d) for d in ("float16", "bfloat16") for s in NONFINITE_SPECS[::2]),
+    _spec("nonfinite-gqa-decode-32x8x128-bfloat16", [1] * 3, [600, 1030, 17], num_heads=32, num_kv_heads=8,
+          head_size=128, dtype="bfloat16",
+          poison=[("q", 0, 0, 5, _NAN), ("k", 1, 1029, 3, -_INF), ("v", 2, 3, 7, _INF), ("v", 1, 600, 1, _NAN)]),
+    _spec("nonfinite-prefill-head128-float16", [40, 24], [40, 90], num_heads=8, num_kv_heads=2, head_size=128,
+          dtype="float16", poison=[("v", 0, 39, 0, _NAN), ("k", 0, 20, 1, _INF), ("v", 1, 89, 1, _NAN),
+                                   ("v", 1, 70, 0, _INF), ("q", 1, 5, 6, _NAN)]),
     # -- upstream GQA-decode geometries (heads, kv heads, head, block) in half precision --------
     _spec("gqa-decode-32x8x128-bs16-float16", [1] * 4, [600, 1030, 17, 2049],
           num_heads=32, num_kv_heads=8, head_size=128, dtype="float16"),
@@ -272,6 +336,8 @@ CONFORMANCE_SPECS: list[dict[str, Any]] = [
           num_heads=16, num_kv_heads=2, head_size=256, dtype="bfloat16"),
     _spec("gqa-decode-16x2x256-bs32-bfloat16", [1, 1], [700, 2600],
           num_heads=16, num_kv_heads=2, head_size=256, block_size=32, dtype="bfloat16"),
+    # -- non-finite inputs: poisoned (row, head) outputs are non-finite, nothing else is -------
+    *NONFINITE_SPECS,
     # -- a few longer cases --------------------------------------------------------------------
     _spec("long-decode-32k-bfloat16", [1], [32769], num_heads=8, num_kv_heads=2, head_size=128, dtype="bfloat16"),
     _spec("long-decode-batch-float16", [1] * 4, [4096, 8193, 5000, 1],
@@ -294,6 +360,7 @@ _check_unique_labels()
 
 __all__ = [
     "CONFORMANCE_SPECS",
+    "NONFINITE_SPECS",
     "TOLERANCES",
     "Tolerance",
     "admission_reasons",

@@ -13,6 +13,21 @@ Semantics (per sequence with ``q_len`` query rows and ``seq_len`` KV tokens):
 - a sink is one logit per query head, added to the softmax denominator once
   (it has no value row);
 - query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+Non-finite inputs (the contract every provider honours, ``docs/providers.md``):
+
+- a position a row does not attend to (past its causal end, left of its window,
+  past ``seq_len``, an unused block or table entry) never affects that row,
+  whatever it holds;
+- a NaN or an infinity in ``q[row, head]``, or in the K or V row of a position
+  that ``row`` attends to (of ``head``'s KV head), makes ``out[row, head]``
+  NaN (every element here; a provider must make at least one element
+  non-finite, never a silent 0 or a plausible finite value).
+
+The oracle states this explicitly rather than leaving it to float64
+arithmetic, which would drop a key whose score is ``-inf`` (or whose softcapped
+score is finite) and keep the row finite: the poisoned (row, head) pairs are
+set to NaN, the others are computed from the finite values only.
 """
 
 from __future__ import annotations
@@ -104,6 +119,11 @@ def attention_oracle(
             rows = b - a
             # [kvh, group, rows, d] @ [kvh, 1, d, n] -> [kvh, group, rows, n]
             qs = qf[row0 + a : row0 + b].reshape(rows, num_kv_heads, group, head_size).transpose(1, 2, 0, 3)
+            # Non-finite values: the (row, head) pairs they reach are poisoned; the arithmetic runs on
+            # finite values only (a masked NaN must not leak through 0 * NaN).
+            bad_pos = ~(np.isfinite(k).all(axis=-1) & np.isfinite(v).all(axis=-1))  # [n, kvh]
+            bad_q = ~np.isfinite(qs).all(axis=-1)  # [kvh, group, rows]
+            k, v, qs = (np.where(np.isfinite(x), x, 0.0) for x in (k, v, qs))
             s = (qs @ k.transpose(1, 2, 0)[:, None]) * scale
             if softcap is not None:
                 s = softcap * np.tanh(s / softcap)
@@ -118,6 +138,8 @@ def attention_oracle(
             if sink is not None:
                 denom = denom + np.exp(sink - m)
             o = (p @ v.transpose(1, 0, 2)[:, None]) / denom  # [kvh, group, rows, d]
+            reached = (allowed[None, :, :] & bad_pos.T[:, None, :]).any(axis=-1)  # [kvh, rows]
+            o[bad_q | reached[:, None, :]] = np.nan
             out[row0 + a : row0 + b] = o.transpose(2, 0, 1, 3).reshape(rows, num_heads, head_size)
     return out
 

@@ -611,13 +611,15 @@ def _cache_kernel(backend: str):
 
 def write_cache(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.array,
                 device: DeviceInfo) -> tuple[mx.array, mx.array]:
-    """``pool[slot] = kv`` for every non-negative slot, as one GPU pass producing the new pools."""
+    """``pool[slot] = kv`` for every slot inside the pool (negative ones are padding; with
+    ``validate_metadata`` off, slots past the pool are skipped too), as one GPU pass producing the
+    new pools."""
     nb, bs, kvh, head = k_cache.shape
     host = np.array(slots, copy=False).astype(np.int64, copy=False)
-    keep = np.nonzero(host >= 0)[0]
+    num_slots = nb * bs
+    keep = np.nonzero((host >= 0) & (host < num_slots))[0]  # padding and (validation off) slots past the pool
     if keep.size == 0:
         return k_cache, v_cache
-    num_slots = nb * bs
     inv = np.full(num_slots, -1, dtype=np.int32)
     inv[host[keep]] = keep.astype(np.int32)
     row = kvh * head

@@ -9,7 +9,7 @@ from metal_attn.device import detect_backend
 GPU_BACKEND = detect_backend()
 SKIP_REASON = (
     f"needs an MLX GPU backend (cuda or metal); this process runs on backend={GPU_BACKEND} "
-    "(run tests/gpu on the H200: see /work/shared/DEVICE.md)"
+    "(run tests/gpu where MLX has a GPU backend: README.md, 'Installing for a GPU')"
 )
 
 

@@ -6,6 +6,14 @@ head_size]`` tensor, pads the queries to ``max_q_len`` rows, builds one boolean 
 ``mx.fast.scaled_dot_product_attention`` call for the whole batch. The padding
 makes memory and work grow with ``num_seqs * max_q_len * max_seq_len``, so it
 admits short sequences only and says so when it refuses.
+
+It honours metal-attn's NaN contract (``docs/providers.md``), which the
+conformance suite checks: a NaN or infinity in a query row, or in the K/V row of
+a position that row attends to, makes that (row, head) NaN; one anywhere else
+(a masked position, padding, an unused slot) changes nothing. A dense softmax
+would let a masked NaN V row in (its weight is 0, and 0 * NaN is NaN) and drop
+a key scored -inf, so non-finite values are replaced by zeros before the SDPA
+call and the poisoned (row, head) pairs are set to NaN from the mask.
 """
 
 from __future__ import annotations
@@ -72,12 +80,18 @@ class DensePrefillProvider(Provider):
         in_seq = mx.array((np.arange(tk)[None, :] < seq_lens[:, None])[:, None, :, None])  # [b, 1, tk, 1]
         k = mx.where(in_seq, kc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3), 0)
         v = mx.where(in_seq, vc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3), 0)
+        # Non-finite K/V rows (per key and KV head) are zeroed here and poison, below, the rows that attend them.
+        k_ok, v_ok = mx.isfinite(k), mx.isfinite(v)
+        bad_key = ~(k_ok.all(axis=-1) & v_ok.all(axis=-1))  # [b, kvh, tk]
+        k, v = mx.where(k_ok, k, 0), mx.where(v_ok, v, 0)
 
         # Queries padded to tq rows per sequence (padding repeats the sequence's first row).
         rows = np.arange(tq)[None, :]
         valid = rows < q_lens[:, None]  # [b, tq]
         q_idx = np.where(valid, starts[:, None] + rows, starts[:, None])
         qp = q[mx.array(q_idx.reshape(-1).astype(np.int32))].reshape(b, tq, num_heads, head).transpose(0, 2, 1, 3)
+        q_ok = mx.isfinite(qp)
+        qp = mx.where(q_ok, qp, 0)
 
         # One mask for the batch: query row i of sequence s sees [lo, seq_len - q_len + i].
         hi = (seq_lens - q_lens)[:, None] + np.arange(tq)[None, :]  # [b, tq], inclusive
@@ -90,6 +104,11 @@ class DensePrefillProvider(Provider):
 
         sinks = inputs.sinks.astype(q.dtype) if inputs.sinks is not None else None
         out = mx.fast.scaled_dot_product_attention(qp, k, v, scale=inputs.scale, mask=mask, sinks=sinks)
+        # Poisoned (row, head): a non-finite query element, or a non-finite key the row attends.
+        group = num_heads // kvh
+        reached = (mask & bad_key[:, :, None, :]).any(axis=-1)  # [b, kvh, tq]
+        poisoned = mx.repeat(reached, group, axis=1) | ~q_ok.all(axis=-1)  # [b, heads, tq]
+        out = mx.where(poisoned[..., None], mx.array(float("nan"), dtype=out.dtype), out)
         out = out.transpose(0, 2, 1, 3).reshape(b * tq, num_heads, head)
         keep = np.nonzero(valid.reshape(-1))[0]
         if keep.size == out.shape[0]:

@@ -1,0 +1,167 @@
+"""CUDA source check: compile every CUDA specialization of the kernel texts with nvcc, on any machine.
+
+What it proves: for the specializations the CUDA tables choose (classic's direct, staged and matrix
+paths on both routes, the shared reducer, every gqa_decode geometry at both partition sizes, every
+tiled tile), our part of the source (the CUDA prelude, generated defines, headers, body) inside a
+wrapper shaped like the one ``mx.fast.cuda_kernel`` generates (``namespace mlx::core::cu``, one
+``__global__`` function, the inputs as ``const T*``, template arguments as ``using`` / ``constexpr``
+lines at the top of the body) compiles for ``sm_90a`` with nvcc; with ``--resources``, ptxas's
+registers and spills per kernel, to compare two versions of a kernel text.
+
+What it does not prove: MLX compiles with NVRTC, not nvcc, and its real wrapper also includes MLX's
+device headers; nvcc has no ``--device-as-default-execution-space``, so the wrapper restores
+``__device__`` that the prelude's ``#define device`` empties. Nothing runs: numerics, races and
+speed are for ``tests/gpu`` on a GPU. Usage: ``python -m metal_attn.cuda_check [--only REGEX]
+[--kernels-dir DIR] [--resources] [--jobs N]``; exit 1 when a source fails, 2 without nvcc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+NVCC_ARGS = ("-std=c++17", "-arch=sm_90a")
+_CT = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t", "int64": "int64_t"}
+#: Restores CUDA's __device__ after the prelude's `#define device` (NVRTC's default-device mode makes it moot).
+_PRE = "#include <cuda_runtime.h>\n#undef __device__\n#define __device__ __attribute__((__device__))\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaSource:
+    """One kernel instantiation to compile."""
+
+    label: str
+    kernel: str
+    source_files: tuple[str, ...]
+    inputs: tuple[tuple[str, str], ...]  # (name, dtype name)
+    outputs: tuple[tuple[str, str], ...]
+    template: tuple[tuple[str, object], ...]
+    defines: tuple[tuple[str, object], ...] = ()
+
+    def text(self) -> str:
+        """The wrapped source (prelude, defines and headers, then one __global__ function)."""
+        from metal_attn import kernels
+
+        header, body = kernels.assemble(self.kernel, self.source_files, "cuda", dict(self.defines))
+        name = re.sub(r"\W", "_", self.label)
+        sig = ", ".join([f"const {_CT[t]}* {n}" for n, t in self.inputs] + [f"{_CT[t]}* {n}" for n, t in self.outputs])
+        lines = [f"  using {k} = {_CT[v]};" if isinstance(v, str) and v in _CT else f"  constexpr int {k} = {int(v)};"
+                 for k, v in self.template]
+        return f"{_PRE}{header}\nnamespace mlx::core::cu {{\n__global__ void {name}({sig}) {{\n" + "\n".join(lines) \
+            + f"\n{body}\n}}\n}}\n"
+
+
+def cuda_sources() -> list[CudaSource]:
+    """The specializations the CUDA tables choose, at the head sizes and GQA groups that pick each path."""
+    from metal_attn._layout import import_builtin_providers
+
+    import_builtin_providers()
+    from metal_attn.providers import gqa_decode as gq
+    from metal_attn.providers import tiled_prefill as tp
+    from metal_attn.providers.classic import gpu as cg
+
+    out: list[CudaSource] = []
+    for dt, head, split, group in itertools.product(("float32", "float16", "bfloat16"), (64, 128, 256),
+                                                    (False, True), (2, 4, 8)):
+        for cores_items in (1.0, None):  # a small split grid and a large one (the staging rule's choice)
+            geo = cg.geometry(head, dt, "cuda", group, split, cores_items if split else None)
+            ins = tuple(zip(cg.PA_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "float32", "int32", "float32")))
+            outs = ((("out", dt),) if not split else tuple((n, "float32") for n in cg.PA_OUTPUTS[1]))
+            label = f"paged_attention {dt} h{head} g{group} split={int(split)} {cg.describe_geometry(geo, None)}"
+            src = CudaSource(label, "paged_attention", cg.PAGED_FILES, ins, outs,
+                             tuple(cg.paged_template(dt, head, 16, split, geo, cg.PREFETCH_NEXT["cuda"])),
+                             cg.paged_defines(split, geo))
+            if src not in out:
+                out.append(src)
+    for dt, head in itertools.product(("float32", "bfloat16"), (64, 128, 256)):
+        out.append(CudaSource(f"paged_attention_v2_reduce {dt} h{head}", "paged_attention_v2_reduce", cg.PAGED_FILES,
+                              tuple(zip(cg.REDUCE_INPUTS, ("float32", "float32", "float32", "int32", "int32",
+                                                           "float32", "int32"))), (("out", dt),),
+                              (("T", dt), ("TT", "float32"), ("HEAD_SIZE", head), ("PARTITION_SIZE", 512),
+                               ("NUM_THREADS", cg.NUM_THREADS))))
+    for dt, (h, kvh, d, bs), part in itertools.product(("float16", "bfloat16"), gq.geometry_table("cuda"), (256, 512)):
+        out.append(CudaSource(f"gqa_decode {dt} {h}/{kvh}/{d}/bs{bs} P{part}", "gqa_decode", gq.KERNEL_FILES,
+                              tuple(zip(gq.KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "float32", "int32"))),
+                              tuple((n, "float32") for n in gq.KERNEL_OUTPUTS),
+                              tuple(gq.kernel_template(dt, kvh, h // kvh, d, bs, part,
+                                                       gq.kernel_tuning("cuda", d, bs)))))
+    for dt, head in itertools.product(("float16", "bfloat16"), sorted(tp.TILE_CONFIGS["cuda"])):
+        cfg = tp.TILE_CONFIGS["cuda"][head]
+        out.append(CudaSource(f"tiled_prefill {dt} h{head}", "tiled_prefill", tp.KERNEL_FILES,
+                              tuple(zip(tp.KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "int32", "float32",
+                                                           "int32", "float32"))), (("out", dt),),
+                              (("T", dt), ("HEAD_SIZE", head), ("BLOCK_SIZE", 16), ("BQ", cfg.bq),
+                               ("BKV", cfg.bkv), ("RB", cfg.rb))))
+    return out
+
+
+def find_nvcc() -> str | None:
+    return shutil.which("nvcc")
+
+
+def compile_one(src: CudaSource, text: str, workdir: str, nvcc: str, resources: bool) -> tuple[CudaSource, int, str]:
+    """nvcc on one source's text (PTX, or a cubin with ptxas's resource report); (source, return code, output)."""
+    path = os.path.join(workdir, re.sub(r"\W", "_", src.label) + ".cu")
+    with open(path, "w") as f:
+        f.write(text)
+    args = [nvcc, *NVCC_ARGS, *(("-cubin", "-Xptxas", "-v") if resources else ("--ptx",)),
+            "-o", path + (".cubin" if resources else ".ptx"), path]
+    res = subprocess.run(args, capture_output=True, text=True)
+    return src, res.returncode, res.stdout + res.stderr
+
+
+def resources_line(output: str) -> str:
+    """ptxas's registers, spills and shared memory from its -v output."""
+    regs = re.search(r"Used (\d+) registers", output)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", output)
+    smem = re.search(r"(\d+) bytes smem", output)
+    return (f"{regs.group(1) if regs else '?'} registers, spills {spill.group(1) if spill else '?'}/"
+            f"{spill.group(2) if spill else '?'} bytes (stores/loads), {smem.group(1) if smem else 0} bytes smem")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m metal_attn.cuda_check", description=__doc__.splitlines()[0])
+    p.add_argument("--only", help="only sources whose label matches this regular expression")
+    p.add_argument("--kernels-dir", help="read the kernel texts from this folder (another version, to compare)")
+    p.add_argument("--resources", action="store_true", help="print ptxas's registers and spills per kernel")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel nvcc processes")
+    args = p.parse_args(argv)
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("cuda_check: nvcc is not on PATH (the CUDA toolkit provides it)", file=sys.stderr)
+        return 2
+    from metal_attn import kernels
+
+    if args.kernels_dir:
+        kernels.use_source_dir(args.kernels_dir)
+    try:
+        sources = [s for s in cuda_sources() if not args.only or re.search(args.only, s.label)]
+        texts = {s: s.text() for s in sources}
+    finally:
+        if args.kernels_dir:
+            kernels.use_source_dir(None)
+            kernels.clear_cache()
+    with tempfile.TemporaryDirectory() as work, ThreadPoolExecutor(max(1, args.jobs)) as ex:
+        results = list(ex.map(lambda s: compile_one(s, texts[s], work, nvcc, args.resources), sources))
+    failed = [(s, out) for s, rc, out in results if rc]
+    for s, rc, out in results:
+        if args.resources and not rc:
+            print(f"{s.label}: {resources_line(out)}")
+    for s, out in failed[:10]:
+        errors = [ln for ln in out.splitlines() if "error" in ln]
+        print(f"FAILED {s.label}:\n  " + "\n  ".join(errors[:8]), file=sys.stderr)
+    print(f"{len(results)} CUDA sources, {len(failed)} failed ({nvcc}, {' '.join(NVCC_ARGS)})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""2,000 seeded random requests on the GPU providers against the float64 oracle (`metal_attn.testing.fuzz`,
+profile ``gpu``): the kernels' head sizes and GQA-decode geometries (and a few head sizes only the
+reference provider takes), page sizes 8 to 128, every dtype; decode rows, verification and prefill
+chunks in one batch, lengths at page and partition edges, shared prefix blocks, sinks, windows,
+softcap, scale, NaN/Inf planted in a quarter of them and NaN in every unread slot.
+
+Each seed also draws how it runs: the automatic choice (half of them), or one of the GPU
+providers that admits it, forced; classic's occupancy gate forced either way in a third of those.
+``METAL_ATTN_FUZZ_GPU_CASES`` / ``METAL_ATTN_FUZZ_GPU_SEED`` choose other seeds;
+``METAL_ATTN_FUZZ_SUMMARY=PATH`` writes the providers and routes that ran (the last test).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from metal_attn.settings import override_settings
+from metal_attn.testing import admission_reasons, check_case, make_case
+from metal_attn.testing.fuzz import random_specs
+
+pytestmark = pytest.mark.gpu
+
+COUNT = int(os.environ.get("METAL_ATTN_FUZZ_GPU_CASES", "2000"))
+FIRST = int(os.environ.get("METAL_ATTN_FUZZ_GPU_SEED", "0"))
+SPECS = random_specs(COUNT, "gpu", FIRST)
+GPU_PROVIDERS = ("classic", "gqa_decode", "tiled_prefill")
+RAN: collections.Counter = collections.Counter()
+
+
+@contextlib.contextmanager
+def _gate(route: str | None):
+    """classic's occupancy gate forced to ``route`` (None: left alone)."""
+    if route is None:
+        yield
+        return
+    from metal_attn.providers.classic import gpu
+
+    factors = dict(gpu.SPLIT_GATE_FACTOR)
+    if route == "per_token_ps0":
+        factors = dict.fromkeys(factors, 0)
+    cores = 1 if route == "per_token_ps0" else 4096
+    with override_settings(gpu_cores=cores), mock.patch.object(gpu, "SPLIT_GATE_FACTOR", factors):
+        yield
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s["label"] for s in SPECS])
+def test_fuzz_gpu(spec):
+    rng = np.random.default_rng([spec["seed"], 0x6B0])
+    provider = None
+    if rng.random() >= 0.5:
+        admitted = [p for p in GPU_PROVIDERS if not admission_reasons(spec, p)]
+        provider = str(rng.choice(admitted)) if admitted else None
+    gate = str(rng.choice(["per_token_ps0", "per_token_ps512"])) if provider == "classic" and rng.random() < 0.33 \
+        else None
+    with _gate(gate):
+        record = check_case(make_case(**spec), provider=provider)
+    if provider is not None:
+        assert record.provider == provider
+    RAN[(record.provider, record.route)] += 1
+
+
+def test_zz_fuzz_summary():
+    """What ran (written to METAL_ATTN_FUZZ_SUMMARY when set); every GPU provider took some."""
+    if sum(RAN.values()) < COUNT:
+        pytest.skip(f"only {sum(RAN.values())} of {COUNT} fuzz cases ran in this session")
+    summary = {f"{p}/{r}": n for (p, r), n in sorted(RAN.items())}
+    print(json.dumps(summary, indent=1))
+    path = os.environ.get("METAL_ATTN_FUZZ_SUMMARY")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"cases": COUNT, "first_seed": FIRST, "ran": summary}, f, indent=1)
+    assert {p for p, _ in RAN} >= set(GPU_PROVIDERS)

@@ -1,0 +1,148 @@
+"""The NaN contract on the GPU kernels (``docs/providers.md``), against the float64 oracle.
+
+A NaN or infinity in q, or in K/V at a position a row attends to, makes that (row, head)
+non-finite; one at a position the row does not attend to (past its causal end, left of its
+window, in a partition left of the window, in a tile's keys that only other rows attend)
+changes nothing. Every GPU provider and code path: ``classic`` on both routes with direct
+loads, staged loads and the matrix path; ``gqa_decode`` on every geometry of the backend's
+table at both partition sizes; ``tiled_prefill`` on both mixed routes, with diagonal tiles,
+tiles that start left of a window and partial last tiles. Also the non-finite specs of the
+conformance suite, forced on each provider that admits them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import mlx.core as mx
+import pytest
+
+from metal_attn import diagnostics
+from metal_attn._layout import import_builtin_providers
+from metal_attn.device import current_device
+from metal_attn.settings import override_settings
+from metal_attn.testing import (
+    NONFINITE_SPECS,
+    admission_reasons,
+    assert_close_to_oracle,
+    forced_mixed_threshold,
+    make_case,
+    run_case,
+)
+from metal_attn.testing.conformance import CONFORMANCE_SPECS
+
+import_builtin_providers()
+from metal_attn.providers import gqa_decode as gq  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+BACKEND = current_device().backend
+TABLE = gq.geometry_table(BACKEND if BACKEND in ("cuda", "metal") else "cuda")
+NAN, INF = float("nan"), float("inf")
+ALL_NONFINITE = [s for s in CONFORMANCE_SPECS if s.get("poison")]
+ROUTE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
+
+
+@contextlib.contextmanager
+def _classic_route(route: str):
+    """Force classic's occupancy gate either way (as tests/gpu/test_classic_gpu.py does)."""
+    from metal_attn.providers.classic import gpu
+
+    factors = dict(gpu.SPLIT_GATE_FACTOR)
+    if route == "per_token_ps0":
+        factors = dict.fromkeys(factors, 0)
+    with override_settings(gpu_cores=ROUTE_CORES[route]), mock.patch.object(gpu, "SPLIT_GATE_FACTOR", factors):
+        yield
+
+
+def _check(case, provider: str, route: str | None = None) -> None:
+    got = run_case(case, provider=provider)
+    rec = diagnostics.last_dispatch()
+    assert rec is not None and rec.provider == provider, rec
+    if route is not None:
+        assert rec.route == route, f"{case.label}: route {rec.route} (expected {route})"
+    assert_close_to_oracle(got, case.oracle(), case.dtype, label=f"{case.label} via {provider}/{rec.route}")
+
+
+@pytest.mark.parametrize("provider", ("classic", "gqa_decode", "tiled_prefill"))
+@pytest.mark.parametrize("spec", ALL_NONFINITE, ids=[s["label"] for s in ALL_NONFINITE])
+def test_conformance_nonfinite_specs(spec, provider):
+    reasons = admission_reasons(spec, provider)
+    if reasons:
+        pytest.skip(f"{provider} does not admit {spec['label']}: " + "; ".join(reasons))
+    _check(make_case(**spec), provider)
+
+
+@pytest.mark.parametrize("route", tuple(ROUTE_CORES))
+@pytest.mark.parametrize("spec", NONFINITE_SPECS, ids=[s["label"] for s in NONFINITE_SPECS])
+def test_classic_both_routes(spec, route):
+    case = make_case(**spec)
+    expect = route if max(case.seq_lens) > 512 else "per_token_ps0"
+    with _classic_route(route):
+        _check(case, "classic", expect)
+
+
+# Classic's code paths on CUDA: direct loads (GQA 2), staged per-token loads (float32, GQA >= 4 at
+# head 128/256) and the matrix path (16-bit, GQA >= 4 at head 128/256); a decode row, a row in its
+# second partition, a prefill chunk with earlier context and a window.
+_CLASSIC_PATHS = [(d, h, g) for d in ("float16", "bfloat16", "float32") for h in (128, 256) for g in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("route", tuple(ROUTE_CORES))
+@pytest.mark.parametrize(("dtype", "head", "group"), _CLASSIC_PATHS,
+                         ids=[f"{d}-h{h}-g{g}" for d, h, g in _CLASSIC_PATHS])
+def test_classic_code_paths(dtype, head, group, route):
+    case = make_case(q_lens=[1, 1, 7], seq_lens=[70, 1100, 600], num_heads=2 * group, num_kv_heads=2,
+                     head_size=head, block_size=16, dtype=dtype, sliding_window=900, seed=head + group,
+                     poison=[("q", 0, 0, 1, NAN), ("k", 0, 31, 1, -INF), ("v", 1, 1099, 0, INF),
+                             ("v", 1, 100, 1, NAN),  # left of row 1's window: no effect
+                             ("v", 2, 597, 0, NAN),  # rows 3..6 of the chunk only
+                             ("k", 2, 598, 1, NAN)],  # rows 4..6
+                     label=f"classic {dtype} h{head} g{group}")
+    with _classic_route(route):
+        _check(case, "classic", route)
+
+
+@pytest.mark.parametrize("partition_size", (256, 512))
+@pytest.mark.parametrize("geom", TABLE, ids=[gq._fmt_geom(g) for g in TABLE])
+def test_gqa_decode_every_geometry(geom, partition_size):
+    h, kvh, d, bs = geom
+    seq_lens = [1, 17, 700, 2000]
+    case = make_case(q_lens=[1] * 4, seq_lens=seq_lens, num_heads=h, num_kv_heads=kvh, head_size=d, block_size=bs,
+                     dtype="bfloat16", seed=h + d,
+                     poison=[("q", 1, 0, h - 1, NAN), ("k", 2, 699, 0, -INF), ("k", 2, 3, kvh - 1, INF),
+                             ("v", 3, 1999, 1 % kvh, NAN), ("v", 3, 300, 0, INF)],
+                     label=f"gqa {gq._fmt_geom(geom)} P{partition_size}")
+    out = gq.launch(case.q, case.k_cache, case.v_cache, case.metadata(), scale=case.scale,
+                    partition_size=partition_size, backend=BACKEND)
+    mx.eval(out)
+    assert_close_to_oracle(out, case.oracle(), case.dtype, label=case.label)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("head", (64, 128, 256))
+def test_tiled_prompt_tiles(head, dtype):
+    # A 200-row prompt: diagonal tiles (keys some rows of the tile do not attend), a partial last
+    # tile; with a window of 50 the later query tiles start at a key tile aligned down left of
+    # their first row's window (keys loaded for no row).
+    for window in (None, 50):
+        poison = [("v", 0, 150, 0, NAN), ("k", 0, 151, 1, INF), ("v", 0, 199, 1, -INF), ("q", 0, 60, 3, NAN)]
+        if window:
+            poison += [("v", 0, 70, 0, NAN), ("k", 0, 65, 1, NAN)]
+        case = make_case(q_lens=[200], seq_lens=[200], num_heads=4, num_kv_heads=2, head_size=head, block_size=16,
+                         dtype=dtype, sliding_window=window, seed=head, poison=poison,
+                         label=f"tiled h{head} {dtype} window={window}")
+        _check(case, "tiled_prefill", "tiled_prefill")
+
+
+@pytest.mark.parametrize("threshold", (0, 1 << 30), ids=("mixed_prefill_decode", "decode-rows-in-tiles"))
+def test_tiled_mixed_batches(threshold):
+    case = make_case(q_lens=[1, 1, 40, 9], seq_lens=[300, 1500, 100, 60], num_heads=8, num_kv_heads=2,
+                     head_size=128, block_size=16, dtype="bfloat16", sinks=True, seed=3,
+                     poison=[("v", 0, 299, 1, NAN), ("k", 1, 600, 0, NAN), ("v", 2, 99, 0, NAN),
+                             ("v", 2, 70, 1, INF), ("q", 3, 8, 2, -INF), ("v", 3, 59, 0, NAN)],
+                     label="tiled mixed")
+    route = "mixed_prefill_decode" if threshold == 0 else "tiled_prefill"
+    with forced_mixed_threshold(threshold):
+        _check(case, "tiled_prefill", route)

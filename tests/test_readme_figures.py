@@ -1,0 +1,98 @@
+"""The README's "Measured" figures equal the docs they cite.
+
+Each figure in the README's bullets is recomputed from the cited document's table (the ranges are
+the table's smallest and largest values, as printed there) or, where the document states it in a
+sentence, found verbatim: a new benchmark run that updates a doc and not the README (or the
+reverse) fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _measured() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Measured")
+    return " ".join(text[start:text.index("\n## ", start + 1)].split())
+
+
+def _table_after(text: str, anchor: str) -> list[list[str]]:
+    """The Markdown table that starts at the first table line after ``anchor``: rows of cells."""
+    lines = text[text.index(anchor):].splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    rows = []
+    for ln in lines[first:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    return [r for r in rows if not set("".join(r)) <= set("-: ")]
+
+
+def _num(cell: str, pattern: str) -> str:
+    m = re.search(pattern, cell)
+    assert m, f"{pattern!r} not in {cell!r}"
+    return m.group(1)
+
+
+def _span(values: list[str]) -> str:
+    nums = sorted(values, key=float)
+    return f"{nums[0]}-{nums[-1]}"
+
+
+def test_cpu_figures_equal_docs_bench_cpu():
+    doc = (ROOT / "docs" / "bench-cpu.md").read_text()
+    header, *rows = _table_after(doc, "Times and ratios from the same run")
+    assert header[:3] == ["shape", "classic ms", "vs mlx_sdpa"], header
+    ratio = {r[0]: r[2].rstrip("x") for r in rows}
+    f32 = _span([v for k, v in ratio.items() if k.startswith("decode") and k.endswith("f32")])
+    bf16 = _span([v for k, v in ratio.items() if k.startswith("decode") and k.endswith("bf16")])
+    (prefill,) = [v for k, v in ratio.items() if k.startswith("prefill")]
+    header, *rows = _table_after(doc, "#### decode-cpu")
+    ceil = _span([_num(r[header.index("classic")], r"\((\d+(?:\.\d+)?)%\)") for r in rows])
+    text = _measured()
+    assert (f"{f32}x faster than MLX SDPA on contiguous K/V in float32 and {bf16}x in bfloat16" in text
+            and f"a 2048-token causal prefill {prefill}x faster" in text
+            and f"at {ceil}% of the CPU's read bandwidth" in text), (
+        f"README's CPU bullet should quote docs/bench-cpu.md: float32 {f32}x, bfloat16 {bf16}x, prefill "
+        f"{prefill}x, {ceil}% of the read ceiling")
+
+
+def test_h200_decode_figures_equal_the_marked_table():
+    doc = (ROOT / "docs" / "bench-h200-classic.md").read_text()
+    header, *rows = _table_after(doc, "<!-- readme-figures:")
+    col = {name: header.index(name) for name in ("classic", "x gather", "auto (gqa_decode)", "torch SDPA, contiguous")}
+    decode = [r for r in rows if r[0].startswith("decode")]
+    mixed = [r for r in rows if r[0].startswith("mixed")]
+    pct = r"\((\d+(?:\.\d+)?)%\)"
+    x_gather = _span([_num(r[col["x gather"]], r"(\d+(?:\.\d+)?)x") for r in decode])
+    classic = _span([_num(r[col["classic"]], pct) for r in decode])
+    torch = _span([_num(r[col["torch SDPA, contiguous"]], pct) for r in decode])
+    gqa = _span([_num(r[col["auto (gqa_decode)"]], pct) for r in decode])
+    tiled = _span([_num(r[col["classic"]], r"tiled_prefill \d+, \*\*(\d+(?:\.\d+)?)x") for r in mixed])
+    per_token = _span([_num(r[col["x gather"]], r"(\d+(?:\.\d+)?)x") for r in mixed])
+    text = _measured()
+    for phrase in (f"`classic` decode {x_gather}x faster than gathering pages + MLX SDPA",
+                   f"at {classic}% of the copy ceiling", f"torch SDPA on contiguous K/V reaches {torch}%",
+                   f"`gqa_decode` at {gqa}%", f"makes mixed batches {tiled}x faster than gather + SDPA",
+                   f"(the per-token kernel alone: {per_token}x)"):
+        assert phrase in text, f"README's H200 bullet should say {phrase!r} (docs/bench-h200-classic.md's table)"
+
+
+def test_h200_prefill_figures_are_the_tiled_doc_sentence():
+    doc = " ".join((ROOT / "docs" / "bench-h200-tiled.md").read_text().split())
+    m = re.search(r"the tiles run at (\d+-\d+) TFLOP/s where cuDNN \(behind MLX SDPA on contiguous K/V\) "
+                  r"reaches (\d+-\d+)", doc)
+    assert m, "docs/bench-h200-tiled.md no longer states the prefill range in its sentence"
+    text = _measured()
+    assert f"causal prompts at {m.group(1)} TFLOP/s" in text and f"contiguous K/V reaches {m.group(2)}" in text
+
+
+def test_dispatch_figure_equals_docs_bench_cpu():
+    doc = " ".join((ROOT / "docs" / "bench-cpu.md").read_text().split())
+    m = re.search(r"the registry adds (\d+(?:\.\d+)?) µs of host time per `paged_attention` call", doc)
+    assert m, "docs/bench-cpu.md no longer states the dispatch overhead"
+    assert f"about {m.group(1)} µs added per `paged_attention` call by the registry" in _measured()
