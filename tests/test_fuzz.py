@@ -1,6 +1,6 @@
 """Seeded random requests through the public API against the float64 oracle (`metal_attn.testing.fuzz`).
 
-500 requests per run (``METAL_ATTN_FUZZ_CASES`` for more, ``METAL_ATTN_FUZZ_SEED`` for another
+500 requests per run (``MA_TEST_FUZZ_CASES`` for more, ``MA_TEST_FUZZ_SEED`` for another
 stretch of seeds): random geometry, page size and dtype; decode rows, verification and prefill
 chunks mixed in one batch; lengths at page and partition edges; shared prefix blocks; sinks,
 windows, softcap, scale; NaN/Inf planted in a quarter of them; NaN in every unread slot. Each
@@ -21,8 +21,8 @@ from metal_attn import native
 from metal_attn.testing import check_case, make_case, request_kwargs
 from metal_attn.testing.fuzz import random_specs
 
-COUNT = int(os.environ.get("METAL_ATTN_FUZZ_CASES", "500"))
-FIRST = int(os.environ.get("METAL_ATTN_FUZZ_SEED", "0"))
+COUNT = int(os.environ.get("MA_TEST_FUZZ_CASES", "500"))
+FIRST = int(os.environ.get("MA_TEST_FUZZ_SEED", "0"))
 SPECS = random_specs(COUNT, "cpu", FIRST)
 
 
@@ -46,7 +46,7 @@ def test_fuzz_covers_what_it_promises():
     """The draw is not degenerate: every phase, dtype, feature and route the CPU has, poisoned cases,
     page sizes served by smaller kernel blocks, and head sizes only the reference provider takes."""
     if COUNT < 500:
-        pytest.skip(f"METAL_ATTN_FUZZ_CASES={COUNT}: the coverage bounds are for 500 cases or more")
+        pytest.skip(f"MA_TEST_FUZZ_CASES={COUNT}: the coverage bounds are for 500 cases or more")
     routes = collections.Counter()
     phases = collections.Counter()
     for s in SPECS:

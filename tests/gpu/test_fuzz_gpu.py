@@ -6,8 +6,8 @@ softcap, scale, NaN/Inf planted in a quarter of them and NaN in every unread slo
 
 Each seed also draws how it runs: the automatic choice (half of them), or one of the GPU
 providers that admits it, forced; classic's occupancy gate forced either way in a third of those.
-``METAL_ATTN_FUZZ_GPU_CASES`` / ``METAL_ATTN_FUZZ_GPU_SEED`` choose other seeds;
-``METAL_ATTN_FUZZ_SUMMARY=PATH`` writes the providers and routes that ran (the last test).
+``MA_TEST_FUZZ_GPU_CASES`` / ``MA_TEST_FUZZ_GPU_SEED`` choose other seeds;
+``MA_TEST_FUZZ_SUMMARY=PATH`` writes the providers and routes that ran (the last test).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from metal_attn.testing.fuzz import random_specs
 
 pytestmark = pytest.mark.gpu
 
-COUNT = int(os.environ.get("METAL_ATTN_FUZZ_GPU_CASES", "2000"))
-FIRST = int(os.environ.get("METAL_ATTN_FUZZ_GPU_SEED", "0"))
+COUNT = int(os.environ.get("MA_TEST_FUZZ_GPU_CASES", "2000"))
+FIRST = int(os.environ.get("MA_TEST_FUZZ_GPU_SEED", "0"))
 SPECS = random_specs(COUNT, "gpu", FIRST)
 GPU_PROVIDERS = ("classic", "gqa_decode", "tiled_prefill")
 RAN: collections.Counter = collections.Counter()
@@ -67,12 +67,12 @@ def test_fuzz_gpu(spec):
 
 
 def test_zz_fuzz_summary():
-    """What ran (written to METAL_ATTN_FUZZ_SUMMARY when set); every GPU provider took some."""
+    """What ran (written to MA_TEST_FUZZ_SUMMARY when set); every GPU provider took some."""
     if sum(RAN.values()) < COUNT:
         pytest.skip(f"only {sum(RAN.values())} of {COUNT} fuzz cases ran in this session")
     summary = {f"{p}/{r}": n for (p, r), n in sorted(RAN.items())}
     print(json.dumps(summary, indent=1))
-    path = os.environ.get("METAL_ATTN_FUZZ_SUMMARY")
+    path = os.environ.get("MA_TEST_FUZZ_SUMMARY")
     if path:
         with open(path, "w") as f:
             json.dump({"cases": COUNT, "first_seed": FIRST, "ran": summary}, f, indent=1)
