@@ -157,3 +157,27 @@ def test_an_unsupported_folder_is_refused_before_any_weight_is_read(tmp_path):
         load(tmp_path)
     with pytest.raises(ModelError, match="does not exist"):
         load(tmp_path / "missing")
+
+
+def test_engine_workload_on_smollm2_matches_stock(smollm2):
+    """The real model under the engine's policies at once: requests arriving over time, chunked
+    prefill with a small budget, a pool small enough to preempt, and shared prompt prefixes."""
+    model, tok = smollm2
+    system = _chat_ids(tok, "Answer briefly.")[:-3]  # a shared chat prefix (system prompt and user turn start)
+    questions = ["Name a planet.", "Say hi.", "What is 3 + 4?", "Name a colour.", "Name a fruit.", "Say yes."]
+    prompts = [_chat_ids(tok, q) for q in questions]
+    prompts = [p if i % 2 else [*system, *p[len(system):]] for i, p in enumerate(prompts)]
+    n = 20  # prompts of 30-40 tokens cross a page boundary while they decode, so running requests grow
+    refs = [reference_greedy(model, p, n, frozenset(tok.eos_token_ids)) for p in prompts]
+    eng = Engine(model, tok, EngineConfig(num_blocks=6, block_size=16, max_num_batched_tokens=48))
+    ids = []
+    for i, p in enumerate(prompts):
+        ids.append(eng.add_request(p, max_tokens=n))
+        if i % 2:
+            eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    for rid, ref in zip(ids, refs):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"smollm2 workload req {rid}")
+    assert eng.stats.preemptions > 0 and eng.blocks.prefix_hits > 0
+    eng.blocks.check_invariants()
