@@ -331,14 +331,10 @@ class Engine:
         stop: Iterable[str] | str | None = None,
     ) -> list[Completion]:
         """Run ``prompts`` to completion; one `Completion` per prompt, in input order."""
-        single = isinstance(prompts, str)
         ids = self._add_all(prompts, sampling, max_tokens, stop)
-        wanted = set(ids)
-        while any(not self.requests[i].finished for i in wanted):
-            if not self.step() and not self._inflight and not self.scheduler.has_work():
-                break
-        out = [self.completion(i) for i in ids]
-        return out[:1] if single else out
+        for _ in self.stream_ids(ids):
+            pass
+        return [self.completion(i) for i in ids]
 
     def _add_all(self, prompts, sampling, max_tokens, stop) -> list[int]:
         items = [prompts] if isinstance(prompts, str) else list(prompts)

@@ -89,6 +89,11 @@ _ATTENTION_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+def attention_modules(name: str) -> tuple[str, ...]:
+    """The modules whose attention the hook must cover for the architecture ``name``."""
+    return _ATTENTION_MODULES.get(name, (ARCHITECTURES[name].module,))
+
+
 def supported_model_types() -> list[str]:
     """Every config ``model_type`` the paged path serves."""
     return sorted({t for a in ARCHITECTURES.values() for t in a.model_types})
@@ -176,6 +181,6 @@ def resolve(model: nn.Module) -> ResolvedModel:
         arch=arch,
         model_type=model_type,
         layers=layers,
-        attention_modules=_ATTENTION_MODULES.get(short, (arch.module,)),
+        attention_modules=attention_modules(short),
     )
 

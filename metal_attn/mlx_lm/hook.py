@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from metal_attn.mlx_lm.architectures import ARCHITECTURES
+from metal_attn.mlx_lm.architectures import ARCHITECTURES, attention_modules
 from metal_attn.mlx_lm.layer_cache import HookedCache
 
 __all__ = ["install", "installed", "is_installed", "uninstall"]
@@ -73,8 +73,9 @@ def _targets(module_name: str) -> list[tuple[Any, str, Callable[[Callable[..., A
 
 
 def _served_modules(modules: Iterable[str] | None) -> list[str]:
+    """``modules``, or every module whose attention a served architecture runs."""
     if modules is None:
-        return [a.module for a in ARCHITECTURES.values()] + ["mlx_lm.models.gemma3_text"]
+        modules = [m for name, a in ARCHITECTURES.items() for m in attention_modules(name)]
     return list(dict.fromkeys(modules))
 
 

@@ -86,7 +86,7 @@ def llama_8b_shaped(*, dtype: Any = mx.bfloat16, num_layers: int = 32, seed: int
     )
     mx.random.seed(seed)
     model = llama.Model(args)
-    # Initialise in the target dtype layer by layer, so float32 copies of 8B weights never exist.
+    # The float32 initial values are lazy: evaluating after the cast materialises only the bf16 weights.
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
