@@ -209,17 +209,21 @@ class AttentionMetadata:
             safe = np.where(out_of_range, 0, bt)
             if short.any():
                 safe = np.pad(safe, ((0, 0), (0, int(need.max()) - width)))
-            md = dataclasses.replace(
-                self,
-                block_tables=mx.array(safe.astype(np.int32)),
-                max_blocks_per_seq=int(safe.shape[1]),
-                _block_tables_host=safe,
-            )  # the caches (init=False fields) start empty
+            md = self._with_table(safe)
             if bad_seq.any():
                 rows = np.repeat(bad_seq, np.asarray(self.q_lens_host, dtype=np.int64))
                 poison = mx.array(rows[:, None, None])
         got = self._guards[key] = (md, poison)
         return got
+
+    def _with_table(self, table: np.ndarray) -> AttentionMetadata:
+        """The same batch over another host block table (its caches, init=False fields, start empty)."""
+        return dataclasses.replace(
+            self,
+            block_tables=mx.array(table.astype(np.int32)),
+            max_blocks_per_seq=int(table.shape[1]),
+            _block_tables_host=table,
+        )
 
     def split_blocks(self, ratio: int) -> AttentionMetadata:
         """The same batch with every page ``b`` seen as kernel blocks ``b*ratio .. b*ratio+ratio-1``."""
@@ -230,12 +234,7 @@ class AttentionMetadata:
             return cached
         bt = self._block_tables_host
         expanded = (bt[:, :, None] * ratio + np.arange(ratio)[None, None, :]).reshape(bt.shape[0], -1)
-        out = dataclasses.replace(
-            self,
-            block_tables=mx.array(expanded.astype(np.int32)),
-            max_blocks_per_seq=int(expanded.shape[1]),
-            _block_tables_host=expanded,
-        )  # the caches (init=False fields) start empty
+        out = self._with_table(expanded)
         self._split[ratio] = out
         return out
 

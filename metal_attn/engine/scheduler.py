@@ -104,7 +104,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            self._schedule(rows, req, req.num_computed, n)
+            rows.append(ScheduledRow(req, req.num_computed, n))
             scheduled.add(req.id)
             budget -= n
 
@@ -125,16 +125,12 @@ class Scheduler:
             self._admissions += 1
             req.move_to(RequestStatus.RUNNING)
             self.running.append(req)
-            self._schedule(rows, req, got, n)
+            rows.append(ScheduledRow(req, got, n))
             scheduled.add(req.id)
             budget -= n
 
         rows.sort(key=lambda r: r.num_tokens != 1)  # stable: decode rows first, then prefill chunks
         return SchedulerOutput(tuple(rows), tuple(preempted))
-
-    @staticmethod
-    def _schedule(rows: list[ScheduledRow], req: Request, start: int, n: int) -> None:
-        rows.append(ScheduledRow(req, start, n))
 
     def _victim(self, exclude: set[int]) -> Request:
         """The running request to preempt: never one already scheduled this step."""
