@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from metal_attn import diagnostics
     from metal_attn.engine import Engine, EngineConfig, SamplingParams
     from metal_attn.errors import InvalidInputError, ModelError
-    from metal_attn.mlx_lm import PagedModel, load
+    from metal_attn.mlx_lm import inspect_model, load
 
     prompts = _read_prompts(args, parser)
     try:
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             need_tokens = sum(len(i) + args.max_tokens for i in ids)
             block = 16
-            per_block = PagedModel.block_bytes(model, block)
+            per_block = inspect_model(model).block_bytes(block)
             overrides["num_blocks"], pool_source = _pool_blocks(need_tokens, block, per_block,
                                                                 EngineConfig.from_settings(**overrides))
         engine = Engine(model, tokenizer, EngineConfig.from_settings(**overrides))

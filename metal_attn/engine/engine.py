@@ -26,7 +26,7 @@ from metal_attn.engine.sampling import init_sampling_state
 from metal_attn.engine.scheduler import Scheduler
 from metal_attn.engine.stats import EngineStats, RequestStats
 from metal_attn.errors import InvalidInputError
-from metal_attn.mlx_lm.runner import PagedModel
+from metal_attn.mlx_lm.runner import PagedModel, inspect_model
 
 __all__ = ["Completion", "Engine", "RequestOutput"]
 
@@ -84,9 +84,10 @@ class Engine:
         self.tokenizer = tokenizer
         cfg = self.config
         self.max_model_len = cfg.max_model_len or _model_max_len(model) or 8192
-        block_bytes = PagedModel.block_bytes(model, cfg.block_size)
+        shape = inspect_model(model)
+        block_bytes = shape.block_bytes(cfg.block_size)
         num_blocks, self.pool_source = cfg.pool_blocks(block_bytes, current_device().memory_bytes, self.max_model_len)
-        self.model = PagedModel(model, num_blocks=num_blocks, block_size=cfg.block_size)
+        self.model = PagedModel(model, num_blocks=num_blocks, block_size=cfg.block_size, shape=shape)
         self.pool_bytes = num_blocks * block_bytes
         self.blocks = BlockManager(self.model.kv.allocator, cfg.block_size,
                                    enable_prefix_caching=cfg.enable_prefix_caching)

@@ -15,12 +15,14 @@ from metal_attn.mlx_lm.architectures import ARCHITECTURES, resolve, supported_mo
 from metal_attn.mlx_lm.hook import install, installed, is_installed, uninstall
 from metal_attn.mlx_lm.layer_cache import PagedLayerCache
 from metal_attn.mlx_lm.loading import load
-from metal_attn.mlx_lm.runner import PagedModel
+from metal_attn.mlx_lm.runner import ModelShape, PagedModel, inspect_model
 
 __all__ = [
     "ARCHITECTURES",
+    "ModelShape",
     "PagedLayerCache",
     "PagedModel",
+    "inspect_model",
     "install",
     "installed",
     "is_installed",

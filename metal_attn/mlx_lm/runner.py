@@ -8,6 +8,7 @@ metadata, and the LM head only on the rows whose logits are sampled.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -21,7 +22,7 @@ from metal_attn.mlx_lm import hook
 from metal_attn.mlx_lm.architectures import ResolvedModel, resolve
 from metal_attn.mlx_lm.layer_cache import LayerGeometry, PagedLayerCache, ProbeCache
 
-__all__ = ["PagedModel", "probe_geometry"]
+__all__ = ["ModelShape", "PagedModel", "inspect_model", "probe_geometry"]
 
 
 def probe_geometry(model: nn.Module, resolved: ResolvedModel | None = None) -> list[LayerGeometry]:
@@ -46,12 +47,42 @@ def probe_geometry(model: nn.Module, resolved: ResolvedModel | None = None) -> l
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the paged path needs to know of a model before any pool exists."""
+
+    resolved: ResolvedModel
+    #: The K/V geometry every layer shares.
+    geometry: LayerGeometry
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes one page of ``block_size`` tokens takes over all layers (K and V), for pool sizing."""
+        g = self.geometry
+        return 2 * self.resolved.num_layers * block_size * g.num_kv_heads * g.head_size * g.dtype.size
+
+
+def inspect_model(model: nn.Module) -> ModelShape:
+    """Check ``model`` (`resolve`), install its hook, and read its geometry with one lazy probe."""
+    resolved = resolve(model)
+    layers = probe_geometry(model, resolved)
+    first = layers[0]
+    for i, g in enumerate(layers):
+        if (g.num_kv_heads, g.head_size, g.dtype) != (first.num_kv_heads, first.head_size, first.dtype):
+            raise ModelError(
+                f"layer {i} has (kv_heads, head_size, dtype)=({g.num_kv_heads}, {g.head_size}, "
+                f"{dtype_name(g.dtype)}) but layer 0 has ({first.num_kv_heads}, {first.head_size}, "
+                f"{dtype_name(first.dtype)}): one paged pool needs one K/V geometry for every layer"
+            )
+    return ModelShape(resolved, first)
+
+
 class PagedModel:
     """An mlx-lm model served on a `PagedKVCache` (built here unless ``kv_cache`` is given).
 
     Construction checks the architecture (`resolve`), installs the attention hook for
     the modules it needs, and reads each layer's geometry with a lazy probe, before
-    any pool is allocated. ``num_blocks`` pages of ``block_size`` tokens per layer.
+    any pool is allocated (`inspect_model`; pass its ``shape`` when you already have it).
+    ``num_blocks`` pages of ``block_size`` tokens per layer.
     """
 
     def __init__(
@@ -61,10 +92,11 @@ class PagedModel:
         num_blocks: int | None = None,
         block_size: int = 16,
         kv_cache: PagedKVCache | None = None,
+        shape: ModelShape | None = None,
     ) -> None:
         self.model = model
-        self.resolved = resolve(model)
-        self.geometry = self._uniform(probe_geometry(model, self.resolved))
+        shape = shape or inspect_model(model)
+        self.resolved, self.geometry = shape.resolved, shape.geometry
         g = self.geometry
         if kv_cache is None:
             if num_blocks is None:
@@ -89,25 +121,6 @@ class PagedModel:
             f"PagedModel({self.resolved.model_type}, layers={self.resolved.num_layers}, heads={g.num_heads}/"
             f"{g.num_kv_heads}, head_size={g.head_size}, dtype={dtype_name(g.dtype)}, {self.kv!r})"
         )
-
-    @staticmethod
-    def block_bytes(model: nn.Module, block_size: int) -> int:
-        """Bytes one page of ``block_size`` tokens takes over all layers (K and V), for pool sizing."""
-        resolved = resolve(model)
-        g = PagedModel._uniform(probe_geometry(model, resolved))
-        return 2 * resolved.num_layers * block_size * g.num_kv_heads * g.head_size * g.dtype.size
-
-    @staticmethod
-    def _uniform(layers: list[LayerGeometry]) -> LayerGeometry:
-        first = layers[0]
-        for i, g in enumerate(layers):
-            if (g.num_kv_heads, g.head_size, g.dtype) != (first.num_kv_heads, first.head_size, first.dtype):
-                raise ModelError(
-                    f"layer {i} has (kv_heads, head_size, dtype)=({g.num_kv_heads}, {g.head_size}, "
-                    f"{dtype_name(g.dtype)}) but layer 0 has ({first.num_kv_heads}, {first.head_size}, "
-                    f"{dtype_name(first.dtype)}): one paged pool needs one K/V geometry for every layer"
-                )
-        return first
 
     @property
     def vocab_size(self) -> int:
