@@ -1,10 +1,11 @@
 """Where a decode step's host time goes in the engine, next to stock mlx-lm's ``generate_step``.
 
-Runs the engine to steady decode at each concurrency, then times, per step: scheduling,
-building the step plan (tables, slots, metadata), building the model's graph (the Python of
-32 layers, our ``reshape_and_cache`` and ``paged_attention`` included), building the sampling,
-``mx.async_eval`` (MLX encoding and launching the kernels) and the wait for the previous
-step's tokens. Also one layer's paged calls in isolation. Prints medians in ms.
+Runs the engine to steady decode at each concurrency and reads the phases every step records
+(`InFlight.timings`): scheduling, the step plan (tables, slots, metadata), the model's graph
+(the Python of every layer, our ``reshape_and_cache`` and ``paged_attention`` included), the
+sampling, ``mx.async_eval`` (MLX encoding and launching the kernels, bounded by how far MLX lets
+the host run ahead) and the wait for the step's tokens; and the same for stock ``generate_step``.
+Prints medians in ms.
 
     python benchmarks/host_cost_engine.py --concurrency 1,64 [--layers 32]
 (on the GPU machine: ``source .device/setup.sh && python3 benchmarks/host_cost_engine.py``)
@@ -17,13 +18,10 @@ import statistics
 import time
 
 import mlx.core as mx
-import numpy as np
 
 from metal_attn.bench.generate import _NoStopTokenizer, _prompts, load_bench_model
-from metal_attn.cache import build_step_plan
 from metal_attn.device import current_device
 from metal_attn.engine import Engine, EngineConfig
-from metal_attn.engine.sampling import sample
 
 
 def _median_ms(xs: list[float]) -> str:
@@ -31,51 +29,26 @@ def _median_ms(xs: list[float]) -> str:
 
 
 def engine_steps(model, c: int, prompt_len: int, steps: int) -> dict[str, list[float]]:
+    """Steady decode at ``c`` rows: the phases each step's `InFlight.timings` recorded, and the whole step."""
     eng = Engine(model, _NoStopTokenizer(), EngineConfig(num_blocks=c * (prompt_len + steps + 64) // 16 + 64,
                                                          max_num_seqs=c, max_num_batched_tokens=8192))
     for p in _prompts(c, prompt_len, 1000, c):
         eng.add_request(p, max_tokens=steps + 40)
     for _ in range(8):  # prefill and warm up
         eng.step()
-    t: dict[str, list[float]] = {k: [] for k in ("schedule", "plan", "graph", "sample", "async_eval", "wait",
-                                                  "complete", "total")}
-    runner = eng.runner
+    eng.stats.step_timings.clear()
+    total = []
     for _ in range(steps):
-        a = time.perf_counter()
-        out = eng.scheduler.schedule()
-        b = time.perf_counter()
-        rows = out.rows
-        plan = build_step_plan([r.request.id for r in rows], [r.start for r in rows], [r.num_tokens for r in rows],
-                               [eng.blocks.table(r.request.id) for r in rows], eng.blocks.block_size)
-        prev = eng._inflight[-1] if eng._inflight else None
-        tokens = runner._input_tokens(rows, prev)
-        ends = np.cumsum([r.num_tokens for r in rows]) - 1
-        c_ = time.perf_counter()
-        logits = runner.model.forward(plan, tokens, [int(e) for e in ends])
-        d = time.perf_counter()
-        sampled, errors = sample(logits, [r.request for r in rows], [None] * len(rows))
-        e = time.perf_counter()
-        mx.async_eval(sampled)
-        f = time.perf_counter()
-        from metal_attn.engine.runner import InFlight
-
-        flight = InFlight(out, plan, rows, sampled, {r.request.id: j for j, r in enumerate(rows)}, errors, a, f - a)
-        for row in rows:
-            row.request.num_computed = row.start + row.num_tokens
-            row.request.pending += 1
-        eng._inflight.append(flight)
-        g = time.perf_counter()
-        done = eng._inflight.popleft()
-        done.tokens()
-        h = time.perf_counter()
-        eng._inflight.appendleft(done)
-        eng._complete(eng._inflight.popleft())
-        i = time.perf_counter()
-        for k, v in (("schedule", b - a), ("plan", c_ - b), ("graph", d - c_), ("sample", e - d),
-                     ("async_eval", f - e), ("wait", h - g), ("complete", i - h), ("total", i - a)):
-            t[k].append(v)
+        t = time.perf_counter()
+        eng.step()
+        total.append(time.perf_counter() - t)
     eng.synchronize()
-    return t
+    out: dict[str, list[float]] = {}
+    for phases in eng.stats.step_timings:
+        for k, v in phases.items():
+            out.setdefault(k, []).append(v)
+    out["step (wall)"] = total
+    return out
 
 
 def stock_steps(model, prompt_len: int, steps: int) -> dict[str, list[float]]:

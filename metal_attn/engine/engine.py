@@ -228,12 +228,15 @@ class Engine:
         return self._complete(self._inflight.popleft())
 
     def _launch(self) -> None:
+        t = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter() - t
         self.stats.preemptions += len(out.preempted)
         if not out.rows:
             return
         previous = self._inflight[-1] if self._inflight else None
         flight = self.runner.launch(out, previous)
+        flight.timings["schedule"] = scheduled
         for row in out.rows:
             req = row.request
             req.num_computed = row.start + row.num_tokens

@@ -35,11 +35,21 @@ class InFlight:
     index: dict[int, int]
     errors: dict[int, str]
     launched_at: float
-    build_seconds: float
+    #: Host seconds per phase of building the step: plan, graph, sample, async_eval (the runner's),
+    #: schedule, and wait (the time `tokens` blocked; filled by the engine).
+    timings: dict[str, float]
+
+    @property
+    def build_seconds(self) -> float:
+        """Host time from scheduling to queued (everything but the wait)."""
+        return sum(v for k, v in self.timings.items() if k != "wait")
 
     def tokens(self) -> list[int]:
-        """Wait for the step and return its sampled tokens (host ints)."""
-        return self.sampled.tolist() if self.sampled is not None else []
+        """Wait for the step and return its sampled tokens (host ints); the wait goes into ``timings``."""
+        t = time.perf_counter()
+        out = self.sampled.tolist() if self.sampled is not None else []
+        self.timings.setdefault("wait", time.perf_counter() - t)
+        return out
 
 
 class StepRunner:
@@ -64,16 +74,22 @@ class StepRunner:
         tokens = self._input_tokens(rows, previous)
         ends = np.cumsum([r.num_tokens for r in rows]) - 1
         sampling = [(i, r) for i, r in enumerate(rows) if r.samples]
+        t1 = time.perf_counter()
         sampled, errors = None, {}
         if sampling:
             logits = self.model.forward(plan, tokens, [int(ends[i]) for i, _ in sampling])
+            t2 = time.perf_counter()
             reqs = [r.request for _, r in sampling]
             hists = [self._history(r, previous) if r.request.processors else None for _, r in sampling]
             sampled, errors = sample(logits, reqs, hists)
-            mx.async_eval(sampled)
+            queued = sampled
         else:
             # A step of prompt chunks only: nothing to sample, but its K/V writes must run.
-            mx.async_eval(self.model.forward(plan, tokens, [int(ends[-1])]))
+            queued = self.model.forward(plan, tokens, [int(ends[-1])])
+            t2 = time.perf_counter()
+        t3 = time.perf_counter()
+        mx.async_eval(queued)
+        t4 = time.perf_counter()
         return InFlight(
             output=out,
             plan=plan,
@@ -82,7 +98,7 @@ class StepRunner:
             index={r.request.id: j for j, (_, r) in enumerate(sampling)},
             errors=errors,
             launched_at=t0,
-            build_seconds=time.perf_counter() - t0,
+            timings={"plan": t1 - t0, "graph": t2 - t1, "sample": t3 - t2, "async_eval": t4 - t3},
         )
 
     @staticmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import statistics
 import time
@@ -57,6 +58,8 @@ class EngineStats:
     ttfts: list[float] = dataclasses.field(default_factory=list)
     #: (time a step's tokens came back, whether the step computed prompt tokens), in order.
     completions: list[tuple[float, bool]] = dataclasses.field(default_factory=list)
+    #: The host-time phases (`InFlight.timings`) of the last steps completed.
+    step_timings: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1024))
     itls: list[float] = dataclasses.field(default_factory=list)
 
     def record_launch(self, out: SchedulerOutput, build_seconds: float) -> None:
@@ -70,6 +73,7 @@ class EngineStats:
         self.last_complete = now
         prompt = any(r.start < len(r.request.prompt_ids) for r in flight.output.rows)
         self.completions.append((now, prompt))
+        self.step_timings.append(dict(flight.timings))
 
     def prompt_seconds(self, since: float) -> float:
         """Wall time, from ``since``, between step completions whose step computed prompt tokens
