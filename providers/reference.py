@@ -40,6 +40,11 @@ class ReferenceProvider(Provider):
     description = "Gather pages, then dense attention with MLX ops (every feature; the fallback)."
 
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
+        if device.backend == "cuda" and request.dtype == "float32":
+            # MLX's CUDA matmuls run float32 through TF32 tensor cores (10-bit mantissas), which
+            # the float32 promise does not allow: split each operand into two TF32 parts.
+            return Plan(provider=self.name, route="reference", specialization=("split_tf32",),
+                        notes=("float32 products as 3 TF32 matmuls (hi*hi + hi*lo + lo*hi)",))
         return Plan(provider=self.name, route="reference", specialization=())
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
@@ -50,6 +55,7 @@ class ReferenceProvider(Provider):
         outs = []
         start = 0
         sinks = inputs.sinks.reshape(kvh, group, 1, 1) if inputs.sinks is not None else None
+        matmul = _matmul_split_tf32 if "split_tf32" in plan.specialization else mx.matmul
         for i, (q_len, seq_len) in enumerate(zip(md.q_lens_host, md.seq_lens_host)):
             nblk = -(-seq_len // block_size)
             ids = md.block_tables[i, :nblk]
@@ -64,7 +70,7 @@ class ReferenceProvider(Provider):
             k, v, qs = mx.where(k_ok, k, 0.0), mx.where(v_ok, v, 0.0), mx.where(q_ok, qs, 0.0)
             # [kvh, group, q_len, D] x [kvh, D, seq_len] -> [kvh, group, q_len, seq_len]
             qh = qs.reshape(q_len, kvh, group, head).transpose(1, 2, 0, 3)
-            s = (qh * inputs.scale) @ k.transpose(1, 2, 0)[:, None]
+            s = matmul(qh * inputs.scale, k.transpose(1, 2, 0)[:, None])
             if inputs.softcap is not None:
                 s = inputs.softcap * mx.tanh(s / inputs.softcap)
             hi = mx.arange(q_len) + (seq_len - q_len + 1)  # row r attends [lo_r, hi_r)
@@ -81,7 +87,7 @@ class ReferenceProvider(Provider):
             denom = p.sum(axis=-1, keepdims=True)
             if sinks is not None:
                 denom = denom + mx.exp(sinks - m)
-            o = (p @ v.transpose(1, 0, 2)[:, None]) / denom  # [kvh, group, q_len, D]
+            o = matmul(p, v.transpose(1, 0, 2)[:, None]) / denom  # [kvh, group, q_len, D]
             # Poisoned rows: a non-finite position in [lo_r, hi_r) of the row's KV head (prefix
             # counts), or a non-finite element in the row's query vector.
             counts = mx.concatenate([mx.zeros((1, kvh), mx.int32), mx.cumsum(bad_pos.astype(mx.int32), axis=0)])
@@ -119,3 +125,24 @@ class ReferenceProvider(Provider):
         kf[idx] = k_new
         vf[idx] = v_new
         return kf.reshape(nb, bs, kvh, head), vf.reshape(nb, bs, kvh, head)
+
+
+#: The 13 low mantissa bits that TF32 drops from a float32.
+_TF32_MASK = 0xFFFFE000
+
+
+def _tf32_hi(x: mx.array) -> mx.array:
+    """``x`` truncated to TF32's 10-bit mantissa (exactly representable in TF32)."""
+    return (x.view(mx.uint32) & _TF32_MASK).view(mx.float32)
+
+
+def _matmul_split_tf32(a: mx.array, b: mx.array) -> mx.array:
+    """A float32 matmul accurate to float32 on hardware that multiplies in TF32.
+
+    Each operand is ``hi + lo`` with ``hi`` exact in TF32 and ``lo`` the remainder (itself
+    rounded to TF32, an error of about 2^-22 relative); the products ``hi*hi + hi*lo + lo*hi``
+    are exact in the tensor cores' float32 accumulation and ``lo*lo`` (about 2^-22) is dropped.
+    """
+    a_hi, b_hi = _tf32_hi(a), _tf32_hi(b)
+    a_lo, b_lo = a - a_hi, b - b_hi
+    return a_hi @ b_lo + a_lo @ b_hi + a_hi @ b_hi
