@@ -68,11 +68,14 @@ _MIXED = (
     Shape.mix((Rows(32, 1, 1024), Rows(1, 256, 1024), Rows(1, 256, 2048)), 32, 8, 128),
 )
 
-#: KERNELS.md's causal prefill peer shapes (batch, q heads, kv heads, head, prompt), bf16, plus one
-#: 1024-row chunk after 7K tokens of earlier context.
+#: KERNELS.md's causal prefill peer shapes (batch, q heads, kv heads, head, prompt), bf16, single
+#: 8K and 32K prompts and 8 prompts of 2,048; then chunks after earlier context: 1,024 rows after 7K
+#: tokens, 512 after 32K; and a 64-row chunk after 2K (the small end of the route rule).
 _PREFILL = tuple(Shape(b, h, kvh, d, n, "bfloat16", q_len=n)
-                 for b, h, kvh, d, n in ((1, 32, 8, 128, 4096), (4, 32, 8, 128, 2048), (1, 16, 2, 128, 16384)))
-_PREFILL += (Shape(1, 32, 8, 128, 8192, "bfloat16", q_len=1024),)
+                 for b, h, kvh, d, n in ((1, 32, 8, 128, 4096), (4, 32, 8, 128, 2048), (1, 16, 2, 128, 16384),
+                                         (1, 32, 8, 128, 8192), (1, 32, 8, 128, 32768), (8, 32, 8, 128, 2048)))
+_PREFILL += tuple(Shape(1, 32, 8, 128, n, "bfloat16", q_len=q)
+                  for q, n in ((1024, 8192), (512, 32768 + 512), (64, 2048 + 64)))
 
 #: What the CPU suites put next to each other.
 _CPU_CANDIDATES = ("classic", "reference", "gather_sdpa", "mlx_sdpa", "ceiling")
@@ -110,11 +113,11 @@ SUITES: dict[str, Suite] = {
         ),
         Suite(
             "prefill-gpu",
-            "bf16 causal prefill: KERNELS.md's three prefill peer shapes, a chunk after earlier context, "
-            "and the two mixed batches",
+            "bf16 causal prefill: KERNELS.md's three prefill peer shapes, 8K and 32K prompts, 8 prompts of 2,048, "
+            "chunks after 2K, 7K and 32K of context, and the two mixed batches",
             "gpu",
             _PREFILL + _MIXED,
-            ("auto", "tiled_prefill", "classic", "gather_sdpa", "mlx_sdpa", "torch_sdpa"),
+            ("auto", "sdpa_prefill", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa"),
             warmup=2,
             iters=10,
             runtime=_GPU_ONLY,
