@@ -9,7 +9,8 @@ and the margin by which a later run may fall below them::
      "suites": ["smoke"],                     # what `metal-attn bench --compare` runs by default
      "margin": 0.6,                           # a ratio may fall to (1 - margin) * its baseline
      "note": "...",                           # free text: how it was made
-     "created": {"date", "argv", "mode", "machine": {...}},
+     "run": {"candidates": "auto,classic,...", "iters": 9, "repeat": 3, ...},  # options given when writing
+     "created": {"date", "argv", "repeat", "mode", "iters", "machine": {...}},
      "entries": {"smoke / decode b3 h4/2 d64 L100 f32 / auto":
                      {"speedup_vs_mlx_sdpa_ratio": 2.77, "ceiling_fraction_ratio": 0.17, ...}, ...}}
 
@@ -18,7 +19,8 @@ class differs, when a baseline case or ratio is missing from the run, or when a 
 ``baseline * (1 - margin)``. Only providers' results (``kind == "provider"``, ``auto`` included)
 are written: the peers are what they are measured against. A run of several repeats
 (``--repeat N``) gives each ratio as its median over the repeats, both when writing and when
-comparing.
+comparing. ``run`` keeps the measurement options given when the baseline was written
+(`RUN_OPTIONS`); ``--compare`` uses them where its own command line gives none.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ TRACKED_KINDS: tuple[str, ...] = ("provider",)
 
 #: Significant digits kept for a stored ratio.
 DIGITS = 4
+
+#: Measurement options a baseline records and a comparison reuses: name -> (type, lowest value).
+RUN_OPTIONS: dict[str, tuple[type, int | None]] = {"candidates": (str, None), "warmup": (int, 0), "iters": (int, 1),
+                                                   "repeat": (int, 1), "pipelined": (bool, None)}
 
 
 class BaselineError(ValueError):
@@ -123,6 +129,8 @@ class Baseline:
     entries: dict[str, dict[str, float]]
     note: str = ""
     created: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Options of `RUN_OPTIONS` given when it was written.
+    run: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def floor(self, value: float) -> float:
         """The lowest ratio a run may have against a baseline ``value``."""
@@ -171,9 +179,19 @@ def parse(data: Any, path: str = "<baseline>") -> Baseline:
                 raise bad(f"entries[{case!r}] has the key {k!r} (allowed: ratio names, which end in {SUFFIX!r})")
             if not _positive_ratio(v):
                 raise bad(f"entries[{case!r}][{k!r}]={v!r} (allowed: a finite number > 0)")
+    run = data.get("run") or {}
+    if not isinstance(run, dict):
+        raise bad(f"run={run!r} (allowed: an object of options among {', '.join(RUN_OPTIONS)})")
+    for k, v in run.items():
+        kind, low = RUN_OPTIONS.get(k, (None, None))
+        if kind is None:
+            raise bad(f"run has the option {k!r} (allowed: {', '.join(RUN_OPTIONS)})")
+        if type(v) is not kind or (low is not None and v < low):
+            want = kind.__name__ + (f" >= {low}" if low is not None else "")
+            raise bad(f"run[{k!r}]={v!r} (allowed: {want})")
     note = data.get("note", "")
     return Baseline(path, mc, tuple(suites), margin, {c: dict(r) for c, r in entries.items()},
-                    note if isinstance(note, str) else str(note), dict(data.get("created") or {}))
+                    note if isinstance(note, str) else str(note), dict(data.get("created") or {}), dict(run))
 
 
 def load(path: str | Path) -> Baseline:
@@ -191,8 +209,10 @@ def load(path: str | Path) -> Baseline:
 
 
 def build(runs: Sequence[Sequence[SuiteResult]], machine: Mapping[str, Any], *, margin: float,
-          argv: Sequence[str] | None = None, note: str = "", ratios: Sequence[str] | None = None) -> dict[str, Any]:
-    """A baseline (as JSON data) from a finished run of one or more repeats (``runs``)."""
+          argv: Sequence[str] | None = None, note: str = "", ratios: Sequence[str] | None = None,
+          run: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A baseline (as JSON data) from a finished run of one or more repeats (``runs``); ``run``: the
+    options of `RUN_OPTIONS` the run was given (``None`` values are left out)."""
     entries = tracked_entries(runs, ratios)
     if not entries:
         which = f" matching {', '.join(ratios)}" if ratios else ""
@@ -205,6 +225,7 @@ def build(runs: Sequence[Sequence[SuiteResult]], machine: Mapping[str, Any], *, 
         "suites": [s.name for s in first],
         "margin": check_margin(margin),
         "note": note,
+        "run": {k: v for k, v in (run or {}).items() if k in RUN_OPTIONS and v is not None},
         "created": {"date": machine.get("date"), "argv": list(argv) if argv is not None else None,
                     "repeat": len(runs), "mode": first[0].mode if first else None,
                     "iters": first[0].iters if first else None, "machine": dict(machine)},

@@ -479,6 +479,23 @@ def run(args: argparse.Namespace) -> int:
     return 1 if problems or not written or (comparison is not None and comparison.failed) else 0
 
 
+def _run_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The measurement options of `baselines.RUN_OPTIONS` given on this command line (None: not given)."""
+    return {"candidates": args.candidates, "warmup": args.warmup, "iters": args.iters,
+            "repeat": getattr(args, "repeat", None), "pipelined": True if getattr(args, "pipelined", False) else None}
+
+
+def _apply_baseline_run(args: argparse.Namespace, base: baselines.Baseline, err: TextIO) -> None:
+    """Measure as the baseline was measured where this command line says nothing else, and say so."""
+    given = _run_options(args)
+    taken = {k: v for k, v in base.run.items() if given.get(k) is None}
+    for k, v in taken.items():
+        setattr(args, k, v)
+    if taken:
+        flags = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in taken.items())
+        print(f"metal-attn bench: compare: measuring with the baseline's options: {flags}", file=err)
+
+
 def _baseline_options(args: argparse.Namespace, err: TextIO) -> tuple[baselines.Baseline | None, int | None]:
     """``(the --compare baseline or None, an exit code to stop with or None)``: bad files and usage exit 2,
     a baseline of another machine class exits 1 before anything runs."""
@@ -505,6 +522,7 @@ def _baseline_options(args: argparse.Namespace, err: TextIO) -> tuple[baselines.
     if here != base.machine_class:
         print(f"metal-attn bench: compare: {baselines.machine_mismatch_message(base, here)}", file=err)
         return base, 1
+    _apply_baseline_run(args, base, err)
     return base, None
 
 
@@ -520,7 +538,7 @@ def _write_baseline(args: argparse.Namespace, runs: Sequence[Sequence[SuiteResul
             f"a ratio may fall {margin:.0%} below its value here")
     try:
         data = baselines.build(runs, machine, margin=margin, argv=argv, note=note,
-                               ratios=_csv(args.ratios) if args.ratios else None)
+                               ratios=_csv(args.ratios) if args.ratios else None, run=_run_options(args))
     except baselines.BaselineError as exc:
         print(f"metal-attn bench: error: --write-baseline {args.write_baseline}: {exc}", file=err)
         return False
