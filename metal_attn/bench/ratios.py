@@ -53,7 +53,8 @@ def _usable(v: Any) -> bool:
 def add_peer_ratios(benchmarks: list[dict[str, Any]]) -> None:
     """pytest-benchmark's JSON ``benchmarks``: add ``speedup_vs_<peer>_ratio`` (peer median / own
     median) to the ``extra_info`` of every benchmark whose group holds that peer's benchmark, and
-    ``ceiling_fraction_ratio`` where ``extra_info`` carries the ceiling's time (``ceiling_s``)."""
+    ``ceiling_fraction_ratio`` where ``extra_info`` carries the ceiling's time (``ceiling_s``);
+    benchmarks of ``kind`` ``ceiling`` (bandwidth probes) get none."""
     by_group: dict[Any, dict[str, float]] = {}
     for b in benchmarks:
         name, median = b.get("extra_info", {}).get("candidate"), _median(b)
@@ -61,7 +62,7 @@ def add_peer_ratios(benchmarks: list[dict[str, Any]]) -> None:
             by_group.setdefault(b.get("group"), {})[name] = median
     for b in benchmarks:
         info, median = b.setdefault("extra_info", {}), _median(b)
-        if median is None:
+        if median is None or info.get("kind") == "ceiling":  # a bandwidth probe, not a candidate
             continue
         own = info.get("candidate")
         speedup = {p: t / median for p, t in by_group.get(b.get("group"), {}).items() if p != own}
