@@ -10,7 +10,11 @@ A benchmark module needs only (``test_bench_suite.py`` is that module)::
 default: decode on this backend; ``--bench-shapes`` filters it, ``--bench-candidates``
 overrides its candidates); without one the test is skipped with that reason. Inputs are
 built once per shape; a candidate that refuses a shape is skipped with its own reasons.
-See benchmarks/README.md.
+
+Ratios (`metal_attn.bench.ratios`, higher is better): each benchmark's ``extra_info`` gets
+``ceiling_s`` (its shape's K+V bytes at the bandwidth ceiling measured in the same session) and,
+in the saved JSON, ``speedup_vs_<peer>_ratio`` against every peer benchmark of its group and
+``ceiling_fraction_ratio``. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
-from metal_attn.bench import core, peers, suites
+from metal_attn.bench import core, ratios, suites
 
 #: Keys added to pytest-benchmark's machine info, so runs on different chips are told apart.
 MACHINE_KEYS: tuple[str, ...] = (
@@ -45,6 +50,12 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
     """Backend, device name, GPU core count and versions: saved with every run and compared."""
     info = core.machine_info()
     machine_info.update({k: info.get(k) for k in MACHINE_KEYS})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_benchmark_update_json(config: pytest.Config, benchmarks: Any, output_json: dict[str, Any]) -> None:
+    """Same-run ratios into every saved benchmark's ``extra_info``: its group's peers and the ceiling."""
+    ratios.add_peer_ratios(output_json.get("benchmarks", []))
 
 
 def _suite(config: pytest.Config) -> suites.Suite:
@@ -74,7 +85,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     raw = cfg.getoption("--bench-candidates")
     names = [c.strip() for c in raw.split(",") if c.strip()] if raw else list(suite.candidates)
     # The ceiling is a reference line of `metal-attn bench`, not a kernel whose history is tracked.
-    names = peers.timed(names)
+    names = [c.name for c in suite.resolve(names) if isinstance(c, core.TimedCandidate)]
     pairs = [(s, n) for s in shapes for n in names]
     metafunc.parametrize(("bench_shape", "bench_candidate"), pairs,
                          ids=[f"{s.label.replace(' ', '_')}-{n}" for s, n in pairs])
@@ -85,16 +96,30 @@ class _Cases:
 
     def __init__(self) -> None:
         self._shape: core.Shape | None = None
-        self._case: core.Case | None = None
+        self._case: Any = None
+        self._ceiling_s: float | None = None
 
-    def get(self, shape: core.Shape) -> core.Case:
+    def get(self, shape: core.Shape) -> Any:
         if shape != self._shape:
             if self._case is not None:
                 self._case.release()  # keep one shape's inputs alive at a time
-            self._case = None
-            self._case = core.build_case(shape)
+            self._case = self._ceiling_s = None
+            mx.clear_cache()  # a decode step's pools are tens of GB: give them back before the next
+            self._case = shape.build()
             self._shape = shape
         return self._case
+
+    def ceiling_s(self, shape: core.Shape) -> float | None:
+        """The current shape's K+V bytes at the bandwidth ceiling (`peers.Ceiling`), measured once per shape;
+        ``None`` for shapes without a bandwidth metric."""
+        if "GB/s" not in shape.metrics:
+            return None
+        if self._ceiling_s is None:
+            from metal_attn.bench import peers
+
+            res = peers.Ceiling().measure(self.get(shape), warmup=1, iters=5)
+            self._ceiling_s = shape.kv_bytes / (res.gbps * 1e9) if res.ok and res.gbps else None
+        return self._ceiling_s
 
 
 @pytest.fixture(scope="session")
@@ -112,13 +137,15 @@ def bench_cases() -> Iterator[_Cases]:
 
 @pytest.fixture
 def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) -> Callable[..., None]:
-    """``run_bench(shape, candidate, rounds=None, group=None)``: warm up, then time one finished call
-    per round with pytest-benchmark (``rounds``: a fixed count, else pytest-benchmark's calibration;
-    ``group``: the benchmark group, default the shape's label). A refusing candidate is skipped
-    with its reasons; GB/s and TFLOP/s of the median go into ``extra_info``."""
+    """``run_bench(shape, candidate, rounds=None, group=None, suite=None)``: warm up, then time one
+    finished call per round with pytest-benchmark (``rounds``: a fixed count, else pytest-benchmark's
+    calibration; ``group``: the benchmark group, default the shape's label; ``suite``: whose
+    candidates these are, default the session's). A refusing candidate is skipped with its reasons;
+    GB/s and TFLOP/s of the median and the ceiling's time go into ``extra_info``."""
 
-    def run(shape: core.Shape, candidate: str, rounds: int | None = None, group: str | None = None) -> None:
-        (cand,) = peers.resolve([candidate])
+    def run(shape: core.Shape, candidate: str, rounds: int | None = None, group: str | None = None,
+            suite: suites.Suite | None = None) -> None:
+        (cand,) = (suite or bench_suite).resolve([candidate])
         if not isinstance(cand, core.TimedCandidate):
             pytest.skip(f"{candidate} is measured by `metal-attn bench`, not by pytest-benchmark")
         case = bench_cases.get(shape)
@@ -148,5 +175,8 @@ def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) ->
             if prep.close:
                 prep.close()
         core.record_rates(benchmark, shape)
+        ceiling_s = bench_cases.ceiling_s(shape)
+        if ceiling_s is not None:
+            benchmark.extra_info["ceiling_s"] = ceiling_s
 
     return run

@@ -60,7 +60,7 @@ def test_cpu(benchmark, run_bench, suite, shape, candidate):
     if candidate == "numpy_sum":
         benchmark.group = f"{suite} {shape.label}"
         buf = np.ones(shape.kv_bytes // 8)
-        _info(benchmark, shape, candidate=candidate, route="numpy sum (read)")
+        _info(benchmark, shape, candidate=candidate, kind="ceiling", route="numpy sum (read)")
         benchmark.pedantic(buf.sum, rounds=ROUNDS[candidate], iterations=1, warmup_rounds=1)
         core.record_rates(benchmark, shape)
     else:

@@ -13,6 +13,10 @@ Run on a GPU machine:
   a candidate that refuses a shape skips with its reasons;
 - group ``prefill-gpu <shape>``: the ``prefill-gpu`` suite (causal prompts, a chunk
   after earlier context, the two mixed batches), its candidates likewise;
+- group ``decode-step <shape>``: the ``decode-step`` suite, a whole 32-layer decode step
+  (18 layers at b64 L8192) per round: one metadata shared by the layers, every layer's call
+  queued, one eval; ``auto``, the providers, MLX SDPA and torch SDPA on contiguous K/V over the
+  same layers;
 - group ``split-gate ctx=<n>``: 32/8 heads, head 128, bf16 decode, batch 1..64,
   each route forced through the gate (GPU core count overridden), to find where
   splitting stops paying: the crossover ``num_heads * batch / gpu_cores`` is the
@@ -20,6 +24,7 @@ Run on a GPU machine:
 
 Every timed call evaluates its output (``mx.eval``; MLX then waits for the GPU);
 warm-up rounds keep the first compile out of the numbers. Skips elsewhere with a reason.
+The saved JSON carries same-run ratios in ``extra_info`` (benchmarks/conftest.py).
 Kernel geometry variants are timed by ``benchmarks/sweep_gpu_tuning.py`` (bare launches).
 """
 
@@ -51,14 +56,16 @@ def _suite_shapes(name: str = "decode-gpu"):
 
 def _suite_candidates(name: str) -> tuple[str, ...]:
     """The suite's candidates that pytest-benchmark times (the copy ceiling is `metal-attn bench`'s)."""
-    from metal_attn.bench import peers
+    from metal_attn.bench.core import TimedCandidate
     from metal_attn.bench.suites import get_suite
 
-    return peers.timed(get_suite(name).candidates)
+    suite = get_suite(name)
+    return tuple(c.name for c in suite.resolve(suite.candidates) if isinstance(c, TimedCandidate))
 
 
 DECODE_CANDIDATES = _suite_candidates("decode-gpu")
 PREFILL_CANDIDATES = _suite_candidates("prefill-gpu")
+STEP_CANDIDATES = _suite_candidates("decode-step")
 
 
 def _machine(benchmark, **extra) -> None:
@@ -79,6 +86,15 @@ def test_decode(run_bench, shape, candidate):
                          ids=lambda s: s.label)
 def test_prefill(run_bench, shape, candidate):
     run_bench(shape, candidate, rounds=10, group=f"prefill-gpu {shape.label}")
+
+
+@pytest.mark.parametrize("candidate", STEP_CANDIDATES)
+@pytest.mark.parametrize("shape", _suite_shapes("decode-step") if BACKEND in ("cuda", "metal") else (),
+                         ids=lambda s: s.label)
+def test_decode_step(run_bench, shape, candidate):
+    from metal_attn.bench.suites import get_suite
+
+    run_bench(shape, candidate, rounds=10, group=f"decode-step {shape.label}", suite=get_suite("decode-step"))
 
 
 @pytest.mark.parametrize("route", tuple(GATE_CORES))

@@ -257,7 +257,8 @@ def test_wrong_outputs_and_crashes_fail_the_run(tmp_path, capsys, monkeypatch) -
     ("argv", "message"),
     [
         (["--suite", "nope"],
-         "suite='nope' is unknown (known: decode-gpu, prefill-gpu, gqa-gpu, decode-cpu, prefill-cpu, smoke)"),
+         "suite='nope' is unknown (known: decode-gpu, prefill-gpu, gqa-gpu, decode-cpu, prefill-cpu, decode-step, "
+         "decode-step-cpu, smoke)"),
         (["--suite", "smoke", "--shapes", "zzz"], "--shapes 'zzz' matches no shape of suite 'smoke'"),
     ],
 )

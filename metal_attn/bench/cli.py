@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from metal_attn.bench import peers
+from metal_attn.bench import baselines
 from metal_attn.bench.core import (
     SPEEDUP_PEERS,
     CandidateResult,
@@ -28,6 +28,9 @@ from metal_attn.cli import int_at_least
 from metal_attn.device import current_device
 
 SCHEMA = "metal-attn-bench/1"
+
+#: The margin `--write-baseline` states when no `--margin` is given.
+DEFAULT_MARGIN = 0.5
 
 #: How a non-ok status is shown in tables.
 STATUS_SHORT = {"refused": "refused", "not registered": "n/r", "unavailable": "n/a", "skipped": "skipped",
@@ -70,6 +73,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables to paste into docs")
     parser.add_argument("--list", action="store_true", help="list the suites, their shapes and candidates, and exit")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or progress lines on stderr")
+    b = parser.add_argument_group("regression tracking by ratios (benchmarks/baselines/, benchmarks/README.md)")
+    b.add_argument("--compare", metavar="BASELINE.json",
+                   help="print every ratio of the baseline against this run (default suites: the baseline's); "
+                        "exit 1 when one falls below baseline * (1 - the file's margin), when a baseline case is "
+                        "missing from the run or when the machine class differs")
+    b.add_argument("--write-baseline", metavar="FILE",
+                   help="write this run's ratios (every provider result: speedup vs each peer, fraction of the "
+                        "ceiling) as a baseline for this machine class")
+    b.add_argument("--repeat", type=int_at_least(1), metavar="N",
+                   help="run the suites N times (default 1); --compare and --write-baseline take each ratio's "
+                        "median over the runs")
+    b.add_argument("--ratios", metavar="PATTERN,...",
+                   help="with --write-baseline: store only the ratios whose names match a glob "
+                        "(e.g. 'speedup_vs_*'); default: all")
+    b.add_argument("--margin", type=float, metavar="M",
+                   help=f"with --write-baseline: the fraction a ratio may fall below its baseline, 0 <= M < 1 "
+                        f"(default {DEFAULT_MARGIN})")
     g = parser.add_argument_group("--suite generate (model generation throughput against mlx-lm)")
     g.add_argument("--concurrency", metavar="N,...", help="requests at once (default 1,8,32,64 on GPUs, 1,8,32 on "
                                                           "the CPU)")
@@ -318,9 +338,13 @@ def write_plot(suites: Sequence[SuiteResult], path: str) -> str | None:
     return None
 
 
-def to_json(suites: Sequence[SuiteResult], machine: dict[str, Any], argv: Sequence[str] | None) -> dict[str, Any]:
-    return {"schema": SCHEMA, "machine": machine, "argv": list(argv) if argv is not None else None,
-            "suites": [s.to_dict() for s in suites]}
+def to_json(suites: Sequence[SuiteResult], machine: dict[str, Any], argv: Sequence[str] | None,
+            comparison: baselines.Comparison | None = None) -> dict[str, Any]:
+    out = {"schema": SCHEMA, "machine": machine, "argv": list(argv) if argv is not None else None,
+           "suites": [s.to_dict() for s in suites]}
+    if comparison is not None:
+        out["comparison"] = comparison.to_dict()
+    return out
 
 
 def list_suites(file: TextIO) -> None:
@@ -353,8 +377,16 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "list", False):
         list_suites(sys.stdout)
         return 0
-    names = [n for v in (args.suite or [default_suite(current_device().backend)]) for n in _csv(v)]
+    compare_to, early = _baseline_options(args, err)
+    if early is not None:
+        return early
+    default = list(compare_to.suites) if compare_to is not None else [default_suite(current_device().backend)]
+    names = [n for v in (args.suite or default) for n in _csv(v)]
     if "generate" in names:
+        if compare_to is not None or args.write_baseline:
+            print("metal-attn bench: error: --compare and --write-baseline take kernel suites; --suite generate "
+                  "writes its ratios to its own JSON", file=err)
+            return 2
         if len(names) > 1:
             print("metal-attn bench: error: --suite generate runs alone (it loads a model)", file=err)
             return 2
@@ -389,29 +421,44 @@ def run(args: argparse.Namespace) -> int:
         if not cand_names:
             print("metal-attn bench: error: --candidates is empty", file=err)
             return 2
-        plan.append((s, shapes, peers.resolve(cand_names)))
-    with _Progress(sum(len(shapes) * len(c) for _, shapes, c in plan), quiet=args.quiet, file=err) as bar:
-        for s, shapes, cands in plan:
-            stream = TableStream(s.name, s.description, shapes, [c.name for c in cands], out)
-            suite = run_suite(
-                s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
-                iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
-                pipelined=getattr(args, "pipelined", False), progress=lambda msg, _s=s: bar.step(_s.name, msg),
-                on_shape=stream.shape,
-            )
-            results.append(suite)
-            stream.close(suite, machine)
-            if suite.interrupted:
-                print(f"metal-attn bench: interrupted: {len(suite.results)} of {len(shapes)} shapes of "
-                      f"{s.name} completed (their rows are above)", file=err)
+        plan.append((s, shapes, s.resolve(cand_names)))
+    repeat = getattr(args, "repeat", None) or 1
+    runs: list[list[SuiteResult]] = []
+    total = repeat * sum(len(shapes) * len(c) for _, shapes, c in plan)
+    with _Progress(total, quiet=args.quiet, file=err) as bar:
+        for i in range(repeat):
+            runs.append(this_run := [])
+            if repeat > 1:
+                print(f"run {i + 1} of {repeat} (--repeat {repeat})", file=out)
+            for s, shapes, cands in plan:
+                stream = TableStream(s.name, s.description, shapes, [c.name for c in cands], out)
+                suite = run_suite(
+                    s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
+                    iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
+                    pipelined=getattr(args, "pipelined", False), progress=lambda msg, _s=s: bar.step(_s.name, msg),
+                    on_shape=stream.shape,
+                )
+                this_run.append(suite)
+                results.append(suite)
+                stream.close(suite, machine)
+                if suite.interrupted:
+                    print(f"metal-attn bench: interrupted: {len(suite.results)} of {len(shapes)} shapes of "
+                          f"{s.name} completed (their rows are above)", file=err)
+                    break
+            if any(r.interrupted for r in this_run):
                 break
     interrupted = any(r.interrupted for r in results)
     machine = machine_info() | {"date": machine["date"]}  # torch may have been imported by now
     if args.markdown:
         for r in results:
             print(render_markdown(r, machine), file=out)
+    argv = getattr(args, "argv", None) or sys.argv[1:]
+    comparison = None
+    if compare_to is not None:
+        comparison = baselines.compare(compare_to, baselines.run_cases(runs), baselines.machine_class(machine))
+        baselines.render(comparison, out)
     if args.json:
-        text = json.dumps(to_json(results, machine, getattr(args, "argv", None) or sys.argv[1:]), indent=1)
+        text = json.dumps(to_json(results, machine, argv, comparison), indent=1)
         if json_to_stdout:
             print(text)
         else:
@@ -423,9 +470,82 @@ def run(args: argparse.Namespace) -> int:
     problems = _problems(results)
     for p in problems:
         print(f"metal-attn bench: problem: {p}", file=err)
+    written = _write_baseline(args, runs, machine, argv, problems, interrupted, err) if args.write_baseline else True
+    if comparison is not None:
+        for p in comparison.problems():
+            print(f"metal-attn bench: compare: {p}", file=err)
     if interrupted:
         return 130
-    return 1 if problems else 0
+    return 1 if problems or not written or (comparison is not None and comparison.failed) else 0
+
+
+def _run_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The measurement options of `baselines.RUN_OPTIONS` given on this command line (None: not given)."""
+    return {"candidates": args.candidates, "warmup": args.warmup, "iters": args.iters,
+            "repeat": getattr(args, "repeat", None), "pipelined": True if getattr(args, "pipelined", False) else None}
+
+
+def _apply_baseline_run(args: argparse.Namespace, base: baselines.Baseline, err: TextIO) -> None:
+    """Measure as the baseline was measured where this command line says nothing else, and say so."""
+    given = _run_options(args)
+    taken = {k: v for k, v in base.run.items() if given.get(k) is None}
+    for k, v in taken.items():
+        setattr(args, k, v)
+    if taken:
+        flags = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in taken.items())
+        print(f"metal-attn bench: compare: measuring with the baseline's options: {flags}", file=err)
+
+
+def _baseline_options(args: argparse.Namespace, err: TextIO) -> tuple[baselines.Baseline | None, int | None]:
+    """``(the --compare baseline or None, an exit code to stop with or None)``: bad files and usage exit 2,
+    a baseline of another machine class exits 1 before anything runs."""
+    compare, write, margin = (getattr(args, k, None) for k in ("compare", "write_baseline", "margin"))
+    for flag, value in (("--margin", margin), ("--ratios", getattr(args, "ratios", None))):
+        if value is not None and not write:
+            print(f"metal-attn bench: error: {flag} goes with --write-baseline (a comparison uses what its baseline "
+                  "file states)", file=err)
+            return None, 2
+    if margin is not None:
+        try:
+            baselines.check_margin(margin, "--margin")
+        except baselines.BaselineError as exc:
+            print(f"metal-attn bench: error: {exc}", file=err)
+            return None, 2
+    if not compare:
+        return None, None
+    try:
+        base = baselines.load(compare)
+    except baselines.BaselineError as exc:
+        print(f"metal-attn bench: error: --compare {exc}", file=err)
+        return None, 2
+    here = baselines.machine_class(machine_info())
+    if here != base.machine_class:
+        print(f"metal-attn bench: compare: {baselines.machine_mismatch_message(base, here)}", file=err)
+        return base, 1
+    _apply_baseline_run(args, base, err)
+    return base, None
+
+
+def _write_baseline(args: argparse.Namespace, runs: Sequence[Sequence[SuiteResult]], machine: dict[str, Any],
+                    argv: Sequence[str], problems: Sequence[str], interrupted: bool, err: TextIO) -> bool:
+    """Write ``--write-baseline`` from a complete run without problems (else say why not); whether it was."""
+    if problems or interrupted:
+        why = "the run was interrupted" if interrupted else f"the run had {len(problems)} problem(s), listed above"
+        print(f"metal-attn bench: error: --write-baseline {args.write_baseline}: not written, {why}", file=err)
+        return False
+    margin = DEFAULT_MARGIN if args.margin is None else args.margin
+    note = (f"written by `metal-attn bench {' '.join(argv)}` on {machine.get('date')}; "
+            f"a ratio may fall {margin:.0%} below its value here")
+    try:
+        data = baselines.build(runs, machine, margin=margin, argv=argv, note=note,
+                               ratios=_csv(args.ratios) if args.ratios else None, run=_run_options(args))
+    except baselines.BaselineError as exc:
+        print(f"metal-attn bench: error: --write-baseline {args.write_baseline}: {exc}", file=err)
+        return False
+    baselines.write(args.write_baseline, data)
+    print(f"wrote baseline {args.write_baseline}: {len(data['entries'])} cases, machine class "
+          f"{data['machine_class']}, margin {margin:g}", file=err)
+    return True
 
 
 class _Progress:

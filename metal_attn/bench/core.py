@@ -20,6 +20,9 @@ Metrics (one formula each, used everywhere):
   (q_len - 1) / 2``;
 - fraction of ceiling: decode bandwidth / the ceiling measured in the same run;
 - speedup vs a peer: peer median / candidate median (> 1: faster than the peer).
+
+Both are also given as named ratios (`metal_attn.bench.ratios`: higher is better, keys end in
+``ratio``), the numbers baselines store and ``metal-attn bench --compare`` checks.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import numpy as np
 
 import metal_attn
 from metal_attn.api import kernel_block_size
+from metal_attn.bench.ratios import SPEEDUP_PEERS, ratios_of
 from metal_attn.device import current_device
 from metal_attn.errors import NoProviderError
 from metal_attn.metadata import AttentionMetadata
@@ -53,9 +57,6 @@ DTYPES: dict[str, tuple[Any, str, int]] = {
     "float16": (mx.float16, "f16", 2),
     "bfloat16": (mx.bfloat16, "bf16", 2),
 }
-
-#: Peers the speedup columns compare against, in display order.
-SPEEDUP_PEERS: tuple[str, ...] = ("gather_sdpa", "mlx_sdpa", "torch_sdpa")
 
 #: Output agreement bound (relative L2 vs the check baseline) per dtype. float32 allows for
 #: TF32 matmuls on NVIDIA GPUs (MLX SDPA prefill differs from exact float32 by ~3e-4 there);
@@ -228,6 +229,10 @@ class Shape:
     def memory_estimate(self) -> int:
         """Peak bytes a benchmark of this shape may hold: pools, contiguous copies, a gathered copy, slack."""
         return 4 * self.kv_bytes + 4 * _RANDOM_PERIOD_ELEMENTS * self.itemsize + (64 << 20)
+
+    def build(self, *, seed: int = 0) -> Case:
+        """This shape's inputs (`build_case`; a subclass may build other inputs for its own candidates)."""
+        return build_case(self, seed=seed)
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -475,13 +480,19 @@ class CandidateResult:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    @property
+    def ratios(self) -> dict[str, float]:
+        """Speedups and the fraction of the ceiling as named ratios (`metal_attn.bench.ratios`)."""
+        return ratios_of(self.speedup, self.fraction_of_ceiling) if self.ok else {}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "kind": self.kind, "status": self.status, "reasons": list(self.reasons),
             "median_s": self.timing.median_s if self.timing else None,
             "timing": self.timing.to_dict() if self.timing else None,
             "gbps": self.gbps, "tflops": self.tflops, "fraction_of_ceiling": self.fraction_of_ceiling,
-            "speedup": dict(self.speedup), "route": self.route, "check": self.check, "details": self.details,
+            "speedup": dict(self.speedup), "ratios": self.ratios, "route": self.route, "check": self.check,
+            "details": self.details,
         }
 
 
@@ -569,7 +580,9 @@ class ProviderCandidate(TimedCandidate):
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def prepare(self, case: Case) -> Prepared:
+    def admit(self, shape: Shape) -> tuple[str | None, str]:
+        """``(forced provider or None for auto, the planned route)``; raises `Skip` when this provider is
+        not registered or (auto: every provider) refuses ``shape``, with every reason."""
         from metal_attn.plugins import get_registry
 
         forced = None if self.name == "auto" else self.name
@@ -577,18 +590,21 @@ class ProviderCandidate(TimedCandidate):
         if forced is not None and forced not in registered:
             raise Skip("not registered",
                        [f"provider={forced!r} is not registered (registered: {', '.join(registered) or 'none'})"])
-        exp = metal_attn.explain(case.shape.request(), provider=forced)
+        exp = metal_attn.explain(shape.request(), provider=forced)
         chosen = exp.chosen
         if chosen is None:
             reasons = [f"{r.name}: {x}" if forced is None else x for r in exp.rows for x in r.reasons]
             raise Skip("refused", reasons or ["no provider admits this shape"])
+        return forced, f"{chosen.name}: {chosen.plan.describe()}" if chosen.plan else chosen.name
+
+    def prepare(self, case: Case) -> Prepared:
+        forced, route = self.admit(case.shape)
         q, k, v, md, scale = case.q, case.k_pool, case.v_pool, case.metadata, case.scale
 
         def compute() -> mx.array:
             return metal_attn.paged_attention(q, k, v, metadata=md, scale=scale, provider=forced)
 
-        return mlx_prepared(compute, lambda out: np.array(out.astype(mx.float32)),
-                            f"{chosen.name}: {chosen.plan.describe()}" if chosen.plan else chosen.name)
+        return mlx_prepared(compute, lambda out: np.array(out.astype(mx.float32)), route)
 
     def route_after(self, prep: Prepared) -> str | None:
         rec = metal_attn.diagnostics.last_dispatch()
@@ -776,7 +792,7 @@ def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shap
             if on_shape is not None:
                 on_shape(sr)
             continue
-        case = build_case(shape, seed=seed)
+        case = shape.build(seed=seed)
         results = []
         for cand in candidates:
             say(f"{shape.label}: {cand.name}")

@@ -3,14 +3,17 @@
 GPU suites use the shapes of the peer table in KERNELS.md ("Peer figures
 measured here"), so a run can be read next to those figures; CPU suites use
 the geometry of KERNELS.md's "CPU facts". ``smoke`` is tiny and runs anywhere.
+``decode-step`` and ``decode-step-cpu`` time whole decode steps (`metal_attn.bench.decode_step`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Callable, Sequence
 
-from metal_attn.bench.core import Rows, Shape
+from metal_attn.bench import decode_step, peers
+from metal_attn.bench.core import Candidate, Rows, Shape
 from metal_attn.constants import GQA_DECODE_GEOMETRIES
 
 
@@ -27,6 +30,8 @@ class Suite:
     iters: int
     #: How long a run with the default candidates took, and where (for ``--help`` and ``--list``).
     runtime: str = ""
+    #: Candidate names -> candidates measurable on this suite's shapes.
+    resolve: Callable[[Sequence[str]], list[Candidate]] = peers.resolve
 
     def select(self, patterns: list[str] | None) -> tuple[Shape, ...]:
         """Shapes whose label matches any pattern (a substring, or a glob with ``*``/``?``; case-insensitive)."""
@@ -97,6 +102,17 @@ def _gqa_shapes() -> tuple[Shape, ...]:
 #: The GPU suites' runtime note: their kernels need a GPU backend.
 _GPU_ONLY = "needs a GPU backend (not timed on a CPU)"
 
+#: issue #17's decode step: the 8 peer-table shapes, 32 layers (b64 L8192: 18, as measured there).
+_STEP_GPU = decode_step.step_shapes(PEER_TABLE_SHAPES, layers={(64, 8192): 18})
+
+#: Small steps for the CPU backend: a few layers of short contexts, float32 and bfloat16.
+_STEP_CPU = (
+    decode_step.StepShape(4, 8, 2, 64, 256, "float32", layers=8),
+    decode_step.StepShape(1, 8, 2, 64, 2048, "float32", layers=8),
+    decode_step.StepShape(2, 32, 8, 128, 512, "bfloat16", layers=4),
+)
+_STEP_CANDIDATES = ("auto", "classic", "gqa_decode", "mlx_sdpa", "torch_sdpa", "ceiling")
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -152,6 +168,30 @@ SUITES: dict[str, Suite] = {
             warmup=1,
             iters=3,
             runtime="about 5.5 min on a 2-core CPU (325 s; MLX SDPA and the gathers take seconds a call)",
+        ),
+        Suite(
+            "decode-step",
+            "a 32-layer bf16 decode step (b64 L8192: 18 layers) on the 8 peer-table shapes: one metadata "
+            "shared by the layers, every call queued, one eval per step",
+            "gpu",
+            _STEP_GPU,
+            _STEP_CANDIDATES,
+            warmup=3,
+            iters=10,
+            runtime=_GPU_ONLY,
+            resolve=decode_step.resolve,
+        ),
+        Suite(
+            "decode-step-cpu",
+            "decode steps on the CPU: 4 to 8 layers of small batches, one metadata shared by the layers, "
+            "one eval per step",
+            "cpu",
+            _STEP_CPU,
+            _STEP_CANDIDATES,
+            warmup=1,
+            iters=5,
+            runtime="about 5 s on a 2-core CPU",
+            resolve=decode_step.resolve,
         ),
         Suite(
             "smoke",

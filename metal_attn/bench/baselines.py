@@ -1,0 +1,361 @@
+"""Baselines of same-run ratios per machine class, and the comparison of a run against one.
+
+A baseline (``benchmarks/baselines/<machine class>.json``) stores, for each case (``suite / shape
+label / candidate``), the ratios of `metal_attn.bench.ratios` measured on one machine class,
+and the margin by which a later run may fall below them::
+
+    {"schema": "metal-attn-baseline/1",
+     "machine_class": "cpu-2core",            # `machine_class` of the machine that wrote it
+     "suites": ["smoke"],                     # what `metal-attn bench --compare` runs by default
+     "margin": 0.6,                           # a ratio may fall to (1 - margin) * its baseline
+     "note": "...",                           # free text: how it was made
+     "run": {"candidates": "auto,classic,...", "iters": 9, "repeat": 3, ...},  # options given when writing
+     "created": {"date", "argv", "repeat", "mode", "iters", "machine": {...}},
+     "entries": {"smoke / decode b3 h4/2 d64 L100 f32 / auto":
+                     {"speedup_vs_mlx_sdpa_ratio": 2.77, "ceiling_fraction_ratio": 0.17, ...}, ...}}
+
+Every ratio's key ends in ``ratio`` and higher is better. A comparison fails when the machine
+class differs, when a baseline case or ratio is missing from the run, or when a ratio is below
+``baseline * (1 - margin)``. Only providers' results (``kind == "provider"``, ``auto`` included)
+are written: the peers are what they are measured against. A run of several repeats
+(``--repeat N``) gives each ratio as its median over the repeats, both when writing and when
+comparing. ``run`` keeps the measurement options given when the baseline was written
+(`RUN_OPTIONS`); ``--compare`` uses them where its own command line gives none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import re
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from metal_attn.bench.core import SuiteResult
+from metal_attn.bench.ratios import SUFFIX
+
+SCHEMA = "metal-attn-baseline/1"
+
+#: Candidate kinds whose ratios a baseline stores.
+TRACKED_KINDS: tuple[str, ...] = ("provider",)
+
+#: Significant digits kept for a stored ratio.
+DIGITS = 4
+
+#: Measurement options a baseline records and a comparison reuses: name -> (type, lowest value).
+RUN_OPTIONS: dict[str, tuple[type, int | None]] = {"candidates": (str, None), "warmup": (int, 0), "iters": (int, 1),
+                                                   "repeat": (int, 1), "pipelined": (bool, None)}
+
+
+class BaselineError(ValueError):
+    """A baseline file that cannot be used: unreadable, not JSON, or not of the documented schema."""
+
+
+def machine_class(machine: Mapping[str, Any]) -> str:
+    """The class of machine ratios are comparable across: ``cpu-<N>core`` on the CPU backend
+    (``N`` logical CPUs), ``<backend>-<device name>`` on GPUs (``cuda-nvidia-h200``)."""
+    backend = machine.get("backend") or "unknown"
+    if backend == "cpu":
+        return f"cpu-{machine.get('cpu_threads') or 'unknown'}core"
+    name = re.sub(r"[^a-z0-9]+", "-", str(machine.get("device_name") or "unknown").lower()).strip("-")
+    return f"{backend}-{name}"
+
+
+def case_id(suite: str, shape_label: str, candidate: str) -> str:
+    """The key of one candidate on one shape of one suite."""
+    return f"{suite} / {shape_label} / {candidate}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCase:
+    """One candidate's outcome in a run, as the comparison needs it."""
+
+    status: str
+    reasons: tuple[str, ...]
+    ratios: dict[str, float]
+
+
+def run_cases(runs: Sequence[Sequence[SuiteResult]], kinds: Sequence[str] | None = None) -> dict[str, RunCase]:
+    """Every candidate (of ``kinds``; default all) of every shape by case id, over the repeats ``runs``
+    (each a list of suite results): each ratio is its median over the repeats that measured it; the
+    status is ``ok`` when every repeat ran it, else the first other status and its reasons."""
+    seen: dict[str, list[Any]] = {}
+    for results in runs:
+        for s in results:
+            for sr in s.results:
+                for r in sr.candidates:
+                    if kinds is None or r.kind in kinds:
+                        seen.setdefault(case_id(s.name, sr.shape.label, r.name), []).append(r)
+    out = {}
+    for case, rs in seen.items():
+        bad = next((r for r in rs if not r.ok), None)
+        values: dict[str, list[float]] = {}
+        for r in rs:
+            for k, v in r.ratios.items():
+                values.setdefault(k, []).append(v)
+        out[case] = RunCase(bad.status if bad else "ok", tuple(bad.reasons) if bad else (),
+                            {k: statistics.median(v) for k, v in values.items()})
+    return out
+
+
+def tracked_entries(runs: Sequence[Sequence[SuiteResult]],
+                    ratios: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+    """The ratios a baseline stores: every provider result that ran in every repeat (medians over the
+    repeats, `DIGITS` digits), only the ratio names matching a glob of ``ratios`` when given."""
+    out = {}
+    for case, rc in run_cases(runs, TRACKED_KINDS).items():
+        kept = {k: float(f"{v:.{DIGITS}g}") for k, v in rc.ratios.items()
+                if ratios is None or any(fnmatch.fnmatchcase(k, pat) for pat in ratios)}
+        if rc.status == "ok" and kept:
+            out[case] = kept
+    return out
+
+
+# -- the file --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """A loaded baseline file."""
+
+    path: str
+    machine_class: str
+    suites: tuple[str, ...]
+    margin: float
+    entries: dict[str, dict[str, float]]
+    note: str = ""
+    created: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Options of `RUN_OPTIONS` given when it was written.
+    run: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def floor(self, value: float) -> float:
+        """The lowest ratio a run may have against a baseline ``value``."""
+        return value * (1.0 - self.margin)
+
+
+def check_margin(margin: Any, where: str = "margin") -> float:
+    """``margin`` as a float in ``[0, 1)``, else `BaselineError` naming it."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise BaselineError(f"{where}={margin!r} (allowed: a number >= 0 and < 1, the fraction a ratio may fall "
+                            "below its baseline)")
+    return float(margin)
+
+
+def _positive_ratio(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def parse(data: Any, path: str = "<baseline>") -> Baseline:
+    """Validate a decoded baseline; every error names the file, the field, its value and what is allowed."""
+    def bad(msg: str) -> BaselineError:
+        return BaselineError(f"{path}: {msg}")
+
+    if not isinstance(data, dict):
+        raise bad(f"the top level is a {type(data).__name__} (allowed: an object with schema {SCHEMA!r})")
+    if data.get("schema") != SCHEMA:
+        raise bad(f"schema={data.get('schema')!r} (allowed: {SCHEMA!r})")
+    mc = data.get("machine_class")
+    if not isinstance(mc, str) or not mc:
+        raise bad(f"machine_class={mc!r} (allowed: a non-empty string such as 'cpu-2core')")
+    suites = data.get("suites")
+    if not isinstance(suites, list) or not suites or not all(isinstance(x, str) and x for x in suites):
+        raise bad(f"suites={suites!r} (allowed: a non-empty list of suite names)")
+    try:
+        margin = check_margin(data.get("margin"))
+    except BaselineError as exc:
+        raise bad(str(exc)) from None
+    entries = data.get("entries")
+    if not isinstance(entries, dict) or not entries:
+        raise bad(f"entries={entries!r} (allowed: a non-empty object, case id -> {{ratio name: value}})")
+    for case, ratios in entries.items():
+        if not isinstance(ratios, dict) or not ratios:
+            raise bad(f"entries[{case!r}]={ratios!r} (allowed: a non-empty object, ratio name -> value)")
+        for k, v in ratios.items():
+            if not k.endswith(SUFFIX):
+                raise bad(f"entries[{case!r}] has the key {k!r} (allowed: ratio names, which end in {SUFFIX!r})")
+            if not _positive_ratio(v):
+                raise bad(f"entries[{case!r}][{k!r}]={v!r} (allowed: a finite number > 0)")
+    run = data.get("run") or {}
+    if not isinstance(run, dict):
+        raise bad(f"run={run!r} (allowed: an object of options among {', '.join(RUN_OPTIONS)})")
+    for k, v in run.items():
+        kind, low = RUN_OPTIONS.get(k, (None, None))
+        if kind is None:
+            raise bad(f"run has the option {k!r} (allowed: {', '.join(RUN_OPTIONS)})")
+        if type(v) is not kind or (low is not None and v < low):
+            want = kind.__name__ + (f" >= {low}" if low is not None else "")
+            raise bad(f"run[{k!r}]={v!r} (allowed: {want})")
+    note = data.get("note", "")
+    return Baseline(path, mc, tuple(suites), margin, {c: dict(r) for c, r in entries.items()},
+                    note if isinstance(note, str) else str(note), dict(data.get("created") or {}), dict(run))
+
+
+def load(path: str | Path) -> Baseline:
+    """Read and validate a baseline file (`BaselineError` with the path and what is wrong)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise BaselineError(f"{path}: cannot read the baseline ({exc.strerror or exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BaselineError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    return parse(data, str(path))
+
+
+def build(runs: Sequence[Sequence[SuiteResult]], machine: Mapping[str, Any], *, margin: float,
+          argv: Sequence[str] | None = None, note: str = "", ratios: Sequence[str] | None = None,
+          run: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A baseline (as JSON data) from a finished run of one or more repeats (``runs``); ``run``: the
+    options of `RUN_OPTIONS` the run was given (``None`` values are left out)."""
+    entries = tracked_entries(runs, ratios)
+    if not entries:
+        which = f" matching {', '.join(ratios)}" if ratios else ""
+        raise BaselineError(f"the run has no provider result with ratios{which} to store (a ratio needs a peer or "
+                            "the ceiling among the candidates)")
+    first = runs[0] if runs else []
+    return {
+        "schema": SCHEMA,
+        "machine_class": machine_class(machine),
+        "suites": [s.name for s in first],
+        "margin": check_margin(margin),
+        "note": note,
+        "run": {k: v for k, v in (run or {}).items() if k in RUN_OPTIONS and v is not None},
+        "created": {"date": machine.get("date"), "argv": list(argv) if argv is not None else None,
+                    "repeat": len(runs), "mode": first[0].mode if first else None,
+                    "iters": first[0].iters if first else None, "machine": dict(machine)},
+        "entries": entries,
+    }
+
+
+def write(path: str | Path, data: Mapping[str, Any]) -> None:
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+# -- the comparison ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One baseline ratio against the run."""
+
+    case: str
+    ratio: str
+    baseline: float
+    floor: float
+    value: float | None
+    status: str  # ok | above | below | missing
+    why: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("below", "missing")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """A run against a baseline: one row per baseline ratio, and what makes the whole fail."""
+
+    baseline: Baseline
+    run_machine_class: str
+    rows: tuple[Row, ...]
+
+    @property
+    def machine_mismatch(self) -> bool:
+        return self.run_machine_class != self.baseline.machine_class
+
+    @property
+    def failed(self) -> bool:
+        return self.machine_mismatch or any(r.failed for r in self.rows)
+
+    def problems(self) -> list[str]:
+        """One line per reason the comparison fails."""
+        out = []
+        if self.machine_mismatch:
+            out.append(machine_mismatch_message(self.baseline, self.run_machine_class))
+        below = [r for r in self.rows if r.status == "below"]
+        missing = sorted({r.case for r in self.rows if r.status == "missing"})
+        if below:
+            out.append(f"{len(below)} ratio(s) below their floor (baseline * (1 - margin {self.baseline.margin:g})): "
+                       + "; ".join(f"{r.case}: {r.ratio} {r.value:.4g} < {r.floor:.4g}" for r in below))
+        if missing:
+            out.append(f"{len(missing)} baseline case(s) missing from the run or without their ratios: "
+                       + "; ".join(missing))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"baseline": self.baseline.path, "machine_class": self.baseline.machine_class,
+                "run_machine_class": self.run_machine_class, "margin": self.baseline.margin,
+                "failed": self.failed, "problems": self.problems(), "rows": [r.to_dict() for r in self.rows]}
+
+
+def machine_mismatch_message(baseline: Baseline, run_class: str) -> str:
+    return (f"machine class differs: {baseline.path} is for {baseline.machine_class!r}, this machine is "
+            f"{run_class!r}; compare with a baseline of this class, or write one with --write-baseline")
+
+
+def compare(baseline: Baseline, run: Mapping[str, RunCase], run_machine_class: str) -> Comparison:
+    """Every ratio of ``baseline`` against ``run`` (from `run_cases`)."""
+    rows = []
+    for case, ratios in baseline.entries.items():
+        got = run.get(case)
+        for name, base in ratios.items():
+            floor = baseline.floor(base)
+            if got is None:
+                rows.append(Row(case, name, base, floor, None, "missing", "case not in this run"))
+                continue
+            value = got.ratios.get(name)
+            if value is None:
+                why = (f"{got.status}: {'; '.join(got.reasons)}" if got.status != "ok"
+                       else "ratio not measured (its peer did not run)")
+                rows.append(Row(case, name, base, floor, None, "missing", why))
+            elif value < floor:
+                rows.append(Row(case, name, base, floor, value, "below"))
+            else:
+                rows.append(Row(case, name, base, floor, value, "above" if value > base * (1 + baseline.margin)
+                                else "ok"))
+    return Comparison(baseline, run_machine_class, tuple(rows))
+
+
+#: How each status is shown, and its style.
+_STATUS = {"ok": ("ok", None), "above": ("above (faster)", "green"), "below": ("BELOW FLOOR", "bold red"),
+           "missing": ("MISSING", "bold red")}
+
+
+def render(comp: Comparison, file: TextIO) -> None:
+    """A rich table of every ratio against its baseline and floor, then the verdict."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file, width=max(160, Console(file=file).width), highlight=False)
+    b = comp.baseline
+    table = Table(title=f"ratios against {b.path} (machine class {b.machine_class}, margin {b.margin:g}: "
+                        f"floor = baseline * {1 - b.margin:g})",
+                  box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+    for name, justify in (("case", "left"), ("ratio", "left"), ("baseline", "right"), ("floor", "right"),
+                          ("this run", "right"), ("change", "right"), ("status", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    last = None
+    for r in comp.rows:
+        label, style = _STATUS[r.status]
+        change = f"{r.value / r.baseline - 1:+.0%}" if r.value is not None else ""
+        table.add_row(r.case if r.case != last else "", r.ratio.removesuffix("_" + SUFFIX), f"{r.baseline:.3g}",
+                      f"{r.floor:.3g}", f"{r.value:.3g}" if r.value is not None else "-", change,
+                      label + (f": {r.why}" if r.why else ""), style=style)
+        last = r.case
+    console.print(table)
+    counts = {s: sum(r.status == s for r in comp.rows) for s in _STATUS}
+    summary = ", ".join(f"{n} {_STATUS[s][0].lower()}" for s, n in counts.items() if n)
+    verdict = "FAILED" if comp.failed else "passed"
+    console.print(f"comparison {verdict}: {len(comp.rows)} ratios ({summary})", markup=False)
+    for p in comp.problems():
+        console.print(f"  {p}", markup=False)

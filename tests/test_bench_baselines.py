@@ -1,0 +1,310 @@
+"""Regression tracking by ratios: ratio names, baseline files, the comparison and the CLI around them;
+the committed CPU baseline against a smoke run, and a kernel falling to the reference path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from metal_attn.bench import baselines, cli, core, ratios, suites
+from metal_attn.bench.baselines import Baseline, BaselineError, RunCase
+from metal_attn.bench.core import CandidateResult, Shape, ShapeResult, SuiteResult, Timing
+from metal_attn.settings import override_settings
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_BASELINE = REPO / "benchmarks" / "baselines" / "cpu-2core.json"
+
+
+def _baseline(entries: dict, *, margin: float = 0.5, machine_class: str = "cpu-2core", **extra) -> dict:
+    return {"schema": baselines.SCHEMA, "machine_class": machine_class, "suites": ["smoke"], "margin": margin,
+            "entries": entries, **extra}
+
+
+def _write(tmp_path: Path, data, name: str = "base.json") -> Path:
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
+
+
+# -- ratio names ------------------------------------------------------------------------------------
+
+
+def test_ratios_are_named_higher_is_better() -> None:
+    got = ratios.ratios_of({"mlx_sdpa": 2.0, "torch_sdpa": 0.5}, 0.25)
+    assert got == {"speedup_vs_mlx_sdpa_ratio": 2.0, "speedup_vs_torch_sdpa_ratio": 0.5,
+                   "ceiling_fraction_ratio": 0.25}
+    assert all(k.endswith(ratios.SUFFIX) for k in got)
+    assert ratios.ratios_of({"mlx_sdpa": float("nan")}, None) == {}
+
+
+def test_candidate_results_carry_ratios_from_speedup_and_ceiling() -> None:
+    shape = Shape(2, 4, 2, 64, 64, "float32")
+    t = lambda s: Timing(s, s, s, 0.0, (s,), 1)  # noqa: E731
+    ours = CandidateResult("classic", "provider", "ok", timing=t(1e-3))
+    peer = CandidateResult("mlx_sdpa", "peer", "ok", timing=t(3e-3))
+    ceiling = CandidateResult("ceiling", "ceiling", "ok", gbps=shape.kv_bytes / 0.5e-3 / 1e9)
+    for r in (ours, peer):
+        core.apply_metrics(r, shape)
+    sr = ShapeResult(shape, [ours, peer, ceiling])
+    core.finish_shape(sr)
+    assert ours.ratios["speedup_vs_mlx_sdpa_ratio"] == pytest.approx(3.0)
+    assert ours.ratios["ceiling_fraction_ratio"] == pytest.approx(0.5)  # t_ceiling / t_ours
+    assert ours.to_dict()["ratios"] == ours.ratios
+    assert CandidateResult("x", "provider", "refused").ratios == {}
+
+
+def test_pytest_benchmark_json_gets_peer_and_ceiling_ratios() -> None:
+    bench = [
+        {"group": "g", "extra_info": {"candidate": "classic", "ceiling_s": 0.5}, "stats": {"median": 1.0}},
+        {"group": "g", "extra_info": {"candidate": "mlx_sdpa"}, "stats": {"median": 4.0}},
+        {"group": "g", "extra_info": {"candidate": "torch_sdpa"}, "stats": {"median": 2.0}},
+        {"group": "other", "extra_info": {"candidate": "classic"}, "stats": {"median": 1.0}},
+    ]
+    ratios.add_peer_ratios(bench)
+    info = bench[0]["extra_info"]
+    assert info["speedup_vs_mlx_sdpa_ratio"] == 4.0 and info["speedup_vs_torch_sdpa_ratio"] == 2.0
+    assert info["ceiling_fraction_ratio"] == 0.5
+    assert bench[1]["extra_info"]["speedup_vs_torch_sdpa_ratio"] == 0.5
+    assert "speedup_vs_mlx_sdpa_ratio" not in bench[1]["extra_info"]  # not against itself
+    assert not any(k.endswith("ratio") for k in bench[3]["extra_info"])  # no peer in its group
+
+
+# -- the file ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ("{not json", "not JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
+        ([], "the top level is a list"),
+        (_baseline({"c": {"x_ratio": 1.0}}) | {"schema": "v0"}, "schema='v0' (allowed: 'metal-attn-baseline/1')"),
+        (_baseline({"c": {"x_ratio": 1.0}}, margin=1.0), "margin=1.0 (allowed: a number >= 0 and < 1"),
+        (_baseline({"c": {"x_ratio": 1.0}}, margin=-0.1), "margin=-0.1 (allowed"),
+        (_baseline({"c": {"x_ratio": 1.0}}, machine_class=""), "machine_class='' (allowed: a non-empty string"),
+        (_baseline({}), "entries={} (allowed: a non-empty object"),
+        (_baseline({"c": {"speedup": 1.0}}), "entries['c'] has the key 'speedup' (allowed: ratio names, which end "
+                                             "in 'ratio')"),
+        (_baseline({"c": {"x_ratio": 0}}), "entries['c']['x_ratio']=0 (allowed: a finite number > 0)"),
+        (_baseline({"c": {"x_ratio": 1.0}}, run={"iters": 0}), "run['iters']=0 (allowed: int >= 1)"),
+        (_baseline({"c": {"x_ratio": 1.0}}, run={"speed": 1}), "run has the option 'speed'"),
+    ],
+)
+def test_bad_baselines_say_what_is_wrong(tmp_path, data, message) -> None:
+    path = _write(tmp_path, data)
+    with pytest.raises(BaselineError) as err:
+        baselines.load(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+def test_a_missing_baseline_file_is_an_error(tmp_path) -> None:
+    with pytest.raises(BaselineError, match="cannot read the baseline"):
+        baselines.load(tmp_path / "nope.json")
+
+
+def test_machine_class_names() -> None:
+    assert baselines.machine_class({"backend": "cpu", "cpu_threads": 2}) == "cpu-2core"
+    assert baselines.machine_class({"backend": "cuda", "device_name": "NVIDIA H200"}) == "cuda-nvidia-h200"
+    assert baselines.machine_class({"backend": "metal", "device_name": "Apple M5 Max"}) == "metal-apple-m5-max"
+
+
+# -- the comparison ---------------------------------------------------------------------------------
+
+
+def _loaded(entries: dict, margin: float) -> Baseline:
+    return baselines.parse(_baseline(entries, margin=margin), "base.json")
+
+
+ENTRIES = {"smoke / s / auto": {"speedup_vs_mlx_sdpa_ratio": 2.0, "ceiling_fraction_ratio": 0.4}}
+
+
+def test_compare_passes_within_the_margin_and_fails_below_it() -> None:
+    run = {"smoke / s / auto": RunCase("ok", (), {"speedup_vs_mlx_sdpa_ratio": 1.1, "ceiling_fraction_ratio": 0.9})}
+    comp = baselines.compare(_loaded(ENTRIES, 0.5), run, "cpu-2core")
+    assert not comp.failed
+    assert [(r.ratio, r.floor, r.status) for r in comp.rows] == [
+        ("speedup_vs_mlx_sdpa_ratio", 1.0, "ok"), ("ceiling_fraction_ratio", 0.2, "above")]
+    # The same run against the same entries with a tighter margin from the file: 1.1 < 2.0 * 0.6.
+    comp = baselines.compare(_loaded(ENTRIES, 0.4), run, "cpu-2core")
+    assert comp.failed
+    (row,) = [r for r in comp.rows if r.failed]
+    assert (row.ratio, row.status, row.value) == ("speedup_vs_mlx_sdpa_ratio", "below", 1.1)
+    assert "1 ratio(s) below their floor" in comp.problems()[0]
+
+
+def test_compare_fails_on_a_missing_case_ratio_or_machine_class() -> None:
+    base = _loaded(ENTRIES, 0.5)
+    comp = baselines.compare(base, {}, "cpu-2core")
+    assert comp.failed and {r.status for r in comp.rows} == {"missing"}
+    assert comp.rows[0].why == "case not in this run"
+    assert "1 baseline case(s) missing" in comp.problems()[0]
+    refused = {"smoke / s / auto": RunCase("refused", ("disabled by X",), {})}
+    comp = baselines.compare(base, refused, "cpu-2core")
+    assert comp.failed and comp.rows[0].why == "refused: disabled by X"
+    no_peer = {"smoke / s / auto": RunCase("ok", (), {"ceiling_fraction_ratio": 0.4})}
+    comp = baselines.compare(base, no_peer, "cpu-2core")
+    assert [r.status for r in comp.rows] == ["missing", "ok"]
+    assert "its peer did not run" in comp.rows[0].why
+    good = {"smoke / s / auto": RunCase("ok", (), ENTRIES["smoke / s / auto"])}
+    comp = baselines.compare(base, good, "cpu-4core")
+    assert comp.failed and comp.machine_mismatch
+    assert "machine class differs: base.json is for 'cpu-2core', this machine is 'cpu-4core'" in comp.problems()[0]
+
+
+def _suite(values: list[float]) -> list[list[SuiteResult]]:
+    """Repeats of one suite whose one provider result has a speedup vs mlx_sdpa of each value."""
+    shape = Shape(2, 4, 2, 64, 64, "float32")
+    runs = []
+    for v in values:
+        r = CandidateResult("auto", "provider", "ok", speedup={"mlx_sdpa": v})
+        peer = CandidateResult("mlx_sdpa", "peer", "ok", speedup={})
+        runs.append([SuiteResult("smoke", "", ("auto", "mlx_sdpa"), 1, 1, [ShapeResult(shape, [r, peer])])])
+    return runs
+
+
+def test_repeats_give_median_ratios_and_only_providers_are_stored() -> None:
+    runs = _suite([1.0, 5.0, 2.0])
+    cid = baselines.case_id("smoke", runs[0][0].results[0].shape.label, "auto")
+    assert baselines.run_cases(runs)[cid].ratios == {"speedup_vs_mlx_sdpa_ratio": 2.0}
+    data = baselines.build(runs, {"backend": "cpu", "cpu_threads": 2, "date": "d"}, margin=0.3,
+                           run={"iters": 9, "candidates": None})
+    assert data["entries"] == {cid: {"speedup_vs_mlx_sdpa_ratio": 2.0}}
+    assert data["run"] == {"iters": 9} and data["created"]["repeat"] == 3
+    loaded = baselines.parse(data)
+    assert loaded.margin == 0.3 and loaded.machine_class == "cpu-2core" and loaded.suites == ("smoke",)
+    with pytest.raises(BaselineError, match="no provider result with ratios matching ceiling_"):
+        baselines.build(runs, {"backend": "cpu"}, margin=0.3, ratios=["ceiling_*"])
+
+
+# -- the command ----------------------------------------------------------------------------------------
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--margin", "0.5"], "--margin goes with --write-baseline"),
+        (["--ratios", "x*"], "--ratios goes with --write-baseline"),
+        (["--write-baseline", "x.json", "--margin", "1.5"], "--margin=1.5 (allowed: a number >= 0 and < 1"),
+        (["--compare", "/nonexistent/base.json"], "--compare /nonexistent/base.json: cannot read the baseline"),
+        (["--suite", "generate", "--compare", "PLACEHOLDER"], "--compare and --write-baseline take kernel suites"),
+    ],
+)
+def test_baseline_usage_errors_exit_2(tmp_path, capsys, argv, message) -> None:
+    good = _write(tmp_path, _baseline(ENTRIES))
+    argv = [str(good) if a == "PLACEHOLDER" else a for a in argv]
+    rc, _, err = _cli(capsys, *argv)
+    assert rc == 2 and message in err
+
+
+def test_bad_json_exits_2_before_running(tmp_path, capsys) -> None:
+    rc, out, err = _cli(capsys, "--suite", "smoke", "--compare", str(_write(tmp_path, "[1,")))
+    assert rc == 2 and "not JSON" in err and out == ""
+
+
+def test_another_machine_class_exits_1_before_running(tmp_path, capsys) -> None:
+    path = _write(tmp_path, _baseline(ENTRIES, machine_class="cuda-nvidia-h200"))
+    rc, out, err = _cli(capsys, "--compare", str(path))
+    assert rc == 1 and out == ""
+    assert "machine class differs" in err and "'cuda-nvidia-h200'" in err
+
+
+def test_write_then_compare_round_trip(tmp_path, capsys) -> None:
+    """A baseline written from a run, compared with a second run: every ratio is listed; and a run
+    that lacks a baseline case (here: its shape filtered out) fails."""
+    base = tmp_path / "b.json"
+    common = ["--suite", "smoke", "--shapes", "decode b3,prefill q48", "--quiet", "--iters", "3"]
+    rc, _, err = _cli(capsys, *common, "--candidates", "auto,reference,mlx_sdpa", "--write-baseline", str(base),
+                      "--margin", "0.9", "--ratios", "speedup_vs_*")
+    assert rc == 0, err
+    data = json.loads(base.read_text())
+    assert data["margin"] == 0.9 and data["suites"] == ["smoke"]
+    assert data["run"] == {"candidates": "auto,reference,mlx_sdpa", "iters": 3}
+    shapes = [x for x in suites.get_suite("smoke").shapes if x.label.startswith(("decode b3", "prefill q48"))]
+    assert sorted(data["entries"]) == sorted(f"smoke / {x.label} / {c}" for x in shapes for c in ("auto", "reference"))
+    assert all(set(r) == {"speedup_vs_mlx_sdpa_ratio"} for r in data["entries"].values())
+
+    rc, out, err = _cli(capsys, "--compare", str(base), "--shapes", "decode b3,prefill q48", "--quiet",
+                        "--json", str(tmp_path / "run.json"))
+    assert rc == 0, err
+    assert "measuring with the baseline's options: --candidates auto,reference,mlx_sdpa --iters 3" in err
+    text = " ".join(out.split())
+    assert "ratios against" in text and "comparison passed: 4 ratios" in text
+    comp = json.loads((tmp_path / "run.json").read_text())["comparison"]
+    assert comp["failed"] is False and len(comp["rows"]) == 4
+
+    rc, out, err = _cli(capsys, "--compare", str(base), "--shapes", "decode b3", "--quiet")
+    assert rc == 1
+    assert "2 baseline case(s) missing from the run" in err and "comparison FAILED" in " ".join(out.split())
+
+
+def test_no_baseline_is_written_from_a_run_with_problems(tmp_path, capsys, monkeypatch) -> None:
+    from metal_attn.bench import peers
+
+    class Crashing(peers.GatherSdpa):
+        def prepare(self, case):
+            raise RuntimeError("boom")
+
+    monkeypatch.setitem(peers.PEERS, "gather_sdpa", Crashing)
+    base = tmp_path / "b.json"
+    rc, _, err = _cli(capsys, "--suite", "smoke", "--shapes", "decode b3", "--quiet", "--iters", "2",
+                      "--candidates", "auto,gather_sdpa,mlx_sdpa", "--write-baseline", str(base))
+    assert rc == 1 and not base.exists()
+    assert "not written, the run had 1 problem(s)" in err
+
+
+# -- the committed CPU baseline ------------------------------------------------------------------------
+
+
+def _committed() -> Baseline:
+    base = baselines.load(CPU_BASELINE)
+    here = baselines.machine_class(core.machine_info())
+    if here != base.machine_class:
+        pytest.skip(f"{CPU_BASELINE.name} is for {base.machine_class}; this machine is {here}")
+    return base
+
+
+def test_the_committed_cpu_baseline_is_documented_data() -> None:
+    base = baselines.load(CPU_BASELINE)
+    assert "cpu" in CPU_BASELINE.name and base.machine_class.startswith("cpu-")
+    assert base.suites == ("smoke",) and 0 < base.margin < 1 and base.note
+    auto = [c for c in base.entries if c.endswith(" / auto")]
+    assert len(auto) == len(suites.get_suite("smoke").shapes)
+
+
+def test_smoke_passes_against_the_committed_cpu_baseline(tmp_path, capsys) -> None:
+    _committed()
+    out_json = tmp_path / "run.json"
+    with override_settings(plugin_autoload=False):
+        rc, out, err = _cli(capsys, "--suite", "smoke", "--compare", str(CPU_BASELINE), "--quiet",
+                            "--json", str(out_json))
+    comp = json.loads(out_json.read_text())["comparison"]
+    assert rc == 0, (err, [r for r in comp["rows"] if r["status"] in ("below", "missing")])
+    assert "comparison passed" in " ".join(out.split())
+
+
+def test_a_kernel_falling_to_the_reference_path_fails_the_comparison(tmp_path, capsys) -> None:
+    """classic disabled: ``auto`` runs on the reference provider, 10x+ slower against the same peers, so
+    auto's ratios fall below their floors (classic's own cases are missing as well)."""
+    base = _committed()
+    out_json = tmp_path / "run.json"
+    with override_settings(plugin_autoload=False, disabled_providers=("classic",)):
+        rc, out, _ = _cli(capsys, "--suite", "smoke", "--compare", str(CPU_BASELINE), "--quiet",
+                          "--json", str(out_json))
+    assert rc == 1
+    data = json.loads(out_json.read_text())
+    routes = {c["route"] for r in data["suites"][0]["results"] for c in r["candidates"] if c["name"] == "auto"}
+    assert routes and all(r.startswith("reference") for r in routes), routes
+    rows = data["comparison"]["rows"]
+    auto = [r for r in rows if r["case"].endswith(" / auto") and r["ratio"].startswith("speedup_vs_")]
+    decode = [r for r in auto if " / decode " in r["case"]]
+    assert decode and all(r["status"] == "below" for r in decode), decode
+    assert sum(r["status"] == "below" for r in auto) >= len(auto) // 2
+    assert all(r["status"] == "missing" for r in rows if r["case"].endswith(" / classic"))
+    assert "BELOW FLOOR" in out and f"margin {base.margin:g}" in out
