@@ -408,3 +408,28 @@ def test_the_cpu_ceiling_is_a_multi_threaded_read_the_kernel_does_not_exceed() -
     classic = core.ProviderCandidate("classic").measure(case, warmup=2, iters=7)
     assert classic.ok and ceiling.ok
     assert classic.gbps <= 1.2 * ceiling.gbps, (classic.gbps, ceiling.gbps)
+
+
+def _ran(name: str, kind: str, ms: float, route: str | None = None) -> core.CandidateResult:
+    t = Timing(ms / 1e3, ms / 1e3, ms / 1e3, 0.0, (ms / 1e3,), 1)
+    return core.CandidateResult(name, kind, "ok", timing=t, route=route or name)
+
+
+def test_auto_lag_marks_auto_slower_than_the_fastest_admitted_provider():
+    results = [_ran("auto", "provider", 2.3, "tiled_prefill"), _ran("tiled_prefill", "provider", 2.3),
+               _ran("sdpa_prefill", "provider", 2.0), _ran("mlx_sdpa", "peer", 0.5),
+               core.CandidateResult("classic", "provider", "refused", reasons=("head_size=80",))]
+    lag = core.auto_lag(results)
+    assert lag["fastest"] == "sdpa_prefill" and lag["marked"] and abs(lag["lag"] - 1.15) < 1e-9  # peers never count
+    results[0] = _ran("auto", "provider", 2.1, "sdpa_prefill")
+    assert not core.auto_lag(results)["marked"]  # 5% over the fastest: within the 10% limit
+    assert core.auto_lag([_ran("auto", "provider", 1.0), _ran("mlx_sdpa", "peer", 0.5)]) is None
+
+
+def test_markdown_names_the_marked_shapes():
+    shape = suites.get_suite("smoke").shapes[2]
+    sr = core.ShapeResult(shape, [_ran("auto", "provider", 3.0, "classic"), _ran("sdpa_prefill", "provider", 1.0)])
+    sr.auto_vs_fastest = core.auto_lag(sr.candidates)
+    suite = core.SuiteResult("s", "d", ("auto", "sdpa_prefill"), 1, 1, [sr])
+    text = cli.render_markdown(suite, core.machine_info())
+    assert " SLOW |" in text and f"marked: {shape.label} (route classic took 3.00x the time of sdpa_prefill" in text

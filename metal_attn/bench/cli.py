@@ -128,6 +128,11 @@ def _ms(r: CandidateResult) -> str:
     return _num(r.timing.median_s * 1e3)
 
 
+def _auto_lag_text(lag: dict[str, Any]) -> str:
+    return (f"route {lag['auto_route']} took {lag['lag']:.2f}x the time of {lag['fastest']}, the fastest admitted "
+            f"provider of the run (limit {lag['limit']:.2f}x)")
+
+
 def _note(r: CandidateResult) -> str:
     if not r.ok:
         return "; ".join(r.reasons)
@@ -217,6 +222,9 @@ class TableStream:
             cells.append(_note(r))
             table.add_row(*cells, style=style)
         self.console.print(table)
+        lag = sr.auto_vs_fastest
+        if lag and lag["marked"]:
+            self.console.print(f"SLOW: auto {_auto_lag_text(lag)}", style="bold red", markup=False)
         self._printed += 1
         self.file.flush()
 
@@ -272,9 +280,17 @@ def render_markdown(suite: SuiteResult, machine: dict[str, Any]) -> str:
                     cell += f" ({_pct(r.fraction_of_ceiling)})"
                 if r.check is not None and not r.check.get("ok", True):
                     cell += " MISMATCH"
+                if n == "auto" and sr.auto_vs_fastest and sr.auto_vs_fastest["marked"]:
+                    cell += " SLOW"
                 cells.append(cell)
         out.append(f"| {sr.shape.label} | {metric} | " + " | ".join(cells) + " |")
     out.append("")
+    lags = [(sr, sr.auto_vs_fastest) for sr in suite.results if sr.auto_vs_fastest]
+    if lags:
+        marked = [f"{sr.shape.label} ({_auto_lag_text(lag)})" for sr, lag in lags if lag["marked"]]
+        out.append(f"auto vs the fastest admitted provider of the run: SLOW marks more than "
+                   f"{lags[0][1]['limit']:.2f}x; " + (f"marked: {'; '.join(marked)}." if marked else
+                                                      f"no shape marked ({len(lags)} compared)."))
     out.append("GB/s: K+V bytes read once per second; TFLOP/s: 4 * heads * head_size * causal pairs per second; "
                "(n%): fraction of the ceiling measured in the same run; n/r: not registered; n/a: unavailable here.")
     c = suite.ceiling

@@ -627,13 +627,16 @@ class ShapeResult:
     candidates: list[CandidateResult]
     ceiling_gbps: float | None = None
     check_against: str | None = None
+    #: ``auto`` against the fastest admitted provider of the same run (`auto_lag`), when both ran.
+    auto_vs_fastest: dict[str, Any] | None = None
 
     def get(self, name: str) -> CandidateResult | None:
         return next((c for c in self.candidates if c.name == name), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"shape": self.shape.to_dict(), "ceiling_gbps": self.ceiling_gbps,
-                "check_against": self.check_against, "candidates": [c.to_dict() for c in self.candidates]}
+                "check_against": self.check_against, "auto_vs_fastest": self.auto_vs_fastest,
+                "candidates": [c.to_dict() for c in self.candidates]}
 
 
 @dataclasses.dataclass
@@ -740,8 +743,26 @@ def finish_shape(sr: ShapeResult) -> None:
             if p is not None and p.ok and p is not r and p.timing is not None:
                 r.speedup[name] = p.timing.median_s / r.timing.median_s
     sr.check_against = _check(sr.candidates, sr.shape)
+    sr.auto_vs_fastest = auto_lag(sr.candidates)
     for r in sr.candidates:
         r.output = None
+
+
+#: ``auto`` is marked when it is this much slower than the fastest admitted provider of the run.
+AUTO_LAG_LIMIT = 1.10
+
+
+def auto_lag(results: Sequence[CandidateResult]) -> dict[str, Any] | None:
+    """``auto``'s median over the fastest provider that admitted the shape and ran in the same run
+    (peers are not routes ``auto`` could take); ``marked`` when above `AUTO_LAG_LIMIT`."""
+    auto = next((r for r in results if r.name == "auto" and r.ok and r.timing is not None), None)
+    ran = [r for r in results if r.kind == "provider" and r.name != "auto" and r.ok and r.timing is not None]
+    if auto is None or not ran:
+        return None
+    fastest = min(ran, key=lambda r: r.timing.median_s)
+    lag = auto.timing.median_s / fastest.timing.median_s
+    return {"fastest": fastest.name, "auto_route": auto.route, "lag": lag, "limit": AUTO_LAG_LIMIT,
+            "marked": lag > AUTO_LAG_LIMIT}
 
 
 def run_suite(
