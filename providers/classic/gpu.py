@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -93,7 +94,7 @@ def write_cache(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.a
 # -- source-check sets ---------------------------------------------------------------------------
 
 
-def msl_specializations(admission: dict) -> list[Specialization]:
+def msl_specializations(admission: Mapping[str, frozenset]) -> list[Specialization]:
     """Every specialization ``classic`` can choose on Metal, for `metal_attn.msl_check`: the
     per-token kernel (both routes, direct and staged loads, the matrix path at 16-bit dtypes and
     head sizes that are multiples of 32), the reducer per (dtype, head) and the cache writer per
