@@ -21,11 +21,11 @@ import sys
 import time
 
 import mlx.core as mx
-from metal_attn.providers.classic import gpu
+from metal_attn.providers import gpu_common as gc
 
 import metal_attn
 from metal_attn.bench.core import Shape, build_case, pipelined_median_s
-from metal_attn.constants import LOG2E, PARTITION_SIZE
+from metal_attn.constants import PARTITION_SIZE
 from metal_attn.device import current_device
 
 
@@ -53,18 +53,18 @@ def measure(batch: int, context: int) -> dict[str, float]:
     if route != f"per_token_ps{PARTITION_SIZE}":
         raise SystemExit(f"b{batch} L{context}: classic takes route {route}; this script times the split route's "
                          "two kernels (pick a shorter grid or a longer context)")
-    geo = gpu.launch_geometry(case.q, case.k_pool, md, split=True, backend=backend)
+    geo = gc.launch_geometry(case.q, case.k_pool, md, split=True, backend=backend)
     parts = -(-context // PARTITION_SIZE)
-    params = gpu.kernels.param_array((md.num_seqs, 32, 8, md.max_blocks_per_seq, 0, parts, 0), "int32")
-    fparams = gpu.kernels.param_array((case.scale * LOG2E, 0.0), "float32")
+    params = gc.pack_int32((md.num_seqs, 32, 8, md.max_blocks_per_seq, 0, parts, 0))
+    fparams = gc.pack_scale(case.scale, None)
     x = mx.zeros((16,))
     mx.eval(x)
 
     def per_token() -> list[mx.array]:
-        return gpu._paged_kernel(backend, True, geo)(
+        return gc.per_token_kernel(backend, True, geo)(
             inputs=[case.q, case.k_pool, case.v_pool, md.block_tables, md.seq_lens, md.cu_seqlens_q,
-                    gpu.zeros_f32(32), params, fparams],
-            template=gpu.paged_template(case.q.dtype, 128, 16, True, geo, gpu.PREFETCH_NEXT.get(backend, 0)),
+                    gc.zeros_f32(32), params, fparams],
+            template=gc.paged_template(case.q.dtype, 128, 16, True, geo, gc.PREFETCH_NEXT.get(backend, 0)),
             grid=(geo.grid_x(32), batch, parts), threadgroup=(geo.threads, 1, 1),
             output_shapes=[(batch, 32, parts), (batch, 32, parts), (batch, 32, parts, 128)],
             output_dtypes=[mx.float32] * 3)
@@ -73,8 +73,8 @@ def measure(batch: int, context: int) -> dict[str, float]:
     mx.eval(partials)
 
     def reduce() -> mx.array:
-        return gpu.reduce_partitions(*partials, md, None, PARTITION_SIZE,
-                                     out_dtype=case.q.dtype, backend=backend)
+        return gc.reduce_partitions(*partials, md, None, PARTITION_SIZE,
+                                    out_dtype=case.q.dtype, backend=backend)
 
     return {
         "route": route,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 import mlx.core as mx
-from metal_attn.providers.classic import gpu
+from metal_attn.providers import gpu_common as gc
 
 from metal_attn.bench.core import Shape, build_case
 from metal_attn.device import current_device
@@ -22,13 +22,13 @@ from metal_attn.device import current_device
 def main(argv: list[str]) -> None:
     backend = current_device().backend
     batch, context, split = int(argv[0]), int(argv[1]), bool(int(argv[2]))
-    geo = gpu.Geometry(*map(int, argv[3].split(","))) if len(argv) > 3 else None
+    geo = gc.Geometry(*map(int, argv[3].split(","))) if len(argv) > 3 else None
     prefetch = int(argv[4]) if len(argv) > 4 else None
     case = build_case(Shape(batch, 32, 8, 128, context, "bfloat16"))
     for _ in range(4):
-        out = gpu.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,
-                               sliding_window=None, softcap=None, split=split, backend=backend,
-                               geometry_override=geo, prefetch=prefetch)
+        out = gc.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,
+                              sliding_window=None, softcap=None, split=split, backend=backend,
+                              geometry_override=geo, prefetch=prefetch)
         mx.eval(out)
 
 

@@ -31,8 +31,8 @@ import tempfile
 from collections import defaultdict
 
 import mlx.core as mx
+from metal_attn.providers import gpu_common as gc
 from metal_attn.providers import gqa_decode as gq
-from metal_attn.providers.classic import gpu as classic_gpu
 
 from metal_attn.bench.core import Shape, build_case
 from metal_attn.device import current_device
@@ -150,8 +150,8 @@ def cases(backend: str):
 
 def _classic(shape, case, backend, *, split):
     def run(c=case):
-        return classic_gpu.launch_paged(c.q, c.k_pool, c.v_pool, c.metadata, scale=c.scale, sinks=None,
-                                        sliding_window=None, softcap=None, split=split, backend=backend)
+        return gc.launch_paged(c.q, c.k_pool, c.v_pool, c.metadata, scale=c.scale, sinks=None,
+                               sliding_window=None, softcap=None, split=split, backend=backend)
 
     yield f"classic split={int(split)} b{shape.batch} L{shape.context}", shape, run
 

@@ -12,7 +12,7 @@ Bare kernel launches (no dispatch), timed pipelined (calls queued with
 ``mx.async_eval``, one wait per sample), medians of 10 samples. Every variant's
 output is compared with the shipped tuning's (relative L2 <= 1e-2), so a fast wrong
 variant cannot win. The winners go into ``providers/gqa_decode.py::KERNEL_TUNING`` and
-``providers/classic/gpu.py`` (tables), with the figures in docs/bench-h200-*.md.
+``providers/gpu_common.py`` (tables), with the figures in docs/bench-h200-*.md.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import sys
 
 import mlx.core as mx
 import numpy as np
+from metal_attn.providers import gpu_common as gc
 from metal_attn.providers import gqa_decode as gq
-from metal_attn.providers.classic import gpu as classic_gpu
 
 from metal_attn.bench.core import Shape, build_case, pipelined_median_s, rates
 from metal_attn.device import current_device
@@ -49,7 +49,7 @@ CLASSIC_SHAPES = (  # (batch, heads, kv_heads, head, context, split)
     (1, 32, 8, 128, 32768, True),
     (1, 24, 4, 256, 65536, True),
 )
-G = classic_gpu.Geometry
+G = gc.Geometry
 #: (geometry, PREFETCH): direct loads (stage 0) and chunks staged through threadgroup memory
 #: (stage = tokens per chunk, stages = chunks in flight); variants a shape's group or head
 #: size cannot take are skipped.
@@ -97,15 +97,15 @@ def sweep_classic(backend: str) -> list[dict]:
         case = build_case(Shape(batch, h, kvh, d, n, "bfloat16"))
 
         def launch(geo=None, prefetch=None, case=case, split=split):
-            return classic_gpu.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale,
-                                            sinks=None, sliding_window=None, softcap=None, split=split,
-                                            backend=backend, geometry_override=geo, prefetch=prefetch)
+            return gc.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale,
+                                   sinks=None, sliding_window=None, softcap=None, split=split,
+                                   backend=backend, geometry_override=geo, prefetch=prefetch)
 
         ref = np.array(launch().astype(mx.float32))
-        shipped = (classic_gpu.launch_geometry(case.q, case.k_pool, case.metadata, split=split, backend=backend),
-                   classic_gpu.PREFETCH_NEXT.get(backend, 0))
+        shipped = (gc.launch_geometry(case.q, case.k_pool, case.metadata, split=split, backend=backend),
+                   gc.PREFETCH_NEXT.get(backend, 0))
         for g, pf in dict.fromkeys((*CLASSIC_TUNINGS, shipped)):
-            if classic_gpu.geometry_problem(g, d, h // kvh, 2, backend):
+            if gc.geometry_problem(g, d, h // kvh, 2, backend):
                 continue
             err = rel_l2(launch(g, pf), ref)
             sec = pipelined_median_s(lambda g=g, pf=pf: launch(g, pf))

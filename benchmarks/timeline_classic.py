@@ -17,7 +17,7 @@ import sys
 
 import mlx.core as mx
 import numpy as np
-from metal_attn.providers.classic import gpu
+from metal_attn.providers import gpu_common as gc
 
 from metal_attn import kernels
 from metal_attn.bench.core import Shape, build_case
@@ -42,22 +42,22 @@ RECORD = ("__syncthreads();\nif (tid == 0) {\n"
 
 def instrumented_kernel():
     """The staged matrix-path split kernel with the probes, as a CUDA kernel object (extra output ``timing``)."""
-    header, body = kernels.assemble("paged_attention", gpu.PAGED_FILES, "cuda",
+    header, body = kernels.assemble("paged_attention", gc.PAGED_FILES, "cuda",
                                     {"PA_SPLIT": 1, "PA_STAGED": 1, "PA_MMA": 1})
     for anchor, probe in PROBES:
         if anchor not in body:
             raise SystemExit(f"the kernel text changed: anchor {anchor!r} not found; update PROBES")
         body = body.replace(anchor, anchor + probe, 1)
     body += RECORD
-    return mx.fast.cuda_kernel(name="ma_timeline_paged", input_names=list(gpu.PA_INPUTS),
-                               output_names=[*gpu.PA_OUTPUTS[1], "timing"], source=body, header=header)
+    return mx.fast.cuda_kernel(name="ma_timeline_paged", input_names=list(gc.PA_INPUTS),
+                               output_names=[*gc.PA_OUTPUTS[1], "timing"], source=body, header=header)
 
 
-def timeline(kern, batch: int, context: int) -> tuple[np.ndarray, gpu.Geometry]:
+def timeline(kern, batch: int, context: int) -> tuple[np.ndarray, gc.Geometry]:
     """([threadgroups, 4] int64: start, first chunk landed, end (ns, global timer), SM id; the geometry)."""
     case = build_case(Shape(batch, HEADS, KV_HEADS, HEAD, context, "bfloat16"))
     md = case.metadata
-    geo = gpu.launch_geometry(case.q, case.k_pool, md, split=True, backend="cuda")
+    geo = gc.launch_geometry(case.q, case.k_pool, md, split=True, backend="cuda")
     if not (geo.stage and geo.mma):
         raise SystemExit(f"{geo}: the probes sit on the staged matrix path; this shape does not take it")
     parts = -(-context // PARTITION_SIZE)
@@ -67,8 +67,8 @@ def timeline(kern, batch: int, context: int) -> tuple[np.ndarray, gpu.Geometry]:
 
     def launch() -> list[mx.array]:
         return kern(inputs=[case.q, case.k_pool, case.v_pool, md.block_tables, md.seq_lens, md.cu_seqlens_q,
-                            gpu.zeros_f32(HEADS), params, fparams],
-                    template=gpu.paged_template(case.q.dtype, HEAD, BLOCK, True, geo, gpu.PREFETCH_NEXT["cuda"]),
+                            gc.zeros_f32(HEADS), params, fparams],
+                    template=gc.paged_template(case.q.dtype, HEAD, BLOCK, True, geo, gc.PREFETCH_NEXT["cuda"]),
                     grid=(geo.grid_x(HEADS), batch, parts), threadgroup=(geo.threads, 1, 1),
                     output_shapes=[(batch, HEADS, parts), (batch, HEADS, parts), (batch, HEADS, parts, HEAD),
                                    (groups * 4,)],
@@ -81,7 +81,7 @@ def timeline(kern, batch: int, context: int) -> tuple[np.ndarray, gpu.Geometry]:
     return np.array(out[3]).reshape(groups, 4), geo
 
 
-def report(t: np.ndarray, geo: gpu.Geometry, label: str) -> None:
+def report(t: np.ndarray, geo: gc.Geometry, label: str) -> None:
     base = t[:, 0].min()
     start, first, end = ((t[:, i] - base) / 1e3 for i in range(3))
     sm = t[:, 3]

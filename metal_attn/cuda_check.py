@@ -11,15 +11,16 @@ registers and spills per kernel, to compare two versions of a kernel text.
 What it does not prove: MLX compiles with NVRTC, not nvcc, and its real wrapper also includes MLX's
 device headers; nvcc has no ``--device-as-default-execution-space``, so the wrapper restores
 ``__device__`` that the prelude's ``#define device`` empties. Nothing runs: numerics, races and
-speed are for ``tests/gpu`` on a GPU. Usage: ``python -m metal_attn.cuda_check [--only REGEX]
-[--kernels-dir DIR] [--resources] [--jobs N]``; exit 1 when a source fails, 2 without nvcc.
+speed are for ``tests/gpu`` on a GPU. The sources come from every registered provider
+(`Provider.cuda_sources`, built-in and third-party alike), or from those named with ``--provider``.
+Usage: ``python -m metal_attn.cuda_check [--provider NAME ...] [--only REGEX] [--kernels-dir DIR]
+[--resources] [--jobs N]``; exit 1 when a source fails, 2 without nvcc.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import os
 import re
 import shutil
@@ -60,48 +61,12 @@ class CudaSource:
             + f"\n{body}\n}}\n}}\n"
 
 
-def cuda_sources() -> list[CudaSource]:
-    """The specializations the CUDA tables choose, at the head sizes and GQA groups that pick each path."""
-    from metal_attn._layout import import_builtin_providers
+def cuda_sources(providers: Sequence[str] | None = None) -> list[CudaSource]:
+    """Every registered provider's `Provider.cuda_sources` (or only the ``providers`` named): the
+    specializations their CUDA tables choose."""
+    from metal_attn.source_sets import provider_sets
 
-    import_builtin_providers()
-    from metal_attn.providers import gqa_decode as gq
-    from metal_attn.providers import tiled_prefill as tp
-    from metal_attn.providers.classic import gpu as cg
-
-    out: list[CudaSource] = []
-    for dt, head, split, group in itertools.product(("float32", "float16", "bfloat16"), (64, 128, 256),
-                                                    (False, True), (2, 4, 8)):
-        for cores_items in (1.0, None):  # a small split grid and a large one (the staging rule's choice)
-            geo = cg.geometry(head, dt, "cuda", group, split, cores_items if split else None)
-            ins = tuple(zip(cg.PA_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "float32", "int32", "float32")))
-            outs = ((("out", dt),) if not split else tuple((n, "float32") for n in cg.PA_OUTPUTS[1]))
-            label = f"paged_attention {dt} h{head} g{group} split={int(split)} {cg.describe_geometry(geo, None)}"
-            src = CudaSource(label, "paged_attention", cg.PAGED_FILES, ins, outs,
-                             tuple(cg.paged_template(dt, head, 16, split, geo, cg.PREFETCH_NEXT["cuda"])),
-                             cg.paged_defines(split, geo))
-            if src not in out:
-                out.append(src)
-    for dt, head in itertools.product(("float32", "bfloat16"), (64, 128, 256)):
-        out.append(CudaSource(f"paged_attention_v2_reduce {dt} h{head}", "paged_attention_v2_reduce", cg.PAGED_FILES,
-                              tuple(zip(cg.REDUCE_INPUTS, ("float32", "float32", "float32", "int32", "int32",
-                                                           "float32", "int32"))), (("out", dt),),
-                              (("T", dt), ("TT", "float32"), ("HEAD_SIZE", head), ("PARTITION_SIZE", 512),
-                               ("NUM_THREADS", cg.NUM_THREADS))))
-    for dt, (h, kvh, d, bs), part in itertools.product(("float16", "bfloat16"), gq.geometry_table("cuda"), (256, 512)):
-        out.append(CudaSource(f"gqa_decode {dt} {h}/{kvh}/{d}/bs{bs} P{part}", "gqa_decode", gq.KERNEL_FILES,
-                              tuple(zip(gq.KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "float32", "int32"))),
-                              tuple((n, "float32") for n in gq.KERNEL_OUTPUTS),
-                              tuple(gq.kernel_template(dt, kvh, h // kvh, d, bs, part,
-                                                       gq.kernel_tuning("cuda", d, bs)))))
-    for dt, head in itertools.product(("float16", "bfloat16"), sorted(tp.TILE_CONFIGS["cuda"])):
-        cfg = tp.TILE_CONFIGS["cuda"][head]
-        out.append(CudaSource(f"tiled_prefill {dt} h{head}", "tiled_prefill", tp.KERNEL_FILES,
-                              tuple(zip(tp.KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "int32", "float32",
-                                                           "int32", "float32"))), (("out", dt),),
-                              (("T", dt), ("HEAD_SIZE", head), ("BLOCK_SIZE", 16), ("BQ", cfg.bq),
-                               ("BKV", cfg.bkv), ("RB", cfg.rb))))
-    return out
+    return provider_sets("cuda_sources", providers)
 
 
 def find_nvcc() -> str | None:
@@ -130,6 +95,8 @@ def resources_line(output: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m metal_attn.cuda_check", description=__doc__.splitlines()[0])
+    p.add_argument("--provider", action="append", default=None, metavar="NAME",
+                   help="only this registered provider's sources (repeatable; default: every provider's)")
     p.add_argument("--only", help="only sources whose label matches this regular expression")
     p.add_argument("--kernels-dir", help="read the kernel texts from this folder (another version, to compare)")
     p.add_argument("--resources", action="store_true", help="print ptxas's registers and spills per kernel")
@@ -140,11 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("cuda_check: nvcc is not on PATH (the CUDA toolkit provides it)", file=sys.stderr)
         return 2
     from metal_attn import kernels
+    from metal_attn.errors import ProviderRefusedError
 
     if args.kernels_dir:
         kernels.use_source_dir(args.kernels_dir)
     try:
-        sources = [s for s in cuda_sources() if not args.only or re.search(args.only, s.label)]
+        try:
+            sources = [s for s in cuda_sources(args.provider) if not args.only or re.search(args.only, s.label)]
+        except ProviderRefusedError as exc:
+            p.error(str(exc))
         texts = {s: s.text() for s in sources}
     finally:
         if args.kernels_dir:

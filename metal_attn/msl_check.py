@@ -20,9 +20,10 @@ rewritten for clang (``[[kernel]]``/``[[host_name]]`` and argument attributes
 dropped, the explicit instantiation kept so dependent types are checked), each
 wrapped in its own namespace, and checked in one clang run.
 
-Usage: ``python -m metal_attn.msl_check [--set module:function] [--only REGEX] [--kernels-dir DIR]``.
-A "set" is a function returning `Specialization` objects (default: the classic
-provider's, `classic_specializations`).
+Usage: ``python -m metal_attn.msl_check [--provider NAME ...] [--set module:function] [--only REGEX]
+[--kernels-dir DIR]``. The specializations come from every registered provider
+(`Provider.msl_specializations`, built-in and third-party alike), or from the providers named
+with ``--provider``; ``--set`` names a function returning `Specialization` objects instead.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-DEFAULT_SET = "metal_attn.msl_check:classic_specializations"
 CLANG_ARGS = ("-x", "c++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes", "-ferror-limit=50")
 
 _BLOCK = re.compile(r"Generated source code for `(\w+)`:\n```\n(.*?)\n```", re.DOTALL)
@@ -67,77 +67,40 @@ class Specialization:
     is_dtype: tuple[str, ...] = ("T", "TT")
 
 
-def classic_specializations() -> list[Specialization]:
-    """Every specialization the ``classic`` provider can choose on Metal (paged, reducer, cache)."""
-    from metal_attn._layout import import_builtin_providers
-    from metal_attn.constants import DTYPES, PARTITION_SIZE
+def registered_specializations(providers: Sequence[str] | None = None) -> list[Specialization]:
+    """Every registered provider's `Provider.msl_specializations` (or only the ``providers`` named)."""
+    from metal_attn.source_sets import provider_sets
 
-    import_builtin_providers()
-    gpu = importlib.import_module("metal_attn.providers.classic.gpu")
-    from metal_attn.providers.classic import GPU_ADMISSION
-
-    table = GPU_ADMISSION["metal"]
-    specs: list[Specialization] = []
-    t, h, s = 3, 4, 2  # tokens, heads, sequences: shapes only matter for tracing
-    for dtype in DTYPES:
-        if dtype not in table["dtypes"]:
-            continue
-        for head in sorted(table["head_sizes"]):
-            for block in sorted(table["block_sizes"]):
-                for split, geo in gpu.source_check_launches(head, dtype):
-                    parts = 2 if split else 1
-                    common_in = (
-                        ((t, h, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
-                        ((s, 4), "int32"), ((s,), "int32"), ((s + 1,), "int32"), ((h,), "float32"),
-                        ((7,), "int32"), ((2,), "float32"),
-                    )
-                    outs = (((t, h, head), dtype),) if not split else (
-                        ((t, h, parts), "float32"), ((t, h, parts), "float32"), ((t, h, parts, head), "float32"))
-                    specs.append(Specialization(
-                        label=f"paged_attention split={int(split)} {dtype} head={head} block={block}"
-                              + (" mma" if geo.mma else " staged" if geo.stage else ""),
-                        kernel="paged_attention", source_files=gpu.PAGED_FILES, input_names=gpu.PA_INPUTS,
-                        output_names=gpu.PA_OUTPUTS[split],
-                        template=tuple(gpu.paged_template(dtype, head, block, split, geo, gpu.PREFETCH_NEXT["metal"])),
-                        inputs=common_in, outputs=outs, defines=gpu.paged_defines(split, geo),
-                    ))
-            specs.append(Specialization(
-                label=f"paged_attention_v2_reduce {dtype} head={head}",
-                kernel="paged_attention_v2_reduce", source_files=gpu.PAGED_FILES, input_names=gpu.REDUCE_INPUTS,
-                output_names=("out",),
-                template=(("T", dtype), ("TT", "float32"), ("HEAD_SIZE", head),
-                          ("PARTITION_SIZE", PARTITION_SIZE), ("NUM_THREADS", gpu.NUM_THREADS)),
-                inputs=(((t, h, 2), "float32"), ((t, h, 2), "float32"), ((t, h, 2, head), "float32"),
-                        ((s,), "int32"), ((s + 1,), "int32"), ((h,), "float32"), ((4,), "int32")),
-                outputs=(((t, h, head), dtype),),
-            ))
-        specs.append(Specialization(
-            label=f"reshape_and_cache {dtype}",
-            kernel="reshape_and_cache", source_files=gpu.CACHE_FILES,
-            input_names=gpu.CACHE_INPUTS, output_names=gpu.CACHE_OUTPUTS,
-            template=(("T", dtype),),
-            inputs=(((3, 2, 64), dtype), ((3, 2, 64), dtype), ((4, 16, 2, 64), dtype), ((4, 16, 2, 64), dtype),
-                    ((64,), "int32"), ((3,), "int64")),
-            outputs=(((4, 16, 2, 64), dtype), ((4, 16, 2, 64), dtype)),
-        ))
-    return specs
+    return provider_sets("msl_specializations", providers)
 
 
-def _load_set(spec: str) -> list[Specialization]:
+def _load_set(spec: str | None, providers: Sequence[str] | None = None) -> list[Specialization]:
+    """The set ``spec`` ("module:function") names, else the registered providers' (`registered_specializations`)."""
+    if spec is None:
+        return registered_specializations(providers)
+    if providers:
+        raise ValueError(f"set={spec!r} with providers={list(providers)} (allowed: one of the two)")
     module, _, func = spec.partition(":")
     return list(getattr(importlib.import_module(module), func)())
+
+
+def _set_args(set_spec: str | None, providers: Sequence[str] | None) -> list[str]:
+    """The command-line arguments that select the same set in the child."""
+    if set_spec is not None:
+        return ["--set", set_spec]
+    return [arg for name in providers or () for arg in ("--provider", name)]
 
 
 # -- child process: emit the generated sources ------------------------------------------------------
 
 
-def _emit(set_spec: str, only: str | None) -> None:
+def _emit(set_spec: str | None, providers: Sequence[str] | None, only: str | None) -> None:
     """Child side: trace each specialization's metal_kernel call with verbose=True (MLX prints to stdout)."""
     import mlx.core as mx
 
     from metal_attn import kernels
 
-    specs = [s for s in _load_set(set_spec) if only is None or re.search(only, s.label)]
+    specs = [s for s in _load_set(set_spec, providers) if only is None or re.search(only, s.label)]
     labels = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, spec in enumerate(specs):
@@ -159,10 +122,18 @@ def _emit(set_spec: str, only: str | None) -> None:
     print("@@done " + json.dumps(labels), flush=True)
 
 
-def generate_msl(set_spec: str = DEFAULT_SET, *, only: str | None = None,
+def generate_msl(set_spec: str | None = None, *, providers: Sequence[str] | None = None, only: str | None = None,
                  kernels_dir: str | os.PathLike | None = None, timeout: float = 600) -> dict[str, str]:
-    """Run the child once and return ``{label: generated MSL}`` for every specialization."""
-    cmd = [sys.executable, "-m", "metal_attn.msl_check", "--emit", "--set", set_spec]
+    """Run the child once and return ``{label: generated MSL}`` for every specialization of the set
+    (``set_spec``, else the registered providers' or those of ``providers``)."""
+    if set_spec is not None and providers:
+        raise ValueError(f"set_spec={set_spec!r} with providers={list(providers)} (allowed: one of the two)")
+    if providers:
+        from metal_attn.plugins import get_registry
+
+        for name in providers:
+            get_registry().get(name)  # a name that is not registered fails here, with the registered ones
+    cmd = [sys.executable, "-m", "metal_attn.msl_check", "--emit", *_set_args(set_spec, providers)]
     if only:
         cmd += ["--only", only]
     env = dict(os.environ)
@@ -253,18 +224,22 @@ def check_sources(sources: dict[str, str], *, clang: str | None = None) -> Check
     return CheckResult(proc.returncode == 0, len(sources), errors, proc.stderr)
 
 
-def check(set_spec: str = DEFAULT_SET, *, only: str | None = None,
+def check(set_spec: str | None = None, *, providers: Sequence[str] | None = None, only: str | None = None,
           kernels_dir: str | os.PathLike | None = None) -> CheckResult:
-    """Generate (one child process) and check (one clang run) a set of specializations."""
-    sources = generate_msl(set_spec, only=only, kernels_dir=kernels_dir)
+    """Generate (one child process) and check (one clang run) a set of specializations (``set_spec``,
+    else every registered provider's or those of ``providers``)."""
+    sources = generate_msl(set_spec, providers=providers, only=only, kernels_dir=kernels_dir)
     if not sources:
-        raise RuntimeError(f"no specialization matched (set={set_spec!r}, only={only!r})")
+        raise RuntimeError(f"no specialization matched (set={set_spec!r}, providers={providers!r}, only={only!r})")
     return check_sources(sources)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m metal_attn.msl_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--set", default=DEFAULT_SET, help="module:function returning Specialization objects")
+    ap.add_argument("--provider", action="append", default=None, metavar="NAME",
+                    help="only this registered provider's specializations (repeatable; default: every provider's)")
+    ap.add_argument("--set", default=None, help="module:function returning Specialization objects (instead of "
+                                                "the providers' sets)")
     ap.add_argument("--only", default=None, help="regex over specialization labels")
     ap.add_argument("--kernels-dir", default=None, help="check kernel sources from this folder instead")
     ap.add_argument("--emit", action="store_true", help=argparse.SUPPRESS)
@@ -275,9 +250,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         kernels.use_source_dir(kdir)
     if args.emit:
-        _emit(args.set, args.only)
+        _emit(args.set, args.provider, args.only)
         return 0
-    result = check(args.set, only=args.only, kernels_dir=kdir)
+    if args.set is not None and args.provider:
+        ap.error("--set and --provider select the set in two ways: give one of them")
+    from metal_attn.errors import ProviderRefusedError
+
+    try:
+        result = check(args.set, providers=args.provider, only=args.only, kernels_dir=kdir)
+    except ProviderRefusedError as exc:
+        ap.error(str(exc))
     print(result.summary())
     return 0 if result.ok else 1
 

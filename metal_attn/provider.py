@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
+    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
+    from metal_attn.msl_check import Specialization
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
 
@@ -72,7 +74,8 @@ class Provider:
 
     Subclasses set the class attributes below and implement `run`; they may
     override `availability_reasons`, `extra_reasons`, `plan`, `prepare` and
-    `write_cache`.
+    `write_cache`, and declare the kernel sets of the source checks
+    (`msl_specializations`, `cuda_sources`).
     """
 
     #: Unique name (also the forced-provider value and the disable-list entry).
@@ -189,6 +192,22 @@ class Provider:
         if self.dtypes is not None and dtype not in self.dtypes:
             reasons.append(f"dtype={dtype} (supported: {_fmt(sorted(self.dtypes))})")
         return reasons
+
+    # -- source checks (optional) --------------------------------------------------------------
+
+    def msl_specializations(self) -> list[Specialization]:
+        """Every Metal kernel specialization this provider can launch, as
+        `metal_attn.msl_check.Specialization` objects: ``python -m metal_attn.msl_check`` asks every
+        registered provider and type-checks each one's generated Metal source. Labels must be
+        unique across providers. Default: none (a provider without Metal kernels)."""
+        return []
+
+    def cuda_sources(self) -> list[CudaSource]:
+        """Every CUDA kernel specialization this provider can launch, as
+        `metal_attn.cuda_check.CudaSource` objects: ``python -m metal_attn.cuda_check`` asks every
+        registered provider and compiles each one with nvcc. Labels must be unique across providers.
+        Default: none (a provider without CUDA kernels)."""
+        return []
 
     def priority_on(self, backend: str) -> int:
         """The priority on ``backend``: its `backend_priority` entry, else `priority`."""

@@ -26,9 +26,12 @@ shape), so there ``gqa_decode`` runs when forced (``provider="gqa_decode"``) or 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from metal_attn.providers import gpu_common as gc
 
 from metal_attn import kernels
 from metal_attn.constants import (
@@ -46,8 +49,10 @@ from metal_attn.request import split_scratch_bytes
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
+    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
+    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
@@ -104,10 +109,8 @@ def reducer_threadgroup_bytes(partitions: int) -> int:
     reducer stages one block of partitions' weights at a time: a fixed size, whatever the
     partition count.)
     """
-    from metal_attn.providers.classic.gpu import NUM_THREADS
-
     dynamic = -(-(2 * int(partitions) * 4) // 16) * 16
-    return dynamic + 2 * (NUM_THREADS // SIMD_WIDTH) * 4
+    return dynamic + 2 * (gc.NUM_THREADS // SIMD_WIDTH) * 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -234,24 +237,63 @@ class GQADecodeProvider(Provider):
 
     def prepare(self, plan: Plan, device: DeviceInfo) -> None:
         """Compile the plan's specialization with a one-page launch (skipped for hypothetical devices)."""
-        if device.hypothetical:
-            return
-        import mlx.core as mx
-        import numpy as np
-
-        from metal_attn.metadata import AttentionMetadata
-
         _, backend, dtype, heads, kvh, head, block, psize = plan.specialization
-        mdt = getattr(mx, dtype)
-        md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [1], [0, 1], validate=False)
-        q = mx.zeros((1, heads, head), mdt)
-        kc = mx.zeros((1, block, kvh, head), mdt)
-        kernels.compile_now(lambda: launch(q, kc, kc, md, scale=1.0, partition_size=psize, backend=backend),
-                            f"gqa_decode {plan.specialization}")
+        gc.compile_eagerly(device, f"gqa_decode {plan.specialization}",
+                           lambda b: launch(b.q, b.cache, b.cache, b.metadata, scale=1.0, partition_size=psize,
+                                            backend=backend),
+                           dtype=dtype, head_size=head, block_size=block, num_heads=heads, num_kv_heads=kvh)
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
         return launch(inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, scale=inputs.scale,
                       partition_size=plan.partition_size, backend=plan.specialization[1])
+
+    # -- source checks ----------------------------------------------------------------------------
+
+    def msl_specializations(self) -> list[Specialization]:
+        """Every Metal specialization this provider can choose, for `metal_attn.msl_check`.
+
+        The kernel over the Metal geometry table x {float16, bfloat16} x {P512, P256}
+        (5 x 2 x 2 = 20), and the shared reducer at each partition size it is
+        launched with here (head sizes of the table x dtypes x partition sizes).
+        """
+        from metal_attn.msl_check import Specialization
+
+        specs = []
+        dtypes = sorted(self.dtypes)
+        for heads, kvh, head, block in geometry_table("metal"):
+            group = heads // kvh
+            for dtype in dtypes:
+                for p in GQA_PARTITION_SIZES:
+                    specs.append(Specialization(
+                        label=f"gqa_decode {dtype} {heads}/{kvh}/{head}/bs{block} P{p}",
+                        kernel="gqa_decode", source_files=KERNEL_FILES, input_names=KERNEL_INPUTS,
+                        output_names=KERNEL_OUTPUTS,
+                        template=tuple(kernel_template(dtype, kvh, group, head, block, p,
+                                                       kernel_tuning("metal", head, block))),
+                        inputs=(((2, heads, head), dtype), ((4, block, kvh, head), dtype),
+                                ((4, block, kvh, head), dtype), ((2, 3), "int32"), ((2,), "int32"),
+                                ((1,), "float32"), ((2,), "int32")),
+                        outputs=(((2, heads, 2), "float32"), ((2, heads, 2), "float32"),
+                                 ((2, heads, 2, head), "float32")),
+                    ))
+        for head in sorted({g[2] for g in geometry_table("metal")}):
+            for dtype in dtypes:
+                for p in GQA_PARTITION_SIZES:
+                    specs.append(gc.reducer_msl_specialization(
+                        f"paged_attention_v2_reduce (gqa) {dtype} head={head} P{p}", dtype, head, p, rows=2))
+        return specs
+
+    def cuda_sources(self) -> list[CudaSource]:
+        """Every CUDA geometry at both partition sizes (float16, bfloat16), for `metal_attn.cuda_check`
+        (the reducer is in ``classic``'s set)."""
+        from metal_attn.cuda_check import CudaSource
+
+        return [CudaSource(f"gqa_decode {dt} {h}/{kvh}/{d}/bs{bs} P{part}", "gqa_decode", KERNEL_FILES,
+                           tuple(zip(KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "float32", "int32"))),
+                           tuple((n, "float32") for n in KERNEL_OUTPUTS),
+                           tuple(kernel_template(dt, kvh, h // kvh, d, bs, part, kernel_tuning("cuda", d, bs))))
+                for dt, (h, kvh, d, bs), part in itertools.product(("float16", "bfloat16"), geometry_table("cuda"),
+                                                                    (256, 512))]
 
 
 KERNEL_FILES = ("gqa_decode.metal",)
@@ -299,9 +341,6 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     admission is the caller's business). ``tuning`` overrides `kernel_tuning`
     (``(CHUNK, PREFETCH)``, CHUNK a multiple of 4 dividing the block size) for sweeps.
     """
-    import mlx.core as mx
-    from metal_attn.providers.classic.gpu import reduce_partitions
-
     if partition_size not in GQA_PARTITION_SIZES:
         raise ValueError(f"partition_size={partition_size} (allowed: {', '.join(map(str, GQA_PARTITION_SIZES))})")
     num_seqs, num_heads, head = q.shape
@@ -316,61 +355,14 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
                          f"PREFETCH 0 or 1)")
     max_parts = -(-metadata.max_seq_len // partition_size)
     threads = SIMD_WIDTH * group
-    dims = kernels.param_array((metadata.max_blocks_per_seq, max_parts), "int32")
+    dims = gc.pack_int32((metadata.max_blocks_per_seq, max_parts))
     scale_arr = kernels.param_array((scale * LOG2E,), "float32")
     max_logits, exp_sums, tmp_out = kernel_object(backend)(
         inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale_arr, dims],
         template=kernel_template(q.dtype, kvh, group, head, block_size, partition_size, (chunk, prefetch)),
         grid=(threads * max_parts, kvh, num_seqs),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(num_seqs, num_heads, max_parts), (num_seqs, num_heads, max_parts),
-                       (num_seqs, num_heads, max_parts, head)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+        **gc.split_scratch(num_seqs, num_heads, max_parts, head),
     )
-    return reduce_partitions(max_logits, exp_sums, tmp_out, metadata, None, partition_size,
+    return gc.reduce_partitions(max_logits, exp_sums, tmp_out, metadata, None, partition_size,
                              out_dtype=q.dtype, backend=backend)
-
-
-def msl_specializations() -> list:
-    """Every Metal specialization this provider can choose, for `metal_attn.msl_check`.
-
-    The kernel over the Metal geometry table x {float16, bfloat16} x {P512, P256}
-    (5 x 2 x 2 = 20), and the shared reducer at each partition size it is
-    launched with here (head sizes of the table x dtypes x partition sizes).
-    """
-    from metal_attn.providers.classic import gpu as classic_gpu
-
-    from metal_attn.msl_check import Specialization
-
-    specs = []
-    dtypes = sorted(GQADecodeProvider.dtypes)
-    for heads, kvh, head, block in geometry_table("metal"):
-        group = heads // kvh
-        for dtype in dtypes:
-            for p in GQA_PARTITION_SIZES:
-                specs.append(Specialization(
-                    label=f"gqa_decode {dtype} {heads}/{kvh}/{head}/bs{block} P{p}",
-                    kernel="gqa_decode", source_files=KERNEL_FILES, input_names=KERNEL_INPUTS,
-                    output_names=KERNEL_OUTPUTS,
-                    template=tuple(kernel_template(dtype, kvh, group, head, block, p,
-                                                   kernel_tuning("metal", head, block))),
-                    inputs=(((2, heads, head), dtype), ((4, block, kvh, head), dtype),
-                            ((4, block, kvh, head), dtype), ((2, 3), "int32"), ((2,), "int32"),
-                            ((1,), "float32"), ((2,), "int32")),
-                    outputs=(((2, heads, 2), "float32"), ((2, heads, 2), "float32"),
-                             ((2, heads, 2, head), "float32")),
-                ))
-    for head in sorted({g[2] for g in geometry_table("metal")}):
-        for dtype in dtypes:
-            for p in GQA_PARTITION_SIZES:
-                specs.append(Specialization(
-                    label=f"paged_attention_v2_reduce (gqa) {dtype} head={head} P{p}",
-                    kernel="paged_attention_v2_reduce", source_files=classic_gpu.PAGED_FILES,
-                    input_names=classic_gpu.REDUCE_INPUTS, output_names=("out",),
-                    template=(("T", dtype), ("TT", "float32"), ("HEAD_SIZE", head), ("PARTITION_SIZE", p),
-                              ("NUM_THREADS", classic_gpu.NUM_THREADS)),
-                    inputs=(((2, 4, 2), "float32"), ((2, 4, 2), "float32"), ((2, 4, 2, head), "float32"),
-                            ((2,), "int32"), ((3,), "int32"), ((4,), "float32"), ((4,), "int32")),
-                    outputs=(((2, 4, head), dtype),),
-                ))
-    return specs

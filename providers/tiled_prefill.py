@@ -13,19 +13,23 @@ Admission is data plus two rules, and every refusal is a reason ``explain`` prin
 
 Mixed batches: the decode rows ride in the tiles (one tile each) unless the
 longest of them reaches `MIXED_DECODE_MIN_CONTEXT` tokens; then they go through
-the per-token kernel (``classic``, split or not by its occupancy gate) and only the
-prefill rows through the tiles: route ``mixed_prefill_decode``.
+the per-token kernel (``classic``'s, split or not by its occupancy gate: the
+decode-rows sub-plan of `metal_attn.providers.gpu_common`) and only the prefill
+rows through the tiles: route ``mixed_prefill_decode``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from metal_attn.providers import gpu_common as gc
+
 from metal_attn import kernels
-from metal_attn.constants import KERNEL_BLOCK_SIZES, LOG2E, MIXED_DECODE_MIN_CONTEXT
+from metal_attn.constants import KERNEL_BLOCK_SIZES, MIXED_DECODE_MIN_CONTEXT
 from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan, Provider
 from metal_attn.request import Phase
@@ -33,8 +37,10 @@ from metal_attn.request import Phase
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
+    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
+    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
@@ -111,20 +117,12 @@ def _fmt(values: Any) -> str:
     return ", ".join(str(v) for v in sorted(values))
 
 
-def decode_request(request: AttentionRequest) -> AttentionRequest:
-    """The decode rows at the front of a mixed ``request``, as a request of their own."""
-    return dataclasses.replace(
-        request, phase=Phase.DECODE, num_seqs=request.num_decode_seqs, total_q_tokens=request.num_decode_seqs,
-        max_q_len=1, max_seq_len=request.max_decode_seq_len, length_plan=(),
-    )
-
-
 def mixed_split(request: AttentionRequest, backend: str, settings: Settings | None = None) -> tuple[bool, str]:
     """Whether a mixed batch's decode rows leave the tiles, and the arithmetic behind it."""
     if request.phase is not Phase.MIXED:
         return False, ""
-    if settings is not None and settings.is_disabled("classic"):
-        return False, "mixed split: the classic provider is disabled (decode rows ride in the tiles)"
+    if settings is not None and settings.is_disabled(gc.DECODE_ROWS_PROVIDER):
+        return False, f"mixed split: the {gc.DECODE_ROWS_PROVIDER} provider is disabled (decode rows ride in the tiles)"
     threshold = MIXED_DECODE_MIN_CONTEXT.get(backend)
     if threshold is None:
         return False, f"mixed split: no threshold measured for backend={backend} (decode rows ride in the tiles)"
@@ -153,9 +151,7 @@ class TiledPrefillProvider(Provider):
         reasons = super().availability_reasons(device)
         if reasons:
             return reasons
-        from metal_attn.providers.classic import gpu as classic_gpu
-
-        return classic_gpu.availability_reasons(device)
+        return gc.availability_reasons(device)
 
     def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
         cfg = tile_config(device.backend, request.head_size)
@@ -171,8 +167,6 @@ class TiledPrefillProvider(Provider):
         return []
 
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
-        from metal_attn.providers.classic import gpu as classic_gpu
-
         cfg = tile_config(device.backend, request.head_size)
         split, split_note = mixed_split(request, device.backend, settings)
         tiles = request.total_q_tokens // cfg.bq + request.num_seqs  # an upper bound; exact per batch
@@ -183,7 +177,7 @@ class TiledPrefillProvider(Provider):
         if split_note:
             notes.append(split_note)
         if split:
-            decode_plan = classic_gpu.plan("classic", decode_request(request), device, settings)
+            decode_plan = gc.plan_decode_rows(request, device, settings)
             decode_spec = decode_plan.specialization
             partition = decode_plan.partition_size
             notes.append(f"decode rows: {decode_plan.route} ({'; '.join(decode_plan.notes)})")
@@ -200,25 +194,14 @@ class TiledPrefillProvider(Provider):
 
     def prepare(self, plan: Plan, device: DeviceInfo) -> None:
         """Compile the plan's kernels with tiny launches (skipped for hypothetical devices)."""
-        if device.hypothetical:
-            return
-        import mlx.core as mx
-        import numpy as np
-        from metal_attn.providers.classic import gpu as classic_gpu
-
-        from metal_attn.metadata import AttentionMetadata
-
         _, backend, dtype, head, block, tile, decode_spec = plan.specialization
-        mdt = getattr(mx, dtype)
-        md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [2], [0, 2], validate=False)
-        q = mx.zeros((2, 1, head), mdt)
-        kc = mx.zeros((1, block, 1, head), mdt)
-        kernels.compile_now(
-            lambda: launch(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None,
-                           backend=backend, config=TileConfig(*tile)),
-            f"tiled_prefill {plan.specialization[:6]}")
+        gc.compile_eagerly(
+            device, f"tiled_prefill {plan.specialization[:6]}",
+            lambda b: launch(b.q, b.cache, b.cache, b.metadata, scale=1.0, sinks=None, sliding_window=None,
+                             softcap=None, backend=backend, config=TileConfig(*tile)),
+            dtype=dtype, head_size=head, block_size=block, seq_len=2, q_rows=2)
         if decode_spec:
-            classic_gpu.prepare(Plan("classic", "decode rows", specialization=decode_spec), device)
+            gc.prepare_decode_rows(decode_spec, device)
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
         _, backend, _, _, _, tile, decode_spec = plan.specialization
@@ -228,13 +211,50 @@ class TiledPrefillProvider(Provider):
         if not decode_spec:
             return launch(inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, config=cfg, **common)
         import mlx.core as mx
-        from metal_attn.providers.classic import gpu as classic_gpu
 
         md = inputs.metadata
         n_dec = md.num_decode_seqs
-        decode = classic_gpu.run_specialization(inputs, decode_spec, rows=n_dec)
+        decode = gc.run_decode_rows(inputs, decode_spec)
         prefill = launch(inputs.q, inputs.k_cache, inputs.v_cache, md, config=cfg, first_seq=n_dec, **common)
         return mx.concatenate([decode, prefill[n_dec:]], axis=0)
+
+    # -- source checks ----------------------------------------------------------------------------
+
+    def msl_specializations(self) -> list[Specialization]:
+        """Every Metal specialization this provider can choose, for `metal_attn.msl_check`:
+        the kernel over {float16, bfloat16} x the tile table's head sizes x kernel block sizes
+        (2 x 4 x 3 = 24). The decode rows of a split mixed batch use the classic provider's
+        specializations, which its own set covers."""
+        from metal_attn.msl_check import Specialization
+
+        specs = []
+        for dtype in sorted(ITEMSIZE):
+            for head, cfg in sorted(TILE_CONFIGS["metal"].items()):
+                for block in sorted(KERNEL_BLOCK_SIZES):
+                    specs.append(Specialization(
+                        label=f"tiled_prefill {dtype} head={head} block={block}",
+                        kernel=ROUTE, source_files=KERNEL_FILES, input_names=KERNEL_INPUTS, output_names=KERNEL_OUTPUTS,
+                        template=tuple(kernel_template(dtype, head, block, cfg)),
+                        inputs=(((5, 4, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
+                                ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
+                                ((4,), "float32"), ((6,), "int32"), ((2,), "float32")),
+                        outputs=(((5, 4, head), dtype),),
+                    ))
+        return specs
+
+    def cuda_sources(self) -> list[CudaSource]:
+        """The kernel at every CUDA tile (float16, bfloat16), for `metal_attn.cuda_check`."""
+        from metal_attn.cuda_check import CudaSource
+
+        out = []
+        for dt, head in itertools.product(("float16", "bfloat16"), sorted(TILE_CONFIGS["cuda"])):
+            cfg = TILE_CONFIGS["cuda"][head]
+            out.append(CudaSource(f"tiled_prefill {dt} h{head}", ROUTE, KERNEL_FILES,
+                                  tuple(zip(KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "int32", "float32",
+                                                            "int32", "float32"))), (("out", dt),),
+                                  (("T", dt), ("HEAD_SIZE", head), ("BLOCK_SIZE", 16), ("BQ", cfg.bq),
+                                   ("BKV", cfg.bkv), ("RB", cfg.rb))))
+        return out
 
 
 def kernel_object(backend: str) -> Any:
@@ -257,8 +277,6 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     ``config`` overrides `TILE_CONFIGS` (BQ a positive multiple of 8, BKV a positive
     multiple of 16), for sweeps and tests.
     """
-    from metal_attn.providers.classic.gpu import zeros_f32
-
     total, num_heads, head = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     cfg = config or tile_config(backend, head)
@@ -272,39 +290,15 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
                          "products go two 8x8 blocks at a time, K operands four at a time)")
     tiles = metadata.query_tiles(cfg.bq, first_seq)
     num_tiles = tiles.shape[0]
-    use_sinks = sinks is not None
-    params = kernels.param_array((num_tiles, num_heads, num_kv_heads, metadata.max_blocks_per_seq,
-                                  int(sliding_window or 0), int(use_sinks)), "int32")
-    fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
+    params = gc.pack_int32((num_tiles, num_heads, num_kv_heads, metadata.max_blocks_per_seq,
+                            int(sliding_window or 0), int(sinks is not None)))
+    fparams = gc.pack_scale(scale, softcap)
     return kernel_object(backend)(
         inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.cu_seqlens_q, tiles,
-                sinks if use_sinks else zeros_f32(num_heads), params, fparams],
+                gc.sink_logits(sinks, num_heads), params, fparams],
         template=kernel_template(q.dtype, head, block_size, cfg),
         grid=(num_tiles * cfg.threads, num_heads, 1),
         threadgroup=(cfg.threads, 1, 1),
         output_shapes=[(total, num_heads, head)],
         output_dtypes=[q.dtype],
     )[0]
-
-
-def msl_specializations() -> list:
-    """Every Metal specialization this provider can choose, for `metal_attn.msl_check`:
-    the kernel over {float16, bfloat16} x the tile table's head sizes x kernel block sizes
-    (2 x 4 x 3 = 24). The decode rows of a split mixed batch use the classic provider's
-    specializations, which its own set covers."""
-    from metal_attn.msl_check import Specialization
-
-    specs = []
-    for dtype in sorted(ITEMSIZE):
-        for head, cfg in sorted(TILE_CONFIGS["metal"].items()):
-            for block in sorted(KERNEL_BLOCK_SIZES):
-                specs.append(Specialization(
-                    label=f"tiled_prefill {dtype} head={head} block={block}",
-                    kernel=ROUTE, source_files=KERNEL_FILES, input_names=KERNEL_INPUTS, output_names=KERNEL_OUTPUTS,
-                    template=tuple(kernel_template(dtype, head, block, cfg)),
-                    inputs=(((5, 4, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
-                            ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
-                            ((4,), "float32"), ((6,), "int32"), ((2,), "float32")),
-                    outputs=(((5, 4, head), dtype),),
-                ))
-    return specs

@@ -119,7 +119,7 @@ def test_disable_toggle_is_a_reason():
 
 
 def test_lanes_per_token_geometry():
-    from metal_attn.providers.classic.gpu import Geometry, geometry
+    from metal_attn.providers.gpu_common import Geometry, geometry
 
     # Metal (upstream's shape): lanes take whole 4-element vectors, at most 8 per token; unroll 2 up
     # to 16 elements per lane; one head per threadgroup whatever the GQA group.
@@ -212,7 +212,7 @@ def test_launch_refuses_a_bad_geometry_before_any_kernel(geo, prefetch):
     heads per threadgroup dividing the GQA group (here 4), prefetch 0 or 1."""
     import mlx.core as mx
     import numpy as np
-    from metal_attn.providers.classic import gpu
+    from metal_attn.providers import gpu_common as gc
 
     from metal_attn.metadata import AttentionMetadata
 
@@ -220,8 +220,8 @@ def test_launch_refuses_a_bad_geometry_before_any_kernel(geo, prefetch):
     q = mx.zeros((1, 8, 128), mx.bfloat16)
     kc = mx.zeros((1, 16, 2, 128), mx.bfloat16)
     with pytest.raises(ValueError, match=r"geometry_override=|prefetch=2"):
-        gpu.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, split=False,
-                         backend="cuda", geometry_override=gpu.Geometry(*geo), prefetch=prefetch)
+        gc.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, split=False,
+                        backend="cuda", geometry_override=gc.Geometry(*geo), prefetch=prefetch)
 
 
 @pytest.mark.parametrize(("geo", "head", "group", "itemsize", "backend", "needle"), [
@@ -234,21 +234,21 @@ def test_launch_refuses_a_bad_geometry_before_any_kernel(geo, prefetch):
     ((8, 1, 4, 4, 16, 2, 1, 128), 128, 4, 2, "cuda", "stage=16"),       # 4 simdgroups x 8 tokens a pass
 ])
 def test_geometry_problem_names_what_the_matrix_path_needs(geo, head, group, itemsize, backend, needle):
-    from metal_attn.providers.classic import gpu
+    from metal_attn.providers import gpu_common as gc
 
-    problem = gpu.geometry_problem(gpu.Geometry(*geo), head, group, itemsize, backend)
+    problem = gc.geometry_problem(gc.Geometry(*geo), head, group, itemsize, backend)
     assert problem is not None and needle in problem, problem
 
 
 def test_matrix_path_geometries_are_valid_where_the_rule_gives_them():
-    from metal_attn.providers.classic import gpu
+    from metal_attn.providers import gpu_common as gc
 
     for dtype in ("float16", "bfloat16"):
         for head in (128, 256):
             for group in (4, 6, 8, 16):
-                geo = gpu.geometry(head, dtype, "cuda", group, split=True, kv_items_per_core=4.0)
+                geo = gc.geometry(head, dtype, "cuda", group, split=True, kv_items_per_core=4.0)
                 assert geo.mma == 1 and geo.hps == geo.hpw == max(d for d in range(1, 9) if group % d == 0)
-                assert gpu.geometry_problem(geo, head, group, 2, "cuda") is None
+                assert gc.geometry_problem(geo, head, group, 2, "cuda") is None
                 assert geo.stage % geo.tokens_per_pass == 0
 
 
@@ -258,6 +258,7 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
     only the first rows, and `launch_geometry` (bare launches, sweeps) agrees with the plan."""
     import mlx.core as mx
     import numpy as np
+    from metal_attn.providers import gpu_common as gc
     from metal_attn.providers.classic import gpu
 
     from metal_attn.metadata import AttentionMetadata
@@ -277,8 +278,8 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
         kernel_geometries.append(geo)  # the code path (defines) is chosen from it
         return recorder(f"paged split={int(split)}")
 
-    monkeypatch.setattr(gpu, "_paged_kernel", paged_kernel)
-    monkeypatch.setattr(gpu, "_reduce_kernel", lambda backend: recorder("reduce"))
+    monkeypatch.setattr(gc, "per_token_kernel", paged_kernel)
+    monkeypatch.setattr(gc, "reducer_kernel", lambda backend: recorder("reduce"))
     batch, ctx, heads, kv_heads = 8, 4096, 32, 8
     _, row = _classic_row(q_lens=[1] * batch, seq_lens=[ctx] * batch, device="h200", num_heads=heads,
                           num_kv_heads=kv_heads)
@@ -294,29 +295,29 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
     out = gpu.run(inputs, plan)
     assert out.shape == (batch, heads, 128) and out.dtype == mx.bfloat16
     (name, template, grid, threadgroup), (reduce_name, _, reduce_grid, reduce_threadgroup) = calls
-    geo = gpu.plan_geometry(plan.specialization)
+    geo = gc.plan_geometry(plan.specialization)
     assert name == "paged split=1" and reduce_name == "reduce"
     assert kernel_geometries == [geo] and geo.mma == 1 and geo.stage > 0  # the matrix path, staged
-    assert grid == plan.grid and reduce_grid == (heads * gpu.NUM_THREADS, batch, 1)
-    assert threadgroup == plan.threadgroup == (geo.threads, 1, 1) and reduce_threadgroup == (gpu.NUM_THREADS, 1, 1)
+    assert grid == plan.grid and reduce_grid == (heads * gc.NUM_THREADS, batch, 1)
+    assert threadgroup == plan.threadgroup == (geo.threads, 1, 1) and reduce_threadgroup == (gc.NUM_THREADS, 1, 1)
     assert (template["TPT"], template["UNROLL"], template["HPS"], template["HPW"], template["STAGE"],
             template["STAGES"]) == (geo.lanes, geo.unroll, geo.hps, geo.hpw, geo.stage, geo.stages)
-    assert template["PREFETCH"] == gpu.PREFETCH_NEXT["cuda"]
+    assert template["PREFETCH"] == gc.PREFETCH_NEXT["cuda"]
 
     calls.clear()
-    out = gpu.run_specialization(inputs, plan.specialization, rows=3)
+    out = gc.run_per_token(inputs, plan.specialization, rows=3)
     assert out.shape == (3, heads, 128) and calls[0][2] == (plan.grid[0], 3, plan.grid[2])
     assert kernel_geometries == [geo, geo]
 
     # A bare launch without an override takes the plan's geometry, with the device's core count:
     # float32's staged per-token path picks its heads per simdgroup by threadgroups per core.
     with override_settings(gpu_cores=132):
-        assert gpu.launch_geometry(q, kc, md, split=True, backend="cuda") == geo
+        assert gc.launch_geometry(q, kc, md, split=True, backend="cuda") == geo
     q32, kc32 = q.astype(mx.float32), kc.astype(mx.float32)
     by_cores = {}
     for cores in (132, 16):
         with override_settings(gpu_cores=cores):
-            by_cores[cores] = gpu.launch_geometry(q32, kc32, md, split=True, backend="cuda")
-        items = gpu.kv_items_per_core(kv_heads, batch, ctx // 512, cores)
-        assert by_cores[cores] == gpu.geometry(128, "float32", "cuda", heads // kv_heads, True, items)
+            by_cores[cores] = gc.launch_geometry(q32, kc32, md, split=True, backend="cuda")
+        items = gc.kv_items_per_core(kv_heads, batch, ctx // 512, cores)
+        assert by_cores[cores] == gc.geometry(128, "float32", "cuda", heads // kv_heads, True, items)
     assert by_cores[132] != by_cores[16]

@@ -342,11 +342,11 @@ def ma_array(x):
 
 # -- the Metal generated-source check, for every specialization the provider can choose ------------------
 
-_MSL_SET = "metal_attn.providers.gqa_decode:msl_specializations"
+_MSL_PROVIDER = ["gqa_decode"]
 
 
 def test_msl_specializations_cover_every_choice():
-    labels = {s.label for s in gq.msl_specializations()}
+    labels = {s.label for s in gq.GQADecodeProvider().msl_specializations()}
     for heads, kvh, head, block in gq.geometry_table("metal"):
         for dtype in ("float16", "bfloat16"):
             for p in (512, 256):
@@ -357,9 +357,9 @@ def test_msl_specializations_cover_every_choice():
 def test_metal_generated_source_type_checks(needs_clang):
     from metal_attn.msl_check import check
 
-    result = check(_MSL_SET)
+    result = check(providers=_MSL_PROVIDER)
     assert result.ok, result.summary()
-    assert result.count == len(gq.msl_specializations()) == 28
+    assert result.count == len(gq.GQADecodeProvider().msl_specializations()) == 28
 
 
 def test_metal_source_check_catches_a_planted_error(needs_clang, planted_kernels):
@@ -367,7 +367,7 @@ def test_metal_source_check_catches_a_planted_error(needs_clang, planted_kernels
 
     planted = planted_kernels("gqa_decode.metal", "page_next = simd_shuffle(page_after, 0);",
                               "page_next = simd_shuffle(next_page_id, 0);")
-    result = check(_MSL_SET, only=r"gqa_decode bfloat16 24/4/256/bs16 P256", kernels_dir=planted)
+    result = check(providers=_MSL_PROVIDER, only=r"gqa_decode bfloat16 24/4/256/bs16 P256", kernels_dir=planted)
     assert not result.ok and "next_page_id" in result.summary()
 
 

@@ -76,19 +76,19 @@ def test_kernel_objects_are_kept_and_follow_the_source_folder(planted_kernels, s
     """Kernel objects are kept per (backend, kernel, sources, defines). Launchers pass the defines as
     pairs, others as a mapping: both reach the same object. A new source folder (any
     `kernels.clear_cache`) drops them, or planted sources would run the old text."""
-    from metal_attn.providers.classic import gpu
+    from metal_attn.providers import gpu_common as gc
 
-    geo = gpu.geometry(128, "bfloat16", "metal", split=True)
-    first = gpu._paged_kernel("metal", True, geo)
-    reducer = gpu._reduce_kernel("metal")
-    assert gpu._paged_kernel("metal", True, geo) is first and gpu._reduce_kernel("metal") is reducer
-    as_mapping = kernels.load_kernel("paged_attention", gpu.PAGED_FILES, gpu.PA_INPUTS, gpu.PA_OUTPUTS[1], "metal",
-                                     defines=dict(gpu.paged_defines(True, geo)))
+    geo = gc.geometry(128, "bfloat16", "metal", split=True)
+    first = gc.per_token_kernel("metal", True, geo)
+    reducer = gc.reducer_kernel("metal")
+    assert gc.per_token_kernel("metal", True, geo) is first and gc.reducer_kernel("metal") is reducer
+    as_mapping = kernels.load_kernel("paged_attention", gc.PAGED_FILES, gc.PA_INPUTS, gc.PA_OUTPUTS[1], "metal",
+                                     defines=dict(gc.paged_defines(True, geo)))
     assert as_mapping is first
     kernels.use_source_dir(planted_kernels("pagedattention.metal", seq_line, seq_line))
     try:
-        planted = gpu._paged_kernel("metal", True, geo)
-        assert planted is not first and gpu._reduce_kernel("metal") is not reducer
+        planted = gc.per_token_kernel("metal", True, geo)
+        assert planted is not first and gc.reducer_kernel("metal") is not reducer
     finally:
         kernels.use_source_dir(None)
-    assert gpu._paged_kernel("metal", True, geo) is not planted  # rebuilt from the package's text again
+    assert gc.per_token_kernel("metal", True, geo) is not planted  # rebuilt from the package's text again

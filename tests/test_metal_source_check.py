@@ -1,5 +1,6 @@
 """The Metal source check: generated MSL of every classic specialization type-checks with clang,
-and the check fails on planted errors (so it is a check that can fail).
+and the check fails on planted errors (so it is a check that can fail). How the sets are gathered
+from the providers: tests/test_source_sets.py.
 
 What this proves and what it does not: see metal_attn/msl_check.py and kernels_v2/README.md.
 """
@@ -14,8 +15,10 @@ pytestmark = pytest.mark.usefixtures("needs_clang")
 
 
 def test_every_classic_specialization_type_checks():
-    specs = msl_check.classic_specializations()
-    result = msl_check.check()
+    from metal_attn.plugins import get_registry
+
+    specs = get_registry().get("classic").msl_specializations()
+    result = msl_check.check(providers=["classic"])
     assert result.ok, result.summary()
     assert result.count == len(specs)
     # dtypes x heads x blocks x {unsplit, split} x {direct, staged loads}, plus the matrix path for the

@@ -178,23 +178,23 @@ def test_launch_refuses_a_bad_tile_before_any_kernel(config):
 
 def test_classic_decode_rows_launch_refuses_bad_rows():
     import mlx.core as mx
-    from metal_attn.providers.classic import gpu
+    from metal_attn.providers import gpu_common as gc
 
     md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [3], [0, 3])
     q = mx.zeros((3, 4, 128), mx.bfloat16)
     kc = mx.zeros((1, 16, 2, 128), mx.bfloat16)
     with pytest.raises(ValueError, match=r"rows=4 \(allowed: 1\.\.3"):
-        gpu.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, split=False,
-                         backend="cuda", rows=4)
+        gc.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, split=False,
+                        backend="cuda", rows=4)
 
 
 # -- the Metal generated-source check ------------------------------------------------------------------
 
-_MSL_SET = "metal_attn.providers.tiled_prefill:msl_specializations"
+_MSL_PROVIDER = ["tiled_prefill"]
 
 
 def test_msl_specializations_cover_every_choice():
-    labels = {s.label for s in tp.msl_specializations()}
+    labels = {s.label for s in tp.TiledPrefillProvider().msl_specializations()}
     for dtype in ("float16", "bfloat16"):
         for head in tp.TILE_CONFIGS["metal"]:
             for block in (8, 16, 32):
@@ -205,7 +205,7 @@ def test_msl_specializations_cover_every_choice():
 def test_metal_generated_source_type_checks(needs_clang):
     from metal_attn.msl_check import check
 
-    result = check(_MSL_SET)
+    result = check(providers=_MSL_PROVIDER)
     assert result.ok, result.summary()
     assert result.count == 24
 
@@ -216,7 +216,7 @@ def test_metal_source_check_catches_a_planted_error(needs_clang, planted_kernels
     # an array where a float belongs
     planted = planted_kernels("tiled_prefill.metal", "pf[b][j] = ma_popnd_pack<T>(p[0], p[1]);",
                               "pf[b][j] = ma_popnd_pack<T>(p, p[1]);")
-    result = check(_MSL_SET, only=r"tiled_prefill bfloat16 head=128 block=16", kernels_dir=planted)
+    result = check(providers=_MSL_PROVIDER, only=r"tiled_prefill bfloat16 head=128 block=16", kernels_dir=planted)
     assert not result.ok and "ma_popnd_pack" in result.summary()
 
 

@@ -2,9 +2,10 @@
 
 - ``metal`` and ``cuda``: one kernel text (``kernels_v2/pagedattention.metal``)
   compiled by ``mx.fast.metal_kernel`` or, through the CUDA prelude,
-  ``mx.fast.cuda_kernel`` (`providers.classic.gpu`). Decode and varlen batches
-  with the causal rule, GQA/MQA, sinks, sliding window and softcap; split-KV
-  (512-token partitions and the shared reducer) behind the occupancy gate.
+  ``mx.fast.cuda_kernel``: the per-token kernel of `providers.gpu_common`, run
+  through `providers.classic.gpu`. Decode and varlen batches with the causal
+  rule, GQA/MQA, sinks, sliding window and softcap; split-KV (512-token
+  partitions and the shared reducer) behind the occupancy gate.
 - ``cpu``: delegated entirely to ``providers.classic.cpu`` (C++ primitives),
   imported lazily; when it is missing, the cpu backend's availability reason
   says so.
@@ -26,7 +27,9 @@ from metal_attn.provider import Plan, Provider
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
+    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
+    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
@@ -183,6 +186,16 @@ class ClassicProvider(Provider):
         if device.backend == "cpu":
             return self._cpu_or_raise().write_cache(key, value, k_cache, v_cache, slots, device)
         return self._gpu().write_cache(key, value, k_cache, v_cache, slots, device)
+
+    # -- source checks ----------------------------------------------------------------------------
+
+    def msl_specializations(self) -> list[Specialization]:
+        """The per-token kernel, the reducer and the cache writer over the Metal admission table."""
+        return self._gpu().msl_specializations(GPU_ADMISSION["metal"])
+
+    def cuda_sources(self) -> list[CudaSource]:
+        """The per-token kernel's CUDA paths and the reducer."""
+        return self._gpu().cuda_sources()
 
     def info(self) -> dict[str, Any]:
         out = dict(super().info())

@@ -1,604 +1,60 @@
 """The ``classic`` provider on the GPU backends (Metal and CUDA): one kernel text.
 
-Routes: ``per_token_ps0`` (one pass per query row and head) and
-``per_token_ps512`` (split-KV: 512-token partitions, then the shared reducer),
-chosen by the occupancy gate ``num_heads * total_q_tokens < k * gpu_cores``
-with at least two partitions (``k`` per backend in
-`metal_attn.constants.SPLIT_GATE_FACTOR`). `reduce_partitions` launches the
-reducer for any kernel that writes the split contract (the GQA decode kernel).
+Every batch goes through the per-token kernel (`metal_attn.providers.gpu_common`: its geometry,
+occupancy gate, launch and the shared reducer, which the mixed split of other providers uses
+too); this module adds what only ``classic`` does: its plan, prepare and run on that kernel,
+``reshape_and_cache`` (`write_cache`) and the source-check sets of the kernels it launches
+(`msl_specializations`, `cuda_sources`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import itertools
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
+from metal_attn.providers import gpu_common as gc
 
 from metal_attn import kernels
-from metal_attn.constants import LOG2E, PARTITION_SIZE, SCRATCH_CAP_BYTES, SPLIT_GATE_FACTOR
-from metal_attn.kernels import SIMD_WIDTH
+from metal_attn.constants import DTYPES, PARTITION_SIZE
 from metal_attn.provider import Plan
-from metal_attn.request import split_scratch_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
-    from metal_attn.metadata import AttentionMetadata
+    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
 
-#: Threads per threadgroup of the reducer, and the per-token kernel's default.
-NUM_THREADS = 128
-SIMDGROUPS = NUM_THREADS // SIMD_WIDTH
-#: Threadgroup sizes a per-token geometry may take.
-THREAD_CHOICES = (64, 128, 256)
-#: Tokens a simdgroup takes per step on the matrix path (the columns of one 8x8 block).
-MMA_TOKENS = 8
 #: Threads per threadgroup of reshape_and_cache, and its most threadgroups per launch.
 CACHE_THREADS = 256
 CACHE_MAX_GROUPS = 8192
 
-PAGED_FILES = ("paged_common.h", "pagedattention.metal")
 CACHE_FILES = ("reshape_and_cache.metal",)
-PA_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "sinks", "params", "fparams")
-PA_OUTPUTS = {0: ("out",), 1: ("max_logits", "exp_sums", "tmp_out")}
 CACHE_INPUTS = ("key", "value", "k_cache", "v_cache", "inv_map", "params")
 CACHE_OUTPUTS = ("k_out", "v_out")
-REDUCE_INPUTS = ("max_logits", "exp_sums", "tmp_out", "seq_lens", "cu_seqlens_q", "sinks", "params")
 
-ROUTES = {False: "per_token_ps0", True: f"per_token_ps{PARTITION_SIZE}"}
-
-
-@dataclasses.dataclass(frozen=True)
-class GeometryRule:
-    """How the per-token kernel lays a head out on a simdgroup, per backend (data, not code paths).
-
-    - lanes per token: the largest power of two up to ``max_lanes`` dividing ``head_size / 4``
-      that still leaves each lane at least ``min_elements`` head elements;
-    - tokens unrolled per lane: 2 while a lane holds at most ``unroll_up_to`` elements (split
-      route) or ``unroll_up_to_unsplit`` (unsplit route), else 1;
-    - heads per threadgroup (HPS): the largest of ``hps_choices`` dividing the GQA group with
-      ``HPS * elements per lane <= hps_element_budget`` (q and the accumulators of every head
-      live in registers).
-    """
-
-    max_lanes: int
-    min_elements: int
-    unroll_up_to: int
-    unroll_up_to_unsplit: int
-    hps_choices: tuple[int, ...]
-    hps_element_budget: int
-
-
-#: Metal: upstream's shape (8 lanes per token, 2 tokens unrolled up to 16 elements, one head
-#: per threadgroup, its simdgroups striding over the tokens). CUDA: the H200 sweep
-#: (docs/bench-h200-classic.md): 16 elements per lane (8 lanes for head 128), two heads of a
-#: GQA group per threadgroup so each K/V row is read once for both, one token per lane on
-#: the split route and two on the unsplit one.
-GEOMETRY_RULES: dict[str, GeometryRule] = {
-    "metal": GeometryRule(max_lanes=8, min_elements=4, unroll_up_to=16, unroll_up_to_unsplit=16, hps_choices=(1,),
-                          hps_element_budget=0),
-    "cuda": GeometryRule(max_lanes=32, min_elements=16, unroll_up_to=0, unroll_up_to_unsplit=16,
-                         hps_choices=(4, 3, 2, 1), hps_element_budget=32),
-}
-@dataclasses.dataclass(frozen=True)
-class StagingRule:
-    """When and how the per-token kernel stages K/V chunks through threadgroup memory (data).
-
-    Staged launches give one threadgroup every head of a GQA group (``HPS`` = the group, or its
-    largest divisor up to ``max_heads``), so each K/V row is read from the pools once. They apply
-    to groups of at least ``min_group`` heads and to the ``head_sizes`` the sweep measured; other
-    requests keep direct loads (the established geometry).
-
-    - heads per simdgroup (HPW): ``hpw_small_grid`` on split launches with fewer than
-      ``small_grid_per_core`` threadgroups per GPU core (short partitions, few of them: each
-      simdgroup needs its own instruction-level parallelism), else ``hpw``; raised to the first
-      divisor of HPS whose simdgroups across heads (HPS/HPW) divide the NUM_THREADS/32 simdgroups;
-    - tokens unrolled per lane: ``unroll_one_head`` when a simdgroup holds one head, else
-      ``unroll_more_heads``;
-    - ``chunk`` tokens per staged chunk (halved until the chunks fit the threadgroup-memory
-      limit), ``stages`` chunks in flight;
-    - the matrix path (``Geometry.mma``: the heads as rows of 8x8 products) for 16-bit dtypes at
-      the ``mma_head_sizes``: the first of ``mma_launches`` (threads, chunk) whose chunks fit.
-    """
-
-    min_group: int
-    head_sizes: tuple[int, ...]
-    max_heads: int
-    hpw: int
-    hpw_small_grid: int
-    small_grid_per_core: float
-    unroll_one_head: int
-    unroll_more_heads: int
-    chunk: int
-    stages: int
-    mma_head_sizes: tuple[int, ...] = ()
-    mma_launches: tuple[tuple[int, int], ...] = ()
-
-
-#: CUDA: the H200 sweep (docs/bench-h200-classic.md, `benchmarks/sweep_gpu_tuning.py classic`).
-#: Metal: none (direct loads, upstream's shape; nothing here measures an Apple GPU).
-STAGING_RULES: dict[str, StagingRule] = {
-    "cuda": StagingRule(min_group=4, head_sizes=(128, 256), max_heads=8, hpw=2, hpw_small_grid=1,
-                        small_grid_per_core=6.0, unroll_one_head=4, unroll_more_heads=2, chunk=32, stages=2,
-                        mma_head_sizes=(128, 256), mma_launches=((128, 32), (64, 16))),
-}
-#: Threadgroup memory the staged chunks may take, per backend (the rule's budget: the rest of
-#: `THREADGROUP_BYTES_LIMIT` holds Q's matrix operands and the merge statistics; the merge's
-#: partial outputs reuse the stages).
-STAGE_BYTES_LIMIT = {"metal": 24 * 1024, "cuda": 40 * 1024}
-#: All of the per-token kernel's threadgroup memory, per backend: CUDA's static limit is 48 KiB
-#: a threadgroup, Apple GPUs have 32 KiB.
-THREADGROUP_BYTES_LIMIT = {"metal": 32 * 1024, "cuda": 48 * 1024}
-#: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
-#: Metal has no such instruction and the kernel's prefetch is a no-op there).
-PREFETCH_NEXT = {"metal": 0, "cuda": 1}
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """One launch shape of the per-token kernel."""
-
-    lanes: int  # lanes per token (TPT)
-    unroll: int  # tokens per lane per iteration
-    hps: int  # query heads per threadgroup (all of one KV head)
-    hpw: int = 0  # query heads per simdgroup (0: all ``hps``, the simdgroups split the tokens)
-    stage: int = 0  # tokens per chunk staged through threadgroup memory (0: direct loads)
-    stages: int = 2  # staged chunks in flight
-    mma: int = 0  # 1: the heads as rows of 8x8 matrix products (staged, 16-bit; lanes/unroll unused)
-    threads: int = NUM_THREADS  # threads per threadgroup
-
-    def __post_init__(self) -> None:
-        if self.hpw == 0:
-            object.__setattr__(self, "hpw", self.hps)
-
-    @property
-    def simdgroups(self) -> int:
-        return self.threads // SIMD_WIDTH
-
-    def grid_x(self, num_heads: int) -> int:
-        """The launch grid's x extent in threads: one threadgroup per ``hps`` query heads."""
-        return num_heads // self.hps * self.threads
-
-    @property
-    def simdgroups_across_heads(self) -> int:
-        return self.hps // self.hpw
-
-    @property
-    def token_simdgroups(self) -> int:
-        """Simdgroups that split the tokens (each holding its own softmax state until the merge)."""
-        return self.simdgroups // self.simdgroups_across_heads
-
-    @property
-    def tokens_per_pass(self) -> int:
-        """Tokens the simdgroups that split the tokens take per iteration (a staged chunk is whole passes)."""
-        per_simdgroup = MMA_TOKENS if self.mma else (SIMD_WIDTH // self.lanes) * self.unroll
-        return self.token_simdgroups * per_simdgroup
-
-    def stage_bytes(self, head_size: int, itemsize: int) -> int:
-        """Threadgroup memory of the staged chunks (rows padded as the kernel lays them out: 64 bytes,
-        16 on the matrix path)."""
-        pad = 16 if self.mma else 64
-        return self.stages * 2 * self.stage * (head_size * itemsize + pad) if self.stage else 0
-
-    def threadgroup_bytes(self, head_size: int, itemsize: int, backend: str) -> int:
-        """All the threadgroup memory the kernel declares for this geometry: the stages (or, with
-        direct loads, the merge's partial outputs; staged, those reuse the stages), the merge
-        statistics and, on the matrix path, Q's packed operands (a 32-bit register each on CUDA,
-        two floats on Metal)."""
-        merge = self.token_simdgroups * self.hps * head_size * 4
-        main = max(self.stage_bytes(head_size, itemsize), merge)
-        stats = self.token_simdgroups * self.hps * 2 * 4
-        q_ops = (head_size // 8) * SIMD_WIDTH * (4 if backend == "cuda" else 8) if self.mma else 0
-        return main + stats + q_ops
-
-
-def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: int = 1,
-             split: bool = False, kv_items_per_core: float | None = None) -> Geometry:
-    """The kernel geometry for ``head_size`` on ``backend``, GQA ``group`` query heads per KV head, route ``split``.
-
-    ``kv_items_per_core``: (KV heads x query rows x partitions) / GPU cores of the launch, for
-    the staging rule's small-grid choice (None: treated as a large grid).
-    """
-    vecs = head_size // 4
-    if head_size % 4 or vecs == 0:
-        raise ValueError(f"head_size={head_size} has no lane geometry (need a positive multiple of 4)")
-    rule = GEOMETRY_RULES.get(backend, GEOMETRY_RULES["metal"])
-    lanes = next(t for t in (32, 16, 8, 4, 2, 1)
-                 if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
-    itemsize = 4 if dtype in (None, "float32") else 2  # unknown dtype: size the chunks for the widest
-    mma = _mma_geometry(STAGING_RULES.get(backend), backend, head_size, dtype, lanes, group)
-    if mma is not None:
-        return mma
-    staged = _staged_geometry(STAGING_RULES.get(backend), backend, head_size, itemsize, lanes, group, split,
-                              kv_items_per_core)
-    if staged is not None:
-        return staged
-    elements = head_size // lanes
-    unroll = 2 if elements <= (rule.unroll_up_to if split else rule.unroll_up_to_unsplit) else 1
-    hps = next((h for h in rule.hps_choices if group % h == 0 and h * elements <= rule.hps_element_budget), 1)
-    return Geometry(lanes, unroll, hps)
-
-
-def _group_heads(rule: StagingRule, group: int) -> int:
-    """Heads per threadgroup on a staged launch: the GQA group, or its largest divisor up to ``max_heads``."""
-    return max(d for d in range(1, min(group, rule.max_heads) + 1) if group % d == 0)
-
-
-def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype: str | None, lanes: int,
-                  group: int) -> Geometry | None:
-    """The matrix-path geometry `StagingRule` gives, or None where it does not apply (the same for
-    both routes and any grid: the sweep found no split or small-grid variant worth a rule)."""
-    if (rule is None or dtype not in ("float16", "bfloat16") or group < rule.min_group
-            or head_size not in rule.mma_head_sizes):
-        return None
-    hps = _group_heads(rule, group)
-    for threads, chunk in rule.mma_launches:
-        geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, mma=1, threads=threads)
-        if geometry_problem(geo, head_size, group, 2, backend) is None:
-            return geo
-    return None
-
-
-def _staged_geometry(rule: StagingRule | None, backend: str, head_size: int, itemsize: int, lanes: int,
-                     group: int, split: bool, kv_items_per_core: float | None) -> Geometry | None:
-    """The staged geometry `StagingRule` gives, or None where it does not apply."""
-    if rule is None or group < rule.min_group or head_size not in rule.head_sizes:
-        return None
-    hps = _group_heads(rule, group)
-    small = split and kv_items_per_core is not None and kv_items_per_core * group / hps < rule.small_grid_per_core
-    target = rule.hpw_small_grid if small else rule.hpw
-    hpw = next((h for h in range(target, hps + 1) if hps % h == 0 and SIMDGROUPS % (hps // h) == 0), None)
-    if hpw is None:
-        return None
-    unroll = rule.unroll_one_head if hpw == 1 else rule.unroll_more_heads
-    per_pass = Geometry(lanes, unroll, hps, hpw).tokens_per_pass
-    chunk = rule.chunk
-    while chunk >= per_pass:
-        geo = Geometry(lanes, unroll, hps, hpw, chunk, rule.stages)
-        if geometry_problem(geo, head_size, group, itemsize, backend) is None:
-            return geo
-        chunk //= 2
-    return None
-
-
-def source_check_launches(head_size: int, dtype: str | None = None) -> list[tuple[bool, Geometry]]:
-    """(split, geometry) pairs whose Metal text the source check type-checks, for both routes: Metal's
-    own geometry (direct loads), one staged chunk per token simdgroup pass, and for 16-bit ``dtype``
-    and head sizes that are multiples of 32 the matrix path (the staged code paths the CUDA tables
-    choose; the text is checked, whether or not Apple's threadgroup memory would hold that chunk)."""
-    launches = []
-    for split in (False, True):
-        geo = geometry(head_size, None, "metal", split=split)
-        one_pass = Geometry(geo.lanes, 1, 1, 1).tokens_per_pass
-        launches += [(split, geo), (split, Geometry(geo.lanes, 1, 1, 1, one_pass, 2))]
-        if dtype in ("float16", "bfloat16") and head_size % 32 == 0:
-            mma_pass = Geometry(geo.lanes, 1, 1, 1, mma=1).tokens_per_pass
-            launches.append((split, Geometry(geo.lanes, 1, 1, 1, mma_pass, 2, mma=1)))
-    return launches
-
-
-def _bytes_limit(table: dict[str, int], backend: str) -> int:
-    """A per-backend threadgroup-memory ``table``'s value for ``backend`` (Apple's, the smaller, for any other)."""
-    return table.get(backend, table["metal"])
-
-
-def kv_items_per_core(num_kv_heads: int, rows: int, parts: int, gpu_cores: int | None) -> float | None:
-    """(KV heads x query rows x partitions) per GPU core, the staging rule's grid measure (None: cores unknown)."""
-    return num_kv_heads * rows * parts / gpu_cores if gpu_cores else None
-
-
-def _backend() -> str:
-    from metal_attn.device import current_device
-
-    return current_device().backend
-
-
-def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, backend: str) -> str | None:
-    """Why ``geo`` cannot lay out ``head_size`` for a GQA ``group`` (None when it can)."""
-    lanes = geo.lanes
-    if lanes not in (1, 2, 4, 8, 16, 32) or head_size % (4 * lanes):
-        return f"lanes={lanes} (allowed: a power of two up to 32 dividing head_size/4={head_size // 4})"
-    if geo.unroll < 1:
-        return f"unroll={geo.unroll} (allowed: >= 1)"
-    if geo.hps < 1 or group % geo.hps:
-        return f"hps={geo.hps} (allowed: a divisor of the GQA group {group})"
-    if geo.threads not in THREAD_CHOICES:
-        return f"threads={geo.threads} (allowed: {', '.join(map(str, THREAD_CHOICES))})"
-    if geo.hpw < 1 or geo.hps % geo.hpw or geo.simdgroups % (geo.hps // geo.hpw):
-        return (f"hpw={geo.hpw} (allowed: a divisor of hps={geo.hps} with hps/hpw dividing {geo.simdgroups} "
-                f"simdgroups)")
-    if geo.mma:
-        if geo.mma != 1 or not geo.stage or itemsize != 2 or geo.hpw != geo.hps or geo.hps > 8 or head_size % 32:
-            return (f"mma={geo.mma} (allowed: 0, or 1 with staged chunks, a 16-bit dtype (itemsize={itemsize}), "
-                    f"hpw == hps <= 8 (hps={geo.hps}, hpw={geo.hpw}) and head_size a multiple of 32 "
-                    f"(head_size={head_size}))")
-    if geo.stage:
-        if geo.stage < 0 or geo.stage % geo.tokens_per_pass:
-            return (f"stage={geo.stage} (allowed: 0, or a multiple of the {geo.tokens_per_pass} tokens the token "
-                    f"simdgroups take per iteration)")
-        if geo.stages < 2:
-            return f"stages={geo.stages} (allowed: >= 2)"
-        limit = _bytes_limit(STAGE_BYTES_LIMIT, backend)
-        if geo.stage_bytes(head_size, itemsize) > limit:
-            return (f"stage={geo.stage} stages={geo.stages}: {geo.stage_bytes(head_size, itemsize)} bytes of "
-                    f"threadgroup memory on {backend} (allowed: <= {limit})")
-    total = geo.threadgroup_bytes(head_size, itemsize, backend)
-    total_limit = _bytes_limit(THREADGROUP_BYTES_LIMIT, backend)
-    if total > total_limit:
-        return (f"{geo}: {total} bytes of threadgroup memory in all at head_size={head_size} on {backend} "
-                f"(allowed: <= {total_limit})")
-    return None
-
-
-def availability_reasons(device: DeviceInfo) -> list[str]:
-    """Why the GPU kernels cannot run on ``device`` (a hypothetical device is taken at its word)."""
-    if device.hypothetical:
-        return []
-    if not mx.is_available(mx.gpu):
-        return [f"backend={device.backend}: MLX has no usable GPU here"]
-    if device.backend == "metal" and not mx.metal.is_available():
-        return ["backend=metal: this MLX build has no Metal backend"]
-    if device.backend == "cuda" and not mx.cuda.is_available():
-        return ["backend=cuda: this MLX build has no CUDA backend"]
-    return []
-
-
-def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool, tuple[str, ...]]:
-    """The occupancy gate, with the arithmetic behind it as notes."""
-    p = PARTITION_SIZE
-    parts = request.partitions(p)
-    grid = request.num_heads * request.total_q_tokens
-    factor = SPLIT_GATE_FACTOR.get(device.backend)
-    cores = device.gpu_cores
-    if factor is None:
-        return False, (f"split gate: no factor measured for backend={device.backend} (no split)",)
-    if cores is None:
-        return False, ("split gate: gpu_cores unknown (no split; set METAL_ATTN_GPU_CORES)",)
-    threshold = factor * cores
-    small = grid < threshold
-    long_enough = parts >= 2
-    scratch = split_scratch_bytes(request.total_q_tokens, request.num_heads, parts, request.head_size)
-    fits = scratch <= SCRATCH_CAP_BYTES
-    notes = [
-        f"split gate: num_heads*total_q_tokens={request.num_heads}*{request.total_q_tokens}={grid} "
-        f"{'<' if small else '>='} {factor}*gpu_cores={factor}*{cores}={threshold}",
-        f"partitions=ceil(max_seq_len/{p})=ceil({request.max_seq_len}/{p})={parts} "
-        f"{'>=' if long_enough else '<'} 2",
-    ]
-    if not fits:
-        notes.append(f"scratch={scratch} bytes > cap {SCRATCH_CAP_BYTES} (no split)")
-    split = small and long_enough and fits
-    notes.append("-> split" if split else "-> no split")
-    return split, tuple(notes)
+availability_reasons = gc.availability_reasons
 
 
 def plan(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
-    """The launch decision for an admitted request."""
-    split, notes = split_decision(request, device)
-    parts = request.partitions(PARTITION_SIZE) if split else 1
-    items = kv_items_per_core(request.num_kv_heads, request.total_q_tokens, parts, device.gpu_cores)
-    geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads,
-                   split, items)
-    return Plan(
-        provider=provider,
-        route=ROUTES[split],
-        partition_size=PARTITION_SIZE if split else 0,
-        grid=(geo.grid_x(request.num_heads), request.total_q_tokens, parts),
-        threadgroup=(geo.threads, 1, 1),
-        specialization=(device.backend, request.dtype, request.head_size, request.block_size,
-                        PARTITION_SIZE if split else 0, *dataclasses.astuple(geo)),
-        notes=(*notes, describe_geometry(geo, items)),
-    )
+    """The launch decision for an admitted request (the per-token kernel's)."""
+    return gc.plan_per_token(provider, request, device, settings)
 
 
-def describe_geometry(geo: Geometry, kv_items_per_core: float | None) -> str:
-    """The geometry as a diagnostics note."""
-    loads = (f"staged chunks of {geo.stage} tokens, {geo.stages} in flight" if geo.stage else "direct loads")
-    grid = "" if kv_items_per_core is None else f" (kv_items_per_core={kv_items_per_core:.1f})"
-    if geo.mma:
-        return (f"heads_per_threadgroup={geo.hps} as the rows of 8x8 matrix products, {MMA_TOKENS} tokens a "
-                f"simdgroup step, {loads}{grid}")
-    return (f"lanes_per_token={geo.lanes} unroll={geo.unroll} heads_per_threadgroup={geo.hps} "
-            f"heads_per_simdgroup={geo.hpw}, {loads}{grid}")
-
-
-@functools.lru_cache(maxsize=256)
-def plan_geometry(specialization: tuple) -> Geometry:
-    """The `Geometry` a classic plan's specialization carries."""
-    return Geometry(*specialization[5:])
-
-
-# -- launching -----------------------------------------------------------------------------------
-
-
-def paged_defines(split: bool, geo: Geometry) -> tuple[tuple[str, int], ...]:
-    """The per-token kernel's code-path defines (route; direct or staged loads; the matrix path), as
-    the pairs `kernels.load_kernel` hashes as given on every launch."""
-    return (("PA_MMA", int(geo.mma)), ("PA_SPLIT", int(split)), ("PA_STAGED", int(geo.stage > 0)))
-
-
-def _paged_kernel(backend: str, split: bool, geo: Geometry):
-    return kernels.load_kernel("paged_attention", PAGED_FILES, PA_INPUTS, PA_OUTPUTS[int(split)], backend,
-                               defines=paged_defines(split, geo))
-
-
-def _reduce_kernel(backend: str):
-    return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
-
-
-@functools.lru_cache(maxsize=64)
-def zeros_f32(n: int) -> mx.array:
-    """``n`` float32 zeros (the sink logits of a call without sinks), built once per ``n``."""
-    return kernels.param_array((0.0,) * n, "float32")
-
-
-def launch_geometry(q: mx.array, k_cache: mx.array, md: AttentionMetadata, *, split: bool, backend: str,
-                    rows: int | None = None) -> Geometry:
-    """The geometry `plan` would give this launch (the device's core count for the grid measure)."""
-    from metal_attn.api import dtype_name
-    from metal_attn.device import current_device
-
-    total, num_heads, head = q.shape
-    num_kv_heads = k_cache.shape[2]
-    items = kv_items_per_core(num_kv_heads, rows or total, _max_parts(md, split, rows), current_device().gpu_cores)
-    return geometry(head, dtype_name(q.dtype), backend, num_heads // num_kv_heads, split, items)
-
-
-def _max_parts(md: AttentionMetadata, split: bool, rows: int | None) -> int:
-    # The decode rows of a mixed batch need partitions for the longest decode row only.
-    longest = md.max_decode_seq_len if rows is not None and rows == md.num_decode_seqs else md.max_seq_len
-    return -(-longest // PARTITION_SIZE) if split else 1
-
-
-def launch_paged(
-    q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
-    sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
-    geometry_override: Geometry | None = None, prefetch: int | None = None, rows: int | None = None,
-) -> mx.array:
-    """Run the per-token kernel (and the reducer when ``split``); returns ``[T, H, D]``.
-
-    ``rows`` computes only the first ``rows`` query rows (the decode rows at the front of a
-    mixed batch) and returns ``[rows, H, D]``.
-
-    ``geometry_override`` replaces `launch_geometry` (checked by `geometry_problem`) and
-    ``prefetch`` replaces `PREFETCH_NEXT` (0 or 1), for tuning sweeps and tests; plans run
-    through `run_specialization`, whose geometry is valid by construction.
-    """
-    total, num_heads, head = q.shape
-    if rows is not None and not 1 <= rows <= total:
-        raise ValueError(f"rows={rows} (allowed: 1..{total}, the query rows of the batch)")
-    if geometry_override is None:
-        geo = launch_geometry(q, k_cache, md, split=split, backend=backend, rows=rows)  # valid by construction
-    else:
-        geo = geometry_override
-        problem = geometry_problem(geo, head, num_heads // k_cache.shape[2], q.dtype.size, backend)
-        if problem:
-            raise ValueError(f"geometry_override={geometry_override}: {problem}")
-    prefetch = PREFETCH_NEXT.get(backend, 0) if prefetch is None else prefetch
-    if prefetch not in (0, 1):
-        raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
-    return _launch(q, k_cache, v_cache, md, scale=scale, sinks=sinks, sliding_window=sliding_window,
-                   softcap=softcap, split=split, backend=backend, geo=geo, prefetch=prefetch, rows=rows)
-
-
-def _launch(
-    q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
-    sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
-    geo: Geometry, prefetch: int, rows: int | None,
-) -> mx.array:
-    """`launch_paged` after its checks."""
-    total, num_heads, head = q.shape
-    total = rows or total
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    dtype = q.dtype
-    max_parts = _max_parts(md, split, rows)
-    use_sinks = sinks is not None
-    sinks_arr = sinks if use_sinks else zeros_f32(num_heads)
-    params = kernels.param_array((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq,
-                           int(sliding_window or 0), max_parts, int(use_sinks)), "int32")
-    fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
-    template = paged_template(dtype, head, block_size, split, geo, prefetch)
-    inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks_arr, params, fparams]
-    grid = (geo.grid_x(num_heads), total, max_parts)
-    kern = _paged_kernel(backend, split, geo)
-    if not split:
-        return kern(inputs=inputs, template=template, grid=grid, threadgroup=(geo.threads, 1, 1),
-                    output_shapes=[(total, num_heads, head)], output_dtypes=[dtype])[0]
-    max_logits, exp_sums, tmp_out = kern(
-        inputs=inputs, template=template, grid=grid, threadgroup=(geo.threads, 1, 1),
-        output_shapes=[(total, num_heads, max_parts), (total, num_heads, max_parts),
-                       (total, num_heads, max_parts, head)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    )
-    return reduce_partitions(max_logits, exp_sums, tmp_out, md, sinks, PARTITION_SIZE,
-                             out_dtype=dtype, backend=backend)
-
-
-def paged_template(dtype, head_size: int, block_size: int, split: bool, geo: Geometry,
-                   prefetch: int) -> list[tuple[str, object]]:
-    """The per-token kernel's template arguments (``dtype``: an MLX dtype, or its name for the source check)."""
-    return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size),
-            ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", geo.threads),
-            ("TPT", geo.lanes), ("UNROLL", geo.unroll), ("HPS", geo.hps), ("HPW", geo.hpw),
-            ("PREFETCH", prefetch), ("STAGE", geo.stage), ("STAGES", geo.stages)]
-
-
-def reduce_partitions(
-    max_logits: mx.array, exp_sums: mx.array, tmp_out: mx.array, metadata: AttentionMetadata,
-    sinks: mx.array | None, partition_size: int, *, out_dtype=None, backend: str | None = None,
-) -> mx.array:
-    """Launch ``paged_attention_v2_reduce`` over partials written by the split contract.
-
-    ``max_logits``/``exp_sums``: ``[total_q_tokens, num_heads, max_parts]`` float32
-    (log2-space reference maxima, each the partition's maximum or up to
-    ``RESCALE_SLACK`` below it; sums un-normalised, relative to that reference); ``tmp_out``: ``[..., head_size]``
-    (float32 or the query dtype), already divided by ``exp_sums + eps``; neutral
-    partials are ``(-FLT_MAX, 0, 0)``. Each row's partition count is recomputed
-    from ``metadata`` (causal length over ``partition_size``). ``sinks``: float32
-    ``[num_heads]`` or ``None``, folded once here. Returns ``[total_q_tokens,
-    num_heads, head_size]`` in ``out_dtype`` (default: ``tmp_out``'s dtype).
-    """
-    total, num_heads, max_parts, head = tmp_out.shape
-    if max_logits.shape != (total, num_heads, max_parts) or exp_sums.shape != max_logits.shape:
-        raise ValueError(f"max_logits.shape={tuple(max_logits.shape)} and exp_sums.shape={tuple(exp_sums.shape)} "
-                         f"must both be {(total, num_heads, max_parts)} to match tmp_out.shape={tuple(tmp_out.shape)}")
-    out_dtype = out_dtype or tmp_out.dtype
-    backend = backend or _backend()
-    use_sinks = sinks is not None
-    sinks_arr = sinks.astype(mx.float32) if use_sinks else zeros_f32(num_heads)
-    params = kernels.param_array((metadata.num_seqs, num_heads, max_parts, int(use_sinks)), "int32")
-    return _reduce_kernel(backend)(
-        inputs=[max_logits, exp_sums, tmp_out, metadata.seq_lens, metadata.cu_seqlens_q, sinks_arr, params],
-        template=[("T", out_dtype), ("TT", tmp_out.dtype), ("HEAD_SIZE", head),
-                  ("PARTITION_SIZE", partition_size), ("NUM_THREADS", NUM_THREADS)],
-        grid=(num_heads * NUM_THREADS, total, 1), threadgroup=(NUM_THREADS, 1, 1),
-        output_shapes=[(total, num_heads, head)], output_dtypes=[out_dtype],
-    )[0]
+def prepare(plan: Plan, device: DeviceInfo) -> None:
+    """Compile the plan's specialization now (a tiny launch), raising `KernelCompileError` on failure."""
+    gc.prepare_per_token(plan, device)
 
 
 def run(inputs: AttentionInputs, plan: Plan) -> mx.array:
     """The provider's lazy computation for an admitted request, in the plan's exact specialization
     (the one `prepare` compiled)."""
-    return run_specialization(inputs, plan.specialization)
-
-
-def run_specialization(inputs: AttentionInputs, specialization: tuple, rows: int | None = None) -> mx.array:
-    """Launch a classic plan's specialization over ``inputs`` (``rows``: only the first rows, as
-    `launch_paged`); no checks: the plan's geometry is valid by construction."""
-    backend = specialization[0]
-    return _launch(
-        inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, scale=inputs.scale, sinks=inputs.sinks,
-        sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=specialization[4] > 0,
-        backend=backend, geo=plan_geometry(specialization), prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows,
-    )
-
-
-def prepare(plan: Plan, device: DeviceInfo) -> None:
-    """Compile the plan's specialization now (a tiny launch), raising `KernelCompileError` on failure."""
-    from metal_attn.metadata import AttentionMetadata
-
-    backend, dtype, head, block, psize = plan.specialization[:5]
-    geo = plan_geometry(plan.specialization)
-    if device.hypothetical:
-        return
-    split = psize > 0
-    mdt = getattr(mx, dtype)
-    seq_len = PARTITION_SIZE + 1 if split else 1
-    nblk = -(-seq_len // block)
-    md = AttentionMetadata.build(np.arange(nblk, dtype=np.int32)[None, :], [seq_len], [0, 1], validate=False)
-    q = mx.zeros((1, geo.hps, head), mdt)  # hps query heads on one KV head: the plan's exact specialization
-    kc = mx.zeros((nblk, block, 1, head), mdt)
-
-    def _go():
-        return launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None,
-                            split=split, backend=backend, geometry_override=geo)
-
-    kernels.compile_now(_go, f"classic {plan.route} {plan.specialization}")
+    return gc.run_per_token(inputs, plan.specialization)
 
 
 # -- reshape_and_cache ---------------------------------------------------------------------------
@@ -633,3 +89,75 @@ def write_cache(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.a
         output_shapes=[k_cache.shape, v_cache.shape], output_dtypes=[k_cache.dtype, v_cache.dtype],
     )
     return k_out, v_out
+
+
+# -- source-check sets ---------------------------------------------------------------------------
+
+
+def msl_specializations(admission: Mapping[str, frozenset]) -> list[Specialization]:
+    """Every specialization ``classic`` can choose on Metal, for `metal_attn.msl_check`: the
+    per-token kernel (both routes, direct and staged loads, the matrix path at 16-bit dtypes and
+    head sizes that are multiples of 32), the reducer per (dtype, head) and the cache writer per
+    dtype, over ``admission`` (the Metal admission table: dtypes, head sizes, block sizes)."""
+    from metal_attn.msl_check import Specialization
+
+    specs: list[Specialization] = []
+    t, h, s = 3, 4, 2  # tokens, heads, sequences: shapes only matter for tracing
+    for dtype in DTYPES:
+        if dtype not in admission["dtypes"]:
+            continue
+        for head in sorted(admission["head_sizes"]):
+            for block in sorted(admission["block_sizes"]):
+                for split, geo in gc.source_check_launches(head, dtype):
+                    parts = 2 if split else 1
+                    common_in = (
+                        ((t, h, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
+                        ((s, 4), "int32"), ((s,), "int32"), ((s + 1,), "int32"), ((h,), "float32"),
+                        ((7,), "int32"), ((2,), "float32"),
+                    )
+                    outs = (((t, h, head), dtype),) if not split else (
+                        ((t, h, parts), "float32"), ((t, h, parts), "float32"), ((t, h, parts, head), "float32"))
+                    specs.append(Specialization(
+                        label=f"paged_attention split={int(split)} {dtype} head={head} block={block}"
+                              + (" mma" if geo.mma else " staged" if geo.stage else ""),
+                        kernel="paged_attention", source_files=gc.PAGED_FILES, input_names=gc.PA_INPUTS,
+                        output_names=gc.PA_OUTPUTS[split],
+                        template=tuple(gc.paged_template(dtype, head, block, split, geo, gc.PREFETCH_NEXT["metal"])),
+                        inputs=common_in, outputs=outs, defines=gc.paged_defines(split, geo),
+                    ))
+            specs.append(gc.reducer_msl_specialization(f"paged_attention_v2_reduce {dtype} head={head}", dtype,
+                                                       head, PARTITION_SIZE, rows=t))
+        specs.append(Specialization(
+            label=f"reshape_and_cache {dtype}",
+            kernel="reshape_and_cache", source_files=CACHE_FILES,
+            input_names=CACHE_INPUTS, output_names=CACHE_OUTPUTS,
+            template=(("T", dtype),),
+            inputs=(((3, 2, 64), dtype), ((3, 2, 64), dtype), ((4, 16, 2, 64), dtype), ((4, 16, 2, 64), dtype),
+                    ((64,), "int32"), ((3,), "int64")),
+            outputs=(((4, 16, 2, 64), dtype), ((4, 16, 2, 64), dtype)),
+        ))
+    return specs
+
+
+def cuda_sources() -> list[CudaSource]:
+    """The specializations the CUDA tables choose for ``classic``, for `metal_attn.cuda_check`: the
+    per-token kernel at the head sizes and GQA groups that pick each path (direct, staged, matrix;
+    both routes; a small and a large split grid), and the reducer."""
+    from metal_attn.cuda_check import CudaSource
+
+    out: list[CudaSource] = []
+    for dt, head, split, group in itertools.product(("float32", "float16", "bfloat16"), (64, 128, 256),
+                                                    (False, True), (2, 4, 8)):
+        for cores_items in (1.0, None):  # a small split grid and a large one (the staging rule's choice)
+            geo = gc.geometry(head, dt, "cuda", group, split, cores_items if split else None)
+            ins = tuple(zip(gc.PA_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "float32", "int32", "float32")))
+            outs = ((("out", dt),) if not split else tuple((n, "float32") for n in gc.PA_OUTPUTS[1]))
+            label = f"paged_attention {dt} h{head} g{group} split={int(split)} {gc.describe_geometry(geo, None)}"
+            src = CudaSource(label, "paged_attention", gc.PAGED_FILES, ins, outs,
+                             tuple(gc.paged_template(dt, head, 16, split, geo, gc.PREFETCH_NEXT["cuda"])),
+                             gc.paged_defines(split, geo))
+            if src not in out:
+                out.append(src)
+    for dt, head in itertools.product(("float32", "bfloat16"), (64, 128, 256)):
+        out.append(gc.reducer_cuda_source(f"paged_attention_v2_reduce {dt} h{head}", dt, head, 512))
+    return out

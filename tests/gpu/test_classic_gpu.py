@@ -38,12 +38,12 @@ def _forced_route(route: str):
     """Force the occupancy gate: 4096 cores always split (given two partitions); for the
     unsplit route one core is not enough on CUDA, where the gate factor is 16 and a grid
     of 4 heads x 2 rows = 8 < 16 * 1 still splits, so the factor is set to 0 as well."""
-    from metal_attn.providers.classic import gpu
+    from metal_attn.providers import gpu_common as gc
 
-    factors = dict(gpu.SPLIT_GATE_FACTOR)
+    factors = dict(gc.SPLIT_GATE_FACTOR)
     if route == "per_token_ps0":
         factors = {backend: 0 for backend in factors}
-    with override_settings(gpu_cores=ROUTE_CORES[route]), mock.patch.object(gpu, "SPLIT_GATE_FACTOR", factors):
+    with override_settings(gpu_cores=ROUTE_CORES[route]), mock.patch.object(gc, "SPLIT_GATE_FACTOR", factors):
         yield
 
 
@@ -109,20 +109,20 @@ def _tuning_id(t) -> str:
 def test_every_tuning_matches_oracle(tuning, split):
     """Each geometry/prefetch variant (bare launch) against the oracle: a window, a sink-free mixed batch,
     rows shorter than a simdgroup's first step (idle simdgroups must merge as empty states)."""
-    from metal_attn.providers.classic import gpu
+    from metal_attn.providers import gpu_common as gc
 
     case = make_case(q_lens=[1, 1, 1, 1, 5], seq_lens=[1, 3, 17, 1100, 530], num_heads=8, num_kv_heads=2,
                      head_size=128, block_size=16, dtype="bfloat16", seed=sum(tuning[0]), sliding_window=700,
                      label=f"tuning {tuning}")
     md = case.metadata()
     backend = metal_attn.current_device().backend
-    geo = gpu.Geometry(*tuning[0])
-    problem = gpu.geometry_problem(geo, 128, 4, 2, backend)
+    geo = gc.Geometry(*tuning[0])
+    problem = gc.geometry_problem(geo, 128, 4, 2, backend)
     if problem and backend != "cuda":  # the table is CUDA's: on CUDA every variant must launch
         pytest.skip(f"{geo} is not a {backend} geometry: {problem}")
-    out = gpu.launch_paged(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
-                           sliding_window=700, softcap=None, split=split, backend=backend,
-                           geometry_override=geo, prefetch=tuning[1])
+    out = gc.launch_paged(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
+                          sliding_window=700, softcap=None, split=split, backend=backend,
+                          geometry_override=geo, prefetch=tuning[1])
     assert_close_to_oracle(out, case.oracle(), "bfloat16", label=f"{case.label} split={split}")
 
 
@@ -242,7 +242,7 @@ def test_gate_routes_on_real_device():
 
 
 def test_reducer_contract_with_neutral_partials():
-    from metal_attn.providers.classic.gpu import reduce_partitions
+    from metal_attn.providers.gpu_common import reduce_partitions
 
     from metal_attn.constants import LOG2E, NEG_FLT_MAX, SOFTMAX_EPS
     from metal_attn.metadata import AttentionMetadata

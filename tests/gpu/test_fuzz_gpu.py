@@ -40,13 +40,13 @@ def _gate(route: str | None):
     if route is None:
         yield
         return
-    from metal_attn.providers.classic import gpu
+    from metal_attn.providers import gpu_common as gc
 
-    factors = dict(gpu.SPLIT_GATE_FACTOR)
+    factors = dict(gc.SPLIT_GATE_FACTOR)
     if route == "per_token_ps0":
         factors = dict.fromkeys(factors, 0)
     cores = 1 if route == "per_token_ps0" else 4096
-    with override_settings(gpu_cores=cores), mock.patch.object(gpu, "SPLIT_GATE_FACTOR", factors):
+    with override_settings(gpu_cores=cores), mock.patch.object(gc, "SPLIT_GATE_FACTOR", factors):
         yield
 
 

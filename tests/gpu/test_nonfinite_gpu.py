@@ -47,12 +47,12 @@ ROUTE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
 @contextlib.contextmanager
 def _classic_route(route: str):
     """Force classic's occupancy gate either way (as tests/gpu/test_classic_gpu.py does)."""
-    from metal_attn.providers.classic import gpu
+    from metal_attn.providers import gpu_common as gc
 
-    factors = dict(gpu.SPLIT_GATE_FACTOR)
+    factors = dict(gc.SPLIT_GATE_FACTOR)
     if route == "per_token_ps0":
         factors = dict.fromkeys(factors, 0)
-    with override_settings(gpu_cores=ROUTE_CORES[route]), mock.patch.object(gpu, "SPLIT_GATE_FACTOR", factors):
+    with override_settings(gpu_cores=ROUTE_CORES[route]), mock.patch.object(gc, "SPLIT_GATE_FACTOR", factors):
         yield
 
 
