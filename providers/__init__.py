@@ -20,6 +20,7 @@ BUILTIN_PROVIDERS: tuple[str, ...] = (
     "metal_attn.providers.classic:ClassicProvider",
     "metal_attn.providers.gqa_decode:GQADecodeProvider",
     "metal_attn.providers.tiled_prefill:TiledPrefillProvider",
+    "metal_attn.providers.sdpa_prefill:SdpaPrefillProvider",
 )
 
 

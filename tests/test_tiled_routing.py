@@ -26,6 +26,16 @@ M5 = DeviceInfo.preset("m5-max")
 import_builtin_providers()
 from metal_attn.providers import tiled_prefill as tp  # noqa: E402
 
+#: On CUDA ``sdpa_prefill`` (priority 55) takes the prefill batches its rule admits
+#: (tests/test_sdpa_prefill.py); here it is disabled so that the tiles' own choices are asserted.
+WITHOUT_SDPA = ("sdpa_prefill",)
+
+
+@pytest.fixture(autouse=True)
+def _tiles_first():
+    with override_settings(disabled_providers=WITHOUT_SDPA):
+        yield
+
 
 def _explain(device, q_lens, seq_lens, *, heads=(32, 8, 128), dtype="bfloat16", block_size=16, **features):
     h, kvh, d = heads
@@ -111,7 +121,7 @@ def test_mixed_split_threshold(device):
 
 
 def test_mixed_split_needs_the_classic_provider():
-    with override_settings(disabled_providers=["classic"]):
+    with override_settings(disabled_providers=["classic", *WITHOUT_SDPA]):
         row = _row(_explain(H200, [1, 1, 300], [8192, 100, 800]))
     assert row.chosen and row.plan.route == "tiled_prefill"
     assert any("the classic provider is disabled" in n for n in row.plan.notes), row.plan.notes

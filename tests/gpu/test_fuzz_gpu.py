@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 COUNT = int(os.environ.get("MA_TEST_FUZZ_GPU_CASES", "2000"))
 FIRST = int(os.environ.get("MA_TEST_FUZZ_GPU_SEED", "0"))
 SPECS = random_specs(COUNT, "gpu", FIRST)
-GPU_PROVIDERS = ("classic", "gqa_decode", "tiled_prefill")
+GPU_PROVIDERS = ("classic", "gqa_decode", "tiled_prefill", "sdpa_prefill")
 RAN: collections.Counter = collections.Counter()
 
 

@@ -65,7 +65,7 @@ def _check(case, provider: str, route: str | None = None) -> None:
     assert_close_to_oracle(got, case.oracle(), case.dtype, label=f"{case.label} via {provider}/{rec.route}")
 
 
-@pytest.mark.parametrize("provider", ("classic", "gqa_decode", "tiled_prefill"))
+@pytest.mark.parametrize("provider", ("classic", "gqa_decode", "tiled_prefill", "sdpa_prefill"))
 @pytest.mark.parametrize("spec", ALL_NONFINITE, ids=[s["label"] for s in ALL_NONFINITE])
 def test_conformance_nonfinite_specs(spec, provider):
     reasons = admission_reasons(spec, provider)
@@ -146,3 +146,22 @@ def test_tiled_mixed_batches(threshold):
     route = "mixed_prefill_decode" if threshold == 0 else "tiled_prefill"
     with forced_mixed_threshold(threshold):
         _check(case, "tiled_prefill", route)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("head", (64, 128))
+def test_sdpa_prefill_masked_positions(head, dtype):
+    """The gathered-SDPA route: non-finite K/V after a row's causal end (inside the fused kernel's
+    diagonal tiles) must not reach it; a chunk after context and a mixed batch's decode rows too."""
+    if BACKEND != "cuda":
+        pytest.skip(f"sdpa_prefill's rule admits cuda only (backend={BACKEND})")
+    poison = [("v", 0, 150, 0, NAN), ("k", 0, 151, 1, INF), ("v", 0, 199, 1, -INF), ("q", 0, 60, 3, NAN),
+              ("v", 1, 420, 0, NAN), ("k", 1, 30, 1, NAN)]
+    case = make_case(q_lens=[200, 64], seq_lens=[200, 450], num_heads=4, num_kv_heads=2, head_size=head,
+                     block_size=16, dtype=dtype, seed=head, poison=poison, label=f"sdpa h{head} {dtype}")
+    _check(case, "sdpa_prefill", "sdpa_prefill")
+    mixed = make_case(q_lens=[1, 1, 90], seq_lens=[300, 40, 90], num_heads=4, num_kv_heads=2, head_size=head,
+                      block_size=16, dtype=dtype, seed=head + 1,
+                      poison=[("v", 0, 299, 0, NAN), ("k", 1, 3, 1, INF), ("v", 2, 80, 1, NAN)],
+                      label=f"sdpa mixed h{head} {dtype}")
+    _check(mixed, "sdpa_prefill", "sdpa_prefill_decode")

@@ -185,13 +185,16 @@ def test_bitwise_identical_on_repeat():
 @pytest.mark.parametrize(("q_lens", "seq_lens"), [([50, 9], [50, 300]), ([1, 50], [300, 50])],
                          ids=("prefill", "mixed"))
 def test_auto_routes_prefill_and_mixed_batches_here(q_lens, seq_lens):
-    # Without forcing: prefill rows of an admitted geometry go to the tiles; the decode rows of a
-    # mixed batch leave them from the backend's measured threshold on.
+    # Without forcing (sdpa_prefill, which takes these batches on CUDA by its rule, disabled):
+    # prefill rows of an admitted geometry go to the tiles; the decode rows of a mixed batch leave
+    # them from the backend's measured threshold on.
     from metal_attn.constants import MIXED_DECODE_MIN_CONTEXT
+    from metal_attn.settings import override_settings
 
     case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=4, num_kv_heads=2, head_size=128,
                      block_size=16, dtype="bfloat16", seed=41, label="auto")
-    out = metal_attn.paged_attention(**case.kwargs())
+    with override_settings(disabled_providers=("sdpa_prefill",)):
+        out = metal_attn.paged_attention(**case.kwargs())
     mx.eval(out)
     rec = diagnostics.last_dispatch()
     split = q_lens[0] == 1 and seq_lens[0] >= MIXED_DECODE_MIN_CONTEXT[rec.backend]

@@ -27,7 +27,7 @@ SHAPES = [
     ("mixed-bf16", [1, 1, 12, 9, 20, 6], [300, 1500, 12, 40, 20, 70], 8, 2, 128, "bfloat16"),
     ("decode-f32-g4", [1] * 6, [600, 17, 1030, 33, 100, 9], 16, 4, 128, "float32"),
 ]
-PROVIDERS = ("classic", "gqa_decode", "tiled_prefill", "reference")
+PROVIDERS = ("classic", "gqa_decode", "tiled_prefill", "sdpa_prefill", "reference")
 
 
 def _bad_case(q_lens, seq_lens, heads, kv_heads, head, dtype):

@@ -1,0 +1,57 @@
+// metal-attn: gather_kv, the pages of a run of equal-length sequences copied into contiguous K/V
+// for a fused attention kernel (the sdpa_prefill provider), with the NaN contract's bookkeeping
+// in the same pass: a fused kernel multiplies the zero probabilities of masked keys with V, and
+// 0 * NaN is NaN, so V's non-finite elements are written as 0 and every (position, KV head) row
+// holding a non-finite K or V element is flagged; the provider makes the query rows that attend a
+// flagged position NaN (prefix counts).
+//
+// @kernel gather_kv
+// Inputs : k_cache, v_cache [NB, BS, KVH, D] (T), block_tables [S, W] int32,
+//          params int32 [first_seq, n, seq_len, num_blocks, width]
+// Outputs: k_out, v_out [n, seq_len, KVH, D] (T), V's non-finite elements as 0;
+//          bad [n, seq_len, KVH] int32: 1 where that K or V row holds a non-finite element; at
+//          position 0 also where the sequence's table holds a block id outside the pool (only
+//          with validation off: such a page is never read, and every row attends position 0).
+// Template: T, BLOCK_SIZE, KV_HEADS, HEAD_SIZE.
+// One simdgroup per (sequence, position, KV head) row; lanes stride over the head dimension.
+const int first_seq = params[0];
+const int seq_len = params[2];
+const int num_blocks = params[3];
+const int width = params[4];
+const int lane = int(thread_index_in_simdgroup);
+const int64_t row = int64_t(thread_position_in_grid.x) / MA_SIMD_WIDTH;
+const int64_t rows = int64_t(params[1]) * seq_len * KV_HEADS;
+if (row < rows) {
+  const int h = int(row % KV_HEADS);
+  const int64_t t = row / KV_HEADS;
+  const int pos = int(t % seq_len);
+  const int s = int(t / seq_len);
+  const device int* table = block_tables + int64_t(first_seq + s) * width;
+  const int blk = table[pos / BLOCK_SIZE];
+  const bool in_pool = blk >= 0 && blk < num_blocks;
+  const int64_t src = ((int64_t(in_pool ? blk : 0) * BLOCK_SIZE + pos % BLOCK_SIZE) * KV_HEADS + h) * HEAD_SIZE;
+  const int64_t dst = row * HEAD_SIZE;
+  float bad_here = in_pool ? 0.0f : 1.0f;
+  for (int d = lane; d < HEAD_SIZE; d += MA_SIMD_WIDTH) {
+    const T kx = in_pool ? k_cache[src + d] : T(0);
+    const T vx = in_pool ? v_cache[src + d] : T(0);
+    const bool v_ok = ma_isfinite(float(vx));
+    if (!(v_ok && ma_isfinite(float(kx)))) {
+      bad_here = 1.0f;
+    }
+    k_out[dst + d] = kx;
+    v_out[dst + d] = v_ok ? vx : T(0);
+  }
+  if (pos == 0) {  // the table's block ids, checked once per (sequence, KV head)
+    const int pages = (seq_len + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    for (int p = lane; p < pages; p += MA_SIMD_WIDTH) {
+      if (table[p] < 0 || table[p] >= num_blocks) {
+        bad_here = 1.0f;
+      }
+    }
+  }
+  const float any_bad = simd_sum(bad_here);
+  if (lane == 0) {
+    bad[row] = any_bad > 0.0f ? 1 : 0;
+  }
+}

@@ -1,0 +1,327 @@
+"""The ``sdpa_prefill`` provider: prefill chunks through MLX's fused attention over gathered pages.
+
+For each prefill sequence of a batch the pages of its context are gathered through the block
+table into contiguous K/V (one ``mx.take`` per pool: a bandwidth-bound copy of the sequence's
+``seq_len`` tokens, counted in every figure), and ``mx.fast.scaled_dot_product_attention``
+computes the chunk: ``mask="causal"`` is aligned to the end of the keys, so a continuation
+chunk's row ``i`` sees ``seq_len - q_len + i + 1`` keys, exactly our causal rule; sinks go
+through its ``sinks=`` argument. Consecutive sequences with the same ``(q_len, seq_len)``
+share one call. Every call is made with ``force_fused=True``: MLX raises rather than silently
+falling back to unfused matmuls, whose score matrix takes ``q_len * seq_len`` floats per head.
+On CUDA the fused kernel is cuDNN's.
+
+Mixed batches: the decode rows at the front go through the per-token kernel (the decode-rows
+sub-plan of `metal_attn.providers.gpu_common`), the prefill rows through SDPA: route
+``sdpa_prefill_decode``.
+
+Admission is data (`SDPA_PREFILL_RULES`, one rule per backend, with the measurement behind
+it) plus the declarative attributes:
+
+- CUDA: admitted for chunks of at least ``min_chunk_rows`` rows; float16/bfloat16; head sizes
+  64, 96 and 128 (where MLX 0.32.4 has a fused kernel for every query length: cuDNN for chunks,
+  its vector kernel for single rows; `benchmarks/probe_sdpa_fused.py`); sinks; no sliding window
+  or softcap (MLX SDPA has neither; they stay with ``tiled_prefill``).
+- Metal: not admitted. The rule stays upstream's (``tiled_prefill``, NAX on M5) until someone
+  measures this route on Apple hardware; no machine here has an Apple GPU.
+- CPU: not admitted: on the 2-core CPU the gathered-SDPA path is 27x slower than ``classic``'s
+  native prefill (docs/bench-cpu.md).
+
+Validation off (``METAL_ATTN_VALIDATE_METADATA=0``): block ids outside the pool are never read
+(the gather reads a clamped id) and make their sequence's rows NaN; a table too short for a
+sequence's length gives NaN rows; nothing crashes.
+
+Semantics MLX fixes: sink logits are rounded to the query dtype (MLX requires the sinks'
+dtype to promote to the output's), and the softmax runs in float32 inside the fused kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from metal_attn.providers import gpu_common as gc
+
+from metal_attn.constants import KERNEL_BLOCK_SIZES
+from metal_attn.provider import Plan, Provider
+from metal_attn.request import Phase
+
+if TYPE_CHECKING:  # pragma: no cover
+    import mlx.core as mx
+
+    from metal_attn.cuda_check import CudaSource
+    from metal_attn.device import DeviceInfo
+    from metal_attn.metadata import AttentionMetadata
+    from metal_attn.msl_check import Specialization
+    from metal_attn.provider import AttentionInputs
+    from metal_attn.request import AttentionRequest
+    from metal_attn.settings import Settings
+
+ROUTE = "sdpa_prefill"
+SPLIT_ROUTE = "sdpa_prefill_decode"
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaRule:
+    """Where the route runs on one backend, and the measurement that put it there.
+
+    ``min_chunk_rows``: the longest prefill chunk of the batch must have at least this many rows
+    (``None``: the route is not admitted on this backend). ``evidence``: what was measured, shown
+    by ``explain`` and the docs.
+    """
+
+    min_chunk_rows: int | None
+    evidence: str
+
+
+#: One rule per backend (data, like the split gate; `explain` prints the arithmetic).
+SDPA_PREFILL_RULES: Mapping[str, SdpaRule] = MappingProxyType({
+    "cuda": SdpaRule(8, "H200, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_sdpa_fused.py): gathered "
+                        "SDPA ran 1.2-3.5x faster than tiled_prefill on every chunk measured, from 8 rows after 1K "
+                        "tokens to 2,048-row prompts; chunks under 8 rows were not measured"),
+    "metal": SdpaRule(None, "not measured on Apple hardware: the rule stays upstream's (tiled_prefill, NAX on M5)"),
+    "cpu": SdpaRule(None, "2-core CPU: gathered SDPA is 27x slower than classic's native prefill "
+                          "(docs/bench-cpu.md, prefill-cpu)"),
+})
+
+#: Head sizes with a fused MLX SDPA kernel for every query length on CUDA (MLX 0.32.4).
+FUSED_HEAD_SIZES = frozenset({64, 96, 128})
+
+
+def rule_reasons(request: AttentionRequest, backend: str) -> tuple[list[str], str]:
+    """(refusals, the arithmetic) of `SDPA_PREFILL_RULES` for ``request`` on ``backend``."""
+    rule = SDPA_PREFILL_RULES.get(backend)
+    if rule is None or rule.min_chunk_rows is None:
+        why = rule.evidence if rule is not None else "no rule measured"
+        return [f"SDPA_PREFILL_RULES[{backend}]: not admitted ({why})"], ""
+    rows = request.max_q_len
+    ok = rows >= rule.min_chunk_rows
+    arithmetic = (f"longest prefill chunk {rows} rows {'>=' if ok else '<'} "
+                  f"SDPA_PREFILL_RULES[{backend}].min_chunk_rows={rule.min_chunk_rows}")
+    if not ok:
+        return [f"{arithmetic} (below it tiled_prefill keeps the chunk: {rule.evidence})"], arithmetic
+    return [], arithmetic
+
+
+class SdpaPrefillProvider(Provider):
+    """Prefill chunks through MLX's fused SDPA on pages gathered into contiguous K/V."""
+
+    name = ROUTE
+    #: Above tiled_prefill (50) where its rule admits it; the rule is per backend.
+    priority = 55
+    backends = frozenset({"cuda", "metal", "cpu"})
+    phases = frozenset({"prefill", "mixed"})
+    dtypes = frozenset({"float16", "bfloat16"})
+    head_sizes = FUSED_HEAD_SIZES
+    features = frozenset({"sinks"})
+    description = ("Gather each prefill chunk's pages, then MLX's fused SDPA (cuDNN); admitted where its measured "
+                   "rule says (cuda); decode rows split off.")
+
+    def availability_reasons(self, device: DeviceInfo) -> list[str]:
+        reasons = super().availability_reasons(device)
+        if reasons or device.backend == "cpu":
+            return reasons
+        return gc.availability_reasons(device)
+
+    def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
+        reasons, _ = rule_reasons(request, device.backend)
+        if request.phase is Phase.MIXED and settings.is_disabled(gc.DECODE_ROWS_PROVIDER):
+            reasons.append(f"mixed batch: its decode rows need the {gc.DECODE_ROWS_PROVIDER} kernel, which is "
+                           f"{settings.is_disabled(gc.DECODE_ROWS_PROVIDER)}")
+        return reasons
+
+    def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
+        _, arithmetic = rule_reasons(request, device.backend)
+        notes = [f"{arithmetic} -> gather pages (mx.take) + fused MLX SDPA"]
+        decode_spec: tuple = ()
+        partition = 0
+        if request.phase is Phase.MIXED:
+            decode_plan = gc.plan_decode_rows(request, device, settings)
+            decode_spec = decode_plan.specialization
+            partition = decode_plan.partition_size
+            notes.append(f"decode rows: {decode_plan.route} ({'; '.join(decode_plan.notes)})")
+        return Plan(
+            provider=self.name,
+            route=SPLIT_ROUTE if decode_spec else ROUTE,
+            partition_size=partition,
+            specialization=(ROUTE, device.backend, request.dtype, request.head_size,
+                            request.num_heads // request.num_kv_heads, request.sinks, decode_spec),
+            notes=tuple(notes),
+        )
+
+    def prepare(self, plan: Plan, device: DeviceInfo) -> None:
+        """Check that MLX has a fused kernel for the plan's configuration: a tiny call through
+        `prefill_rows` (``force_fused=True`` makes MLX raise at call time when it has none; the
+        failure becomes a recorded fallback to the next provider), and compile the decode rows'."""
+        _, backend, dtype, head, group, sinks, decode_spec = plan.specialization
+
+        def launch(b: gc.TinyBatch) -> list[mx.array]:
+            from metal_attn.provider import AttentionInputs
+
+            logits = gc.zeros_f32(group) if sinks else None
+            return prefill_rows(AttentionInputs(b.q, b.cache, b.cache, b.metadata, 1.0, sinks=logits), b.metadata,
+                                backend=backend)
+
+        gc.compile_eagerly(device, f"fused MLX SDPA ({dtype} head={head} group={group} sinks={sinks})", launch,
+                           dtype=dtype, head_size=head, block_size=16, seq_len=24, q_rows=8, num_heads=group)
+        if decode_spec:
+            gc.prepare_decode_rows(decode_spec, device)
+
+    def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
+        import mlx.core as mx
+
+        decode_spec = plan.specialization[-1]
+        md = inputs.metadata
+        n_dec = md.num_decode_seqs if decode_spec else 0
+        parts = [gc.run_decode_rows(inputs, decode_spec)] if n_dec else []
+        parts += prefill_rows(inputs, md, first_seq=n_dec, backend=plan.specialization[1])
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+
+
+    # -- source checks ----------------------------------------------------------------------------
+
+    def msl_specializations(self) -> list[Specialization]:
+        """``gather_kv`` on Metal over {float16, bfloat16} x head sizes x kernel block sizes, for
+        `metal_attn.msl_check` (the route is not admitted on Metal, but the kernel text is shared)."""
+        from metal_attn.msl_check import Specialization
+
+        return [Specialization(
+            label=f"gather_kv {dtype} head={head} block={block}", kernel="gather_kv", source_files=GATHER_FILES,
+            input_names=GATHER_INPUTS, output_names=GATHER_OUTPUTS,
+            template=tuple(gather_template(dtype, block, 2, head)),
+            inputs=(((4, block, 2, head), dtype), ((4, block, 2, head), dtype), ((2, 4), "int32"), ((5,), "int32")),
+            outputs=(((1, 3, 2, head), dtype), ((1, 3, 2, head), dtype), ((1, 3, 2), "int32")),
+        ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes) for block in sorted(KERNEL_BLOCK_SIZES)]
+
+    def cuda_sources(self) -> list[CudaSource]:
+        """``gather_kv`` on CUDA per (dtype, head size), for `metal_attn.cuda_check`."""
+        from metal_attn.cuda_check import CudaSource
+
+        return [CudaSource(f"gather_kv {dtype} h{head}", "gather_kv", GATHER_FILES,
+                           (("k_cache", dtype), ("v_cache", dtype), ("block_tables", "int32"), ("params", "int32")),
+                           (("k_out", dtype), ("v_out", dtype), ("bad", "int32")),
+                           tuple(gather_template(dtype, 16, 8, head)))
+                for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
+
+
+def _runs(md: AttentionMetadata, first_seq: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive sequences with equal ``(q_len, seq_len)``: ``(first_seq, count, q_len, seq_len)``."""
+    runs: list[tuple[int, int, int, int]] = []
+    for i in range(first_seq, md.num_seqs):
+        key = (md.q_lens_host[i], md.seq_lens_host[i])
+        if runs and runs[-1][2:] == key:
+            s, n, ql, sl = runs[-1]
+            runs[-1] = (s, n + 1, ql, sl)
+        else:
+            runs.append((i, 1, *key))
+    return runs
+
+
+def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: int = 0, backend: str | None = None,
+                 force_fused: bool = True) -> list[mx.array]:
+    """Outputs of sequences ``first_seq..`` in batch order, one ``[rows, H, D]`` array per run of
+    equal-length sequences: their pages gathered, then one fused SDPA call per run.
+
+    On a GPU ``backend`` the pages go through the ``gather_kv`` kernel (one pass: the copy, V's
+    non-finite elements zeroed, the flags of the NaN contract); without one (the CPU tests) through
+    MLX ops that compute the same (`gather_with_mlx_ops`). ``force_fused=False`` lets MLX use its
+    unfused SDPA (the CPU tests; the provider never does)."""
+    import mlx.core as mx
+
+    q, kc, vc = inputs.q, inputs.k_cache, inputs.v_cache
+    block_size, head = kc.shape[1], kc.shape[3]
+    num_heads = q.shape[1]
+    row0 = sum(md.q_lens_host[:first_seq])
+    sinks = inputs.sinks.astype(q.dtype) if inputs.sinks is not None else None
+    width = md.block_tables.shape[1]
+    outs = []
+    for seq, n, q_len, seq_len in _runs(md, first_seq):
+        rows, pages = n * q_len, -(-seq_len // block_size)
+        if pages > width:  # a table too short for seq_len (only with validation off): nothing to read
+            outs.append(mx.full((rows, num_heads, head), mx.nan, dtype=q.dtype))
+            row0 += rows
+            continue
+        if backend in ("cuda", "metal"):
+            k, v, bad = launch_gather(kc, vc, md.block_tables, seq, n, seq_len, backend)
+        else:
+            k, v, bad = gather_with_mlx_ops(kc, vc, md.block_tables[seq:seq + n, :pages], seq_len)
+        qs = q[row0:row0 + rows].reshape(n, q_len, num_heads, head).transpose(0, 2, 1, 3)
+        o = mx.fast.scaled_dot_product_attention(qs, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                                 scale=inputs.scale, mask="causal" if q_len > 1 else None,
+                                                 sinks=sinks, force_fused=force_fused)
+        o = mx.where(poisoned_rows(bad, q_len, num_heads)[..., None], mx.nan, o)
+        outs.append(o.transpose(0, 2, 1, 3).reshape(rows, num_heads, head))
+        row0 += rows
+    return outs
+
+
+GATHER_FILES = ("gather_kv.metal",)
+GATHER_INPUTS = ("k_cache", "v_cache", "block_tables", "params")
+GATHER_OUTPUTS = ("k_out", "v_out", "bad")
+#: Threads per threadgroup of gather_kv (four rows, one simdgroup each).
+GATHER_THREADS = 128
+
+
+def gather_template(dtype: Any, block_size: int, kv_heads: int, head_size: int) -> list[tuple[str, Any]]:
+    """The template arguments of ``gather_kv``."""
+    return [("T", dtype), ("BLOCK_SIZE", block_size), ("KV_HEADS", kv_heads), ("HEAD_SIZE", head_size)]
+
+
+def launch_gather(k_cache: mx.array, v_cache: mx.array, block_tables: mx.array, first_seq: int, n: int,
+                  seq_len: int, backend: str) -> tuple[mx.array, mx.array, mx.array]:
+    """``gather_kv`` over sequences ``first_seq .. first_seq + n`` of ``seq_len`` tokens:
+    ``(k, v, bad)``, ``[n, seq_len, KVH, D]`` twice and ``[n, seq_len, KVH]`` int32."""
+    import mlx.core as mx
+
+    from metal_attn import kernels
+
+    nb, bs, kvh, head = k_cache.shape
+    kernel = kernels.load_kernel("gather_kv", GATHER_FILES, GATHER_INPUTS, GATHER_OUTPUTS, backend)
+    params = gc.pack_int32((first_seq, n, seq_len, nb, block_tables.shape[1]))
+    k, v, bad = kernel(
+        inputs=[k_cache, v_cache, block_tables, params],
+        template=gather_template(k_cache.dtype, bs, kvh, head),
+        grid=(n * seq_len * kvh * kernels.SIMD_WIDTH, 1, 1), threadgroup=(GATHER_THREADS, 1, 1),
+        output_shapes=[(n, seq_len, kvh, head), (n, seq_len, kvh, head), (n, seq_len, kvh)],
+        output_dtypes=[k_cache.dtype, v_cache.dtype, mx.int32],
+    )
+    return k, v, bad
+
+
+def poisoned_rows(bad: mx.array, q_len: int, num_heads: int) -> mx.array:
+    """``[n, num_heads, q_len]``: the query rows whose range ``[0, seq_len - q_len + r + 1)`` holds
+    a flagged position of their KV head (prefix counts of ``bad`` ``[n, seq_len, KVH]``)."""
+    import mlx.core as mx
+
+    seq_len, kvh = bad.shape[1], bad.shape[2]
+    counts = mx.cumsum(bad, axis=1)
+    ends = mx.arange(q_len) + (seq_len - q_len)  # the last position row r attends
+    reached = mx.take(counts, ends, axis=1) > 0  # [n, q_len, KVH]
+    return mx.repeat(reached.transpose(0, 2, 1), num_heads // kvh, axis=1)  # query head h reads KV head h // group
+
+
+def gather_with_mlx_ops(k_cache: mx.array, v_cache: mx.array, table: mx.array,
+                        seq_len: int) -> tuple[mx.array, mx.array, mx.array]:
+    """What ``gather_kv`` computes, with MLX ops in several passes (the path without a GPU)."""
+    import mlx.core as mx
+
+    nb = k_cache.shape[0]
+    bad_ids = ((table < 0) | (table >= nb)).any(axis=1).astype(mx.int32)  # [n]
+    table = mx.clip(table, 0, nb - 1)
+    k, v = gather_pages(k_cache, table, seq_len), gather_pages(v_cache, table, seq_len)
+    # x * 0 is 0 for every finite x and NaN otherwise: the row sums find the non-finite rows.
+    bad = mx.isnan((k * 0).sum(axis=-1) + (v * 0).sum(axis=-1)).astype(mx.int32)  # [n, seq_len, KVH]
+    first = mx.maximum(bad[:, :1], bad_ids[:, None, None])
+    bad = mx.concatenate([first, bad[:, 1:]], axis=1)
+    return k, mx.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), bad
+
+
+def gather_pages(pool: mx.array, table: mx.array, seq_len: int) -> mx.array:
+    """The first ``seq_len`` tokens of the sequences whose page ids are ``table`` (``[n, pages]``),
+    as ``[n, seq_len, kv_heads, head]``: one gather of whole pages (``mx.take``), then a view."""
+    import mlx.core as mx
+
+    n, pages = table.shape
+    _, block_size, kvh, head = pool.shape
+    return mx.take(pool, table, axis=0).reshape(n, pages * block_size, kvh, head)[:, :seq_len]

@@ -1,0 +1,101 @@
+"""The ``sdpa_prefill`` provider (gathered pages + MLX's fused SDPA) on a GPU against the float64 oracle.
+
+Covers its admitted head sizes (64, 96, 128) and that head 256 stays with ``tiled_prefill``;
+GQA ratios 1 to 8; sinks; fresh prompts and continuation chunks after long context; blocks shared
+between sequences; random block tables; runs of equal-length sequences (one SDPA call) next to
+unequal ones; mixed batches (decode rows through the per-token kernel); float16 and bfloat16; and
+that automatic selection picks it for prefill on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from metal_attn import diagnostics
+from metal_attn.device import current_device
+from metal_attn.testing import assert_close_to_oracle, make_case, run_case
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(current_device().backend == "metal",
+                       reason="SDPA_PREFILL_RULES admits sdpa_prefill on cuda only (Metal: not measured on Apple "
+                              "hardware)"),
+]
+
+DTYPES = ("float16", "bfloat16")
+
+
+def _check(case, route: str = "sdpa_prefill", provider: str | None = "sdpa_prefill") -> None:
+    got = run_case(case, provider=provider)
+    rec = diagnostics.last_dispatch()
+    assert rec is not None and rec.provider == "sdpa_prefill", rec
+    assert rec.route == route, f"{case.label}: route {rec.route} (expected {route})"
+    assert_close_to_oracle(got, case.oracle(), case.dtype, label=f"{case.label} {rec.route}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head", (64, 96, 128))
+@pytest.mark.parametrize("block", (8, 16, 32))
+def test_dtype_head_block(dtype, head, block):
+    # A continuation chunk, a fresh prompt and a short chunk, in one batch.
+    case = make_case(q_lens=[37, 70, 3], seq_lens=[300, 70, 45], num_heads=8, num_kv_heads=2, head_size=head,
+                     block_size=block, dtype=dtype, seed=head + block, label=f"{dtype} h{head} b{block}")
+    _check(case)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (16, 2), (8, 1)],
+                         ids=["gqa1", "gqa2", "gqa4", "gqa8", "mqa"])
+def test_gqa_ratios(num_heads, num_kv_heads):
+    case = make_case(q_lens=[20, 45], seq_lens=[20, 300], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_size=128, block_size=16, dtype="bfloat16", seed=num_heads * 10 + num_kv_heads,
+                     label=f"gqa {num_heads}/{num_kv_heads}")
+    _check(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks(dtype):
+    case = make_case(q_lens=[33, 64], seq_lens=[200, 64], num_heads=8, num_kv_heads=2, head_size=64,
+                     block_size=16, dtype=dtype, sinks=True, seed=5, label=f"sinks {dtype}")
+    _check(case)
+
+
+def test_continuation_chunk_after_long_context():
+    case = make_case(q_lens=[512], seq_lens=[8192 + 512], num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype="bfloat16", seed=7, label="512 rows after 8K")
+    _check(case)
+
+
+def test_shared_blocks_and_equal_length_runs():
+    # Four sequences with the same lengths (one SDPA call over a batch of 4) sharing their first
+    # blocks, then a different one.
+    case = make_case(q_lens=[16, 16, 16, 16, 40], seq_lens=[100, 100, 100, 100, 300], num_heads=8, num_kv_heads=2,
+                     head_size=128, block_size=16, dtype="float16", shared_prefix_blocks=4, seed=11,
+                     label="shared + runs")
+    _check(case)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_block_tables(seed):
+    case = make_case(q_lens=[9, 130, 57], seq_lens=[700, 130, 1000], num_heads=16, num_kv_heads=4, head_size=96,
+                     block_size=(8, 16, 32)[seed % 3], dtype=DTYPES[seed % 2], seed=100 + seed,
+                     label=f"random tables {seed}")
+    _check(case)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_mixed_batch_decode_rows_split_off(sinks):
+    case = make_case(q_lens=[1, 1, 1, 48, 200], seq_lens=[4096, 900, 33, 400, 2200], num_heads=8, num_kv_heads=2,
+                     head_size=128, block_size=16, dtype="bfloat16", sinks=sinks, seed=13, label="mixed")
+    _check(case, route="sdpa_prefill_decode")
+
+
+def test_auto_picks_it_for_prefill_and_tiled_for_head_256():
+    case = make_case(q_lens=[64], seq_lens=[300], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype="bfloat16", seed=17, label="auto h128")
+    _check(case, provider=None)
+    case = make_case(q_lens=[64], seq_lens=[300], num_heads=8, num_kv_heads=2, head_size=256, block_size=16,
+                     dtype="bfloat16", seed=17, label="auto h256")
+    got = run_case(case)
+    rec = diagnostics.last_dispatch()
+    assert rec.provider == "tiled_prefill", rec
+    assert_close_to_oracle(got, case.oracle(), case.dtype, label="auto h256 tiled")

@@ -1,0 +1,172 @@
+"""The ``sdpa_prefill`` provider on the CPU: its per-backend rule through `metal_attn.explain` on
+hypothetical devices, and its gathering, grouping and row order against the float64 oracle
+(MLX's unfused SDPA on the CPU stands in for the fused kernel, which only GPUs have; the fused
+route's numerics run in tests/gpu/test_sdpa_prefill_gpu.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import metal_attn as ma
+from metal_attn._layout import import_builtin_providers
+from metal_attn.device import DeviceInfo
+from metal_attn.provider import AttentionInputs
+from metal_attn.settings import override_settings
+from metal_attn.testing import assert_close_to_oracle, make_case
+
+import_builtin_providers()
+from metal_attn.providers import sdpa_prefill as sp  # noqa: E402
+
+H200 = DeviceInfo.preset("h200")
+
+
+def _explain(device, q_lens, seq_lens, *, heads=(32, 8, 128), dtype="bfloat16", **features):
+    h, kvh, d = heads
+    return ma.explain(q_lens=q_lens, seq_lens=seq_lens, num_heads=h, num_kv_heads=kvh, head_size=d, block_size=16,
+                      dtype=dtype, device=device, **features)
+
+
+def _row(ex, name="sdpa_prefill"):
+    return next(r for r in ex.rows if r.name == name)
+
+
+@pytest.mark.parametrize(("q_lens", "seq_lens"), [([4096], [4096]), ([512], [32768 + 512]), ([2048] * 8, [2048] * 8),
+                                                  ([8, 300], [1024, 300])], ids=("prompt", "chunk", "eight", "small"))
+def test_cuda_prefill_takes_the_route_and_explain_shows_the_rule(q_lens, seq_lens):
+    ex = _explain(H200, q_lens, seq_lens)
+    row = _row(ex)
+    assert row.chosen, str(ex)
+    assert row.plan.route == "sdpa_prefill"
+    rows = max(q_lens)
+    assert any(f"longest prefill chunk {rows} rows >= SDPA_PREFILL_RULES[cuda].min_chunk_rows=8" in n
+               for n in row.plan.notes), row.plan.notes
+    assert "sdpa_prefill" in str(ex)
+
+
+def test_cuda_mixed_batch_splits_its_decode_rows_off():
+    row = _row(_explain(H200, [1, 1, 512], [4096, 4096, 2048]))
+    assert row.chosen and row.plan.route == "sdpa_prefill_decode"
+    assert any(n.startswith("decode rows: per_token") for n in row.plan.notes), row.plan.notes
+
+
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    ({"heads": (16, 2, 256)}, "head_size=256 (supported: 64, 96, 128)"),
+    ({"sliding_window": 512}, "sliding_window=512 (supported: none)"),
+    ({"softcap": 30.0}, "softcap=30 (supported: none)"),
+    ({"dtype": "float32"}, "dtype=float32 (supported: bfloat16, float16)"),
+])
+def test_cuda_refusals_leave_the_batch_to_the_tiles(kwargs, reason):
+    ex = _explain(H200, [256], [1024], **kwargs)
+    row = _row(ex)
+    assert not row.chosen and reason in "\n".join(row.reasons), str(ex)
+    if kwargs.get("dtype") != "float32":
+        assert _row(ex, "tiled_prefill").chosen, str(ex)
+
+
+def test_cuda_chunks_under_the_measured_rows_stay_tiled():
+    ex = _explain(H200, [4, 4], [90, 300])
+    reasons = "\n".join(_row(ex).reasons)
+    assert "longest prefill chunk 4 rows < SDPA_PREFILL_RULES[cuda].min_chunk_rows=8" in reasons, str(ex)
+    assert _row(ex, "tiled_prefill").chosen
+
+
+def test_pure_decode_never():
+    row = _row(_explain(H200, [1] * 8, [4096] * 8))
+    assert not row.chosen and "phase=decode (supported: mixed, prefill)" in "\n".join(row.reasons)
+
+
+@pytest.mark.parametrize("preset", ["m5-max", "m4-max", "m3-max"])
+def test_metal_keeps_upstreams_rule(preset):
+    ex = _explain(DeviceInfo.preset(preset), [4096], [4096])
+    assert "SDPA_PREFILL_RULES[metal]: not admitted (not measured on Apple hardware" in "\n".join(_row(ex).reasons)
+    assert not _row(ex).chosen
+
+
+def test_cpu_is_measured_out():
+    ex = _explain(DeviceInfo.preset("cpu-2core"), [2048], [2048])
+    assert "SDPA_PREFILL_RULES[cpu]: not admitted (2-core CPU" in "\n".join(_row(ex).reasons)
+
+
+def test_mixed_batch_refused_when_the_decode_rows_kernel_is_disabled():
+    with override_settings(disabled_providers=("classic",)):
+        ex = _explain(H200, [1, 512], [4096, 2048])
+    assert "its decode rows need the classic kernel" in "\n".join(_row(ex).reasons), str(ex)
+
+
+def test_disable_switch():
+    with override_settings(disabled_providers=("sdpa_prefill",)):
+        ex = _explain(H200, [4096], [4096])
+    assert not _row(ex).chosen and "disabled by METAL_ATTN_DISABLED_PROVIDERS" in "\n".join(_row(ex).reasons)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gathering_grouping_and_row_order_match_the_oracle(dtype, sinks):
+    # Runs of equal (q_len, seq_len) share one call; continuation chunks, a fresh prompt, shared blocks,
+    # scattered pages and a block size that does not divide the lengths.
+    case = make_case(q_lens=[16, 16, 16, 40, 9, 9], seq_lens=[100, 100, 100, 40, 700, 650], num_heads=8,
+                     num_kv_heads=2, head_size=64, block_size=16, dtype=dtype, sinks=sinks, shared_prefix_blocks=2,
+                     seed=21, label=f"cpu gather {dtype}")
+    md = case.metadata()
+    assert sp._runs(md, 0) == [(0, 3, 16, 100), (3, 1, 40, 40), (4, 1, 9, 700), (5, 1, 9, 650)]
+    inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale, sinks=case.sinks)
+    out = mx.concatenate(sp.prefill_rows(inputs, md, force_fused=False), axis=0)
+    assert_close_to_oracle(out, case.oracle(), dtype, label=case.label)
+
+
+def test_rows_after_the_first_sequences_are_the_callers():
+    case = make_case(q_lens=[1, 1, 30], seq_lens=[50, 60, 200], num_heads=4, num_kv_heads=1, head_size=64,
+                     block_size=8, dtype="float16", seed=3)
+    md = case.metadata()
+    inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale)
+    out = mx.concatenate(sp.prefill_rows(inputs, md, first_seq=2, force_fused=False), axis=0)
+    assert_close_to_oracle(out, case.oracle()[2:], "float16")
+
+
+def test_every_rule_states_its_evidence():
+    assert set(sp.SDPA_PREFILL_RULES) == {"cuda", "metal", "cpu"}
+    for backend, rule in sp.SDPA_PREFILL_RULES.items():
+        assert rule.evidence, backend
+
+
+def test_out_of_pool_block_ids_and_short_tables_give_nan_rows_never_a_read():
+    import numpy as np
+
+    case = make_case(q_lens=[20, 20, 30], seq_lens=[40, 40, 64], num_heads=4, num_kv_heads=2, head_size=64,
+                     block_size=16, dtype="float16", seed=5)
+    ref = case.oracle()
+    nb = case.k_cache.shape[0]
+    tables = case.block_tables.copy()
+    tables[1, 1] = nb + 10**6  # out of the pool
+    from metal_attn.metadata import AttentionMetadata
+
+    md = AttentionMetadata.build(mx.array(tables), mx.array(case.seq_lens), mx.array(case.cu_seqlens_q),
+                                 validate=False)
+    inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale)
+    got = np.array(mx.concatenate(sp.prefill_rows(inputs, md, force_fused=False), axis=0).astype(mx.float32))
+    assert np.isnan(got[20:40]).all()
+    keep = np.r_[0:20, 40:70]
+    assert_close_to_oracle(got[keep], ref[keep], "float16")
+    short = AttentionMetadata.build(mx.array(case.block_tables[:, :3]), mx.array([40, 40, 64]),
+                                    mx.array(case.cu_seqlens_q), validate=False)  # 64 tokens need 4 pages
+    out = np.array(mx.concatenate(sp.prefill_rows(AttentionInputs(case.q, case.k_cache, case.v_cache, short,
+                                                                  case.scale), short, force_fused=False),
+                                  axis=0).astype(mx.float32))
+    assert np.isnan(out[40:]).all() and np.isfinite(out[:40]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_nan_contract_around_the_fused_kernel(dtype):
+    # Non-finite K/V after a row's causal end must not reach it (an unfused or fused kernel multiplies
+    # zero probabilities with V); at an attended position it makes the row NaN; a NaN query row too.
+    nan, inf = float("nan"), float("inf")
+    case = make_case(q_lens=[40, 24, 24], seq_lens=[40, 300, 300], num_heads=8, num_kv_heads=2, head_size=64,
+                     block_size=16, dtype=dtype, seed=9,
+                     poison=[("v", 0, 30, 0, nan), ("k", 0, 35, 1, inf), ("v", 0, 39, 1, -inf), ("q", 0, 10, 3, nan),
+                             ("v", 1, 290, 0, nan), ("k", 2, 10, 1, -inf)],
+                     label=f"nan contract {dtype}")
+    md = case.metadata()
+    inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale)
+    out = mx.concatenate(sp.prefill_rows(inputs, md, force_fused=False), axis=0)
+    assert_close_to_oracle(out, case.oracle(), dtype, label=case.label)
