@@ -108,6 +108,31 @@ def crossover() -> list[dict]:
     return rows
 
 
+def layouts() -> list[dict]:
+    """Fused SDPA's speed by operand layout: K/V as ``[n, KVH, L, D]`` (each head's keys contiguous)
+    or a transposed view of ``[n, L, KVH, D]`` (the pages' layout); q contiguous or a view."""
+    rows = []
+    for n, ql, ctx in ((8, 2048, 2048), (1, 512, 33280), (1, 4096, 4096)):
+        h, kvh, d = 32, 8, 128
+        q_rows = mx.random.normal((n, ql, h, d)).astype(mx.bfloat16)
+        kv_rows = mx.random.normal((n, ctx, kvh, d)).astype(mx.bfloat16)
+        q_heads = mx.contiguous(q_rows.transpose(0, 2, 1, 3))
+        kv_heads = mx.contiguous(kv_rows.transpose(0, 2, 1, 3))
+        mx.eval(q_rows, kv_rows, q_heads, kv_heads)
+        variants = {
+            "q view, kv view": (q_rows.transpose(0, 2, 1, 3), kv_rows.transpose(0, 2, 1, 3)),
+            "q view, kv heads": (q_rows.transpose(0, 2, 1, 3), kv_heads),
+            "q heads, kv heads": (q_heads, kv_heads),
+        }
+        entry = {"n": n, "q_len": ql, "context": ctx}
+        for name, (qq, kk) in variants.items():
+            entry[name] = _median_ms(lambda qq=qq, kk=kk: mx.fast.scaled_dot_product_attention(
+                qq, kk, kk, scale=0.08838834764831845, mask="causal"))  # 1 / sqrt(128)
+        rows.append(entry)
+        print("layout", entry, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the measurements here")
@@ -122,10 +147,11 @@ def main() -> None:
     for err in sorted({r.get("error", "") for r in fused if not r["fused"]}):
         print("  error:", err)
     cross = crossover()
+    layout = layouts()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": mx.device_info().get("device_name"), "mlx": mx.__version__, "fused": fused,
-                       "crossover": cross}, f, indent=1)
+                       "crossover": cross, "layouts": layout}, f, indent=1)
 
 
 if __name__ == "__main__":

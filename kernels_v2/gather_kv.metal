@@ -8,8 +8,9 @@
 // @kernel gather_kv
 // Inputs : k_cache, v_cache [NB, BS, KVH, D] (T), block_tables [S, W] int32,
 //          params int32 [first_seq, n, seq_len, num_blocks, width]
-// Outputs: k_out, v_out [n, seq_len, KVH, D] (T), V's non-finite elements as 0;
-//          bad [n, seq_len, KVH] int32: 1 where that K or V row holds a non-finite element; at
+// Outputs: k_out, v_out [n, KVH, seq_len, D] (T; the layout of a fused kernel's K/V, each head's
+//          keys contiguous), V's non-finite elements as 0;
+//          bad [n, KVH, seq_len] int32: 1 where that K or V row holds a non-finite element; at
 //          position 0 also where the sequence's table holds a block id outside the pool (only
 //          with validation off: such a page is never read, and every row attends position 0).
 // Template: T, BLOCK_SIZE, KV_HEADS, HEAD_SIZE.
@@ -30,7 +31,8 @@ if (row < rows) {
   const int blk = table[pos / BLOCK_SIZE];
   const bool in_pool = blk >= 0 && blk < num_blocks;
   const int64_t src = ((int64_t(in_pool ? blk : 0) * BLOCK_SIZE + pos % BLOCK_SIZE) * KV_HEADS + h) * HEAD_SIZE;
-  const int64_t dst = row * HEAD_SIZE;
+  const int64_t out_row = (int64_t(s) * KV_HEADS + h) * seq_len + pos;
+  const int64_t dst = out_row * HEAD_SIZE;
   float bad_here = in_pool ? 0.0f : 1.0f;
   for (int d = lane; d < HEAD_SIZE; d += MA_SIMD_WIDTH) {
     const T kx = in_pool ? k_cache[src + d] : T(0);
@@ -52,6 +54,6 @@ if (row < rows) {
   }
   const float any_bad = simd_sum(bad_here);
   if (lane == 0) {
-    bad[row] = any_bad > 0.0f ? 1 : 0;
+    bad[out_row] = any_bad > 0.0f ? 1 : 0;
   }
 }

@@ -73,13 +73,20 @@ class SdpaRule:
 
     min_chunk_rows: int | None
     evidence: str
+    #: Mixed batches (decode rows in front): the longest prefill chunk must have at least this many
+    #: rows, else the tiles' mixed route is faster (its fewer launches win on short chunks).
+    min_mixed_chunk_rows: int | None = None
 
 
 #: One rule per backend (data, like the split gate; `explain` prints the arithmetic).
 SDPA_PREFILL_RULES: Mapping[str, SdpaRule] = MappingProxyType({
-    "cuda": SdpaRule(8, "H200, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_sdpa_fused.py): gathered "
-                        "SDPA ran 1.2-3.5x faster than tiled_prefill on every chunk measured, from 8 rows after 1K "
-                        "tokens to 2,048-row prompts; chunks under 8 rows were not measured"),
+    "cuda": SdpaRule(8, "H200, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_sdpa_fused.py, prefill-gpu): "
+                        "gathered SDPA ran 1.2-6.4x faster than tiled_prefill on every prefill chunk measured, from 8 "
+                        "rows after 1K tokens to 32K-token prompts; chunks under 8 rows were not measured. Mixed "
+                        "batches with 256- and 512-row chunks: tiled's mixed route 1.07-1.14x faster; 1,024 rows "
+                        "is where the chunk's attention saves more than the extra launches cost (estimated from "
+                        "the 1,024-row chunk after 8K: 151 vs 65 TFLOP/s)",
+                     min_mixed_chunk_rows=1024),
     "metal": SdpaRule(None, "not measured on Apple hardware: the rule stays upstream's (tiled_prefill, NAX on M5)"),
     "cpu": SdpaRule(None, "2-core CPU: gathered SDPA is 27x slower than classic's native prefill "
                           "(docs/bench-cpu.md, prefill-cpu)"),
@@ -96,9 +103,12 @@ def rule_reasons(request: AttentionRequest, backend: str) -> tuple[list[str], st
         why = rule.evidence if rule is not None else "no rule measured"
         return [f"SDPA_PREFILL_RULES[{backend}]: not admitted ({why})"], ""
     rows = request.max_q_len
-    ok = rows >= rule.min_chunk_rows
+    mixed = request.phase is Phase.MIXED and rule.min_mixed_chunk_rows is not None
+    field, need = ("min_mixed_chunk_rows", rule.min_mixed_chunk_rows) if mixed else ("min_chunk_rows",
+                                                                                     rule.min_chunk_rows)
+    ok = rows >= need
     arithmetic = (f"longest prefill chunk {rows} rows {'>=' if ok else '<'} "
-                  f"SDPA_PREFILL_RULES[{backend}].min_chunk_rows={rule.min_chunk_rows}")
+                  f"SDPA_PREFILL_RULES[{backend}].{field}={need}")
     if not ok:
         return [f"{arithmetic} (below it tiled_prefill keeps the chunk: {rule.evidence})"], arithmetic
     return [], arithmetic
@@ -247,8 +257,7 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
         else:
             k, v, bad = gather_with_mlx_ops(kc, vc, md.block_tables[seq:seq + n, :pages], seq_len)
         qs = q[row0:row0 + rows].reshape(n, q_len, num_heads, head).transpose(0, 2, 1, 3)
-        o = mx.fast.scaled_dot_product_attention(qs, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                                                 scale=inputs.scale, mask="causal" if q_len > 1 else None,
+        o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=inputs.scale, mask="causal" if q_len > 1 else None,
                                                  sinks=sinks, force_fused=force_fused)
         o = mx.where(poisoned_rows(bad, q_len, num_heads)[..., None], mx.nan, o)
         outs.append(o.transpose(0, 2, 1, 3).reshape(rows, num_heads, head))
@@ -271,7 +280,7 @@ def gather_template(dtype: Any, block_size: int, kv_heads: int, head_size: int) 
 def launch_gather(k_cache: mx.array, v_cache: mx.array, block_tables: mx.array, first_seq: int, n: int,
                   seq_len: int, backend: str) -> tuple[mx.array, mx.array, mx.array]:
     """``gather_kv`` over sequences ``first_seq .. first_seq + n`` of ``seq_len`` tokens:
-    ``(k, v, bad)``, ``[n, seq_len, KVH, D]`` twice and ``[n, seq_len, KVH]`` int32."""
+    ``(k, v, bad)``, ``[n, KVH, seq_len, D]`` twice and ``[n, KVH, seq_len]`` int32."""
     import mlx.core as mx
 
     from metal_attn import kernels
@@ -283,7 +292,7 @@ def launch_gather(k_cache: mx.array, v_cache: mx.array, block_tables: mx.array, 
         inputs=[k_cache, v_cache, block_tables, params],
         template=gather_template(k_cache.dtype, bs, kvh, head),
         grid=(n * seq_len * kvh * kernels.SIMD_WIDTH, 1, 1), threadgroup=(GATHER_THREADS, 1, 1),
-        output_shapes=[(n, seq_len, kvh, head), (n, seq_len, kvh, head), (n, seq_len, kvh)],
+        output_shapes=[(n, kvh, seq_len, head), (n, kvh, seq_len, head), (n, kvh, seq_len)],
         output_dtypes=[k_cache.dtype, v_cache.dtype, mx.int32],
     )
     return k, v, bad
@@ -291,14 +300,14 @@ def launch_gather(k_cache: mx.array, v_cache: mx.array, block_tables: mx.array, 
 
 def poisoned_rows(bad: mx.array, q_len: int, num_heads: int) -> mx.array:
     """``[n, num_heads, q_len]``: the query rows whose range ``[0, seq_len - q_len + r + 1)`` holds
-    a flagged position of their KV head (prefix counts of ``bad`` ``[n, seq_len, KVH]``)."""
+    a flagged position of their KV head (prefix counts of ``bad`` ``[n, KVH, seq_len]``)."""
     import mlx.core as mx
 
-    seq_len, kvh = bad.shape[1], bad.shape[2]
-    counts = mx.cumsum(bad, axis=1)
+    kvh, seq_len = bad.shape[1], bad.shape[2]
+    counts = mx.cumsum(bad, axis=2)
     ends = mx.arange(q_len) + (seq_len - q_len)  # the last position row r attends
-    reached = mx.take(counts, ends, axis=1) > 0  # [n, q_len, KVH]
-    return mx.repeat(reached.transpose(0, 2, 1), num_heads // kvh, axis=1)  # query head h reads KV head h // group
+    reached = mx.take(counts, ends, axis=2) > 0  # [n, KVH, q_len]
+    return mx.repeat(reached, num_heads // kvh, axis=1)  # query head h reads KV head h // group
 
 
 def gather_with_mlx_ops(k_cache: mx.array, v_cache: mx.array, table: mx.array,
@@ -309,11 +318,12 @@ def gather_with_mlx_ops(k_cache: mx.array, v_cache: mx.array, table: mx.array,
     nb = k_cache.shape[0]
     bad_ids = ((table < 0) | (table >= nb)).any(axis=1).astype(mx.int32)  # [n]
     table = mx.clip(table, 0, nb - 1)
-    k, v = gather_pages(k_cache, table, seq_len), gather_pages(v_cache, table, seq_len)
+    k = gather_pages(k_cache, table, seq_len).transpose(0, 2, 1, 3)  # [n, KVH, seq_len, D]
+    v = gather_pages(v_cache, table, seq_len).transpose(0, 2, 1, 3)
     # x * 0 is 0 for every finite x and NaN otherwise: the row sums find the non-finite rows.
-    bad = mx.isnan((k * 0).sum(axis=-1) + (v * 0).sum(axis=-1)).astype(mx.int32)  # [n, seq_len, KVH]
-    first = mx.maximum(bad[:, :1], bad_ids[:, None, None])
-    bad = mx.concatenate([first, bad[:, 1:]], axis=1)
+    bad = mx.isnan((k * 0).sum(axis=-1) + (v * 0).sum(axis=-1)).astype(mx.int32)  # [n, KVH, seq_len]
+    first = mx.maximum(bad[:, :, :1], bad_ids[:, None, None])
+    bad = mx.concatenate([first, bad[:, :, 1:]], axis=2)
     return k, mx.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), bad
 
 

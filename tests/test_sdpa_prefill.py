@@ -45,9 +45,18 @@ def test_cuda_prefill_takes_the_route_and_explain_shows_the_rule(q_lens, seq_len
 
 
 def test_cuda_mixed_batch_splits_its_decode_rows_off():
-    row = _row(_explain(H200, [1, 1, 512], [4096, 4096, 2048]))
+    row = _row(_explain(H200, [1, 1, 2048], [4096, 4096, 2048]))
     assert row.chosen and row.plan.route == "sdpa_prefill_decode"
     assert any(n.startswith("decode rows: per_token") for n in row.plan.notes), row.plan.notes
+    assert any("longest prefill chunk 2048 rows >= SDPA_PREFILL_RULES[cuda].min_mixed_chunk_rows=1024" in n
+               for n in row.plan.notes), row.plan.notes
+
+
+def test_cuda_mixed_batch_with_short_chunks_stays_with_the_tiles():
+    ex = _explain(H200, [1] * 8 + [512], [4096] * 8 + [2048])
+    reasons = "\n".join(_row(ex).reasons)
+    assert "longest prefill chunk 512 rows < SDPA_PREFILL_RULES[cuda].min_mixed_chunk_rows=1024" in reasons, str(ex)
+    assert _row(ex, "tiled_prefill").chosen
 
 
 @pytest.mark.parametrize(("kwargs", "reason"), [
@@ -90,7 +99,7 @@ def test_cpu_is_measured_out():
 
 def test_mixed_batch_refused_when_the_decode_rows_kernel_is_disabled():
     with override_settings(disabled_providers=("classic",)):
-        ex = _explain(H200, [1, 512], [4096, 2048])
+        ex = _explain(H200, [1, 2048], [4096, 2048])
     assert "its decode rows need the classic kernel" in "\n".join(_row(ex).reasons), str(ex)
 
 

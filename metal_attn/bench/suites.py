@@ -130,9 +130,9 @@ SUITES: dict[str, Suite] = {
         Suite(
             "prefill-gpu",
             "bf16 causal prefill: KERNELS.md's three prefill peer shapes, 8K and 32K prompts, 8 prompts of 2,048, "
-            "chunks after 2K, 7K and 32K of context, and the two mixed batches",
+            "chunks after 2K, 7K and 32K of context, the two mixed batches and one with a 2,048-row chunk",
             "gpu",
-            _PREFILL + _MIXED,
+            _PREFILL + _MIXED + (Shape.mix((Rows(8, 1, 4096), Rows(1, 2048, 4096)), 32, 8, 128),),
             ("auto", "sdpa_prefill", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa"),
             warmup=2,
             iters=10,

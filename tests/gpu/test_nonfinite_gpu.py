@@ -160,7 +160,7 @@ def test_sdpa_prefill_masked_positions(head, dtype):
     case = make_case(q_lens=[200, 64], seq_lens=[200, 450], num_heads=4, num_kv_heads=2, head_size=head,
                      block_size=16, dtype=dtype, seed=head, poison=poison, label=f"sdpa h{head} {dtype}")
     _check(case, "sdpa_prefill", "sdpa_prefill")
-    mixed = make_case(q_lens=[1, 1, 90], seq_lens=[300, 40, 90], num_heads=4, num_kv_heads=2, head_size=head,
+    mixed = make_case(q_lens=[1, 1, 1030], seq_lens=[300, 40, 1030], num_heads=4, num_kv_heads=2, head_size=head,
                       block_size=16, dtype=dtype, seed=head + 1,
                       poison=[("v", 0, 299, 0, NAN), ("k", 1, 3, 1, INF), ("v", 2, 80, 1, NAN)],
                       label=f"sdpa mixed h{head} {dtype}")

@@ -84,7 +84,7 @@ def test_random_block_tables(seed):
 
 @pytest.mark.parametrize("sinks", [False, True])
 def test_mixed_batch_decode_rows_split_off(sinks):
-    case = make_case(q_lens=[1, 1, 1, 48, 200], seq_lens=[4096, 900, 33, 400, 2200], num_heads=8, num_kv_heads=2,
+    case = make_case(q_lens=[1, 1, 1, 48, 1100], seq_lens=[4096, 900, 33, 400, 2200], num_heads=8, num_kv_heads=2,
                      head_size=128, block_size=16, dtype="bfloat16", sinks=sinks, seed=13, label="mixed")
     _check(case, route="sdpa_prefill_decode")
 
