@@ -196,8 +196,8 @@ class NaxPrefillProvider(Provider):
     head_sizes = frozenset(HEAD_SIZES)
     block_sizes = frozenset(BLOCK_SIZES)
     features = frozenset({"sinks", "sliding_window", "softcap"})
-    description = ("M5 NAX prefill: Metal 4 tensor ops (matmul2d 16x32x16 on cooperative tensors); never run on "
-                   "Apple hardware here, its text runs on CUDA as a twin.")
+    description = ("M5 NAX prefill: Metal 4 tensor ops (matmul2d 16x32x16, cooperative tensors); never executed on "
+                   "Apple hardware here, its logic verified through a CUDA twin.")
 
     def availability_reasons(self, device: DeviceInfo) -> list[str]:
         reasons = GATE.reasons(device)
