@@ -7,13 +7,14 @@
 // __nv_bfloat16 (the left input may be float), float destination, element access with [].
 // The Metal source check's shim (msl_shim.h) declares exactly this subset.
 //
-// run(left, right, dest): each lane puts its elements into a per-warp scratch in matrix form, at
-// the coordinates nax_layout.h gives them; the warp then computes the 16 x 32 product as four
-// mma.sync.m16n8k16 (16-bit operands, float accumulation) in the tensor-core fragment layout, puts
-// the result back through the scratch, and each lane adds its destination elements (mode
-// multiply_accumulate; mode multiply overwrites them). A float left input is split into a high and
-// a low 16-bit part and both products are accumulated (about 16 significant bits for bfloat16, 22
-// for half), as the tiled kernel's CUDA prelude does for its probabilities.
+// run(left, right, dest): each lane puts its elements of the three operands into a per-warp scratch
+// in matrix form, at the coordinates nax_layout.h gives them; the warp then computes dest (+)= left x
+// right as four mma.sync.m16n8k16 (16-bit operands, the float accumulator fed into the instruction:
+// mode multiply_accumulate; mode multiply starts from zero) in the tensor-core fragment layout, and
+// each lane takes its destination elements back from the scratch. A float left input is split into
+// a high and a low 16-bit part whose products are accumulated in that order (about 16 significant
+// bits for bfloat16, 22 for half), as the tiled kernel's CUDA prelude does for its probabilities; so
+// a product over the same keys and dims in the same order rounds as the tiled kernel's does.
 //
 // What this does not reproduce: how Apple's tensor units move the elements (here a scratch in
 // shared memory; the Metal kernel itself uses no threadgroup memory), the order and rounding of
@@ -68,10 +69,10 @@ struct cooperative_tensor {
   MA_FUNC const E& operator[](int i) const { return v[i]; }
 };
 
-// This warp's scratch: a 16 x 16 left and a 16 x 32 right operand (floats, row-major), whose
-// space then holds the 16 x 32 product.
+// This warp's scratch: a 16 x 16 left operand, a 16 x 32 right operand and a 16 x 32 accumulator
+// (floats, row-major; 5 KiB).
 MA_FUNC float* ma_nax_scratch() {
-  __shared__ float scratch[MA_NAX_MAX_SIMDGROUPS][16 * 16 + 16 * 32];
+  __shared__ float scratch[MA_NAX_MAX_SIMDGROUPS][16 * 16 + 2 * 16 * 32];
   const unsigned warp = (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) >> 5;
   if (warp >= MA_NAX_MAX_SIMDGROUPS) {
     __trap();  // more simdgroups than the scratch was sized for (MA_NAX_MAX_SIMDGROUPS)
@@ -120,6 +121,7 @@ struct matmul2d {
     const int lane = int(thread_index_in_simdgroup);
     float* sa = ma_nax_scratch();  // A[m][k] at sa[m * 16 + k]
     float* sb = sa + 16 * 16;      // B[k][n] at sb[k * 32 + n]
+    float* sc = sb + 16 * 32;      // C[m][n], then D[m][n], at sc[m * 32 + n]
     __syncwarp();                  // the last run's readers are done with the scratch
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -128,15 +130,16 @@ struct matmul2d {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int r = ma_nax_frag_row(lane, i);
-      const int col = ma_nax_frag_col(lane, i);
-      if (kTransposeRight) {  // held as stored, N x K: element (n, k) is B[k][n]
-        sb[col * 32 + 16 * (i >> 3) + r] = ma_to_float(b[i]);
+      const int col = 16 * (i >> 3) + ma_nax_frag_col(lane, i);
+      if (kTransposeRight) {  // held as stored, N x K: element (n, k) = (16 * (i >> 3) + r, col % 16)
+        sb[ma_nax_frag_col(lane, i) * 32 + 16 * (i >> 3) + r] = ma_to_float(b[i]);
       } else {
-        sb[r * 32 + 16 * (i >> 3) + col] = ma_to_float(b[i]);
+        sb[r * 32 + col] = ma_to_float(b[i]);
       }
+      sc[r * 32 + col] = kAccumulate ? c[i] : 0.0f;
     }
     __syncwarp();
-    // The tensor-core fragments: row g = lane / 4, k pair 2t (t = lane % 4); B column g.
+    // The tensor-core fragments: row g = lane / 4, k pair 2t (t = lane % 4); B and D column g / 2t.
     const int g = lane >> 2;
     const int t2 = (lane & 3) << 1;
     const float a00 = sa[g * 16 + t2], a01 = sa[g * 16 + t2 + 1];
@@ -160,26 +163,28 @@ struct matmul2d {
       const int n = nt * 8 + g;
       const unsigned b0 = ma_nax_pack<R>(sb[t2 * 32 + n], sb[(t2 + 1) * 32 + n]);
       const unsigned b1 = ma_nax_pack<R>(sb[(t2 + 8) * 32 + n], sb[(t2 + 9) * 32 + n]);
-      d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.0f;
+      // The accumulator enters the instruction (the high part's product, then the low part's).
+      d[nt][0] = sc[g * 32 + nt * 8 + t2];
+      d[nt][1] = sc[g * 32 + nt * 8 + t2 + 1];
+      d[nt][2] = sc[(g + 8) * 32 + nt * 8 + t2];
+      d[nt][3] = sc[(g + 8) * 32 + nt * 8 + t2 + 1];
       ma_mma_op<R>::mma(d[nt][0], d[nt][1], d[nt][2], d[nt][3], ah0, ah1, ah2, ah3, b0, b1);
       if (ma_same<L, float>::value) {
         ma_mma_op<R>::mma(d[nt][0], d[nt][1], d[nt][2], d[nt][3], al0, al1, al2, al3, b0, b1);
       }
     }
-    __syncwarp();  // every lane has read its operands: the scratch now takes the product D[m][n]
-    float* sd = sa;  // D[m][n] at sd[m * 32 + n]
+    __syncwarp();  // every lane has read its operands: the scratch now takes the result D[m][n]
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      sd[g * 32 + nt * 8 + t2] = d[nt][0];
-      sd[g * 32 + nt * 8 + t2 + 1] = d[nt][1];
-      sd[(g + 8) * 32 + nt * 8 + t2] = d[nt][2];
-      sd[(g + 8) * 32 + nt * 8 + t2 + 1] = d[nt][3];
+      sc[g * 32 + nt * 8 + t2] = d[nt][0];
+      sc[g * 32 + nt * 8 + t2 + 1] = d[nt][1];
+      sc[(g + 8) * 32 + nt * 8 + t2] = d[nt][2];
+      sc[(g + 8) * 32 + nt * 8 + t2 + 1] = d[nt][3];
     }
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const float x = sd[ma_nax_frag_row(lane, i) * 32 + 16 * (i >> 3) + ma_nax_frag_col(lane, i)];
-      c[i] = kAccumulate ? c[i] + x : x;
+      c[i] = sc[ma_nax_frag_row(lane, i) * 32 + 16 * (i >> 3) + ma_nax_frag_col(lane, i)];
     }
   }
 };

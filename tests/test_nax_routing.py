@@ -234,6 +234,7 @@ def test_launch_refuses_bad_geometry_before_any_kernel():
         nx.kernel_object("cpu")
 
 
+@pytest.mark.usefixtures("restore_logging")  # the CLI configures logging
 def test_explain_cli_on_m5_and_m4(capsys):
     from metal_attn.cli import main
 
