@@ -30,10 +30,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from metal_attn.providers import gpu_common as gc
+
 from metal_attn import kernels
 from metal_attn.constants import (
     KERNEL_BLOCK_SIZES,
-    LOG2E,
     MIXED_DECODE_MIN_CONTEXT,
     NAX_BQ,
     NAX_MIN_GENERATION,
@@ -47,8 +48,10 @@ from metal_attn.request import Phase
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
+    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
+    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
@@ -124,53 +127,13 @@ class NaxGate:
 GATE = NaxGate()
 
 
-# -- what the GPU providers share (see the module docstring of metal_attn.providers.gpu_common) -------
-
-
-def _gpu_availability(device: DeviceInfo) -> list[str]:
-    from metal_attn.providers.classic import gpu as classic_gpu
-
-    return classic_gpu.availability_reasons(device)
-
-
-def _zeros_f32(n: int) -> mx.array:
-    from metal_attn.providers.classic import gpu as classic_gpu
-
-    return classic_gpu.zeros_f32(n)
-
-
-def _decode_rows_plan(request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
-    from metal_attn.providers.classic import gpu as classic_gpu
-
-    return classic_gpu.plan("classic", decode_request(request), device, settings)
-
-
-def _decode_rows_prepare(spec: tuple, device: DeviceInfo) -> None:
-    from metal_attn.providers.classic import gpu as classic_gpu
-
-    classic_gpu.prepare(Plan("classic", "decode rows", specialization=spec), device)
-
-
-def _decode_rows_run(inputs: AttentionInputs, spec: tuple, rows: int) -> mx.array:
-    from metal_attn.providers.classic import gpu as classic_gpu
-
-    return classic_gpu.run_specialization(inputs, spec, rows=rows)
-
-
-def decode_request(request: AttentionRequest) -> AttentionRequest:
-    """The decode rows at the front of a mixed ``request``, as a request of their own."""
-    return dataclasses.replace(
-        request, phase=Phase.DECODE, num_seqs=request.num_decode_seqs, total_q_tokens=request.num_decode_seqs,
-        max_q_len=1, max_seq_len=request.max_decode_seq_len, length_plan=(),
-    )
-
-
 def mixed_split(request: AttentionRequest, backend: str, settings: Settings | None = None) -> tuple[bool, str]:
     """Whether a mixed batch's decode rows leave the tiles (the tiled provider's rule), and why."""
     if request.phase is not Phase.MIXED:
         return False, ""
-    if settings is not None and settings.is_disabled("classic"):
-        return False, "mixed split: the classic provider is disabled (decode rows ride in the tiles)"
+    if settings is not None and settings.is_disabled(gc.DECODE_ROWS_PROVIDER):
+        return False, (f"mixed split: the {gc.DECODE_ROWS_PROVIDER} provider is disabled "
+                       "(decode rows ride in the tiles)")
     threshold = MIXED_DECODE_MIN_CONTEXT.get(backend)
     if threshold is None:
         return False, f"mixed split: no threshold measured for backend={backend} (decode rows ride in the tiles)"
@@ -203,19 +166,30 @@ class NaxPrefillProvider(Provider):
         reasons = GATE.reasons(device)
         if reasons:
             return reasons
-        return _gpu_availability(device)
+        return gc.availability_reasons(device)
 
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         return make_plan(request, device, settings, kernel_backend="metal")
 
     def prepare(self, plan: Plan, device: DeviceInfo) -> None:
         """Compile the plan's kernels with tiny launches (skipped for hypothetical devices)."""
-        if device.hypothetical:
-            return
         prepare_plan(plan, device)
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
         return run_plan(inputs, plan)
+
+    # -- source checks ----------------------------------------------------------------------------
+
+    def msl_specializations(self) -> list[Specialization]:
+        """Every Metal specialization the provider can choose, for `metal_attn.msl_check`:
+        {float16, bfloat16} x head sizes {64, 96, 128, 256, 512} x kernel block sizes {8, 16, 32} (30).
+        The decode rows of a split mixed batch use the classic provider's specializations."""
+        return msl_specializations()
+
+    def cuda_sources(self) -> list[CudaSource]:
+        """Every specialization of the CUDA twin (the same 30), for `metal_attn.cuda_check`; the
+        provider never launches them itself (its CUDA runs are `run_twin`'s)."""
+        return cuda_sources()
 
 
 def make_plan(request: AttentionRequest, device: DeviceInfo, settings: Settings, *, kernel_backend: str) -> Plan:
@@ -231,7 +205,7 @@ def make_plan(request: AttentionRequest, device: DeviceInfo, settings: Settings,
     if split_note:
         notes.append(split_note)
     if split:
-        decode_plan = _decode_rows_plan(request, device, settings)
+        decode_plan = gc.plan_decode_rows(request, device, settings)
         decode_spec = decode_plan.specialization
         partition = decode_plan.partition_size
         notes.append(f"decode rows: {decode_plan.route} ({'; '.join(decode_plan.notes)})")
@@ -247,22 +221,16 @@ def make_plan(request: AttentionRequest, device: DeviceInfo, settings: Settings,
 
 
 def prepare_plan(plan: Plan, device: DeviceInfo) -> None:
-    """Compile a plan's kernels now (tiny launches); `KernelCompileError` on any failure."""
-    import mlx.core as mx
-    import numpy as np
-
-    from metal_attn.metadata import AttentionMetadata
-
+    """Compile a plan's kernels now (tiny launches; skipped for hypothetical devices);
+    `KernelCompileError` on any failure."""
     _, backend, dtype, head, block, decode_spec = plan.specialization
-    mdt = getattr(mx, dtype)
-    md = AttentionMetadata.build(np.zeros((1, 1), np.int32), [2], [0, 2], validate=False)
-    q = mx.zeros((2, 1, head), mdt)
-    kc = mx.zeros((1, block, 1, head), mdt)
-    kernels.compile_now(
-        lambda: launch(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, backend=backend),
-        f"nax_prefill {plan.specialization[:5]}")
+    gc.compile_eagerly(
+        device, f"nax_prefill {plan.specialization[:5]}",
+        lambda b: launch(b.q, b.cache, b.cache, b.metadata, scale=1.0, sinks=None, sliding_window=None,
+                         softcap=None, backend=backend),
+        dtype=dtype, head_size=head, block_size=block, seq_len=2, q_rows=2)
     if decode_spec:
-        _decode_rows_prepare(decode_spec, device)
+        gc.prepare_decode_rows(decode_spec, device)
 
 
 def run_plan(inputs: AttentionInputs, plan: Plan) -> mx.array:
@@ -276,7 +244,7 @@ def run_plan(inputs: AttentionInputs, plan: Plan) -> mx.array:
 
     md = inputs.metadata
     n_dec = md.num_decode_seqs
-    decode = _decode_rows_run(inputs, decode_spec, n_dec)
+    decode = gc.run_decode_rows(inputs, decode_spec)
     prefill = launch(inputs.q, inputs.k_cache, inputs.v_cache, md, first_seq=n_dec, **common)
     return mx.concatenate([decode, prefill[n_dec:]], axis=0)
 
@@ -314,12 +282,11 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     tiles = metadata.query_tiles(NAX_BQ, first_seq)
     num_tiles = tiles.shape[0]
     use_sinks = sinks is not None
-    params = kernels.param_array((num_tiles, num_heads, num_kv_heads, metadata.max_blocks_per_seq,
-                                  int(sliding_window or 0), int(use_sinks)), "int32")
-    fparams = kernels.param_array((scale if softcap else scale * LOG2E, float(softcap or 0.0)), "float32")
+    params = gc.pack_int32((num_tiles, num_heads, num_kv_heads, metadata.max_blocks_per_seq,
+                            int(sliding_window or 0), int(use_sinks)))
     return kernel_object(backend)(
         inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.cu_seqlens_q, tiles,
-                sinks if use_sinks else _zeros_f32(num_heads), params, fparams],
+                gc.sink_logits(sinks, num_heads), params, gc.pack_scale(scale, softcap)],
         template=kernel_template(q.dtype, head, block_size),
         grid=(num_tiles * THREADS, num_heads, 1),
         threadgroup=(THREADS, 1, 1),
@@ -368,10 +335,8 @@ def _spec_inputs(dtype: str, head: int, block: int) -> tuple:
             ((4,), "float32"), ((6,), "int32"), ((2,), "float32"))
 
 
-def msl_specializations() -> list:
-    """Every Metal specialization the provider can choose, for `metal_attn.msl_check`:
-    {float16, bfloat16} x head sizes {64, 96, 128, 256, 512} x kernel block sizes {8, 16, 32} (30).
-    The decode rows of a split mixed batch use the classic provider's specializations."""
+def msl_specializations() -> list[Specialization]:
+    """The provider's Metal specializations (`NaxPrefillProvider.msl_specializations`)."""
     from metal_attn.msl_check import Specialization
 
     return [
@@ -385,8 +350,8 @@ def msl_specializations() -> list:
     ]
 
 
-def cuda_sources() -> list:
-    """Every specialization of the CUDA twin (the same 30), for `metal_attn.cuda_check`."""
+def cuda_sources() -> list[CudaSource]:
+    """The CUDA twin's specializations (`NaxPrefillProvider.cuda_sources`)."""
     from metal_attn.cuda_check import CudaSource
 
     return [

@@ -179,7 +179,7 @@ def test_cuda_and_cpu_refuse():
     h200 = _explain(DeviceInfo.preset("h200"), [100], [100])
     assert _reasons(h200).startswith("backend=cuda: needs Apple M5-class tensor units (Metal 4 tensor ops)")
     assert "run_twin" in _reasons(h200)
-    assert h200.chosen.name == "tiled_prefill"
+    assert h200.chosen.name != "nax_prefill"
     cpu = _explain(DeviceInfo.preset("cpu-2core"), [100], [100])
     assert _reasons(cpu).startswith("backend=cpu (supported: metal, with macOS >= 26.2")
 
@@ -193,7 +193,7 @@ def test_compile_failure_is_a_recorded_fallback_to_the_tiled_kernel(monkeypatch)
     from metal_attn.request import AttentionRequest
 
     device = M5_MAX.replace(hypothetical=False)
-    monkeypatch.setattr(nx, "_gpu_availability", lambda dev: [])
+    monkeypatch.setattr(nx.gc, "availability_reasons", lambda dev: [])
     monkeypatch.setattr(tp.TiledPrefillProvider, "availability_reasons", lambda self, dev: [])
     monkeypatch.setattr(tp.TiledPrefillProvider, "prepare", lambda self, plan, dev: None)
     request = AttentionRequest.from_lengths(q_lens=[100], seq_lens=[100], num_heads=4, num_kv_heads=2,
@@ -273,26 +273,26 @@ def test_ulp_distance_counts_representable_values():
 
 # -- the Metal source check ------------------------------------------------------------------------------------
 
-_MSL_SET = "metal_attn.providers.nax_prefill:msl_specializations"
+_NAX = ["nax_prefill"]
 _ONE = r"^nax_prefill float16 head=64 block=8$"
 
 
 def test_msl_specializations_cover_every_choice():
-    labels = {s.label for s in nx.msl_specializations()}
+    labels = {s.label for s in nx.NaxPrefillProvider().msl_specializations()}
     assert labels == {f"nax_prefill {d} head={h} block={b}" for d in ("float16", "bfloat16")
                       for h in (64, 96, 128, 256, 512) for b in (8, 16, 32)}
 
 
 @pytest.mark.usefixtures("needs_clang")
 def test_every_nax_specialization_type_checks():
-    result = msl_check.check(_MSL_SET)
+    result = msl_check.check(providers=_NAX)
     assert result.ok, result.summary()
     assert result.count == 2 * 5 * 3
 
 
 @pytest.mark.usefixtures("needs_clang")
 def test_generated_source_uses_the_tensor_ops():
-    (text,) = msl_check.generate_msl(_MSL_SET, only=_ONE).values()
+    (text,) = msl_check.generate_msl(providers=_NAX, only=_ONE).values()
     assert "#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>" in text
     assert "mpp::tensor_ops::matmul2d<qk_desc, metal::execution_simdgroup>" in text
     assert "#define MA_NAX_BQ 64" in text and "#define MA_NAX_TILE_KV 32" in text
@@ -321,7 +321,7 @@ _PLANTED = [
                               "descriptor-argument-order", "descriptor-transpose-left", "operand-order"))
 def test_planted_errors_fail_the_check(planted_kernels, old, new, needle):
     folder = planted_kernels("nax_prefill.metal", old, new)
-    result = msl_check.check(_MSL_SET, only=_ONE, kernels_dir=folder)
+    result = msl_check.check(providers=_NAX, only=_ONE, kernels_dir=folder)
     if needle is None:  # the same text, copied: the check passes
         assert result.ok, result.summary()
         return
@@ -342,9 +342,10 @@ def _nvcc():
 
 
 def test_cuda_sources_cover_every_specialization():
-    labels = [s.label for s in nx.cuda_sources()]
+    sources = nx.NaxPrefillProvider().cuda_sources()
+    labels = [s.label for s in sources]
     assert len(labels) == len(set(labels)) == 30
-    assert all(s.source_files == nx.KERNEL_FILES["cuda"] for s in nx.cuda_sources())
+    assert all(s.source_files == nx.KERNEL_FILES["cuda"] for s in sources)
 
 
 @pytest.mark.slow
