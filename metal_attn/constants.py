@@ -98,3 +98,15 @@ GQA_CALIBRATION_RULES: Final[tuple] = (
         }
     ),
 )
+
+#: The M5 NAX prefill kernel's tile (kernels_v2/nax_prefill.metal, as upstream shaped it): 64 query
+#: rows per threadgroup (4 simdgroups x 16 rows, 128 threads) and 32 keys per KV tile; the kernel
+#: receives both as generated defines and checks them against its 16 x 32 x 16 matmul2d.
+NAX_BQ: Final[int] = 64
+NAX_TILE_KV: Final[int] = 32
+
+#: What the NAX kernel needs of an Apple GPU, mirroring MLX's own gate (``is_nax_available``): macOS
+#: 26.2 or later at run time, GPU architecture generation 17 or later, 18 or later for parts whose
+#: architecture name ends in 'p'.
+NAX_MIN_MACOS: Final[tuple[int, int]] = (26, 2)
+NAX_MIN_GENERATION: Final = MappingProxyType({"default": 17, "p": 18})

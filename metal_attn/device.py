@@ -21,6 +21,7 @@ BACKENDS: tuple[str, ...] = ("metal", "cuda", "cpu")
 
 _APPLE_ARCH = re.compile(r"applegpu_g(\d+)([a-z])")
 _SM_ARCH = re.compile(r"sm_(\d+)")
+_VERSION = re.compile(r"\d+(?:\.\d+)*")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,6 +36,14 @@ class DeviceInfo:
     max_threadgroup_memory: int | None = None
     cpu_threads: int | None = None
     hypothetical: bool = False
+    #: The macOS version on Apple machines (``"26.2"``), else ``None``; Metal 4 tensor ops need 26.2.
+    macos_version: str | None = None
+
+    @property
+    def macos(self) -> tuple[int, ...] | None:
+        """`macos_version` as numbers (``"26.2"`` -> ``(26, 2)``); ``None`` when unknown or unparsable."""
+        m = _VERSION.fullmatch(self.macos_version or "")
+        return tuple(int(x) for x in m.group(0).split(".")) if m else None
 
     @property
     def generation(self) -> int | None:
@@ -81,14 +90,18 @@ class DeviceInfo:
             ) from None
 
 
+#: The macOS version the Apple presets run (current at the time of writing: every Apple preset has it,
+#: so that what tells an M3 from an M5 in their explanations is the GPU alone).
+PRESET_MACOS = "26.2"
+
 #: Machines that routing tests and ``explain --device`` can stand in for.
 DEVICE_PRESETS = MappingProxyType(
     {
-        "m3-10core": DeviceInfo("metal", "Apple M3", "applegpu_g15g", 10, 16 << 30, 32768, 8, True),
-        "m3-max": DeviceInfo("metal", "Apple M3 Max", "applegpu_g15s", 40, 128 << 30, 32768, 16, True),
-        "m4-max": DeviceInfo("metal", "Apple M4 Max", "applegpu_g16s", 40, 128 << 30, 32768, 16, True),
-        "m5-10core": DeviceInfo("metal", "Apple M5", "applegpu_g17g", 10, 32 << 30, 32768, 10, True),
-        "m5-max": DeviceInfo("metal", "Apple M5 Max", "applegpu_g17s", 40, 128 << 30, 32768, 18, True),
+        "m3-10core": DeviceInfo("metal", "Apple M3", "applegpu_g15g", 10, 16 << 30, 32768, 8, True, PRESET_MACOS),
+        "m3-max": DeviceInfo("metal", "Apple M3 Max", "applegpu_g15s", 40, 128 << 30, 32768, 16, True, PRESET_MACOS),
+        "m4-max": DeviceInfo("metal", "Apple M4 Max", "applegpu_g16s", 40, 128 << 30, 32768, 16, True, PRESET_MACOS),
+        "m5-10core": DeviceInfo("metal", "Apple M5", "applegpu_g17g", 10, 32 << 30, 32768, 10, True, PRESET_MACOS),
+        "m5-max": DeviceInfo("metal", "Apple M5 Max", "applegpu_g17s", 40, 128 << 30, 32768, 18, True, PRESET_MACOS),
         "h200": DeviceInfo("cuda", "NVIDIA H200", "sm_90", 132, 141 << 30, 232448, 16, True),
         "cpu-2core": DeviceInfo("cpu", "x86_64 CPU", "x86_64", None, 24 << 30, None, 2, True),
     }
@@ -148,6 +161,13 @@ def _cuda_multiprocessors() -> int | None:
     return count.value or None
 
 
+def _macos_version() -> str | None:
+    """This Mac's macOS version (``"26.2"``), or ``None`` elsewhere."""
+    if sys.platform != "darwin":
+        return None
+    return platform.mac_ver()[0] or None
+
+
 def _host_memory() -> int | None:
     """Physical memory of this machine (the CPU backend's device memory), or ``None``."""
     try:
@@ -190,6 +210,7 @@ def probe() -> DeviceInfo:
         memory_bytes=int(memory) if memory else None,
         max_threadgroup_memory=int(tg_mem) if tg_mem else None,
         cpu_threads=os.cpu_count(),
+        macos_version=_macos_version(),
     )
 
 

@@ -68,10 +68,7 @@ class Settings(BaseSettings):
     disable_nax: bool = Field(
         False,
         validation_alias=_env("disable_nax", "VLLM_METAL_DISABLE_NAX"),
-        description=(
-            "Reserved: disables the M5 NAX prefill provider (nax_prefill), which this version does not "
-            "ship; setting it warns that it has no effect (alias VLLM_METAL_DISABLE_NAX)."
-        ),
+        description="Disable the M5 NAX prefill provider, nax_prefill (alias VLLM_METAL_DISABLE_NAX).",
     )
     disable_tiled_prefill: bool = Field(
         False,
@@ -145,6 +142,12 @@ class Settings(BaseSettings):
         description="Override the GPU architecture (e.g. applegpu_g17s, sm_90).",
     )
     gpu_name: str | None = Field(None, validation_alias=_env("gpu_name"), description="Override the GPU name.")
+    macos_version: str | None = Field(
+        None,
+        pattern=r"^\d+(\.\d+)*$",
+        validation_alias=_env("macos_version"),
+        description="Override the macOS version the probe reports (e.g. 26.2; the NAX provider needs 26.2 or later).",
+    )
     max_threadgroup_memory: int | None = Field(
         None,
         ge=1024,
@@ -206,7 +209,7 @@ class Settings(BaseSettings):
             return tuple(v)
         return v
 
-    @field_validator("provider", "gpu_architecture", "gpu_name", "cache_dir", mode="before")
+    @field_validator("provider", "gpu_architecture", "gpu_name", "macos_version", "cache_dir", mode="before")
     @classmethod
     def _blank_is_none(cls, v: Any) -> Any:
         return None if isinstance(v, str) and not v.strip() else v
@@ -228,6 +231,7 @@ class Settings(BaseSettings):
             ("gpu_cores", self.gpu_cores),
             ("architecture", self.gpu_architecture),
             ("name", self.gpu_name),
+            ("macos_version", self.macos_version),
             ("max_threadgroup_memory", self.max_threadgroup_memory),
             ("cpu_threads", self.cpu_threads),
         )
@@ -322,10 +326,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 #: Settings that are accepted but do nothing yet (a provider they would act on is not shipped):
 #: field -> why. Setting one warns, so that no setting does nothing silently.
-RESERVED_SETTINGS: dict[str, str] = {
-    "disable_nax": ("it is reserved for the M5 NAX prefill provider (nax_prefill), which this version does not "
-                    "ship: it disables nothing unless a plugin registers a provider of that name"),
-}
+RESERVED_SETTINGS: dict[str, str] = {}
 
 
 def _warn_reserved(settings: Settings, changed: Any = None) -> None:

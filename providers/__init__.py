@@ -21,6 +21,7 @@ BUILTIN_PROVIDERS: tuple[str, ...] = (
     "metal_attn.providers.gqa_decode:GQADecodeProvider",
     "metal_attn.providers.tiled_prefill:TiledPrefillProvider",
     "metal_attn.providers.sdpa_prefill:SdpaPrefillProvider",
+    "metal_attn.providers.nax_prefill:NaxPrefillProvider",
 )
 
 

@@ -199,16 +199,15 @@ def test_renamed_table_points_at_live_variables():
 
 
 def test_known_names_do_not_warn(monkeypatch, recwarn):
-    """Known names are not 'unknown'; the only warning is the reserved NAX toggle's (it does nothing)."""
+    """Known names are not 'unknown', and no toggle is reserved any more: setting them all warns about nothing."""
     for name in env_names():
         if name.startswith("METAL_ATTN_") and name.endswith(("_GQA_DECODE", "_NAX", "_PREFILL")):
             monkeypatch.setenv(name, "1")
     settings_mod.reload_settings()
     warned = [str(w.message) for w in recwarn if issubclass(w.category, UserWarning)]
-    assert len(warned) == 1 and warned[0].startswith("METAL_ATTN_DISABLE_NAX is set but has no effect")
+    assert warned == []
 
 
-@pytest.mark.filterwarnings("ignore:METAL_ATTN_DISABLE_NAX is set but has no effect")
 def test_override_settings_restores_and_nests():
     before = get_settings()
     with override_settings(gpu_cores=40, disable_nax=True) as outer:
@@ -372,21 +371,16 @@ def test_every_field_has_a_description_and_an_env_name():
         assert f"METAL_ATTN_{name.upper()}" in live
 
 
-def test_reserved_nax_toggle_is_documented_and_warned_about(monkeypatch, log_records):
-    """METAL_ATTN_DISABLE_NAX has no provider to act on in this version: it is marked reserved in its
-    description, and setting it (environment, upstream alias or override) warns; leaving it off does not."""
-    assert Settings.model_fields["disable_nax"].description.startswith("Reserved:")
-    assert "disable_nax" in settings_mod.RESERVED_SETTINGS
-    with pytest.warns(UserWarning, match=r"DISABLE_NAX is set but has no effect: it is reserved for the M5 NAX"):
-        load(monkeypatch, VLLM_METAL_DISABLE_NAX="1")
-    assert log_records("reserved_setting")[-1].setting == "METAL_ATTN_DISABLE_NAX"
-    with pytest.warns(UserWarning, match=r"METAL_ATTN_DISABLE_NAX is set but has no effect"), \
-            override_settings(disable_nax=True):
-        pass
+def test_nax_toggle_disables_the_shipped_provider_without_a_warning(monkeypatch):
+    """METAL_ATTN_DISABLE_NAX (alias VLLM_METAL_DISABLE_NAX) is the nax_prefill provider's disable switch,
+    through the same mechanism as the other toggles; nothing is reserved, so setting it warns about nothing."""
     import warnings
 
+    assert Settings.model_fields["disable_nax"].description.startswith("Disable the M5 NAX prefill provider")
+    assert settings_mod.RESERVED_SETTINGS == {}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load(monkeypatch, VLLM_METAL_DISABLE_NAX="0")
-        with override_settings(gpu_cores=4):  # the toggle is off: nothing to warn about
-            pass
+        s = load(monkeypatch, VLLM_METAL_DISABLE_NAX="1")
+        assert s.is_disabled("nax_prefill") == "disabled by METAL_ATTN_DISABLE_NAX=1"
+        with override_settings(disable_nax=True) as o:
+            assert o.is_disabled("nax_prefill") == "disabled by METAL_ATTN_DISABLE_NAX=1"

@@ -37,6 +37,14 @@ def _tiles_first():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _without_nax():
+    """On the M5 preset the NAX provider (priority 60) outranks the tiles for prefill and mixed
+    batches; these tests are about the tiles, so it is disabled here (tests/test_nax_routing.py)."""
+    with override_settings(disable_nax=True):
+        yield
+
+
 def _explain(device, q_lens, seq_lens, *, heads=(32, 8, 128), dtype="bfloat16", block_size=16, **features):
     h, kvh, d = heads
     return ma.explain(q_lens=q_lens, seq_lens=seq_lens, num_heads=h, num_kv_heads=kvh, head_size=d,
