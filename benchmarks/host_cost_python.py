@@ -8,7 +8,7 @@ takes: `metal_attn.paged_attention` with the step's shared ``metadata=`` and the
 `metal_attn.api.write_checked` (what `PagedKVCache.write_step` calls per layer), for 32/8 heads,
 head 128, bfloat16, 16-token pages.
 
-How, without CUDA (`fake_cuda`):
+How, without CUDA (`metal_attn.testing.fake_cuda`, which the tests of the launch descriptors use too):
 
 - the device probe answers `DeviceInfo.preset("h200")` (a hypothetical device: admission and
   plans are the H200's, `compile_eagerly` skips its launch);
@@ -30,100 +30,27 @@ row (the lazy outputs are kept and freed outside the timed span); the figure is 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import dataclasses
 import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 import metal_attn
-from metal_attn import _epoch, device, diagnostics, kernels
+from metal_attn import diagnostics
 from metal_attn.api import write_checked
 from metal_attn.bench.core import Rows, Shape, build_case
 from metal_attn.device import DeviceInfo
 from metal_attn.metadata import AttentionMetadata
+from metal_attn.testing.fake_cuda import FakeCuda, FakeKernel, fake_cuda
 
 LAYERS = 32
-
-
-class FakeKernel:
-    """Stands in for an ``mx.fast.cuda_kernel`` object: records each launch, returns lazy zeros."""
-
-    def __init__(self, **spec: Any) -> None:
-        self.spec = spec
-        self.launches: list[dict[str, Any]] = []
-        self.record = True
-        self._zeros: dict[tuple, mx.array] = {}
-
-    @property
-    def name(self) -> str:
-        return self.spec["name"]
-
-    def __call__(self, *, inputs: list, template: list, grid: tuple, threadgroup: tuple,
-                 output_shapes: list, output_dtypes: list, **rest: Any) -> list[mx.array]:
-        if self.record:
-            self.launches.append({"inputs": inputs, "template": template, "grid": grid,
-                                  "threadgroup": threadgroup, "output_shapes": output_shapes,
-                                  "output_dtypes": output_dtypes, **rest})
-        out = []
-        for shape, dtype in zip(output_shapes, output_dtypes):
-            key = (tuple(shape), dtype)
-            z = self._zeros.get(key)
-            if z is None:  # one lazy array per output geometry: the fake's own cost stays small
-                z = self._zeros[key] = mx.zeros(shape, dtype)
-            out.append(z)
-        return out
-
-
-@dataclasses.dataclass
-class FakeCuda:
-    """What `fake_cuda` installed: every kernel object built while it was active."""
-
-    kernels: list[FakeKernel] = dataclasses.field(default_factory=list)
-
-    def launches(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(k.name, launch) for k in self.kernels for launch in k.launches]
-
-    def clear(self) -> None:
-        for k in self.kernels:
-            k.launches.clear()
-
-    def recording(self, on: bool) -> None:
-        for k in self.kernels:
-            k.record = on
-
-
-@contextlib.contextmanager
-def fake_cuda(dev: DeviceInfo | None = None) -> Iterator[FakeCuda]:
-    """Run the CUDA providers' Python on this machine: the probe answers ``dev`` (default: the
-    H200 preset) and ``mx.fast.cuda_kernel`` builds `FakeKernel` objects; both undone on exit,
-    with the kernel objects and every dispatch cache (`metal_attn._epoch`) dropped."""
-    fake = FakeCuda()
-    dev = dev or DeviceInfo.preset("h200")
-    real_probe, real_cuda_kernel = device._probed, mx.fast.cuda_kernel
-
-    def factory(**spec: Any) -> FakeKernel:
-        k = FakeKernel(**spec)
-        fake.kernels.append(k)
-        return k
-
-    kernels.clear_cache()
-    device._probed = lambda: dev
-    mx.fast.cuda_kernel = factory
-    _epoch.bump()
-    try:
-        yield fake
-    finally:
-        device._probed, mx.fast.cuda_kernel = real_probe, real_cuda_kernel
-        kernels.clear_cache()
-        _epoch.bump()
 
 
 # -- the cases -----------------------------------------------------------------------------------
@@ -183,9 +110,9 @@ def bind(case: Case, fake: FakeCuda) -> Bound:
     def write() -> tuple[mx.array, mx.array]:
         return write_checked(k_new, k_new, c.k_pool, c.v_pool, slots)
 
-    fake.clear()
+    fake.launches.clear()
     attn()
-    launches = len(fake.launches())
+    launches = len(fake.launches)
     return Bound(diagnostics.last_dispatch().route, attn, step, write, launches)
 
 
@@ -215,7 +142,6 @@ def step_us(step: Callable[[], Any], samples: int) -> float:
 def fake_launch_us(calls: int, samples: int) -> float:
     """The fake kernel's own cost per launch (three outputs, as the split kernel's)."""
     k = FakeKernel(name="calibration")
-    k.record = False
     args = dict(inputs=[], template=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                 output_shapes=[(8, 32, 8), (8, 32, 8), (8, 32, 8, 128)], output_dtypes=[mx.float32] * 3)
     return per_call_us(lambda: k(**args), calls, samples)
@@ -232,7 +158,7 @@ def run(calls: int, samples: int, profile: str | None) -> None:
             dev = dev.replace(gpu_cores=case.gpu_cores)
         with fake_cuda(dev) as fake:
             b = bind(case, fake)
-            fake.recording(False)
+            fake.record = False
             for fn in (b.attn, b.write):  # warm every cache
                 for _ in range(20):
                     fn()
