@@ -187,6 +187,30 @@ def test_the_mixed_split_shares_both_descriptors(cuda, builds):
     assert decode["grid"][1] == 8 and decode["output_shapes"][0][0] == 8
 
 
+def test_gqa_decode_layers_share_one_descriptor(monkeypatch):
+    """Forced on a 4-core H200 stand-in (its work budget admits these batches)."""
+    from metal_attn.providers import gqa_decode as gq
+
+    counted, real = [], gq.gqa_launch
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gq, "gqa_launch", counting)
+    a, b = _md([4096, 2000]), _md([1000, 600])
+    pool = _pool()
+    with fake_cuda(DeviceInfo.preset("h200").replace(gpu_cores=4)) as cuda:
+        for md in (a, a, a, b):
+            _attend(_q(md), pool, md, provider="gqa_decode")
+        assert diagnostics.last_dispatch().route == "gqa_decode"
+    assert len(counted) == 2
+    decode = _of(cuda, "gqa_decode")
+    assert len(decode) == 4 and decode[2].args["template"] is decode[0].args["template"]
+    assert decode[3].args["template"] is not decode[0].args["template"]
+    assert decode[3].args["inputs"][3] is b.block_tables and decode[3].args["grid"] != decode[0].args["grid"]
+
+
 def test_a_cached_descriptor_launches_what_the_bare_launch_does(cuda):
     """`run_per_token` (cached) and `launch_paged` (built per call, sweeps) agree, argument for argument."""
     md = _md([1000, 3000])
