@@ -1,6 +1,6 @@
 """Host time of one classic call on a GPU, next to its GPU work (a profiling aid, not a test).
 
-    python3 benchmarks/host_cost_classic.py [BATCH CONTEXT ...]   # default: 8 4096  32 4096
+    python3 benchmarks/host_cost_classic.py [BATCH CONTEXT ...]   # default: 1 4096  8 4096  32 4096
 
 32/8 heads, head 128, bf16 decode, split route. Per call, medians (µs):
 
@@ -8,7 +8,12 @@
 - ``build``: building the call's lazy graph through `metal_attn.paged_attention` (no evaluation);
 - ``api``: the same call queued (``mx.async_eval``), one wait per sample: what the suite's
   pipelined figure measures;
-- ``per_token`` / ``reduce``: each of the call's two kernels alone, queued the same way.
+- ``per_token`` / ``reduce``: each of the call's two kernels alone, queued the same way;
+- ``layer_build`` / ``layer_queued`` / ``layer_wall``: a 32-layer decode step of a `PagedKVCache`
+  (per layer, ``write_step`` then ``paged_attention`` with the step's metadata, a new step plan
+  each step, as the mlx-lm adapter runs it), per layer: graph building only, building plus
+  ``mx.async_eval`` of the step's outputs, and all of it plus the wait (median of 15 steps). The
+  issue's target is ``layer_queued`` of about 10 µs or less at one request.
 
 When ``api`` is well above the GPU time of the two kernels (ncu), the suite's per-call figure
 measures the host, not the kernels.
@@ -25,6 +30,7 @@ from metal_attn.providers import gpu_common as gc
 
 import metal_attn
 from metal_attn.bench.core import Shape, build_case, pipelined_median_s
+from metal_attn.cache import PagedKVCache
 from metal_attn.constants import PARTITION_SIZE
 from metal_attn.device import current_device
 
@@ -78,6 +84,7 @@ def measure(batch: int, context: int) -> dict[str, float]:
 
     return {
         "route": route,
+        **step_us(batch, context),
         "trivial": pipelined_median_s(lambda: x * 1, iters=15) * 1e6,
         "build": build_us(api),
         "api": pipelined_median_s(api, iters=15) * 1e6,
@@ -86,8 +93,40 @@ def measure(batch: int, context: int) -> dict[str, float]:
     }
 
 
+def step_us(batch: int, context: int, layers: int = 32, steps: int = 15) -> dict[str, float]:
+    """Per-layer µs of a ``layers``-layer decode step over a `PagedKVCache` (medians over ``steps``)."""
+    block = 16
+    cache = PagedKVCache(layers, batch * (-(-(context + steps + 4) // block)) + 1, block, 8, 128, mx.bfloat16)
+    seqs = list(range(batch))
+    for s in seqs:
+        cache.add_sequence(s)
+    cache.prepare_step([(s, context - 1) for s in seqs])  # the context, as one prefill (never computed)
+    q = mx.zeros((batch, 32, 128), mx.bfloat16)
+    kv = mx.zeros((batch, 8, 128), mx.bfloat16)
+    mx.eval(q, kv)
+    samples: dict[str, list[float]] = {"layer_build": [], "layer_queued": [], "layer_wall": []}
+    for i in range(steps + 3):
+        plan = cache.prepare_step([(s, 1) for s in seqs])
+        t0 = time.perf_counter()
+        outs = []
+        for layer in range(layers):
+            cache.write_step(layer, kv, kv, plan)
+            k_pool, v_pool = cache.pools(layer)
+            outs.append(metal_attn.paged_attention(q, k_pool, v_pool, metadata=plan.metadata, scale=128**-0.5))
+        t1 = time.perf_counter()
+        mx.async_eval(outs, *(cache.pools(layer) for layer in range(layers)))
+        t2 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        t3 = time.perf_counter()
+        if i >= 3:  # warm-up steps: first compiles, first selections
+            for key, t in (("layer_build", t1), ("layer_queued", t2), ("layer_wall", t3)):
+                samples[key].append((t - t0) / layers * 1e6)
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
 def main(argv: list[str]) -> None:
-    nums = [int(x) for x in argv] or [8, 4096, 32, 4096]
+    nums = [int(x) for x in argv] or [1, 4096, 8, 4096, 32, 4096]
     if len(nums) % 2:
         raise SystemExit("arguments: BATCH CONTEXT pairs")
     for batch, context in zip(nums[::2], nums[1::2]):

@@ -86,6 +86,16 @@ def _tensors_look_valid(q: Any, k: Any, v: Any) -> bool:
         return False
 
 
+def _check_tensors(q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata) -> None:
+    """The tensor checks of `paged_attention`, against the batch ``md`` too."""
+    if not _tensors_look_valid(q, k_cache, v_cache):
+        _check_attention_tensors(q, k_cache, v_cache)  # raises with the precise message
+    if q.shape[0] != md.total_q_tokens:
+        raise InvalidInputError(
+            f"q has {q.shape[0]} rows but cu_seqlens_q[-1]={md.total_q_tokens} (they must be equal)"
+        )
+
+
 def _check_features(num_heads: int, scale: Any, sinks: Any, sliding_window: Any, softcap: Any) -> None:
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise InvalidInputError(f"scale={scale!r} (allowed: a finite number > 0, or None for head_size**-0.5)")
@@ -147,19 +157,17 @@ def paged_attention(
     Returns ``[total_q_tokens, num_heads, head_size]`` in the query dtype (lazy).
     """
     md = _resolve_metadata(metadata, block_tables, seq_lens, cu_seqlens_q)
-    if not _tensors_look_valid(q, k_cache, v_cache):
+    if not (type(q) is mx.array and type(k_cache) is mx.array and type(v_cache) is mx.array):
         _check_attention_tensors(q, k_cache, v_cache)  # raises with the precise message
-    if q.shape[0] != md.total_q_tokens:
-        raise InvalidInputError(
-            f"q has {q.shape[0]} rows but cu_seqlens_q[-1]={md.total_q_tokens} (they must be equal)"
-        )
-    num_heads = q.shape[1]
-    _check_features(num_heads, scale, sinks, sliding_window, softcap)
+    # The key holds every value the tensor checks read (shapes and dtypes; the metadata is the
+    # cache's owner), so a hit is a call like one already checked: they run on misses only.
     key = (
+        q.shape,
         q.dtype,
+        k_cache.shape,
         k_cache.dtype,
-        num_heads,
-        tuple(k_cache.shape),
+        v_cache.shape,
+        v_cache.dtype,
         sinks is not None,
         sliding_window,
         softcap,
@@ -167,6 +175,10 @@ def paged_attention(
         _epoch.current(),
     )
     hit = md._selections.get(key)
+    if hit is None:
+        _check_tensors(q, k_cache, v_cache, md)
+    num_heads = q.shape[1]
+    _check_features(num_heads, scale, sinks, sliding_window, softcap)
     if hit is None:
         hit = _select(md, q, k_cache, num_heads, sinks, sliding_window, softcap, provider)
         md._selections[key] = hit

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from metal_attn import constants
+from metal_attn import _epoch, constants
 from metal_attn._layout import kernels_dir
 from metal_attn.errors import KernelCompileError
 
@@ -227,8 +227,10 @@ def param_array(values: tuple, dtype: str) -> Any:
 
 
 def clear_cache() -> None:
-    """Forget every kernel object (tests)."""
+    """Forget every kernel object (tests), and bump the dispatch epoch (`metal_attn._epoch`) so that
+    no launch descriptor holding an old object is reused."""
     with _lock:
         _kernels.clear()
     read_source.cache_clear()
     sections.cache_clear()
+    _epoch.bump()

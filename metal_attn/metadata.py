@@ -4,7 +4,9 @@ An engine builds one per scheduler step and passes it to every layer's
 `paged_attention` call. Host-side facts (lengths, phase, the per-partition
 length plan) and the value checks on the small metadata arrays are computed
 here once, never per layer; the selection cache per layer geometry lives here
-too, so a step's later layers dispatch with a dictionary lookup.
+too, so a step's later layers dispatch with a dictionary lookup, and so do the GPU providers'
+launch descriptors (`_launches`). The caches assume what the engine guarantees: a metadata and
+its arrays are not changed after `AttentionMetadata.build` (a new step builds a new one).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class AttentionMetadata:
     _split: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
     #: Query-tile maps of the tiled kernels: (rows per tile, first sequence) -> array.
     _tiles: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
+    #: Launch descriptors of the GPU providers (`metal_attn.providers.gpu_common.cached_launch`):
+    #: key -> what a launch over this batch derives from its plan, shared by the layers of a step.
+    _launches: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
     def num_seqs(self) -> int:

@@ -8,6 +8,10 @@ The public names, by concept:
   `split_scratch` (the output shapes and dtypes of the split-KV contract's partials);
 - parameter packing: `pack_int32` (a kernel's integer parameters), `pack_scale` (the score scale
   and softcap as the kernels take them);
+- launch descriptors: `cached_launch` (per metadata: what a launch derives from its plan, the batch
+  and the call's shapes and constants, built once and shared by the layers of a step),
+  `KernelLaunch` / `kernel_launch` (one ``mx.fast`` call without its per-call arrays), and the
+  per-token kernel's and the reducer's descriptors (`PerTokenLaunch`, `ReduceLaunch`);
 - eager compilation (``Provider.prepare``): `tiny_batch` and `compile_eagerly` (a one-page launch
   of a specialization, skipped on hypothetical devices, failures as `KernelCompileError`);
 - the split-KV reducer (``paged_attention_v2_reduce``) of every kernel that writes the split
@@ -40,7 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from metal_attn import kernels
+from metal_attn import _epoch, kernels
 from metal_attn.constants import LOG2E, PARTITION_SIZE, SCRATCH_CAP_BYTES, SPLIT_GATE_FACTOR
 from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan
@@ -128,6 +132,50 @@ def split_scratch(rows: int, num_heads: int, max_parts: int, head_size: int) -> 
             "output_dtypes": [mx.float32, mx.float32, mx.float32]}
 
 
+# -- launch descriptors ------------------------------------------------------------------------------
+
+#: Most launch descriptors one metadata keeps (a step needs one per kind of layer).
+MAX_LAUNCHES_PER_METADATA = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelLaunch:
+    """One ``mx.fast`` kernel call without its per-call arrays: the kernel object and every other
+    keyword argument (template, grid, threadgroup, output shapes and dtypes), built once."""
+
+    kernel: Any
+    kwargs: dict[str, Any]
+
+    def __call__(self, inputs: list[mx.array]) -> list[mx.array]:
+        return self.kernel(inputs=inputs, **self.kwargs)
+
+
+def kernel_launch(kernel: Any, *, template: list, grid: tuple[int, ...], threadgroup: tuple[int, ...],
+                  output_shapes: list, output_dtypes: list) -> KernelLaunch:
+    """A `KernelLaunch` of ``kernel`` with these arguments."""
+    return KernelLaunch(kernel, {"template": template, "grid": grid, "threadgroup": threadgroup,
+                                 "output_shapes": output_shapes, "output_dtypes": output_dtypes})
+
+
+def cached_launch(md: AttentionMetadata, key: tuple, build: Callable[[], Any]) -> Any:
+    """The launch descriptor ``key`` of the batch ``md``, from ``build()`` on first use.
+
+    A descriptor holds what a launch derives from its plan, the batch and the call's shapes and
+    constants (kernel objects, templates, grids, output shapes, parameter arrays). It lives on the
+    metadata (``AttentionMetadata._launches``), so the layers of a step share it, it goes with the
+    step, and another metadata (other lengths or tables) builds its own. ``key`` must hold every
+    value besides ``md`` the descriptor depends on, led by the dispatch epoch
+    (`metal_attn._epoch.current`: settings and kernel sources change it).
+    """
+    cache = md._launches
+    got = cache.get(key)
+    if got is None:
+        if len(cache) >= MAX_LAUNCHES_PER_METADATA:
+            cache.clear()
+        got = cache[key] = build()
+    return got
+
+
 # -- eager compilation (Provider.prepare) ------------------------------------------------------------
 
 
@@ -194,21 +242,42 @@ def reduce_partitions(
     ``[num_heads]`` or ``None``, folded once here. Returns ``[total_q_tokens,
     num_heads, head_size]`` in ``out_dtype`` (default: ``tmp_out``'s dtype).
     """
-    total, num_heads, max_parts, head = tmp_out.shape
+    total, num_heads, max_parts, _ = tmp_out.shape
     if max_logits.shape != (total, num_heads, max_parts) or exp_sums.shape != max_logits.shape:
         raise ValueError(f"max_logits.shape={tuple(max_logits.shape)} and exp_sums.shape={tuple(exp_sums.shape)} "
                          f"must both be {(total, num_heads, max_parts)} to match tmp_out.shape={tuple(tmp_out.shape)}")
-    out_dtype = out_dtype or tmp_out.dtype
-    backend = backend or _backend()
-    use_sinks = sinks is not None
-    sinks_arr = sinks.astype(mx.float32) if use_sinks else zeros_f32(num_heads)
-    params = pack_int32((metadata.num_seqs, num_heads, max_parts, int(use_sinks)))
-    return reducer_kernel(backend)(
-        inputs=[max_logits, exp_sums, tmp_out, metadata.seq_lens, metadata.cu_seqlens_q, sinks_arr, params],
-        template=reducer_template(out_dtype, tmp_out.dtype, head, partition_size),
-        grid=(num_heads * NUM_THREADS, total, 1), threadgroup=(NUM_THREADS, 1, 1),
-        output_shapes=[(total, num_heads, head)], output_dtypes=[out_dtype],
-    )[0]
+    launch = reduce_launch(tmp_out.shape, tmp_out.dtype, out_dtype or tmp_out.dtype, metadata, sinks is not None,
+                           partition_size, backend or _backend())
+    return launch(max_logits, exp_sums, tmp_out, metadata, sinks)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReduceLaunch:
+    """A reducer launch over one batch (`reduce_launch`): call it with the partials, the metadata it
+    was built for and the sinks (or ``None`` when it was built without)."""
+
+    launch: KernelLaunch
+    params: mx.array
+    zero_sinks: mx.array
+
+    def __call__(self, max_logits: mx.array, exp_sums: mx.array, tmp_out: mx.array, md: AttentionMetadata,
+                 sinks: mx.array | None) -> mx.array:
+        if sinks is None:
+            sinks = self.zero_sinks
+        elif sinks.dtype != mx.float32:
+            sinks = sinks.astype(mx.float32)
+        return self.launch([max_logits, exp_sums, tmp_out, md.seq_lens, md.cu_seqlens_q, sinks, self.params])[0]
+
+
+def reduce_launch(tmp_shape: tuple[int, ...], tmp_dtype: Any, out_dtype: Any, md: AttentionMetadata,
+                  use_sinks: bool, partition_size: int, backend: str) -> ReduceLaunch:
+    """The reducer's launch over partials of ``tmp_shape`` ``[rows, num_heads, max_parts, head_size]``."""
+    total, num_heads, max_parts, head = tmp_shape
+    launch = kernel_launch(reducer_kernel(backend), template=reducer_template(out_dtype, tmp_dtype, head,
+                                                                              partition_size),
+                           grid=(num_heads * NUM_THREADS, total, 1), threadgroup=(NUM_THREADS, 1, 1),
+                           output_shapes=[(total, num_heads, head)], output_dtypes=[out_dtype])
+    return ReduceLaunch(launch, pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))), zeros_f32(num_heads))
 
 
 def reducer_msl_specialization(label: str, dtype: str, head_size: int, partition_size: int,
@@ -658,28 +727,55 @@ def _launch(
     geo: Geometry, prefetch: int, rows: int | None,
 ) -> mx.array:
     """`launch_paged` after its checks."""
-    total, num_heads, head = q.shape
+    launch = per_token_launch(q.shape, q.dtype, k_cache.shape, md, scale=scale, use_sinks=sinks is not None,
+                              sliding_window=sliding_window, softcap=softcap, split=split, backend=backend, geo=geo,
+                              prefetch=prefetch, rows=rows)
+    return launch(q, k_cache, v_cache, md, sinks)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PerTokenLaunch:
+    """A per-token launch over one batch (`per_token_launch`), with its reducer when split: call it
+    with the query, the pools, the metadata it was built for and the sinks (or ``None`` when it was
+    built without)."""
+
+    launch: KernelLaunch
+    params: mx.array
+    fparams: mx.array
+    zero_sinks: mx.array
+    reduce: ReduceLaunch | None
+
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
+                 sinks: mx.array | None) -> mx.array:
+        inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q,
+                  self.zero_sinks if sinks is None else sinks, self.params, self.fparams]
+        if self.reduce is None:
+            return self.launch(inputs)[0]
+        max_logits, exp_sums, tmp_out = self.launch(inputs)
+        return self.reduce(max_logits, exp_sums, tmp_out, md, sinks)
+
+
+def per_token_launch(
+    q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...], md: AttentionMetadata, *, scale: float,
+    use_sinks: bool, sliding_window: int | None, softcap: float | None, split: bool, backend: str, geo: Geometry,
+    prefetch: int, rows: int | None,
+) -> PerTokenLaunch:
+    """The per-token kernel's launch (and the reducer's when ``split``) for a query of ``q_shape`` in
+    ``dtype`` over pools of ``k_shape`` and the batch ``md``; ``rows``: only the first rows."""
+    total, num_heads, head = q_shape
     total = rows or total
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    dtype = q.dtype
+    _, block_size, num_kv_heads, _ = k_shape
     max_parts = _max_parts(md, split, rows)
-    use_sinks = sinks is not None
     params = pack_int32((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq, int(sliding_window or 0),
                          max_parts, int(use_sinks)))
-    fparams = pack_scale(scale, softcap)
-    template = paged_template(dtype, head, block_size, split, geo, prefetch)
-    inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sink_logits(sinks, num_heads), params,
-              fparams]
-    grid = (geo.grid_x(num_heads), total, max_parts)
-    kern = per_token_kernel(backend, split, geo)
-    if not split:
-        return kern(inputs=inputs, template=template, grid=grid, threadgroup=(geo.threads, 1, 1),
-                    output_shapes=[(total, num_heads, head)], output_dtypes=[dtype])[0]
-    max_logits, exp_sums, tmp_out = kern(inputs=inputs, template=template, grid=grid,
-                                         threadgroup=(geo.threads, 1, 1),
-                                         **split_scratch(total, num_heads, max_parts, head))
-    return reduce_partitions(max_logits, exp_sums, tmp_out, md, sinks, PARTITION_SIZE,
-                             out_dtype=dtype, backend=backend)
+    out = (split_scratch(total, num_heads, max_parts, head) if split
+           else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
+    launch = kernel_launch(per_token_kernel(backend, split, geo),
+                           template=paged_template(dtype, head, block_size, split, geo, prefetch),
+                           grid=(geo.grid_x(num_heads), total, max_parts), threadgroup=(geo.threads, 1, 1), **out)
+    reduce = (reduce_launch((total, num_heads, max_parts, head), mx.float32, dtype, md, use_sinks, PARTITION_SIZE,
+                            backend) if split else None)
+    return PerTokenLaunch(launch, params, pack_scale(scale, softcap), zeros_f32(num_heads), reduce)
 
 
 def paged_template(dtype, head_size: int, block_size: int, split: bool, geo: Geometry,
@@ -693,13 +789,19 @@ def paged_template(dtype, head_size: int, block_size: int, split: bool, geo: Geo
 
 def run_per_token(inputs: AttentionInputs, specialization: tuple, rows: int | None = None) -> mx.array:
     """Launch a per-token plan's specialization over ``inputs`` (``rows``: only the first rows, as
-    `launch_paged`); no checks: the plan's geometry is valid by construction."""
-    backend = specialization[0]
-    return _launch(
-        inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, scale=inputs.scale, sinks=inputs.sinks,
-        sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=specialization[4] > 0,
-        backend=backend, geo=plan_geometry(specialization), prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows,
-    )
+    `launch_paged`); no checks: the plan's geometry is valid by construction. The launch descriptor
+    is built once per batch and call geometry (`cached_launch`): the layers of a step share it."""
+    q, k_cache, md = inputs.q, inputs.k_cache, inputs.metadata
+    key = (_epoch.current(), "per_token", specialization, rows, q.shape, q.dtype, k_cache.shape, inputs.scale,
+           inputs.softcap, inputs.sliding_window, inputs.sinks is not None)
+    launch = md._launches.get(key)
+    if launch is None:
+        backend = specialization[0]
+        launch = cached_launch(md, key, lambda: per_token_launch(
+            q.shape, q.dtype, k_cache.shape, md, scale=inputs.scale, use_sinks=inputs.sinks is not None,
+            sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=specialization[4] > 0,
+            backend=backend, geo=plan_geometry(specialization), prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows))
+    return launch(q, k_cache, inputs.v_cache, md, inputs.sinks)
 
 
 def prepare_per_token(plan: Plan, device: DeviceInfo) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from metal_attn.providers import gpu_common as gc
 
-from metal_attn import kernels
+from metal_attn import _epoch, kernels
 from metal_attn.constants import (
     GQA_CALIBRATION_RULES,
     GQA_DECODE_GEOMETRIES,
@@ -244,8 +244,17 @@ class GQADecodeProvider(Provider):
                            dtype=dtype, head_size=head, block_size=block, num_heads=heads, num_kv_heads=kvh)
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
-        return launch(inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, scale=inputs.scale,
-                      partition_size=plan.partition_size, backend=plan.specialization[1])
+        # An admitted plan passes `launch`'s checks by construction: the batch's descriptor, no checks.
+        q, k_cache, md = inputs.q, inputs.k_cache, inputs.metadata
+        backend, psize = plan.specialization[1], plan.partition_size
+        key = (_epoch.current(), ROUTE, backend, psize, q.shape, q.dtype, k_cache.shape, inputs.scale)
+        got = md._launches.get(key)
+        if got is None:
+            _, block_size, _, _ = k_cache.shape
+            tuning = kernel_tuning(backend, q.shape[2], block_size)
+            got = gc.cached_launch(md, key, lambda: gqa_launch(q.shape, q.dtype, k_cache.shape, md, scale=inputs.scale,
+                                                               partition_size=psize, backend=backend, tuning=tuning))
+        return got(q, k_cache, inputs.v_cache, md)
 
     # -- source checks ----------------------------------------------------------------------------
 
@@ -343,26 +352,51 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     """
     if partition_size not in GQA_PARTITION_SIZES:
         raise ValueError(f"partition_size={partition_size} (allowed: {', '.join(map(str, GQA_PARTITION_SIZES))})")
-    num_seqs, num_heads, head = q.shape
+    num_seqs, _, head = q.shape
     if num_seqs != metadata.num_seqs or metadata.total_q_tokens != num_seqs:
         raise ValueError(f"gqa_decode needs one query row per sequence (q has {num_seqs} rows, "
                          f"{metadata.num_seqs} sequences, {metadata.total_q_tokens} query tokens)")
-    _, block_size, kvh, _ = k_cache.shape
-    group = num_heads // kvh
+    _, block_size, _, _ = k_cache.shape
     chunk, prefetch = tuning or kernel_tuning(backend, head, block_size)
     if chunk < 4 or chunk % 4 or block_size % chunk or prefetch not in (0, 1):
         raise ValueError(f"tuning={tuning} (allowed: CHUNK a multiple of 4 dividing block_size={block_size}; "
                          f"PREFETCH 0 or 1)")
+    return gqa_launch(q.shape, q.dtype, k_cache.shape, metadata, scale=scale, partition_size=partition_size,
+                      backend=backend, tuning=(chunk, prefetch))(q, k_cache, v_cache, metadata)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GQALaunch:
+    """A GQA decode launch and its reducer over one batch (`gqa_launch`): call it with the query, the
+    pools and the metadata it was built for."""
+
+    launch: gc.KernelLaunch
+    scale: mx.array
+    dims: mx.array
+    reduce: gc.ReduceLaunch
+
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata) -> mx.array:
+        max_logits, exp_sums, tmp_out = self.launch([q, k_cache, v_cache, md.block_tables, md.seq_lens, self.scale,
+                                                     self.dims])
+        return self.reduce(max_logits, exp_sums, tmp_out, md, None)
+
+
+def gqa_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...], metadata: AttentionMetadata, *,
+               scale: float, partition_size: int, backend: str, tuning: tuple[int, int]) -> GQALaunch:
+    """The GQA decode kernel's launch (and the reducer's) for a query of ``q_shape`` in ``dtype`` over
+    pools of ``k_shape`` and the batch ``metadata`` (arguments checked by `launch`)."""
+    import mlx.core as mx
+
+    num_seqs, num_heads, head = q_shape
+    _, block_size, kvh, _ = k_shape
+    group = num_heads // kvh
     max_parts = -(-metadata.max_seq_len // partition_size)
     threads = SIMD_WIDTH * group
-    dims = gc.pack_int32((metadata.max_blocks_per_seq, max_parts))
-    scale_arr = kernels.param_array((scale * LOG2E,), "float32")
-    max_logits, exp_sums, tmp_out = kernel_object(backend)(
-        inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale_arr, dims],
-        template=kernel_template(q.dtype, kvh, group, head, block_size, partition_size, (chunk, prefetch)),
-        grid=(threads * max_parts, kvh, num_seqs),
-        threadgroup=(threads, 1, 1),
-        **gc.split_scratch(num_seqs, num_heads, max_parts, head),
-    )
-    return gc.reduce_partitions(max_logits, exp_sums, tmp_out, metadata, None, partition_size,
-                             out_dtype=q.dtype, backend=backend)
+    kernel = gc.kernel_launch(kernel_object(backend),
+                              template=kernel_template(dtype, kvh, group, head, block_size, partition_size, tuning),
+                              grid=(threads * max_parts, kvh, num_seqs), threadgroup=(threads, 1, 1),
+                              **gc.split_scratch(num_seqs, num_heads, max_parts, head))
+    reduce = gc.reduce_launch((num_seqs, num_heads, max_parts, head), mx.float32, dtype, metadata, False,
+                              partition_size, backend)
+    return GQALaunch(kernel, kernels.param_array((scale * LOG2E,), "float32"),
+                     gc.pack_int32((metadata.max_blocks_per_seq, max_parts)), reduce)

@@ -111,13 +111,16 @@ class ReferenceProvider(Provider):
         host = np.array(slots, copy=False)
         # Negative slots are padding; slots past the pool (possible with validate_metadata off)
         # are skipped too: MLX's scatter does not bounds-check its indices.
-        keep = np.nonzero((host >= 0) & (host < nb * bs))[0]
-        if keep.size == 0:
-            return k_cache, v_cache
-        if keep.size == host.size:  # every slot in the pool: the int64 slots are the indices
-            idx, rows = slots, None
+        if host.size and host.dtype == np.int64 and not np.count_nonzero(host.view(np.uint64) >= nb * bs):
+            idx, rows = slots, None  # every slot in the pool (a negative one wraps past it as uint64)
         else:
-            idx, rows = mx.array(host[keep].astype(np.int64)), mx.array(keep.astype(np.int64))
+            keep = np.nonzero((host >= 0) & (host < nb * bs))[0]
+            if keep.size == 0:
+                return k_cache, v_cache
+            if keep.size == host.size:  # every slot in the pool: the int64 slots are the indices
+                idx, rows = slots, None
+            else:
+                idx, rows = mx.array(host[keep].astype(np.int64)), mx.array(keep.astype(np.int64))
         k_new = key if rows is None else key[rows]
         v_new = value if rows is None else value[rows]
         kf = k_cache.reshape(nb * bs, kvh, head)

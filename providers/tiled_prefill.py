@@ -21,6 +21,7 @@ rows through the tiles: route ``mixed_prefill_decode``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from metal_attn.providers import gpu_common as gc
 
-from metal_attn import kernels
+from metal_attn import _epoch, kernels
 from metal_attn.constants import KERNEL_BLOCK_SIZES, MIXED_DECODE_MIN_CONTEXT
 from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan, Provider
@@ -204,18 +205,18 @@ class TiledPrefillProvider(Provider):
             gc.prepare_decode_rows(decode_spec, device)
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
+        # The plan's tile is valid by construction (`tile_config`): no checks, the batch's descriptor.
         _, backend, _, _, _, tile, decode_spec = plan.specialization
-        cfg = TileConfig(*tile)
-        common = dict(scale=inputs.scale, sinks=inputs.sinks, sliding_window=inputs.sliding_window,
-                      softcap=inputs.softcap, backend=backend)
+        md = inputs.metadata
+        n_dec = md.num_decode_seqs if decode_spec else 0
+        prefill = _launch(inputs.q, inputs.k_cache, inputs.v_cache, md, scale=inputs.scale, sinks=inputs.sinks,
+                          sliding_window=inputs.sliding_window, softcap=inputs.softcap, backend=backend,
+                          config=_tile(tile), first_seq=n_dec)
         if not decode_spec:
-            return launch(inputs.q, inputs.k_cache, inputs.v_cache, inputs.metadata, config=cfg, **common)
+            return prefill
         import mlx.core as mx
 
-        md = inputs.metadata
-        n_dec = md.num_decode_seqs
         decode = gc.run_decode_rows(inputs, decode_spec)
-        prefill = launch(inputs.q, inputs.k_cache, inputs.v_cache, md, config=cfg, first_seq=n_dec, **common)
         return mx.concatenate([decode, prefill[n_dec:]], axis=0)
 
     # -- source checks ----------------------------------------------------------------------------
@@ -257,6 +258,12 @@ class TiledPrefillProvider(Provider):
         return out
 
 
+@functools.lru_cache(maxsize=64)
+def _tile(fields: tuple[int, ...]) -> TileConfig:
+    """The `TileConfig` a plan's specialization carries (built once per value)."""
+    return TileConfig(*fields)
+
+
 def kernel_object(backend: str) -> Any:
     """The ``mx.fast`` kernel object of ``tiled_prefill`` on ``backend`` (built once)."""
     return kernels.load_kernel(ROUTE, KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend)
@@ -277,8 +284,7 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
     ``config`` overrides `TILE_CONFIGS` (BQ a positive multiple of 8, BKV a positive
     multiple of 16), for sweeps and tests.
     """
-    total, num_heads, head = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, _, head = q.shape
     cfg = config or tile_config(backend, head)
     if cfg is None:
         raise ValueError(f"head_size={head} has no tile configuration on {backend} "
@@ -288,17 +294,54 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
         raise ValueError(f"config={cfg} with head_size={head} (allowed: rb 1 or 2, BQ a positive "
                          "multiple of 8 * rb, BKV a positive multiple of 16, head_size a multiple of 32: "
                          "products go two 8x8 blocks at a time, K operands four at a time)")
-    tiles = metadata.query_tiles(cfg.bq, first_seq)
+    return _launch(q, k_cache, v_cache, metadata, scale=scale, sinks=sinks, sliding_window=sliding_window,
+                   softcap=softcap, backend=backend, config=cfg, first_seq=first_seq)
+
+
+def _launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
+            sinks: mx.array | None, sliding_window: int | None, softcap: float | None, backend: str,
+            config: TileConfig, first_seq: int) -> mx.array:
+    """`launch` after its checks, through the batch's launch descriptor (`gc.cached_launch`: the
+    layers of a step share it)."""
+    key = (_epoch.current(), ROUTE, backend, config, first_seq, q.shape, q.dtype, k_cache.shape, scale, softcap,
+           sliding_window, sinks is not None)
+    got = metadata._launches.get(key)
+    if got is None:
+        got = gc.cached_launch(metadata, key, lambda: tiled_launch(
+            q.shape, q.dtype, k_cache.shape, metadata, scale=scale, use_sinks=sinks is not None,
+            sliding_window=sliding_window, softcap=softcap, backend=backend, config=config, first_seq=first_seq))
+    return got(q, k_cache, v_cache, metadata, sinks)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TiledLaunch:
+    """A tiled launch over one batch (`tiled_launch`): call it with the query, the pools, the metadata
+    it was built for and the sinks (or ``None`` when it was built without)."""
+
+    launch: gc.KernelLaunch
+    tiles: mx.array
+    params: mx.array
+    fparams: mx.array
+    zero_sinks: mx.array
+
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
+                 sinks: mx.array | None) -> mx.array:
+        return self.launch([q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, self.tiles,
+                            self.zero_sinks if sinks is None else sinks, self.params, self.fparams])[0]
+
+
+def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...], metadata: AttentionMetadata, *,
+                 scale: float, use_sinks: bool, sliding_window: int | None, softcap: float | None, backend: str,
+                 config: TileConfig, first_seq: int) -> TiledLaunch:
+    """The tiled kernel's launch for a query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` and
+    the batch ``metadata``, from sequence ``first_seq`` on (``config`` checked by `launch`)."""
+    total, num_heads, head = q_shape
+    _, block_size, num_kv_heads, _ = k_shape
+    tiles = metadata.query_tiles(config.bq, first_seq)
     num_tiles = tiles.shape[0]
     params = gc.pack_int32((num_tiles, num_heads, num_kv_heads, metadata.max_blocks_per_seq,
-                            int(sliding_window or 0), int(sinks is not None)))
-    fparams = gc.pack_scale(scale, softcap)
-    return kernel_object(backend)(
-        inputs=[q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.cu_seqlens_q, tiles,
-                gc.sink_logits(sinks, num_heads), params, fparams],
-        template=kernel_template(q.dtype, head, block_size, cfg),
-        grid=(num_tiles * cfg.threads, num_heads, 1),
-        threadgroup=(cfg.threads, 1, 1),
-        output_shapes=[(total, num_heads, head)],
-        output_dtypes=[q.dtype],
-    )[0]
+                            int(sliding_window or 0), int(use_sinks)))
+    kernel = gc.kernel_launch(kernel_object(backend), template=kernel_template(dtype, head, block_size, config),
+                              grid=(num_tiles * config.threads, num_heads, 1), threadgroup=(config.threads, 1, 1),
+                              output_shapes=[(total, num_heads, head)], output_dtypes=[dtype])
+    return TiledLaunch(kernel, tiles, params, gc.pack_scale(scale, softcap), gc.zeros_f32(num_heads))

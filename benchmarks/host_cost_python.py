@@ -1,0 +1,191 @@
+"""Python host cost of the CUDA launch path, measured on a machine without a GPU.
+
+    python benchmarks/host_cost_python.py [--calls N] [--samples N] [--profile LABEL]
+
+What it measures: the thread CPU time (``time.thread_time_ns``, so other processes on a loaded
+machine do not count) that building one layer's paged work costs in Python, on the route an H200
+takes: `metal_attn.paged_attention` with the step's shared ``metadata=`` and the cache write
+`metal_attn.api.write_checked` (what `PagedKVCache.write_step` calls per layer), for 32/8 heads,
+head 128, bfloat16, 16-token pages.
+
+How, without CUDA (`metal_attn.testing.fake_cuda`, which the tests of the launch descriptors use too):
+
+- the device probe answers `DeviceInfo.preset("h200")` (a hypothetical device: admission and
+  plans are the H200's, `compile_eagerly` skips its launch);
+- ``mx.fast.cuda_kernel`` is replaced by a factory of `FakeKernel` objects: `metal_attn.kernels`
+  assembles, names and caches each kernel as usual, and a launch records its arguments and returns
+  ``mx.zeros`` of the requested output shapes and dtypes (lazy, never evaluated; one array per
+  output geometry, reused). The fake's own
+  cost per launch is measured alone and reported (``fake/launch``), so ``net`` is the Python of
+  the path without it. MLX's real per-launch cost (its C++ and the driver) is not measured here:
+  `benchmarks/host_cost_classic.py` on the GPU does that.
+
+Per case: ``attn`` is one steady-state layer (the same metadata as the previous call: layers 2..32
+of a step); ``step/32`` is a 32-layer step on a fresh metadata (its first layer misses every
+per-metadata cache), per layer; ``write`` is one cache write. One sample is ``--calls`` calls in a
+row (the lazy outputs are kept and freed outside the timed span); the figure is the median of
+``--samples`` samples. ``--profile LABEL`` prints a cProfile of the steady-state call instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+import metal_attn
+from metal_attn import diagnostics
+from metal_attn.api import write_checked
+from metal_attn.bench.core import Rows, Shape, build_case
+from metal_attn.device import DeviceInfo
+from metal_attn.metadata import AttentionMetadata
+from metal_attn.testing.fake_cuda import FakeCuda, FakeKernel, fake_cuda
+
+LAYERS = 32
+
+
+# -- the cases -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    label: str
+    shape: Shape
+    gpu_cores: int | None = None  # None: the H200's 132; fewer moves the split gate (unsplit route)
+
+
+def cases() -> list[Case]:
+    dec = lambda b: Shape(b, 32, 8, 128, 4096, "bfloat16")  # noqa: E731
+    mixed = Shape.mix([Rows(8, 1, 4096), Rows(1, 256, 1024)], 32, 8, 128)
+    return [
+        Case("b1 L4096 split", dec(1)),
+        Case("b8 L4096 split", dec(8)),
+        Case("b1 L4096 unsplit (gpu_cores=1)", dec(1), gpu_cores=1),
+        Case("b8 L4096 unsplit (gpu_cores=1)", dec(8), gpu_cores=1),
+        Case("mixed 8x1@4096 + 256@1024", mixed),
+    ]
+
+
+@dataclasses.dataclass
+class Bound:
+    """One case's inputs and the three calls timed."""
+
+    route: str
+    attn: Callable[[], Any]
+    step: Callable[[], Any]
+    write: Callable[[], Any]
+    launches: int
+
+
+def bind(case: Case, fake: FakeCuda) -> Bound:
+    c = build_case(case.shape)
+    s = case.shape
+    tables, lens = c.block_tables, np.array(s.seq_lens, np.int32)
+    cu = np.concatenate([[0], np.cumsum(s.q_lens)]).astype(np.int32)
+    md = c.metadata
+    k_new = mx.zeros((s.total_q_tokens, s.num_kv_heads, s.head_size), c.q.dtype)
+    slots = mx.array((tables[:, 0].astype(np.int64) * s.block_size)[np.repeat(np.arange(s.batch), s.q_lens)]
+                     + np.concatenate([np.arange(q) for q in s.q_lens]))
+    mx.eval(k_new, slots)
+
+    def attn() -> mx.array:
+        return metal_attn.paged_attention(c.q, c.k_pool, c.v_pool, metadata=md, scale=c.scale)
+
+    def step() -> list[mx.array]:
+        m = AttentionMetadata.build(mx.array(tables), mx.array(lens), mx.array(cu))  # untimed below
+        t0 = time.thread_time_ns()
+        outs = [metal_attn.paged_attention(c.q, c.k_pool, c.v_pool, metadata=m, scale=c.scale)
+                for _ in range(LAYERS)]
+        return outs, time.thread_time_ns() - t0
+
+    def write() -> tuple[mx.array, mx.array]:
+        return write_checked(k_new, k_new, c.k_pool, c.v_pool, slots)
+
+    fake.launches.clear()
+    attn()
+    launches = len(fake.launches)
+    return Bound(diagnostics.last_dispatch().route, attn, step, write, launches)
+
+
+def per_call_us(fn: Callable[[], Any], calls: int, samples: int) -> float:
+    """Median over ``samples`` of the thread CPU time of ``calls`` calls, per call, in µs."""
+    out = []
+    for _ in range(samples):
+        keep = []
+        t0 = time.thread_time_ns()
+        for _ in range(calls):
+            keep.append(fn())
+        out.append((time.thread_time_ns() - t0) / calls / 1e3)
+        del keep
+    return statistics.median(out)
+
+
+def step_us(step: Callable[[], Any], samples: int) -> float:
+    """Median over ``samples`` 32-layer steps (each on a fresh metadata), per layer, in µs."""
+    out = []
+    for _ in range(samples):
+        outs, ns = step()
+        out.append(ns / LAYERS / 1e3)
+        del outs
+    return statistics.median(out)
+
+
+def fake_launch_us(calls: int, samples: int) -> float:
+    """The fake kernel's own cost per launch (three outputs, as the split kernel's)."""
+    k = FakeKernel(name="calibration")
+    args = dict(inputs=[], template=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                output_shapes=[(8, 32, 8), (8, 32, 8), (8, 32, 8, 128)], output_dtypes=[mx.float32] * 3)
+    return per_call_us(lambda: k(**args), calls, samples)
+
+
+def run(calls: int, samples: int, profile: str | None) -> None:
+    fake_us = fake_launch_us(calls, samples)
+    print(f"fake/launch {fake_us:.2f} µs (subtracted in 'net')", flush=True)
+    for case in cases():
+        if profile and profile not in case.label:
+            continue
+        dev = DeviceInfo.preset("h200")
+        if case.gpu_cores:
+            dev = dev.replace(gpu_cores=case.gpu_cores)
+        with fake_cuda(dev) as fake:
+            b = bind(case, fake)
+            fake.record = False
+            for fn in (b.attn, b.write):  # warm every cache
+                for _ in range(20):
+                    fn()
+            if profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(2000):
+                    b.attn()
+                prof.disable()
+                print(f"== {case.label} ({b.route}): 2000 steady-state calls")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                continue
+            attn = per_call_us(b.attn, calls, samples)
+            step = step_us(b.step, samples)
+            write = per_call_us(b.write, calls, samples)
+        print(f"{case.label:34s} {b.route:22s} launches {b.launches}  attn {attn:6.1f}  "
+              f"net {attn - b.launches * fake_us:6.1f}  step/32 {step:6.1f}  write {write:6.1f}  µs", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=200, help="calls per sample (default 200)")
+    p.add_argument("--samples", type=int, default=25, help="samples per figure (default 25)")
+    p.add_argument("--profile", metavar="LABEL", help="cProfile the steady-state call of the cases matching LABEL")
+    a = p.parse_args(argv)
+    run(a.calls, a.samples, a.profile)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

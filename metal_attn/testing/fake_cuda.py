@@ -1,0 +1,101 @@
+"""Run the CUDA providers' Python on a machine without CUDA: fake ``mx.fast.cuda_kernel`` objects.
+
+`fake_cuda` makes the device probe answer a CUDA device (default: the hypothetical
+`DeviceInfo.preset("h200")`, so admission and plans are the H200's and `compile_eagerly` skips
+its launch) and replaces ``mx.fast.cuda_kernel`` by a factory of `FakeKernel` objects:
+`metal_attn.kernels` assembles, names and caches each kernel as usual, and a launch records its
+arguments and returns lazy zeros of the requested output shapes and dtypes. Nothing is computed:
+this is for the host side (what reaches the kernels, and what it costs), never for numerics.
+Used by ``benchmarks/host_cost_python.py`` and the launch-descriptor tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+
+from metal_attn import _epoch, device, kernels
+from metal_attn.device import DeviceInfo
+
+__all__ = ["FakeCuda", "FakeKernel", "Launch", "fake_cuda"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One recorded launch: the kernel's name (`metal_attn.kernels.kernel_name`) and its arguments."""
+
+    kernel: str
+    args: dict[str, Any]
+
+    def template(self) -> dict[str, Any]:
+        return dict(self.args["template"])
+
+
+class FakeKernel:
+    """Stands in for an ``mx.fast.cuda_kernel`` object: records each launch in ``owner`` (while its
+    ``record`` is on), returns lazy zeros of the requested outputs (one array per output geometry,
+    reused, so the fake's own cost per launch stays small)."""
+
+    def __init__(self, owner: FakeCuda | None = None, **spec: Any) -> None:
+        self.owner = owner
+        self.spec = spec
+        self._zeros: dict[tuple, mx.array] = {}
+
+    @property
+    def name(self) -> str:
+        return self.spec["name"]
+
+    def __call__(self, *, inputs: list, template: list, grid: tuple, threadgroup: tuple,
+                 output_shapes: list, output_dtypes: list, **rest: Any) -> list[mx.array]:
+        if self.owner is not None and self.owner.record:
+            self.owner.launches.append(Launch(self.name, {
+                "inputs": inputs, "template": template, "grid": grid, "threadgroup": threadgroup,
+                "output_shapes": output_shapes, "output_dtypes": output_dtypes, **rest}))
+        out = []
+        for shape, dtype in zip(output_shapes, output_dtypes):
+            key = (tuple(shape), dtype)
+            z = self._zeros.get(key)
+            if z is None:
+                z = self._zeros[key] = mx.zeros(shape, dtype)
+            out.append(z)
+        return out
+
+
+@dataclasses.dataclass
+class FakeCuda:
+    """What `fake_cuda` installed: the kernel objects built while it was active and their launches,
+    in call order (recorded while ``record`` is on)."""
+
+    kernels: list[FakeKernel] = dataclasses.field(default_factory=list)
+    launches: list[Launch] = dataclasses.field(default_factory=list)
+    record: bool = True
+
+
+@contextlib.contextmanager
+def fake_cuda(dev: DeviceInfo | None = None) -> Iterator[FakeCuda]:
+    """Run the CUDA providers' Python on this machine: the probe answers ``dev`` (default: the
+    H200 preset) and ``mx.fast.cuda_kernel`` builds `FakeKernel` objects; both undone on exit,
+    with the kernel objects and every dispatch cache (`metal_attn._epoch`) dropped."""
+    fake = FakeCuda()
+    dev = dev or DeviceInfo.preset("h200")
+    real_probe, real_cuda_kernel = device._probed, mx.fast.cuda_kernel
+
+    def factory(**spec: Any) -> FakeKernel:
+        k = FakeKernel(fake, **spec)
+        fake.kernels.append(k)
+        return k
+
+    kernels.clear_cache()
+    device._probed = lambda: dev
+    mx.fast.cuda_kernel = factory
+    _epoch.bump()
+    try:
+        yield fake
+    finally:
+        device._probed, mx.fast.cuda_kernel = real_probe, real_cuda_kernel
+        kernels.clear_cache()
+        _epoch.bump()
