@@ -40,11 +40,11 @@ struct matmul2d_descriptor {
   int m, n, k;
   bool transpose_left, transpose_right, relaxed_precision;
   mode matmul_mode;
-  __host__ __device__ constexpr matmul2d_descriptor(int m_, int n_, int k_, bool transpose_left_ = false, bool transpose_right_ = false,
-                                bool relaxed_precision_ = false, mode matmul_mode_ = mode::multiply)
+  __device__ constexpr matmul2d_descriptor(int m_, int n_, int k_, bool transpose_left_ = false, bool transpose_right_ = false,
+                                 bool relaxed_precision_ = false, mode matmul_mode_ = mode::multiply)
       : m(m_), n(n_), k(k_), transpose_left(transpose_left_), transpose_right(transpose_right_),
         relaxed_precision(relaxed_precision_), matmul_mode(matmul_mode_) {}
-  __host__ __device__ constexpr operator unsigned long long() const {
+  __device__ constexpr operator unsigned long long() const {
     return (unsigned long long)(m & 0xff) | ((unsigned long long)(n & 0xff) << 8) |
            ((unsigned long long)(k & 0xff) << 16) | ((unsigned long long)transpose_left << 24) |
            ((unsigned long long)transpose_right << 25) | ((unsigned long long)relaxed_precision << 26) |
