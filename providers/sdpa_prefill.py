@@ -81,9 +81,9 @@ class SdpaRule:
 #: One rule per backend (data, like the split gate; `explain` prints the arithmetic).
 SDPA_PREFILL_RULES: Mapping[str, SdpaRule] = MappingProxyType({
     "cuda": SdpaRule(8, "H200, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_sdpa_fused.py, prefill-gpu): "
-                        "gathered SDPA ran 1.2-6.4x faster than tiled_prefill on every prefill chunk measured, from 8 "
+                        "gathered SDPA ran 1.2-6.5x faster than tiled_prefill on every prefill chunk measured, from 8 "
                         "rows after 1K tokens to 32K-token prompts; chunks under 8 rows were not measured. Mixed "
-                        "batches with 256- and 512-row chunks: tiled's mixed route 1.07-1.14x faster; 1,024 rows "
+                        "batches with 256- and 512-row chunks: tiled's mixed route 1.08-1.30x faster; 1,024 rows "
                         "is where the chunk's attention saves more than the extra launches cost (estimated from "
                         "the 1,024-row chunk after 8K: 151 vs 65 TFLOP/s)",
                      min_mixed_chunk_rows=1024),

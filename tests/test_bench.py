@@ -424,6 +424,9 @@ def test_auto_lag_marks_auto_slower_than_the_fastest_admitted_provider():
     results[0] = _ran("auto", "provider", 2.1, "sdpa_prefill")
     assert not core.auto_lag(results)["marked"]  # 5% over the fastest: within the 10% limit
     assert core.auto_lag([_ran("auto", "provider", 1.0), _ran("mlx_sdpa", "peer", 0.5)]) is None
+    # The same route measured twice: noise, not a routing mistake.
+    same = core.auto_lag([_ran("auto", "provider", 1.3, "sdpa_prefill"), _ran("sdpa_prefill", "provider", 1.0)])
+    assert same["same_route"] and not same["marked"] and abs(same["lag"] - 1.3) < 1e-9
 
 
 def test_markdown_names_the_marked_shapes():

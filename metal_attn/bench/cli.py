@@ -288,9 +288,13 @@ def render_markdown(suite: SuiteResult, machine: dict[str, Any]) -> str:
     lags = [(sr, sr.auto_vs_fastest) for sr in suite.results if sr.auto_vs_fastest]
     if lags:
         marked = [f"{sr.shape.label} ({_auto_lag_text(lag)})" for sr, lag in lags if lag["marked"]]
+        noise = [f"{sr.shape.label} {lag['lag']:.2f}x" for sr, lag in lags
+                 if lag["same_route"] and lag["lag"] > lag["limit"]]
         out.append(f"auto vs the fastest admitted provider of the run: SLOW marks more than "
-                   f"{lags[0][1]['limit']:.2f}x; " + (f"marked: {'; '.join(marked)}." if marked else
-                                                      f"no shape marked ({len(lags)} compared)."))
+                   f"{lags[0][1]['limit']:.2f}x on another route; " + (f"marked: {'; '.join(marked)}." if marked else
+                                                                       f"no shape marked ({len(lags)} compared).")
+                   + (f" Same route, two measurements apart by more than the limit (noise): {', '.join(noise)}."
+                      if noise else ""))
     out.append("GB/s: K+V bytes read once per second; TFLOP/s: 4 * heads * head_size * causal pairs per second; "
                "(n%): fraction of the ceiling measured in the same run; n/r: not registered; n/a: unavailable here.")
     c = suite.ceiling

@@ -754,15 +754,18 @@ AUTO_LAG_LIMIT = 1.10
 
 def auto_lag(results: Sequence[CandidateResult]) -> dict[str, Any] | None:
     """``auto``'s median over the fastest provider that admitted the shape and ran in the same run
-    (peers are not routes ``auto`` could take); ``marked`` when above `AUTO_LAG_LIMIT`."""
+    (peers are not routes ``auto`` could take); ``marked`` when above `AUTO_LAG_LIMIT` on another
+    route than auto's. When auto took the fastest candidate's own route, the lag is the run's
+    noise between two measurements of one kernel (``same_route``), not a routing mistake."""
     auto = next((r for r in results if r.name == "auto" and r.ok and r.timing is not None), None)
     ran = [r for r in results if r.kind == "provider" and r.name != "auto" and r.ok and r.timing is not None]
     if auto is None or not ran:
         return None
     fastest = min(ran, key=lambda r: r.timing.median_s)
     lag = auto.timing.median_s / fastest.timing.median_s
-    return {"fastest": fastest.name, "auto_route": auto.route, "lag": lag, "limit": AUTO_LAG_LIMIT,
-            "marked": lag > AUTO_LAG_LIMIT}
+    same_route = auto.route == fastest.route
+    return {"fastest": fastest.name, "auto_route": auto.route, "fastest_route": fastest.route, "lag": lag,
+            "limit": AUTO_LAG_LIMIT, "same_route": same_route, "marked": lag > AUTO_LAG_LIMIT and not same_route}
 
 
 def run_suite(
