@@ -20,7 +20,6 @@ Usage: ``python -m metal_attn.cuda_check [--provider NAME ...] [--only REGEX] [-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import shutil
@@ -30,35 +29,25 @@ import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from metal_attn.source_specs import CudaSource
+
 NVCC_ARGS = ("-std=c++17", "-arch=sm_90a")
 _CT = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t", "int64": "int64_t"}
 #: Restores CUDA's __device__ after the prelude's `#define device` (NVRTC's default-device mode makes it moot).
 _PRE = "#include <cuda_runtime.h>\n#undef __device__\n#define __device__ __attribute__((__device__))\n"
 
 
-@dataclasses.dataclass(frozen=True)
-class CudaSource:
-    """One kernel instantiation to compile."""
+def wrapped_source(src: CudaSource) -> str:
+    """The wrapped source (prelude, defines and headers, then one __global__ function)."""
+    from metal_attn import kernels
 
-    label: str
-    kernel: str
-    source_files: tuple[str, ...]
-    inputs: tuple[tuple[str, str], ...]  # (name, dtype name)
-    outputs: tuple[tuple[str, str], ...]
-    template: tuple[tuple[str, object], ...]
-    defines: tuple[tuple[str, object], ...] = ()
-
-    def text(self) -> str:
-        """The wrapped source (prelude, defines and headers, then one __global__ function)."""
-        from metal_attn import kernels
-
-        header, body = kernels.assemble(self.kernel, self.source_files, "cuda", dict(self.defines))
-        name = re.sub(r"\W", "_", self.label)
-        sig = ", ".join([f"const {_CT[t]}* {n}" for n, t in self.inputs] + [f"{_CT[t]}* {n}" for n, t in self.outputs])
-        lines = [f"  using {k} = {_CT[v]};" if isinstance(v, str) and v in _CT else f"  constexpr int {k} = {int(v)};"
-                 for k, v in self.template]
-        return f"{_PRE}{header}\nnamespace mlx::core::cu {{\n__global__ void {name}({sig}) {{\n" + "\n".join(lines) \
-            + f"\n{body}\n}}\n}}\n"
+    header, body = kernels.assemble(src.kernel, src.source_files, "cuda", dict(src.defines))
+    name = re.sub(r"\W", "_", src.label)
+    sig = ", ".join([f"const {_CT[t]}* {n}" for n, t in src.inputs] + [f"{_CT[t]}* {n}" for n, t in src.outputs])
+    lines = [f"  using {k} = {_CT[v]};" if isinstance(v, str) and v in _CT else f"  constexpr int {k} = {int(v)};"
+             for k, v in src.template]
+    return f"{_PRE}{header}\nnamespace mlx::core::cu {{\n__global__ void {name}({sig}) {{\n" + "\n".join(lines) \
+        + f"\n{body}\n}}\n}}\n"
 
 
 def cuda_sources(providers: Sequence[str] | None = None) -> list[CudaSource]:
@@ -116,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sources = [s for s in cuda_sources(args.provider) if not args.only or re.search(args.only, s.label)]
         except ProviderRefusedError as exc:
             p.error(str(exc))
-        texts = {s: s.text() for s in sources}
+        texts = {s: wrapped_source(s) for s in sources}
     finally:
         if args.kernels_dir:
             kernels.use_source_dir(None)

@@ -41,30 +41,14 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from metal_attn.source_specs import Specialization
+
 CLANG_ARGS = ("-x", "c++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes", "-ferror-limit=50")
 
 _BLOCK = re.compile(r"Generated source code for `(\w+)`:\n```\n(.*?)\n```", re.DOTALL)
 _HOST_NAME = re.compile(r"\[\[host_name\(\"[^\"]*\"\)\]\]\s*")
 _ATTR = re.compile(r"\[\[[A-Za-z_]\w*(?:\([^)\]]*\))?\]\]")
 _DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)", re.MULTILINE)
-
-
-@dataclasses.dataclass(frozen=True)
-class Specialization:
-    """One kernel instantiation: what to build and how to call it for tracing."""
-
-    label: str
-    kernel: str
-    source_files: tuple[str, ...]
-    input_names: tuple[str, ...]
-    output_names: tuple[str, ...]
-    #: (name, value) pairs; dtype values are dtype names ("float16", "int32", ...).
-    template: tuple[tuple[str, object], ...]
-    #: (shape, dtype name) per input.
-    inputs: tuple[tuple[tuple[int, ...], str], ...]
-    outputs: tuple[tuple[tuple[int, ...], str], ...]
-    defines: tuple[tuple[str, object], ...] = ()
-    is_dtype: tuple[str, ...] = ("T", "TT")
 
 
 def registered_specializations(providers: Sequence[str] | None = None) -> list[Specialization]:

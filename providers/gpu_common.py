@@ -51,13 +51,12 @@ from metal_attn.provider import Plan
 from metal_attn.request import Phase, split_scratch_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
-    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
+    from metal_attn.source_specs import CudaSource, Specialization
 
 #: Threads per threadgroup of the reducer, and the per-token kernel's default.
 NUM_THREADS = 128
@@ -285,7 +284,7 @@ def reducer_msl_specialization(label: str, dtype: str, head_size: int, partition
     """The reducer's Metal source-check entry (`metal_attn.msl_check`) for ``dtype`` outputs from
     float32 partials (``rows`` query rows, 4 heads, 2 sequences, 2 partitions: shapes only matter
     for tracing)."""
-    from metal_attn.msl_check import Specialization
+    from metal_attn.source_specs import Specialization
 
     return Specialization(
         label=label, kernel="paged_attention_v2_reduce", source_files=PAGED_FILES, input_names=REDUCE_INPUTS,
@@ -299,7 +298,7 @@ def reducer_msl_specialization(label: str, dtype: str, head_size: int, partition
 def reducer_cuda_source(label: str, dtype: str, head_size: int, partition_size: int) -> CudaSource:
     """The reducer's CUDA source-check entry (`metal_attn.cuda_check`) for ``dtype`` outputs from
     float32 partials."""
-    from metal_attn.cuda_check import CudaSource
+    from metal_attn.source_specs import CudaSource
 
     return CudaSource(label, "paged_attention_v2_reduce", PAGED_FILES,
                       tuple(zip(REDUCE_INPUTS, ("float32", "float32", "float32", "int32", "int32", "float32",

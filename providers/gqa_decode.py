@@ -49,13 +49,12 @@ from metal_attn.request import split_scratch_bytes
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
-    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
-    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
+    from metal_attn.source_specs import CudaSource, Specialization
 
 ROUTE = "gqa_decode"
 
@@ -265,7 +264,7 @@ class GQADecodeProvider(Provider):
         (5 x 2 x 2 = 20), and the shared reducer at each partition size it is
         launched with here (head sizes of the table x dtypes x partition sizes).
         """
-        from metal_attn.msl_check import Specialization
+        from metal_attn.source_specs import Specialization
 
         specs = []
         dtypes = sorted(self.dtypes)
@@ -295,7 +294,7 @@ class GQADecodeProvider(Provider):
     def cuda_sources(self) -> list[CudaSource]:
         """Every CUDA geometry at both partition sizes (float16, bfloat16), for `metal_attn.cuda_check`
         (the reducer is in ``classic``'s set)."""
-        from metal_attn.cuda_check import CudaSource
+        from metal_attn.source_specs import CudaSource
 
         return [CudaSource(f"gqa_decode {dt} {h}/{kvh}/{d}/bs{bs} P{part}", "gqa_decode", KERNEL_FILES,
                            tuple(zip(KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "float32", "int32"))),

@@ -48,13 +48,12 @@ from metal_attn.request import Phase
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
-    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
-    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
+    from metal_attn.source_specs import CudaSource, Specialization
 
 ROUTE = "nax_prefill"
 SPLIT_ROUTE = "mixed_prefill_decode"
@@ -337,7 +336,7 @@ def _spec_inputs(dtype: str, head: int, block: int) -> tuple:
 
 def msl_specializations() -> list[Specialization]:
     """The provider's Metal specializations (`NaxPrefillProvider.msl_specializations`)."""
-    from metal_attn.msl_check import Specialization
+    from metal_attn.source_specs import Specialization
 
     return [
         Specialization(
@@ -352,7 +351,7 @@ def msl_specializations() -> list[Specialization]:
 
 def cuda_sources() -> list[CudaSource]:
     """The CUDA twin's specializations (`NaxPrefillProvider.cuda_sources`)."""
-    from metal_attn.cuda_check import CudaSource
+    from metal_attn.source_specs import CudaSource
 
     return [
         CudaSource(f"nax_prefill twin {dtype} h{head} bs{block}", ROUTE, KERNEL_FILES["cuda"],

@@ -50,13 +50,12 @@ from metal_attn.request import Phase
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
-    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
-    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
+    from metal_attn.source_specs import CudaSource, Specialization
 
 ROUTE = "sdpa_prefill"
 SPLIT_ROUTE = "sdpa_prefill_decode"
@@ -194,7 +193,7 @@ class SdpaPrefillProvider(Provider):
     def msl_specializations(self) -> list[Specialization]:
         """``gather_kv`` on Metal over {float16, bfloat16} x head sizes x kernel block sizes, for
         `metal_attn.msl_check` (the route is not admitted on Metal, but the kernel text is shared)."""
-        from metal_attn.msl_check import Specialization
+        from metal_attn.source_specs import Specialization
 
         return [Specialization(
             label=f"gather_kv {dtype} head={head} block={block}", kernel="gather_kv", source_files=GATHER_FILES,
@@ -206,7 +205,7 @@ class SdpaPrefillProvider(Provider):
 
     def cuda_sources(self) -> list[CudaSource]:
         """``gather_kv`` on CUDA per (dtype, head size), for `metal_attn.cuda_check`."""
-        from metal_attn.cuda_check import CudaSource
+        from metal_attn.source_specs import CudaSource
 
         return [CudaSource(f"gather_kv {dtype} h{head}", "gather_kv", GATHER_FILES,
                            (("k_cache", dtype), ("v_cache", dtype), ("block_tables", "int32"), ("params", "int32")),

@@ -38,13 +38,12 @@ from metal_attn.request import Phase
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
-    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
-    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
+    from metal_attn.source_specs import CudaSource, Specialization
 
 ROUTE = "tiled_prefill"
 SPLIT_ROUTE = "mixed_prefill_decode"
@@ -226,7 +225,7 @@ class TiledPrefillProvider(Provider):
         the kernel over {float16, bfloat16} x the tile table's head sizes x kernel block sizes
         (2 x 4 x 3 = 24). The decode rows of a split mixed batch use the classic provider's
         specializations, which its own set covers."""
-        from metal_attn.msl_check import Specialization
+        from metal_attn.source_specs import Specialization
 
         specs = []
         for dtype in sorted(ITEMSIZE):
@@ -245,7 +244,7 @@ class TiledPrefillProvider(Provider):
 
     def cuda_sources(self) -> list[CudaSource]:
         """The kernel at every CUDA tile (float16, bfloat16), for `metal_attn.cuda_check`."""
-        from metal_attn.cuda_check import CudaSource
+        from metal_attn.source_specs import CudaSource
 
         out = []
         for dt, head in itertools.product(("float16", "bfloat16"), sorted(TILE_CONFIGS["cuda"])):

@@ -357,7 +357,8 @@ def test_every_twin_specialization_compiles_with_nvcc(tmp_path):
     nvcc = _nvcc()
     sources = nx.cuda_sources()
     with ThreadPoolExecutor(2) as ex:
-        results = list(ex.map(lambda s: cuda_check.compile_one(s, s.text(), str(tmp_path), nvcc, False), sources))
+        results = list(ex.map(
+            lambda s: cuda_check.compile_one(s, cuda_check.wrapped_source(s), str(tmp_path), nvcc, False), sources))
     failed = [(s.label, out[-2000:]) for s, rc, out in results if rc]
     assert not failed, failed
 
@@ -371,7 +372,7 @@ def test_twin_planted_error_fails_nvcc(planted_kernels, tmp_path):
     src = next(s for s in nx.cuda_sources() if s.label == "nax_prefill twin float16 h64 bs8")
     kernels.use_source_dir(folder)
     try:
-        text = src.text()
+        text = cuda_check.wrapped_source(src)
     finally:
         kernels.use_source_dir(None)
     _, rc, out = cuda_check.compile_one(src, text, str(tmp_path), nvcc, False)

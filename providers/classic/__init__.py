@@ -27,12 +27,11 @@ from metal_attn.provider import Plan, Provider
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
-    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
-    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
+    from metal_attn.source_specs import CudaSource, Specialization
 
 #: Head sizes the per-token kernel is specialised for on the GPU backends.
 GPU_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 112, 128, 192, 256)

@@ -23,12 +23,11 @@ from metal_attn.constants import DTYPES, PARTITION_SIZE
 from metal_attn.provider import Plan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from metal_attn.cuda_check import CudaSource
     from metal_attn.device import DeviceInfo
-    from metal_attn.msl_check import Specialization
     from metal_attn.provider import AttentionInputs
     from metal_attn.request import AttentionRequest
     from metal_attn.settings import Settings
+    from metal_attn.source_specs import CudaSource, Specialization
 
 #: Threads per threadgroup of reshape_and_cache, and its most threadgroups per launch.
 CACHE_THREADS = 256
@@ -99,7 +98,7 @@ def msl_specializations(admission: Mapping[str, frozenset]) -> list[Specializati
     per-token kernel (both routes, direct and staged loads, the matrix path at 16-bit dtypes and
     head sizes that are multiples of 32), the reducer per (dtype, head) and the cache writer per
     dtype, over ``admission`` (the Metal admission table: dtypes, head sizes, block sizes)."""
-    from metal_attn.msl_check import Specialization
+    from metal_attn.source_specs import Specialization
 
     specs: list[Specialization] = []
     t, h, s = 3, 4, 2  # tokens, heads, sequences: shapes only matter for tracing
@@ -143,7 +142,7 @@ def cuda_sources() -> list[CudaSource]:
     """The specializations the CUDA tables choose for ``classic``, for `metal_attn.cuda_check`: the
     per-token kernel at the head sizes and GQA groups that pick each path (direct, staged, matrix;
     both routes; a small and a large split grid), and the reducer."""
-    from metal_attn.cuda_check import CudaSource
+    from metal_attn.source_specs import CudaSource
 
     out: list[CudaSource] = []
     for dt, head, split, group in itertools.product(("float32", "float16", "bfloat16"), (64, 128, 256),
