@@ -22,7 +22,8 @@ The public names, by concept:
   `GEOMETRY_RULES`, `STAGING_RULES`, ...), the occupancy gate (`split_decision`), `plan_per_token`,
   `prepare_per_token`, `run_per_token` and `launch_paged`;
 - the decode-rows sub-plan of a mixed batch (the decode rows at its front through the per-token
-  kernel, the prefill rows through the provider's own kernel): `decode_request` (those rows as a
+  kernel, the prefill rows through the provider's own kernel): `mixed_split` (whether a tiled
+  kernel's decode rows leave its tiles, by `MIXED_DECODE_MIN_CONTEXT`), `decode_request` (those rows as a
   request of their own), `plan_decode_rows` (their plan; the provider keeps its specialization in
   its own plan), `prepare_decode_rows` and `run_decode_rows` (``[num_decode_seqs, H, D]``).
   `DECODE_ROWS_PROVIDER` names the provider whose kernel they use (disabling it keeps them in the
@@ -45,7 +46,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_attn import _epoch, kernels
-from metal_attn.constants import LOG2E, PARTITION_SIZE, SCRATCH_CAP_BYTES, SPLIT_GATE_FACTOR
+from metal_attn.constants import LOG2E, MIXED_DECODE_MIN_CONTEXT, PARTITION_SIZE, SCRATCH_CAP_BYTES, SPLIT_GATE_FACTOR
 from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan
 from metal_attn.request import Phase, split_scratch_bytes
@@ -819,6 +820,25 @@ def prepare_per_token(plan: Plan, device: DeviceInfo) -> None:
 
 
 # -- the decode-rows sub-plan of a mixed batch --------------------------------------------------------
+
+
+def mixed_split(request: AttentionRequest, backend: str, settings: Settings | None = None) -> tuple[bool, str]:
+    """Whether a mixed batch's decode rows leave the prefill kernel's tiles (from
+    `MIXED_DECODE_MIN_CONTEXT` tokens on, per backend), and the arithmetic behind it."""
+    if request.phase is not Phase.MIXED:
+        return False, ""
+    if settings is not None and settings.is_disabled(DECODE_ROWS_PROVIDER):
+        return False, (f"mixed split: the {DECODE_ROWS_PROVIDER} provider is disabled "
+                       "(decode rows ride in the tiles)")
+    threshold = MIXED_DECODE_MIN_CONTEXT.get(backend)
+    if threshold is None:
+        return False, f"mixed split: no threshold measured for backend={backend} (decode rows ride in the tiles)"
+    split = request.max_decode_seq_len >= threshold
+    return split, (
+        f"mixed split: longest decode row {request.max_decode_seq_len} {'>=' if split else '<'} "
+        f"MIXED_DECODE_MIN_CONTEXT[{backend}]={threshold} -> "
+        + ("decode rows through the per-token kernel" if split else "decode rows ride in the tiles")
+    )
 
 
 def decode_request(request: AttentionRequest) -> AttentionRequest:

@@ -35,7 +35,6 @@ from metal_attn.providers import gpu_common as gc
 from metal_attn import kernels
 from metal_attn.constants import (
     KERNEL_BLOCK_SIZES,
-    MIXED_DECODE_MIN_CONTEXT,
     NAX_BQ,
     NAX_MIN_GENERATION,
     NAX_MIN_MACOS,
@@ -43,7 +42,6 @@ from metal_attn.constants import (
 )
 from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan, Provider
-from metal_attn.request import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
@@ -126,24 +124,6 @@ class NaxGate:
 GATE = NaxGate()
 
 
-def mixed_split(request: AttentionRequest, backend: str, settings: Settings | None = None) -> tuple[bool, str]:
-    """Whether a mixed batch's decode rows leave the tiles (the tiled provider's rule), and why."""
-    if request.phase is not Phase.MIXED:
-        return False, ""
-    if settings is not None and settings.is_disabled(gc.DECODE_ROWS_PROVIDER):
-        return False, (f"mixed split: the {gc.DECODE_ROWS_PROVIDER} provider is disabled "
-                       "(decode rows ride in the tiles)")
-    threshold = MIXED_DECODE_MIN_CONTEXT.get(backend)
-    if threshold is None:
-        return False, f"mixed split: no threshold measured for backend={backend} (decode rows ride in the tiles)"
-    split = request.max_decode_seq_len >= threshold
-    return split, (
-        f"mixed split: longest decode row {request.max_decode_seq_len} {'>=' if split else '<'} "
-        f"MIXED_DECODE_MIN_CONTEXT[{backend}]={threshold} -> "
-        + ("decode rows through the per-token kernel" if split else "decode rows ride in the tiles")
-    )
-
-
 # -- the provider ---------------------------------------------------------------------------------------
 
 
@@ -195,7 +175,7 @@ def make_plan(request: AttentionRequest, device: DeviceInfo, settings: Settings,
     """The launch decision; ``kernel_backend`` is ``"metal"`` (the provider) or ``"cuda"`` (the twin).
     The mixed-batch rule is the one the provider applies on Apple GPUs (Metal's threshold); a split
     plan's decode rows use the classic kernel's plan for ``device``."""
-    split, split_note = mixed_split(request, "metal", settings)
+    split, split_note = gc.mixed_split(request, "metal", settings)
     tiles = request.total_q_tokens // NAX_BQ + request.num_seqs  # an upper bound; exact per batch
     notes = [f"tile: BQ={NAX_BQ} query rows ({SIMDGROUPS} simdgroups x 16), TILE_KV={NAX_TILE_KV} keys, "
              f"matmul2d 16x32x16 relaxed precision, no threadgroup memory"]

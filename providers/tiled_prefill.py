@@ -30,10 +30,9 @@ from typing import TYPE_CHECKING, Any
 from metal_attn.providers import gpu_common as gc
 
 from metal_attn import _epoch, kernels
-from metal_attn.constants import KERNEL_BLOCK_SIZES, MIXED_DECODE_MIN_CONTEXT
+from metal_attn.constants import KERNEL_BLOCK_SIZES
 from metal_attn.kernels import SIMD_WIDTH
 from metal_attn.provider import Plan, Provider
-from metal_attn.request import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
@@ -117,23 +116,6 @@ def _fmt(values: Any) -> str:
     return ", ".join(str(v) for v in sorted(values))
 
 
-def mixed_split(request: AttentionRequest, backend: str, settings: Settings | None = None) -> tuple[bool, str]:
-    """Whether a mixed batch's decode rows leave the tiles, and the arithmetic behind it."""
-    if request.phase is not Phase.MIXED:
-        return False, ""
-    if settings is not None and settings.is_disabled(gc.DECODE_ROWS_PROVIDER):
-        return False, f"mixed split: the {gc.DECODE_ROWS_PROVIDER} provider is disabled (decode rows ride in the tiles)"
-    threshold = MIXED_DECODE_MIN_CONTEXT.get(backend)
-    if threshold is None:
-        return False, f"mixed split: no threshold measured for backend={backend} (decode rows ride in the tiles)"
-    split = request.max_decode_seq_len >= threshold
-    return split, (
-        f"mixed split: longest decode row {request.max_decode_seq_len} {'>=' if split else '<'} "
-        f"MIXED_DECODE_MIN_CONTEXT[{backend}]={threshold} -> "
-        + ("decode rows through the per-token kernel" if split else "decode rows ride in the tiles")
-    )
-
-
 class TiledPrefillProvider(Provider):
     """FlashAttention-2 style prefill over the paged cache with 8x8 simdgroup matrices."""
 
@@ -168,7 +150,7 @@ class TiledPrefillProvider(Provider):
 
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         cfg = tile_config(device.backend, request.head_size)
-        split, split_note = mixed_split(request, device.backend, settings)
+        split, split_note = gc.mixed_split(request, device.backend, settings)
         tiles = request.total_q_tokens // cfg.bq + request.num_seqs  # an upper bound; exact per batch
         notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x {8 * cfg.rb}), BKV={cfg.bkv} keys, "
                  f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory"]

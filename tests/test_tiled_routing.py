@@ -241,18 +241,18 @@ def test_metal_source_check_catches_a_planted_error(needs_clang, planted_kernels
 def test_forced_mixed_threshold_routes_both_ways_and_restores():
     """The GPU tests' and sweep's override: 0 splits a short mixed batch, a huge value keeps its
     decode rows in the tiles; the table (and cached selections) come back afterwards."""
-    from metal_attn.providers import tiled_prefill
+    from metal_attn.providers import gpu_common as gc
 
     from metal_attn.plugins import get_registry
     from metal_attn.settings import get_settings
     from metal_attn.testing import forced_mixed_threshold
 
-    before = tiled_prefill.MIXED_DECODE_MIN_CONTEXT
+    before = gc.MIXED_DECODE_MIN_CONTEXT
     with forced_mixed_threshold(0):
         assert _row(_explain(H200, [1, 1, 300], [50, 100, 800])).plan.route == "mixed_prefill_decode"
     with forced_mixed_threshold(1 << 30):
         assert _row(_explain(H200, [1, 1, 300], [8192, 100, 800])).plan.route == "tiled_prefill"
-    assert tiled_prefill.MIXED_DECODE_MIN_CONTEXT is before
+    assert gc.MIXED_DECODE_MIN_CONTEXT is before
     assert _row(_explain(H200, [1, 1, 300], [8192, 100, 800])).plan.route == "mixed_prefill_decode"
     # Selections are cached: the override drops them on the way in and out.
     req = _explain(H200, [1, 1, 300], [8192, 100, 800]).request

@@ -204,11 +204,10 @@ def test_random_block_tables_long_prompt():
 @needs_cuda
 @pytest.mark.parametrize("split", (False, True), ids=("ride-along", "split"))
 @pytest.mark.parametrize("dtype", nx.DTYPES)
-def test_mixed_batch_both_routes(dtype, split, monkeypatch):
+def test_mixed_batch_both_routes(dtype, split):
     # The provider's mixed rule (the tiled provider's): decode rows ride in the tiles below the
     # threshold, else they go through the classic kernel; forced both ways, for both kernels.
     threshold = 0 if split else 1 << 30
-    monkeypatch.setattr(nx, "MIXED_DECODE_MIN_CONTEXT", {"metal": threshold})
     case = make_case(q_lens=[1, 1, 1, 37, 100], seq_lens=[1, 600, 1100, 37, 900], num_heads=8, num_kv_heads=2,
                      head_size=128, block_size=16, dtype=dtype, sinks=True, seed=29, label=f"mixed {dtype}")
     with forced_mixed_threshold(threshold):
