@@ -142,7 +142,7 @@ class SdpaPrefillProvider(Provider):
 
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         _, arithmetic = rule_reasons(request, device.backend)
-        notes = [f"{arithmetic} -> gather pages (mx.take) + fused MLX SDPA"]
+        notes = [f"{arithmetic} -> gather pages (gather_kv) + fused MLX SDPA"]
         decode_spec: tuple = ()
         partition = 0
         if request.phase is Phase.MIXED:
@@ -186,7 +186,6 @@ class SdpaPrefillProvider(Provider):
         parts = [gc.run_decode_rows(inputs, decode_spec)] if n_dec else []
         parts += prefill_rows(inputs, md, first_seq=n_dec, backend=plan.specialization[1])
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-
 
     # -- source checks ----------------------------------------------------------------------------
 
