@@ -25,7 +25,8 @@ The public names, by concept:
   kernel, the prefill rows through the provider's own kernel): `mixed_split` (whether a tiled
   kernel's decode rows leave its tiles, by `MIXED_DECODE_MIN_CONTEXT`), `decode_request` (those rows as a
   request of their own), `plan_decode_rows` (their plan; the provider keeps its specialization in
-  its own plan), `prepare_decode_rows` and `run_decode_rows` (``[num_decode_seqs, H, D]``).
+  its own plan: `decode_rows_part` gives the fields it carries), `prepare_decode_rows` and
+  `run_decode_rows` (``[num_decode_seqs, H, D]``).
   `DECODE_ROWS_PROVIDER` names the provider whose kernel they use (disabling it keeps them in the
   caller's kernel).
 
@@ -853,6 +854,22 @@ def plan_decode_rows(request: AttentionRequest, device: DeviceInfo, settings: Se
     """The per-token plan of a mixed ``request``'s decode rows (split or not by the occupancy gate);
     a provider keeps its ``specialization`` in its own plan, its route and notes in its notes."""
     return plan_per_token(DECODE_ROWS_PROVIDER, decode_request(request), device, settings)
+
+
+class DecodeRowsPlan(NamedTuple):
+    """What a provider's plan keeps of its decode rows' plan: the specialization (for
+    `prepare_decode_rows` / `run_decode_rows`), the partition size, and one note for ``explain``."""
+
+    specialization: tuple
+    partition_size: int
+    note: str
+
+
+def decode_rows_part(request: AttentionRequest, device: DeviceInfo, settings: Settings) -> DecodeRowsPlan:
+    """`plan_decode_rows`, as the fields a provider's own plan carries."""
+    plan = plan_decode_rows(request, device, settings)
+    return DecodeRowsPlan(plan.specialization, plan.partition_size,
+                          f"decode rows: {plan.route} ({'; '.join(plan.notes)})")
 
 
 def prepare_decode_rows(specialization: tuple, device: DeviceInfo) -> None:

@@ -146,10 +146,8 @@ class SdpaPrefillProvider(Provider):
         decode_spec: tuple = ()
         partition = 0
         if request.phase is Phase.MIXED:
-            decode_plan = gc.plan_decode_rows(request, device, settings)
-            decode_spec = decode_plan.specialization
-            partition = decode_plan.partition_size
-            notes.append(f"decode rows: {decode_plan.route} ({'; '.join(decode_plan.notes)})")
+            decode_spec, partition, note = gc.decode_rows_part(request, device, settings)
+            notes.append(note)
         return Plan(
             provider=self.name,
             route=SPLIT_ROUTE if decode_spec else ROUTE,

@@ -159,10 +159,8 @@ class TiledPrefillProvider(Provider):
         if split_note:
             notes.append(split_note)
         if split:
-            decode_plan = gc.plan_decode_rows(request, device, settings)
-            decode_spec = decode_plan.specialization
-            partition = decode_plan.partition_size
-            notes.append(f"decode rows: {decode_plan.route} ({'; '.join(decode_plan.notes)})")
+            decode_spec, partition, note = gc.decode_rows_part(request, device, settings)
+            notes.append(note)
         return Plan(
             provider=self.name,
             route=SPLIT_ROUTE if split else ROUTE,
