@@ -42,7 +42,7 @@ class DeviceInfo:
     @property
     def macos(self) -> tuple[int, ...] | None:
         """`macos_version` as numbers (``"26.2"`` -> ``(26, 2)``); ``None`` when unknown or unparsable."""
-        m = _VERSION.fullmatch(self.macos_version or "")
+        m = _VERSION.fullmatch((self.macos_version or "").strip())
         return tuple(int(x) for x in m.group(0).split(".")) if m else None
 
     @property

@@ -170,8 +170,10 @@ class SdpaPrefillProvider(Provider):
             return prefill_rows(AttentionInputs(b.q, b.cache, b.cache, b.metadata, 1.0, sinks=logits), b.metadata,
                                 backend=backend)
 
-        gc.compile_eagerly(device, f"fused MLX SDPA ({dtype} head={head} group={group} sinks={sinks})", launch,
-                           dtype=dtype, head_size=head, block_size=16, seq_len=24, q_rows=8, num_heads=group)
+        for rows in (8, 1):  # a chunk (cuDNN) and a one-row chunk (MLX's vector kernel)
+            gc.compile_eagerly(device, f"fused MLX SDPA ({dtype} head={head} group={group} sinks={sinks} "
+                                       f"rows={rows})", launch,
+                               dtype=dtype, head_size=head, block_size=16, seq_len=24, q_rows=rows, num_heads=group)
         if decode_spec:
             gc.prepare_decode_rows(decode_spec, device)
 
@@ -255,7 +257,10 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
         qs = q[row0:row0 + rows].reshape(n, q_len, num_heads, head).transpose(0, 2, 1, 3)
         o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=inputs.scale, mask="causal" if q_len > 1 else None,
                                                  sinks=sinks, force_fused=force_fused)
-        o = mx.where(poisoned_rows(bad, q_len, num_heads)[..., None], mx.nan, o)
+        # A non-finite query element makes its row NaN (the contract), whatever the fused kernel's
+        # arithmetic does with it (an infinite query can give -inf scores everywhere: a silent 0).
+        bad_q = ~mx.isfinite(qs).all(axis=-1)  # [n, H, q_len]
+        o = mx.where((poisoned_rows(bad, q_len, num_heads) | bad_q)[..., None], mx.nan, o)
         outs.append(o.transpose(0, 2, 1, 3).reshape(rows, num_heads, head))
         row0 += rows
     return outs

@@ -179,3 +179,19 @@ def test_the_nan_contract_around_the_fused_kernel(dtype):
     inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale)
     out = mx.concatenate(sp.prefill_rows(inputs, md, force_fused=False), axis=0)
     assert_close_to_oracle(out, case.oracle(), dtype, label=case.label)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_an_infinite_query_makes_its_row_nan(sinks):
+    # q = +inf against keys whose scores are all -inf: the SDPA arithmetic gives 0 (sinks) or the mean of
+    # masked keys (an additive mask), never NaN by itself; the contract wants NaN.
+    case = make_case(q_lens=[4], seq_lens=[4], num_heads=1, num_kv_heads=1, head_size=64, block_size=8,
+                     dtype="float16", sinks=sinks, seed=2, poison=[("q", 0, 1, 0, float("inf"))])
+    k = case.k_cache.astype(mx.float32)
+    k[..., 0] = -1.0  # every score of the infinite row is -inf
+    case.k_cache = k.astype(case.k_cache.dtype)
+    case.host = None
+    md = case.metadata()
+    inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale, sinks=case.sinks)
+    out = mx.concatenate(sp.prefill_rows(inputs, md, force_fused=False), axis=0)
+    assert_close_to_oracle(out, case.oracle(), "float16", label=f"inf q sinks={sinks}")

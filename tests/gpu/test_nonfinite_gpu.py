@@ -156,7 +156,7 @@ def test_sdpa_prefill_masked_positions(head, dtype):
     if BACKEND != "cuda":
         pytest.skip(f"sdpa_prefill's rule admits cuda only (backend={BACKEND})")
     poison = [("v", 0, 150, 0, NAN), ("k", 0, 151, 1, INF), ("v", 0, 199, 1, -INF), ("q", 0, 60, 3, NAN),
-              ("v", 1, 420, 0, NAN), ("k", 1, 30, 1, NAN)]
+              ("q", 0, 70, 1, INF), ("v", 1, 420, 0, NAN), ("k", 1, 30, 1, NAN)]
     case = make_case(q_lens=[200, 64], seq_lens=[200, 450], num_heads=4, num_kv_heads=2, head_size=head,
                      block_size=16, dtype=dtype, seed=head, poison=poison, label=f"sdpa h{head} {dtype}")
     _check(case, "sdpa_prefill", "sdpa_prefill")
