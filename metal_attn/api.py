@@ -174,7 +174,10 @@ def paged_attention(
         provider,
         _epoch.current(),
     )
-    hit = md._selections.get(key)
+    try:
+        hit = md._selections.get(key)
+    except TypeError:  # an unhashable sliding_window or softcap: `_check_features` names it below
+        hit = None
     if hit is None:
         _check_tensors(q, k_cache, v_cache, md)
     num_heads = q.shape[1]

@@ -364,3 +364,14 @@ def test_mixed_dtypes_fall_back_to_reference_with_a_warning(log_records) -> None
     # Forced on reference: the caller asked for it, nothing to warn about.
     mx.eval(metal_attn.paged_attention(**{**args, "q": _f32((3, 4, HEAD)) * 2}, provider="reference"))
     assert len(log_records("slow_fallback")) == 1
+
+
+@pytest.mark.parametrize("kwargs", [{"sliding_window": [8]}, {"sliding_window": np.array([8])},
+                                    {"softcap": np.array([30.0])}])
+def test_unhashable_features_get_the_argument_error(kwargs):
+    md = AttentionMetadata.build([[0], [1]], [5, 7], [0, 1, 2])
+    q = mx.zeros((2, 4, 64), mx.float16)
+    k = mx.zeros((4, 16, 2, 64), mx.float16)
+    name = next(iter(kwargs))
+    with pytest.raises(InvalidInputError, match=name):
+        metal_attn.paged_attention(q, k, k, metadata=md, **kwargs)
