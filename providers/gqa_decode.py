@@ -244,6 +244,9 @@ class GQADecodeProvider(Provider):
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
         # An admitted plan passes `launch`'s checks by construction: the batch's descriptor, no checks.
+        # The key leaves out sinks, softcap and window because the provider admits none of them
+        # (`features` is empty); a feature added to it must join the key.
+        assert not self.features, "gqa_decode's launch key must hold every admitted feature"
         q, k_cache, md = inputs.q, inputs.k_cache, inputs.metadata
         backend, psize = plan.specialization[1], plan.partition_size
         key = (_epoch.current(), ROUTE, backend, psize, q.shape, q.dtype, k_cache.shape, inputs.scale)
