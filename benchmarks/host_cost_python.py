@@ -62,6 +62,11 @@ class Case:
     shape: Shape
     gpu_cores: int | None = None  # None: the H200's 132; fewer moves the split gate (unsplit route)
 
+    def device(self) -> DeviceInfo:
+        """The probed device of the case: the H200 preset, with ``gpu_cores`` when given."""
+        dev = DeviceInfo.preset("h200")
+        return dev.replace(gpu_cores=self.gpu_cores) if self.gpu_cores else dev
+
 
 def cases() -> list[Case]:
     dec = lambda b: Shape(b, 32, 8, 128, 4096, "bfloat16")  # noqa: E731
@@ -153,10 +158,7 @@ def run(calls: int, samples: int, profile: str | None) -> None:
     for case in cases():
         if profile and profile not in case.label:
             continue
-        dev = DeviceInfo.preset("h200")
-        if case.gpu_cores:
-            dev = dev.replace(gpu_cores=case.gpu_cores)
-        with fake_cuda(dev) as fake:
+        with fake_cuda(case.device()) as fake:
             b = bind(case, fake)
             fake.record = False
             for fn in (b.attn, b.write):  # warm every cache

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 from host_cost_python import Case, bind, cases
 
-from metal_attn.device import DeviceInfo
 from metal_attn.testing.fake_cuda import fake_cuda
 
 CASES = {c.label: c for c in cases()}
@@ -22,10 +21,7 @@ CASES = {c.label: c for c in cases()}
 @pytest.fixture(params=list(CASES), ids=[label.split(" (")[0].replace(" ", "-") for label in CASES])
 def bound(request):
     case: Case = CASES[request.param]
-    dev = DeviceInfo.preset("h200")
-    if case.gpu_cores:
-        dev = dev.replace(gpu_cores=case.gpu_cores)
-    with fake_cuda(dev) as fake:
+    with fake_cuda(case.device()) as fake:
         b = bind(case, fake)
         fake.record = False
         yield b
