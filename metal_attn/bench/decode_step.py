@@ -201,7 +201,7 @@ class StepMlxSdpa(TimedCandidate):
         def compute() -> list[mx.array]:
             return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale) for k, v in kv]
 
-        return mlx_prepared(compute, peers._mlx_rows, f"contiguous K/V + mx.fast SDPA; {len(kv)} layers, one eval")
+        return mlx_prepared(compute, peers.mlx_rows, f"contiguous K/V + mx.fast SDPA; {len(kv)} layers, one eval")
 
 
 class StepGatherSdpa(TimedCandidate):
@@ -219,7 +219,7 @@ class StepGatherSdpa(TimedCandidate):
             return [mx.fast.scaled_dot_product_attention(q, case.gather(kp, tables), case.gather(vp, tables),
                                                          scale=scale) for kp, vp in pools]
 
-        return mlx_prepared(compute, peers._mlx_rows, f"mx.take pages + mx.fast SDPA; {len(pools)} layers, one eval")
+        return mlx_prepared(compute, peers.mlx_rows, f"mx.take pages + mx.fast SDPA; {len(pools)} layers, one eval")
 
 
 class StepTorchSdpa(TimedCandidate):

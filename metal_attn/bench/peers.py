@@ -53,7 +53,7 @@ PEER_NAMES: tuple[str, ...] = ("gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling
 GPU_COPY_BYTES = 1 << 30
 
 
-def _mlx_rows(outs: list[mx.array]) -> np.ndarray:
+def mlx_rows(outs: list[mx.array]) -> np.ndarray:
     """Per-group ``[n, heads, q_len, head]`` outputs -> float32 ``[total_q_tokens, heads, head]``."""
     flat = [o.transpose(0, 2, 1, 3).reshape(-1, o.shape[1], o.shape[3]) for o in outs]
     out = flat[0] if len(flat) == 1 else mx.concatenate(flat, axis=0)
@@ -76,7 +76,7 @@ class MlxSdpa(TimedCandidate):
             return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
                     for q, (k, v), m in zip(qs, kv, masks)]
 
-        return mlx_prepared(compute, _mlx_rows, "contiguous K/V + mx.fast SDPA")
+        return mlx_prepared(compute, mlx_rows, "contiguous K/V + mx.fast SDPA")
 
 
 class GatherSdpa(TimedCandidate):
@@ -107,7 +107,7 @@ class GatherSdpa(TimedCandidate):
                     q, k, v, scale=scale, mask="causal" if g.rows.q_len > 1 else None))
             return outs
 
-        return mlx_prepared(compute, _mlx_rows, "mx.take pages + mx.fast SDPA")
+        return mlx_prepared(compute, mlx_rows, "mx.take pages + mx.fast SDPA")
 
 
 # -- torch --------------------------------------------------------------------------------------------
