@@ -245,8 +245,7 @@ class GQADecodeProvider(Provider):
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
         # An admitted plan passes `launch`'s checks by construction: the batch's descriptor, no checks.
         # The key leaves out sinks, softcap and window because the provider admits none of them
-        # (`features` is empty); a feature added to it must join the key.
-        assert not self.features, "gqa_decode's launch key must hold every admitted feature"
+        # (`features` is empty, asserted below the class); a feature added to it must join the key.
         q, k_cache, md = inputs.q, inputs.k_cache, inputs.metadata
         backend, psize = plan.specialization[1], plan.partition_size
         key = (_epoch.current(), ROUTE, backend, psize, q.shape, q.dtype, k_cache.shape, inputs.scale)
@@ -305,6 +304,10 @@ class GQADecodeProvider(Provider):
                            tuple(kernel_template(dt, kvh, h // kvh, d, bs, part, kernel_tuning("cuda", d, bs))))
                 for dt, (h, kvh, d, bs), part in itertools.product(("float16", "bfloat16"), geometry_table("cuda"),
                                                                     (256, 512))]
+
+
+#: The launch key in `GQADecodeProvider.run` holds no feature: the provider must admit none.
+assert not GQADecodeProvider.features, "gqa_decode admits a feature its launch key does not hold"
 
 
 KERNEL_FILES = ("gqa_decode.metal",)
