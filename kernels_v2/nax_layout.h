@@ -19,8 +19,15 @@ MA_FUNC int ma_nax_col(int lane) { return (((lane >> 2) & 2) | (lane & 1)) * 4; 
 MA_FUNC int ma_nax_frag_row(int lane, int e) { return ma_nax_row(lane) + 8 * ((e >> 2) & 1); }
 MA_FUNC int ma_nax_frag_col(int lane, int e) { return ma_nax_col(lane) + (e & 3); }
 
-// The four lanes that hold one row of a fragment differ in lane bits 0 and 3, as in the 8x8
-// fragments of the preludes: their reductions are the preludes' `ma_frag_row_max` / `ma_frag_row_sum`.
+// Reductions over the four lanes that hold one row of a fragment.
+MA_FUNC float ma_nax_row_max(float x) {
+  x = metal::max(x, simd_shuffle_xor(x, ushort(1)));
+  return metal::max(x, simd_shuffle_xor(x, ushort(8)));
+}
+MA_FUNC float ma_nax_row_sum(float x) {
+  x += simd_shuffle_xor(x, ushort(1));
+  return x + simd_shuffle_xor(x, ushort(8));
+}
 // A 32-bit mask OR-ed over the whole simdgroup (every lane receives it).
 MA_FUNC uint ma_nax_simd_or(uint x) {
   for (ushort o = 1; o < 32; o <<= 1) {

@@ -193,7 +193,7 @@ for (int kt = kv_begin; kt < kv_end; kt += MA_NAX_TILE_KV) {
   float m_new[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    m_new[r] = metal::max(m[r], ma_frag_row_max(tile_max[r]));
+    m_new[r] = metal::max(m[r], ma_nax_row_max(tile_max[r]));
   }
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
@@ -210,7 +210,7 @@ for (int kt = kv_begin; kt < kv_end; kt += MA_NAX_TILE_KV) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     alpha[r] = ma_rescale(m[r], m_new[r]);
-    l[r] = l[r] * alpha[r] + ma_frag_row_sum(row_sum[r]);
+    l[r] = l[r] * alpha[r] + ma_nax_row_sum(row_sum[r]);
     m[r] = m_new[r];
   }
 

@@ -68,16 +68,6 @@ template <typename U>
 using remove_addrspace_t = U;
 }  // namespace metal
 
-// The preludes' row reductions over the four lanes of a fragment row (lane bits 0 and 3).
-inline float ma_frag_row_max(float x) {
-  x = metal::max(x, simd_shuffle_xor(x, ushort(1)));
-  return metal::max(x, simd_shuffle_xor(x, ushort(8)));
-}
-inline float ma_frag_row_sum(float x) {
-  x += simd_shuffle_xor(x, ushort(1));
-  return x + simd_shuffle_xor(x, ushort(8));
-}
-
 inline bool ma_isfinite(float x) { return std::isfinite(x); }
 inline float ma_nan() { return std::nanf(""); }
 inline float ma_finite_or_nan(float x) { return std::isfinite(x) ? x : std::nanf(""); }
