@@ -128,3 +128,28 @@ def test_nan_contract_on_a_simulated_simdgroup(build, tmp_path):
     got = _simulate(build, case, tmp_path)
     assert_close_to_oracle(got, case.oracle(), "float16", label=case.label)
     assert not np.isfinite(got).all()
+
+
+def _lanes_of_row(row_of) -> dict[int, set[int]]:
+    rows: dict[int, set[int]] = {}
+    for lane in range(32):
+        rows.setdefault(row_of(lane), set()).add(lane)
+    return rows
+
+
+def test_row_reductions_follow_the_nax_layout_not_a_prelude_fragment():
+    """The NAX layout (Apple's, on both GPUs) puts a row on lanes that differ in bits 0 and 3, so
+    its reductions are nax_layout.h's own. The CUDA prelude's `ma_frag_row_*` reduce over bits 0
+    and 1 (the mma.sync layout): using them in the NAX kernel made the CUDA twin's H200 tests fail
+    (2026-12-01) while the Metal check and this simulation still passed."""
+    nax_row = lambda lane: ((lane >> 2) & 4) | ((lane >> 1) & 3)  # noqa: E731  (nax_layout.h, ma_nax_row)
+    cuda_frag_row = lambda lane: lane >> 2  # noqa: E731  (prelude_cuda.h, ma_frag_row)
+    for lanes in _lanes_of_row(nax_row).values():
+        assert lanes == {min(lanes) ^ x for x in (0, 1, 8, 9)}
+    assert any({min(ls) ^ x for x in (0, 1, 8, 9)} != ls for ls in _lanes_of_row(cuda_frag_row).values())
+    layout = (kernels_dir() / "nax_layout.h").read_text()
+    assert "ma_nax_row(int lane) { return ((lane >> 2) & 4) | ((lane >> 1) & 3); }" in layout
+    assert "simd_shuffle_xor(x, ushort(1))" in layout and "simd_shuffle_xor(x, ushort(8))" in layout
+    text = (kernels_dir() / "nax_prefill.metal").read_text()
+    assert "ma_frag_row_" not in text, "nax_prefill.metal must reduce rows with ma_nax_row_max / ma_nax_row_sum"
+    assert "ma_nax_row_max(" in text and "ma_nax_row_sum(" in text
