@@ -278,6 +278,16 @@ def test_the_committed_cpu_baseline_is_documented_data() -> None:
     assert len(auto) == len(suites.get_suite("smoke").shapes)
 
 
+def test_the_committed_h200_baseline_covers_every_decode_gpu_shape() -> None:
+    """Written on the H200: every shape of decode-gpu for auto and classic, ratios only, keys ending in ratio."""
+    base = baselines.load(CPU_BASELINE.with_name("cuda-nvidia-h200.json"))
+    assert base.machine_class == "cuda-nvidia-h200" and base.suites == ("decode-gpu",) and base.margin == 0.4
+    labels = {s.label for s in suites.get_suite("decode-gpu").shapes}
+    for name in ("auto", "classic"):
+        assert {c.split(" / ")[1] for c in base.entries if c.endswith(f" / {name}")} == labels
+    assert all(k.endswith("ratio") and v > 0 for e in base.entries.values() for k, v in e.items())
+
+
 def test_smoke_passes_against_the_committed_cpu_baseline(tmp_path, capsys) -> None:
     _committed()
     out_json = tmp_path / "run.json"
