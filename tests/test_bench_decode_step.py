@@ -93,6 +93,21 @@ def test_the_provider_step_queues_every_layer_on_one_metadata_and_evaluates_once
         np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=1e-5)
 
 
+def test_the_compiled_step_traces_once_and_gives_the_eager_step_bit_for_bit(monkeypatch) -> None:
+    """auto_compiled: the same layers under mx.compile; Python runs paged_attention only while tracing."""
+    case = StepShape(2, 4, 2, 64, 80, "float32", layers=3).build(seed=2)
+    eager = decode_step.StepProvider("auto").prepare(case).run()
+    calls = []
+    real_pa = metal_attn.paged_attention
+    monkeypatch.setattr(metal_attn, "paged_attention", lambda *a, **kw: calls.append(1) or real_pa(*a, **kw))
+    prep = decode_step.StepCompiled().prepare(case)
+    first, again = prep.run(), prep.run()
+    assert len(calls) == 3  # one trace of the three layers, then the compiled graph replays
+    for e, a, b in zip(eager, first, again):
+        assert np.array_equal(np.array(e), np.array(a)) and np.array_equal(np.array(a), np.array(b))
+    assert decode_step.StepCompiled.kind == "compiled" and "under mx.compile" in prep.route
+
+
 def test_decode_step_cpu_from_the_command_line(tmp_path, capsys) -> None:
     path = tmp_path / "step.json"
     rc = cli.main(["--suite", "decode-step-cpu", "--iters", "2", "--quiet", "--json", str(path)])
@@ -103,7 +118,7 @@ def test_decode_step_cpu_from_the_command_line(tmp_path, capsys) -> None:
     assert [r["shape"]["label"] for r in suite["results"]] == labels
     for r in suite["results"]:
         c = {x["name"]: x for x in r["candidates"]}
-        for name in ("auto", "classic"):
+        for name in ("auto", "auto_compiled", "classic"):
             assert c[name]["status"] == "ok" and c[name]["check"]["ok"] is True
             assert c[name]["check"]["against"] == "mlx_sdpa"
             assert set(c[name]["ratios"]) == {"speedup_vs_mlx_sdpa_ratio", "ceiling_fraction_ratio"}
@@ -127,7 +142,7 @@ def test_pytest_benchmark_records_same_run_ratios(tmp_path) -> None:
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     bench = {b["extra_info"]["candidate"]: b for b in json.loads(out.read_text())["benchmarks"]}
-    assert set(bench) == {"auto", "classic", "mlx_sdpa"}
+    assert set(bench) == {"auto", "auto_compiled", "classic", "mlx_sdpa"}
     for name in ("auto", "classic"):
         info, median = bench[name]["extra_info"], bench[name]["stats"]["median"]
         assert info["speedup_vs_mlx_sdpa_ratio"] == pytest.approx(bench["mlx_sdpa"]["stats"]["median"] / median)

@@ -14,7 +14,8 @@ the kernels set the pace.
 - the candidates (`resolve`): providers by name (``auto`` = the registry's choice),
   ``mlx_sdpa`` (MLX SDPA on contiguous K/V, every layer queued, one eval), ``torch_sdpa``
   (torch SDPA on contiguous K/V, every layer launched, one synchronize; GPU only),
-  ``gather_sdpa`` (pages gathered with ``mx.take`` inside the step, then MLX SDPA) and
+  ``gather_sdpa`` (pages gathered with ``mx.take`` inside the step, then MLX SDPA), ``auto_compiled``
+  (``auto`` with the whole step under ``mx.compile``: what a compiled step takes off the host) and
   ``ceiling`` (the K+V bytes of all layers read once at the bandwidth measured in the same
   run: `metal_attn.bench.peers.Ceiling`).
 
@@ -188,6 +189,35 @@ class StepProvider(ProviderCandidate):
         return mlx_prepared(compute, _layer_rows, f"{route}; {len(pools)} layers, one eval")
 
 
+class StepCompiled(StepProvider):
+    """The registry's choice on every layer, the whole step under ``mx.compile``.
+
+    The bench's metadata and pools are fixed, so they are constants of the compiled graph and
+    the step is traced once: what this measures is the most a compiled step can take off the
+    host (Python graph building of every layer; MLX replays the traced graph), not an engine
+    step, whose metadata changes every step (a compiled engine step would need its launch
+    plans keyed by shape, docs/bench-h200-decode-step.md).
+    """
+
+    name = "auto_compiled"
+    #: Not a route `auto` could take (so never the "fastest admitted provider" auto is held to),
+    #: and not stored in baselines, which hold providers only.
+    kind = "compiled"
+
+    def __init__(self) -> None:
+        super().__init__("auto_compiled")
+
+    def prepare(self, case: Any) -> Prepared:
+        case = _need_step(case)
+        _, route = StepProvider("auto").admit(case.shape)
+        q, md, scale, pools = case.q, case.metadata, case.scale, case.pools
+        step = mx.compile(lambda: [metal_attn.paged_attention(q, k, v, metadata=md, scale=scale) for k, v in pools])
+        return mlx_prepared(step, _layer_rows, f"{route}; {len(pools)} layers under mx.compile, one eval")
+
+    def route_after(self, prep: Prepared) -> str | None:
+        return prep.route  # a replayed compiled graph dispatches nothing: the route is the traced one
+
+
 class StepMlxSdpa(TimedCandidate):
     """MLX SDPA on each layer's contiguous K/V, every layer queued, one eval per step."""
 
@@ -276,7 +306,7 @@ class StepTorchSdpa(TimedCandidate):
 
 #: Peers of a decode step by name; any other name is a provider.
 STEP_PEERS: dict[str, type] = {"mlx_sdpa": StepMlxSdpa, "gather_sdpa": StepGatherSdpa, "torch_sdpa": StepTorchSdpa,
-                               "ceiling": peers.Ceiling}
+                               "ceiling": peers.Ceiling, "auto_compiled": StepCompiled}
 
 
 def resolve(names: Sequence[str]) -> list[Candidate]:

@@ -111,7 +111,7 @@ _STEP_CPU = (
     decode_step.StepShape(1, 8, 2, 64, 2048, "float32", layers=8),
     decode_step.StepShape(2, 32, 8, 128, 512, "bfloat16", layers=4),
 )
-_STEP_CANDIDATES = ("auto", "classic", "gqa_decode", "mlx_sdpa", "torch_sdpa", "ceiling")
+_STEP_CANDIDATES = ("auto", "auto_compiled", "classic", "gqa_decode", "mlx_sdpa", "torch_sdpa", "ceiling")
 
 SUITES: dict[str, Suite] = {
     s.name: s
