@@ -7,7 +7,7 @@ sampling, ``mx.async_eval`` (MLX encoding and launching the kernels, bounded by 
 the host run ahead) and the wait for the step's tokens; and the same for stock ``generate_step``.
 Prints medians in ms.
 
-    python benchmarks/host_cost_engine.py --concurrency 1,64 [--layers 32]
+    python benchmarks/host_cost_engine.py --concurrency 1,64 [--layers 32] [--compile-decode]
 (on the GPU machine: ``source .device/setup.sh && python3 benchmarks/host_cost_engine.py``)
 """
 
@@ -28,10 +28,11 @@ def _median_ms(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:.3f}"
 
 
-def engine_steps(model, c: int, prompt_len: int, steps: int) -> dict[str, list[float]]:
+def engine_steps(model, c: int, prompt_len: int, steps: int, compile_decode: bool = False) -> dict[str, list[float]]:
     """Steady decode at ``c`` rows: the phases each step's `InFlight.timings` recorded, and the whole step."""
     eng = Engine(model, _NoStopTokenizer(), EngineConfig(num_blocks=c * (prompt_len + steps + 64) // 16 + 64,
-                                                         max_num_seqs=c, max_num_batched_tokens=8192))
+                                                         max_num_seqs=c, max_num_batched_tokens=8192,
+                                                         compile_decode=compile_decode))
     for p in _prompts(c, prompt_len, 1000, c):
         eng.add_request(p, max_tokens=steps + 40)
     for _ in range(8):  # prefill and warm up
@@ -84,14 +85,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="also run the engine with decode steps compiled (EngineConfig.compile_decode)")
     args = ap.parse_args()
     model, label = load_bench_model(current_device().backend, args.layers)
     print(f"{label} on {current_device().backend}; prompt {args.prompt_len}; medians of {args.steps} steps, ms")
     s = stock_steps(model, args.prompt_len, args.steps)
     print("stock generate_step: " + ", ".join(f"{k} {_median_ms(v)}" for k, v in s.items()))
     for c in (int(x) for x in args.concurrency.split(",")):
-        t = engine_steps(model, c, args.prompt_len, args.steps)
-        print(f"engine c={c}: " + ", ".join(f"{k} {_median_ms(v)}" for k, v in t.items()))
+        for compiled in (False, True) if args.compile_decode else (False,):
+            t = engine_steps(model, c, args.prompt_len, args.steps, compiled)
+            label = "engine, compiled decode" if compiled else "engine"
+            print(f"{label} c={c}: " + ", ".join(f"{k} {_median_ms(v)}" for k, v in t.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -236,6 +236,16 @@ def build_step_plan(
     )
 
 
+def _scatter_rows(pool: mx.array, rows: mx.array, slots: mx.array) -> mx.array:
+    """``pool[slot] = row`` with MLX's scatter, in place when the pool is donated: the write of a
+    step traced under ``mx.compile`` (a provider's writer may read the slots on the host, which a
+    trace cannot; a traced step's slots are the cache's own, so none is skipped)."""
+    nb, bs, kvh, d = pool.shape
+    flat = pool.reshape(nb * bs, kvh, d)
+    flat[slots] = rows
+    return flat.reshape(nb, bs, kvh, d)
+
+
 @dataclasses.dataclass
 class _Sequence:
     blocks: list[int]
@@ -447,9 +457,32 @@ class PagedKVCache:
         k, v = self._k[i], self._v[i]
         self._k[i] = self._v[i] = None
         try:
-            k, v = write_checked(key, value, k, v, plan.slot_mapping)
+            if plan.metadata.lengths_are_bounds:
+                k, v = _scatter_rows(k, key, plan.slot_mapping), _scatter_rows(v, value, plan.slot_mapping)
+            else:
+                k, v = write_checked(key, value, k, v, plan.slot_mapping)
         finally:
             self._k[i], self._v[i] = k, v
+
+    def take_pools(self) -> list[mx.array]:
+        """Every layer's pools, ``[k0, v0, k1, v1, ...]``, handed over: the cache holds none until
+        `put_pools` (so a write into them stays in place). For steps run as one compiled function."""
+        pools = [a for pair in zip(self._k, self._v) for a in pair]
+        if any(a is None for a in pools):
+            raise RuntimeError("take_pools: the pools were already taken (put_pools gives them back)")
+        self._k = [None] * self.num_layers
+        self._v = [None] * self.num_layers
+        return pools
+
+    def put_pools(self, pools: Sequence[mx.array]) -> None:
+        """Give the cache its pools back (`take_pools`' layout), e.g. a compiled step's new pools."""
+        want = self.pool_shape
+        if len(pools) != 2 * self.num_layers or any(tuple(a.shape) != want or a.dtype != self.dtype for a in pools):
+            raise InvalidInputError(
+                f"put_pools needs {2 * self.num_layers} pools of shape {want} and dtype {self.dtype}"
+            )
+        self._k = list(pools[0::2])
+        self._v = list(pools[1::2])
 
     # -- internals -----------------------------------------------------------------------------
 

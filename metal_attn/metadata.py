@@ -52,6 +52,9 @@ class AttentionMetadata:
     max_blocks_per_seq: int
     validate: bool = True
     _block_tables_host: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    #: The host lengths are bounds, not the lengths (`decode_bounds`): the device arrays hold the
+    #: real ones. Only providers with ``reads_lengths_on_device`` may run such a batch.
+    lengths_are_bounds: bool = False
     # Caches: init=False, so every instance (`dataclasses.replace` too) starts them empty.
     #: Per (num_blocks, block_size): the metadata to run with and the rows to poison (`pool_guard`).
     _guards: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
@@ -165,6 +168,49 @@ class AttentionMetadata:
             _block_tables_host=bt,
         )
 
+    @classmethod
+    def decode_bounds(cls, block_tables: mx.array, seq_lens: mx.array, *, max_seq_len: int) -> AttentionMetadata:
+        """A decode batch (one query row per sequence) whose lengths are known only on the device.
+
+        For a step traced once under ``mx.compile`` and replayed with other lengths: the host
+        view says every sequence has ``max_seq_len`` tokens (a bound every real length must stay
+        within, and that the table's width covers), so launch shapes derived from it hold for
+        every replay, while the kernels read the real ``seq_lens`` and ``block_tables`` (which may
+        be lazy, even tracers). The table is trusted: it is never read on the host, so it is not
+        checked against the pool (the engine built it). `paged_attention` refuses to run it on a
+        provider that does not read its lengths on the device, or that would re-split its pages.
+        """
+        n, width = (int(x) for x in block_tables.shape)
+        if seq_lens.shape != (n,):
+            raise InvalidInputError(f"seq_lens.shape={tuple(seq_lens.shape)} (need ({n},), one length per table row)")
+        if not 1 <= max_seq_len <= 2**31 - 1:
+            raise InvalidInputError(f"max_seq_len={max_seq_len} (allowed: 1..2^31-1)")
+        lens = (int(max_seq_len),) * n
+        return cls(
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            cu_seqlens_q=mx.arange(n + 1, dtype=mx.int32),
+            seq_lens_host=lens,
+            q_lens_host=(1,) * n,
+            phase=classify_phase((1,) * n, lens),
+            num_decode_seqs=n,
+            length_plan=length_plan(lens),
+            max_blocks_per_seq=width,
+            validate=False,
+            _block_tables_host=np.zeros((n, width), dtype=np.int32),
+            lengths_are_bounds=True,
+        )
+
+    def padded_block_tables(self, width: int) -> mx.array:
+        """The block tables right-padded with block 0 to ``width`` columns (``block_tables`` itself
+        when already that wide)."""
+        have = self.max_blocks_per_seq
+        if width < have:
+            raise ValueError(f"width={width} (allowed: >= the table's {have} columns)")
+        if width == have:
+            return self.block_tables
+        return mx.array(np.pad(self._block_tables_host, ((0, 0), (0, width - have))).astype(np.int32))
+
     def check_against_pool(self, num_blocks: int, block_size: int) -> None:
         """Raise `InvalidInputError` if a table is too short for its ``seq_len`` or a block id it
         uses is outside the pool (once per pool geometry; nothing when ``validate`` is off)."""
@@ -187,6 +233,15 @@ class AttentionMetadata:
         key = (num_blocks, block_size)
         got = self._guards.get(key)
         if got is not None:
+            return got
+        if self.lengths_are_bounds:  # the table is the engine's, on the device only (`decode_bounds`)
+            need = -(-self.max_seq_len // block_size)
+            if need > self.max_blocks_per_seq:
+                raise InvalidInputError(
+                    f"max_seq_len={self.max_seq_len} needs {need} blocks of {block_size} but the table has "
+                    f"{self.max_blocks_per_seq} columns"
+                )
+            got = self._guards[key] = (self, None)
             return got
         bt = self._block_tables_host
         lens = np.asarray(self.seq_lens_host, dtype=np.int64)
@@ -234,6 +289,11 @@ class AttentionMetadata:
         """The same batch with every page ``b`` seen as kernel blocks ``b*ratio .. b*ratio+ratio-1``."""
         if ratio == 1:
             return self
+        if self.lengths_are_bounds:
+            raise InvalidInputError(
+                f"a batch of decode_bounds metadata cannot be re-split into kernel blocks (ratio {ratio}): its "
+                "table is on the device only; use a page size that is a kernel block size (8, 16 or 32)"
+            )
         cached = self._split.get(ratio)
         if cached is not None:
             return cached

@@ -100,6 +100,12 @@ class Provider:
     mixed_dtypes: ClassVar[bool] = False
     #: Whether it also implements `write_cache` (reshape_and_cache).
     writes_cache: ClassVar[bool] = False
+    #: Whether `run` reads every per-sequence length and table entry from the metadata's device
+    #: arrays and derives launch shapes only from the host bounds (``max_seq_len``, the table's
+    #: width, the row counts), never from a host length of one sequence. Such a provider may run
+    #: `AttentionMetadata.decode_bounds` batches, the decode steps an engine traces once under
+    #: ``mx.compile`` and replays with other lengths.
+    reads_lengths_on_device: ClassVar[bool] = False
     #: One line for inventories and docs.
     description: ClassVar[str] = ""
 

@@ -20,12 +20,14 @@ import metal_attn
 from metal_attn.plugins import get_registry
 from metal_attn.provider import AttentionInputs, Plan, Provider
 from metal_attn.testing import (
+    BOUNDS_SPECS,
     CONFORMANCE_SPECS,
     TOLERANCES,
     AttentionCase,
     admission_reasons,
     assert_close_to_oracle,
     attention_oracle,
+    check_bounds_case,
     conformance_ids,
     make_case,
     request_kwargs,
@@ -70,6 +72,28 @@ def test_provider_conformance(spec: dict, provider: str) -> None:
     assert (record.provider, record.route, record.partition_size) == (provider, plan.route, plan.partition_size)
     assert record.backend == metal_attn.current_device().backend
     assert_close_to_oracle(got, ref, case.dtype, label=f"{spec['label']} via {provider}/{record.route}")
+
+
+BOUNDS_PROVIDERS = [p for p in PROVIDERS if get_registry().get(p).reads_lengths_on_device]
+
+
+@pytest.mark.parametrize(
+    ("spec", "provider"),
+    [pytest.param(s, p, id=f"{p}-{s['label']}") for s in BOUNDS_SPECS for p in BOUNDS_PROVIDERS],
+)
+def test_providers_that_read_lengths_on_the_device_run_bounds_metadata(spec: dict, provider: str) -> None:
+    reasons = admission_reasons(spec, provider)
+    if reasons:
+        pytest.skip(f"{provider} does not admit {spec['label']}: " + "; ".join(reasons))
+    record = check_bounds_case(make_case(**spec), provider)
+    assert record.provider == provider
+
+
+def test_bounds_metadata_is_refused_by_providers_that_read_lengths_on_the_host() -> None:
+    case = make_case(**BOUNDS_SPECS[0])
+    with pytest.raises(metal_attn.InvalidInputError, match="provider 'reference' reads per-sequence lengths"):
+        check_bounds_case(case, "reference")
+    assert "classic" in BOUNDS_PROVIDERS and "reference" not in BOUNDS_PROVIDERS
 
 
 @pytest.mark.parametrize("spec", SHORT_SPECS, ids=conformance_ids(SHORT_SPECS))

@@ -68,6 +68,9 @@ def _run_arrivals(eng: Engine, prompts, n_tokens, seed: int, check=None) -> list
         pytest.param({"num_blocks": 14, "max_num_batched_tokens": 64}, id="small-pool-preemption"),
         pytest.param({"pipeline": False}, id="no-pipeline"),
         pytest.param({"max_num_seqs": 5, "block_size": 8}, id="cap-5-block-8"),
+        pytest.param({"compile_decode": True}, id="compiled-decode"),
+        pytest.param({"compile_decode": True, "num_blocks": 14, "max_num_batched_tokens": 64},
+                     id="compiled-decode-preemption"),
     ],
 )
 def test_32_requests_arriving_over_time_match_stock(llama, workload, cfg):
@@ -76,6 +79,11 @@ def test_32_requests_arriving_over_time_match_stock(llama, workload, cfg):
     ids = _run_arrivals(eng, prompts, n_tokens, seed=3)
     for rid, ref in zip(ids, refs):
         assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"engine {cfg} req {rid}")
+    compiled = eng.runner.compiled
+    if cfg.get("compile_decode"):  # the decode-only steps really ran compiled, traced once per shape
+        assert compiled.disabled is None and compiled.steps > 0 and 0 < compiled.traces < compiled.steps
+    else:
+        assert compiled is None
     stats = eng.stats.as_dict(eng.blocks)
     if "num_blocks" in cfg:
         assert stats["preemptions"] > 0, "the small pool must force preemptions"

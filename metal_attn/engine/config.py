@@ -45,6 +45,10 @@ class EngineConfig:
     max_model_len: int | None = None
     #: Build and queue step N+1 while step N runs (mlx-lm's ``generate_step`` pattern).
     pipeline: bool = True
+    #: Run decode-only steps through a forward traced once per (rows, table width) under
+    #: ``mx.compile`` (`metal_attn.mlx_lm.compiled.CompiledDecode`); steps it does not apply to,
+    #: and models it refuses, run eagerly.
+    compile_decode: bool = False
 
     @classmethod
     def from_settings(cls, **overrides: object) -> EngineConfig:
@@ -58,6 +62,7 @@ class EngineConfig:
             "kv_cache_memory": s.kv_cache_memory,
             "kv_cache_fraction": s.kv_cache_fraction,
             "enable_prefix_caching": s.prefix_caching,
+            "compile_decode": s.compile_decode,
         }
         return cls(**(values | overrides)).validate()
 

@@ -92,7 +92,7 @@ class Engine:
         self.blocks = BlockManager(self.model.kv.allocator, cfg.block_size,
                                    enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = StepRunner(self.model, self.blocks)
+        self.runner = StepRunner(self.model, self.blocks, compile_decode=self.config.compile_decode)
         self.requests: dict[int, Request] = {}
         self._inflight: deque[InFlight] = deque()
         self._next_id = 0

@@ -17,6 +17,7 @@ from metal_attn.cache import StepPlan, build_step_plan
 from metal_attn.engine.block_manager import BlockManager
 from metal_attn.engine.sampling import sample
 from metal_attn.engine.scheduler import ScheduledRow, SchedulerOutput
+from metal_attn.mlx_lm.compiled import CompiledDecode
 from metal_attn.mlx_lm.runner import PagedModel
 
 __all__ = ["InFlight", "StepRunner"]
@@ -55,9 +56,11 @@ class InFlight:
 class StepRunner:
     """Runs scheduled steps of one `PagedModel` whose pages the `BlockManager` hands out."""
 
-    def __init__(self, model: PagedModel, blocks: BlockManager) -> None:
+    def __init__(self, model: PagedModel, blocks: BlockManager, *, compile_decode: bool = False) -> None:
         self.model = model
         self.blocks = blocks
+        #: Decode-only steps through a compiled forward (None: every step eager).
+        self.compiled = CompiledDecode(model) if compile_decode else None
 
     def launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Build the step's graph and queue it. ``previous``: the step still in flight, whose
@@ -77,7 +80,9 @@ class StepRunner:
         t1 = time.perf_counter()
         sampled, errors = None, {}
         if sampling:
-            logits = self.model.forward(plan, tokens, [int(ends[i]) for i, _ in sampling])
+            logits = self.compiled.run(plan, tokens) if self.compiled is not None else None
+            if logits is None:  # not a decode-only step, or compiled steps are off or refused
+                logits = self.model.forward(plan, tokens, [int(ends[i]) for i, _ in sampling])
             t2 = time.perf_counter()
             reqs = [r.request for _, r in sampling]
             hists = [self._history(r, previous) if r.request.processors else None for _, r in sampling]

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from metal_attn.testing.cases import AttentionCase, make_case
 from metal_attn.testing.conformance import (
+    BOUNDS_SPECS,
     CONFORMANCE_SPECS,
     NONFINITE_SPECS,
     TOLERANCES,
     Tolerance,
     admission_reasons,
     assert_close_to_oracle,
+    check_bounds_case,
     check_case,
     conformance_ids,
     rel_l2,
@@ -28,6 +30,7 @@ from metal_attn.testing.oracle import attention_oracle
 from metal_attn.testing.overrides import forced_mixed_threshold
 
 __all__ = [
+    "BOUNDS_SPECS",
     "CONFORMANCE_SPECS",
     "NONFINITE_SPECS",
     "TOLERANCES",
@@ -36,6 +39,7 @@ __all__ = [
     "admission_reasons",
     "assert_close_to_oracle",
     "attention_oracle",
+    "check_bounds_case",
     "check_case",
     "conformance_ids",
     "forced_mixed_threshold",

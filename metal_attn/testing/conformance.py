@@ -156,6 +156,31 @@ def check_case(case: AttentionCase, provider: str | None = None) -> Any:
     return record
 
 
+def check_bounds_case(case: AttentionCase, provider: str | None = None) -> Any:
+    """Run the decode-only ``case`` with `AttentionMetadata.decode_bounds` metadata (the host sees
+    a bound of twice the table's width in blocks for every row, the device the real lengths and
+    tables), assert it matches the oracle, and return the dispatch record. A provider that sets
+    ``reads_lengths_on_device`` must pass this on every spec of `BOUNDS_SPECS` it admits."""
+    import metal_attn
+    from metal_attn.metadata import AttentionMetadata
+
+    if any(n != 1 for n in case.q_lens):
+        raise ValueError(f"[{case.label}] check_bounds_case needs decode rows only (q_lens={case.q_lens})")
+    rows, width = case.block_tables.shape
+    tables = np.zeros((rows, 2 * width), dtype=np.int32)
+    tables[:, :width] = case.block_tables
+    block_size = int(case.k_cache.shape[1])
+    md = AttentionMetadata.decode_bounds(mx.array(tables), mx.array(case.seq_lens.astype(np.int32)),
+                                         max_seq_len=2 * width * block_size)
+    kw = {k: v for k, v in case.kwargs().items() if k not in ("block_tables", "seq_lens", "cu_seqlens_q")}
+    out = metal_attn.paged_attention(**kw, metadata=md, provider=provider)
+    record = metal_attn.diagnostics.last_dispatch()
+    got = to_numpy(out).astype(np.float64)
+    assert_close_to_oracle(got, case.oracle(), case.dtype,
+                           label=f"{case.label} with bounds metadata via {getattr(record, 'route', '?')}")
+    return record
+
+
 def request_kwargs(spec: Mapping[str, Any] | AttentionCase) -> dict[str, Any]:
     """Keyword arguments for `metal_attn.explain` describing a spec's (or case's) request."""
     if isinstance(spec, AttentionCase):
@@ -348,6 +373,19 @@ CONFORMANCE_SPECS: list[dict[str, Any]] = [
 ]
 
 
+#: Decode batches for `check_bounds_case`: lengths at page and partition edges far below the bound
+#: (so launches made from it have partitions some rows never reach), sinks, softcap, GQA and MQA,
+#: a NaN planted in q (the NaN contract holds there too).
+BOUNDS_SPECS: list[dict[str, Any]] = [
+    _spec("bounds-decode-edges", [1] * 7, [1, 15, 16, 17, 511, 512, 1100]),
+    _spec("bounds-decode-sinks-gqa8", [1, 1, 1], [40, 700, 3], sinks=True, num_heads=8, num_kv_heads=1),
+    _spec("bounds-decode-softcap", [1, 1], [90, 1030], softcap=2.0),
+    _spec("bounds-decode-nan-q", [1, 1], [40, 600], poison=[("q", 1, 0, 2, _NAN)]),
+    _with_dtype(_spec("bounds-decode-edges-h128", [1] * 4, [1, 513, 2048, 77], num_heads=8, num_kv_heads=2,
+                      head_size=128), "bfloat16"),
+]
+
+
 def _check_unique_labels() -> None:
     seen: set[str] = set()
     for s in CONFORMANCE_SPECS:
@@ -359,12 +397,14 @@ def _check_unique_labels() -> None:
 _check_unique_labels()
 
 __all__ = [
+    "BOUNDS_SPECS",
     "CONFORMANCE_SPECS",
     "NONFINITE_SPECS",
     "TOLERANCES",
     "Tolerance",
     "admission_reasons",
     "assert_close_to_oracle",
+    "check_bounds_case",
     "check_case",
     "conformance_ids",
     "make_case",

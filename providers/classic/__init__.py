@@ -82,6 +82,8 @@ class ClassicProvider(Provider):
     phases = frozenset({"decode", "prefill", "mixed", "verify"})
     features = frozenset({"sinks", "sliding_window", "softcap"})
     writes_cache = True
+    # Both kernels read lengths and tables from the metadata's arrays; launches use only the bounds.
+    reads_lengths_on_device = True
     description = "Per-token paged attention (vLLM v1/v2 style): decode and varlen, split-KV with a shared reducer."
 
     # -- backend modules -------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""Decode steps of a `PagedModel` traced once under ``mx.compile`` and replayed.
+
+Building a step's graph in Python costs the host about as much per layer as the kernels take
+on a GPU at small batches (docs/serving.md). A decode step (one new token per sequence) has the
+same graph every time but for its lengths, so `CompiledDecode` traces the model's forward once
+per (rows, table width) with `AttentionMetadata.decode_bounds` metadata, whose host view holds
+only bounds, and MLX replays the traced graph on later steps with the step's own tokens,
+positions, slots, block tables and lengths as inputs, and the pools as inputs and outputs.
+
+What it needs, checked when it is built or on the step's first trace (a refusal leaves the
+eager path in charge, with the reason in ``disabled``):
+
+- every layer's attention on a provider that reads its lengths on the device
+  (`Provider.reads_lengths_on_device`: classic); `paged_attention` refuses any other;
+- no sliding-window layer (a window's start depends on each length), a page size that is a
+  kernel block size (8, 16, 32: no host re-split of the table);
+- table widths are padded up to a power of two, so a sequence growing does not retrace every
+  page (`table_width`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from metal_attn.api import kernel_block_size
+from metal_attn.cache import StepPlan
+from metal_attn.errors import InvalidInputError
+from metal_attn.log import get_logger
+from metal_attn.metadata import AttentionMetadata
+
+__all__ = ["CompiledDecode", "table_width"]
+
+log = get_logger(component="compiled_decode")
+
+
+def table_width(blocks: int) -> int:
+    """The padded table width a step of ``blocks`` columns is traced with: the next power of two."""
+    if blocks < 1:
+        raise ValueError(f"blocks={blocks} (allowed: >= 1)")
+    return 1 << (blocks - 1).bit_length()
+
+
+class CompiledDecode:
+    """Decode steps of one `PagedModel` through a compiled forward (see the module docstring).
+
+    ``model``: a `metal_attn.mlx_lm.runner.PagedModel`. Call `run` with a decode-only plan; it
+    returns ``None`` (and the caller runs the eager forward) when compiled steps do not apply.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        #: Traces recorded (one per distinct rows x table width) and steps run compiled.
+        self.traces = 0
+        self.steps = 0
+        self.disabled: str | None = self._static_reasons()
+        self._fn = mx.compile(self._forward)
+
+    def _static_reasons(self) -> str | None:
+        windows = [i for i, spec in enumerate(self.model.resolved.layers) if spec.sliding_window]
+        if windows:
+            return f"layers {windows[:4]}{'...' if len(windows) > 4 else ''} have a sliding window"
+        page = self.model.kv.block_size
+        if kernel_block_size(page) != page:
+            return f"page size {page} is not a kernel block size (8, 16, 32)"
+        return None
+
+    def applies(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` can run compiled: compiled steps are on and every row is one new token."""
+        return self.disabled is None and all(n == 1 for n in plan.q_lens)
+
+    def run(self, plan: StepPlan, tokens: mx.array) -> mx.array | None:
+        """Logits ``[rows, vocab]`` of a decode step (lazy), the pools rebound to the step's; or
+        ``None`` when the step does not apply or its trace was refused (then ``disabled`` says why)."""
+        if not self.applies(plan):
+            return None
+        md = plan.metadata
+        tables = md.padded_block_tables(table_width(md.max_blocks_per_seq))
+        kv = self.model.kv
+        pools = kv.take_pools()
+        try:
+            out = self._fn(tokens, plan.positions, plan.slot_mapping, tables, md.seq_lens, *pools)
+        except InvalidInputError as exc:  # refused while tracing: the eager path takes over for good
+            kv.put_pools(pools)
+            self.disabled = str(exc)
+            log.info("compiled_decode_off", reason=self.disabled)
+            return None
+        except BaseException:
+            kv.put_pools(pools)
+            raise
+        del pools  # the graph holds the old pools alone, so the scatters write in place
+        kv.put_pools(out[1:])
+        self.steps += 1
+        return out[0]
+
+    def _forward(self, tokens, positions, slots, tables, seq_lens, *pools):
+        """What the trace records (Python runs here only while tracing)."""
+        self.traces += 1
+        kv = self.model.kv
+        kv.put_pools(pools)
+        n, width = tables.shape
+        md = AttentionMetadata.decode_bounds(tables, seq_lens, max_seq_len=width * kv.block_size)
+        plan = StepPlan(seq_ids=tuple(range(n)), q_lens=(1,) * n, seq_lens=md.seq_lens_host, slot_mapping=slots,
+                        positions=positions, metadata=md)
+        logits = self.model.forward(plan, tokens)
+        return (logits, *kv.take_pools())

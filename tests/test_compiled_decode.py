@@ -1,0 +1,139 @@
+"""Compiled decode steps: `AttentionMetadata.decode_bounds` (host bounds, device lengths), the
+providers allowed to run it, and `CompiledDecode` on the model adapter against the eager forward
+and stock mlx-lm (the engine's own identity runs are in tests/test_engine.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import metal_attn
+from metal_attn.cache import build_step_plan
+from metal_attn.engine import Engine, EngineConfig
+from metal_attn.errors import InvalidInputError
+from metal_attn.metadata import AttentionMetadata
+from metal_attn.mlx_lm.compiled import CompiledDecode, table_width
+from metal_attn.mlx_lm.runner import PagedModel
+from metal_attn.settings import override_settings
+from metal_attn.testing import make_case
+from metal_attn.testing.greedy import assert_same_greedy, reference_greedy
+from metal_attn.testing.models import WordTokenizer, tiny_model
+
+# Lengths at partition edges (512) and far below the bound, so the bound's launch has partitions
+# some rows never reach.
+LENS = [1, 17, 511, 512, 513, 1100]
+
+
+def _bounds(case, width: int, block_size: int) -> AttentionMetadata:
+    tables = np.zeros((len(case.seq_lens), width), dtype=np.int32)
+    tables[:, : case.block_tables.shape[1]] = case.block_tables
+    return AttentionMetadata.decode_bounds(mx.array(tables), mx.array(case.seq_lens), max_seq_len=width * block_size)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_classic_reads_the_lengths_on_the_device(dtype, sinks):
+    """The same decode batch with its real metadata and with bounds only (2048 tokens per row):
+    classic gives the same rows, although the bound's launch is split into 4 partitions."""
+    case = make_case(q_lens=[1] * len(LENS), seq_lens=LENS, num_heads=8, num_kv_heads=2, head_size=64,
+                     block_size=16, dtype=dtype, sinks=sinks, seed=3)
+    kw = case.kwargs()
+    want = metal_attn.paged_attention(**kw)
+    md = _bounds(case, 128, 16)
+    for k in ("block_tables", "seq_lens", "cu_seqlens_q"):
+        kw.pop(k)
+    got = metal_attn.paged_attention(**kw, metadata=md)
+    assert metal_attn.diagnostics.last_dispatch().provider == "classic"
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=1e-5 if dtype == "float32" else 1e-2, atol=1e-6 if dtype == "float32" else 1e-2)
+    assert md.seq_lens_host == (2048,) * len(LENS) and md.q_lens_host == (1,) * len(LENS)
+
+
+def test_bounds_metadata_refuses_what_it_cannot_honour():
+    case = make_case(q_lens=[1, 1], seq_lens=[40, 9], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    kw = {k: v for k, v in case.kwargs().items() if k not in ("block_tables", "seq_lens", "cu_seqlens_q")}
+    md = _bounds(case, 4, 16)
+    with pytest.raises(InvalidInputError, match=r"provider 'reference' reads per-sequence lengths on the host.*"
+                                                r"providers that can: .*classic"):
+        metal_attn.paged_attention(**kw, metadata=md, provider="reference")
+    with pytest.raises(InvalidInputError, match=r"sliding_window=8 with decode_bounds metadata \(allowed: None\)"):
+        metal_attn.paged_attention(**(kw | {"sliding_window": 8}), metadata=md)
+    narrow = AttentionMetadata.decode_bounds(mx.array(case.block_tables[:, :3]), mx.array(case.seq_lens),
+                                             max_seq_len=64)
+    with pytest.raises(InvalidInputError, match=r"max_seq_len=64 needs 4 blocks of 16 but the table has 3 columns"):
+        metal_attn.paged_attention(**kw, metadata=narrow)
+    with pytest.raises(InvalidInputError, match=r"cannot be re-split into kernel blocks \(ratio 2\)"):
+        md.split_blocks(2)
+    with pytest.raises(InvalidInputError, match=r"seq_lens.shape=\(3,\) \(need \(2,\)"):
+        AttentionMetadata.decode_bounds(mx.array(case.block_tables), mx.array([1, 2, 3]), max_seq_len=64)
+    with pytest.raises(InvalidInputError, match=r"max_seq_len=0 \(allowed: 1..2\^31-1\)"):
+        AttentionMetadata.decode_bounds(mx.array(case.block_tables), mx.array(case.seq_lens), max_seq_len=0)
+
+
+def test_table_widths_are_powers_of_two():
+    assert [table_width(n) for n in (1, 2, 3, 4, 5, 63, 64, 65)] == [1, 2, 4, 4, 8, 64, 64, 128]
+    with pytest.raises(ValueError, match="blocks=0"):
+        table_width(0)
+
+
+def _decode(pm, compiled, tables, lens, first, steps):
+    """Greedy decode rows through ``compiled`` (or eagerly when None): the tokens and logits per step."""
+    cur, lens, out = list(first), list(lens), []
+    for _ in range(steps):
+        plan = build_step_plan(list(range(len(lens))), lens, [1] * len(lens), tables, pm.kv.block_size)
+        tok = mx.array(np.array(cur, dtype=np.int32))
+        logits = compiled.run(plan, tok) if compiled is not None else pm.forward(plan, tok)
+        assert logits is not None, compiled.disabled
+        cur = [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
+        out.append((cur, np.array(logits)))
+        lens = [n + 1 for n in lens]
+    return out
+
+
+def test_compiled_steps_replay_the_eager_forward_bit_for_bit():
+    """Two sequences decoding 10 steps across a page edge: one trace per table width, the same logits."""
+    pm = PagedModel(tiny_model("llama"), num_blocks=64)
+    tables, lens = [[1, 2, 3], [5, 6, 7, 8, 9]], [30, 70]
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([rng.integers(1, 250, size=n) for n in lens]).astype(np.int32)
+    logits = pm.forward(build_step_plan([0, 1], [0, 0], lens, tables, 16), mx.array(ids))
+    first = [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
+    saved = [mx.array(a) for a in pm.kv.take_pools()]
+    pm.kv.put_pools([mx.array(a) for a in saved])
+    eager = _decode(pm, None, tables, lens, first, 10)
+    pm.kv.put_pools([mx.array(a) for a in saved])
+    compiled = CompiledDecode(pm)
+    replayed = _decode(pm, compiled, tables, lens, first, 10)
+    for (te, le), (tc, lc) in zip(eager, replayed):
+        assert te == tc and np.array_equal(le, lc)
+    assert compiled.steps == 10 and compiled.traces == 1  # the 5-column table pads to 8 throughout
+
+
+def test_models_and_providers_it_refuses_stay_eager_and_correct():
+    gemma = CompiledDecode(PagedModel(tiny_model("gemma3_text"), num_blocks=32))
+    assert gemma.disabled and "sliding window" in gemma.disabled
+    wide = CompiledDecode(PagedModel(tiny_model("llama"), num_blocks=8, block_size=64))
+    assert wide.disabled == "page size 64 is not a kernel block size (8, 16, 32)"
+    model = tiny_model("llama")
+    prompt = [5, 9, 200, 31, 77, 12, 40]
+    ref = reference_greedy(model, prompt, 10, WordTokenizer.eos_token_ids)
+    with override_settings(provider="reference"):
+        eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=32, compile_decode=True))
+        out = eng.generate([prompt], max_tokens=10)[0].token_ids
+    assert_same_greedy(out, ref, 1e-4, "compiled decode refused under the reference provider")
+    compiled = eng.runner.compiled
+    assert compiled.steps == 0 and "provider 'reference' reads per-sequence lengths on the host" in compiled.disabled
+
+
+def test_the_setting_turns_it_on(monkeypatch):
+    from metal_attn.settings import reload_settings
+
+    try:
+        for value, want in (("1", True), ("0", False)):
+            monkeypatch.setenv("METAL_ATTN_COMPILE_DECODE", value)
+            reload_settings()
+            assert EngineConfig.from_settings().compile_decode is want
+    finally:
+        monkeypatch.delenv("METAL_ATTN_COMPILE_DECODE")
+        reload_settings()
