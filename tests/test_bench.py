@@ -436,3 +436,15 @@ def test_markdown_names_the_marked_shapes():
     suite = core.SuiteResult("s", "d", ("auto", "sdpa_prefill"), 1, 1, [sr])
     text = cli.render_markdown(suite, core.machine_info())
     assert " SLOW |" in text and f"marked: {shape.label} (route classic took 3.00x the time of sdpa_prefill" in text
+
+
+def test_generate_suite_refuses_an_unknown_candidate_before_loading_a_model(capsys, monkeypatch):
+    from metal_attn.bench import generate
+
+    monkeypatch.setattr(generate, "load_bench_model", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--suite", "generate", "--candidates", "engine,engine_compiled,nope"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "nope unknown for the generate suite (allowed: engine, engine_compiled, batch_generator, generate_step)" \
+        in err

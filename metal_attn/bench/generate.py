@@ -3,6 +3,7 @@
 Candidates, on the same model and prompts, in one process:
 
 - ``engine``: metal-attn's continuous-batching engine (`metal_attn.engine.Engine`);
+- ``engine_compiled``: the same engine with its decode steps compiled (`EngineConfig.compile_decode`);
 - ``batch_generator``: ``mlx_lm.generate.BatchGenerator`` (mlx-lm's own batching);
 - ``generate_step``: ``mlx_lm.generate.generate_step``, single stream (concurrency 1 only).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -102,12 +104,14 @@ def _prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> lis
 
 
 def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_caching: bool = True,
-                budget: int = 4096) -> tuple[float, float, int, list[float], dict[str, Any]]:
+                budget: int = 4096, compile_decode: bool = False) -> tuple[float, float, int, list[float],
+                                                                         dict[str, Any]]:
     from metal_attn.engine import Engine, EngineConfig
 
     need = sum(len(p) + gen for p in prompts)
     cfg = EngineConfig(num_blocks=-(-need // 16) + 2 * len(prompts) + 8, max_num_seqs=max(len(prompts), 1),
-                       max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching)
+                       max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching,
+                       compile_decode=compile_decode)
     eng = Engine(model, _NoStopTokenizer(), cfg)
     ids = [eng.add_request(p, max_tokens=gen) for p in prompts]
     t0 = time.perf_counter()
@@ -122,6 +126,9 @@ def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_cachin
              "decode_step_ms": statistics.median(gaps) * 1e3 if gaps else None,
              "prefix_hit_rate": eng.blocks.prefix_hits / max(eng.blocks.prefix_queries, 1),
              "preemptions": eng.stats.preemptions}
+    if eng.runner.compiled is not None:
+        extra |= {"compiled_steps": eng.runner.compiled.steps, "compiled_traces": eng.runner.compiled.traces,
+                  "compiled_off": eng.runner.compiled.disabled}
     del eng
     return wall, prompt_s, generated, ttft, extra
 
@@ -163,11 +170,34 @@ def _run_generate_step(model: Any, prompts: list[list[int]], gen: int) -> tuple[
     return wall, first or 0.0, n, [first or 0.0], {}
 
 
+def _run_engine_compiled(model: Any, prompts: list[list[int]], gen: int, **kw: Any) -> tuple[float, float, int,
+                                                                                            list[float],
+                                                                                            dict[str, Any]]:
+    return _run_engine(model, prompts, gen, compile_decode=True, **kw)
+
+
+#: Candidates by name; ``engine_compiled`` is the engine with its decode steps compiled
+#: (`EngineConfig.compile_decode`).
 RUNNERS: dict[str, Callable[..., tuple[float, float, int, list[float], dict[str, Any]]]] = {
     "engine": _run_engine,
+    "engine_compiled": _run_engine_compiled,
     "batch_generator": _run_batch_generator,
     "generate_step": _run_generate_step,
 }
+
+
+#: What ``--suite generate`` runs unless ``--candidates`` says otherwise (the suite's timed defaults).
+DEFAULT_CANDIDATES = ("engine", "batch_generator", "generate_step")
+
+
+def _candidates(spec: str | None) -> list[str]:
+    names = [c.strip() for c in spec.split(",") if c.strip()] if spec else list(DEFAULT_CANDIDATES)
+    unknown = [c for c in names if c not in RUNNERS]
+    if unknown:
+        print(f"metal-attn bench: --candidates {spec!r}: {', '.join(unknown)} unknown for the generate suite "
+              f"(allowed: {', '.join(RUNNERS)})", file=sys.stderr)
+        raise SystemExit(2)
+    return names
 
 
 def bench_generate(
@@ -176,7 +206,7 @@ def bench_generate(
     concurrencies: Sequence[int] = (1, 8, 32, 64),
     prompt_len: int = 512,
     gen_tokens: int = 128,
-    candidates: Sequence[str] = ("engine", "batch_generator", "generate_step"),
+    candidates: Sequence[str] = DEFAULT_CANDIDATES,
     shared_prefix: int = 0,
     shared_requests: int = 32,
     seed: int = 0,
@@ -226,19 +256,20 @@ def bench_generate(
 
 
 def ratios(results: Sequence[GenerateResult]) -> list[dict[str, Any]]:
-    """engine / peer ratios per (workload, concurrency): generation and end-to-end tokens/s, TTFT."""
+    """engine (and engine_compiled) / peer ratios per (workload, concurrency): generation and
+    end-to-end tokens/s, TTFT."""
     out = []
     keys = sorted({(r.workload, r.concurrency) for r in results})
-    for w, c in keys:
+    for (w, c), cand in itertools.product(keys, ("engine", "engine_compiled")):
         rs = {r.candidate: r for r in results if (r.workload, r.concurrency) == (w, c)}
-        eng = rs.get("engine")
+        eng = rs.get(cand)
         if eng is None:
             continue
-        for peer in ("batch_generator", "generate_step", "engine-noprefix"):
+        for peer in ("batch_generator", "generate_step", "engine-noprefix") + (("engine",) if cand != "engine" else ()):
             p = rs.get(peer)
             if p is None:
                 continue
-            row = {"workload": w, "concurrency": c, "peer": peer,
+            row = {"workload": w, "concurrency": c, "candidate": cand, "peer": peer,
                    "generation_ratio": eng.generation_tps / p.generation_tps if p.generation_tps else None,
                    "e2e_ratio": eng.e2e_tps / p.e2e_tps if p.e2e_tps else None,
                    "ttft_ratio": (p.mean_ttft_s / eng.mean_ttft_s) if eng.mean_ttft_s else None,
@@ -263,6 +294,7 @@ def run(args: Any) -> int:
 
     from metal_attn.device import current_device
 
+    candidates = _candidates(args.candidates)  # a bad name is refused before the model loads
     backend = current_device().backend
     concurrencies = [int(x) for x in (args.concurrency or ("1,8,32,64" if backend != "cpu" else "1,8,32")).split(",")]
     prompt_len = args.prompt_len or (512 if backend != "cpu" else 32)
@@ -273,14 +305,14 @@ def run(args: Any) -> int:
     print(HEADER)
     results = bench_generate(
         model, concurrencies=concurrencies, prompt_len=prompt_len, gen_tokens=gen,
-        candidates=[c for c in (args.candidates.split(",") if args.candidates else RUNNERS)],
+        candidates=candidates,
         shared_prefix=args.shared_prefix if args.shared_prefix is not None else (2048 if backend != "cpu" else 0),
         progress=None if args.quiet else (lambda m: print(m, file=err, flush=True)),
         on_result=lambda r: print(format_row(r), flush=True),
     )
     rows = ratios(results)
     for row in rows:
-        print(f"ratio {row['workload']} c={row['concurrency']} engine/{row['peer']}: generation "
+        print(f"ratio {row['workload']} c={row['concurrency']} {row['candidate']}/{row['peer']}: generation "
               f"{_x(row['generation_ratio'])}, end-to-end {_x(row['e2e_ratio'])}, TTFT {_x(row['ttft_ratio'])} "
               f"(peer/engine), peak memory {_x(row['peak_memory_ratio'])}")
     if args.json:
