@@ -220,6 +220,11 @@ def _select(
     provider: str | None,
 ) -> tuple:
     """Selection-cache miss: page-size translation, pool checks, request, registry."""
+    if md.lengths_are_bounds and sliding_window is not None:
+        raise InvalidInputError(
+            f"sliding_window={sliding_window} with decode_bounds metadata (allowed: None): a window's first "
+            "position depends on each sequence's length, which such a batch does not give the host"
+        )
     nb, page, kvh, head = k_cache.shape
     kbs = kernel_block_size(page)
     ratio = page // kbs if kbs else 1
@@ -250,11 +255,10 @@ def _select(
         sinks=sinks is not None,
         sliding_window=int(sliding_window) if sliding_window is not None else None,
         softcap=float(softcap) if softcap is not None else None,
+        lengths_are_bounds=eff.lengths_are_bounds,
     )
     registry = get_registry()
     sel = registry.select(request, device, settings, forced=provider)
-    if md.lengths_are_bounds:
-        _check_bounds_run(sel.provider, sliding_window)
     if sel.provider.name == FALLBACK_PROVIDER and not (provider or settings.provider):
         _warn_slow_fallback(registry, request, device, settings)
     record = diagnostics.DispatchRecord(
@@ -267,22 +271,6 @@ def _select(
         request,
     )
     return sel, eff, ratio, record, poison
-
-
-def _check_bounds_run(provider: Any, sliding_window: Any) -> None:
-    """A `AttentionMetadata.decode_bounds` batch runs only where its host lengths may be bounds."""
-    if not provider.reads_lengths_on_device:
-        raise InvalidInputError(
-            f"provider {provider.name!r} reads per-sequence lengths on the host, so it cannot run a batch whose "
-            "metadata holds only bounds (AttentionMetadata.decode_bounds); providers that can: "
-            + (", ".join(e.provider.name for e in get_registry().entries if e.provider.reads_lengths_on_device)
-               or "none registered")
-        )
-    if sliding_window is not None:
-        raise InvalidInputError(
-            f"sliding_window={sliding_window} with decode_bounds metadata (allowed: None): a window's first "
-            "position depends on each sequence's length, which such a batch does not give the host"
-        )
 
 
 #: The always-available fallback: correct everywhere, fast nowhere.

@@ -177,12 +177,21 @@ class AttentionMetadata:
         within, and that the table's width covers), so launch shapes derived from it hold for
         every replay, while the kernels read the real ``seq_lens`` and ``block_tables`` (which may
         be lazy, even tracers). The table is trusted: it is never read on the host, so it is not
-        checked against the pool (the engine built it). `paged_attention` refuses to run it on a
-        provider that does not read its lengths on the device, or that would re-split its pages.
+        checked against the pool (the engine built it), and neither are the slots a step writes
+        with it (`PagedKVCache.write_step` scatters them unchecked: every one must be a real slot,
+        no padding). Only providers that read their lengths on the device admit such a batch
+        (`Provider.reads_lengths_on_device`); a sliding window and re-split pages are refused.
         """
+        for name, arr, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1)):
+            if not isinstance(arr, mx.array) or arr.ndim != ndim or not mx.issubdtype(arr.dtype, mx.integer):
+                got = (f"{str(arr.dtype).removeprefix('mlx.core.')} {tuple(arr.shape)}" if isinstance(arr, mx.array)
+                       else type(arr).__name__)
+                raise InvalidInputError(f"{name}: {got} (allowed for decode_bounds: a {ndim}-d integer mx.array)")
         n, width = (int(x) for x in block_tables.shape)
         if seq_lens.shape != (n,):
             raise InvalidInputError(f"seq_lens.shape={tuple(seq_lens.shape)} (need ({n},), one length per table row)")
+        block_tables = block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32)
+        seq_lens = seq_lens if seq_lens.dtype == mx.int32 else seq_lens.astype(mx.int32)
         if not 1 <= max_seq_len <= 2**31 - 1:
             raise InvalidInputError(f"max_seq_len={max_seq_len} (allowed: 1..2^31-1)")
         lens = (int(max_seq_len),) * n

@@ -145,6 +145,9 @@ class Provider:
             reasons.append(f"sliding_window={request.sliding_window} (supported: none)")
         if request.softcap is not None and "softcap" not in self.features:
             reasons.append(f"softcap={request.softcap:g} (supported: none)")
+        if request.lengths_are_bounds and not self.reads_lengths_on_device:
+            reasons.append("lengths_are_bounds (a compiled decode step's metadata, AttentionMetadata.decode_bounds): "
+                           "this provider reads per-sequence lengths on the host (supported: exact host lengths)")
         reasons.extend(self.extra_reasons(request, device, settings))
         return reasons
 

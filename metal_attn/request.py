@@ -111,6 +111,9 @@ class AttentionRequest:
     sinks: bool = False
     sliding_window: int | None = None
     softcap: float | None = None
+    #: The lengths are bounds (`AttentionMetadata.decode_bounds`, a compiled decode step): only
+    #: providers that read per-sequence lengths on the device admit it.
+    lengths_are_bounds: bool = False
 
     @property
     def gqa_group(self) -> int:

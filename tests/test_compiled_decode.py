@@ -11,7 +11,7 @@ import pytest
 import metal_attn
 from metal_attn.cache import build_step_plan
 from metal_attn.engine import Engine, EngineConfig
-from metal_attn.errors import InvalidInputError
+from metal_attn.errors import InvalidInputError, ProviderRefusedError
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.mlx_lm.compiled import CompiledDecode, table_width
 from metal_attn.mlx_lm.runner import PagedModel
@@ -35,7 +35,8 @@ def _bounds(case, width: int, block_size: int) -> AttentionMetadata:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_classic_reads_the_lengths_on_the_device(dtype, sinks):
     """The same decode batch with its real metadata and with bounds only (2048 tokens per row):
-    classic gives the same rows, although the bound's launch is split into 4 partitions."""
+    classic gives the same rows (the bound's launch has more partitions than the rows reach when
+    it splits; BOUNDS_SPECS in the conformance suite hold both routes)."""
     case = make_case(q_lens=[1] * len(LENS), seq_lens=LENS, num_heads=8, num_kv_heads=2, head_size=64,
                      block_size=16, dtype=dtype, sinks=sinks, seed=3)
     kw = case.kwargs()
@@ -54,8 +55,14 @@ def test_bounds_metadata_refuses_what_it_cannot_honour():
     case = make_case(q_lens=[1, 1], seq_lens=[40, 9], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
     kw = {k: v for k, v in case.kwargs().items() if k not in ("block_tables", "seq_lens", "cu_seqlens_q")}
     md = _bounds(case, 4, 16)
-    with pytest.raises(InvalidInputError, match=r"provider 'reference' reads per-sequence lengths on the host.*"
-                                                r"providers that can: .*classic"):
+    metal_attn.paged_attention(**kw, metadata=md)
+    record = metal_attn.diagnostics.last_dispatch()
+    assert record.provider == "classic" and record.request.lengths_are_bounds
+    table = metal_attn.explain(record.request)  # automatic choice: only providers that read lengths on the device
+    assert table.chosen.name == "classic"
+    assert any("lengths_are_bounds" in r for row in table.rows if row.name == "reference" for r in row.reasons)
+    with pytest.raises(ProviderRefusedError, match=r"lengths_are_bounds .*this provider reads per-sequence lengths "
+                                                  r"on the host"):
         metal_attn.paged_attention(**kw, metadata=md, provider="reference")
     with pytest.raises(InvalidInputError, match=r"sliding_window=8 with decode_bounds metadata \(allowed: None\)"):
         metal_attn.paged_attention(**(kw | {"sliding_window": 8}), metadata=md)
@@ -123,7 +130,69 @@ def test_models_and_providers_it_refuses_stay_eager_and_correct():
         out = eng.generate([prompt], max_tokens=10)[0].token_ids
     assert_same_greedy(out, ref, 1e-4, "compiled decode refused under the reference provider")
     compiled = eng.runner.compiled
-    assert compiled.steps == 0 and "provider 'reference' reads per-sequence lengths on the host" in compiled.disabled
+    assert compiled.steps == 0 and compiled.disabled.startswith("ProviderRefusedError: the forced provider 'reference'")
+    assert "lengths_are_bounds" in compiled.disabled
+
+
+def test_a_new_dispatch_epoch_retraces_with_the_new_choice():
+    """Replays run no Python: after a settings change the next decode step traces again, and a
+    refusal (here: classic disabled, so nothing admits bounds metadata) is retried, not kept."""
+    pm = PagedModel(tiny_model("llama"), num_blocks=32)
+    compiled = CompiledDecode(pm)
+    tables, lens = [[1, 2]], [10]
+    ids = mx.array(np.arange(1, 11, dtype=np.int32))
+    first = [int(mx.argmax(pm.forward(build_step_plan([0], [0], lens, tables, 16), ids), axis=-1).item())]
+    _decode(pm, compiled, tables, lens, first, 2)
+    assert compiled.traces == 1 and compiled.steps == 2
+    with override_settings(disabled_providers=["classic"]):
+        plan = build_step_plan([0], [12], [1], tables, 16)
+        assert compiled.run(plan, mx.array([3], dtype=mx.int32)) is None
+        assert compiled.traces == 2 and "NoProviderError" in compiled.disabled
+        pm.forward(plan, mx.array([3], dtype=mx.int32))  # the eager step the engine runs instead (reference)
+    _decode(pm, compiled, tables, [13], [3], 1)  # back to the first settings: retraced, compiled again
+    assert compiled.disabled is None and compiled.traces == 3 and compiled.steps == 3
+
+
+def test_steps_with_a_row_that_does_not_sample_run_eagerly():
+    """A one-token prefill chunk cut at the budget is a q_len-1 row that does not sample: such a step
+    must not go through the compiled forward, whose logits are every row's."""
+    model = tiny_model("llama")
+    prompts = [[7, 8, 9, 10, 11], [40, 41, 42, 43], [90, 91, 92], [5, 6]]
+    refs = [reference_greedy(model, p, 6, WordTokenizer.eos_token_ids) for p in prompts]
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=32, compile_decode=True, max_num_batched_tokens=3))
+    launches = []  # per step: (every row one token, every row samples, ran compiled)
+    real = eng.runner.launch
+
+    def launch(out, previous):
+        before = eng.runner.compiled.steps
+        flight = real(out, previous)
+        launches.append((all(r.num_tokens == 1 for r in out.rows), all(r.samples for r in out.rows),
+                         eng.runner.compiled.steps > before))
+        return flight
+
+    eng.runner.launch = launch
+    ids = []
+    for p in prompts:
+        ids.append(eng.add_request(p, max_tokens=6))
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    for rid, ref in zip(ids, refs):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, 1e-4, f"budget-3 compiled decode req {rid}")
+    assert (True, False, False) in launches  # the case arises: one-token rows, one of them not sampling
+    assert any(compiled for _, _, compiled in launches)
+    assert all(samples for _, samples, compiled in launches if compiled)
+
+
+def test_decode_bounds_wants_integer_arrays():
+    with pytest.raises(InvalidInputError, match=r"block_tables: float32 \(1, 2\) \(allowed for decode_bounds: a "
+                                                r"2-d integer mx.array\)"):
+        AttentionMetadata.decode_bounds(mx.zeros((1, 2)), mx.array([3]), max_seq_len=32)
+    with pytest.raises(InvalidInputError, match=r"seq_lens: list \(allowed for decode_bounds"):
+        AttentionMetadata.decode_bounds(mx.zeros((1, 2), dtype=mx.int32), [3], max_seq_len=32)
+    md = AttentionMetadata.decode_bounds(mx.zeros((1, 2), dtype=mx.int64), mx.array([3], dtype=mx.int16),
+                                         max_seq_len=32)
+    assert md.block_tables.dtype == mx.int32 and md.seq_lens.dtype == mx.int32
 
 
 def test_the_setting_turns_it_on(monkeypatch):

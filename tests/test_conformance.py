@@ -91,7 +91,7 @@ def test_providers_that_read_lengths_on_the_device_run_bounds_metadata(spec: dic
 
 def test_bounds_metadata_is_refused_by_providers_that_read_lengths_on_the_host() -> None:
     case = make_case(**BOUNDS_SPECS[0])
-    with pytest.raises(metal_attn.InvalidInputError, match="provider 'reference' reads per-sequence lengths"):
+    with pytest.raises(metal_attn.ProviderRefusedError, match="this provider reads per-sequence lengths on the host"):
         check_bounds_case(case, "reference")
     assert "classic" in BOUNDS_PROVIDERS and "reference" not in BOUNDS_PROVIDERS
 

@@ -80,7 +80,8 @@ class StepRunner:
         t1 = time.perf_counter()
         sampled, errors = None, {}
         if sampling:
-            logits = self.compiled.run(plan, tokens) if self.compiled is not None else None
+            every_row_samples = len(sampling) == len(rows)  # a compiled step's logits are every row's
+            logits = self.compiled.run(plan, tokens) if self.compiled is not None and every_row_samples else None
             if logits is None:  # not a decode-only step, or compiled steps are off or refused
                 logits = self.model.forward(plan, tokens, [int(ends[i]) for i, _ in sampling])
             t2 = time.perf_counter()

@@ -7,13 +7,14 @@ per (rows, table width) with `AttentionMetadata.decode_bounds` metadata, whose h
 only bounds, and MLX replays the traced graph on later steps with the step's own tokens,
 positions, slots, block tables and lengths as inputs, and the pools as inputs and outputs.
 
-What it needs, checked when it is built or on the step's first trace (a refusal leaves the
-eager path in charge, with the reason in ``disabled``):
+What it needs (a refusal leaves the eager path in charge, with the reason in ``disabled``):
 
-- every layer's attention on a provider that reads its lengths on the device
-  (`Provider.reads_lengths_on_device`: classic); `paged_attention` refuses any other;
-- no sliding-window layer (a window's start depends on each length), a page size that is a
-  kernel block size (8, 16, 32: no host re-split of the table);
+- when it is built: no sliding-window layer (a window's start depends on each length) and a
+  page size that is a kernel block size (8, 16, 32: no host re-split of the table);
+- on each trace: every layer's attention admitted by a provider that reads its lengths on the
+  device (`Provider.reads_lengths_on_device`: classic); the registry chooses among those only,
+  so a forced provider that does not (``reference``) fails the trace, as does any error while
+  tracing; a new dispatch epoch (settings, registry, kernel failures) retraces and retries;
 - table widths are padded up to a power of two, so a sequence growing does not retrace every
   page (`table_width`).
 """
@@ -24,9 +25,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from metal_attn import _epoch
 from metal_attn.api import kernel_block_size
 from metal_attn.cache import StepPlan
-from metal_attn.errors import InvalidInputError
 from metal_attn.log import get_logger
 from metal_attn.metadata import AttentionMetadata
 
@@ -51,9 +52,16 @@ class CompiledDecode:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        #: Traces recorded (one per distinct rows x table width) and steps run compiled.
+        #: Traces recorded (one per distinct rows x table width and dispatch epoch) and steps run compiled.
         self.traces = 0
         self.steps = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fresh compiled function for the current dispatch epoch: a replay runs no Python, so the
+        providers and routes a trace chose stay in it; settings, registry and kernel-failure
+        changes bump the epoch, and the next step traces again (a refusal is retried then too)."""
+        self._epoch = _epoch.current()
         self.disabled: str | None = self._static_reasons()
         self._fn = mx.compile(self._forward)
 
@@ -67,28 +75,35 @@ class CompiledDecode:
         return None
 
     def applies(self, plan: StepPlan) -> bool:
-        """Whether ``plan`` can run compiled: compiled steps are on and every row is one new token."""
+        """Whether ``plan`` can run compiled: compiled steps are on and every row is one new token
+        (the caller also makes sure every row samples: the logits are every row's)."""
+        if self._epoch != _epoch.current():
+            self._reset()
         return self.disabled is None and all(n == 1 for n in plan.q_lens)
 
     def run(self, plan: StepPlan, tokens: mx.array) -> mx.array | None:
-        """Logits ``[rows, vocab]`` of a decode step (lazy), the pools rebound to the step's; or
-        ``None`` when the step does not apply or its trace was refused (then ``disabled`` says why)."""
+        """Logits ``[rows, vocab]`` of a decode step (lazy), one per row in the plan's order, the
+        pools rebound to the step's; or ``None`` when the step does not apply or its trace failed
+        (then ``disabled`` says why, and the caller runs the eager forward). Replays record no
+        dispatch diagnostics: the trace's are the step's."""
         if not self.applies(plan):
             return None
         md = plan.metadata
         tables = md.padded_block_tables(table_width(md.max_blocks_per_seq))
         kv = self.model.kv
         pools = kv.take_pools()
+        traces = self.traces
         try:
             out = self._fn(tokens, plan.positions, plan.slot_mapping, tables, md.seq_lens, *pools)
-        except InvalidInputError as exc:  # refused while tracing: the eager path takes over for good
+        except Exception as exc:
             kv.put_pools(pools)
-            self.disabled = str(exc)
+            if self.traces == traces:  # not a trace failure: the caller's to see
+                raise
+            # Refused or failed while tracing (a provider that reads host lengths, an op that reads
+            # a tracer on the host, ...): the eager path takes over until the dispatch epoch moves.
+            self.disabled = f"{type(exc).__name__}: {exc}"
             log.info("compiled_decode_off", reason=self.disabled)
             return None
-        except BaseException:
-            kv.put_pools(pools)
-            raise
         del pools  # the graph holds the old pools alone, so the scatters write in place
         kv.put_pools(out[1:])
         self.steps += 1
