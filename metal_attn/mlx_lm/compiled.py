@@ -77,8 +77,6 @@ class CompiledDecode:
     def applies(self, plan: StepPlan) -> bool:
         """Whether ``plan`` can run compiled: compiled steps are on and every row is one new token
         (the caller also makes sure every row samples: the logits are every row's)."""
-        if self._epoch != _epoch.current():
-            self._reset()
         return self.disabled is None and all(n == 1 for n in plan.q_lens)
 
     def run(self, plan: StepPlan, tokens: mx.array) -> mx.array | None:
@@ -86,6 +84,8 @@ class CompiledDecode:
         pools rebound to the step's; or ``None`` when the step does not apply or its trace failed
         (then ``disabled`` says why, and the caller runs the eager forward). Replays record no
         dispatch diagnostics: the trace's are the step's."""
+        if self._epoch != _epoch.current():
+            self._reset()
         if not self.applies(plan):
             return None
         md = plan.metadata
