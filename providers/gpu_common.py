@@ -872,6 +872,19 @@ def decode_rows_part(request: AttentionRequest, device: DeviceInfo, settings: Se
                           f"decode rows: {plan.route} ({'; '.join(plan.notes)})")
 
 
+def tiles_decode_part(request: AttentionRequest, backend: str, device: DeviceInfo,
+                      settings: Settings) -> tuple[tuple, int, list[str]]:
+    """For a tiled prefill kernel's plan: whether a mixed batch's decode rows leave the tiles
+    (`mixed_split` on ``backend``'s threshold) and, when they do, their sub-plan
+    (`decode_rows_part`): ``(decode specialization or (), partition size, notes for explain)``."""
+    split, split_note = mixed_split(request, backend, settings)
+    notes = [split_note] if split_note else []
+    if not split:
+        return (), 0, notes
+    part = decode_rows_part(request, device, settings)
+    return part.specialization, part.partition_size, [*notes, part.note]
+
+
 def prepare_decode_rows(specialization: tuple, device: DeviceInfo) -> None:
     """Compile the decode rows' specialization (from `plan_decode_rows`) now; `KernelCompileError` on failure."""
     prepare_per_token(Plan(DECODE_ROWS_PROVIDER, "decode rows", specialization=specialization), device)

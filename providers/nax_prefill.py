@@ -175,20 +175,13 @@ def make_plan(request: AttentionRequest, device: DeviceInfo, settings: Settings,
     """The launch decision; ``kernel_backend`` is ``"metal"`` (the provider) or ``"cuda"`` (the twin).
     The mixed-batch rule is the one the provider applies on Apple GPUs (Metal's threshold); a split
     plan's decode rows use the classic kernel's plan for ``device``."""
-    split, split_note = gc.mixed_split(request, "metal", settings)
+    decode_spec, partition, split_notes = gc.tiles_decode_part(request, "metal", device, settings)
     tiles = request.total_q_tokens // NAX_BQ + request.num_seqs  # an upper bound; exact per batch
     notes = [f"tile: BQ={NAX_BQ} query rows ({SIMDGROUPS} simdgroups x 16), TILE_KV={NAX_TILE_KV} keys, "
-             f"matmul2d 16x32x16 relaxed precision, no threadgroup memory"]
-    decode_spec: tuple = ()
-    partition = 0
-    if split_note:
-        notes.append(split_note)
-    if split:
-        decode_spec, partition, note = gc.decode_rows_part(request, device, settings)
-        notes.append(note)
+             f"matmul2d 16x32x16 relaxed precision, no threadgroup memory", *split_notes]
     return Plan(
         provider=ROUTE,
-        route=SPLIT_ROUTE if split else ROUTE,
+        route=SPLIT_ROUTE if decode_spec else ROUTE,
         partition_size=partition,
         grid=(tiles * THREADS, request.num_heads, 1),
         threadgroup=(THREADS, 1, 1),

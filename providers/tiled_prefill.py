@@ -150,20 +150,14 @@ class TiledPrefillProvider(Provider):
 
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         cfg = tile_config(device.backend, request.head_size)
-        split, split_note = gc.mixed_split(request, device.backend, settings)
+        decode_spec, partition, split_notes = gc.tiles_decode_part(request, device.backend, device, settings)
         tiles = request.total_q_tokens // cfg.bq + request.num_seqs  # an upper bound; exact per batch
         notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x {8 * cfg.rb}), BKV={cfg.bkv} keys, "
-                 f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory"]
-        decode_spec: tuple = ()
-        partition = 0
-        if split_note:
-            notes.append(split_note)
-        if split:
-            decode_spec, partition, note = gc.decode_rows_part(request, device, settings)
-            notes.append(note)
+                 f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory",
+                 *split_notes]
         return Plan(
             provider=self.name,
-            route=SPLIT_ROUTE if split else ROUTE,
+            route=SPLIT_ROUTE if decode_spec else ROUTE,
             partition_size=partition,
             grid=(tiles * cfg.threads, request.num_heads, 1),
             threadgroup=(cfg.threads, 1, 1),
