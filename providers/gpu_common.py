@@ -25,7 +25,8 @@ The public names, by concept:
   kernel, the prefill rows through the provider's own kernel): `mixed_split` (whether a tiled
   kernel's decode rows leave its tiles, by `MIXED_DECODE_MIN_CONTEXT`), `decode_request` (those rows as a
   request of their own), `plan_decode_rows` (their plan; the provider keeps its specialization in
-  its own plan: `decode_rows_part` gives the fields it carries), `prepare_decode_rows` and
+  its own plan: `decode_rows_part` gives the fields it carries; `tiles_decode_part` both steps for
+  a tiled kernel), `prepare_decode_rows` and
   `run_decode_rows` (``[num_decode_seqs, H, D]``).
   `DECODE_ROWS_PROVIDER` names the provider whose kernel they use (disabling it keeps them in the
   caller's kernel).
