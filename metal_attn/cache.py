@@ -479,7 +479,7 @@ class PagedKVCache:
         want = self.pool_shape
         if len(pools) != 2 * self.num_layers or any(tuple(a.shape) != want or a.dtype != self.dtype for a in pools):
             raise InvalidInputError(
-                f"put_pools needs {2 * self.num_layers} pools of shape {want} and dtype {self.dtype}"
+                f"put_pools needs {2 * self.num_layers} pools of shape {want} and dtype {dtype_name(self.dtype)}"
             )
         self._k = list(pools[0::2])
         self._v = list(pools[1::2])
