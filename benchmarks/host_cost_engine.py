@@ -95,7 +95,7 @@ def main() -> None:
     for c in (int(x) for x in args.concurrency.split(",")):
         for compiled in (False, True) if args.compile_decode else (False,):
             t = engine_steps(model, c, args.prompt_len, args.steps, compiled)
-            label = "engine, compiled decode" if compiled else "engine"
+            label = "engine, compiled decode" if compiled else "engine, eager"
             print(f"{label} c={c}: " + ", ".join(f"{k} {_median_ms(v)}" for k, v in t.items()), flush=True)
 
 

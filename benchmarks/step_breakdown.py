@@ -3,7 +3,7 @@
 Two passes, one command each:
 
 1. ``python3 benchmarks/step_breakdown.py --concurrency 64`` under ncu, which captures only
-   the profiled range (one whole decode step, launch to tokens back):
+   the profiled range (whole decode steps, launch to tokens back; it prints how many):
 
        ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \\
            --log-file ncu.csv python3 benchmarks/step_breakdown.py --concurrency 64 --profile
@@ -11,9 +11,12 @@ Two passes, one command each:
    Without ncu the same script prints the step's wall time (median of unprofiled steady
    decode steps), the bytes it must read (all weights, every row's K/V once) and the copy
    ceiling measured in the same run, so ``--profile`` and the plain run agree on the workload.
-2. ``python3 benchmarks/step_breakdown.py --parse ncu.csv --wall-ms W --roofline-ms R`` sums the
-   captured kernels by kind (attention, cache writes, matmuls, sampling, the rest) and sets the
-   total against the wall time: GPU idle = wall - kernel time.
+2. ``python3 benchmarks/step_breakdown.py --parse ncu.csv --steps N --wall-ms W --roofline-ms R``
+   sums the captured kernels by kind (attention, cache writes, matmuls, sampling, the rest) per
+   step and sets the total against the wall time: GPU idle = wall - kernel time.
+
+``--compile-decode`` runs the engine's decode steps compiled (`EngineConfig.compile_decode`);
+without it they run eagerly, whatever the backend's default.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from collections import defaultdict
 
 #: Kernel-name patterns, first match wins: how a kernel is counted in the breakdown.
 KINDS: tuple[tuple[str, str], ...] = (
-    ("attention", r"paged_attention|pagedattention|tiled_prefill|gqa_decode|reduce"),
+    # Our kernels (the split reducer is ``..._paged_attention_v2_reduce_...``).
+    ("attention", r"paged_attention|pagedattention|tiled_prefill|gqa_decode|nax_prefill"),
     ("cache write", r"scatter|reshape_and_cache"),
-    ("matmul", r"gemm|gemv|cutlass|sm90_|nvjet|matmul|qmm|qmv"),
+    ("matmul", r"gemm|gemv|cutlass|sm90_|nvjet|matmul|qmm|qmv|splitkreduce"),
     ("sampling", r"argmax|arg_reduce|logsumexp|categorical"),
 )
 
@@ -74,7 +78,8 @@ def run(args: argparse.Namespace) -> None:
     model, label = load_bench_model(current_device().backend, args.layers)
     c = args.concurrency
     eng = Engine(model, _NoStopTokenizer(), EngineConfig(num_blocks=c * ((args.prompt_len + 200) // 16 + 2) + 16,
-                                                         max_num_seqs=c, max_num_batched_tokens=8192))
+                                                         max_num_seqs=c, max_num_batched_tokens=8192,
+                                                         compile_decode=args.compile_decode))
     for p in _prompts(c, args.prompt_len, 1000, c):
         eng.add_request(p, max_tokens=150)
     while any(r.num_computed < len(r.prompt_ids) for r in eng.requests.values()):
@@ -101,17 +106,22 @@ def run(args: argparse.Namespace) -> None:
         mx.eval(y)
     ceiling = 2 * x.nbytes * 10 / (time.perf_counter() - t)  # read + write bytes per second
     roofline_ms = (weights + kv) / ceiling * 1e3
-    print(f"{label}; {c} decode rows, {ctx} tokens of context in all; step wall {wall_ms:.2f} ms (median of 20, "
-          f"pipelined); weights {weights / 1e9:.2f} GB + K/V {kv / 1e9:.2f} GB at the copy ceiling "
+    compiled = eng.runner.compiled
+    mode = "eager" if compiled is None else f"compiled, refused: {compiled.disabled}" if compiled.disabled \
+        else "compiled"
+    print(f"{label}; decode steps {mode}; {c} decode rows, {ctx} tokens of context in all; "
+          f"step wall {wall_ms:.2f} ms (median of 20, pipelined); "
+          f"weights {weights / 1e9:.2f} GB + K/V {kv / 1e9:.2f} GB at the copy ceiling "
           f"{ceiling / 1e9:,.0f} GB/s (MLX x*1) = roofline {roofline_ms:.2f} ms; step / roofline "
           f"{wall_ms / roofline_ms:.2f}x")
     if args.profile:
         eng.synchronize()
+        before = eng.stats.steps
         _profiler("cuProfilerStart")
-        eng.step()
+        eng.step()  # with nothing in flight a pipelined step() launches two steps
         eng.synchronize()
         _profiler("cuProfilerStop")
-        print("profiled one decode step")
+        print(f"profiled {eng.stats.steps - before} decode step(s): pass --steps {eng.stats.steps - before} to --parse")
 
 
 def main() -> None:
@@ -119,13 +129,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="decode steps under mx.compile (EngineConfig.compile_decode; default: eager)")
     ap.add_argument("--profile", action="store_true", help="bracket one step with cuProfilerStart/Stop (for ncu)")
     ap.add_argument("--parse", metavar="NCU_CSV", help="sum an ncu CSV by kernel kind")
+    ap.add_argument("--steps", type=int, default=1, help="decode steps the ncu capture held (the --profile run says)")
     ap.add_argument("--wall-ms", type=float, help="the step's wall time (from the plain run), for --parse")
     ap.add_argument("--roofline-ms", type=float, help="the step's roofline (from the plain run), for --parse")
     args = ap.parse_args()
     if args.parse:
-        kinds = parse(args.parse)
+        kinds = {k: v / args.steps for k, v in parse(args.parse).items()}
+        print(f"kernel time per step (the capture held {args.steps} step(s)):")
         total = sum(kinds.values())
         for k, v in kinds.items():
             print(f"| {k} | {v:.3f} ms |")

@@ -23,7 +23,7 @@ pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installe
 BACKEND = detect_backend()
 CONCURRENCY = (1, 8) if BACKEND == "cpu" else (1, 8, 32, 64)
 PROMPT, TOKENS = (32, 16) if BACKEND == "cpu" else (512, 64)
-CANDIDATES = ("engine", "engine_compiled", "batch_generator", "generate_step")
+CANDIDATES = ("engine", "engine_eager", "engine_compiled", "batch_generator", "generate_step")
 
 
 @pytest.fixture(scope="module")

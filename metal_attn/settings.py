@@ -199,11 +199,12 @@ class Settings(BaseSettings):
         validation_alias=_env("prefix_caching"),
         description="Engine: reuse cached full blocks of shared prompt prefixes.",
     )
-    compile_decode: bool = Field(
-        False,
+    compile_decode: bool | None = Field(
+        None,
         validation_alias=_env("compile_decode"),
         description="Engine: run decode-only steps through a forward traced once under mx.compile "
-        "(metal_attn.mlx_lm.compiled; measured on the CPU only so far).",
+        "(metal_attn.mlx_lm.compiled); unset: each backend's measured default, on for CUDA, off on "
+        "Metal (not measured) and the CPU (metal_attn.engine.config.COMPILE_DECODE_BY_BACKEND).",
     )
 
     @field_validator("disabled_providers", "plugins_deny", "plugins_allow", mode="before")

@@ -195,7 +195,7 @@ def test_decode_bounds_wants_integer_arrays():
     assert md.block_tables.dtype == mx.int32 and md.seq_lens.dtype == mx.int32
 
 
-def test_the_setting_turns_it_on(monkeypatch):
+def test_the_setting_turns_it_on_or_off_and_unset_leaves_the_backend_default(monkeypatch):
     from metal_attn.settings import reload_settings
 
     try:
@@ -203,6 +203,80 @@ def test_the_setting_turns_it_on(monkeypatch):
             monkeypatch.setenv("METAL_ATTN_COMPILE_DECODE", value)
             reload_settings()
             assert EngineConfig.from_settings().compile_decode is want
-    finally:
         monkeypatch.delenv("METAL_ATTN_COMPILE_DECODE")
         reload_settings()
+        assert EngineConfig.from_settings().compile_decode is None
+    finally:
+        monkeypatch.delenv("METAL_ATTN_COMPILE_DECODE", raising=False)
+        reload_settings()
+
+
+def test_unset_means_the_backends_measured_default():
+    from metal_attn.engine.config import COMPILE_DECODE_BY_BACKEND
+
+    cfg = EngineConfig()
+    assert cfg.compile_decode is None
+    for backend, (on, why) in COMPILE_DECODE_BY_BACKEND.items():
+        got, reason = cfg.resolve_compile_decode(backend)
+        assert got is on and backend in reason and why in reason
+    assert cfg.resolve_compile_decode("cuda")[0] and not cfg.resolve_compile_decode("cpu")[0]
+    assert cfg.resolve_compile_decode("tpu") == (False, "compile_decode unset: off on tpu (no measured default "
+                                                        "for backend 'tpu')")
+    for value in (True, False):
+        assert EngineConfig(compile_decode=value).resolve_compile_decode("cuda") == (value, f"compile_decode={value} "
+                                                                                             "(set)")
+    with pytest.raises(InvalidInputError, match=r"compile_decode='yes' \(allowed: True, False or None\)"):
+        EngineConfig(compile_decode="yes").validate()
+
+
+def test_an_engine_follows_its_backends_default_unless_told():
+    from metal_attn.device import current_device
+    from metal_attn.engine.config import COMPILE_DECODE_BY_BACKEND
+
+    backend = current_device().backend
+    on = COMPILE_DECODE_BY_BACKEND[backend][0]
+    model = tiny_model("llama")
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=32, max_num_seqs=2))
+    assert (eng.runner.compiled is not None) is on
+    assert f"{'on' if on else 'off'} on {backend}" in eng.compile_decode_reason
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=32, max_num_seqs=2, compile_decode=True))
+    assert eng.runner.compiled is not None and eng.compile_decode_reason == "compile_decode=True (set)"
+
+
+def test_row_counts_are_padded_to_powers_of_two_through_a_reserved_scratch_page():
+    """Requests finishing one after another shrink the batch 6, 5, 4, 3, 2, 1: with padding rows the
+    engine traces once per power of two (8, 4, 2, 1) at one table width, their K/V lands on a page
+    no request holds, and every request's tokens stay stock mlx-lm's."""
+    from metal_attn.mlx_lm.compiled import row_bucket
+
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 128]
+    with pytest.raises(ValueError, match=r"rows=0 \(allowed: >= 1\)"):
+        row_bucket(0)
+    model = tiny_model("llama")
+    prompts = [[3 + i, 50 + i, 9, 100 + 7 * i] for i in range(6)]
+    max_tokens = [4, 5, 6, 7, 8, 9]
+    refs = [reference_greedy(model, p, n, WordTokenizer.eos_token_ids) for p, n in zip(prompts, max_tokens)]
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=40, compile_decode=True))
+    (pad,) = eng.blocks.reserved
+    pools_before = [np.array(a) for a in (eng.model.kv.take_pools())]
+    eng.model.kv.put_pools([mx.array(a) for a in pools_before])
+    ids = [eng.add_request(p, max_tokens=n) for p, n in zip(prompts, max_tokens)]
+    rows_seen = set()
+    while eng.has_unfinished():
+        rows_seen.add(sum(1 for r in eng.requests.values() if not r.finished))
+        eng.step()
+        eng.blocks.check_invariants()
+        assert all(pad not in eng.blocks.table(i) for i in ids if i in eng.blocks)
+    for rid, ref in zip(ids, refs):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, 1e-4, f"padded compiled decode req {rid}")
+    compiled = eng.runner.compiled
+    assert compiled.pad_block == pad and compiled.steps > 0
+    assert compiled.traces == 4, f"{compiled.traces} traces for batch sizes {sorted(rows_seen)}"
+    pools_after = eng.model.kv.take_pools()
+    written = [not np.array_equal(np.array(a)[pad], b[pad]) for a, b in zip(pools_after, pools_before)]
+    assert all(written), "the padding rows' K/V did not go to the reserved page"
+
+
+def test_a_one_page_pool_compiles_without_padding_rows():
+    eng = Engine(tiny_model("llama"), WordTokenizer(), EngineConfig(num_blocks=1, compile_decode=True))
+    assert eng.runner.compiled.pad_block is None and not eng.blocks.reserved

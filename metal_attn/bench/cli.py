@@ -50,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "decode-gpu on GPUs. How long each takes: "
                              + "; ".join(f"{s.name} ({s.runtime})" for s in SUITES.values())
                              + "; generate (a model against mlx-lm: about 3 minutes on an H200, 25 minutes "
-                               "on a 2-core CPU with its defaults; --candidates engine_compiled,... adds the engine "
-                               "with compiled decode steps). Each shape's rows are printed as it completes")
+                               "on a 2-core CPU with its defaults; --candidates engine_eager,engine_compiled,... adds "
+                               "the engine with compiled decode steps forced off / on). Each shape's rows are "
+                               "printed as it completes")
     parser.add_argument("--candidates", metavar="A,B,...",
                         help="providers by name (auto = the registry's choice) and peers (gather_sdpa, mlx_sdpa, "
                              "torch_sdpa, ceiling); default: the suite's")

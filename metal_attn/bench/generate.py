@@ -2,8 +2,10 @@
 
 Candidates, on the same model and prompts, in one process:
 
-- ``engine``: metal-attn's continuous-batching engine (`metal_attn.engine.Engine`);
-- ``engine_compiled``: the same engine with its decode steps compiled (`EngineConfig.compile_decode`);
+- ``engine``: metal-attn's continuous-batching engine (`metal_attn.engine.Engine`) with its
+  defaults, which compile decode steps where the backend's measurement says so
+  (`EngineConfig.compile_decode`, `COMPILE_DECODE_BY_BACKEND`: on CUDA, not on Metal or the CPU);
+- ``engine_eager`` / ``engine_compiled``: the same engine with compiled decode steps forced off / on;
 - ``batch_generator``: ``mlx_lm.generate.BatchGenerator`` (mlx-lm's own batching);
 - ``generate_step``: ``mlx_lm.generate.generate_step``, single stream (concurrency 1 only).
 
@@ -22,6 +24,7 @@ random-weight llama in bf16 (`metal_attn.testing.models.llama_8b_shaped`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import statistics
@@ -104,8 +107,8 @@ def _prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> lis
 
 
 def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_caching: bool = True,
-                budget: int = 4096, compile_decode: bool = False) -> tuple[float, float, int, list[float],
-                                                                         dict[str, Any]]:
+                budget: int = 4096, compile_decode: bool | None = None) -> tuple[float, float, int, list[float],
+                                                                                dict[str, Any]]:
     from metal_attn.engine import Engine, EngineConfig
 
     need = sum(len(p) + gen for p in prompts)
@@ -170,21 +173,19 @@ def _run_generate_step(model: Any, prompts: list[list[int]], gen: int) -> tuple[
     return wall, first or 0.0, n, [first or 0.0], {}
 
 
-def _run_engine_compiled(model: Any, prompts: list[list[int]], gen: int, **kw: Any) -> tuple[float, float, int,
-                                                                                            list[float],
-                                                                                            dict[str, Any]]:
-    return _run_engine(model, prompts, gen, compile_decode=True, **kw)
-
-
-#: Candidates by name; ``engine_compiled`` is the engine with its decode steps compiled
-#: (`EngineConfig.compile_decode`).
+#: Candidates by name; ``engine`` runs the engine's defaults, ``engine_eager`` / ``engine_compiled``
+#: force its compiled decode steps off / on (`EngineConfig.compile_decode`).
 RUNNERS: dict[str, Callable[..., tuple[float, float, int, list[float], dict[str, Any]]]] = {
     "engine": _run_engine,
-    "engine_compiled": _run_engine_compiled,
+    "engine_eager": functools.partial(_run_engine, compile_decode=False),
+    "engine_compiled": functools.partial(_run_engine, compile_decode=True),
     "batch_generator": _run_batch_generator,
     "generate_step": _run_generate_step,
 }
 
+
+#: The engine's candidates, whose ratios to the peers are reported.
+ENGINES = ("engine", "engine_eager", "engine_compiled")
 
 #: What ``--suite generate`` runs unless ``--candidates`` says otherwise (the suite's timed defaults).
 DEFAULT_CANDIDATES = ("engine", "batch_generator", "generate_step")
@@ -256,18 +257,19 @@ def bench_generate(
 
 
 def ratios(results: Sequence[GenerateResult]) -> list[dict[str, Any]]:
-    """engine (and engine_compiled) / peer ratios per (workload, concurrency): generation and
-    end-to-end tokens/s, TTFT."""
+    """Engine / peer ratios per (workload, concurrency), for each engine candidate (`ENGINES`)
+    against mlx-lm's two peers, the engine without prefix caching and the eager engine:
+    generation and end-to-end tokens/s, TTFT."""
     out = []
     keys = sorted({(r.workload, r.concurrency) for r in results})
-    for (w, c), cand in itertools.product(keys, ("engine", "engine_compiled")):
+    for (w, c), cand in itertools.product(keys, ENGINES):
         rs = {r.candidate: r for r in results if (r.workload, r.concurrency) == (w, c)}
         eng = rs.get(cand)
         if eng is None:
             continue
-        for peer in ("batch_generator", "generate_step", "engine-noprefix") + (("engine",) if cand != "engine" else ()):
+        for peer in ("batch_generator", "generate_step", "engine-noprefix", "engine_eager"):
             p = rs.get(peer)
-            if p is None:
+            if p is None or peer == cand:
                 continue
             row = {"workload": w, "concurrency": c, "candidate": cand, "peer": peer,
                    "generation_ratio": eng.generation_tps / p.generation_tps if p.generation_tps else None,

@@ -47,6 +47,8 @@ class BlockManager:
         self._hash_of: dict[int, bytes] = {}
         #: Cached blocks that only the cache holds, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        #: Pages held for the engine's own use (not a request's, never cached), with what for.
+        self.reserved: dict[int, str] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of them, served from cached blocks
         self.evictions = 0
@@ -73,8 +75,8 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        """Pages some request holds."""
-        return self.allocator.num_used - len(self._evictable)
+        """Pages some request holds (not the evictable cached ones, nor the engine's reserved ones)."""
+        return self.allocator.num_used - len(self._evictable) - len(self.reserved)
 
     def is_cached(self, block_id: int) -> bool:
         """Whether the block is in the prefix cache (the cache then holds one reference on it)."""
@@ -89,6 +91,15 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def reserve(self, purpose: str) -> int:
+        """Take one page out of circulation for the engine's own use (``purpose`` says which), e.g.
+        the scratch page that padding rows of a compiled step write to; it is never freed."""
+        if self.num_free < 1:
+            raise RuntimeError(f"no free page to reserve for {purpose}")
+        (b,) = self._allocate(1)
+        self.reserved[b] = purpose
+        return b
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -201,8 +212,9 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise `AssertionError` when the books do not balance (tests call this after every step)."""
-        holders: dict[int, int] = {}
+        holders: dict[int, int] = dict.fromkeys(self.reserved, 1)
         for table in self._tables.values():
+            assert not self.reserved.keys() & set(table), f"a request holds a reserved page ({self.reserved})"
             for b in table:
                 holders[b] = holders.get(b, 0) + 1
         for b in range(self.num_blocks):

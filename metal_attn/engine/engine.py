@@ -92,7 +92,8 @@ class Engine:
         self.blocks = BlockManager(self.model.kv.allocator, cfg.block_size,
                                    enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = StepRunner(self.model, self.blocks, compile_decode=self.config.compile_decode)
+        compile_decode, self.compile_decode_reason = cfg.resolve_compile_decode(current_device().backend)
+        self.runner = StepRunner(self.model, self.blocks, compile_decode=compile_decode)
         self.requests: dict[int, Request] = {}
         self._inflight: deque[InFlight] = deque()
         self._next_id = 0
@@ -367,12 +368,13 @@ class Engine:
         )
 
     def kv_usage(self) -> dict[str, int]:
-        """Pages used by requests, free, and cached (evictable), and the pool size."""
+        """Pages used by requests, free, cached (evictable) and reserved by the engine, and the pool size."""
         return {
             "blocks": self.blocks.num_blocks,
             "used": self.blocks.num_used,
             "free": self.blocks.allocator.num_free,
             "cached": self.blocks.num_evictable,
+            "reserved": len(self.blocks.reserved),
         }
 
     def synchronize(self) -> None:

@@ -60,7 +60,10 @@ class StepRunner:
         self.model = model
         self.blocks = blocks
         #: Decode-only steps through a compiled forward (None: every step eager).
-        self.compiled = CompiledDecode(model) if compile_decode else None
+        self.compiled = None
+        if compile_decode:  # a pool of one page serves without padding rows
+            pad = blocks.reserve("padding rows of compiled decode steps") if blocks.num_free > 1 else None
+            self.compiled = CompiledDecode(model, pad_block=pad)
 
     def launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Build the step's graph and queue it. ``previous``: the step still in flight, whose

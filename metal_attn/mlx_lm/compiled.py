@@ -16,7 +16,10 @@ What it needs (a refusal leaves the eager path in charge, with the reason in ``d
   so a forced provider that does not (``reference``) fails the trace, as does any error while
   tracing; a new dispatch epoch (settings, registry, kernel failures) retraces and retries;
 - table widths are padded up to a power of two, so a sequence growing does not retrace every
-  page (`table_width`).
+  page (`table_width`), and, given a scratch page (``pad_block``), so are row counts
+  (`row_bucket`), so requests arriving and finishing retrace once per power of two instead of
+  once per batch size. A padding row is token 0 at position 0 whose K/V goes to the scratch page
+  and whose attention reads one token of it; its logits are dropped.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from metal_attn.cache import StepPlan
 from metal_attn.log import get_logger
 from metal_attn.metadata import AttentionMetadata
 
-__all__ = ["CompiledDecode", "table_width"]
+__all__ = ["CompiledDecode", "row_bucket", "table_width"]
 
 log = get_logger(component="compiled_decode")
 
@@ -43,15 +46,25 @@ def table_width(blocks: int) -> int:
     return 1 << (blocks - 1).bit_length()
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a step of ``rows`` decode rows is traced with (when padding): the next power of two."""
+    if rows < 1:
+        raise ValueError(f"rows={rows} (allowed: >= 1)")
+    return 1 << (rows - 1).bit_length()
+
+
 class CompiledDecode:
     """Decode steps of one `PagedModel` through a compiled forward (see the module docstring).
 
-    ``model``: a `metal_attn.mlx_lm.runner.PagedModel`. Call `run` with a decode-only plan; it
-    returns ``None`` (and the caller runs the eager forward) when compiled steps do not apply.
+    ``model``: a `metal_attn.mlx_lm.runner.PagedModel`. ``pad_block``: a page of its pool that no
+    sequence uses (the engine reserves one), where padding rows write; ``None``: no padding, one
+    trace per row count. Call `run` with a decode-only plan; it returns ``None`` (and the caller
+    runs the eager forward) when compiled steps do not apply.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, pad_block: int | None = None) -> None:
         self.model = model
+        self.pad_block = pad_block
         #: Traces recorded (one per distinct rows x table width and dispatch epoch) and steps run compiled.
         self.traces = 0
         self.steps = 0
@@ -89,12 +102,16 @@ class CompiledDecode:
         if not self.applies(plan):
             return None
         md = plan.metadata
-        tables = md.padded_block_tables(table_width(md.max_blocks_per_seq))
+        inputs = [tokens, plan.positions, plan.slot_mapping, md.padded_block_tables(table_width(md.max_blocks_per_seq)),
+                  md.seq_lens]
+        rows = len(plan.q_lens)
+        if self.pad_block is not None and row_bucket(rows) > rows:
+            inputs = self._padded(inputs, row_bucket(rows) - rows)
         kv = self.model.kv
         pools = kv.take_pools()
         traces = self.traces
         try:
-            out = self._fn(tokens, plan.positions, plan.slot_mapping, tables, md.seq_lens, *pools)
+            out = self._fn(*inputs, *pools)
         except Exception as exc:
             kv.put_pools(pools)
             if self.traces == traces:  # not a trace failure: the caller's to see
@@ -107,7 +124,22 @@ class CompiledDecode:
         del pools  # the graph holds the old pools alone, so the scatters write in place
         kv.put_pools(out[1:])
         self.steps += 1
-        return out[0]
+        return out[0] if out[0].shape[0] == rows else out[0][:rows]
+
+    def _padded(self, inputs: list[mx.array], extra: int) -> list[mx.array]:
+        """``inputs`` (tokens, positions, slots, tables, lengths) with ``extra`` padding rows: token 0
+        at position 0, written to slots of the scratch page, reading one token of it."""
+        tokens, positions, slots, tables, seq_lens = inputs
+        bs = self.model.kv.block_size
+        pad_slots = self.pad_block * bs + mx.arange(extra, dtype=slots.dtype) % bs
+        pad_table = mx.zeros((extra, tables.shape[1]), dtype=tables.dtype) + self.pad_block
+        return [
+            mx.concatenate([tokens, mx.zeros((extra,), dtype=tokens.dtype)]),
+            mx.concatenate([positions, mx.zeros((extra,), dtype=positions.dtype)]),
+            mx.concatenate([slots, pad_slots]),
+            mx.concatenate([tables, pad_table]),
+            mx.concatenate([seq_lens, mx.ones((extra,), dtype=seq_lens.dtype)]),
+        ]
 
     def _forward(self, tokens, positions, slots, tables, seq_lens, *pools):
         """What the trace records (Python runs here only while tracing)."""
