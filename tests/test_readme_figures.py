@@ -96,3 +96,41 @@ def test_dispatch_figure_equals_docs_bench_cpu():
     m = re.search(r"the registry adds (\d+(?:\.\d+)?) µs of host time per `paged_attention` call", doc)
     assert m, "docs/bench-cpu.md no longer states the dispatch overhead"
     assert f"about {m.group(1)} µs added per `paged_attention` call by the registry" in _measured()
+
+
+def test_h200_decode_step_figures_equal_the_compiled_step_table():
+    doc = (ROOT / "docs" / "bench-h200-decode-step.md").read_text()
+    header, *rows = _table_after(doc, "## A compiled step (`auto_compiled`), measured")
+    eager = [r[header.index("auto / torch")].rstrip("x") for r in rows]
+    compiled = [r[header.index("auto_compiled / torch")].rstrip("x") for r in rows]
+    at_or_below = sum(float(x) >= 1.0 for x in compiled)
+    phrase = (f"compiled (`auto_compiled`) {_span(compiled)}x torch SDPA on contiguous K/V, at or below torch's "
+              f"time on {at_or_below} of {len(rows)} shapes; eager {_span(eager)}x")
+    assert phrase in _measured(), f"README's decode-step bullet should say {phrase!r}"
+
+
+def test_h200_serving_ratios_equal_the_generate_table():
+    """The README's H200 serving ratios, recomputed from docs/serving.md's table (to the rounding of
+    the table's tok/s and TTFT cells)."""
+    doc = (ROOT / "docs" / "serving.md").read_text()
+    header, *rows = _table_after(doc, "### H200 (MLX 0.32.4 CUDA, 8B-shaped random llama, bf16), compiled decode")
+    gen = header.index("generation tok/s")
+    cell = {(r[0], r[1]): r for r in rows}
+
+    def tps(c: str, cand: str) -> float:
+        return float(cell[(c, cand)][gen].replace(",", ""))
+
+    want = {"single stream": tps("1", "engine") / tps("1", "`generate_step`")}
+    want |= {c: tps(c, "engine") / tps(c, "`BatchGenerator`") for c in ("8", "32", "64")}
+    prefix = "32, shared 2,048-token prefix"
+    ttft = header.index("mean TTFT ms")
+    want["prefix"] = (float(cell[(prefix, "engine, prefix caching off")][ttft].replace(",", ""))
+                      / float(cell[(prefix, "engine")][ttft].replace(",", "")))
+    text = _measured()
+    m = re.search(r"single stream (\d\.\d\d)x `generate_step`, and (\d\.\d\d)x / (\d\.\d\d)x / (\d\.\d\d)x "
+                  r"`BatchGenerator` at 8 / 32 / 64 requests.*?prefix caching gives a (\d\.\d\d)x better time to first "
+                  r"token behind a shared 2,048-token", text)
+    assert m, "README's serving bullet no longer states the H200 ratios in its sentence"
+    for key, said in zip(("single stream", "8", "32", "64", "prefix"), m.groups()):
+        assert abs(float(said) - want[key]) <= 0.011, (
+            f"README says {said}x for {key}; docs/serving.md's table gives {want[key]:.3f}x")
