@@ -65,7 +65,8 @@ class CompiledDecode:
     def __init__(self, model: Any, pad_block: int | None = None) -> None:
         self.model = model
         self.pad_block = pad_block
-        #: Traces recorded (one per distinct rows x table width and dispatch epoch) and steps run compiled.
+        #: Traces recorded (one per distinct row count, or row bucket when padding, x table width and
+        #: dispatch epoch) and steps run compiled.
         self.traces = 0
         self.steps = 0
         self._reset()
