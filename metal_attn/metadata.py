@@ -178,8 +178,9 @@ class AttentionMetadata:
         every replay, while the kernels read the real ``seq_lens`` and ``block_tables`` (which may
         be lazy, even tracers). The table is trusted: it is never read on the host, so it is not
         checked against the pool (the engine built it), and neither are the slots a step writes
-        with it (`PagedKVCache.write_step` scatters them unchecked: every one must be a real slot,
-        no padding). Only providers that read their lengths on the device admit such a batch
+        with it (`PagedKVCache.write_step` scatters them unchecked: every one must be a slot of the
+        pool; a compiled step's padding rows write to a page the engine reserves for them). Only
+        providers that read their lengths on the device admit such a batch
         (`Provider.reads_lengths_on_device`); a sliding window and re-split pages are refused.
         """
         for name, arr, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1)):
@@ -213,6 +214,9 @@ class AttentionMetadata:
     def padded_block_tables(self, width: int) -> mx.array:
         """The block tables right-padded with block 0 to ``width`` columns (``block_tables`` itself
         when already that wide)."""
+        if self.lengths_are_bounds:
+            raise InvalidInputError("padded_block_tables: decode_bounds metadata has no host copy of its table "
+                                    "to pad (pad the device table before building it)")
         have = self.max_blocks_per_seq
         if width < have:
             raise ValueError(f"width={width} (allowed: >= the table's {have} columns)")

@@ -72,6 +72,8 @@ def test_bounds_metadata_refuses_what_it_cannot_honour():
         metal_attn.paged_attention(**kw, metadata=narrow)
     with pytest.raises(InvalidInputError, match=r"cannot be re-split into kernel blocks \(ratio 2\)"):
         md.split_blocks(2)
+    with pytest.raises(InvalidInputError, match=r"padded_block_tables: decode_bounds metadata has no host copy"):
+        md.padded_block_tables(8)
     with pytest.raises(InvalidInputError, match=r"seq_lens.shape=\(3,\) \(need \(2,\)"):
         AttentionMetadata.decode_bounds(mx.array(case.block_tables), mx.array([1, 2, 3]), max_seq_len=64)
     with pytest.raises(InvalidInputError, match=r"max_seq_len=0 \(allowed: 1..2\^31-1\)"):

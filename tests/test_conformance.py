@@ -49,6 +49,13 @@ def _case(label: str) -> tuple[AttentionCase, np.ndarray]:
     return case, case.oracle()
 
 
+def _skip_unless_admitted(spec: dict, provider: str) -> None:
+    """Skip, with the provider's reasons, a spec it does not admit on this machine."""
+    reasons = admission_reasons(spec, provider)
+    if reasons:
+        pytest.skip(f"{provider} does not admit {spec['label']}: " + "; ".join(reasons))
+
+
 def _chosen_plan(spec: dict, provider: str | None = None) -> tuple[str, Plan]:
     table = metal_attn.explain(provider=provider, **request_kwargs(spec))
     row = table.chosen
@@ -61,9 +68,7 @@ def _chosen_plan(spec: dict, provider: str | None = None) -> tuple[str, Plan]:
     [pytest.param(s, p, id=f"{p}-{s['label']}") for s in CONFORMANCE_SPECS for p in PROVIDERS],
 )
 def test_provider_conformance(spec: dict, provider: str) -> None:
-    reasons = admission_reasons(spec, provider)
-    if reasons:
-        pytest.skip(f"{provider} does not admit {spec['label']}: " + "; ".join(reasons))
+    _skip_unless_admitted(spec, provider)
     _, plan = _chosen_plan(spec, provider)
     case, ref = _case(spec["label"])
     got = run_case(case, provider)
@@ -82,9 +87,7 @@ BOUNDS_PROVIDERS = [p for p in PROVIDERS if get_registry().get(p).reads_lengths_
     [pytest.param(s, p, id=f"{p}-{s['label']}") for s in BOUNDS_SPECS for p in BOUNDS_PROVIDERS],
 )
 def test_providers_that_read_lengths_on_the_device_run_bounds_metadata(spec: dict, provider: str) -> None:
-    reasons = admission_reasons(spec, provider)
-    if reasons:
-        pytest.skip(f"{provider} does not admit {spec['label']}: " + "; ".join(reasons))
+    _skip_unless_admitted(spec, provider)
     record = check_bounds_case(make_case(**spec), provider)
     assert record.provider == provider
 

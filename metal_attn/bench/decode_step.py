@@ -195,8 +195,8 @@ class StepCompiled(StepProvider):
     The bench's metadata and pools are fixed, so they are constants of the compiled graph and
     the step is traced once: what this measures is the most a compiled step can take off the
     host (Python graph building of every layer; MLX replays the traced graph), not an engine
-    step, whose metadata changes every step (a compiled engine step would need its launch
-    plans keyed by shape, docs/bench-h200-decode-step.md).
+    step, whose metadata changes every step (the engine's compiled steps trace with
+    `AttentionMetadata.decode_bounds` instead: `metal_attn.mlx_lm.compiled`, docs/serving.md).
     """
 
     name = "auto_compiled"

@@ -2,7 +2,7 @@
 against the float64 oracle (both of its routes), and the engine with ``compile_decode`` on,
 token-identical to stock mlx-lm in bf16 (near-ties as in test_mlx_lm_gpu.py).
 
-Written 2026-12-01; not yet run on a GPU when committed (the session's device time was spent).
+On the H200 (2026-12-01, fourth session) with `test_mlx_lm_gpu.py`: 22 passed (docs/kernels.md).
 """
 
 from __future__ import annotations
