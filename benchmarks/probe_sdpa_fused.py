@@ -7,8 +7,12 @@ The measurements behind ``providers/sdpa_prefill.py``'s rule (``SDPA_PREFILL_RUL
    call time when no fused kernel exists; without ``force_fused`` it would silently fall back to
    unfused matmuls, whose scores take ``q_len * kv_len`` memory per head);
 2. ``crossover``: small prefill chunks after some context, 32/8 heads, head 128, bf16, block 16:
-   the tiled kernel (``provider="tiled_prefill"``) against the gathered-SDPA route (one ``mx.take``
-   per pool, then fused SDPA), medians of queued calls, in the same run.
+   the tiled kernel (``provider="tiled_prefill"``) against the route itself
+   (``provider="sdpa_prefill"``, its rule opened to every chunk), medians of queued calls, in the
+   same run;
+3. ``mixed``: mixed batches (decode rows, then one prefill chunk of 128 to 2,048 rows), the tiles'
+   mixed route against ``sdpa_prefill_decode`` (the rule opened the same way): where
+   ``min_mixed_chunk_rows`` comes from.
 
 Usage (GPU): ``python benchmarks/probe_sdpa_fused.py --json OUT.json``.
 """
@@ -16,10 +20,13 @@ Usage (GPU): ``python benchmarks/probe_sdpa_fused.py --json OUT.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import itertools
 import json
 import statistics
 import time
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -85,11 +92,8 @@ def _chunk(ql: int, ctx: int, h: int = 32, kvh: int = 8, d: int = 128, bs: int =
         return metal_attn.paged_attention(q, pool, vpool, metadata=md, scale=d ** -0.5, provider="tiled_prefill")
 
     def gathered():
-        k = mx.take(pool, table[0], axis=0).reshape(1, nblk * bs, kvh, d)[:, :ctx].transpose(0, 2, 1, 3)
-        v = mx.take(vpool, table[0], axis=0).reshape(1, nblk * bs, kvh, d)[:, :ctx].transpose(0, 2, 1, 3)
-        o = mx.fast.scaled_dot_product_attention(q.reshape(1, ql, h, d).transpose(0, 2, 1, 3), k, v,
-                                                 scale=d ** -0.5, mask="causal")
-        return o.transpose(0, 2, 1, 3).reshape(ql, h, d)
+        with _rule_opened():
+            return metal_attn.paged_attention(q, pool, vpool, metadata=md, scale=d ** -0.5, provider="sdpa_prefill")
 
     t_tiled, t_gather = _median_ms(tiled), _median_ms(gathered)
     err = float(mx.abs(tiled().astype(mx.float32) - gathered().astype(mx.float32)).max())
@@ -97,13 +101,64 @@ def _chunk(ql: int, ctx: int, h: int = 32, kvh: int = 8, d: int = 128, bs: int =
             "gather_vs_tiled": t_tiled / t_gather, "max_abs_diff": err}
 
 
+@contextlib.contextmanager
+def _rule_opened():
+    """``SDPA_PREFILL_RULES`` admitting every chunk on this backend (for measuring below the rule)."""
+    from metal_attn.providers import sdpa_prefill as sp
+
+    from metal_attn import _epoch
+
+    rules = dict(sp.SDPA_PREFILL_RULES)
+    backend = current_backend()
+    rules[backend] = dataclasses.replace(rules[backend], min_chunk_rows=1, min_mixed_chunk_rows=1)
+    try:
+        with mock.patch.object(sp, "SDPA_PREFILL_RULES", rules):
+            _epoch.bump()
+            yield
+    finally:
+        _epoch.bump()
+
+
+def current_backend() -> str:
+    from metal_attn.device import current_device
+
+    return current_device().backend
+
+
+def mixed() -> list[dict]:
+    """Mixed batches through ``paged_attention``: the tiles' mixed route against ``sdpa_prefill_decode``."""
+    import metal_attn
+    from metal_attn.bench.core import Rows, Shape, build_case
+    from metal_attn.testing.conformance import rel_l2
+
+    rows = []
+    for dec, ql, ctx in ((8, 128, 2048), (8, 256, 2048), (8, 512, 2048), (32, 512, 1024), (8, 1024, 4096),
+                         (8, 2048, 4096)):
+        case = build_case(Shape.mix((Rows(dec, 1, 4096 if dec == 8 else 1024), Rows(1, ql, ctx)), 32, 8, 128))
+
+        def run(provider, c=case):
+            return metal_attn.paged_attention(c.q, c.k_pool, c.v_pool, metadata=c.metadata, scale=c.scale,
+                                              provider=provider)
+
+        with _rule_opened():
+            t_tiled, t_sdpa = _median_ms(lambda: run("tiled_prefill")), _median_ms(lambda: run("sdpa_prefill"))
+            diff = rel_l2(np.array(run("sdpa_prefill").astype(mx.float32)),
+                          np.array(run("tiled_prefill").astype(mx.float32)))
+        r = {"label": case.shape.label, "tiled_ms": t_tiled, "sdpa_ms": t_sdpa, "sdpa_vs_tiled": t_tiled / t_sdpa,
+             "rel_l2": diff}
+        rows.append(r)
+        print(f"{r['label']:48s} tiled {t_tiled:7.3f} ms  sdpa_prefill_decode {t_sdpa:7.3f} ms  "
+              f"({r['sdpa_vs_tiled']:5.2f}x)  rel_l2 {diff:.2g}", flush=True)
+    return rows
+
+
 def crossover() -> list[dict]:
     rows = []
-    for ql, ctx in ((8, 1024), (16, 1024), (32, 2048), (64, 2048), (128, 4096), (256, 4096), (512, 8192),
-                    (1024, 8192), (2048, 2048)):
+    for ql, ctx in ((24, 1024), (32, 2048), (64, 2048), (128, 4096), (256, 4096),
+                    (512, 8192), (1024, 8192), (2048, 2048)):
         r = _chunk(ql, ctx)
         rows.append(r)
-        print(f"q{ql:5d} L{ctx:6d}: tiled {r['tiled_ms']:7.3f} ms  gather+sdpa {r['gather_sdpa_ms']:7.3f} ms  "
+        print(f"q{ql:5d} L{ctx:6d}: tiled {r['tiled_ms']:7.3f} ms  sdpa_prefill {r['gather_sdpa_ms']:7.3f} ms  "
               f"({r['gather_vs_tiled']:5.2f}x)  max|diff| {r['max_abs_diff']:.3g}", flush=True)
     return rows
 
@@ -136,8 +191,11 @@ def layouts() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the measurements here")
+    ap.add_argument("--only", default="fused,crossover,mixed,layouts",
+                    help="comma-separated parts to run (default: all four)")
     args = ap.parse_args()
-    fused = fused_matrix()
+    parts = set(args.only.split(","))
+    fused = fused_matrix() if "fused" in parts else []
     ok = [r for r in fused if r["fused"]]
     print(f"fused SDPA: {len(ok)}/{len(fused)} configurations")
     for key in ("dtype", "head", "group", "sinks", "q_len"):
@@ -146,12 +204,13 @@ def main() -> None:
               f"{sorted({r[key] for r in ok}, key=str)}")
     for err in sorted({r.get("error", "") for r in fused if not r["fused"]}):
         print("  error:", err)
-    cross = crossover()
-    layout = layouts()
+    cross = crossover() if "crossover" in parts else []
+    mix = mixed() if "mixed" in parts else []
+    layout = layouts() if "layouts" in parts else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": mx.device_info().get("device_name"), "mlx": mx.__version__, "fused": fused,
-                       "crossover": cross, "layouts": layout}, f, indent=1)
+                       "crossover": cross, "mixed": mix, "layouts": layout}, f, indent=1)
 
 
 if __name__ == "__main__":

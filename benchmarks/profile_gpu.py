@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
-import tempfile
-from collections import defaultdict
 
 import mlx.core as mx
+from kernel_trace import summarise, trace
 from metal_attn.providers import gpu_common as gc
 from metal_attn.providers import gqa_decode as gq
 
@@ -83,49 +81,6 @@ def _probe_kernel():
     return mx.fast.cuda_kernel(name="paged_read_probe", input_names=["k_cache", "v_cache", "block_tables",
                                                                        "seq_lens", "dims"],
                                output_names=["out"], source=PROBE_SOURCE)
-
-
-def _trace(fn, calls: int) -> list[dict]:
-    """GPU kernel events of ``calls`` evaluated calls of ``fn`` (after two untraced warm-up calls)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(2):
-        mx.eval(fn())
-    mx.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            mx.eval(fn())
-        mx.synchronize()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as g:
-            trace = json.load(g)
-    return [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy")]
-
-
-def _summarise(events: list[dict], calls: int, kv_bytes: int) -> dict:
-    by_name: dict[str, list[dict]] = defaultdict(list)
-    for e in events:
-        by_name[e["name"]].append(e)
-    kernels = []
-    total_us = 0.0
-    for name, evs in by_name.items():
-        durs = [float(e["dur"]) for e in evs]
-        per_call = sum(durs) / calls
-        total_us += per_call
-        args = evs[0].get("args", {})
-        kernels.append({
-            "name": name[:90], "launches_per_call": len(evs) / calls, "median_us": statistics.median(durs),
-            "us_per_call": per_call, "registers_per_thread": args.get("registers per thread"),
-            "blocks_per_sm": args.get("blocks per SM"), "warps_per_sm": args.get("warps per SM"),
-            "occupancy_pct": args.get("est. achieved occupancy %"), "grid": args.get("grid"),
-            "block": args.get("block"), "shared_memory": args.get("shared memory"),
-        })
-    kernels.sort(key=lambda k: -k["us_per_call"])
-    return {"gpu_us_per_call": total_us, "gbps_gpu_time": kv_bytes / (total_us * 1e-6) / 1e9 if total_us else None,
-            "kernels": kernels}
 
 
 def cases(backend: str):
@@ -204,8 +159,8 @@ def main(out_path: str) -> None:
     backend = current_device().backend
     results = []
     for label, shape, fn in cases(backend):
-        events = _trace(fn, calls=10)
-        row = {"case": label, "kv_bytes": shape.kv_bytes, **_summarise(events, 10, shape.kv_bytes)}
+        events = trace(fn, calls=10)
+        row = {"case": label, "kv_bytes": shape.kv_bytes, **summarise(events, 10, shape.kv_bytes)}
         results.append(row)
         k0 = row["kernels"][0] if row["kernels"] else {}
         print(f"{label:55s} {row['gpu_us_per_call']:9.1f} us  {row['gbps_gpu_time'] or 0:7.0f} GB/s  "

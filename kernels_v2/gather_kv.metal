@@ -2,8 +2,8 @@
 // for a fused attention kernel (the sdpa_prefill provider), with the NaN contract's bookkeeping
 // in the same pass: a fused kernel multiplies the zero probabilities of masked keys with V, and
 // 0 * NaN is NaN, so V's non-finite elements are written as 0 and every (position, KV head) row
-// holding a non-finite K or V element is flagged; the provider makes the query rows that attend a
-// flagged position NaN (prefix counts).
+// holding a non-finite K or V element is flagged; first_flagged and sdpa_finish
+// (sdpa_finish.metal) make the query rows that attend a flagged position NaN.
 //
 // @kernel gather_kv
 // Inputs : k_cache, v_cache [NB, BS, KVH, D] (T), block_tables [S, W] int32,
@@ -14,7 +14,8 @@
 //          position 0 also where the sequence's table holds a block id outside the pool (only
 //          with validation off: such a page is never read, and every row attends position 0).
 // Template: T, BLOCK_SIZE, KV_HEADS, HEAD_SIZE.
-// One simdgroup per (sequence, position, KV head) row; lanes stride over the head dimension.
+// One simdgroup per (sequence, position, KV head) row; lanes stride over the head dimension in
+// groups of four (HEAD_SIZE a multiple of 4).
 const int first_seq = params[0];
 const int seq_len = params[2];
 const int num_blocks = params[3];
@@ -34,15 +35,38 @@ if (row < rows) {
   const int64_t out_row = (int64_t(s) * KV_HEADS + h) * seq_len + pos;
   const int64_t dst = out_row * HEAD_SIZE;
   float bad_here = in_pool ? 0.0f : 1.0f;
-  for (int d = lane; d < HEAD_SIZE; d += MA_SIMD_WIDTH) {
-    const T kx = in_pool ? k_cache[src + d] : T(0);
-    const T vx = in_pool ? v_cache[src + d] : T(0);
-    const bool v_ok = ma_isfinite(float(vx));
-    if (!(v_ok && ma_isfinite(float(kx)))) {
-      bad_here = 1.0f;
+  // Groups of four elements per lane: one 8- or 16-byte load and store each on CUDA. A page
+  // outside the pool is never read: its rows are written as zeros and flagged.
+  for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
+    if (in_pool) {
+      const ma_raw4<T> kr = ma_load_raw4(k_cache + src + d);
+      const ma_raw4<T> vr = ma_load_raw4(v_cache + src + d);
+      float kf[4], vf[4];
+      ma_unpack4(kr, kf);
+      ma_unpack4(vr, vf);
+      bool all_ok = true;
+      bool v_ok = true;
+      for (int i = 0; i < 4; ++i) {
+        v_ok = v_ok && ma_isfinite(vf[i]);
+        all_ok = all_ok && ma_isfinite(kf[i]) && ma_isfinite(vf[i]);
+      }
+      ma_store_raw4(k_out + dst + d, kr);
+      if (v_ok) {
+        ma_store_raw4(v_out + dst + d, vr);
+      } else {
+        for (int i = 0; i < 4; ++i) {
+          v_out[dst + d + i] = ma_isfinite(vf[i]) ? v_cache[src + d + i] : T(0);
+        }
+      }
+      if (!all_ok) {
+        bad_here = 1.0f;
+      }
+    } else {
+      for (int i = 0; i < 4; ++i) {
+        k_out[dst + d + i] = T(0);
+        v_out[dst + d + i] = T(0);
+      }
     }
-    k_out[dst + d] = kx;
-    v_out[dst + d] = v_ok ? vx : T(0);
   }
   if (pos == 0) {  // the table's block ids, checked once per (sequence, KV head)
     const int pages = (seq_len + BLOCK_SIZE - 1) / BLOCK_SIZE;

@@ -52,6 +52,8 @@ float exp2(float);
 template <typename T>
 T simd_sum(T);
 template <typename T>
+T simd_min(T);
+template <typename T>
 T simd_shuffle_xor(T, ushort);
 template <typename T>
 T simd_shuffle(T, ushort);

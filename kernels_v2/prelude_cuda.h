@@ -55,6 +55,14 @@ MA_FUNC U simd_sum(U v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+template <typename U>
+MA_FUNC U simd_min(U v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const U w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w < v ? w : v;
+  }
+  return v;
+}
 
 // Four warp sums at once, every lane receiving all four: a transposed butterfly
 // (2 + 1 + 3 exchanges, then 4 broadcasts: 10 shuffles instead of 4 x 5). Lanes 0, 8,
@@ -346,6 +354,12 @@ MA_FUNC void ma_mma_p(ma_frag8& d, ma_popnd<U> a, ma_opnd<U> b) {
 template <typename U>
 MA_FUNC float* ma_tg_floats(U* p) {
   return reinterpret_cast<float*>(p);
+}
+
+// Four elements into device memory with one 8- or 16-byte store (``p`` aligned to it).
+template <typename U>
+MA_FUNC void ma_store_raw4(U* p, ma_raw4<U> r) {
+  *reinterpret_cast<decltype(r.bits)*>(p) = r.bits;
 }
 
 // Four elements into threadgroup memory with one 8- or 16-byte store.

@@ -17,7 +17,7 @@ sub-plan of `metal_attn.providers.gpu_common`), the prefill rows through SDPA: r
 Admission is data (`SDPA_PREFILL_RULES`, one rule per backend, with the measurement behind
 it) plus the declarative attributes:
 
-- CUDA: admitted for chunks of at least ``min_chunk_rows`` rows; float16/bfloat16; head sizes
+- CUDA: admitted for chunks of at least ``min_chunk_rows`` rows (32); float16/bfloat16; head sizes
   64, 96 and 128 (where MLX 0.32.4 has a fused kernel for every query length: cuDNN for chunks,
   its vector kernel for single rows; `benchmarks/probe_sdpa_fused.py`); sinks; no sliding window
   or softcap (MLX SDPA has neither; they stay with ``tiled_prefill``).
@@ -79,13 +79,16 @@ class SdpaRule:
 
 #: One rule per backend (data, like the split gate; `explain` prints the arithmetic).
 SDPA_PREFILL_RULES: Mapping[str, SdpaRule] = MappingProxyType({
-    "cuda": SdpaRule(8, "H200, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_sdpa_fused.py, prefill-gpu): "
-                        "gathered SDPA ran 1.2-6.5x faster than tiled_prefill on every prefill chunk measured, from 8 "
-                        "rows after 1K tokens to 32K-token prompts; chunks under 8 rows were not measured. Mixed "
-                        "batches with 256- and 512-row chunks: tiled's mixed route 1.08-1.30x faster; 1,024 rows "
-                        "is where the chunk's attention saves more than the extra launches cost (estimated from "
-                        "the 1,024-row chunk after 8K: 151 vs 65 TFLOP/s)",
-                     min_mixed_chunk_rows=1024),
+    "cuda": SdpaRule(
+        32,
+        "H200, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_sdpa_fused.py, prefill-gpu; "
+        "docs/bench-h200-prefill.md): the route ran 1.10-3.74x faster than tiled_prefill on every prefill chunk "
+        "from 32 rows after 2K tokens to 2,048-token prompts, and 0.75x on 24 rows after 1K (chunks of 16 rows or "
+        "fewer are verification windows, which it does not take). Mixed batches (8 decode rows at 4K, then one "
+        "chunk): 2.43-2.54x faster than the tiles' mixed route with chunks of 1,024 and 2,048 rows; 0.79-0.93x "
+        "with 512-row chunks (1.19-1.24x at 128 and 256 rows in the same run: one threshold keeps the tiles "
+        "below 1,024)",
+        min_mixed_chunk_rows=1024),
     "metal": SdpaRule(None, "not measured on Apple hardware: the rule stays upstream's (tiled_prefill, NAX on M5)"),
     "cpu": SdpaRule(None, "2-core CPU: gathered SDPA is 27x slower than classic's native prefill "
                           "(docs/bench-cpu.md, prefill-cpu)"),
@@ -190,27 +193,47 @@ class SdpaPrefillProvider(Provider):
     # -- source checks ----------------------------------------------------------------------------
 
     def msl_specializations(self) -> list[Specialization]:
-        """``gather_kv`` on Metal over {float16, bfloat16} x head sizes x kernel block sizes, for
-        `metal_attn.msl_check` (the route is not admitted on Metal, but the kernel text is shared)."""
+        """The route's kernels on Metal, for `metal_attn.msl_check` (the route is not admitted on
+        Metal, but the kernel texts are shared): ``gather_kv`` over {float16, bfloat16} x head sizes x
+        kernel block sizes, ``sdpa_finish`` over dtypes x head sizes, and ``first_flagged``."""
         from metal_attn.source_specs import Specialization
 
-        return [Specialization(
+        gathers = [Specialization(
             label=f"gather_kv {dtype} head={head} block={block}", kernel="gather_kv", source_files=GATHER_FILES,
             input_names=GATHER_INPUTS, output_names=GATHER_OUTPUTS,
             template=tuple(gather_template(dtype, block, 2, head)),
             inputs=(((4, block, 2, head), dtype), ((4, block, 2, head), dtype), ((2, 4), "int32"), ((5,), "int32")),
             outputs=(((1, 3, 2, head), dtype), ((1, 3, 2, head), dtype), ((1, 3, 2), "int32")),
         ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes) for block in sorted(KERNEL_BLOCK_SIZES)]
+        finishes = [Specialization(
+            label=f"sdpa_finish {dtype} head={head}", kernel="sdpa_finish", source_files=FINISH_FILES,
+            input_names=FINISH_INPUTS, output_names=FINISH_OUTPUTS, template=tuple(finish_template(dtype, 4, 2, head)),
+            inputs=(((3, 4, head), dtype), ((3, 4, head), dtype), ((2,), "int32"), ((3,), "int32")),
+            outputs=(((3, 4, head), dtype),),
+        ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
+        first = Specialization(
+            label="first_flagged", kernel="first_flagged", source_files=FINISH_FILES, input_names=FIRST_INPUTS,
+            output_names=FIRST_OUTPUTS, template=(("THREADS", FIRST_THREADS),),
+            inputs=(((2, 5), "int32"), ((1,), "int32")), outputs=(((2,), "int32"),))
+        return [*gathers, *finishes, first]
 
     def cuda_sources(self) -> list[CudaSource]:
-        """``gather_kv`` on CUDA per (dtype, head size), for `metal_attn.cuda_check`."""
+        """The route's kernels on CUDA, for `metal_attn.cuda_check`: ``gather_kv`` and ``sdpa_finish``
+        per (dtype, head size), and ``first_flagged``."""
         from metal_attn.source_specs import CudaSource
 
-        return [CudaSource(f"gather_kv {dtype} h{head}", "gather_kv", GATHER_FILES,
-                           (("k_cache", dtype), ("v_cache", dtype), ("block_tables", "int32"), ("params", "int32")),
-                           (("k_out", dtype), ("v_out", dtype), ("bad", "int32")),
-                           tuple(gather_template(dtype, 16, 8, head)))
-                for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
+        gathers = [CudaSource(f"gather_kv {dtype} h{head}", "gather_kv", GATHER_FILES,
+                              (("k_cache", dtype), ("v_cache", dtype), ("block_tables", "int32"), ("params", "int32")),
+                              (("k_out", dtype), ("v_out", dtype), ("bad", "int32")),
+                              tuple(gather_template(dtype, 16, 8, head)))
+                   for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
+        finishes = [CudaSource(f"sdpa_finish {dtype} h{head}", "sdpa_finish", FINISH_FILES,
+                               (("o", dtype), ("q", dtype), ("first", "int32"), ("params", "int32")),
+                               (("out", dtype),), tuple(finish_template(dtype, 32, 8, head)))
+                    for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
+        first = CudaSource("first_flagged", "first_flagged", FINISH_FILES, (("bad", "int32"), ("params", "int32")),
+                           (("first", "int32"),), (("THREADS", FIRST_THREADS),))
+        return [*gathers, *finishes, first]
 
 
 def _runs(md: AttentionMetadata, first_seq: int) -> list[tuple[int, int, int, int]]:
@@ -232,9 +255,10 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     equal-length sequences: their pages gathered, then one fused SDPA call per run.
 
     On a GPU ``backend`` the pages go through the ``gather_kv`` kernel (one pass: the copy, V's
-    non-finite elements zeroed, the flags of the NaN contract); without one (the CPU tests) through
-    MLX ops that compute the same (`gather_with_mlx_ops`). ``force_fused=False`` lets MLX use its
-    unfused SDPA (the CPU tests; the provider never does)."""
+    non-finite elements zeroed, the flags of the NaN contract), and the contract is applied in one
+    pass after the fused kernel (``first_flagged`` and ``sdpa_finish``); without one (the CPU
+    tests) MLX ops compute the same (`gather_with_mlx_ops`, `poisoned_rows`). ``force_fused=False``
+    lets MLX use its unfused SDPA (the CPU tests; the provider never does)."""
     import mlx.core as mx
 
     q, kc, vc = inputs.q, inputs.k_cache, inputs.v_cache
@@ -250,18 +274,25 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
             outs.append(mx.full((rows, num_heads, head), mx.nan, dtype=q.dtype))
             row0 += rows
             continue
-        if backend in ("cuda", "metal"):
+        gpu = backend in ("cuda", "metal")
+        if gpu:
             k, v, bad = launch_gather(kc, vc, md.block_tables, seq, n, seq_len, backend)
         else:
             k, v, bad = gather_with_mlx_ops(kc, vc, md.block_tables[seq:seq + n, :pages], seq_len)
-        qs = q[row0:row0 + rows].reshape(n, q_len, num_heads, head).transpose(0, 2, 1, 3)
+        q_rows = q[row0:row0 + rows]
+        qs = q_rows.reshape(n, q_len, num_heads, head).transpose(0, 2, 1, 3)
         o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=inputs.scale, mask="causal" if q_len > 1 else None,
                                                  sinks=sinks, force_fused=force_fused)
-        # A non-finite query element makes its row NaN (the contract), whatever the fused kernel's
-        # arithmetic does with it (an infinite query can give -inf scores everywhere: a silent 0).
-        bad_q = ~mx.isfinite(qs).all(axis=-1)  # [n, H, q_len]
-        o = mx.where((poisoned_rows(bad, q_len, num_heads) | bad_q)[..., None], mx.nan, o)
-        outs.append(o.transpose(0, 2, 1, 3).reshape(rows, num_heads, head))
+        # The fused kernel writes its output in the query's layout, so this is packed row order
+        # without a copy; a non-finite query element, or an attended flagged position, makes its
+        # row NaN (the contract), whatever the fused kernel's arithmetic does with it (an infinite
+        # query can give -inf scores everywhere: a silent 0).
+        o = o.transpose(0, 2, 1, 3).reshape(rows, num_heads, head)
+        if gpu:
+            outs.append(launch_finish(o, q_rows, launch_first_flagged(bad, backend), n, q_len, seq_len, backend))
+        else:
+            bad_rows = poisoned_rows(bad, q_len, num_heads).transpose(0, 2, 1).reshape(rows, num_heads)
+            outs.append(mx.where((bad_rows | ~mx.isfinite(q_rows).all(axis=-1))[..., None], mx.nan, o))
         row0 += rows
     return outs
 
@@ -271,6 +302,13 @@ GATHER_INPUTS = ("k_cache", "v_cache", "block_tables", "params")
 GATHER_OUTPUTS = ("k_out", "v_out", "bad")
 #: Threads per threadgroup of gather_kv (four rows, one simdgroup each).
 GATHER_THREADS = 128
+FINISH_FILES = ("sdpa_finish.metal",)
+FIRST_INPUTS, FIRST_OUTPUTS = ("bad", "params"), ("first",)
+FINISH_INPUTS, FINISH_OUTPUTS = ("o", "q", "first", "params"), ("out",)
+#: Threads per threadgroup of first_flagged (one threadgroup per (sequence, KV head)) and of
+#: sdpa_finish (four (row, head) pairs, one simdgroup each).
+FIRST_THREADS = 256
+FINISH_THREADS = 128
 
 
 def gather_template(dtype: Any, block_size: int, kv_heads: int, head_size: int) -> list[tuple[str, Any]]:
@@ -297,6 +335,41 @@ def launch_gather(k_cache: mx.array, v_cache: mx.array, block_tables: mx.array, 
         output_dtypes=[k_cache.dtype, v_cache.dtype, mx.int32],
     )
     return k, v, bad
+
+
+def launch_first_flagged(bad: mx.array, backend: str) -> mx.array:
+    """``first_flagged`` over ``gather_kv``'s flags ``[n, KVH, seq_len]``: ``[n * KVH]`` int32, the
+    first flagged position of each (sequence, KV head), ``seq_len`` when none."""
+    import mlx.core as mx
+
+    from metal_attn import kernels
+
+    n, kvh, seq_len = bad.shape
+    kernel = kernels.load_kernel("first_flagged", FINISH_FILES, FIRST_INPUTS, FIRST_OUTPUTS, backend)
+    return kernel(inputs=[bad, gc.pack_int32((seq_len,))], template=[("THREADS", FIRST_THREADS)],
+                  grid=(n * kvh * FIRST_THREADS, 1, 1), threadgroup=(FIRST_THREADS, 1, 1),
+                  output_shapes=[(n * kvh,)], output_dtypes=[mx.int32])[0]
+
+
+def launch_finish(o: mx.array, q_rows: mx.array, first: mx.array, n: int, q_len: int, seq_len: int,
+                  backend: str) -> mx.array:
+    """``sdpa_finish``: the fused kernel's output ``o`` (``[n * q_len, H, D]``), with NaN in every
+    (row, head) whose query holds a non-finite element or which attends a position ``first``
+    flags for its KV head."""
+    from metal_attn import kernels
+
+    _, num_heads, head = o.shape
+    kvh = first.shape[0] // n
+    kernel = kernels.load_kernel("sdpa_finish", FINISH_FILES, FINISH_INPUTS, FINISH_OUTPUTS, backend)
+    return kernel(inputs=[o, q_rows, first, gc.pack_int32((q_len, seq_len, n))],
+                  template=finish_template(o.dtype, num_heads, kvh, head),
+                  grid=(n * q_len * num_heads * kernels.SIMD_WIDTH, 1, 1), threadgroup=(FINISH_THREADS, 1, 1),
+                  output_shapes=[o.shape], output_dtypes=[o.dtype])[0]
+
+
+def finish_template(dtype: Any, num_heads: int, kv_heads: int, head_size: int) -> list[tuple[str, Any]]:
+    """The template arguments of ``sdpa_finish``."""
+    return [("T", dtype), ("NUM_HEADS", num_heads), ("KV_HEADS", kv_heads), ("HEAD_SIZE", head_size)]
 
 
 def poisoned_rows(bad: mx.array, q_len: int, num_heads: int) -> mx.array:

@@ -446,5 +446,5 @@ def test_generate_suite_refuses_an_unknown_candidate_before_loading_a_model(caps
         cli.main(["--suite", "generate", "--candidates", "engine,engine_compiled,nope"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert ("nope unknown for the generate suite (allowed: engine, engine_eager, engine_compiled, batch_generator, "
-            "generate_step)") in err
+    assert ("nope unknown for the generate suite (allowed: engine, engine_eager, engine_compiled, engine_trace_second, "
+            "batch_generator, generate_step)") in err

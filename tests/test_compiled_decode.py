@@ -279,6 +279,47 @@ def test_row_counts_are_padded_to_powers_of_two_through_a_reserved_scratch_page(
     assert all(written), "the padding rows' K/V did not go to the reserved page"
 
 
+def test_a_shape_traces_on_its_trace_after_th_step_and_runs_eagerly_before():
+    """``trace_after=2``: a decode shape's first step is left to the eager forward (``None``), its
+    second traces; another table width counts again; the logits stay the eager forward's."""
+    pm = PagedModel(tiny_model("llama"), num_blocks=32)
+    compiled = CompiledDecode(pm, trace_after=2)
+    plan = build_step_plan([0], [9], [1], [[1]], 16)
+    tok = mx.array([7], dtype=mx.int32)
+    pm.forward(build_step_plan([0], [0], [9], [[1]], 16), mx.array(np.arange(1, 10, dtype=np.int32)))
+    assert compiled.run(plan, tok) is None and compiled.early_steps == 1 and compiled.traces == 0
+    eager = pm.forward(plan, tok)
+    got = compiled.run(plan, tok)  # the same shape again: traced now, and replayed from here on
+    assert compiled.traces == 1 and compiled.steps == 1
+    np.testing.assert_array_equal(np.array(got), np.array(eager)[-1:])
+    wider = build_step_plan([0], [17], [1], [[1, 2, 3]], 16)  # 3 pages: table width 4
+    assert compiled.run(wider, tok) is None and compiled.early_steps == 2 and compiled.traces == 1
+    for bad in (0, 1.5, "2"):
+        with pytest.raises(ValueError, match=r"trace_after=.* \(allowed: an int >= 1\)"):
+            CompiledDecode(pm, trace_after=bad)
+
+
+def test_an_engine_tracing_on_second_sight_runs_the_first_decode_step_eagerly():
+    """``compile_trace_after=2`` (the default is 1): the decode step launched behind the prefill is
+    a shape's first sight and runs eagerly; the next one traces, and the tokens stay stock mlx-lm's."""
+    model = tiny_model("llama")
+    prompt = [5, 9, 200, 31, 77, 12, 40]
+    ref = reference_greedy(model, prompt, 8, WordTokenizer.eos_token_ids)
+    assert EngineConfig().compile_trace_after == 1
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=32, compile_decode=True, compile_trace_after=2))
+    rid = eng.add_request(prompt, max_tokens=8)
+    first = eng.step()
+    compiled = eng.runner.compiled
+    assert [o.new_token_ids for o in first] == [tuple(ref.tokens[:1])]
+    assert compiled.traces == 0 and compiled.early_steps == 1  # the decode step launched behind it ran eager
+    while eng.has_unfinished():
+        eng.step()
+    assert compiled.traces == 1 and compiled.steps > 0
+    assert_same_greedy(eng.completion(rid).token_ids, ref, 1e-4, "compiled decode traced on second sight")
+    with pytest.raises(InvalidInputError, match=r"compile_trace_after=0 \(allowed: an int >= 1\)"):
+        EngineConfig(compile_trace_after=0).validate()
+
+
 def test_a_one_page_pool_compiles_without_padding_rows():
     eng = Engine(tiny_model("llama"), WordTokenizer(), EngineConfig(num_blocks=1, compile_decode=True))
     assert eng.runner.compiled.pad_block is None and not eng.blocks.reserved

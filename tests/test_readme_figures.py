@@ -134,3 +134,24 @@ def test_h200_serving_ratios_equal_the_generate_table():
     for key, said in zip(("single stream", "8", "32", "64", "prefix"), m.groups()):
         assert abs(float(said) - want[key]) <= 0.011, (
             f"README says {said}x for {key}; docs/serving.md's table gives {want[key]:.3f}x")
+
+
+def test_h200_prefill_figures_equal_the_prefill_table():
+    """The README's SDPA-prefill bullet, recomputed from docs/bench-h200-prefill.md's result table:
+    `auto` against MLX SDPA (the shapes at 60% or more, and the one below), against the tiles, and
+    the mixed batches."""
+    doc = (ROOT / "docs" / "bench-h200-prefill.md").read_text()
+    header, *rows = _table_after(doc, "## Result (")
+    col = {name: header.index(name) for name in ("auto", "tiled_prefill", "auto / mlx_sdpa")}
+    prefill = [r for r in rows if r[0].startswith("prefill")]
+    mixed = [r for r in rows if r[0].startswith("mixed")]
+    pct = [_num(r[col["auto / mlx_sdpa"]], r"^(\d+)%") for r in prefill]
+    met = [p for p in pct if int(p) >= 60]
+    missed = [p for p in pct if int(p) < 60]
+    vs_tiled = [f"{float(r[col['auto']]) / float(r[col['tiled_prefill']]):.2f}" for r in prefill]
+    mix = [_num(r[col["auto / mlx_sdpa"]], r"^(\d\.\d\d)x") for r in mixed]
+    assert len(missed) == 1, f"the README's sentence names one shape below 60%; the table has {missed}"
+    phrase = (f"`auto` at {_span(met)}% of MLX SDPA on contiguous K/V on {len(met)} of {len(prefill)} prefill "
+              f"shapes ({missed[0]}% on the 64-row chunk after 2K, which is launch-bound), {_span(vs_tiled)}x "
+              f"`tiled_prefill`; mixed batches {_span(mix)}x MLX SDPA contiguous")
+    assert phrase in _measured(), f"README's prefill bullet should say {phrase!r}"

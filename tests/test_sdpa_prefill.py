@@ -32,14 +32,14 @@ def _row(ex, name="sdpa_prefill"):
 
 
 @pytest.mark.parametrize(("q_lens", "seq_lens"), [([4096], [4096]), ([512], [32768 + 512]), ([2048] * 8, [2048] * 8),
-                                                  ([8, 300], [1024, 300])], ids=("prompt", "chunk", "eight", "small"))
+                                                  ([32, 300], [1024, 300])], ids=("prompt", "chunk", "eight", "small"))
 def test_cuda_prefill_takes_the_route_and_explain_shows_the_rule(q_lens, seq_lens):
     ex = _explain(H200, q_lens, seq_lens)
     row = _row(ex)
     assert row.chosen, str(ex)
     assert row.plan.route == "sdpa_prefill"
     rows = max(q_lens)
-    assert any(f"longest prefill chunk {rows} rows >= SDPA_PREFILL_RULES[cuda].min_chunk_rows=8" in n
+    assert any(f"longest prefill chunk {rows} rows >= SDPA_PREFILL_RULES[cuda].min_chunk_rows=32" in n
                for n in row.plan.notes), row.plan.notes
     assert "sdpa_prefill" in str(ex)
 
@@ -74,9 +74,9 @@ def test_cuda_refusals_leave_the_batch_to_the_tiles(kwargs, reason):
 
 
 def test_cuda_chunks_under_the_measured_rows_stay_tiled():
-    ex = _explain(H200, [4, 4], [90, 300])
+    ex = _explain(H200, [24, 20], [90, 300])
     reasons = "\n".join(_row(ex).reasons)
-    assert "longest prefill chunk 4 rows < SDPA_PREFILL_RULES[cuda].min_chunk_rows=8" in reasons, str(ex)
+    assert "longest prefill chunk 24 rows < SDPA_PREFILL_RULES[cuda].min_chunk_rows=32" in reasons, str(ex)
     assert _row(ex, "tiled_prefill").chosen
 
 

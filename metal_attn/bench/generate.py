@@ -107,14 +107,16 @@ def _prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> lis
 
 
 def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_caching: bool = True,
-                budget: int = 4096, compile_decode: bool | None = None) -> tuple[float, float, int, list[float],
-                                                                                dict[str, Any]]:
+                budget: int = 4096, compile_decode: bool | None = None,
+                compile_trace_after: int | None = None) -> tuple[float, float, int, list[float], dict[str, Any]]:
     from metal_attn.engine import Engine, EngineConfig
 
     need = sum(len(p) + gen for p in prompts)
     cfg = EngineConfig(num_blocks=-(-need // 16) + 2 * len(prompts) + 8, max_num_seqs=max(len(prompts), 1),
                        max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching,
                        compile_decode=compile_decode)
+    if compile_trace_after is not None:
+        cfg = dataclasses.replace(cfg, compile_trace_after=compile_trace_after)
     eng = Engine(model, _NoStopTokenizer(), cfg)
     ids = [eng.add_request(p, max_tokens=gen) for p in prompts]
     t0 = time.perf_counter()
@@ -174,18 +176,20 @@ def _run_generate_step(model: Any, prompts: list[list[int]], gen: int) -> tuple[
 
 
 #: Candidates by name; ``engine`` runs the engine's defaults, ``engine_eager`` / ``engine_compiled``
-#: force its compiled decode steps off / on (`EngineConfig.compile_decode`).
+#: force its compiled decode steps off / on (`EngineConfig.compile_decode`), ``engine_trace_second``
+#: forces them on and traces each decode shape on its second step (`EngineConfig.compile_trace_after`).
 RUNNERS: dict[str, Callable[..., tuple[float, float, int, list[float], dict[str, Any]]]] = {
     "engine": _run_engine,
     "engine_eager": functools.partial(_run_engine, compile_decode=False),
     "engine_compiled": functools.partial(_run_engine, compile_decode=True),
+    "engine_trace_second": functools.partial(_run_engine, compile_decode=True, compile_trace_after=2),
     "batch_generator": _run_batch_generator,
     "generate_step": _run_generate_step,
 }
 
 
 #: The engine's candidates, whose ratios to the peers are reported.
-ENGINES = ("engine", "engine_eager", "engine_compiled")
+ENGINES = ("engine", "engine_eager", "engine_compiled", "engine_trace_second")
 
 #: What ``--suite generate`` runs unless ``--candidates`` says otherwise (the suite's timed defaults).
 DEFAULT_CANDIDATES = ("engine", "batch_generator", "generate_step")
@@ -237,12 +241,18 @@ def bench_generate(
     # that the engine chunks its prefill and mixes decode rows into prefill steps (the CPU compiles nothing).
     from metal_attn.device import current_device
 
+    # Then one request alone: its decode steps take other kernel variants (split-KV at one row), and
+    # without this the first candidate timed at one request paid their compilation (H200, fifth
+    # session: 118-174 ms of time to first token for whichever engine candidate ran first, 39-48 ms
+    # for the one after it).
     n_warm = 2 if current_device().backend == "cpu" else max(2, 4096 // prompt_len + 2)
     warm_prompts = _prompts(n_warm, prompt_len, vocab, seed + 99)
     for name in candidates if warm else ():
         if progress:
             progress(f"warm-up {name} ...")
-        RUNNERS[name](model, warm_prompts[:1] if name == "generate_step" else warm_prompts, 4)
+        if name != "generate_step":
+            RUNNERS[name](model, warm_prompts, 4)
+        RUNNERS[name](model, warm_prompts[:1], 4)
     for c in concurrencies:
         prompts = _prompts(c, prompt_len, vocab, seed + c)
         for name in candidates:

@@ -93,7 +93,8 @@ class Engine:
                                    enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
         compile_decode, self.compile_decode_reason = cfg.resolve_compile_decode(current_device().backend)
-        self.runner = StepRunner(self.model, self.blocks, compile_decode=compile_decode)
+        self.runner = StepRunner(self.model, self.blocks, compile_decode=compile_decode,
+                                 trace_after=cfg.compile_trace_after)
         self.requests: dict[int, Request] = {}
         self._inflight: deque[InFlight] = deque()
         self._next_id = 0

@@ -56,14 +56,16 @@ class InFlight:
 class StepRunner:
     """Runs scheduled steps of one `PagedModel` whose pages the `BlockManager` hands out."""
 
-    def __init__(self, model: PagedModel, blocks: BlockManager, *, compile_decode: bool = False) -> None:
+    def __init__(self, model: PagedModel, blocks: BlockManager, *, compile_decode: bool = False,
+                 trace_after: int = 1) -> None:
         self.model = model
         self.blocks = blocks
-        #: Decode-only steps through a compiled forward (None: every step eager).
+        #: Decode-only steps through a compiled forward (None: every step eager); ``trace_after``:
+        #: the step of a decode shape that traces it (`CompiledDecode`).
         self.compiled = None
         if compile_decode:  # a pool of one page serves without padding rows
             pad = blocks.reserve("padding rows of compiled decode steps") if blocks.num_free > 1 else None
-            self.compiled = CompiledDecode(model, pad_block=pad)
+            self.compiled = CompiledDecode(model, pad_block=pad, trace_after=trace_after)
 
     def launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Build the step's graph and queue it. ``previous``: the step still in flight, whose

@@ -19,7 +19,10 @@ What it needs (a refusal leaves the eager path in charge, with the reason in ``d
   page (`table_width`), and, given a scratch page (``pad_block``), so are row counts
   (`row_bucket`), so requests arriving and finishing retrace once per power of two instead of
   once per batch size. A padding row is token 0 at position 0 whose K/V goes to the scratch page
-  and whose attention reads one token of it; its logits are dropped.
+  and whose attention reads one token of it; its logits are dropped;
+- a decode shape (row count or bucket, table width) traces on its ``trace_after``-th step; the
+  steps before run eagerly (`run` returns ``None``), so with 2 a shape seen on one step only never
+  traces (`EngineConfig.compile_trace_after`; the engine's default is 1).
 """
 
 from __future__ import annotations
@@ -58,17 +61,24 @@ class CompiledDecode:
 
     ``model``: a `metal_attn.mlx_lm.runner.PagedModel`. ``pad_block``: a page of its pool that no
     sequence uses (the engine reserves one), where padding rows write; ``None``: no padding, one
-    trace per row count. Call `run` with a decode-only plan; it returns ``None`` (and the caller
-    runs the eager forward) when compiled steps do not apply.
+    trace per row count. ``trace_after``: the step of a shape (rows, table width) that traces it;
+    earlier ones are left to the eager forward. Call `run` with a decode-only plan; it returns
+    ``None`` (and the caller runs the eager forward) when compiled steps do not apply.
     """
 
-    def __init__(self, model: Any, pad_block: int | None = None) -> None:
+    def __init__(self, model: Any, pad_block: int | None = None, *, trace_after: int = 1) -> None:
+        if not isinstance(trace_after, int) or isinstance(trace_after, bool) or trace_after < 1:
+            raise ValueError(f"trace_after={trace_after!r} (allowed: an int >= 1)")
         self.model = model
         self.pad_block = pad_block
+        self.trace_after = trace_after
         #: Traces recorded (one per distinct row count, or row bucket when padding, x table width and
-        #: dispatch epoch) and steps run compiled.
+        #: dispatch epoch), steps run compiled, and steps left eager because their shape had not been
+        #: seen ``trace_after`` times yet.
         self.traces = 0
         self.steps = 0
+        self.early_steps = 0
+        self._sightings: dict[tuple[int, int], int] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -95,19 +105,26 @@ class CompiledDecode:
 
     def run(self, plan: StepPlan, tokens: mx.array) -> mx.array | None:
         """Logits ``[rows, vocab]`` of a decode step (lazy), one per row in the plan's order, the
-        pools rebound to the step's; or ``None`` when the step does not apply or its trace failed
-        (then ``disabled`` says why, and the caller runs the eager forward). Replays record no
+        pools rebound to the step's; or ``None`` when the step does not apply, its shape has been
+        seen fewer than ``trace_after`` times (counted in ``early_steps``), or its trace failed
+        (then ``disabled`` says why); the caller then runs the eager forward. Replays record no
         dispatch diagnostics: the trace's are the step's."""
         if self._epoch != _epoch.current():
             self._reset()
         if not self.applies(plan):
             return None
         md = plan.metadata
-        inputs = [tokens, plan.positions, plan.slot_mapping, md.padded_block_tables(table_width(md.max_blocks_per_seq)),
-                  md.seq_lens]
-        rows = len(plan.q_lens)
-        if self.pad_block is not None and row_bucket(rows) > rows:
-            inputs = self._padded(inputs, row_bucket(rows) - rows)
+        rows, width = len(plan.q_lens), table_width(md.max_blocks_per_seq)
+        shape = (row_bucket(rows) if self.pad_block is not None else rows, width)
+        seen = self._sightings.get(shape, 0)
+        if seen + 1 < self.trace_after:
+            self._sightings[shape] = seen + 1
+            self.early_steps += 1
+            return None
+        self._sightings[shape] = self.trace_after
+        inputs = [tokens, plan.positions, plan.slot_mapping, md.padded_block_tables(width), md.seq_lens]
+        if shape[0] > rows:
+            inputs = self._padded(inputs, shape[0] - rows)
         kv = self.model.kv
         pools = kv.take_pools()
         traces = self.traces

@@ -149,7 +149,7 @@ def test_tiled_mixed_batches(threshold):
 
 
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
-@pytest.mark.parametrize("head", (64, 128))
+@pytest.mark.parametrize("head", (64, 96, 128))
 def test_sdpa_prefill_masked_positions(head, dtype):
     """The gathered-SDPA route: non-finite K/V after a row's causal end (inside the fused kernel's
     diagonal tiles) must not reach it; a chunk after context and a mixed batch's decode rows too."""

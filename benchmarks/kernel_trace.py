@@ -1,0 +1,64 @@
+"""GPU kernel events of MLX calls through torch.profiler (CUPTI activity tracing), for the profile
+scripts in this folder (not a test).
+
+CUPTI records every kernel launched in the process, MLX's included, with its GPU duration and
+launch facts (registers per thread, blocks per SM, estimated achieved occupancy). It needs torch
+with CUDA next to MLX's CUDA backend (the H200 image has both).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+
+def trace(fn: Callable[[], Any], calls: int) -> list[dict]:
+    """GPU kernel and memcpy events of ``calls`` evaluated calls of ``fn`` (after two untraced
+    warm-up calls)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        mx.eval(fn())
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            mx.eval(fn())
+        mx.synchronize()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            events = json.load(g)
+    return [e for e in events.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy")]
+
+
+def summarise(events: list[dict], calls: int, kv_bytes: int) -> dict:
+    """Per kernel name: launches and GPU microseconds per call, and its launch facts; the total GPU
+    time per call, and ``kv_bytes`` over it."""
+    by_name: dict[str, list[dict]] = defaultdict(list)
+    for e in events:
+        by_name[e["name"]].append(e)
+    kernels = []
+    total_us = 0.0
+    for name, evs in by_name.items():
+        durs = [float(e["dur"]) for e in evs]
+        per_call = sum(durs) / calls
+        total_us += per_call
+        args = evs[0].get("args", {})
+        kernels.append({
+            "name": name[:90], "launches_per_call": len(evs) / calls, "median_us": statistics.median(durs),
+            "us_per_call": per_call, "registers_per_thread": args.get("registers per thread"),
+            "blocks_per_sm": args.get("blocks per SM"), "warps_per_sm": args.get("warps per SM"),
+            "occupancy_pct": args.get("est. achieved occupancy %"), "grid": args.get("grid"),
+            "block": args.get("block"), "shared_memory": args.get("shared memory"),
+        })
+    kernels.sort(key=lambda k: -k["us_per_call"])
+    return {"gpu_us_per_call": total_us, "gbps_gpu_time": kv_bytes / (total_us * 1e-6) / 1e9 if total_us else None,
+            "kernels": kernels}

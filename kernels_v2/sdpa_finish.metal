@@ -1,0 +1,83 @@
+// metal-attn: the NaN contract of the sdpa_prefill route, after the fused attention kernel.
+// Two kernel bodies, one per `// @kernel NAME` section; MLX writes the signatures.
+//
+// gather_kv flags every (position, KV head) row holding a non-finite K or V element (and zeroes
+// V's, so the fused kernel's masked products stay finite). A query row must be NaN when it attends
+// a flagged position of its KV head, or when its own query holds a non-finite element (a fused
+// kernel can turn an infinite query into -inf scores everywhere: a silent 0). first_flagged
+// reduces the flags to one position per (sequence, KV head); sdpa_finish applies both rules
+// while copying the fused kernel's output, in one pass.
+
+// @kernel first_flagged
+// Inputs : bad [n * KVH, seq_len] int32 (gather_kv's flags), params int32 [seq_len]
+// Outputs: first [n * KVH] int32: the smallest flagged position of each row, seq_len when none.
+// Template: THREADS (threads per threadgroup, a multiple of the SIMD width, at most 1024).
+// One threadgroup per (sequence, KV head) row; threads stride over the positions.
+const int seq_len = params[0];
+const int64_t row = int64_t(threadgroup_position_in_grid.x);
+const int tid = int(thread_index_in_threadgroup);
+int first_here = seq_len;
+for (int p = tid; p < seq_len; p += THREADS) {
+  if (bad[row * seq_len + p] != 0) {
+    first_here = metal::min(first_here, p);
+  }
+}
+first_here = simd_min(first_here);
+threadgroup int sg_first[THREADS / MA_SIMD_WIDTH];
+if (thread_index_in_simdgroup == 0) {
+  sg_first[simdgroup_index_in_threadgroup] = first_here;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (tid == 0) {
+  int m = seq_len;
+  for (int i = 0; i < THREADS / MA_SIMD_WIDTH; ++i) {
+    m = metal::min(m, sg_first[i]);
+  }
+  first[row] = m;
+}
+
+// @kernel sdpa_finish
+// Inputs : o [rows, H, D] (T: the fused kernel's output in packed row order), q [rows, H, D] (T:
+//          the same rows' queries), first [n * KVH] int32 (first_flagged),
+//          params int32 [q_len, seq_len, n]
+// Outputs: out [rows, H, D] (T): o, or NaN for every element of a (row, head) that attends a
+//          flagged position (first <= seq_len - q_len + r, the row's last key) or whose query
+//          holds a non-finite element.
+// Template: T, NUM_HEADS, KV_HEADS, HEAD_SIZE (a multiple of 4).
+// rows = n * q_len, sequence-major. One simdgroup per (row, head); each lane moves groups of four
+// elements (one 8- or 16-byte access on CUDA).
+const int q_len = params[0];
+const int seq_len = params[1];
+const int lane = int(thread_index_in_simdgroup);
+const int64_t pair = int64_t(thread_position_in_grid.x) / MA_SIMD_WIDTH;
+const int64_t pairs = int64_t(params[2]) * q_len * NUM_HEADS;
+if (pair < pairs) {
+  const int h = int(pair % NUM_HEADS);
+  const int64_t t = pair / NUM_HEADS;
+  const int r = int(t % q_len);
+  const int s = int(t / q_len);
+  const int kvh = h / (NUM_HEADS / KV_HEADS);
+  const bool reached = first[s * KV_HEADS + kvh] <= seq_len - q_len + r;
+  const int64_t base = pair * HEAD_SIZE;
+  float bad_q = 0.0f;
+  for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
+    float x[4];
+    ma_unpack4(ma_load_raw4(q + base + d), x);
+    for (int i = 0; i < 4; ++i) {
+      if (!ma_isfinite(x[i])) {
+        bad_q = 1.0f;
+      }
+    }
+  }
+  const float bad_lanes = simd_sum(bad_q);  // every lane of the simdgroup takes part
+  const bool nan_row = reached || bad_lanes > 0.0f;
+  for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
+    if (nan_row) {
+      for (int i = 0; i < 4; ++i) {
+        out[base + d + i] = ma_from_float<T>(ma_nan());
+      }
+    } else {
+      ma_store_raw4(out + base + d, ma_load_raw4(o + base + d));
+    }
+  }
+}
