@@ -226,20 +226,23 @@ MA_FUNC threadgroup float* ma_tg_floats(threadgroup U* p) {
   return reinterpret_cast<threadgroup float*>(p);
 }
 
-// Four elements into device memory.
-template <typename U>
-MA_FUNC void ma_store_raw4(device U* p, ma_raw4<U> r) {
+// Four elements to `p`, whatever its address space (the two stores below).
+template <typename U, typename P>
+MA_FUNC void ma_write_raw4(P p, ma_raw4<U> r) {
   p[0] = r.v[0];
   p[1] = r.v[1];
   p[2] = r.v[2];
   p[3] = r.v[3];
 }
 
+// Four elements into device memory.
+template <typename U>
+MA_FUNC void ma_store_raw4(device U* p, ma_raw4<U> r) {
+  ma_write_raw4<U>(p, r);
+}
+
 // Four elements into threadgroup memory.
 template <typename U>
 MA_FUNC void ma_tg_store4(threadgroup U* p, ma_raw4<U> r) {
-  p[0] = r.v[0];
-  p[1] = r.v[1];
-  p[2] = r.v[2];
-  p[3] = r.v[3];
+  ma_write_raw4<U>(p, r);
 }
