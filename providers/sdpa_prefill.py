@@ -83,8 +83,9 @@ SDPA_PREFILL_RULES: Mapping[str, SdpaRule] = MappingProxyType({
         32,
         "H200, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_sdpa_fused.py, prefill-gpu; "
         "docs/bench-h200-prefill.md): the route ran 1.10-3.74x faster than tiled_prefill on every prefill chunk "
-        "from 32 rows after 2K tokens to 2,048-token prompts, and 0.75x on 24 rows after 1K (chunks of 16 rows or "
-        "fewer are verification windows, which it does not take). Mixed batches (8 decode rows at 4K, then one "
+        "from 32 rows after 2K tokens to 2,048-token prompts, and 0.75x on 24 rows after 1K (the route's times "
+        "include a re-plan per call, up to ~26 us against it; chunks of 16 rows or fewer are verification "
+        "windows, which it does not take). Mixed batches (8 decode rows at 4K, then one "
         "chunk): 2.43-2.54x faster than the tiles' mixed route with chunks of 1,024 and 2,048 rows; 0.79-0.93x "
         "with 512-row chunks (1.19-1.24x at 128 and 256 rows in the same run: one threshold keeps the tiles "
         "below 1,024)",
