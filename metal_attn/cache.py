@@ -31,6 +31,7 @@ from metal_attn.api import DTYPE_NAMES, MX_DTYPES, dtype_name, kernel_block_size
 from metal_attn.constants import KERNEL_BLOCK_SIZES
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.metadata import AttentionMetadata
+from metal_attn.provider import scatter_slots
 
 __all__ = ["BlockAllocator", "PagedKVCache", "StepPlan", "build_step_plan"]
 
@@ -234,16 +235,6 @@ def build_step_plan(
         metadata=metadata,
         copies=tuple(copies),
     )
-
-
-def _scatter_rows(pool: mx.array, rows: mx.array, slots: mx.array) -> mx.array:
-    """``pool[slot] = row`` with MLX's scatter, in place when the pool is donated: the write of a
-    step traced under ``mx.compile`` (a provider's writer may read the slots on the host, which a
-    trace cannot; a traced step's slots are the cache's own, so none is skipped)."""
-    nb, bs, kvh, d = pool.shape
-    flat = pool.reshape(nb * bs, kvh, d)
-    flat[slots] = rows
-    return flat.reshape(nb, bs, kvh, d)
 
 
 @dataclasses.dataclass
@@ -458,7 +449,9 @@ class PagedKVCache:
         self._k[i] = self._v[i] = None
         try:
             if plan.metadata.lengths_are_bounds:
-                k, v = _scatter_rows(k, key, plan.slot_mapping), _scatter_rows(v, value, plan.slot_mapping)
+                # A traced step's slots are the cache's own (none to skip), and a provider's writer
+                # may read slots on the host, which a trace cannot: MLX's scatter, in place.
+                k, v = scatter_slots(k, key, plan.slot_mapping), scatter_slots(v, value, plan.slot_mapping)
             else:
                 k, v = write_checked(key, value, k, v, plan.slot_mapping)
         finally:

@@ -64,6 +64,17 @@ class AttentionInputs:
     softcap: float | None = None
 
 
+def scatter_slots(pool: mx.array, rows: mx.array, slots: mx.array) -> mx.array:
+    """``pool[slot] = row`` for each row of ``rows`` (``[n, kv_heads, head]``) and its slot, through
+    MLX's scatter on the pool seen as ``[num_blocks * block_size, kv_heads, head]``: in place when
+    the pool is donated. For cache writers: every slot must be inside the pool (MLX's scatter does
+    not bounds-check its indices)."""
+    nb, bs, kvh, head = pool.shape
+    flat = pool.reshape(nb * bs, kvh, head)
+    flat[slots] = rows
+    return flat.reshape(nb, bs, kvh, head)
+
+
 def _fmt(values: Any) -> str:
     return ", ".join(str(v) for v in values)
 

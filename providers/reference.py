@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from metal_attn.provider import AttentionInputs, Plan, Provider
+from metal_attn.provider import AttentionInputs, Plan, Provider, scatter_slots
 
 if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.device import DeviceInfo
@@ -107,7 +107,7 @@ class ReferenceProvider(Provider):
         slots: mx.array,
         device: DeviceInfo,
     ) -> tuple[mx.array, mx.array]:
-        nb, bs, kvh, head = k_cache.shape
+        nb, bs = k_cache.shape[:2]
         host = np.array(slots, copy=False)
         # Negative slots are padding; slots past the pool (possible with validate_metadata off)
         # are skipped too: MLX's scatter does not bounds-check its indices.
@@ -123,11 +123,7 @@ class ReferenceProvider(Provider):
                 idx, rows = mx.array(host[keep].astype(np.int64)), mx.array(keep.astype(np.int64))
         k_new = key if rows is None else key[rows]
         v_new = value if rows is None else value[rows]
-        kf = k_cache.reshape(nb * bs, kvh, head)
-        vf = v_cache.reshape(nb * bs, kvh, head)
-        kf[idx] = k_new
-        vf[idx] = v_new
-        return kf.reshape(nb, bs, kvh, head), vf.reshape(nb, bs, kvh, head)
+        return scatter_slots(k_cache, k_new, idx), scatter_slots(v_cache, v_new, idx)
 
 
 #: The 13 low mantissa bits that TF32 drops from a float32.
