@@ -7,32 +7,35 @@
 //
 // @kernel gather_kv
 // Inputs : k_cache, v_cache [NB, BS, KVH, D] (T), block_tables [S, W] int32,
-//          params int32 [first_seq, n, seq_len, num_blocks, width]
+//          params int32 [first_seq, n, seq_len, num_blocks, width, block_size, kv_heads]
 // Outputs: k_out, v_out [n, KVH, seq_len, D] (T; the layout of a fused kernel's K/V, each head's
 //          keys contiguous), V's non-finite elements as 0;
 //          bad [n, KVH, seq_len] int32: 1 where that K or V row holds a non-finite element; at
 //          position 0 also where the sequence's table holds a block id outside the pool (only
 //          with validation off: such a page is never read, and every row attends position 0).
-// Template: T, BLOCK_SIZE, KV_HEADS, HEAD_SIZE.
+// Template: T, HEAD_SIZE. The block size and KV head count are runtime parameters, so the kernel a
+// provider compiles ahead for a (dtype, head size) is the one every geometry of it runs.
 // One simdgroup per (sequence, position, KV head) row; lanes stride over the head dimension in
 // groups of four (HEAD_SIZE a multiple of 4).
 const int first_seq = params[0];
 const int seq_len = params[2];
 const int num_blocks = params[3];
 const int width = params[4];
+const int block_size = params[5];
+const int kv_heads = params[6];
 const int lane = int(thread_index_in_simdgroup);
 const int64_t row = int64_t(thread_position_in_grid.x) / MA_SIMD_WIDTH;
-const int64_t rows = int64_t(params[1]) * seq_len * KV_HEADS;
+const int64_t rows = int64_t(params[1]) * seq_len * kv_heads;
 if (row < rows) {
-  const int h = int(row % KV_HEADS);
-  const int64_t t = row / KV_HEADS;
+  const int h = int(row % kv_heads);
+  const int64_t t = row / kv_heads;
   const int pos = int(t % seq_len);
   const int s = int(t / seq_len);
   const device int* table = block_tables + int64_t(first_seq + s) * width;
-  const int blk = table[pos / BLOCK_SIZE];
+  const int blk = table[pos / block_size];
   const bool in_pool = blk >= 0 && blk < num_blocks;
-  const int64_t src = ((int64_t(in_pool ? blk : 0) * BLOCK_SIZE + pos % BLOCK_SIZE) * KV_HEADS + h) * HEAD_SIZE;
-  const int64_t out_row = (int64_t(s) * KV_HEADS + h) * seq_len + pos;
+  const int64_t src = ((int64_t(in_pool ? blk : 0) * block_size + pos % block_size) * kv_heads + h) * HEAD_SIZE;
+  const int64_t out_row = (int64_t(s) * kv_heads + h) * seq_len + pos;
   const int64_t dst = out_row * HEAD_SIZE;
   float bad_here = in_pool ? 0.0f : 1.0f;
   // Groups of four elements per lane: one 8- or 16-byte load and store each on CUDA. A page
@@ -69,7 +72,7 @@ if (row < rows) {
     }
   }
   if (pos == 0) {  // the table's block ids, checked once per (sequence, KV head)
-    const int pages = (seq_len + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    const int pages = (seq_len + block_size - 1) / block_size;
     for (int p = lane; p < pages; p += MA_SIMD_WIDTH) {
       if (table[p] < 0 || table[p] >= num_blocks) {
         bad_here = 1.0f;

@@ -39,25 +39,28 @@ if (tid == 0) {
 // @kernel sdpa_finish
 // Inputs : o [rows, H, D] (T: the fused kernel's output in packed row order), q [rows, H, D] (T:
 //          the same rows' queries), first [n * KVH] int32 (first_flagged),
-//          params int32 [q_len, seq_len, n]
+//          params int32 [q_len, seq_len, n, num_heads, kv_heads]
 // Outputs: out [rows, H, D] (T): o, or NaN for every element of a (row, head) that attends a
 //          flagged position (first <= seq_len - q_len + r, the row's last key) or whose query
 //          holds a non-finite element.
-// Template: T, NUM_HEADS, KV_HEADS, HEAD_SIZE (a multiple of 4).
+// Template: T, HEAD_SIZE (a multiple of 4). The head counts are runtime parameters, so the kernel a
+// provider compiles ahead for a (dtype, head size) is the one every geometry of it runs.
 // rows = n * q_len, sequence-major. One simdgroup per (row, head); each lane moves groups of four
 // elements (one 8- or 16-byte access on CUDA).
 const int q_len = params[0];
 const int seq_len = params[1];
+const int num_heads = params[3];
+const int kv_heads = params[4];
 const int lane = int(thread_index_in_simdgroup);
 const int64_t pair = int64_t(thread_position_in_grid.x) / MA_SIMD_WIDTH;
-const int64_t pairs = int64_t(params[2]) * q_len * NUM_HEADS;
+const int64_t pairs = int64_t(params[2]) * q_len * num_heads;
 if (pair < pairs) {
-  const int h = int(pair % NUM_HEADS);
-  const int64_t t = pair / NUM_HEADS;
+  const int h = int(pair % num_heads);
+  const int64_t t = pair / num_heads;
   const int r = int(t % q_len);
   const int s = int(t / q_len);
-  const int kvh = h / (NUM_HEADS / KV_HEADS);
-  const bool reached = first[s * KV_HEADS + kvh] <= seq_len - q_len + r;
+  const int kvh = h / (num_heads / kv_heads);
+  const bool reached = first[s * kv_heads + kvh] <= seq_len - q_len + r;
   const int64_t base = pair * HEAD_SIZE;
   float bad_q = 0.0f;
   for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {

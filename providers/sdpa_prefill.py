@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 
 from metal_attn.providers import gpu_common as gc
 
-from metal_attn.constants import KERNEL_BLOCK_SIZES
 from metal_attn.provider import Plan, Provider
 from metal_attn.request import Phase
 
@@ -162,9 +161,12 @@ class SdpaPrefillProvider(Provider):
         )
 
     def prepare(self, plan: Plan, device: DeviceInfo) -> None:
-        """Check that MLX has a fused kernel for the plan's configuration: a tiny call through
-        `prefill_rows` (``force_fused=True`` makes MLX raise at call time when it has none; the
-        failure becomes a recorded fallback to the next provider), and compile the decode rows'."""
+        """Compile the route's kernels and check that MLX has a fused kernel for the plan's
+        configuration, with a tiny call through `prefill_rows` (``force_fused=True`` makes MLX
+        raise at call time when it has none); any failure becomes a recorded fallback to the next
+        provider. ``gather_kv``, ``first_flagged`` and ``sdpa_finish`` are templated on dtype and
+        head size only, so the tiny call compiles the very kernels every geometry of the plan runs.
+        Then the decode rows' kernels are compiled."""
         _, backend, dtype, head, group, sinks, decode_spec = plan.specialization
 
         def launch(b: gc.TinyBatch) -> list[mx.array]:
@@ -195,21 +197,20 @@ class SdpaPrefillProvider(Provider):
 
     def msl_specializations(self) -> list[Specialization]:
         """The route's kernels on Metal, for `metal_attn.msl_check` (the route is not admitted on
-        Metal, but the kernel texts are shared): ``gather_kv`` over {float16, bfloat16} x head sizes x
-        kernel block sizes, ``sdpa_finish`` over dtypes x head sizes, and ``first_flagged``."""
+        Metal, but the kernel texts are shared): ``gather_kv`` and ``sdpa_finish`` over {float16,
+        bfloat16} x head sizes (block size and head counts are runtime parameters), and ``first_flagged``."""
         from metal_attn.source_specs import Specialization
 
         gathers = [Specialization(
-            label=f"gather_kv {dtype} head={head} block={block}", kernel="gather_kv", source_files=GATHER_FILES,
-            input_names=GATHER_INPUTS, output_names=GATHER_OUTPUTS,
-            template=tuple(gather_template(dtype, block, 2, head)),
-            inputs=(((4, block, 2, head), dtype), ((4, block, 2, head), dtype), ((2, 4), "int32"), ((5,), "int32")),
+            label=f"gather_kv {dtype} head={head}", kernel="gather_kv", source_files=GATHER_FILES,
+            input_names=GATHER_INPUTS, output_names=GATHER_OUTPUTS, template=tuple(gather_template(dtype, head)),
+            inputs=(((4, 16, 2, head), dtype), ((4, 16, 2, head), dtype), ((2, 4), "int32"), ((7,), "int32")),
             outputs=(((1, 3, 2, head), dtype), ((1, 3, 2, head), dtype), ((1, 3, 2), "int32")),
-        ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes) for block in sorted(KERNEL_BLOCK_SIZES)]
+        ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         finishes = [Specialization(
             label=f"sdpa_finish {dtype} head={head}", kernel="sdpa_finish", source_files=FINISH_FILES,
-            input_names=FINISH_INPUTS, output_names=FINISH_OUTPUTS, template=tuple(finish_template(dtype, 4, 2, head)),
-            inputs=(((3, 4, head), dtype), ((3, 4, head), dtype), ((2,), "int32"), ((3,), "int32")),
+            input_names=FINISH_INPUTS, output_names=FINISH_OUTPUTS, template=tuple(finish_template(dtype, head)),
+            inputs=(((3, 4, head), dtype), ((3, 4, head), dtype), ((2,), "int32"), ((5,), "int32")),
             outputs=(((3, 4, head), dtype),),
         ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         first = Specialization(
@@ -226,11 +227,11 @@ class SdpaPrefillProvider(Provider):
         gathers = [CudaSource(f"gather_kv {dtype} h{head}", "gather_kv", GATHER_FILES,
                               (("k_cache", dtype), ("v_cache", dtype), ("block_tables", "int32"), ("params", "int32")),
                               (("k_out", dtype), ("v_out", dtype), ("bad", "int32")),
-                              tuple(gather_template(dtype, 16, 8, head)))
+                              tuple(gather_template(dtype, head)))
                    for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         finishes = [CudaSource(f"sdpa_finish {dtype} h{head}", "sdpa_finish", FINISH_FILES,
                                (("o", dtype), ("q", dtype), ("first", "int32"), ("params", "int32")),
-                               (("out", dtype),), tuple(finish_template(dtype, 32, 8, head)))
+                               (("out", dtype),), tuple(finish_template(dtype, head)))
                     for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         first = CudaSource("first_flagged", "first_flagged", FINISH_FILES, (("bad", "int32"), ("params", "int32")),
                            (("first", "int32"),), (("THREADS", FIRST_THREADS),))
@@ -312,9 +313,9 @@ FIRST_THREADS = 256
 FINISH_THREADS = 128
 
 
-def gather_template(dtype: Any, block_size: int, kv_heads: int, head_size: int) -> list[tuple[str, Any]]:
-    """The template arguments of ``gather_kv``."""
-    return [("T", dtype), ("BLOCK_SIZE", block_size), ("KV_HEADS", kv_heads), ("HEAD_SIZE", head_size)]
+def gather_template(dtype: Any, head_size: int) -> list[tuple[str, Any]]:
+    """The template arguments of ``gather_kv`` (its block size and KV head count are parameters)."""
+    return [("T", dtype), ("HEAD_SIZE", head_size)]
 
 
 def launch_gather(k_cache: mx.array, v_cache: mx.array, block_tables: mx.array, first_seq: int, n: int,
@@ -327,10 +328,10 @@ def launch_gather(k_cache: mx.array, v_cache: mx.array, block_tables: mx.array, 
 
     nb, bs, kvh, head = k_cache.shape
     kernel = kernels.load_kernel("gather_kv", GATHER_FILES, GATHER_INPUTS, GATHER_OUTPUTS, backend)
-    params = gc.pack_int32((first_seq, n, seq_len, nb, block_tables.shape[1]))
+    params = gc.pack_int32((first_seq, n, seq_len, nb, block_tables.shape[1], bs, kvh))
     k, v, bad = kernel(
         inputs=[k_cache, v_cache, block_tables, params],
-        template=gather_template(k_cache.dtype, bs, kvh, head),
+        template=gather_template(k_cache.dtype, head),
         grid=(n * seq_len * kvh * kernels.SIMD_WIDTH, 1, 1), threadgroup=(GATHER_THREADS, 1, 1),
         output_shapes=[(n, kvh, seq_len, head), (n, kvh, seq_len, head), (n, kvh, seq_len)],
         output_dtypes=[k_cache.dtype, v_cache.dtype, mx.int32],
@@ -362,15 +363,15 @@ def launch_finish(o: mx.array, q_rows: mx.array, first: mx.array, n: int, q_len:
     _, num_heads, head = o.shape
     kvh = first.shape[0] // n
     kernel = kernels.load_kernel("sdpa_finish", FINISH_FILES, FINISH_INPUTS, FINISH_OUTPUTS, backend)
-    return kernel(inputs=[o, q_rows, first, gc.pack_int32((q_len, seq_len, n))],
-                  template=finish_template(o.dtype, num_heads, kvh, head),
+    return kernel(inputs=[o, q_rows, first, gc.pack_int32((q_len, seq_len, n, num_heads, kvh))],
+                  template=finish_template(o.dtype, head),
                   grid=(n * q_len * num_heads * kernels.SIMD_WIDTH, 1, 1), threadgroup=(FINISH_THREADS, 1, 1),
                   output_shapes=[o.shape], output_dtypes=[o.dtype])[0]
 
 
-def finish_template(dtype: Any, num_heads: int, kv_heads: int, head_size: int) -> list[tuple[str, Any]]:
-    """The template arguments of ``sdpa_finish``."""
-    return [("T", dtype), ("NUM_HEADS", num_heads), ("KV_HEADS", kv_heads), ("HEAD_SIZE", head_size)]
+def finish_template(dtype: Any, head_size: int) -> list[tuple[str, Any]]:
+    """The template arguments of ``sdpa_finish`` (its head counts are parameters)."""
+    return [("T", dtype), ("HEAD_SIZE", head_size)]
 
 
 def poisoned_rows(bad: mx.array, q_len: int, num_heads: int) -> mx.array:

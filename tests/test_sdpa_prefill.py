@@ -12,7 +12,7 @@ import metal_attn as ma
 from metal_attn._layout import import_builtin_providers
 from metal_attn.device import DeviceInfo
 from metal_attn.provider import AttentionInputs
-from metal_attn.settings import override_settings
+from metal_attn.settings import get_settings, override_settings
 from metal_attn.testing import assert_close_to_oracle, make_case
 
 import_builtin_providers()
@@ -195,3 +195,45 @@ def test_an_infinite_query_makes_its_row_nan(sinks):
     inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale, sinks=case.sinks)
     out = mx.concatenate(sp.prefill_rows(inputs, md, force_fused=False), axis=0)
     assert_close_to_oracle(out, case.oracle(), "float16", label=f"inf q sinks={sinks}")
+
+
+def _recording_kernels(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple]]:
+    """Replace the kernel loader by one that records each launch's (kernel, template) and returns
+    zeros of the output shapes, and let MLX's unfused SDPA stand in for the fused kernel."""
+    from metal_attn import kernels
+
+    seen: list[tuple[str, tuple]] = []
+
+    def load(name, *_args, **_kw):
+        def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            seen.append((name, tuple((k, str(v)) for k, v in template)))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        return launch
+
+    fused = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(kernels, "load_kernel", load)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda *a, force_fused=False, **kw: fused(*a, **kw))
+    return seen
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (16, 2), (4, 4)])
+def test_prepare_compiles_the_kernels_every_geometry_runs(monkeypatch, heads):
+    # prepare's tiny batch (one KV head, block 16) must instantiate exactly the templates a real call of
+    # another geometry launches, so a compile failure surfaces in prepare as a recorded fallback.
+    seen = _recording_kernels(monkeypatch)
+    num_heads, kv_heads = heads
+    device = DeviceInfo(backend="cuda", name="recording", architecture="sm_90")
+    req = ma.AttentionRequest.from_lengths(q_lens=[64, 64], seq_lens=[700, 64], backend="cuda", num_heads=num_heads,
+                                           num_kv_heads=kv_heads, head_size=128, block_size=32, dtype="bfloat16")
+    plan = sp.SdpaPrefillProvider().plan(req, device, get_settings())
+    sp.SdpaPrefillProvider().prepare(plan, device)
+    prepared = set(seen)
+    assert {name for name, _ in prepared} == {"gather_kv", "first_flagged", "sdpa_finish"}
+    seen.clear()
+    case = make_case(q_lens=[64, 64], seq_lens=[700, 64], num_heads=num_heads, num_kv_heads=kv_heads, head_size=128,
+                     block_size=32, dtype="bfloat16", seed=4)
+    md = case.metadata()
+    sp.prefill_rows(AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale), md, backend="cuda")
+    assert set(seen) == prepared
+
