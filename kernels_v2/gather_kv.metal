@@ -24,17 +24,20 @@ const int width = params[4];
 const int block_size = params[5];
 const int kv_heads = params[6];
 const int lane = int(thread_index_in_simdgroup);
-const int64_t row = int64_t(thread_position_in_grid.x) / MA_SIMD_WIDTH;
-const int64_t rows = int64_t(params[1]) * seq_len * kv_heads;
+// Row indices in 32 bits (the grid's thread index is 32-bit): the divisions by the runtime head
+// count and length stay cheap; byte offsets below are 64-bit.
+const uint row = uint(thread_position_in_grid.x) / uint(MA_SIMD_WIDTH);
+const uint rows = uint(params[1]) * uint(seq_len) * uint(kv_heads);
 if (row < rows) {
-  const int h = int(row % kv_heads);
-  const int64_t t = row / kv_heads;
-  const int pos = int(t % seq_len);
-  const int s = int(t / seq_len);
+  const int h = int(row % uint(kv_heads));
+  const uint t = row / uint(kv_heads);
+  const int pos = int(t % uint(seq_len));
+  const int s = int(t / uint(seq_len));
   const device int* table = block_tables + int64_t(first_seq + s) * width;
-  const int blk = table[pos / block_size];
+  const int page = int(uint(pos) / uint(block_size));
+  const int blk = table[page];
   const bool in_pool = blk >= 0 && blk < num_blocks;
-  const int64_t src = ((int64_t(in_pool ? blk : 0) * block_size + pos % block_size) * kv_heads + h) * HEAD_SIZE;
+  const int64_t src = ((int64_t(in_pool ? blk : 0) * block_size + (pos - page * block_size)) * kv_heads + h) * HEAD_SIZE;
   const int64_t out_row = (int64_t(s) * kv_heads + h) * seq_len + pos;
   const int64_t dst = out_row * HEAD_SIZE;
   float bad_here = in_pool ? 0.0f : 1.0f;

@@ -52,16 +52,18 @@ const int seq_len = params[1];
 const int num_heads = params[3];
 const int kv_heads = params[4];
 const int lane = int(thread_index_in_simdgroup);
-const int64_t pair = int64_t(thread_position_in_grid.x) / MA_SIMD_WIDTH;
-const int64_t pairs = int64_t(params[2]) * q_len * num_heads;
+// (row, head) indices in 32 bits (the grid's thread index is 32-bit): the divisions by the runtime
+// head count and chunk length stay cheap; the element offset is 64-bit.
+const uint pair = uint(thread_position_in_grid.x) / uint(MA_SIMD_WIDTH);
+const uint pairs = uint(params[2]) * uint(q_len) * uint(num_heads);
 if (pair < pairs) {
-  const int h = int(pair % num_heads);
-  const int64_t t = pair / num_heads;
-  const int r = int(t % q_len);
-  const int s = int(t / q_len);
+  const int h = int(pair % uint(num_heads));
+  const uint t = pair / uint(num_heads);
+  const int r = int(t % uint(q_len));
+  const int s = int(t / uint(q_len));
   const int kvh = h / (num_heads / kv_heads);
   const bool reached = first[s * kv_heads + kvh] <= seq_len - q_len + r;
-  const int64_t base = pair * HEAD_SIZE;
+  const int64_t base = int64_t(pair) * HEAD_SIZE;
   float bad_q = 0.0f;
   for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
     float x[4];

@@ -138,6 +138,10 @@ class SdpaPrefillProvider(Provider):
 
     def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
         reasons, _ = rule_reasons(request, device.backend)
+        threads = seq_threads(request.max_seq_len, request.max_q_len, request.num_heads, request.num_kv_heads)
+        if threads > MAX_GRID_THREADS:
+            reasons.append(f"a sequence of {request.max_seq_len} tokens needs {threads} threads in one launch of "
+                           f"gather_kv or sdpa_finish (at most {MAX_GRID_THREADS}: their indices are 32-bit)")
         if request.phase is Phase.MIXED and settings.is_disabled(gc.DECODE_ROWS_PROVIDER):
             reasons.append(f"mixed batch: its decode rows need the {gc.DECODE_ROWS_PROVIDER} kernel, which is "
                            f"{settings.is_disabled(gc.DECODE_ROWS_PROVIDER)}")
@@ -269,8 +273,9 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     row0 = sum(md.q_lens_host[:first_seq])
     sinks = inputs.sinks.astype(q.dtype) if inputs.sinks is not None else None
     width = md.block_tables.shape[1]
+    kvh = kc.shape[2]
     outs = []
-    for seq, n, q_len, seq_len in _runs(md, first_seq):
+    for seq, n, q_len, seq_len in _capped(_runs(md, first_seq), num_heads, kvh):
         rows, pages = n * q_len, -(-seq_len // block_size)
         if pages > width:  # a table too short for seq_len (only with validation off): nothing to read
             outs.append(mx.full((rows, num_heads, head), mx.nan, dtype=q.dtype))
@@ -297,6 +302,29 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
             outs.append(mx.where((bad_rows | ~mx.isfinite(q_rows).all(axis=-1))[..., None], mx.nan, o))
         row0 += rows
     return outs
+
+
+#: The most threads one launch of ``gather_kv`` or ``sdpa_finish`` may have: their row indices are
+#: 32-bit (the grid's thread index is), and a CUDA grid's x extent is at most ``2**31 - 1``.
+MAX_GRID_THREADS = 2**31 - 1
+
+
+def seq_threads(seq_len: int, q_len: int, num_heads: int, kv_heads: int) -> int:
+    """Threads one sequence takes in the larger of its ``gather_kv`` and ``sdpa_finish`` launches
+    (one simdgroup per (position, KV head) row, and per (query row, head))."""
+    from metal_attn.kernels import SIMD_WIDTH
+
+    return max(seq_len * kv_heads, q_len * num_heads) * SIMD_WIDTH
+
+
+def _capped(runs: list[tuple[int, int, int, int]], num_heads: int,
+            kv_heads: int) -> list[tuple[int, int, int, int]]:
+    """``runs`` with each split into as few launches as keep every launch within `MAX_GRID_THREADS`."""
+    out = []
+    for seq, n, q_len, seq_len in runs:
+        cap = max(1, MAX_GRID_THREADS // seq_threads(seq_len, q_len, num_heads, kv_heads))
+        out += [(seq + i, min(cap, n - i), q_len, seq_len) for i in range(0, n, cap)]
+    return out
 
 
 GATHER_FILES = ("gather_kv.metal",)

@@ -237,3 +237,18 @@ def test_prepare_compiles_the_kernels_every_geometry_runs(monkeypatch, heads):
     sp.prefill_rows(AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale), md, backend="cuda")
     assert set(seen) == prepared
 
+
+def test_launches_stay_within_32_bit_indices():
+    # gather_kv and sdpa_finish index rows in 32 bits: a run of sequences is split so that no launch
+    # exceeds MAX_GRID_THREADS, and a single sequence that would is refused at admission.
+    per_seq = sp.seq_threads(4096, 4096, 32, 8)
+    cap = sp.MAX_GRID_THREADS // per_seq
+    runs = sp._capped([(3, 2 * cap + 5, 4096, 4096), (2 * cap + 8, 1, 64, 100)], 32, 8)
+    assert runs == [(3, cap, 4096, 4096), (3 + cap, cap, 4096, 4096), (3 + 2 * cap, 5, 4096, 4096),
+                    (2 * cap + 8, 1, 64, 100)]
+    assert all(n * sp.seq_threads(sl, ql, 32, 8) <= sp.MAX_GRID_THREADS for _, n, ql, sl in runs)
+    too_long = sp.MAX_GRID_THREADS // (8 * 32) + 1
+    ex = _explain(H200, [64], [too_long])
+    assert not _row(ex).chosen
+    assert f"a sequence of {too_long} tokens needs" in "\n".join(_row(ex).reasons), str(ex)
+    assert _row(_explain(H200, [64], [too_long - 1])).chosen
