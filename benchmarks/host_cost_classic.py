@@ -59,7 +59,7 @@ def measure(batch: int, context: int) -> dict[str, float]:
     if route != f"per_token_ps{PARTITION_SIZE}":
         raise SystemExit(f"b{batch} L{context}: classic takes route {route}; this script times the split route's "
                          "two kernels (pick a shorter grid or a longer context)")
-    geo = gc.launch_geometry(case.q, case.k_pool, md, split=True, backend=backend)
+    geo = gc.launch_geometry(case.q, case.k_pool, md, partition_size=512, backend=backend)
     parts = -(-context // PARTITION_SIZE)
     params = gc.pack_int32((md.num_seqs, 32, 8, md.max_blocks_per_seq, 0, parts, 0))
     fparams = gc.pack_scale(case.scale, None)
@@ -70,7 +70,7 @@ def measure(batch: int, context: int) -> dict[str, float]:
         return gc.per_token_kernel(backend, True, geo)(
             inputs=[case.q, case.k_pool, case.v_pool, md.block_tables, md.seq_lens, md.cu_seqlens_q,
                     gc.zeros_f32(32), params, fparams],
-            template=gc.paged_template(case.q.dtype, 128, 16, True, geo, gc.PREFETCH_NEXT.get(backend, 0)),
+            template=gc.paged_template(case.q.dtype, 128, 16, 512, geo, gc.PREFETCH_NEXT.get(backend, 0)),
             grid=(geo.grid_x(32), batch, parts), threadgroup=(geo.threads, 1, 1),
             output_shapes=[(batch, 32, parts), (batch, 32, parts), (batch, 32, parts, 128)],
             output_dtypes=[mx.float32] * 3)

@@ -110,7 +110,7 @@ def test_split_gate(benchmark, bench_cases, context, batch, route):
     shape = Shape(batch, 32, 8, 128, context, "bfloat16")
     case = bench_cases.get(shape)
     benchmark.group = f"split-gate ctx={context}"
-    with override_settings(gpu_cores=GATE_CORES[route]):
+    with override_settings(gpu_cores=GATE_CORES[route], partition_size=512 if route == "per_token_ps512" else 0):
 
         def run():
             out = metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,

@@ -57,7 +57,7 @@ def timeline(kern, batch: int, context: int) -> tuple[np.ndarray, gc.Geometry]:
     """([threadgroups, 4] int64: start, first chunk landed, end (ns, global timer), SM id; the geometry)."""
     case = build_case(Shape(batch, HEADS, KV_HEADS, HEAD, context, "bfloat16"))
     md = case.metadata
-    geo = gc.launch_geometry(case.q, case.k_pool, md, split=True, backend="cuda")
+    geo = gc.launch_geometry(case.q, case.k_pool, md, partition_size=512, backend="cuda")
     if not (geo.stage and geo.mma):
         raise SystemExit(f"{geo}: the probes sit on the staged matrix path; this shape does not take it")
     parts = -(-context // PARTITION_SIZE)
@@ -68,7 +68,7 @@ def timeline(kern, batch: int, context: int) -> tuple[np.ndarray, gc.Geometry]:
     def launch() -> list[mx.array]:
         return kern(inputs=[case.q, case.k_pool, case.v_pool, md.block_tables, md.seq_lens, md.cu_seqlens_q,
                             gc.zeros_f32(HEADS), params, fparams],
-                    template=gc.paged_template(case.q.dtype, HEAD, BLOCK, True, geo, gc.PREFETCH_NEXT["cuda"]),
+                    template=gc.paged_template(case.q.dtype, HEAD, BLOCK, 512, geo, gc.PREFETCH_NEXT["cuda"]),
                     grid=(geo.grid_x(HEADS), batch, parts), threadgroup=(geo.threads, 1, 1),
                     output_shapes=[(batch, HEADS, parts), (batch, HEADS, parts), (batch, HEADS, parts, HEAD),
                                    (groups * 4,)],

@@ -127,6 +127,16 @@ class Settings(BaseSettings):
         ),
     )
 
+    # -- kernel choices for A/B runs -----------------------------------------------------------
+    partition_size: Literal[0, 64, 128, 256, 512] = Field(
+        0,
+        validation_alias=_env("partition_size"),
+        description=(
+            "Per-token kernel on a GPU: the partition size of its split launches (0: each backend's measured "
+            "rule, providers/gpu_common.PARTITION_RULES). The occupancy gate still decides whether to split."
+        ),
+    )
+
     # -- hardware probe overrides -------------------------------------------------------------
     backend_override: Literal["metal", "cuda", "cpu"] | None = Field(
         None,
@@ -215,6 +225,11 @@ class Settings(BaseSettings):
         if isinstance(v, (list, set, frozenset)):
             return tuple(v)
         return v
+
+    @field_validator("partition_size", mode="before")
+    @classmethod
+    def _digits_are_numbers(cls, v: Any) -> Any:
+        return int(v) if isinstance(v, str) and v.strip().isdigit() else v
 
     @field_validator("provider", "gpu_architecture", "gpu_name", "macos_version", "cache_dir", mode="before")
     @classmethod

@@ -31,10 +31,12 @@ The public names, by concept:
   `DECODE_ROWS_PROVIDER` names the provider whose kernel they use (disabling it keeps them in the
   caller's kernel).
 
-Per-token routes: ``per_token_ps0`` (one pass per query row and head) and ``per_token_ps512``
-(split-KV: 512-token partitions, then the reducer), chosen by the occupancy gate
-``num_heads * total_q_tokens < k * gpu_cores`` with at least two partitions (``k`` per backend in
-`metal_attn.constants.SPLIT_GATE_FACTOR`).
+Per-token routes: ``per_token_ps0`` (one pass per query row and head) and ``per_token_psP``
+(split-KV: ``P``-token partitions, then the reducer), chosen by the occupancy gate
+``num_heads * total_q_tokens < k * gpu_cores`` with at least two 512-token partitions (``k`` per
+backend in `metal_attn.constants.SPLIT_GATE_FACTOR`). ``P`` is what the backend's
+`PARTITION_RULES` gives (`partition_choice`): 512 on both GPU backends today, measured on CUDA;
+``METAL_ATTN_PARTITION_SIZE`` forces 256, 128 or 64 for A/B runs.
 """
 
 from __future__ import annotations
@@ -75,7 +77,13 @@ PA_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_
 PA_OUTPUTS = {0: ("out",), 1: ("max_logits", "exp_sums", "tmp_out")}
 REDUCE_INPUTS = ("max_logits", "exp_sums", "tmp_out", "seq_lens", "cu_seqlens_q", "sinks", "params")
 
-PER_TOKEN_ROUTES = {False: "per_token_ps0", True: f"per_token_ps{PARTITION_SIZE}"}
+
+
+def per_token_route(partition_size: int) -> str:
+    """The per-token route's name: ``per_token_ps0`` unsplit, ``per_token_psP`` split into ``P``-token partitions."""
+    return f"per_token_ps{partition_size}"
+
+
 #: The provider whose kernel (the per-token kernel) the decode rows of a mixed split use.
 DECODE_ROWS_PROVIDER = "classic"
 
@@ -623,21 +631,89 @@ def split_decision(request: AttentionRequest, device: DeviceInfo) -> tuple[bool,
     return split, tuple(notes)
 
 
+@dataclasses.dataclass(frozen=True)
+class PartitionRule:
+    """Which partition size a split per-token launch takes on one backend, and the measurement behind it.
+
+    ``sizes``: the partition sizes it may take, largest first (512, the occupancy gate's, first).
+    A launch takes the largest whose KV work items (KV heads x query rows x partitions) reach
+    ``min_items_per_core`` per GPU core, else the smallest; never one whose split-KV scratch exceeds
+    `SCRATCH_CAP_BYTES`. Smaller partitions put more threadgroups on a launch too small to fill the GPU
+    (one request's decode: 8 KV heads x 2 partitions of 512 is 16 threadgroups on 132 SMs).
+    """
+
+    sizes: tuple[int, ...]
+    min_items_per_core: float
+    evidence: str
+
+
+#: One rule per backend (data, like the split gate; ``explain`` prints the arithmetic). Both keep
+#: 512-token partitions: on CUDA smaller ones were measured and did not pay (the evidence).
+PARTITION_RULES: dict[str, PartitionRule] = {
+    "cuda": PartitionRule(
+        (512,), 1.0,
+        "H200, MLX 0.32.4, bf16, 32/8 heads, head 128, one decode row at 600 tokens: 64-token partitions "
+        "(80 threadgroups instead of 16) took 16.9 + 7.8 us (kernel + reducer) against 19.1 + 7.7 us at 512 "
+        "(benchmarks/probe_per_token_small.py, CUPTI); inside the engine's compiled one-request step, on "
+        "another machine, 28.9 + 7.4 against 24.9 + 5.8 us (profile_single_stream.py); the 32-layer queued "
+        "sweep (sweep_partition.py, batches 1 and 4, contexts 600-8192) was fastest at 512 on 7 of 10 shapes. "
+        "The kernel has a floor of 7.2 us at one page of context (ncu: 64 warps on the GPU, 6% achieved "
+        "occupancy, one instruction per 5.9 cycles per warp): fewer tokens per threadgroup do not remove it. "
+        "docs/bench-h200-decode-step.md"),
+    "metal": PartitionRule((PARTITION_SIZE,), 0.0, "upstream's 512-token partitions; not measured on Apple hardware"),
+}
+
+#: The partition sizes the per-token kernel's text takes (multiples of its 32-token staged chunks
+#: and of every kernel block size); `METAL_ATTN_PARTITION_SIZE` may force any of them.
+PER_TOKEN_PARTITION_SIZES = (512, 256, 128, 64)
+
+
+def partition_choice(request: AttentionRequest, device: DeviceInfo, settings: Settings | None) -> tuple[int, str]:
+    """The partition size of a split per-token launch for ``request`` (`PARTITION_RULES`), and the arithmetic."""
+    forced = settings.partition_size if settings is not None else None
+    if forced:
+        return forced, f"partition size {forced} (forced by METAL_ATTN_PARTITION_SIZE)"
+    rule = PARTITION_RULES.get(device.backend, PARTITION_RULES["metal"])
+    cores = device.gpu_cores or 0
+    rows, kvh = request.total_q_tokens, request.num_kv_heads
+
+    def fits(p: int) -> bool:
+        return split_scratch_bytes(rows, request.num_heads, request.partitions(p), request.head_size) \
+            <= SCRATCH_CAP_BYTES
+
+    def items(p: int) -> int:
+        return kvh * rows * request.partitions(p)
+
+    sizes = [p for p in rule.sizes if fits(p)] or [PARTITION_SIZE]
+    chosen = next((p for p in sizes if cores and items(p) >= rule.min_items_per_core * cores), sizes[-1])
+    if len(rule.sizes) == 1:
+        return chosen, f"partition size {chosen} (PARTITION_RULES[{device.backend}]: one size)"
+    return chosen, (f"partition size {chosen}: KV items {kvh}*{rows}*{request.partitions(chosen)}={items(chosen)} "
+                    f"{'>=' if items(chosen) >= rule.min_items_per_core * cores else '<'} "
+                    f"{rule.min_items_per_core:g}*gpu_cores={rule.min_items_per_core * cores:g} "
+                    f"(PARTITION_RULES[{device.backend}] takes the largest of {list(rule.sizes)} reaching it, "
+                    f"else the smallest)")
+
+
 def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
     """The per-token kernel's launch decision for an admitted request, as provider ``provider``'s plan."""
     split, notes = split_decision(request, device)
-    parts = request.partitions(PARTITION_SIZE) if split else 1
+    psize = 0
+    if split:
+        psize, note = partition_choice(request, device, settings)
+        notes = (*notes, note)
+    parts = request.partitions(psize) if split else 1
     items = kv_items_per_core(request.num_kv_heads, request.total_q_tokens, parts, device.gpu_cores)
     geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads,
                    split, items)
     return Plan(
         provider=provider,
-        route=PER_TOKEN_ROUTES[split],
-        partition_size=PARTITION_SIZE if split else 0,
+        route=per_token_route(psize),
+        partition_size=psize,
         grid=(geo.grid_x(request.num_heads), request.total_q_tokens, parts),
         threadgroup=(geo.threads, 1, 1),
-        specialization=(device.backend, request.dtype, request.head_size, request.block_size,
-                        PARTITION_SIZE if split else 0, *dataclasses.astuple(geo)),
+        specialization=(device.backend, request.dtype, request.head_size, request.block_size, psize,
+                        *dataclasses.astuple(geo)),
         notes=(*notes, describe_geometry(geo, items)),
     )
 
@@ -674,33 +750,37 @@ def per_token_kernel(backend: str, split: bool, geo: Geometry) -> Any:
                                defines=paged_defines(split, geo))
 
 
-def launch_geometry(q: mx.array, k_cache: mx.array, md: AttentionMetadata, *, split: bool, backend: str,
+def launch_geometry(q: mx.array, k_cache: mx.array, md: AttentionMetadata, *, partition_size: int, backend: str,
                     rows: int | None = None) -> Geometry:
-    """The geometry `plan` would give this launch (the device's core count for the grid measure)."""
+    """The geometry `plan` would give this launch (the device's core count for the grid measure);
+    ``partition_size`` 0: unsplit."""
     from metal_attn.api import dtype_name
     from metal_attn.device import current_device
 
     total, num_heads, head = q.shape
     num_kv_heads = k_cache.shape[2]
-    items = kv_items_per_core(num_kv_heads, rows or total, _max_parts(md, split, rows), current_device().gpu_cores)
-    return geometry(head, dtype_name(q.dtype), backend, num_heads // num_kv_heads, split, items)
+    items = kv_items_per_core(num_kv_heads, rows or total, _max_parts(md, partition_size, rows),
+                              current_device().gpu_cores)
+    return geometry(head, dtype_name(q.dtype), backend, num_heads // num_kv_heads, partition_size > 0, items)
 
 
-def _max_parts(md: AttentionMetadata, split: bool, rows: int | None) -> int:
+def _max_parts(md: AttentionMetadata, partition_size: int, rows: int | None) -> int:
     # The decode rows of a mixed batch need partitions for the longest decode row only.
     longest = md.max_decode_seq_len if rows is not None and rows == md.num_decode_seqs else md.max_seq_len
-    return -(-longest // PARTITION_SIZE) if split else 1
+    return -(-longest // partition_size) if partition_size else 1
 
 
 def launch_paged(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
     sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
     geometry_override: Geometry | None = None, prefetch: int | None = None, rows: int | None = None,
+    partition_size: int | None = None,
 ) -> mx.array:
     """Run the per-token kernel (and the reducer when ``split``); returns ``[T, H, D]``.
 
     ``rows`` computes only the first ``rows`` query rows (the decode rows at the front of a
-    mixed batch) and returns ``[rows, H, D]``.
+    mixed batch) and returns ``[rows, H, D]``. ``partition_size`` (split only): one of
+    `PER_TOKEN_PARTITION_SIZES` (default 512).
 
     ``geometry_override`` replaces `launch_geometry` (checked by `geometry_problem`) and
     ``prefetch`` replaces `PREFETCH_NEXT` (0 or 1), for tuning sweeps and tests; plans run
@@ -709,8 +789,11 @@ def launch_paged(
     total, num_heads, head = q.shape
     if rows is not None and not 1 <= rows <= total:
         raise ValueError(f"rows={rows} (allowed: 1..{total}, the query rows of the batch)")
+    if partition_size is not None and partition_size not in PER_TOKEN_PARTITION_SIZES:
+        raise ValueError(f"partition_size={partition_size} (allowed: {', '.join(map(str, PER_TOKEN_PARTITION_SIZES))})")
+    psize = (partition_size or PARTITION_SIZE) if split else 0
     if geometry_override is None:
-        geo = launch_geometry(q, k_cache, md, split=split, backend=backend, rows=rows)  # valid by construction
+        geo = launch_geometry(q, k_cache, md, partition_size=psize, backend=backend, rows=rows)  # valid by construction
     else:
         geo = geometry_override
         problem = geometry_problem(geo, head, num_heads // k_cache.shape[2], q.dtype.size, backend)
@@ -720,18 +803,18 @@ def launch_paged(
     if prefetch not in (0, 1):
         raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
     return _launch(q, k_cache, v_cache, md, scale=scale, sinks=sinks, sliding_window=sliding_window,
-                   softcap=softcap, split=split, backend=backend, geo=geo, prefetch=prefetch, rows=rows)
+                   softcap=softcap, partition_size=psize, backend=backend, geo=geo, prefetch=prefetch, rows=rows)
 
 
 def _launch(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
-    sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
+    sinks: mx.array | None, sliding_window: int | None, softcap: float | None, partition_size: int, backend: str,
     geo: Geometry, prefetch: int, rows: int | None,
 ) -> mx.array:
     """`launch_paged` after its checks."""
     launch = per_token_launch(q.shape, q.dtype, k_cache.shape, md, scale=scale, use_sinks=sinks is not None,
-                              sliding_window=sliding_window, softcap=softcap, split=split, backend=backend, geo=geo,
-                              prefetch=prefetch, rows=rows)
+                              sliding_window=sliding_window, softcap=softcap, partition_size=partition_size,
+                              backend=backend, geo=geo, prefetch=prefetch, rows=rows)
     return launch(q, k_cache, v_cache, md, sinks)
 
 
@@ -759,32 +842,35 @@ class PerTokenLaunch:
 
 def per_token_launch(
     q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...], md: AttentionMetadata, *, scale: float,
-    use_sinks: bool, sliding_window: int | None, softcap: float | None, split: bool, backend: str, geo: Geometry,
-    prefetch: int, rows: int | None,
+    use_sinks: bool, sliding_window: int | None, softcap: float | None, partition_size: int, backend: str,
+    geo: Geometry, prefetch: int, rows: int | None,
 ) -> PerTokenLaunch:
-    """The per-token kernel's launch (and the reducer's when ``split``) for a query of ``q_shape`` in
-    ``dtype`` over pools of ``k_shape`` and the batch ``md``; ``rows``: only the first rows."""
+    """The per-token kernel's launch (and the reducer's when split: ``partition_size`` > 0) for a
+    query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` and the batch ``md``; ``rows``: only
+    the first rows."""
     total, num_heads, head = q_shape
     total = rows or total
     _, block_size, num_kv_heads, _ = k_shape
-    max_parts = _max_parts(md, split, rows)
+    split = partition_size > 0
+    max_parts = _max_parts(md, partition_size, rows)
     params = pack_int32((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq, int(sliding_window or 0),
                          max_parts, int(use_sinks)))
     out = (split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     launch = kernel_launch(per_token_kernel(backend, split, geo),
-                           template=paged_template(dtype, head, block_size, split, geo, prefetch),
+                           template=paged_template(dtype, head, block_size, partition_size, geo, prefetch),
                            grid=(geo.grid_x(num_heads), total, max_parts), threadgroup=(geo.threads, 1, 1), **out)
-    reduce = (reduce_launch((total, num_heads, max_parts, head), mx.float32, dtype, md, use_sinks, PARTITION_SIZE,
+    reduce = (reduce_launch((total, num_heads, max_parts, head), mx.float32, dtype, md, use_sinks, partition_size,
                             backend) if split else None)
     return PerTokenLaunch(launch, params, pack_scale(scale, softcap), zeros_f32(num_heads), reduce)
 
 
-def paged_template(dtype, head_size: int, block_size: int, split: bool, geo: Geometry,
+def paged_template(dtype, head_size: int, block_size: int, partition_size: int, geo: Geometry,
                    prefetch: int) -> list[tuple[str, object]]:
-    """The per-token kernel's template arguments (``dtype``: an MLX dtype, or its name for the source check)."""
+    """The per-token kernel's template arguments (``dtype``: an MLX dtype, or its name for the source
+    check; ``partition_size`` 0: unsplit)."""
     return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size),
-            ("PARTITION_SIZE", PARTITION_SIZE if split else 0), ("NUM_THREADS", geo.threads),
+            ("PARTITION_SIZE", partition_size), ("NUM_THREADS", geo.threads),
             ("TPT", geo.lanes), ("UNROLL", geo.unroll), ("HPS", geo.hps), ("HPW", geo.hpw),
             ("PREFETCH", prefetch), ("STAGE", geo.stage), ("STAGES", geo.stages)]
 
@@ -801,7 +887,7 @@ def run_per_token(inputs: AttentionInputs, specialization: tuple, rows: int | No
         backend = specialization[0]
         launch = cached_launch(md, key, lambda: per_token_launch(
             q.shape, q.dtype, k_cache.shape, md, scale=inputs.scale, use_sinks=inputs.sinks is not None,
-            sliding_window=inputs.sliding_window, softcap=inputs.softcap, split=specialization[4] > 0,
+            sliding_window=inputs.sliding_window, softcap=inputs.softcap, partition_size=specialization[4],
             backend=backend, geo=plan_geometry(specialization), prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows))
     return launch(q, k_cache, inputs.v_cache, md, inputs.sinks)
 
@@ -815,10 +901,11 @@ def prepare_per_token(plan: Plan, device: DeviceInfo) -> None:
     def _go(b: TinyBatch) -> mx.array:
         # hps query heads on one KV head: the plan's exact specialization
         return launch_paged(b.q, b.cache, b.cache, b.metadata, scale=1.0, sinks=None, sliding_window=None,
-                            softcap=None, split=split, backend=backend, geometry_override=geo)
+                            softcap=None, split=split, backend=backend, geometry_override=geo,
+                            partition_size=psize or None)
 
     compile_eagerly(device, f"{plan.provider} {plan.route} {plan.specialization}", _go, dtype=dtype,
-                    head_size=head, block_size=block, seq_len=PARTITION_SIZE + 1 if split else 1, num_heads=geo.hps)
+                    head_size=head, block_size=block, seq_len=psize + 1 if split else 1, num_heads=geo.hps)
 
 
 # -- the decode-rows sub-plan of a mixed batch --------------------------------------------------------

@@ -312,12 +312,81 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
     # A bare launch without an override takes the plan's geometry, with the device's core count:
     # float32's staged per-token path picks its heads per simdgroup by threadgroups per core.
     with override_settings(gpu_cores=132):
-        assert gc.launch_geometry(q, kc, md, split=True, backend="cuda") == geo
+        assert gc.launch_geometry(q, kc, md, partition_size=512, backend="cuda") == geo
     q32, kc32 = q.astype(mx.float32), kc.astype(mx.float32)
     by_cores = {}
     for cores in (132, 16):
         with override_settings(gpu_cores=cores):
-            by_cores[cores] = gc.launch_geometry(q32, kc32, md, split=True, backend="cuda")
+            by_cores[cores] = gc.launch_geometry(q32, kc32, md, partition_size=512, backend="cuda")
         items = gc.kv_items_per_core(kv_heads, batch, ctx // 512, cores)
         assert by_cores[cores] == gc.geometry(128, "float32", "cuda", heads // kv_heads, True, items)
     assert by_cores[132] != by_cores[16]
+
+
+# -- the partition size of split launches (PARTITION_RULES) ----------------------------------------
+
+
+def _cuda_plan(q_lens, seq_lens, **kw):
+    _, row = _classic_row(q_lens=q_lens, seq_lens=seq_lens, num_heads=32, num_kv_heads=8, device="h200", **kw)
+    return row.plan
+
+
+def test_the_shipped_rules_keep_512_and_say_why():
+    from metal_attn.providers import gpu_common as gc
+
+    for backend, rule in gc.PARTITION_RULES.items():
+        assert rule.sizes == (PARTITION_SIZE,) and rule.evidence, backend
+    plan = _cuda_plan([1], [600])  # one request: 16 threadgroups at 512, measured no slower than 64
+    assert (plan.route, plan.partition_size) == ("per_token_ps512", 512)
+    assert "partition size 512 (PARTITION_RULES[cuda]: one size)" in " | ".join(plan.notes)
+
+
+@pytest.fixture
+def multi_size_rule(monkeypatch):
+    """A CUDA rule offering every size the kernel takes (the mechanism; the shipped data is 512 only)."""
+    from metal_attn.providers import gpu_common as gc
+
+    monkeypatch.setitem(gc.PARTITION_RULES, "cuda", gc.PartitionRule(gc.PER_TOKEN_PARTITION_SIZES, 1.0, "test"))
+    return gc
+
+
+def test_a_small_launch_takes_the_largest_size_that_fills_the_gpu(multi_size_rule):
+    with override_settings(gpu_cores=132):  # a fresh epoch: no plan cached before the patch
+        plan = _cuda_plan([1], [600])
+    assert (plan.route, plan.partition_size, plan.grid[2]) == ("per_token_ps64", 64, 10)
+    notes = " | ".join(plan.notes)
+    assert "partitions=ceil(max_seq_len/512)=ceil(600/512)=2 >= 2" in notes  # the gate still decides at 512
+    assert "partition size 64: KV items 8*1*10=80 < 1*gpu_cores=132" in notes
+    with override_settings(gpu_cores=132):
+        assert _cuda_plan([1], [8192]).partition_size == 256  # 8*32 = 256 items
+        assert _cuda_plan([1], [32768]).partition_size == 512  # 8*64 = 512 items already
+        assert _cuda_plan([1] * 8, [4096] * 8).partition_size == 512
+        assert _cuda_plan([1] * 4, [1024] * 4).partition_size == 128  # 8*4*4 = 128 < 132 <= 8*4*8
+
+
+def test_metal_keeps_upstreams_partitions():
+    _, row = _classic_row(q_lens=[1], seq_lens=[600])
+    assert row.plan.partition_size == 512
+    assert "PARTITION_RULES[metal]: one size" in " ".join(row.plan.notes)
+
+
+def test_the_partition_size_can_be_forced():
+    with override_settings(partition_size=128):
+        plan = _cuda_plan([1] * 8, [4096] * 8)
+    assert (plan.route, plan.partition_size, plan.grid[2]) == ("per_token_ps128", 128, 32)
+    assert "forced by METAL_ATTN_PARTITION_SIZE" in " ".join(plan.notes)
+    with override_settings(partition_size=64):
+        assert _cuda_plan([1], [400]).partition_size == 0  # the gate still needs two 512-token partitions
+
+
+def test_partition_sizes_respect_the_scratch_cap(multi_size_rule, monkeypatch):
+    from metal_attn.request import AttentionRequest, split_scratch_bytes
+
+    gc = multi_size_rule
+    # One request at 600 tokens wants 64-token partitions; with a cap that holds 256-token partitions
+    # but not 128 the rule takes 256, the smallest that fits.
+    req = AttentionRequest.from_lengths(q_lens=[1], seq_lens=[600], backend="cuda", dtype="bfloat16",
+                                        num_heads=32, num_kv_heads=8)
+    monkeypatch.setattr(gc, "SCRATCH_CAP_BYTES", split_scratch_bytes(1, 32, req.partitions(256), 128))
+    size, note = gc.partition_choice(req, DeviceInfo.preset("h200"), get_settings())
+    assert size == 256, note

@@ -54,7 +54,9 @@ def _attend(q, pool, md, scale=0.1, **kw):
 
 @pytest.fixture
 def cuda():
-    with fake_cuda() as fake:
+    # 512-token partitions, the parameters these tests spell out (the partition rule's own choices
+    # are test_classic_routing's).
+    with fake_cuda() as fake, ma.override_settings(partition_size=512):
         yield fake
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from unittest import mock
+
+from metal_attn.settings import override_settings
 
 
 @contextlib.contextmanager
@@ -23,3 +25,35 @@ def forced_mixed_threshold(value: int) -> Iterator[None]:
             yield
     finally:
         get_registry().forget_selections()
+
+
+#: The routes the GPU suites force: unsplit, the 512-token partitions of the occupancy gate, and the
+#: smallest partitions `PARTITION_RULES` may take on CUDA.
+PER_TOKEN_TEST_ROUTES = ("per_token_ps0", "per_token_ps512", "per_token_ps64")
+
+
+def partition_size_of(route: str) -> int:
+    """``per_token_psP`` -> ``P`` (0: unsplit)."""
+    return int(route.removeprefix("per_token_ps"))
+
+
+@contextlib.contextmanager
+def forced_per_token_route(route: str) -> Iterator[None]:
+    """Force classic's occupancy gate to ``route``: 4096 cores always split (given two 512-token
+    partitions), at the route's partition size; for the unsplit route one core is not enough on
+    CUDA, where the gate factor is 16 and a grid of 4 heads x 2 rows = 8 < 16 * 1 still splits,
+    so the factor is set to 0 as well."""
+    from metal_attn.providers import gpu_common as gc
+
+    psize = partition_size_of(route)
+    factors = dict(gc.SPLIT_GATE_FACTOR)
+    if psize == 0:
+        factors = dict.fromkeys(factors, 0)
+    with (override_settings(gpu_cores=4096 if psize else 1, partition_size=psize),
+          mock.patch.object(gc, "SPLIT_GATE_FACTOR", factors)):
+        yield
+
+
+def expected_route(route: str, seq_lens: Sequence[int]) -> str:
+    """The route a forced ``route`` gives a batch: unsplit when no sequence has two 512-token partitions."""
+    return route if max(seq_lens) > 512 else "per_token_ps0"

@@ -121,7 +121,8 @@ def msl_specializations(admission: Mapping[str, frozenset]) -> list[Specializati
                               + (" mma" if geo.mma else " staged" if geo.stage else ""),
                         kernel="paged_attention", source_files=gc.PAGED_FILES, input_names=gc.PA_INPUTS,
                         output_names=gc.PA_OUTPUTS[split],
-                        template=tuple(gc.paged_template(dtype, head, block, split, geo, gc.PREFETCH_NEXT["metal"])),
+                        template=tuple(gc.paged_template(dtype, head, block, PARTITION_SIZE if split else 0, geo,
+                                                            gc.PREFETCH_NEXT["metal"])),
                         inputs=common_in, outputs=outs, defines=gc.paged_defines(split, geo),
                     ))
             specs.append(gc.reducer_msl_specialization(f"paged_attention_v2_reduce {dtype} head={head}", dtype,
@@ -153,7 +154,8 @@ def cuda_sources() -> list[CudaSource]:
             outs = ((("out", dt),) if not split else tuple((n, "float32") for n in gc.PA_OUTPUTS[1]))
             label = f"paged_attention {dt} h{head} g{group} split={int(split)} {gc.describe_geometry(geo, None)}"
             src = CudaSource(label, "paged_attention", gc.PAGED_FILES, ins, outs,
-                             tuple(gc.paged_template(dt, head, 16, split, geo, gc.PREFETCH_NEXT["cuda"])),
+                             tuple(gc.paged_template(dt, head, 16, PARTITION_SIZE if split else 0, geo,
+                                                                gc.PREFETCH_NEXT["cuda"])),
                              gc.paged_defines(split, geo))
             if src not in out:
                 out.append(src)

@@ -4,14 +4,12 @@ Covers every dtype, head size and kernel block size; GQA ratios 1, 2, 4, 6, 8
 and MQA; sinks, sliding windows (in-window scores far below zero, partitions
 entirely outside the window), softcap; lengths at page and partition edges;
 pure decode, mixed batches, prefill chunks with earlier context; scattered and
-shared blocks; both routes (``per_token_ps0`` and ``per_token_ps512``, chosen
-through the occupancy gate by overriding the GPU core count); bitwise repeats.
+shared blocks; every route (``per_token_ps0``, ``per_token_ps512`` and the smallest
+partitions ``per_token_ps64``, chosen through the occupancy gate by overriding the GPU core
+count and the partition size: `metal_attn.testing.overrides.forced_per_token_route`); bitwise repeats.
 """
 
 from __future__ import annotations
-
-import contextlib
-from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -19,42 +17,30 @@ import pytest
 
 import metal_attn
 from metal_attn import diagnostics
-from metal_attn.settings import override_settings
 from metal_attn.testing import assert_close_to_oracle, make_case, run_case
+from metal_attn.testing.overrides import (
+    PER_TOKEN_TEST_ROUTES,
+    expected_route,
+    forced_per_token_route,
+    partition_size_of,
+)
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEADS = (64, 80, 96, 112, 128, 192, 256)
 BLOCKS = (8, 16, 32)
-#: gpu_cores overrides that force the gate either way (split needs >= 2 partitions too).
-ROUTE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
-ROUTES = tuple(ROUTE_CORES)
-
-
-
-@contextlib.contextmanager
-def _forced_route(route: str):
-    """Force the occupancy gate: 4096 cores always split (given two partitions); for the
-    unsplit route one core is not enough on CUDA, where the gate factor is 16 and a grid
-    of 4 heads x 2 rows = 8 < 16 * 1 still splits, so the factor is set to 0 as well."""
-    from metal_attn.providers import gpu_common as gc
-
-    factors = dict(gc.SPLIT_GATE_FACTOR)
-    if route == "per_token_ps0":
-        factors = {backend: 0 for backend in factors}
-    with override_settings(gpu_cores=ROUTE_CORES[route]), mock.patch.object(gc, "SPLIT_GATE_FACTOR", factors):
-        yield
+ROUTES = PER_TOKEN_TEST_ROUTES
 
 
 def _check(case, route: str) -> np.ndarray:
-    with _forced_route(route):
+    with forced_per_token_route(route):
         got = run_case(case, provider="classic")
         rec = diagnostics.last_dispatch()
     assert rec is not None and rec.provider == "classic", rec
-    expect = route if max(case.seq_lens) > 512 else "per_token_ps0"
+    expect = expected_route(route, case.seq_lens)
     assert rec.route == expect, f"{case.label}: route {rec.route} (expected {expect})"
-    assert rec.partition_size == (512 if expect == "per_token_ps512" else 0)
+    assert rec.partition_size == partition_size_of(expect)
     assert_close_to_oracle(got, case.oracle(), case.dtype, label=f"{case.label} {rec.route}")
     return got
 
@@ -104,9 +90,9 @@ def _tuning_id(t) -> str:
     return "geo{}-prefetch{}".format("-".join(map(str, t[0])), t[1])
 
 
-@pytest.mark.parametrize("split", (False, True), ids=("ps0", "ps512"))
+@pytest.mark.parametrize("partition_size", (0, 512, 64), ids=("ps0", "ps512", "ps64"))
 @pytest.mark.parametrize("tuning", _TUNINGS, ids=_tuning_id)
-def test_every_tuning_matches_oracle(tuning, split):
+def test_every_tuning_matches_oracle(tuning, partition_size):
     """Each geometry/prefetch variant (bare launch) against the oracle: a window, a sink-free mixed batch,
     rows shorter than a simdgroup's first step (idle simdgroups must merge as empty states)."""
     from metal_attn.providers import gpu_common as gc
@@ -121,9 +107,9 @@ def test_every_tuning_matches_oracle(tuning, split):
     if problem and backend != "cuda":  # the table is CUDA's: on CUDA every variant must launch
         pytest.skip(f"{geo} is not a {backend} geometry: {problem}")
     out = gc.launch_paged(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
-                          sliding_window=700, softcap=None, split=split, backend=backend,
-                          geometry_override=geo, prefetch=tuning[1])
-    assert_close_to_oracle(out, case.oracle(), "bfloat16", label=f"{case.label} split={split}")
+                          sliding_window=700, softcap=None, split=partition_size > 0, backend=backend,
+                          geometry_override=geo, prefetch=tuning[1], partition_size=partition_size or None)
+    assert_close_to_oracle(out, case.oracle(), "bfloat16", label=f"{case.label} partitions of {partition_size}")
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -216,7 +202,7 @@ def test_page_size_translation(route):
 def test_bitwise_identical_on_repeat(route):
     case = make_case(q_lens=[1, 1, 8], seq_lens=[3000, 70, 900], num_heads=8, num_kv_heads=2, head_size=128,
                      block_size=16, dtype="bfloat16", sinks=True, seed=23, label="repeat")
-    with _forced_route(route):
+    with forced_per_token_route(route):
         outs = []
         for _ in range(3):
             o = metal_attn.paged_attention(**case.kwargs(), provider="classic")
@@ -232,10 +218,12 @@ def test_gate_routes_on_real_device():
                      dtype="bfloat16", seed=29, label="gate")
     got = run_case(case, provider="classic")
     rec = diagnostics.last_dispatch()
-    assert rec.route == "per_token_ps512"
+    ex = metal_attn.explain(**case.explain_kwargs())
+    assert rec.route == ex.chosen.plan.route and rec.partition_size > 0, (rec, str(ex))
     assert_close_to_oracle(got, case.oracle(), case.dtype, label="gate")
-    text = str(metal_attn.explain(**case.explain_kwargs()))
+    text = str(ex)
     assert "split gate: num_heads*total_q_tokens=8*1=8 <" in text
+    assert f"partition size {rec.partition_size}: KV items" in text
 
 
 # -- the shared reducer -------------------------------------------------------------------------

@@ -20,14 +20,13 @@ import collections
 import contextlib
 import json
 import os
-from unittest import mock
 
 import numpy as np
 import pytest
 
-from metal_attn.settings import override_settings
 from metal_attn.testing import admission_reasons, check_case, make_case
 from metal_attn.testing.fuzz import random_specs
+from metal_attn.testing.overrides import forced_per_token_route
 
 pytestmark = pytest.mark.gpu
 
@@ -44,13 +43,7 @@ def _gate(route: str | None):
     if route is None:
         yield
         return
-    from metal_attn.providers import gpu_common as gc
-
-    factors = dict(gc.SPLIT_GATE_FACTOR)
-    if route == "per_token_ps0":
-        factors = dict.fromkeys(factors, 0)
-    cores = 1 if route == "per_token_ps0" else 4096
-    with override_settings(gpu_cores=cores), mock.patch.object(gc, "SPLIT_GATE_FACTOR", factors):
+    with forced_per_token_route(route):
         yield
 
 

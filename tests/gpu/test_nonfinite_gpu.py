@@ -3,8 +3,9 @@
 A NaN or infinity in q, or in K/V at a position a row attends to, makes that (row, head)
 non-finite; one at a position the row does not attend to (past its causal end, left of its
 window, in a partition left of the window, in a tile's keys that only other rows attend)
-changes nothing. Every GPU provider and code path: ``classic`` on both routes with direct
-loads, staged loads and the matrix path; ``gqa_decode`` on every geometry of the backend's
+changes nothing. Every GPU provider and code path: ``classic`` on every route (unsplit, 512-
+and 64-token partitions) with direct loads, staged loads and the matrix path; ``gqa_decode`` on
+every geometry of the backend's
 table at both partition sizes; ``tiled_prefill`` on both mixed routes, with diagonal tiles,
 tiles that start left of a window and partial last tiles. Also the non-finite specs of the
 conformance suite, forced on each provider that admits them.
@@ -12,16 +13,12 @@ conformance suite, forced on each provider that admits them.
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import mlx.core as mx
 import pytest
 
 from metal_attn import diagnostics
 from metal_attn._layout import import_builtin_providers
 from metal_attn.device import current_device
-from metal_attn.settings import override_settings
 from metal_attn.testing import (
     NONFINITE_SPECS,
     admission_reasons,
@@ -31,6 +28,7 @@ from metal_attn.testing import (
     run_case,
 )
 from metal_attn.testing.conformance import CONFORMANCE_SPECS
+from metal_attn.testing.overrides import PER_TOKEN_TEST_ROUTES, expected_route, forced_per_token_route
 
 import_builtin_providers()
 from metal_attn.providers import gqa_decode as gq  # noqa: E402
@@ -41,21 +39,6 @@ BACKEND = current_device().backend
 TABLE = gq.geometry_table(BACKEND if BACKEND in ("cuda", "metal") else "cuda")
 NAN, INF = float("nan"), float("inf")
 ALL_NONFINITE = [s for s in CONFORMANCE_SPECS if s.get("poison")]
-ROUTE_CORES = {"per_token_ps0": 1, "per_token_ps512": 4096}
-
-
-@contextlib.contextmanager
-def _classic_route(route: str):
-    """Force classic's occupancy gate either way (as tests/gpu/test_classic_gpu.py does)."""
-    from metal_attn.providers import gpu_common as gc
-
-    factors = dict(gc.SPLIT_GATE_FACTOR)
-    if route == "per_token_ps0":
-        factors = dict.fromkeys(factors, 0)
-    with override_settings(gpu_cores=ROUTE_CORES[route]), mock.patch.object(gc, "SPLIT_GATE_FACTOR", factors):
-        yield
-
-
 def _check(case, provider: str, route: str | None = None) -> None:
     got = run_case(case, provider=provider)
     rec = diagnostics.last_dispatch()
@@ -74,12 +57,12 @@ def test_conformance_nonfinite_specs(spec, provider):
     _check(make_case(**spec), provider)
 
 
-@pytest.mark.parametrize("route", tuple(ROUTE_CORES))
+@pytest.mark.parametrize("route", PER_TOKEN_TEST_ROUTES)
 @pytest.mark.parametrize("spec", NONFINITE_SPECS, ids=[s["label"] for s in NONFINITE_SPECS])
 def test_classic_both_routes(spec, route):
     case = make_case(**spec)
-    expect = route if max(case.seq_lens) > 512 else "per_token_ps0"
-    with _classic_route(route):
+    expect = expected_route(route, case.seq_lens)
+    with forced_per_token_route(route):
         _check(case, "classic", expect)
 
 
@@ -89,7 +72,7 @@ def test_classic_both_routes(spec, route):
 _CLASSIC_PATHS = [(d, h, g) for d in ("float16", "bfloat16", "float32") for h in (128, 256) for g in (2, 4, 8)]
 
 
-@pytest.mark.parametrize("route", tuple(ROUTE_CORES))
+@pytest.mark.parametrize("route", PER_TOKEN_TEST_ROUTES)
 @pytest.mark.parametrize(("dtype", "head", "group"), _CLASSIC_PATHS,
                          ids=[f"{d}-h{h}-g{g}" for d, h, g in _CLASSIC_PATHS])
 def test_classic_code_paths(dtype, head, group, route):
@@ -100,7 +83,7 @@ def test_classic_code_paths(dtype, head, group, route):
                              ("v", 2, 597, 0, NAN),  # rows 3..6 of the chunk only
                              ("k", 2, 598, 1, NAN)],  # rows 4..6
                      label=f"classic {dtype} h{head} g{group}")
-    with _classic_route(route):
+    with forced_per_token_route(route):
         _check(case, "classic", route)
 
 

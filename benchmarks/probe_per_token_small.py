@@ -1,0 +1,65 @@
+"""The per-token kernel's GPU time on one request's decode, by context and partition size (not a test).
+
+    python3 benchmarks/probe_per_token_small.py OUT.json [--calls 20]
+
+One decode row, 32/8 heads, head 128, bf16, block 16: contexts from one page to 2K, unsplit and
+split at 512 and 64 tokens (``METAL_ATTN_PARTITION_SIZE``). Each kernel's median GPU time over
+``--calls`` traced calls (CUPTI, `kernel_trace`). A kernel
+whose time does not shrink with its work per threadgroup has a fixed cost: that is what this
+separates. ``--ncu`` runs each variant a few times with no tracing, for Nsight Compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import mlx.core as mx
+
+import metal_attn
+from metal_attn.bench.core import Shape, build_case
+from metal_attn.settings import override_settings
+
+#: (context, forced partition size; 0 with a short context is the unsplit route).
+VARIANTS = ((16, 0), (100, 0), (600, 512), (600, 64), (2048, 512), (2048, 64), (8192, 512))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--ncu", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    for context, psize in VARIANTS:
+        case = build_case(Shape(1, 32, 8, 128, context, "bfloat16"), seed=context)
+
+        def call(case=case):
+            return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
+                                              scale=case.scale, provider="classic")
+
+        with override_settings(partition_size=psize):
+            mx.eval(call())
+            route = metal_attn.diagnostics.last_dispatch().route
+            if args.ncu:
+                for _ in range(3):
+                    mx.eval(call())
+                continue
+            from kernel_trace import trace
+
+            events = trace(call, args.calls)
+        by_name: dict[str, list[float]] = {}
+        for e in events:
+            by_name.setdefault(e["name"][:60], []).append(float(e["dur"]))
+        kernels = {n: statistics.median(d) for n, d in by_name.items()}
+        rows.append({"context": context, "partition_size": psize, "route": route, "kernel_median_us": kernels})
+        print(f"L{context:5d} {route:16s} " + "  ".join(f"{n[:44]} {us:.1f}us" for n, us in kernels.items()),
+              flush=True)
+    if not args.ncu:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
