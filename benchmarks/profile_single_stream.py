@@ -9,7 +9,8 @@ are traced with torch.profiler (CUPTI, `kernel_trace`). Per token it reports:
 
 - wall time (host clock over the traced tokens, profiler on);
 - GPU busy time (the union of kernel intervals) and the GPU idle rest;
-- kernel launches, and kernel time by kind (the kinds of `step_breakdown`);
+- kernel launches, and kernel time by kind (the kinds of `step_breakdown`; sums of kernel
+  durations, which exceed the busy time where kernels overlap: MLX runs some concurrently);
 - the kernels whose time or count differs most between the two.
 
 So a gap between the two says whether it is GPU work (more or slower kernels) or host time (the

@@ -32,7 +32,9 @@ from collections import defaultdict
 #: Kernel-name patterns, first match wins: how a kernel is counted in the breakdown.
 KINDS: tuple[tuple[str, str], ...] = (
     # Our kernels (the split reducer is ``..._paged_attention_v2_reduce_...``).
-    ("attention", r"paged_attention|pagedattention|tiled_prefill|gqa_decode|nax_prefill"),
+    # Ours, and cuDNN's SDPA behind MLX SDPA (the peers' attention: its split kernel and reduction).
+    ("attention", r"paged_attention|pagedattention|tiled_prefill|gqa_decode|nax_prefill|_sdpa_|flash_fprop"
+                  r"|lean_reduction"),
     ("cache write", r"scatter|reshape_and_cache"),
     ("matmul", r"gemm|gemv|cutlass|sm90_|nvjet|matmul|qmm|qmv|splitkreduce"),
     ("sampling", r"argmax|arg_reduce|logsumexp|categorical"),
