@@ -78,7 +78,6 @@ PA_OUTPUTS = {0: ("out",), 1: ("max_logits", "exp_sums", "tmp_out")}
 REDUCE_INPUTS = ("max_logits", "exp_sums", "tmp_out", "seq_lens", "cu_seqlens_q", "sinks", "params")
 
 
-
 def per_token_route(partition_size: int) -> str:
     """The per-token route's name: ``per_token_ps0`` unsplit, ``per_token_psP`` split into ``P``-token partitions."""
     return f"per_token_ps{partition_size}"
@@ -670,11 +669,6 @@ PER_TOKEN_PARTITION_SIZES = (512, 256, 128, 64)
 
 def partition_choice(request: AttentionRequest, device: DeviceInfo, settings: Settings | None) -> tuple[int, str]:
     """The partition size of a split per-token launch for ``request`` (`PARTITION_RULES`), and the arithmetic."""
-    forced = settings.partition_size if settings is not None else None
-    if forced:
-        return forced, f"partition size {forced} (forced by METAL_ATTN_PARTITION_SIZE)"
-    rule = PARTITION_RULES.get(device.backend, PARTITION_RULES["metal"])
-    cores = device.gpu_cores or 0
     rows, kvh = request.total_q_tokens, request.num_kv_heads
 
     def fits(p: int) -> bool:
@@ -684,6 +678,14 @@ def partition_choice(request: AttentionRequest, device: DeviceInfo, settings: Se
     def items(p: int) -> int:
         return kvh * rows * request.partitions(p)
 
+    forced = settings.partition_size if settings is not None else None
+    if forced:
+        # The gate checked the scratch at 512: a smaller forced size takes the nearest that fits.
+        size = min((p for p in PER_TOKEN_PARTITION_SIZES if p >= forced and fits(p)), default=PARTITION_SIZE)
+        why = "" if size == forced else f"; {forced} would exceed the {SCRATCH_CAP_BYTES}-byte scratch cap"
+        return size, f"partition size {size} (forced by METAL_ATTN_PARTITION_SIZE={forced}{why})"
+    rule = PARTITION_RULES.get(device.backend, PARTITION_RULES["metal"])
+    cores = device.gpu_cores or 0
     sizes = [p for p in rule.sizes if fits(p)] or [PARTITION_SIZE]
     chosen = next((p for p in sizes if cores and items(p) >= rule.min_items_per_core * cores), sizes[-1])
     if len(rule.sizes) == 1:

@@ -374,7 +374,7 @@ def test_the_partition_size_can_be_forced():
     with override_settings(partition_size=128):
         plan = _cuda_plan([1] * 8, [4096] * 8)
     assert (plan.route, plan.partition_size, plan.grid[2]) == ("per_token_ps128", 128, 32)
-    assert "forced by METAL_ATTN_PARTITION_SIZE" in " ".join(plan.notes)
+    assert "forced by METAL_ATTN_PARTITION_SIZE=128" in " ".join(plan.notes)
     with override_settings(partition_size=64):
         assert _cuda_plan([1], [400]).partition_size == 0  # the gate still needs two 512-token partitions
 
@@ -390,3 +390,16 @@ def test_partition_sizes_respect_the_scratch_cap(multi_size_rule, monkeypatch):
     monkeypatch.setattr(gc, "SCRATCH_CAP_BYTES", split_scratch_bytes(1, 32, req.partitions(256), 128))
     size, note = gc.partition_choice(req, DeviceInfo.preset("h200"), get_settings())
     assert size == 256, note
+
+
+def test_a_forced_size_never_exceeds_the_scratch_cap(monkeypatch):
+    from metal_attn.providers import gpu_common as gc
+
+    from metal_attn.request import AttentionRequest, split_scratch_bytes
+
+    req = AttentionRequest.from_lengths(q_lens=[1], seq_lens=[600], backend="cuda", dtype="bfloat16",
+                                        num_heads=32, num_kv_heads=8)
+    monkeypatch.setattr(gc, "SCRATCH_CAP_BYTES", split_scratch_bytes(1, 32, req.partitions(128), 128))
+    with override_settings(partition_size=64):
+        size, note = gc.partition_choice(req, DeviceInfo.preset("h200"), get_settings())
+    assert size == 128 and "64 would exceed the" in note, note
