@@ -305,7 +305,8 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
 
 
 #: The most threads one launch of ``gather_kv`` or ``sdpa_finish`` may have: their row indices are
-#: 32-bit (the grid's thread index is), and a CUDA grid's x extent is at most ``2**31 - 1``.
+#: 32-bit, as the grid's thread index is (MLX takes the grid in threads); the signed limit keeps a
+#: margin on both backends.
 MAX_GRID_THREADS = 2**31 - 1
 
 
