@@ -19,7 +19,8 @@ The public names, by concept:
   source-check entries `reducer_msl_specialization` and `reducer_cuda_source`;
 - the per-token kernel (``kernels_v2/pagedattention.metal``) that ``classic`` runs for every batch and
   the mixed split runs for the decode rows: its geometry rules (`Geometry`, `geometry`,
-  `GEOMETRY_RULES`, `STAGING_RULES`, ...), the occupancy gate (`split_decision`), `plan_per_token`,
+  `GEOMETRY_RULES`, `STAGING_RULES`, ...), the occupancy gate (`split_decision`), the partition size
+  (`PARTITION_RULES`, `partition_choice`), `plan_per_token`,
   `prepare_per_token`, `run_per_token` and `launch_paged`;
 - the decode-rows sub-plan of a mixed batch (the decode rows at its front through the per-token
   kernel, the prefill rows through the provider's own kernel): `mixed_split` (whether a tiled
