@@ -27,7 +27,8 @@ def main(argv: list[str]) -> None:
     case = build_case(Shape(batch, 32, 8, 128, context, "bfloat16"))
     for _ in range(4):
         out = gc.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,
-                              sliding_window=None, softcap=None, split=split, backend=backend,
+                              sliding_window=None, softcap=None, partition_size=512 if split else 0,
+                              backend=backend,
                               geometry_override=geo, prefetch=prefetch)
         mx.eval(out)
 

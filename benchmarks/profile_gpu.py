@@ -106,7 +106,8 @@ def cases(backend: str):
 def _classic(shape, case, backend, *, split):
     def run(c=case):
         return gc.launch_paged(c.q, c.k_pool, c.v_pool, c.metadata, scale=c.scale, sinks=None,
-                               sliding_window=None, softcap=None, split=split, backend=backend)
+                               sliding_window=None, softcap=None,
+                               partition_size=512 if split else 0, backend=backend)
 
     yield f"classic split={int(split)} b{shape.batch} L{shape.context}", shape, run
 

@@ -98,8 +98,9 @@ def sweep_classic(backend: str) -> list[dict]:
 
         def launch(geo=None, prefetch=None, case=case, split=split):
             return gc.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale,
-                                   sinks=None, sliding_window=None, softcap=None, split=split,
-                                   backend=backend, geometry_override=geo, prefetch=prefetch)
+                                   sinks=None, sliding_window=None, softcap=None,
+                                   partition_size=512 if split else 0, backend=backend,
+                                   geometry_override=geo, prefetch=prefetch)
 
         ref = np.array(launch().astype(mx.float32))
         shipped = (gc.launch_geometry(case.q, case.k_pool, case.metadata, partition_size=512 if split else 0,

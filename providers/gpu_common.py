@@ -775,15 +775,15 @@ def _max_parts(md: AttentionMetadata, partition_size: int, rows: int | None) -> 
 
 def launch_paged(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata, *, scale: float,
-    sinks: mx.array | None, sliding_window: int | None, softcap: float | None, split: bool, backend: str,
-    geometry_override: Geometry | None = None, prefetch: int | None = None, rows: int | None = None,
-    partition_size: int | None = None,
+    sinks: mx.array | None, sliding_window: int | None, softcap: float | None, partition_size: int,
+    backend: str, geometry_override: Geometry | None = None, prefetch: int | None = None,
+    rows: int | None = None,
 ) -> mx.array:
-    """Run the per-token kernel (and the reducer when ``split``); returns ``[T, H, D]``.
+    """Run the per-token kernel (and the reducer when split); returns ``[T, H, D]``.
 
-    ``rows`` computes only the first ``rows`` query rows (the decode rows at the front of a
-    mixed batch) and returns ``[rows, H, D]``. ``partition_size`` (split only): one of
-    `PER_TOKEN_PARTITION_SIZES` (default 512).
+    ``partition_size``: 0 for the unsplit route, else the split route's partitions, one of
+    `PER_TOKEN_PARTITION_SIZES`. ``rows`` computes only the first ``rows`` query rows (the decode
+    rows at the front of a mixed batch) and returns ``[rows, H, D]``.
 
     ``geometry_override`` replaces `launch_geometry` (checked by `geometry_problem`) and
     ``prefetch`` replaces `PREFETCH_NEXT` (0 or 1), for tuning sweeps and tests; plans run
@@ -792,11 +792,11 @@ def launch_paged(
     total, num_heads, head = q.shape
     if rows is not None and not 1 <= rows <= total:
         raise ValueError(f"rows={rows} (allowed: 1..{total}, the query rows of the batch)")
-    if partition_size is not None and partition_size not in PER_TOKEN_PARTITION_SIZES:
-        raise ValueError(f"partition_size={partition_size} (allowed: {', '.join(map(str, PER_TOKEN_PARTITION_SIZES))})")
-    psize = (partition_size or PARTITION_SIZE) if split else 0
-    if geometry_override is None:
-        geo = launch_geometry(q, k_cache, md, partition_size=psize, backend=backend, rows=rows)  # valid by construction
+    if partition_size not in (0, *PER_TOKEN_PARTITION_SIZES):
+        raise ValueError(f"partition_size={partition_size} (allowed: 0 (unsplit), "
+                         f"{', '.join(map(str, PER_TOKEN_PARTITION_SIZES))})")
+    if geometry_override is None:  # valid by construction
+        geo = launch_geometry(q, k_cache, md, partition_size=partition_size, backend=backend, rows=rows)
     else:
         geo = geometry_override
         problem = geometry_problem(geo, head, num_heads // k_cache.shape[2], q.dtype.size, backend)
@@ -806,7 +806,8 @@ def launch_paged(
     if prefetch not in (0, 1):
         raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
     return _launch(q, k_cache, v_cache, md, scale=scale, sinks=sinks, sliding_window=sliding_window,
-                   softcap=softcap, partition_size=psize, backend=backend, geo=geo, prefetch=prefetch, rows=rows)
+                   softcap=softcap, partition_size=partition_size, backend=backend, geo=geo, prefetch=prefetch,
+                   rows=rows)
 
 
 def _launch(
@@ -899,16 +900,14 @@ def prepare_per_token(plan: Plan, device: DeviceInfo) -> None:
     """Compile a per-token plan's specialization now (a tiny launch), raising `KernelCompileError` on failure."""
     backend, dtype, head, block, psize = plan.specialization[:5]
     geo = plan_geometry(plan.specialization)
-    split = psize > 0
 
     def _go(b: TinyBatch) -> mx.array:
         # hps query heads on one KV head: the plan's exact specialization
         return launch_paged(b.q, b.cache, b.cache, b.metadata, scale=1.0, sinks=None, sliding_window=None,
-                            softcap=None, split=split, backend=backend, geometry_override=geo,
-                            partition_size=psize or None)
+                            softcap=None, partition_size=psize, backend=backend, geometry_override=geo)
 
     compile_eagerly(device, f"{plan.provider} {plan.route} {plan.specialization}", _go, dtype=dtype,
-                    head_size=head, block_size=block, seq_len=psize + 1 if split else 1, num_heads=geo.hps)
+                    head_size=head, block_size=block, seq_len=psize + 1, num_heads=geo.hps)
 
 
 # -- the decode-rows sub-plan of a mixed batch --------------------------------------------------------

@@ -220,8 +220,8 @@ def test_launch_refuses_a_bad_geometry_before_any_kernel(geo, prefetch):
     q = mx.zeros((1, 8, 128), mx.bfloat16)
     kc = mx.zeros((1, 16, 2, 128), mx.bfloat16)
     with pytest.raises(ValueError, match=r"geometry_override=|prefetch=2"):
-        gc.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, split=False,
-                        backend="cuda", geometry_override=gc.Geometry(*geo), prefetch=prefetch)
+        gc.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None,
+                        partition_size=0, backend="cuda", geometry_override=gc.Geometry(*geo), prefetch=prefetch)
 
 
 @pytest.mark.parametrize(("geo", "head", "group", "itemsize", "backend", "needle"), [

@@ -222,8 +222,8 @@ def test_a_cached_descriptor_launches_what_the_bare_launch_does(cuda):
     cached = [launch.args for launch in cuda.launches]
     cuda.launches.clear()
     entries = list(md._launches)
-    gc.launch_paged(q, pool, pool, sel_md, scale=0.1, sinks=None, sliding_window=None, softcap=None, split=True,
-                    backend="cuda")
+    gc.launch_paged(q, pool, pool, sel_md, scale=0.1, sinks=None, sliding_window=None, softcap=None,
+                    partition_size=512, backend="cuda")
     assert list(md._launches) == entries  # the bare launch keeps nothing
     bare = [launch.args for launch in cuda.launches]
     assert len(bare) == len(cached) == 2
@@ -308,3 +308,25 @@ def test_attention_inputs_reach_the_cached_launch_unchanged(cuda):
     entries = len(md._launches)
     gc.run_per_token(AttentionInputs(q, pool, pool, md, 0.1), plan.specialization)
     assert len(md._launches) == entries
+
+
+@pytest.mark.parametrize("psize", [0, 512, 64])
+def test_prepare_compiles_the_plans_partition_size(psize):
+    """`prepare_per_token` launches the plan's exact specialization: its partition size reaches the
+    kernel's template (and the reducer's when split)."""
+    from metal_attn.request import AttentionRequest
+    from metal_attn.settings import get_settings
+
+    device = DeviceInfo.preset("h200").replace(hypothetical=False)
+    req = AttentionRequest.from_lengths(q_lens=[1], seq_lens=[600], backend="cuda", dtype="bfloat16")
+    with fake_cuda(device) as cuda, ma.override_settings(partition_size=psize or 512):
+        plan = gc.plan_per_token("classic", req, device, get_settings())
+        if psize == 0:
+            plan = gc.plan_per_token("classic", AttentionRequest.from_lengths(
+                q_lens=[1], seq_lens=[300], backend="cuda", dtype="bfloat16"), device, get_settings())
+        gc.prepare_per_token(plan, device)
+    assert plan.partition_size == psize
+    paged = _paged(cuda)
+    assert len(paged) == 1 and paged[0].template()["PARTITION_SIZE"] == psize
+    reduce = _of(cuda, "paged_attention_v2_reduce")
+    assert [r.template()["PARTITION_SIZE"] for r in reduce] == ([psize] if psize else [])

@@ -202,8 +202,8 @@ def test_classic_decode_rows_launch_refuses_bad_rows():
     q = mx.zeros((3, 4, 128), mx.bfloat16)
     kc = mx.zeros((1, 16, 2, 128), mx.bfloat16)
     with pytest.raises(ValueError, match=r"rows=4 \(allowed: 1\.\.3"):
-        gc.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None, split=False,
-                        backend="cuda", rows=4)
+        gc.launch_paged(q, kc, kc, md, scale=1.0, sinks=None, sliding_window=None, softcap=None,
+                        partition_size=0, backend="cuda", rows=4)
 
 
 # -- the Metal generated-source check ------------------------------------------------------------------

@@ -107,8 +107,8 @@ def test_every_tuning_matches_oracle(tuning, partition_size):
     if problem and backend != "cuda":  # the table is CUDA's: on CUDA every variant must launch
         pytest.skip(f"{geo} is not a {backend} geometry: {problem}")
     out = gc.launch_paged(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
-                          sliding_window=700, softcap=None, split=partition_size > 0, backend=backend,
-                          geometry_override=geo, prefetch=tuning[1], partition_size=partition_size or None)
+                          sliding_window=700, softcap=None, partition_size=partition_size, backend=backend,
+                          geometry_override=geo, prefetch=tuning[1])
     assert_close_to_oracle(out, case.oracle(), "bfloat16", label=f"{case.label} partitions of {partition_size}")
 
 
