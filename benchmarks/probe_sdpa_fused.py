@@ -20,16 +20,15 @@ Usage (GPU): ``python benchmarks/probe_sdpa_fused.py --json OUT.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import itertools
 import json
 import statistics
 import time
-from unittest import mock
 
 import mlx.core as mx
 import numpy as np
+
+from metal_attn.testing.overrides import opened_sdpa_prefill_rule
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -94,30 +93,11 @@ def _chunk(ql: int, ctx: int, h: int = 32, kvh: int = 8, d: int = 128, bs: int =
     def route():
         return metal_attn.paged_attention(q, pool, vpool, metadata=md, scale=d ** -0.5, provider="sdpa_prefill")
 
-    with _rule_opened():  # once around both: a dispatch epoch per call would re-plan every call
+    with opened_sdpa_prefill_rule():  # once around both: a dispatch epoch per call would re-plan every call
         t_tiled, t_route = _median_ms(tiled), _median_ms(route)
         err = float(mx.abs(tiled().astype(mx.float32) - route().astype(mx.float32)).max())
     return {"q_len": ql, "context": ctx, "tiled_ms": t_tiled, "sdpa_prefill_ms": t_route,
             "sdpa_vs_tiled": t_tiled / t_route, "max_abs_diff": err}
-
-
-@contextlib.contextmanager
-def _rule_opened():
-    """``SDPA_PREFILL_RULES`` admitting every chunk on this backend (for measuring below the rule)."""
-    from metal_attn.providers import sdpa_prefill as sp
-
-    from metal_attn import _epoch
-    from metal_attn.device import current_device
-
-    rules = dict(sp.SDPA_PREFILL_RULES)
-    backend = current_device().backend
-    rules[backend] = dataclasses.replace(rules[backend], min_chunk_rows=1, min_mixed_chunk_rows=1)
-    try:
-        with mock.patch.object(sp, "SDPA_PREFILL_RULES", rules):
-            _epoch.bump()
-            yield
-    finally:
-        _epoch.bump()
 
 
 def mixed() -> list[dict]:
@@ -135,7 +115,7 @@ def mixed() -> list[dict]:
             return metal_attn.paged_attention(c.q, c.k_pool, c.v_pool, metadata=c.metadata, scale=c.scale,
                                               provider=provider)
 
-        with _rule_opened():
+        with opened_sdpa_prefill_rule():
             t_tiled, t_sdpa = _median_ms(lambda: run("tiled_prefill")), _median_ms(lambda: run("sdpa_prefill"))
             diff = rel_l2(np.array(run("sdpa_prefill").astype(mx.float32)),
                           np.array(run("tiled_prefill").astype(mx.float32)))

@@ -252,3 +252,18 @@ def test_launches_stay_within_32_bit_indices():
     assert not _row(ex).chosen
     assert f"a sequence of {too_long} tokens needs" in "\n".join(_row(ex).reasons), str(ex)
     assert _row(_explain(H200, [64], [too_long - 1])).chosen
+
+
+def test_the_rule_can_be_opened_for_measurements():
+    # benchmarks/probe_sdpa_fused.py measures the route below its rule; plans made inside the block
+    # never serve outside it.
+    from metal_attn.testing.overrides import opened_sdpa_prefill_rule
+
+    def admitted() -> bool:
+        return _row(ma.explain(q_lens=[40], seq_lens=[100], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                               dtype="float16")).admitted
+
+    assert not admitted()
+    with opened_sdpa_prefill_rule():
+        assert admitted()
+    assert not admitted()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from unittest import mock
 
@@ -25,6 +26,26 @@ def forced_mixed_threshold(value: int) -> Iterator[None]:
             yield
     finally:
         get_registry().forget_selections()
+
+
+@contextlib.contextmanager
+def opened_sdpa_prefill_rule() -> Iterator[None]:
+    """``SDPA_PREFILL_RULES`` admitting every chunk, mixed or not, on this backend for the block
+    (to measure the route below its rule); a new dispatch epoch on entry and exit, so no plan made
+    under one rule serves the other."""
+    from metal_attn import _epoch
+    from metal_attn.device import current_device
+    from metal_attn.providers import sdpa_prefill as sp
+
+    rules = dict(sp.SDPA_PREFILL_RULES)
+    backend = current_device().backend
+    rules[backend] = dataclasses.replace(rules[backend], min_chunk_rows=1, min_mixed_chunk_rows=1)
+    try:
+        with mock.patch.object(sp, "SDPA_PREFILL_RULES", rules):
+            _epoch.bump()
+            yield
+    finally:
+        _epoch.bump()
 
 
 #: The routes the GPU suites force: unsplit, the 512-token partitions of the occupancy gate, and the
