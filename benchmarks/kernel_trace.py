@@ -21,15 +21,26 @@ import mlx.core as mx
 def trace(fn: Callable[[], Any], calls: int) -> list[dict]:
     """GPU kernel and memcpy events of ``calls`` evaluated calls of ``fn`` (after two untraced
     warm-up calls)."""
+    for _ in range(2):
+        mx.eval(fn())
+
+    def run() -> None:
+        for _ in range(calls):
+            mx.eval(fn())
+
+    return record(run)
+
+
+def record(run: Callable[[], Any], *, cpu: bool = True) -> list[dict]:
+    """GPU kernel and memcpy events of whatever ``run`` launches (MLX synchronized before and after);
+    ``cpu=False`` leaves the profiler's host-side activity off."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(2):
-        mx.eval(fn())
     mx.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            mx.eval(fn())
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cpu else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
+        run()
         mx.synchronize()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:

@@ -22,33 +22,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
 
 import mlx.core as mx
+from kernel_trace import record
 from step_breakdown import kind_of
 
 
 def _trace(step: Callable[[], object], tokens: int) -> tuple[list[dict], float]:
     """Kernel events and wall seconds of ``tokens`` calls of ``step`` (each yields one token)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    wall = 0.0
 
-    mx.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def run() -> None:
+        nonlocal wall
         t0 = time.perf_counter()
         for _ in range(tokens):
             step()
         mx.synchronize()
         wall = time.perf_counter() - t0
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as g:
-            events = json.load(g).get("traceEvents", [])
-    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")], wall
+
+    return record(run, cpu=False), wall
 
 
 def _summary(events: list[dict], wall: float, tokens: int) -> dict:
