@@ -28,21 +28,21 @@ from metal_attn.settings import override_settings
 SIZES = gc.PER_TOKEN_PARTITION_SIZES
 
 
-def _step(case, forced: int | None):
+def _time_step(case, forced: int | None) -> tuple[float, str, np.ndarray]:
+    """Seconds per step (median), the route taken, and layer 0's output, with the partition size
+    forced (``None``: the rule's)."""
     q, md, scale = case.q, case.metadata, case.scale
 
     def compute():
         return [metal_attn.paged_attention(q, k, v, metadata=md, scale=scale, provider="classic")
                 for k, v in case.pools]
 
-    def timed() -> tuple[float, str, np.ndarray]:
-        with override_settings(partition_size=forced or 0):
-            out = compute()
-            mx.eval(out)
-            route = metal_attn.diagnostics.last_dispatch().route
-            t = time_fn(lambda: mx.eval(compute()), warmup=3, iters=10).median_s
-        return t, route, np.array(out[0].astype(mx.float32))
-    return timed
+    with override_settings(partition_size=forced or 0):
+        out = compute()
+        mx.eval(out)
+        route = metal_attn.diagnostics.last_dispatch().route
+        t = time_fn(lambda: mx.eval(compute()), warmup=3, iters=10).median_s
+    return t, route, np.array(out[0].astype(mx.float32))
 
 
 def main() -> None:
@@ -63,14 +63,14 @@ def main() -> None:
             per: dict[str, float] = {}
             ref = None
             for p in SIZES:
-                t, route, out = _step(case, p)()
+                t, route, out = _time_step(case, p)
                 per[f"P{p}"] = t / args.layers * 1e6
                 if ref is None:
                     ref = out
                 err = float(np.max(np.abs(out - ref)))
                 assert route in (gc.per_token_route(p), "per_token_ps0"), route
                 assert err <= 0.05, f"P{p} differs from P512 by {err} at b{batch} L{context}"
-            t, rule_route, _ = _step(case, None)()
+            t, rule_route, _ = _time_step(case, None)
             rule_us = t / args.layers * 1e6
             kv, q4 = case.contiguous_kv(), case.query4()
             peer = time_fn(lambda kv=kv, q4=q4, scale=case.scale: mx.eval(
