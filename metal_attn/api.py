@@ -12,6 +12,7 @@ from metal_attn import _epoch, diagnostics
 from metal_attn.constants import DTYPES, KERNEL_BLOCK_SIZES
 from metal_attn.device import DeviceInfo, current_device
 from metal_attn.errors import InvalidInputError
+from metal_attn.host_arrays import kernel_input
 from metal_attn.log import warn_once
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.plugins import get_registry
@@ -328,9 +329,7 @@ def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array
         vals, counts = np.unique(valid, return_counts=True)
         if vals.size != valid.size:
             raise InvalidInputError(f"slot_mapping holds slot {int(vals[counts > 1][0])} more than once")
-    if isinstance(slot_mapping, mx.array) and slot_mapping.dtype == mx.int64:
-        return slot_mapping
-    return mx.array(host.astype(np.int64))
+    return kernel_input(slot_mapping, host, mx.int64)
 
 
 def reshape_and_cache(

@@ -30,6 +30,7 @@ import numpy as np
 from metal_attn.api import DTYPE_NAMES, MX_DTYPES, dtype_name, kernel_block_size, reshape_and_cache, write_checked
 from metal_attn.constants import KERNEL_BLOCK_SIZES
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
+from metal_attn.host_arrays import device_array
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.provider import scatter_slots
 
@@ -230,8 +231,8 @@ def build_step_plan(
         seq_ids=tuple(seq_ids),
         q_lens=tuple(int(n) for n in q_lens),
         seq_lens=tuple(int(n) for n in seq_lens),
-        slot_mapping=mx.array(slots),
-        positions=mx.array(pos.astype(np.int32)),
+        slot_mapping=device_array(slots),
+        positions=device_array(pos, np.int32),
         metadata=metadata,
         copies=tuple(copies),
     )
@@ -551,8 +552,8 @@ class PagedKVCache:
         The source pages are gathered and evaluated first: a scatter whose update
         still depends lazily on the same pool would copy the whole pool.
         """
-        src = mx.array([o for o, _ in pairs], dtype=mx.int32)
-        dst = mx.array([n for _, n in pairs], dtype=mx.int32)
+        src = device_array([o for o, _ in pairs], np.int32)
+        dst = device_array([n for _, n in pairs], np.int32)
         all_pools = (self._k, self._v)
         pages = [[pool[src] for pool in pools] for pools in all_pools]
         mx.eval(pages)

@@ -220,8 +220,11 @@ def param_array(values: tuple, dtype: str) -> Any:
     value: a fresh host-to-GPU array per call costs more than the kernel on short batches, and
     MLX arrays are values, so sharing one is safe."""
     import mlx.core as mx
+    import numpy as np
 
-    out = mx.array(list(values), dtype=getattr(mx, dtype))
+    from metal_attn.host_arrays import device_array
+
+    out = device_array(np.array(values, dtype=dtype))
     mx.eval(out)
     return out
 

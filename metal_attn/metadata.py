@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_attn.errors import InvalidInputError
+from metal_attn.host_arrays import device_array, kernel_input, padded_length
 from metal_attn.request import Phase, classify_phase, leading_decode_rows, length_plan
 
 
@@ -155,9 +156,9 @@ class AttentionMetadata:
         s_list = tuple(int(x) for x in sl)
         n_dec = leading_decode_rows(q_list)
         return cls(
-            block_tables=block_tables if _is_i32(block_tables) else mx.array(bt.astype(np.int32)),
-            seq_lens=seq_lens if _is_i32(seq_lens) else mx.array(sl.astype(np.int32)),
-            cu_seqlens_q=cu_seqlens_q if _is_i32(cu_seqlens_q) else mx.array(cu.astype(np.int32)),
+            block_tables=kernel_input(block_tables, bt, mx.int32),
+            seq_lens=kernel_input(seq_lens, sl, mx.int32),
+            cu_seqlens_q=kernel_input(cu_seqlens_q, cu, mx.int32),
             seq_lens_host=s_list,
             q_lens_host=q_list,
             phase=classify_phase(q_list, s_list),
@@ -199,7 +200,8 @@ class AttentionMetadata:
         return cls(
             block_tables=block_tables,
             seq_lens=seq_lens,
-            cu_seqlens_q=mx.arange(n + 1, dtype=mx.int32),
+            # Over MLX CUDA's small pool (`metal_attn.host_arrays`) even for one row.
+            cu_seqlens_q=mx.arange(padded_length(n + 1, 4), dtype=mx.int32)[: n + 1],
             seq_lens_host=lens,
             q_lens_host=(1,) * n,
             phase=classify_phase((1,) * n, lens),
@@ -222,7 +224,7 @@ class AttentionMetadata:
             raise ValueError(f"width={width} (allowed: >= the table's {have} columns)")
         if width == have:
             return self.block_tables
-        return mx.array(np.pad(self._block_tables_host, ((0, 0), (0, width - have))).astype(np.int32))
+        return device_array(np.pad(self._block_tables_host, ((0, 0), (0, width - have))), np.int32)
 
     def check_against_pool(self, num_blocks: int, block_size: int) -> None:
         """Raise `InvalidInputError` if a table is too short for its ``seq_len`` or a block id it
@@ -285,7 +287,7 @@ class AttentionMetadata:
             md = self._with_table(safe)
             if bad_seq.any():
                 rows = np.repeat(bad_seq, np.asarray(self.q_lens_host, dtype=np.int64))
-                poison = mx.array(rows[:, None, None])
+                poison = device_array(rows[:, None, None])
         got = self._guards[key] = (md, poison)
         return got
 
@@ -293,7 +295,7 @@ class AttentionMetadata:
         """The same batch over another host block table (its caches, init=False fields, start empty)."""
         return dataclasses.replace(
             self,
-            block_tables=mx.array(table.astype(np.int32)),
+            block_tables=device_array(table, np.int32),
             max_blocks_per_seq=int(table.shape[1]),
             _block_tables_host=table,
         )
@@ -333,11 +335,8 @@ class AttentionMetadata:
         seqs = np.repeat(np.arange(first_seq, self.num_seqs, dtype=np.int64), counts)
         first_tile = np.repeat(np.cumsum(counts) - counts, counts)
         rows = (np.arange(int(counts.sum()), dtype=np.int64) - first_tile) * rows_per_tile
-        got = mx.array(np.stack([seqs, rows], axis=1).astype(np.int32))
+        got = device_array(np.stack([seqs, rows], axis=1), np.int32)
         mx.eval(got)
         self._tiles[key] = got
         return got
 
-
-def _is_i32(x: Any) -> bool:
-    return isinstance(x, mx.array) and x.dtype == mx.int32

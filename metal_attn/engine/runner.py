@@ -17,6 +17,7 @@ from metal_attn.cache import StepPlan, build_step_plan
 from metal_attn.engine.block_manager import BlockManager
 from metal_attn.engine.sampling import sample
 from metal_attn.engine.scheduler import ScheduledRow, SchedulerOutput
+from metal_attn.host_arrays import device_array, padded_length
 from metal_attn.mlx_lm.compiled import CompiledDecode
 from metal_attn.mlx_lm.runner import PagedModel
 
@@ -115,7 +116,10 @@ class StepRunner:
     @staticmethod
     def _input_tokens(rows: tuple[ScheduledRow, ...], previous: InFlight | None) -> mx.array:
         """``[T]`` int32 ids: host ids where known, the previous step's samples where pending."""
-        host = np.zeros(sum(r.num_tokens for r in rows), dtype=np.int32)
+        total = sum(r.num_tokens for r in rows)
+        # One buffer over MLX CUDA's small pool (`metal_attn.host_arrays`), the pending samples
+        # scattered into it, the rows a view of its front.
+        host = np.zeros(padded_length(total, 4), dtype=np.int32)
         dev_at, dev_from = [], []
         at = 0
         for r in rows:
@@ -130,15 +134,15 @@ class StepRunner:
             at += r.num_tokens
         tokens = mx.array(host)
         if dev_at:
-            tokens[mx.array(dev_at)] = previous.sampled[mx.array(dev_from)]
-        return tokens
+            tokens[device_array(dev_at, np.int32)] = previous.sampled[device_array(dev_from, np.int32)]
+        return tokens[:total]
 
     @staticmethod
     def _history(row: ScheduledRow, previous: InFlight | None) -> mx.array:
         """Every token of the request up to this row's last (for mlx-lm's logits processors)."""
         req = row.request
         known = req.known_ids()
-        hist = mx.array(known, dtype=mx.int32)
+        hist = device_array(known, np.int32)
         if req.num_tokens > len(known) and previous is not None and req.id in previous.index:
             j = previous.index[req.id]
             hist = mx.concatenate([hist, previous.sampled[j : j + 1]])

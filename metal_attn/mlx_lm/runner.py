@@ -18,6 +18,7 @@ import numpy as np
 from metal_attn.api import dtype_name
 from metal_attn.cache import PagedKVCache, StepPlan
 from metal_attn.errors import InvalidInputError, ModelError
+from metal_attn.host_arrays import device_array
 from metal_attn.mlx_lm import hook
 from metal_attn.mlx_lm.architectures import ResolvedModel, resolve
 from metal_attn.mlx_lm.layer_cache import LayerGeometry, PagedLayerCache, ProbeCache
@@ -139,7 +140,7 @@ class PagedModel:
         if logit_rows is None:
             logit_rows = np.cumsum(plan.q_lens) - 1
         if not isinstance(logit_rows, mx.array):
-            logit_rows = mx.array(np.asarray(logit_rows, dtype=np.int32))
+            logit_rows = device_array(logit_rows, np.int32)
         if not hook.is_installed(self.resolved.attention_modules):
             raise ModelError(
                 "the attention hook is not installed for this model's modules "
