@@ -2,9 +2,9 @@
 
     python3 benchmarks/probe_per_token_small.py OUT.json [--calls 20]
 
-One decode row, 32/8 heads, head 128, bf16, block 16: contexts from one page to 2K, unsplit and
-split at 512 and 64 tokens (``METAL_ATTN_PARTITION_SIZE``). Each kernel's median GPU time over
-``--calls`` traced calls (CUPTI, `kernel_trace`). A kernel
+Decode rows (batch 1, 4 and 8), 32/8 heads, head 128, bf16, block 16: contexts from one page to
+8K, by the shipped rule and with forced partition sizes (``METAL_ATTN_PARTITION_SIZE``). Each
+kernel's median GPU time over ``--calls`` traced calls (CUPTI, `kernel_trace`). A kernel
 whose time does not shrink with its work per threadgroup has a fixed cost: that is what this
 separates. ``--ncu`` runs each variant a few times with no tracing, for Nsight Compute.
 """
@@ -21,8 +21,11 @@ import metal_attn
 from metal_attn.bench.core import Shape, build_case
 from metal_attn.settings import override_settings
 
-#: (context, forced partition size; 0 with a short context is the unsplit route).
-VARIANTS = ((16, 0), (100, 0), (600, 512), (600, 64), (2048, 512), (2048, 64), (8192, 512))
+#: (batch, context, forced partition size; 0: the shipped rule, the unsplit route at short contexts).
+VARIANTS = ((1, 16, 0), (1, 100, 0), (1, 600, 0), (1, 600, 512), (1, 600, 64), (1, 2048, 0), (1, 2048, 512),
+            (1, 2048, 128), (1, 2048, 64), (1, 8192, 0), (1, 8192, 512), (1, 8192, 64), (4, 600, 0), (4, 600, 512),
+            (4, 600, 64), (4, 2048, 0), (4, 2048, 512), (4, 2048, 64), (8, 4096, 0), (8, 4096, 256),
+            (8, 4096, 64))
 
 
 def main() -> None:
@@ -32,8 +35,8 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true")
     args = ap.parse_args()
     rows = []
-    for context, psize in VARIANTS:
-        case = build_case(Shape(1, 32, 8, 128, context, "bfloat16"), seed=context)
+    for batch, context, psize in VARIANTS:
+        case = build_case(Shape(batch, 32, 8, 128, context, "bfloat16"), seed=context)
 
         def call(case=case):
             return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
@@ -53,9 +56,11 @@ def main() -> None:
         for e in events:
             by_name.setdefault(e["name"][:60], []).append(float(e["dur"]))
         kernels = {n: statistics.median(d) for n, d in by_name.items()}
-        rows.append({"context": context, "partition_size": psize, "route": route, "kernel_median_us": kernels})
-        print(f"L{context:5d} {route:16s} " + "  ".join(f"{n[:44]} {us:.1f}us" for n, us in kernels.items()),
-              flush=True)
+        rows.append({"batch": batch, "context": context, "partition_size": psize, "route": route,
+                     "kernel_median_us": kernels})
+        label = "rule" if psize == 0 else f"P{psize}"
+        times = "  ".join(f"{n[:44]} {us:.1f}us" for n, us in kernels.items())
+        print(f"b{batch} L{context:5d} {label:5s} {route:16s} {times}", flush=True)
     if not args.ncu:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

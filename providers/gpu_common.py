@@ -36,8 +36,9 @@ Per-token routes: ``per_token_ps0`` (one pass per query row and head) and ``per_
 (split-KV: ``P``-token partitions, then the reducer), chosen by the occupancy gate
 ``num_heads * total_q_tokens < k * gpu_cores`` with at least two 512-token partitions (``k`` per
 backend in `metal_attn.constants.SPLIT_GATE_FACTOR`). ``P`` is what the backend's
-`PARTITION_RULES` gives (`partition_choice`): 512 on both GPU backends today, measured on CUDA;
-``METAL_ATTN_PARTITION_SIZE`` forces 256, 128 or 64 for A/B runs.
+`PARTITION_RULES` gives (`partition_choice`): on CUDA the largest of 512/256/128/64 whose KV work
+items reach the core count (measured on the H200), on Metal 512; ``METAL_ATTN_PARTITION_SIZE``
+forces one for A/B runs.
 """
 
 from __future__ import annotations
@@ -647,25 +648,24 @@ class PartitionRule:
     evidence: str
 
 
-#: One rule per backend (data, like the split gate; ``explain`` prints the arithmetic). Both keep
-#: 512-token partitions: on CUDA smaller ones were measured and did not pay (the evidence).
-PARTITION_RULES: dict[str, PartitionRule] = {
-    "cuda": PartitionRule(
-        (512,), 1.0,
-        "H200, MLX 0.32.4, bf16, 32/8 heads, head 128, one decode row at 600 tokens: 64-token partitions "
-        "(80 threadgroups instead of 16) took 16.9 + 7.8 us (kernel + reducer) against 19.1 + 7.7 us at 512 "
-        "(benchmarks/probe_per_token_small.py, CUPTI); inside the engine's compiled one-request step, on "
-        "another machine, 28.9 + 7.4 against 24.9 + 5.8 us (profile_single_stream.py); the 32-layer queued "
-        "sweep (sweep_partition.py, batches 1 and 4, contexts 600-8192) was fastest at 512 on 7 of 10 shapes. "
-        "The kernel has a floor of 7.2 us at one page of context (ncu: 64 warps on the GPU, 6% achieved "
-        "occupancy, one instruction per 5.9 cycles per warp): fewer tokens per threadgroup do not remove it. "
-        "docs/bench-h200-decode-step.md"),
-    "metal": PartitionRule((PARTITION_SIZE,), 0.0, "upstream's 512-token partitions; not measured on Apple hardware"),
-}
-
 #: The partition sizes the per-token kernel's text takes (multiples of its 32-token staged chunks
 #: and of every kernel block size); `METAL_ATTN_PARTITION_SIZE` may force any of them.
 PER_TOKEN_PARTITION_SIZES = (512, 256, 128, 64)
+
+#: One rule per backend (data, like the split gate; ``explain`` prints the arithmetic). CUDA takes
+#: the largest size whose KV work items reach the core count, else the smallest (the evidence);
+#: Metal keeps upstream's 512.
+PARTITION_RULES: dict[str, PartitionRule] = {
+    "cuda": PartitionRule(
+        PER_TOKEN_PARTITION_SIZES, 1.0,
+        "H200, MLX 0.32.4, bf16, 32/8 heads, head 128, one decode row (benchmarks/probe_per_token_small.py, "
+        "CUPTI, kernel + reducer us): 600 tokens 16.0 + 2.5 at 512 against 5.7 + 3.1 at 64; 2,048 tokens "
+        "16.5 + 2.8 against 6.8 + 3.8. The kernel's floor is about 4.5 us at one page of context, so a "
+        "threadgroup's walk over its partition's chunks is most of a 512-token launch at one row. Before "
+        "the kernels' small inputs left MLX's small-allocation pool (metal_attn.host_arrays) the floor was "
+        "7.2 us and the reducer 7.7, and 512 won. docs/bench-h200-decode-step.md"),
+    "metal": PartitionRule((PARTITION_SIZE,), 0.0, "upstream's 512-token partitions; not measured on Apple hardware"),
+}
 
 
 def partition_choice(request: AttentionRequest, device: DeviceInfo, settings: Settings | None) -> tuple[int, str]:

@@ -331,27 +331,17 @@ def _cuda_plan(q_lens, seq_lens, **kw):
     return row.plan
 
 
-def test_the_shipped_rules_keep_512_and_say_why():
+def test_the_shipped_rules_say_why():
     from metal_attn.providers import gpu_common as gc
 
+    assert gc.PARTITION_RULES["cuda"].sizes == gc.PER_TOKEN_PARTITION_SIZES
+    assert gc.PARTITION_RULES["metal"].sizes == (PARTITION_SIZE,)
     for backend, rule in gc.PARTITION_RULES.items():
-        assert rule.sizes == (PARTITION_SIZE,) and rule.evidence, backend
-    plan = _cuda_plan([1], [600])  # one request: 16 threadgroups at 512, measured no slower than 64
-    assert (plan.route, plan.partition_size) == ("per_token_ps512", 512)
-    assert "partition size 512 (PARTITION_RULES[cuda]: one size)" in " | ".join(plan.notes)
+        assert rule.evidence, backend
 
 
-@pytest.fixture
-def multi_size_rule(monkeypatch):
-    """A CUDA rule offering every size the kernel takes (the mechanism; the shipped data is 512 only)."""
-    from metal_attn.providers import gpu_common as gc
-
-    monkeypatch.setitem(gc.PARTITION_RULES, "cuda", gc.PartitionRule(gc.PER_TOKEN_PARTITION_SIZES, 1.0, "test"))
-    return gc
-
-
-def test_a_small_launch_takes_the_largest_size_that_fills_the_gpu(multi_size_rule):
-    with override_settings(gpu_cores=132):  # a fresh epoch: no plan cached before the patch
+def test_a_small_launch_takes_the_largest_size_that_fills_the_gpu():
+    with override_settings(gpu_cores=132):  # a fresh epoch: no plan cached from another test
         plan = _cuda_plan([1], [600])
     assert (plan.route, plan.partition_size, plan.grid[2]) == ("per_token_ps64", 64, 10)
     notes = " | ".join(plan.notes)
@@ -362,6 +352,16 @@ def test_a_small_launch_takes_the_largest_size_that_fills_the_gpu(multi_size_rul
         assert _cuda_plan([1], [32768]).partition_size == 512  # 8*64 = 512 items already
         assert _cuda_plan([1] * 8, [4096] * 8).partition_size == 512
         assert _cuda_plan([1] * 4, [1024] * 4).partition_size == 128  # 8*4*4 = 128 < 132 <= 8*4*8
+
+
+def test_a_one_size_rule_says_so(monkeypatch):
+    from metal_attn.providers import gpu_common as gc
+
+    monkeypatch.setitem(gc.PARTITION_RULES, "cuda", gc.PartitionRule((PARTITION_SIZE,), 1.0, "test"))
+    with override_settings(gpu_cores=132):
+        plan = _cuda_plan([1], [600])
+    assert (plan.route, plan.partition_size) == ("per_token_ps512", 512)
+    assert "partition size 512 (PARTITION_RULES[cuda]: one size)" in " | ".join(plan.notes)
 
 
 def test_metal_keeps_upstreams_partitions():
@@ -379,10 +379,11 @@ def test_the_partition_size_can_be_forced():
         assert _cuda_plan([1], [400]).partition_size == 0  # the gate still needs two 512-token partitions
 
 
-def test_partition_sizes_respect_the_scratch_cap(multi_size_rule, monkeypatch):
+def test_partition_sizes_respect_the_scratch_cap(monkeypatch):
+    from metal_attn.providers import gpu_common as gc
+
     from metal_attn.request import AttentionRequest, split_scratch_bytes
 
-    gc = multi_size_rule
     # One request at 600 tokens wants 64-token partitions; with a cap that holds 256-token partitions
     # but not 128 the rule takes 256, the smallest that fits.
     req = AttentionRequest.from_lengths(q_lens=[1], seq_lens=[600], backend="cuda", dtype="bfloat16",
