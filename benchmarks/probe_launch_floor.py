@@ -7,7 +7,8 @@ Each row is one kernel's median GPU time over ``--calls`` traced calls (CUPTI, `
 
 - ``copy16 device``: a one-block kernel copying 16 floats from an array the GPU wrote;
 - ``copy16 host`` / ``copy2 host``: the same from an array built on the host (``mx.array`` of a
-  list; 8 bytes and under come from MLX's small managed pool);
+  list; 8 bytes and under come from MLX's small managed pool); ``padded``: a view of a larger
+  buffer (`metal_attn.host_arrays`); ``fresh host array per call``: a new host array every call;
 - ``chase N``: one thread following N dependent loads through a device array (the memory latency
   a chain of dependent reads pays);
 - ``x*1``: MLX's own elementwise kernel on 16 floats;
@@ -89,6 +90,11 @@ def main() -> None:
             row(f"copy{n} {label}", lambda arr=arr, copy=copy, n=n: copy(
                 inputs=[arr], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(n,)],
                 output_dtypes=[mx.float32])[0])
+        # A host array built anew for every call (an engine's per-step inputs): the GPU's first touch
+        # of a buffer the CPU just wrote.
+        row(f"copy{n} fresh host array per call", lambda copy=copy, n=n: copy(
+            inputs=[mx.array(list(range(n)), dtype=mx.int32)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+            output_shapes=[(n,)], output_dtypes=[mx.float32])[0])
     size = 1 << 16
     perm = np.random.default_rng(0).permutation(size).astype(np.int32)
     nxt = np.empty(size, dtype=np.int32)

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_attn.errors import InvalidInputError
-from metal_attn.host_arrays import device_array, kernel_input, padded_length
+from metal_attn.host_arrays import device_array, kernel_input
 from metal_attn.request import Phase, classify_phase, leading_decode_rows, length_plan
 
 
@@ -200,8 +200,7 @@ class AttentionMetadata:
         return cls(
             block_tables=block_tables,
             seq_lens=seq_lens,
-            # Over MLX CUDA's small pool (`metal_attn.host_arrays`) even for one row.
-            cu_seqlens_q=mx.arange(padded_length(n + 1, 4), dtype=mx.int32)[: n + 1],
+            cu_seqlens_q=decode_query_starts(n),
             seq_lens_host=lens,
             q_lens_host=(1,) * n,
             phase=classify_phase((1,) * n, lens),
@@ -340,3 +339,11 @@ class AttentionMetadata:
         self._tiles[key] = got
         return got
 
+
+@functools.lru_cache(maxsize=256)
+def decode_query_starts(n: int) -> mx.array:
+    """``cu_seqlens_q`` of ``n`` decode rows, ``[0, 1, .., n]``: built and evaluated once per ``n``, so a
+    decode step (a compiled one too) reads a constant instead of computing it on the device every step."""
+    got = device_array(np.arange(n + 1), np.int32)
+    mx.eval(got)
+    return got

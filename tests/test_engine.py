@@ -344,3 +344,30 @@ def test_prefix_blocks_are_shared_from_the_step_after_they_are_written(llama):
     assert [eng.requests[i].num_cached_tokens for i in ids] == [0, 0, 48, 48]
     for rid, ref in zip(ids, refs):
         assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"prefix req {rid}")
+
+
+def test_steady_decode_feeds_the_samples_back_as_they_are(llama, workload, monkeypatch):
+    """Once every row of a step is one token, each the previous step's sample in that step's order,
+    the step's input is the previous step's sampled array itself (no host ids, no device gather or
+    scatter); any other step builds its ids. The tokens stay stock mlx-lm's either way."""
+    from metal_attn.engine.runner import StepRunner
+
+    prompts, n_tokens, refs = workload
+    seen: list[bool] = []
+    real = StepRunner._input_tokens
+
+    def watch(rows, previous):
+        got = real(rows, previous)
+        seen.append(previous is not None and got is previous.sampled)
+        return got
+
+    monkeypatch.setattr(StepRunner, "_input_tokens", staticmethod(watch))
+    eng = _engine(llama, max_num_seqs=4)
+    ids = [eng.add_request(p, max_tokens=n) for p, n in zip(prompts[:3], n_tokens[:3])]
+    while eng.has_unfinished():
+        eng.step()
+    for rid, ref in zip(ids, refs[:3]):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"steady decode req {rid}")
+    assert seen[0] is False  # the prefill step
+    assert any(seen), "steady decode steps should reuse the samples"
+    assert not all(seen)

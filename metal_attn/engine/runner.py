@@ -115,7 +115,16 @@ class StepRunner:
 
     @staticmethod
     def _input_tokens(rows: tuple[ScheduledRow, ...], previous: InFlight | None) -> mx.array:
-        """``[T]`` int32 ids: host ids where known, the previous step's samples where pending."""
+        """``[T]`` int32 ids: host ids where known, the previous step's samples where pending.
+
+        A steady decode step (every row one token, each the previous step's sample in that step's
+        order) takes the samples as they are, like `mlx_lm.generate_step`: no host array and no
+        gather or scatter on the device."""
+        if previous is not None and previous.sampled is not None and len(rows) == previous.sampled.shape[0] and all(
+            r.num_tokens == 1 and r.start == len(r.request.known_ids()) and previous.index.get(r.request.id) == i
+            for i, r in enumerate(rows)
+        ):
+            return previous.sampled
         total = sum(r.num_tokens for r in rows)
         # One buffer over MLX CUDA's small pool (`metal_attn.host_arrays`), the pending samples
         # scattered into it, the rows a view of its front.
