@@ -218,7 +218,8 @@ def compile_now(run: Callable[[], Any], what: str) -> None:
 def param_array(values: tuple, dtype: str) -> Any:
     """A small kernel-parameter array (``dtype`` by name), built and evaluated once per distinct
     value: a fresh host-to-GPU array per call costs more than the kernel on short batches, and
-    MLX arrays are values, so sharing one is safe."""
+    MLX arrays are values, so sharing one is safe. Its buffer is over MLX CUDA's small-allocation
+    pool (`metal_attn.host_arrays`)."""
     import mlx.core as mx
     import numpy as np
 
