@@ -9,6 +9,8 @@ Each row is one kernel's median GPU time over ``--calls`` traced calls (CUPTI, `
 - ``copy16 host`` / ``copy2 host``: the same from an array built on the host (``mx.array`` of a
   list; 8 bytes and under come from MLX's small managed pool); ``padded``: a view of a larger
   buffer (`metal_attn.host_arrays`); ``fresh host array per call``: a new host array every call;
+- ``six fresh host arrays``: a step's six small inputs built anew every call, as six buffers or
+  as six views of one (one upload a step);
 - ``chase N``: one thread following N dependent loads through a device array (the memory latency
   a chain of dependent reads pays);
 - ``x*1``: MLX's own elementwise kernel on 16 floats;
@@ -95,6 +97,22 @@ def main() -> None:
         row(f"copy{n} fresh host array per call", lambda copy=copy, n=n: copy(
             inputs=[mx.array(list(range(n)), dtype=mx.int32)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
             output_shapes=[(n,)], output_dtypes=[mx.float32])[0])
+    # A step's six small host arrays (ids, positions, slots, table, lengths, query starts) built anew
+    # every call: six buffers, or one buffer and six views of it (one upload a step).
+    names = ["a", "b", "c", "d", "e", "f"]
+    six = mx.fast.cuda_kernel(name="ma_probe_six", input_names=names, output_names=["out"],
+                              source="    if (threadIdx.x == 0) { out[0] = a[0] + b[0] + c[0] + d[0] + e[0] + f[0]; }")
+
+    def six_inputs(packed: bool) -> list[mx.array]:
+        if not packed:
+            return [mx.array(np.arange(4, dtype=np.int32) + i) for i in range(6)]
+        flat = mx.array(np.arange(24, dtype=np.int32))
+        return [flat[4 * i : 4 * i + 4] for i in range(6)]
+
+    for packed in (False, True):
+        row(f"six fresh host arrays, {'one buffer' if packed else 'six buffers'}", lambda packed=packed: six(
+            inputs=six_inputs(packed), grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
+            output_dtypes=[mx.int32])[0])
     size = 1 << 16
     perm = np.random.default_rng(0).permutation(size).astype(np.int32)
     nxt = np.empty(size, dtype=np.int32)
