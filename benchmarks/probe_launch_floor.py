@@ -49,18 +49,31 @@ def _medians(events: list[dict]) -> dict[str, float]:
 
 
 def _device_copy(a: mx.array) -> mx.array:
-    out = a + 0 if a.dtype != mx.bool_ else a
+    """``a`` copied by the GPU (an array of 8 bytes or less lands in MLX's small pool)."""
+    out = a + 0
     mx.eval(out)
     return out
 
 
 def _padded(a: mx.array) -> mx.array:
-    """``a`` as a view of a larger buffer (over MLX's 8-byte small-allocation pool)."""
-    flat = mx.concatenate([a.reshape(-1), mx.zeros((16,), dtype=a.dtype)])
-    mx.eval(flat)
-    out = flat[: a.size].reshape(a.shape)
+    """``a`` as the package ships it: `metal_attn.host_arrays.device_array` of its values."""
+    from metal_attn.host_arrays import device_array
+
+    out = device_array(np.array(a))
     mx.eval(out)
     return out
+
+
+def _with_inputs(launch, md, make):
+    """The per-token ``launch`` and its metadata ``md`` with every small input replaced by ``make(x)``."""
+    reduce = launch.reduce
+    if reduce is not None:
+        reduce = dataclasses.replace(reduce, params=make(reduce.params), zero_sinks=make(reduce.zero_sinks))
+    launch = dataclasses.replace(launch, params=make(launch.params), fparams=make(launch.fparams),
+                                 zero_sinks=make(launch.zero_sinks), reduce=reduce)
+    md = dataclasses.replace(md, block_tables=make(md.block_tables), seq_lens=make(md.seq_lens),
+                             cu_seqlens_q=make(md.cu_seqlens_q))
+    return launch, md
 
 
 def main() -> None:
@@ -127,8 +140,6 @@ def main() -> None:
     # The same chain, one step a page: 32 loads, each at a random page of a 1 GiB array (a TLB
     # miss per step where the GPU's page is smaller than the stride).
     big = 1 << 28
-    chase32 = mx.fast.cuda_kernel(name="ma_probe_chase32", input_names=["nxt"], output_names=["out"],
-                                  source=CHASE.replace("STEPS", "32"))
     for stride in (32, 16 << 10, 512 << 10, 4 << 20):  # int32 elements: 128 B, 64 KiB, 2 MiB, 16 MiB
         slots = np.random.default_rng(stride).choice(big // stride, size=32, replace=False) * stride
         chain = mx.zeros((big,), dtype=mx.int32)
@@ -141,7 +152,6 @@ def main() -> None:
             inputs=[c], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
             output_dtypes=[mx.int32])[0])
         del chain
-    del chase32
     x = _device_copy(mx.ones((16,)))
     row("x*1", lambda: x * 1)
 
@@ -159,24 +169,10 @@ def main() -> None:
                 case.q.shape, case.q.dtype, case.k_pool.shape, md, scale=case.scale, use_sinks=False,
                 sliding_window=None, softcap=None, partition_size=psize, backend="cuda", geo=geo,
                 prefetch=gpu_common.PREFETCH_NEXT["cuda"], rows=None)
-        md_dev = dataclasses.replace(md, block_tables=_device_copy(md.block_tables),
-                                     seq_lens=_device_copy(md.seq_lens), cu_seqlens_q=_device_copy(md.cu_seqlens_q))
-        reduce = launch.reduce
-        if reduce is not None:
-            reduce = dataclasses.replace(reduce, params=_device_copy(reduce.params),
-                                         zero_sinks=_device_copy(reduce.zero_sinks))
-        launch_dev = dataclasses.replace(launch, params=_device_copy(launch.params),
-                                         fparams=_device_copy(launch.fparams),
-                                         zero_sinks=_device_copy(launch.zero_sinks), reduce=reduce)
-        md_pad = dataclasses.replace(md, block_tables=_padded(md.block_tables), seq_lens=_padded(md.seq_lens),
-                                     cu_seqlens_q=_padded(md.cu_seqlens_q))
-        reduce = launch.reduce
-        if reduce is not None:
-            reduce = dataclasses.replace(reduce, params=_padded(reduce.params), zero_sinks=_padded(reduce.zero_sinks))
-        launch_pad = dataclasses.replace(launch, params=_padded(launch.params), fparams=_padded(launch.fparams),
-                                         zero_sinks=_padded(launch.zero_sinks), reduce=reduce)
-        variants = (("as shipped", launch, md), ("device inputs", launch_dev, md_dev),
-                    ("padded inputs", launch_pad, md_pad))
+        # As shipped, the small inputs are views of larger buffers; GPU-written copies of them put
+        # those of 8 bytes or less back into MLX's small pool.
+        variants = (("as shipped", launch, md), ("device inputs", *_with_inputs(launch, md, _device_copy)),
+                    ("padded inputs", *_with_inputs(launch, md, _padded)))
         for label, ln, m in variants:
             row(f"per_token L{context} P{psize} {label}",
                 lambda ln=ln, m=m, c=case: ln(c.q, c.k_pool, c.v_pool, m, None))

@@ -77,8 +77,15 @@ def test_one_decode_row_builds_every_kernel_input_over_the_pool(buffers):
     assert all(n > SMALL_POOL_BYTES for n in buffers), buffers
 
 
-def test_decode_bounds_query_starts_are_over_the_pool():
+def test_decode_bounds_query_starts_are_over_the_pool(buffers):
+    from metal_attn.metadata import decode_query_starts
+
+    decode_query_starts.cache_clear()  # built once per row count: make this test build it
     md = AttentionMetadata.decode_bounds(mx.array([[3]], dtype=mx.int32), mx.array([10], dtype=mx.int32),
                                          max_seq_len=16)
     assert md.cu_seqlens_q.tolist() == [0, 1]
     assert md.cu_seqlens_q.dtype == mx.int32
+    assert buffers == [16]  # the 8-byte [0, 1] as the front of a 16-byte buffer
+    again = AttentionMetadata.decode_bounds(mx.array([[4]], dtype=mx.int32), mx.array([11], dtype=mx.int32),
+                                            max_seq_len=16)
+    assert again.cu_seqlens_q is md.cu_seqlens_q and buffers == [16]  # a constant, not rebuilt per step
