@@ -9,6 +9,7 @@ Each row is one kernel's median GPU time over ``--calls`` traced calls (CUPTI, `
 - ``copy16 host`` / ``copy2 host``: the same from an array built on the host (``mx.array`` of a
   list; 8 bytes and under come from MLX's small managed pool); ``padded``: a view of a larger
   buffer (`metal_attn.host_arrays`); ``fresh host array per call``: a new host array every call;
+  ``derived on the device per call``: the last call's array plus one, computed by the GPU;
 - ``six fresh host arrays``: a step's six small inputs built anew every call, as six buffers or
   as six views of one (one upload a step);
 - ``chase N``: one thread following N dependent loads through a device array (the memory latency
@@ -105,6 +106,16 @@ def main() -> None:
             row(f"copy{n} {label}", lambda arr=arr, copy=copy, n=n: copy(
                 inputs=[arr], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(n,)],
                 output_dtypes=[mx.float32])[0])
+        # The same values derived on the device from the last call's (a decode step's successor,
+        # `metal_attn.cache.next_decode_plan`): no host write between calls.
+        state = {"a": _padded(host)}
+
+        def derived(copy=copy, n=n, state=state):
+            state["a"] = state["a"] + 1
+            return copy(inputs=[state["a"]], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(n,)],
+                        output_dtypes=[mx.float32])[0]
+
+        row(f"copy{n} derived on the device per call", derived)
         # A host array built anew for every call (an engine's per-step inputs): the GPU's first touch
         # of a buffer the CPU just wrote.
         row(f"copy{n} fresh host array per call", lambda copy=copy, n=n: copy(
@@ -176,8 +187,12 @@ def main() -> None:
         for label, ln, m in variants:
             row(f"per_token L{context} P{psize} {label}",
                 lambda ln=ln, m=m, c=case: ln(c.q, c.k_pool, c.v_pool, m, None))
-        ref = metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=md, scale=case.scale,
-                                         provider="classic")
+        # The shipped launch at this partition size (the registry's own call would take the rule's).
+        ref = launch(case.q, case.k_pool, case.v_pool, md, None)
+        np.testing.assert_allclose(
+            np.array(ref.astype(mx.float32)),
+            np.array(metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=md, scale=case.scale,
+                                                provider="classic").astype(mx.float32)), rtol=2e-2, atol=2e-2)
         for label, ln, m in variants[1:]:
             got = ln(case.q, case.k_pool, case.v_pool, m, None)
             assert mx.array_equal(ref, got).item(), f"the {label} launch must give the same output"

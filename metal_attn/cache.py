@@ -30,11 +30,11 @@ import numpy as np
 from metal_attn.api import DTYPE_NAMES, MX_DTYPES, dtype_name, kernel_block_size, reshape_and_cache, write_checked
 from metal_attn.constants import KERNEL_BLOCK_SIZES
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
-from metal_attn.host_arrays import device_array
+from metal_attn.host_arrays import device_array, padded_base
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.provider import scatter_slots
 
-__all__ = ["BlockAllocator", "PagedKVCache", "StepPlan", "build_step_plan"]
+__all__ = ["BlockAllocator", "PagedKVCache", "StepPlan", "build_step_plan", "next_decode_plan"]
 
 
 def _is_int(x: Any) -> bool:
@@ -186,6 +186,9 @@ class StepPlan:
     metadata: AttentionMetadata
     #: ``(old, new)`` pages copied because a shared last page was appended to.
     copies: tuple[tuple[int, int], ...] = ()
+    #: The `padded_base` buffers ``positions`` and ``slot_mapping`` are the leading elements of
+    #: (``None``: not known), from which `next_decode_plan` derives the next step's on the device.
+    bases: tuple[mx.array, mx.array] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -227,15 +230,46 @@ def build_step_plan(
     cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
     np.cumsum(q_lens, out=cu[1:])
     metadata = AttentionMetadata.build(block_tables, seq_lens.astype(np.int32), cu)
+    n = pos.size
+    pos_base, slot_base = padded_base(pos, np.int32), padded_base(slots, np.int64)
     return StepPlan(
         seq_ids=tuple(seq_ids),
         q_lens=tuple(int(n) for n in q_lens),
         seq_lens=tuple(int(n) for n in seq_lens),
-        slot_mapping=device_array(slots),
-        positions=device_array(pos, np.int32),
+        slot_mapping=slot_base[:n],
+        positions=pos_base[:n],
         metadata=metadata,
         copies=tuple(copies),
+        bases=(pos_base, slot_base),
     )
+
+
+def next_decode_plan(plan: StepPlan, block_size: int) -> StepPlan | None:
+    """The plan of the step after ``plan`` when that step appends one token to each of the same
+    sequences, in the same order, over the same pages (the caller's to know: the scheduler's rows),
+    built without a host array: every position, slot and length one more, computed on the device
+    from ``plan``'s own (its `StepPlan.bases`); the block tables and query starts are ``plan``'s.
+
+    On MLX CUDA the first kernel to read a buffer the host has just written waits for it to
+    migrate (`metal_attn.host_arrays`); at one decode row the step's fresh positions and slots cost
+    more GPU time than its attention (docs/serving.md). ``None`` when the step cannot be derived:
+    a row of more than one token, a sequence whose next token starts a page (its slot is on a
+    page this plan does not know), page copies, or a plan without bases. The derived arrays are
+    lazy: for consumers that never read them on the host (a compiled decode step).
+    """
+    if plan.bases is None or plan.copies or any(q != 1 for q in plan.q_lens):
+        return None
+    if any(s % block_size == 0 for s in plan.seq_lens):  # the next position, s, starts a page
+        return None
+    pos_base, slot_base = plan.bases
+    n = len(plan.q_lens)
+    positions, slots = pos_base + 1, slot_base + 1
+    seq_lens = tuple(s + 1 for s in plan.seq_lens)
+    # A decode row's length is its new token's position + 1; ``positions + 1`` on the base keeps
+    # a one-row length out of MLX's small-allocation pool, as the base's own buffer is.
+    metadata = plan.metadata.next_decode_step((positions + 1)[:n], seq_lens)
+    return dataclasses.replace(plan, seq_lens=seq_lens, slot_mapping=slots[:n], positions=positions[:n],
+                               metadata=metadata, bases=(positions, slots))
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -68,6 +69,8 @@ class AttentionMetadata:
     #: Launch descriptors of the GPU providers (`metal_attn.providers.gpu_common.cached_launch`):
     #: key -> what a launch over this batch derives from its plan, shared by the layers of a step.
     _launches: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
+    #: `padded_block_tables` by width (a decode step's successor shares them: `next_decode_step`).
+    _padded_tables: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
     def num_seqs(self) -> int:
@@ -223,7 +226,34 @@ class AttentionMetadata:
             raise ValueError(f"width={width} (allowed: >= the table's {have} columns)")
         if width == have:
             return self.block_tables
-        return device_array(np.pad(self._block_tables_host, ((0, 0), (0, width - have))), np.int32)
+        got = self._padded_tables.get(width)
+        if got is None:
+            got = self._padded_tables[width] = device_array(
+                np.pad(self._block_tables_host, ((0, 0), (0, width - have))), np.int32)
+        return got
+
+    def next_decode_step(self, seq_lens: mx.array, seq_lens_host: Sequence[int]) -> AttentionMetadata:
+        """This decode batch (one query row per sequence) one token later: the same tables and query
+        starts, the lengths ``seq_lens`` (``[num_seqs]`` int32 on the device, derived by the caller,
+        `metal_attn.cache.next_decode_plan`) and their host copy ``seq_lens_host``, each one more than
+        before. Every sequence must stay within the pages its table row already names (the pool
+        checks of `pool_guard` run again on first use)."""
+        n = self.num_seqs
+        lens = tuple(int(x) for x in seq_lens_host)
+        if self.lengths_are_bounds or self.q_lens_host != (1,) * n:
+            raise InvalidInputError("next_decode_step: needs a decode batch with host lengths (one query row per "
+                                    f"sequence; got q_lens {self.q_lens_host[:8]}, bounds {self.lengths_are_bounds})")
+        if len(lens) != n or any(b != a + 1 for a, b in zip(self.seq_lens_host, lens)):
+            raise InvalidInputError(f"next_decode_step: seq_lens_host={lens[:8]} (allowed: each of "
+                                    f"{self.seq_lens_host[:8]} plus one, {n} in all)")
+        if tuple(seq_lens.shape) != (n,) or seq_lens.dtype != mx.int32:
+            raise InvalidInputError(f"next_decode_step: seq_lens {str(seq_lens.dtype).removeprefix('mlx.core.')} "
+                                    f"{tuple(seq_lens.shape)} "
+                                    f"(allowed: int32 ({n},))")
+        out = dataclasses.replace(self, seq_lens=seq_lens, seq_lens_host=lens,
+                                  phase=classify_phase(self.q_lens_host, lens), length_plan=length_plan(lens))
+        out._padded_tables.update(self._padded_tables)
+        return out
 
     def check_against_pool(self, num_blocks: int, block_size: int) -> None:
         """Raise `InvalidInputError` if a table is too short for its ``seq_len`` or a block id it

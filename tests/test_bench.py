@@ -448,3 +448,36 @@ def test_generate_suite_refuses_an_unknown_candidate_before_loading_a_model(caps
     err = capsys.readouterr().err
     assert ("nope unknown for the generate suite (allowed: engine, engine_eager, engine_compiled, engine_trace_second, "
             "batch_generator, generate_step)") in err
+
+
+def test_generate_rounds_alternate_the_order_and_report_the_median_ratio(monkeypatch):
+    """``--repeat`` on the generate suite: every candidate once a round, the order reversed every other
+    round, and each ratio the median of the rounds' own ratios (a drifting host weighs on both)."""
+    from metal_attn.bench import generate
+
+    calls = []
+    speeds = iter([100.0, 50.0, 80.0, 40.0, 90.0, 60.0])  # engine, step | step, engine | engine, step
+
+    def fake(name):
+        def run(model, prompts, gen, **kw):
+            if gen != 4:  # the warm-up generates 4 tokens each
+                calls.append(name)
+                tps = next(speeds)
+                return gen / tps, 0.0, gen, [0.01], {}
+            return 1.0, 0.0, gen, [0.01], {}
+        return run
+
+    monkeypatch.setitem(generate.RUNNERS, "engine", fake("engine"))
+    monkeypatch.setitem(generate.RUNNERS, "generate_step", fake("generate_step"))
+
+    class Model:
+        pass
+
+    results = generate.bench_generate(Model(), concurrencies=(1,), prompt_len=4, gen_tokens=8,
+                                      candidates=("engine", "generate_step"), rounds=3)
+    assert calls == ["engine", "generate_step", "generate_step", "engine", "engine", "generate_step"]
+    assert [r.round for r in results] == [0, 0, 1, 1, 2, 2]
+    (row,) = [r for r in generate.ratios(results) if r["peer"] == "generate_step"]
+    # Rounds: 100/50 = 2.0, engine 40 / step 80 = 0.5, 90/60 = 1.5; the median is 1.5.
+    assert [round(e["generation_ratio"], 6) for e in row["per_round"]] == [2.0, 0.5, 1.5]
+    assert row["generation_ratio"] == pytest.approx(1.5)

@@ -4,6 +4,8 @@ and stock mlx-lm (the engine's own identity runs are in tests/test_engine.py).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -323,3 +325,65 @@ def test_an_engine_tracing_on_second_sight_runs_the_first_decode_step_eagerly():
 def test_a_one_page_pool_compiles_without_padding_rows():
     eng = Engine(tiny_model("llama"), WordTokenizer(), EngineConfig(num_blocks=1, compile_decode=True))
     assert eng.runner.compiled.pad_block is None and not eng.blocks.reserved
+
+
+def _plan_arrays(plan):
+    md = plan.metadata
+    return {"positions": np.array(plan.positions).tolist(), "slots": np.array(plan.slot_mapping).tolist(),
+            "seq_lens": np.array(md.seq_lens).tolist(), "cu": np.array(md.cu_seqlens_q).tolist(),
+            "tables": np.array(md.block_tables).tolist(), "host": (plan.seq_lens, md.seq_lens_host, md.q_lens_host),
+            "plan": md.length_plan, "phase": md.phase}
+
+
+@pytest.mark.parametrize("starts", [[9], [9, 20, 3], [1, 2, 3, 4, 5]])
+def test_the_next_decode_plan_is_the_built_one_without_a_host_array(starts, monkeypatch):
+    """One token on, every row in the same page: `next_decode_plan` gives what `build_step_plan`
+    builds for those rows (positions, slots, lengths, tables, query starts, host views), from the
+    device alone (no host array made), its bases over MLX CUDA's small pool; and nothing when a row's
+    next token starts a page, a row has several tokens, or a plan has no bases."""
+    from metal_attn import host_arrays
+    from metal_attn.cache import next_decode_plan
+
+    tables = [[4, 7], [1, 2], [3]][: len(starts)] + [[10 + i] for i in range(len(starts) - 3)]
+    ids = list(range(len(starts)))
+    plan = build_step_plan(ids, starts, [1] * len(starts), tables, 16)
+    want = build_step_plan(ids, [s + 1 for s in starts], [1] * len(starts), tables, 16)
+    monkeypatch.setattr(host_arrays, "_allocate", lambda host: pytest.fail(f"a host array was made: {host}"))
+    got = next_decode_plan(plan, 16)
+    assert _plan_arrays(got) == _plan_arrays(want)
+    assert all(b.nbytes > host_arrays.SMALL_POOL_BYTES for b in got.bases)
+    again = next_decode_plan(got, 16)  # and on from a derived plan
+    monkeypatch.undo()
+    assert _plan_arrays(again) == _plan_arrays(build_step_plan(ids, [s + 2 for s in starts], [1] * len(starts),
+                                                               tables, 16))
+    assert next_decode_plan(build_step_plan([0], [15], [1], [[4, 7]], 16), 16) is None  # position 16: page 2
+    assert next_decode_plan(build_step_plan([0], [0], [9], [[4]], 16), 16) is None  # a prefill row
+    assert next_decode_plan(dataclasses.replace(plan, bases=None), 16) is None
+    md = build_step_plan([0], [9], [1], [[4]], 16).metadata
+    with pytest.raises(InvalidInputError, match=r"seq_lens_host=\(12,\) \(allowed: each of \(10,\) plus one"):
+        md.next_decode_step(mx.array([12], dtype=mx.int32), [12])
+    with pytest.raises(InvalidInputError, match=r"seq_lens int64 \(1,\) \(allowed: int32 \(1,\)\)"):
+        md.next_decode_step(mx.array([11], dtype=mx.int64), [11])
+
+
+def test_steady_compiled_decode_uploads_a_plan_only_when_a_page_starts(monkeypatch):
+    """A compiled single stream builds its step plan on the host at the prefill, its first decode
+    step and each step whose token starts a page; every other step derives it on the device. The
+    tokens stay stock mlx-lm's."""
+    from metal_attn.engine import runner as runner_mod
+
+    model = tiny_model("llama")
+    prompt = [5, 9, 200, 31, 77, 12, 40, 8, 3, 66]  # 10 tokens, pages of 16
+    n = 40  # positions 10..49: pages start at 16, 32 and 48
+    ref = reference_greedy(model, prompt, n, WordTokenizer.eos_token_ids)
+    built = []
+    real = runner_mod.build_step_plan
+    monkeypatch.setattr(runner_mod, "build_step_plan", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=32, compile_decode=True))
+    rid = eng.add_request(prompt, max_tokens=n)
+    while eng.has_unfinished():
+        eng.step()
+    assert_same_greedy(eng.completion(rid).token_ids, ref, 1e-4, "compiled decode, derived plans")
+    # Starts: the prefill (0), the first decode row (10), then the rows whose position starts a page.
+    assert built == [[0], [10], [16], [32], [48]], built
+    assert eng.runner.compiled.steps >= n - 2

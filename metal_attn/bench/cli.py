@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "ceiling) as a baseline for this machine class")
     b.add_argument("--repeat", type=int_at_least(1), metavar="N",
                    help="run the suites N times (default 1); --compare and --write-baseline take each ratio's "
-                        "median over the runs")
+                        "median over the runs; --suite generate runs each concurrency's candidates N times in "
+                        "alternating order and reports the median of the rounds' ratios")
     b.add_argument("--ratios", metavar="PATTERN,...",
                    help="with --write-baseline: store only the ratios whose names match a glob "
                         "(e.g. 'speedup_vs_*'); default: all")

@@ -52,6 +52,8 @@ class GenerateResult:
     mean_ttft_s: float | None
     peak_memory_bytes: int
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Which round of the workload this is (``--repeat``: every candidate once per round).
+    round: int = 0
 
     @property
     def e2e_tps(self) -> float:
@@ -215,24 +217,30 @@ def bench_generate(
     shared_prefix: int = 0,
     shared_requests: int = 32,
     seed: int = 0,
+    rounds: int = 1,
     warm: bool = True,
     progress: Callable[[str], None] | None = None,
     on_result: Callable[[GenerateResult], None] | None = None,
 ) -> list[GenerateResult]:
-    """Run the workloads; every result goes to ``on_result`` as soon as it exists."""
+    """Run the workloads; every result goes to ``on_result`` as soon as it exists.
+
+    ``rounds`` runs each concurrency's candidates that many times, back to back, the order reversed
+    every other round, so that a host whose speed drifts during the run weighs on every candidate
+    alike; `ratios` then takes each round's ratio and their median."""
     vocab = int(model.model.embed_tokens.weight.shape[0]) if hasattr(model, "model") else 32000
     results: list[GenerateResult] = []
 
-    def one(workload: str, name: str, prompts: list[list[int]], **kw: Any) -> None:
+    def one(workload: str, name: str, prompts: list[list[int]], rnd: int = 0, **kw: Any) -> None:
         if progress:
-            progress(f"{workload} c={len(prompts)} {name} ...")
+            progress(f"{workload} c={len(prompts)} {name}" + (f" (round {rnd + 1} of {rounds})" if rounds > 1 else "")
+                     + " ...")
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
         wall, prompt_s, generated, ttft, extra = RUNNERS[name](model, prompts, gen_tokens, **kw)
         r = GenerateResult(workload, len(prompts), name + ("" if kw.get("prefix_caching", True) else "-noprefix"),
                            len(prompts[0]), gen_tokens, wall, prompt_s, generated,
-                           statistics.fmean(ttft) if ttft else None, int(mx.get_peak_memory()), extra)
+                           statistics.fmean(ttft) if ttft else None, int(mx.get_peak_memory()), extra, rnd)
         results.append(r)
         if on_result:
             on_result(r)
@@ -255,10 +263,11 @@ def bench_generate(
         RUNNERS[name](model, warm_prompts[:1], 4)
     for c in concurrencies:
         prompts = _prompts(c, prompt_len, vocab, seed + c)
-        for name in candidates:
-            if name == "generate_step" and c != 1:
-                continue
-            one("random", name, prompts)
+        for rnd in range(rounds):
+            for name in candidates if rnd % 2 == 0 else candidates[::-1]:
+                if name == "generate_step" and c != 1:
+                    continue
+                one("random", name, prompts, rnd)
     if shared_prefix:
         prompts = _prompts(shared_requests, max(1, prompt_len // 8), vocab, seed + 7, shared=shared_prefix)
         one("shared-prefix", "engine", prompts, prefix_caching=True)
@@ -269,25 +278,35 @@ def bench_generate(
 def ratios(results: Sequence[GenerateResult]) -> list[dict[str, Any]]:
     """Engine / peer ratios per (workload, concurrency), for each engine candidate (`ENGINES`)
     against mlx-lm's two peers, the engine without prefix caching and the eager engine:
-    generation and end-to-end tokens/s, TTFT."""
+    generation and end-to-end tokens/s, TTFT, peak memory. Each ratio compares the two
+    candidates' runs of one round; with several rounds it is the median of the rounds' ratios,
+    which are listed under ``per_round``."""
     out = []
     keys = sorted({(r.workload, r.concurrency) for r in results})
     for (w, c), cand in itertools.product(keys, ENGINES):
-        rs = {r.candidate: r for r in results if (r.workload, r.concurrency) == (w, c)}
-        eng = rs.get(cand)
-        if eng is None:
-            continue
+        rounds = sorted({r.round for r in results if (r.workload, r.concurrency) == (w, c)})
+        by_round = [{r.candidate: r for r in results if (r.workload, r.concurrency, r.round) == (w, c, n)}
+                    for n in rounds]
         for peer in ("batch_generator", "generate_step", "engine-noprefix", "engine_eager"):
-            p = rs.get(peer)
-            if p is None or peer == cand:
+            pairs = [(rs[cand], rs[peer]) for rs in by_round if cand in rs and peer in rs and peer != cand]
+            if not pairs:
                 continue
-            row = {"workload": w, "concurrency": c, "candidate": cand, "peer": peer,
-                   "generation_ratio": eng.generation_tps / p.generation_tps if p.generation_tps else None,
-                   "e2e_ratio": eng.e2e_tps / p.e2e_tps if p.e2e_tps else None,
-                   "ttft_ratio": (p.mean_ttft_s / eng.mean_ttft_s) if eng.mean_ttft_s else None,
-                   "peak_memory_ratio": eng.peak_memory_bytes / p.peak_memory_bytes if p.peak_memory_bytes else None}
+            each = [_pair_ratios(eng, p) for eng, p in pairs]
+            row: dict[str, Any] = {"workload": w, "concurrency": c, "candidate": cand, "peer": peer}
+            for key in each[0]:
+                vals = [e[key] for e in each if e[key] is not None]
+                row[key] = statistics.median(vals) if vals else None
+            row["per_round"] = each
             out.append(row)
     return out
+
+
+def _pair_ratios(eng: GenerateResult, p: GenerateResult) -> dict[str, float | None]:
+    """Engine / peer of one round (TTFT as peer / engine, so that above 1 is better throughout but memory)."""
+    return {"generation_ratio": eng.generation_tps / p.generation_tps if p.generation_tps else None,
+            "e2e_ratio": eng.e2e_tps / p.e2e_tps if p.e2e_tps else None,
+            "ttft_ratio": (p.mean_ttft_s / eng.mean_ttft_s) if eng.mean_ttft_s else None,
+            "peak_memory_ratio": eng.peak_memory_bytes / p.peak_memory_bytes if p.peak_memory_bytes else None}
 
 
 def format_row(r: GenerateResult) -> str:
@@ -317,7 +336,7 @@ def run(args: Any) -> int:
     print(HEADER)
     results = bench_generate(
         model, concurrencies=concurrencies, prompt_len=prompt_len, gen_tokens=gen,
-        candidates=candidates,
+        candidates=candidates, rounds=getattr(args, "repeat", None) or 1,
         shared_prefix=args.shared_prefix if args.shared_prefix is not None else (2048 if backend != "cpu" else 0),
         progress=None if args.quiet else (lambda m: print(m, file=err, flush=True)),
         on_result=lambda r: print(format_row(r), flush=True),
@@ -326,7 +345,9 @@ def run(args: Any) -> int:
     for row in rows:
         print(f"ratio {row['workload']} c={row['concurrency']} {row['candidate']}/{row['peer']}: generation "
               f"{_x(row['generation_ratio'])}, end-to-end {_x(row['e2e_ratio'])}, TTFT {_x(row['ttft_ratio'])} "
-              f"(peer/engine), peak memory {_x(row['peak_memory_ratio'])}")
+              f"(peer/engine), peak memory {_x(row['peak_memory_ratio'])}"
+              + (f"; generation by round {', '.join(_x(e['generation_ratio']) for e in row['per_round'])}"
+                 if len(row["per_round"]) > 1 else ""))
     if args.json:
         text = json.dumps({"schema": "metal-attn-bench-generate/1", "model": label, "backend": backend,
                            "results": [r.to_dict() for r in results], "ratios": rows}, indent=1)

@@ -13,7 +13,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from metal_attn.cache import StepPlan, build_step_plan
+from metal_attn.cache import StepPlan, build_step_plan, next_decode_plan
 from metal_attn.engine.block_manager import BlockManager
 from metal_attn.engine.sampling import sample
 from metal_attn.engine.scheduler import ScheduledRow, SchedulerOutput
@@ -73,7 +73,7 @@ class StepRunner:
         sampled tokens are this step's inputs wherever a request's newest token is pending."""
         t0 = time.perf_counter()
         rows = out.rows
-        plan = build_step_plan(
+        plan = self._next_decode_plan(rows, previous) or build_step_plan(
             [r.request.id for r in rows],
             [r.start for r in rows],
             [r.num_tokens for r in rows],
@@ -112,6 +112,20 @@ class StepRunner:
             launched_at=t0,
             timings={"plan": t1 - t0, "graph": t2 - t1, "sample": t3 - t2, "async_eval": t4 - t3},
         )
+
+    def _next_decode_plan(self, rows: tuple[ScheduledRow, ...], previous: InFlight | None) -> StepPlan | None:
+        """The previous step's plan one token on (`next_decode_plan`: no host arrays), when this step
+        decodes one more token of each of its rows, in its order, and will run compiled (the eager
+        forward's cache writer reads the slots on the host, which would wait for the GPU)."""
+        if self.compiled is None or self.compiled.disabled is not None or previous is None:
+            return None
+        before = previous.output.rows
+        if len(before) != len(rows) or not all(
+            r.request is p.request and r.num_tokens == 1 and p.num_tokens == 1 and r.start == p.start + 1
+            for r, p in zip(rows, before)
+        ):
+            return None
+        return next_decode_plan(previous.plan, self.blocks.block_size)
 
     @staticmethod
     def _input_tokens(rows: tuple[ScheduledRow, ...], previous: InFlight | None) -> mx.array:
