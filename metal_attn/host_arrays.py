@@ -13,7 +13,7 @@ So every small array this package builds for a kernel comes from `device_array`:
 same shape, dtype and values). Other backends gain nothing and lose a few bytes.
 
 Every other buffer is managed memory too, and a fresh host array costs the GPU more still: the
-first kernel to read a buffer the host has just written took 36-42 us for 64 bytes (the same
+first kernel to read a buffer the host has just written took 42-60 us for 64 bytes (the same
 probe, "fresh host array per call"), against 1 us for one it had read before. A decode step's
 successor therefore derives its positions, slots and lengths on the device from the step's own
 (`metal_attn.cache.next_decode_plan`), from the 16-byte `padded_base` buffers they are views of.

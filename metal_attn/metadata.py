@@ -247,9 +247,8 @@ class AttentionMetadata:
             raise InvalidInputError(f"next_decode_step: seq_lens_host={lens[:8]} (allowed: each of "
                                     f"{self.seq_lens_host[:8]} plus one, {n} in all)")
         if tuple(seq_lens.shape) != (n,) or seq_lens.dtype != mx.int32:
-            raise InvalidInputError(f"next_decode_step: seq_lens {str(seq_lens.dtype).removeprefix('mlx.core.')} "
-                                    f"{tuple(seq_lens.shape)} "
-                                    f"(allowed: int32 ({n},))")
+            got = f"{str(seq_lens.dtype).removeprefix('mlx.core.')} {tuple(seq_lens.shape)}"
+            raise InvalidInputError(f"next_decode_step: seq_lens {got} (allowed: int32 ({n},))")
         out = dataclasses.replace(self, seq_lens=seq_lens, seq_lens_host=lens,
                                   phase=classify_phase(self.q_lens_host, lens), length_plan=length_plan(lens))
         out._padded_tables.update(self._padded_tables)

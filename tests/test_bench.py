@@ -481,3 +481,5 @@ def test_generate_rounds_alternate_the_order_and_report_the_median_ratio(monkeyp
     # Rounds: 100/50 = 2.0, engine 40 / step 80 = 0.5, 90/60 = 1.5; the median is 1.5.
     assert [round(e["generation_ratio"], 6) for e in row["per_round"]] == [2.0, 0.5, 1.5]
     assert row["generation_ratio"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match=r"rounds=0 \(allowed: an int >= 1\)"):
+        generate.bench_generate(Model(), concurrencies=(1,), rounds=0)
