@@ -12,7 +12,9 @@
 // through the block table into threadgroup memory (pages are scattered: row by row, zeros
 // past the end), then each simdgroup computes S = Q K^T with 8x8 matrix products, the
 // online softmax in log2 space (a row's maximum and sum reduced over the four lanes that
-// hold it), and O += P V with P in float. Causal rule per row as in the per-token kernel;
+// hold it), and O += P V with P in float. Sinks initialise each row's state (its logit the first
+// maximum, its weight 1), as in the NAX kernel, so the two walk a row in the same order of
+// operations and differ by the tensor ops' rounding only. Causal rule per row as in the per-token kernel;
 // tiles left of a sliding window are never loaded, and a simdgroup skips the arithmetic
 // of tiles that lie entirely outside its rows' windows. Non-finite values follow the NaN
 // contract (docs/providers.md): a non-finite q or K element gives a NaN score (ma_score); on a
@@ -97,8 +99,10 @@ for (int b = 0; b < RB; ++b) {
   my_end[b] = ctx0 + row + 1;
   my_lo[b] = window > 0 ? metal::max(my_end[b] - window, 0) : 0;
   q_off[b] = (int64_t(q_start + row) * num_heads + head) * HEAD_SIZE;
-  m[b] = MA_NEG_FLT_MAX;
-  l[b] = 0.0f;
+  // Sinks initialise the state (the NAX kernel's order): the sink's logit is the first maximum,
+  // its weight 1, and it counts once per row (each row's state lives in one simdgroup).
+  m[b] = use_sinks ? sinks[head] * MA_LOG2E : MA_NEG_FLT_MAX;
+  l[b] = use_sinks ? 1.0f : 0.0f;
 #pragma unroll
   for (int d = 0; d < D8; ++d) {
     const float q0 = row_ok[b] ? ma_to_float(q[q_off[b] + d * 8 + fc]) : 0.0f;
@@ -279,16 +283,7 @@ for (int kt = kv_begin; kt < kv_end; kt += BKV) {
 #pragma unroll
 for (int b = 0; b < RB; ++b) {
   if (row_ok[b]) {
-    // Sinks are folded once per row, here (no value row), as in the per-token kernel.
-    float fold = 1.0f;
-    float total = l[b];
-    if (use_sinks) {
-      const float sink = sinks[head] * MA_LOG2E;
-      const float m_s = metal::max(m[b], sink);
-      fold = ma_rescale(m[b], m_s);
-      total = l[b] * fold + metal::exp2(sink - m_s);
-    }
-    const float inv = fold / (total + MA_SOFTMAX_EPS);
+    const float inv = 1.0f / (l[b] + MA_SOFTMAX_EPS);  // the sink is in l[b] from the start
 #pragma unroll
     for (int d = 0; d < D8; ++d) {
       out[q_off[b] + d * 8 + fc] = ma_from_float<T>(o[b][d].v[0] * inv);
