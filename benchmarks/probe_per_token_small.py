@@ -1,12 +1,14 @@
 """The per-token kernel's GPU time on one request's decode, by context and partition size (not a test).
 
-    python3 benchmarks/probe_per_token_small.py OUT.json [--calls 20]
+    python3 benchmarks/probe_per_token_small.py OUT.json [--calls 20] [--variants B:L:P,...]
 
 Decode rows (batch 1, 4 and 8), 32/8 heads, head 128, bf16, block 16: contexts from one page to
 8K, by the shipped rule and with forced partition sizes (``METAL_ATTN_PARTITION_SIZE``). Each
 kernel's median GPU time over ``--calls`` traced calls (CUPTI, `kernel_trace`). A kernel
 whose time does not shrink with its work per threadgroup has a fixed cost: that is what this
 separates. ``--ncu`` runs each variant a few times with no tracing, for Nsight Compute.
+``--variants`` replaces the table below with (batch, context, partition size) triples, e.g.
+``64:545:0,64:545:256`` (an engine step's rows just past one partition).
 """
 
 from __future__ import annotations
@@ -28,14 +30,27 @@ VARIANTS = ((1, 16, 0), (1, 100, 0), (1, 600, 0), (1, 600, 512), (1, 600, 64), (
             (8, 4096, 64))
 
 
+def _variants(text: str) -> tuple[tuple[int, int, int], ...]:
+    try:
+        out = tuple(tuple(int(x) for x in item.split(":")) for item in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or any(len(v) != 3 or v[0] < 1 or v[1] < 1 or v[2] not in (0, 64, 128, 256, 512) for v in out):
+        raise argparse.ArgumentTypeError(f"--variants={text!r} (allowed: batch:context:partition triples, "
+                                         "comma-separated, partition one of 0, 64, 128, 256, 512)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--variants", type=_variants, default=VARIANTS,
+                    help="comma-separated batch:context:partition (partition 0: the shipped rule)")
     args = ap.parse_args()
     rows = []
-    for batch, context, psize in VARIANTS:
+    for batch, context, psize in args.variants:
         case = build_case(Shape(batch, 32, 8, 128, context, "bfloat16"), seed=context)
 
         def call(case=case):
