@@ -114,7 +114,11 @@ for (int b = 0; b < RB; ++b) {
 }
 
 threadgroup T k_tile[BKV * LD];
+#if TP_KV_SERIAL
+#define v_tile k_tile  // one buffer: K, then V (see the staging below)
+#else
 threadgroup T v_tile[BKV * LD];
+#endif
 // Keys from which every row of the tile is inside its window (the last row's window start).
 const int tile_full_lo = window > 0 ? metal::max(ctx0 + row0 + tile_rows - window, 0) : 0;
 const int64_t tok_stride = int64_t(num_kv_heads) * HEAD_SIZE;
@@ -122,6 +126,38 @@ const int64_t head_off = int64_t(kv_head) * HEAD_SIZE;
 const int bt_row = seq * max_blocks;
 
 for (int kt = kv_begin; kt < kv_end; kt += BKV) {
+#if TP_KV_SERIAL
+  // One buffer for the tile's K rows, then its V rows (TP_KV_SERIAL: heads whose K and V tiles do
+  // not fit in threadgroup memory together walk the same BKV-key tiles, so the softmax moves its
+  // maximum at the same keys). Once every simdgroup is done with the last tile's V, each thread
+  // copies some 4-element chunks of K straight from the pool (zeros past the tile's keys). The NaN
+  // contract as below: unless every row of the tile attends every key of this tile, a chunk whose
+  // V chunk is not finite is stored as NaN in K (and as 0 in V, after the scores).
+  const bool some_masked = !(kt + BKV <= ctx0 + row0 + 1 && kt >= tile_full_lo);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+#pragma unroll 1
+  for (int c = tid; c < BKV * V4; c += NUM_THREADS) {
+    const int t = c / V4;
+    const int e = (c % V4) * 4;
+    if (kt + t < kv_end) {
+      const int key = kt + t;
+      const int64_t addr = (int64_t(block_tables[bt_row + key / BLOCK_SIZE]) * BLOCK_SIZE + key % BLOCK_SIZE) *
+                               tok_stride + head_off + e;
+      ma_tg_store4(k_tile + t * LD + e, ma_load_raw4(k_cache + addr));
+      if (some_masked && !(ma_isfinite(ma_to_float(v_cache[addr])) && ma_isfinite(ma_to_float(v_cache[addr + 1])) &&
+                           ma_isfinite(ma_to_float(v_cache[addr + 2])) && ma_isfinite(ma_to_float(v_cache[addr + 3])))) {
+        for (int z = 0; z < 4; ++z) {
+          k_tile[t * LD + e + z] = ma_from_float<T>(ma_nan());
+        }
+      }
+    } else {
+      for (int z = 0; z < 4; ++z) {
+        k_tile[t * LD + e + z] = ma_from_float<T>(0.0f);
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+#else
   // This tile's K/V rows into registers (CH 4-element chunks of K and of V per thread),
   // then, once every simdgroup is done with the last tile, into threadgroup memory.
   ma_raw4<T> k_reg[CH];
@@ -174,111 +210,152 @@ for (int kt = kv_begin; kt < kv_end; kt += BKV) {
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
+#endif
   // Tiles past this simdgroup's last causal key or left of its first row's window hold
   // nothing for its rows (uniform per simdgroup: no divergence inside a product).
-  if (sg_rows == 0 || kt >= sg_kv_end || kt + BKV <= sg_kv_lo) {
+  // (With one buffer the simdgroup still takes the barriers of the V staging, so it skips the
+  // arithmetic only.)
+  const bool skip = sg_rows == 0 || kt >= sg_kv_end || kt + BKV <= sg_kv_lo;
+#if !TP_KV_SERIAL
+  if (skip) {
     continue;
   }
+#endif
   // Inside every row's causal and window range (and all rows real): no per-element mask.
   const bool full = sg_rows == SG_ROWS && kt + BKV <= full_end && kt >= full_lo;
-
-  // S = Q K^T: the right operands are K^T, read transposed from the row-major K tile.
-  ma_frag8 s[RB][K8];
-#pragma unroll
-  for (int j = 0; j < K8; ++j) {
-#pragma unroll
-    for (int b = 0; b < RB; ++b) {
-      s[b][j].v[0] = 0.0f;
-      s[b][j].v[1] = 0.0f;
-    }
-#pragma unroll
-    for (int d = 0; d < D8; d += 4) {
-      ma_opnd<T> kb[4];
-      ma_load_bt4<LD>(k_tile + j * 8 * LD + d * 8, lane, kb);
-#pragma unroll
-      for (int h = 0; h < 4; h += 2) {
-        if (RB == 2) {
-          ma_mma2x2<T>(s[0][j], s[RB - 1][j], qf[0][d + h], qf[RB - 1][d + h], kb[h], qf[0][d + h + 1],
-                       qf[RB - 1][d + h + 1], kb[h + 1]);
-        } else {
-          ma_mma2<T>(s[0][j], qf[0][d + h], kb[h], qf[0][d + h + 1], kb[h + 1]);
-        }
-      }
-    }
-  }
-
-  // Online softmax over this tile, in log2 space, per row block.
   ma_popnd<T> pf[RB][K8];
   float alpha[RB];
-#pragma unroll
-  for (int b = 0; b < RB; ++b) {
-    float tile_max = MA_NEG_FLT_MAX;
-#pragma unroll
-    for (int j = 0; j < K8; ++j) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int key = kt + j * 8 + fc + i;
-        const bool ok = full || (row_ok[b] && key < my_end[b] && key >= my_lo[b]);
-        s[b][j].v[i] = ok ? ma_score(s[b][j].v[i], score_scale, softcap) : MA_NEG_FLT_MAX;
-        tile_max = metal::max(tile_max, s[b][j].v[i]);
-      }
-    }
-    const float m_new = metal::max(m[b], ma_frag_row_max(tile_max));
-    float row_sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < K8; ++j) {
-      float p[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        // A masked score is exactly the sentinel: exp2 of it would be 1 when m_new is too.
-        p[i] = s[b][j].v[i] != MA_NEG_FLT_MAX ? metal::exp2(s[b][j].v[i] - m_new) : 0.0f;
-        row_sum += p[i];
-      }
-      pf[b][j] = ma_popnd_pack<T>(p[0], p[1]);
-    }
-    alpha[b] = ma_rescale(m[b], m_new);
-    l[b] = l[b] * alpha[b] + ma_frag_row_sum(row_sum);
-    m[b] = m_new;
-  }
 
-  // O = alpha * O + P V (P in float precision).
+  if (!skip) {
+    // S = Q K^T: the right operands are K^T, read transposed from the row-major K tile.
+    ma_frag8 s[RB][K8];
 #pragma unroll
-  for (int d = 0; d < D8; ++d) {
+    for (int j = 0; j < K8; ++j) {
 #pragma unroll
-    for (int b = 0; b < RB; ++b) {
-      o[b][d].v[0] *= alpha[b];
-      o[b][d].v[1] *= alpha[b];
-    }
-    if (K8 % 4 == 0) {
-      // V operands four key blocks at a time.
+      for (int b = 0; b < RB; ++b) {
+        s[b][j].v[0] = 0.0f;
+        s[b][j].v[1] = 0.0f;
+      }
 #pragma unroll
-      for (int j = 0; j < K8; j += 4) {
-        ma_opnd<T> vb[4];
-        ma_load_b4<LD>(v_tile + j * 8 * LD + d * 8, lane, vb);
+      for (int d = 0; d < D8; d += 4) {
+        ma_opnd<T> kb[4];
+        ma_load_bt4<LD>(k_tile + j * 8 * LD + d * 8, lane, kb);
 #pragma unroll
         for (int h = 0; h < 4; h += 2) {
           if (RB == 2) {
-            ma_mma2x2_p<T>(o[0][d], o[RB - 1][d], pf[0][j + h], pf[RB - 1][j + h], vb[h], pf[0][j + h + 1],
-                           pf[RB - 1][j + h + 1], vb[h + 1]);
+            ma_mma2x2<T>(s[0][j], s[RB - 1][j], qf[0][d + h], qf[RB - 1][d + h], kb[h], qf[0][d + h + 1],
+                         qf[RB - 1][d + h + 1], kb[h + 1]);
           } else {
-            ma_mma2_p<T>(o[0][d], pf[0][j + h], vb[h], pf[0][j + h + 1], vb[h + 1]);
+            ma_mma2<T>(s[0][j], qf[0][d + h], kb[h], qf[0][d + h + 1], kb[h + 1]);
           }
         }
       }
-    } else {
+    }
+
+    // Online softmax over this tile, in log2 space, per row block.
 #pragma unroll
-      for (int j = 0; j < K8; j += 2) {
-        const ma_opnd<T> v0 = ma_load_b<LD>(v_tile + j * 8 * LD + d * 8, lane);
-        const ma_opnd<T> v1 = ma_load_b<LD>(v_tile + (j + 1) * 8 * LD + d * 8, lane);
-        if (RB == 2) {
-          ma_mma2x2_p<T>(o[0][d], o[RB - 1][d], pf[0][j], pf[RB - 1][j], v0, pf[0][j + 1], pf[RB - 1][j + 1], v1);
-        } else {
-          ma_mma2_p<T>(o[0][d], pf[0][j], v0, pf[0][j + 1], v1);
+    for (int b = 0; b < RB; ++b) {
+      float tile_max = MA_NEG_FLT_MAX;
+#pragma unroll
+      for (int j = 0; j < K8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int key = kt + j * 8 + fc + i;
+          const bool ok = full || (row_ok[b] && key < my_end[b] && key >= my_lo[b]);
+          s[b][j].v[i] = ok ? ma_score(s[b][j].v[i], score_scale, softcap) : MA_NEG_FLT_MAX;
+          tile_max = metal::max(tile_max, s[b][j].v[i]);
+        }
+      }
+      const float m_new = metal::max(m[b], ma_frag_row_max(tile_max));
+      float row_sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < K8; ++j) {
+        float p[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          // A masked score is exactly the sentinel: exp2 of it would be 1 when m_new is too.
+          p[i] = s[b][j].v[i] != MA_NEG_FLT_MAX ? metal::exp2(s[b][j].v[i] - m_new) : 0.0f;
+          row_sum += p[i];
+        }
+        pf[b][j] = ma_popnd_pack<T>(p[0], p[1]);
+      }
+      alpha[b] = ma_rescale(m[b], m_new);
+      l[b] = l[b] * alpha[b] + ma_frag_row_sum(row_sum);
+      m[b] = m_new;
+    }
+  }
+
+#if TP_KV_SERIAL
+  // The tile's V rows into the same buffer, once every simdgroup is done with its K (zeros past
+  // the tile's keys; a non-finite chunk as 0 where its K chunk went in as NaN).
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+#pragma unroll 1
+  for (int c = tid; c < BKV * V4; c += NUM_THREADS) {
+    const int t = c / V4;
+    const int e = (c % V4) * 4;
+    const int i = t * LD + e;
+    if (kt + t < kv_end) {
+      const int key = kt + t;
+      const int64_t addr = (int64_t(block_tables[bt_row + key / BLOCK_SIZE]) * BLOCK_SIZE + key % BLOCK_SIZE) *
+                               tok_stride + head_off + e;
+      ma_tg_store4(v_tile + i, ma_load_raw4(v_cache + addr));
+      if (some_masked && !(ma_isfinite(ma_to_float(v_tile[i])) && ma_isfinite(ma_to_float(v_tile[i + 1])) &&
+                           ma_isfinite(ma_to_float(v_tile[i + 2])) && ma_isfinite(ma_to_float(v_tile[i + 3])))) {
+        for (int z = 0; z < 4; ++z) {
+          v_tile[i + z] = ma_from_float<T>(0.0f);
+        }
+      }
+    } else {
+      for (int z = 0; z < 4; ++z) {
+        v_tile[i + z] = ma_from_float<T>(0.0f);
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+#endif
+  if (!skip) {
+    // O = alpha * O + P V (P in float precision).
+#pragma unroll
+    for (int d = 0; d < D8; ++d) {
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        o[b][d].v[0] *= alpha[b];
+        o[b][d].v[1] *= alpha[b];
+      }
+      if (K8 % 4 == 0) {
+        // V operands four key blocks at a time.
+#pragma unroll
+        for (int j = 0; j < K8; j += 4) {
+          ma_opnd<T> vb[4];
+          ma_load_b4<LD>(v_tile + j * 8 * LD + d * 8, lane, vb);
+#pragma unroll
+          for (int h = 0; h < 4; h += 2) {
+            if (RB == 2) {
+              ma_mma2x2_p<T>(o[0][d], o[RB - 1][d], pf[0][j + h], pf[RB - 1][j + h], vb[h], pf[0][j + h + 1],
+                             pf[RB - 1][j + h + 1], vb[h + 1]);
+            } else {
+              ma_mma2_p<T>(o[0][d], pf[0][j + h], vb[h], pf[0][j + h + 1], vb[h + 1]);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < K8; j += 2) {
+          const ma_opnd<T> v0 = ma_load_b<LD>(v_tile + j * 8 * LD + d * 8, lane);
+          const ma_opnd<T> v1 = ma_load_b<LD>(v_tile + (j + 1) * 8 * LD + d * 8, lane);
+          if (RB == 2) {
+            ma_mma2x2_p<T>(o[0][d], o[RB - 1][d], pf[0][j], pf[RB - 1][j], v0, pf[0][j + 1], pf[RB - 1][j + 1], v1);
+          } else {
+            ma_mma2_p<T>(o[0][d], pf[0][j], v0, pf[0][j + 1], v1);
+          }
         }
       }
     }
   }
 }
+#if TP_KV_SERIAL
+#undef v_tile
+#endif
 
 #pragma unroll
 for (int b = 0; b < RB; ++b) {

@@ -55,12 +55,16 @@ class TileConfig:
     """One launch shape of the tiled kernel.
 
     ``bq`` query rows per threadgroup, ``bkv`` keys per K/V tile, ``rb`` 8-row blocks per
-    simdgroup (2: the blocks share every right operand).
+    simdgroup (2: the blocks share every right operand). ``one_buffer``: the tile's K rows, then
+    its V rows, through one threadgroup buffer (four barriers a tile instead of two), so that
+    32-key tiles fit at head 512 in 48 KB. No table picks it; the NAX kernel's GPU tests take it
+    as their reference at head 512, where the NAX kernel walks 32-key tiles.
     """
 
     bq: int
     bkv: int
     rb: int = 1
+    one_buffer: bool = False
 
     @property
     def simdgroups(self) -> int:
@@ -71,8 +75,8 @@ class TileConfig:
         return self.simdgroups * SIMD_WIDTH
 
     def threadgroup_bytes(self, head_size: int, itemsize: int) -> int:
-        """Threadgroup memory of the K and V tiles (padded rows)."""
-        return 2 * self.bkv * (head_size + ROW_PADDING) * itemsize
+        """Threadgroup memory of the K and V tiles (padded rows; one tile's worth with ``one_buffer``)."""
+        return (1 if self.one_buffer else 2) * self.bkv * (head_size + ROW_PADDING) * itemsize
 
 
 #: Upstream's shape: 8 rows per simdgroup.
@@ -197,8 +201,8 @@ class TiledPrefillProvider(Provider):
     def msl_specializations(self) -> list[Specialization]:
         """Every Metal specialization this provider can choose, for `metal_attn.msl_check`:
         the kernel over {float16, bfloat16} x the tile table's head sizes x kernel block sizes
-        (2 x 4 x 3 = 24). The decode rows of a split mixed batch use the classic provider's
-        specializations, which its own set covers."""
+        (2 x 4 x 3 = 24), and the one-buffer path once. The decode rows of a split mixed batch use
+        the classic provider's specializations, which its own set covers."""
         from metal_attn.source_specs import Specialization
 
         specs = []
@@ -212,8 +216,19 @@ class TiledPrefillProvider(Provider):
                         inputs=(((5, 4, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
                                 ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
                                 ((4,), "float32"), ((6,), "int32"), ((2,), "float32")),
-                        outputs=(((5, 4, head), dtype),),
+                        outputs=(((5, 4, head), dtype),), defines=kernel_defines(cfg),
                     ))
+        # The one-buffer path (no Metal table picks it; the NAX tests' reference at head 512 on CUDA).
+        one = TileConfig(32, 32, one_buffer=True)
+        specs.append(Specialization(
+            label="tiled_prefill bfloat16 head=512 block=16 one_buffer", kernel=ROUTE, source_files=KERNEL_FILES,
+            input_names=KERNEL_INPUTS, output_names=KERNEL_OUTPUTS,
+            template=tuple(kernel_template("bfloat16", 512, 16, one)),
+            inputs=(((5, 4, 512), "bfloat16"), ((4, 16, 2, 512), "bfloat16"), ((4, 16, 2, 512), "bfloat16"),
+                    ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
+                    ((4,), "float32"), ((6,), "int32"), ((2,), "float32")),
+            outputs=(((5, 4, 512), "bfloat16"),), defines=kernel_defines(one),
+        ))
         return specs
 
     def cuda_sources(self) -> list[CudaSource]:
@@ -221,13 +236,13 @@ class TiledPrefillProvider(Provider):
         from metal_attn.source_specs import CudaSource
 
         out = []
-        for dt, head in itertools.product(("float16", "bfloat16"), sorted(TILE_CONFIGS["cuda"])):
-            cfg = TILE_CONFIGS["cuda"][head]
-            out.append(CudaSource(f"tiled_prefill {dt} h{head}", ROUTE, KERNEL_FILES,
+        tiles = [(head, cfg, "") for head, cfg in sorted(TILE_CONFIGS["cuda"].items())]
+        tiles.append((512, TileConfig(32, 32, one_buffer=True), " one_buffer"))  # the NAX tests' reference
+        for dt, (head, cfg, tag) in itertools.product(("float16", "bfloat16"), tiles):
+            out.append(CudaSource(f"tiled_prefill {dt} h{head}{tag}", ROUTE, KERNEL_FILES,
                                   tuple(zip(KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "int32", "float32",
                                                             "int32", "float32"))), (("out", dt),),
-                                  (("T", dt), ("HEAD_SIZE", head), ("BLOCK_SIZE", 16), ("BQ", cfg.bq),
-                                   ("BKV", cfg.bkv), ("RB", cfg.rb))))
+                                  tuple(kernel_template(dt, head, 16, cfg)), kernel_defines(cfg)))
         return out
 
 
@@ -237,9 +252,16 @@ def _tile(fields: tuple[int, ...]) -> TileConfig:
     return TileConfig(*fields)
 
 
-def kernel_object(backend: str) -> Any:
-    """The ``mx.fast`` kernel object of ``tiled_prefill`` on ``backend`` (built once)."""
-    return kernels.load_kernel(ROUTE, KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend)
+def kernel_defines(config: TileConfig) -> tuple[tuple[str, int], ...]:
+    """The kernel's code-path define: K and V through one buffer (`TileConfig.one_buffer`) or two."""
+    return (("TP_KV_SERIAL", int(config.one_buffer)),)
+
+
+def kernel_object(backend: str, config: TileConfig) -> Any:
+    """The ``mx.fast`` kernel object of ``tiled_prefill`` on ``backend`` for ``config``'s code path
+    (built once)."""
+    return kernels.load_kernel(ROUTE, KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend,
+                               defines=kernel_defines(config))
 
 
 def kernel_template(dtype: Any, head_size: int, block_size: int, config: TileConfig) -> list[tuple[str, Any]]:
@@ -314,7 +336,7 @@ def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...],
     num_tiles = tiles.shape[0]
     params = gc.pack_int32((num_tiles, num_heads, num_kv_heads, metadata.max_blocks_per_seq,
                             int(sliding_window or 0), int(use_sinks)))
-    kernel = gc.kernel_launch(kernel_object(backend), template=kernel_template(dtype, head, block_size, config),
+    kernel = gc.kernel_launch(kernel_object(backend, config), template=kernel_template(dtype, head, block_size, config),
                               grid=(num_tiles * config.threads, num_heads, 1), threadgroup=(config.threads, 1, 1),
                               output_shapes=[(total, num_heads, head)], output_dtypes=[dtype])
     return TiledLaunch(kernel, tiles, params, gc.pack_scale(scale, softcap), gc.zeros_f32(num_heads))

@@ -206,6 +206,15 @@ def test_classic_decode_rows_launch_refuses_bad_rows():
                         partition_size=0, backend="cuda", rows=4)
 
 
+def test_one_buffer_tile_takes_half_the_memory_and_its_own_code_path():
+    two, one = tp.TileConfig(32, 32), tp.TileConfig(32, 32, one_buffer=True)
+    assert two.threadgroup_bytes(512, 2) == 2 * 32 * (512 + tp.ROW_PADDING) * 2 == 2 * one.threadgroup_bytes(512, 2)
+    assert one.threadgroup_bytes(512, 2) <= 48 * 1024 < two.threadgroup_bytes(512, 2)
+    assert tp.kernel_defines(one) == (("TP_KV_SERIAL", 1),) and tp.kernel_defines(two) == (("TP_KV_SERIAL", 0),)
+    # No table picks it: the production tiles keep K and V in two buffers.
+    assert not any(cfg.one_buffer for table in tp.TILE_CONFIGS.values() for cfg in table.values())
+
+
 # -- the Metal generated-source check ------------------------------------------------------------------
 
 _MSL_PROVIDER = ["tiled_prefill"]
@@ -217,7 +226,8 @@ def test_msl_specializations_cover_every_choice():
         for head in tp.TILE_CONFIGS["metal"]:
             for block in (8, 16, 32):
                 assert f"tiled_prefill {dtype} head={head} block={block}" in labels
-    assert len(labels) == 24
+    assert "tiled_prefill bfloat16 head=512 block=16 one_buffer" in labels  # K then V through one buffer
+    assert len(labels) == 25
 
 
 def test_metal_generated_source_type_checks(needs_clang):
@@ -225,7 +235,7 @@ def test_metal_generated_source_type_checks(needs_clang):
 
     result = check(providers=_MSL_PROVIDER)
     assert result.ok, result.summary()
-    assert result.count == 24
+    assert result.count == 25
 
 
 def test_metal_source_check_catches_a_planted_error(needs_clang, planted_kernels):

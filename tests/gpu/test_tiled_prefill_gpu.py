@@ -171,6 +171,48 @@ def test_row_block_variants_with_every_feature(tile):
     assert_close_to_oracle(out, case.oracle(), "float16", label=case.label)
 
 
+def _launch_tile(case, config, sinks=None, window=None, softcap=None) -> np.ndarray:
+    from metal_attn.providers import tiled_prefill
+
+    out = tiled_prefill.launch(case.q, case.k_cache, case.v_cache, case.metadata(), scale=case.scale, sinks=sinks,
+                               sliding_window=window, softcap=softcap, backend=metal_attn.current_device().backend,
+                               config=config)
+    mx.eval(out)
+    return np.array(out.astype(mx.float32)).astype(np.float64)
+
+
+@pytest.mark.parametrize("head", (64, 128, 256))
+def test_one_buffer_equals_two_buffers_bit_for_bit(head):
+    """K then V through one buffer computes the same products in the same order as two buffers: the
+    outputs are bitwise equal (sinks, a window, rows past a block's end, a poisoned V at a masked
+    position of the diagonal tile and at an attended one)."""
+    from metal_attn.providers import tiled_prefill
+
+    case = make_case(q_lens=[13, 77, 40], seq_lens=[500, 77, 1040], num_heads=8, num_kv_heads=2, head_size=head,
+                     block_size=16, dtype="bfloat16", sinks=True, sliding_window=300, seed=head,
+                     poison=[("v", 1, 70, 1, float("nan")), ("v", 2, 1020, 0, float("inf"))],
+                     label=f"one buffer h{head}")
+    sinks = case.sinks.astype(mx.float32)
+    two = _launch_tile(case, tiled_prefill.TileConfig(32, 32), sinks, 300)
+    one = _launch_tile(case, tiled_prefill.TileConfig(32, 32, one_buffer=True), sinks, 300)
+    assert_close_to_oracle(one, case.oracle(), "bfloat16", label=case.label)
+    assert np.array_equal(one, two, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_one_buffer_at_head_512(dtype):
+    """Head 512 with 32-key tiles (33 KB of threadgroup memory through one buffer; two would take
+    66 KB) against the float64 oracle: sinks, softcap, a window, a continuation chunk."""
+    from metal_attn.providers import tiled_prefill
+
+    case = make_case(q_lens=[37, 70, 1], seq_lens=[300, 70, 45], num_heads=4, num_kv_heads=2, head_size=512,
+                     block_size=8, dtype=dtype, sinks=True, sliding_window=200, softcap=30.0, seed=512,
+                     label=f"one buffer h512 {dtype}")
+    out = _launch_tile(case, tiled_prefill.TileConfig(32, 32, one_buffer=True), case.sinks.astype(mx.float32), 200,
+                       30.0)
+    assert_close_to_oracle(out, case.oracle(), dtype, label=case.label)
+
+
 def test_bitwise_identical_on_repeat():
     case = make_case(q_lens=[1, 1, 77, 300], seq_lens=[900, 5000, 200, 300], num_heads=8, num_kv_heads=2,
                      head_size=128, block_size=16, dtype="bfloat16", seed=37, label="repeat")
