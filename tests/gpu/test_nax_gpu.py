@@ -61,8 +61,6 @@ MEAN_ULP = 0.05
 #: tens of ULP apart (the ninth session's 16-key reference at head 512: max 119 / 14 / 28 ULP;
 #: benchmarks/probe_tile_order_ulp.py: the tiled kernel against itself, 16 against 32 keys).
 TILED_CONFIGS = {256: tp.TileConfig(128, 32, rb=2), 512: tp.TileConfig(32, 32, rb=1, one_buffer=True)}
-#: (dtype, head) pairs where upstream's bound is expected to fail, strictly, with the reason (none).
-UNMATCHED_TILES: dict[tuple[str, int], str] = {}
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
@@ -121,16 +119,11 @@ def _check(case, route: str = "nax_prefill") -> np.ndarray:
 
 # -- every specialization -----------------------------------------------------------------------------------
 
-_MATRIX = [
-    pytest.param(d, h, b, id=f"{d}-h{h}-b{b}",
-                 marks=[pytest.mark.xfail(strict=True, raises=AssertionError, reason=UNMATCHED_TILES[d, h])]
-                 if (d, h) in UNMATCHED_TILES else [])
-    for d in nx.DTYPES for h in nx.HEAD_SIZES for b in nx.BLOCK_SIZES
-]
+_MATRIX = [(d, h, b) for d in nx.DTYPES for h in nx.HEAD_SIZES for b in nx.BLOCK_SIZES]
 
 
 @needs_cuda
-@pytest.mark.parametrize(("dtype", "head", "block"), _MATRIX)
+@pytest.mark.parametrize(("dtype", "head", "block"), _MATRIX, ids=[f"{d}-h{h}-b{b}" for d, h, b in _MATRIX])
 def test_every_specialization(dtype, head, block):
     # A chunk with earlier context (not 16-row aligned), a fresh prompt past one 64-row tile, a one-row
     # chunk: the last simdgroups of the tiles are partial or empty.
