@@ -259,6 +259,60 @@ def test_no_baseline_is_written_from_a_run_with_problems(tmp_path, capsys, monke
     assert "not written, the run had 1 problem(s)" in err
 
 
+def test_a_saved_run_makes_the_same_baseline_and_is_compared_later(tmp_path, capsys) -> None:
+    """``--from-json``: a run saved with --json writes the baseline that run would have written live (same
+    entries and measuring options), a comparison of the saved run against it passes, and the same run with
+    one ratio halved (below a margin of 0.3) fails, naming the case."""
+    common = ["--suite", "smoke", "--shapes", "decode b3", "--quiet", "--iters", "2",
+              "--candidates", "auto,reference,mlx_sdpa", "--ratios", "speedup_vs_*", "--margin", "0.3"]
+    run_json, live, saved = tmp_path / "run.json", tmp_path / "live.json", tmp_path / "saved.json"
+    rc, _, err = _cli(capsys, *common, "--json", str(run_json), "--write-baseline", str(live))
+    assert rc == 0, err
+    rc, _, err = _cli(capsys, "--from-json", str(run_json), "--write-baseline", str(saved), "--ratios",
+                      "speedup_vs_*", "--margin", "0.3")
+    assert rc == 0, err
+    a, b = json.loads(live.read_text()), json.loads(saved.read_text())
+    assert b["entries"] == a["entries"] and b["machine_class"] == a["machine_class"] and b["suites"] == ["smoke"]
+    # The live baseline keeps the options its command line gave; the saved one, what the run's suites record.
+    assert a["run"] == {"candidates": "auto,reference,mlx_sdpa", "iters": 2}
+    assert b["run"] == {**a["run"], "warmup": suites.get_suite("smoke").warmup}
+    assert b["created"]["from_json"] == str(run_json) and f"--from-json {run_json}" in b["note"]
+
+    rc, out, err = _cli(capsys, "--from-json", str(run_json), "--compare", str(saved))
+    assert rc == 0, err
+    assert f"comparison passed: {sum(len(r) for r in b['entries'].values())} ratios" in " ".join(out.split())
+
+    data = json.loads(run_json.read_text())
+    cand = next(c for c in data["suites"][0]["results"][0]["candidates"] if c["name"] == "auto")
+    cand["ratios"]["speedup_vs_mlx_sdpa_ratio"] /= 2
+    slower = _write(tmp_path, data, "slower.json")
+    rc, out, err = _cli(capsys, "--from-json", str(slower), "--compare", str(saved))
+    assert rc == 1 and "1 ratio(s) below their floor" in err and "/ auto: speedup_vs_mlx_sdpa_ratio" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "goes with exactly one of --write-baseline and --compare"),
+        (["--write-baseline", "x.json", "--suite", "smoke"], "measures nothing, so --suite cannot apply"),
+        (["--compare", "x.json", "--margin", "0.5"], "--ratios and --margin go with --write-baseline"),
+    ],
+)
+def test_saved_run_usage_errors_exit_2(tmp_path, capsys, extra, message) -> None:
+    rc, out, err = _cli(capsys, "--from-json", str(_write(tmp_path, {"suites": []}, "run.json")), *extra)
+    assert rc == 2 and message in err and out == ""
+
+
+def test_a_saved_run_that_is_not_one_says_why(tmp_path, capsys) -> None:
+    rc, _, err = _cli(capsys, "--from-json", str(_write(tmp_path, {"suites": []}, "run.json")),
+                      "--write-baseline", str(tmp_path / "b.json"))
+    assert rc == 2 and "not a saved run of `metal-attn bench --json`" in err
+    run = {"machine": {"backend": "cpu"}, "suites": [{"name": "smoke", "interrupted": True, "results": []}]}
+    rc, _, err = _cli(capsys, "--from-json", str(_write(tmp_path, run, "cut.json")),
+                      "--write-baseline", str(tmp_path / "b.json"))
+    assert rc == 1 and "not written, the run was interrupted" in err and not (tmp_path / "b.json").exists()
+
+
 # -- the committed CPU baseline ------------------------------------------------------------------------
 
 
@@ -286,6 +340,18 @@ def test_the_committed_h200_baseline_covers_every_decode_gpu_shape() -> None:
     for name in ("auto", "classic"):
         assert {c.split(" / ")[1] for c in base.entries if c.endswith(f" / {name}")} == labels
     assert all(k.endswith("ratio") and v > 0 for e in base.entries.values() for k, v in e.items())
+
+
+def test_the_committed_h200_decode_step_baseline_covers_every_step_shape() -> None:
+    """Written from the ninth session's saved H200 run (--from-json): every decode-step shape for auto and
+    auto_compiled, against torch SDPA and the ceiling, the measuring options of that run."""
+    base = baselines.load(CPU_BASELINE.with_name("cuda-nvidia-h200-decode-step.json"))
+    assert base.machine_class == "cuda-nvidia-h200" and base.suites == ("decode-step",) and base.margin == 0.4
+    labels = {s.label for s in suites.get_suite("decode-step").shapes}
+    for name in ("auto", "auto_compiled"):
+        assert {c.split(" / ")[1] for c in base.entries if c.endswith(f" / {name}")} == labels
+    assert all(set(e) == {"speedup_vs_torch_sdpa_ratio", "ceiling_fraction_ratio"} for e in base.entries.values())
+    assert base.run["candidates"] == "auto,auto_compiled,torch_sdpa,mlx_sdpa,ceiling" and base.run["iters"] == 5
 
 
 def test_smoke_passes_against_the_committed_cpu_baseline(tmp_path, capsys) -> None:

@@ -16,9 +16,10 @@ and the margin by which a later run may fall below them::
 
 Every ratio's key ends in ``ratio`` and higher is better. A comparison fails when the machine
 class differs, when a baseline case or ratio is missing from the run, or when a ratio is below
-``baseline * (1 - margin)``. Only providers' results (``kind == "provider"``, ``auto`` included)
-are written: the peers are what they are measured against. A run of several repeats
-(``--repeat N``) gives each ratio as its median over the repeats, both when writing and when
+``baseline * (1 - margin)``. Only providers' results (``kind`` ``"provider"``, ``auto`` included, or
+``"compiled"``) are written: the peers are what they are measured against. A run saved with ``--json``
+can make a baseline or be compared later (`load_run`, ``metal-attn bench --from-json RUN.json``).
+A run of several repeats (``--repeat N``) gives each ratio as its median over the repeats, both when writing and when
 comparing. ``run`` keeps the measurement options given when the baseline was written
 (`RUN_OPTIONS`); ``--compare`` uses them where its own command line gives none.
 """
@@ -40,8 +41,9 @@ from metal_attn.bench.ratios import SUFFIX
 
 SCHEMA = "metal-attn-baseline/1"
 
-#: Candidate kinds whose ratios a baseline stores.
-TRACKED_KINDS: tuple[str, ...] = ("provider",)
+#: Candidate kinds whose ratios a baseline stores: the providers' results, eager and under ``mx.compile``
+#: (the decode-step suite's ``auto_compiled``, the engine's path on CUDA).
+TRACKED_KINDS: tuple[str, ...] = ("provider", "compiled")
 
 #: Significant digits kept for a stored ratio.
 DIGITS = 4
@@ -106,13 +108,126 @@ def tracked_entries(runs: Sequence[Sequence[SuiteResult]],
                     ratios: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     """The ratios a baseline stores: every provider result that ran in every repeat (medians over the
     repeats, `DIGITS` digits), only the ratio names matching a glob of ``ratios`` when given."""
+    return entries_of(run_cases(runs, TRACKED_KINDS), ratios)
+
+
+def entries_of(cases: Mapping[str, RunCase], ratios: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+    """`tracked_entries` of cases already gathered (and filtered to `TRACKED_KINDS`)."""
     out = {}
-    for case, rc in run_cases(runs, TRACKED_KINDS).items():
+    for case, rc in cases.items():
         kept = {k: float(f"{v:.{DIGITS}g}") for k, v in rc.ratios.items()
                 if ratios is None or any(fnmatch.fnmatchcase(k, pat) for pat in ratios)}
         if rc.status == "ok" and kept:
             out[case] = kept
     return out
+
+
+# -- a saved run (``metal-attn bench --json``) -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRun:
+    """The results of a run saved with ``metal-attn bench --json``, as baselines need them."""
+
+    path: str
+    machine: dict[str, Any]
+    argv: list[str] | None
+    suites: tuple[str, ...]
+    mode: str | None
+    iters: int | None
+    interrupted: bool
+    #: Every candidate by case id, with its kind: ``{case: (kind, RunCase)}``.
+    candidates: dict[str, tuple[str, RunCase]]
+    #: One line per candidate that errored or whose output disagreed with its check.
+    problems: tuple[str, ...]
+    #: The options of `RUN_OPTIONS` the run's suites agree on (how a later ``--compare`` should measure).
+    run: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def cases(self, kinds: Sequence[str] | None = None) -> dict[str, RunCase]:
+        """The candidates of ``kinds`` (default all) by case id."""
+        return {c: rc for c, (kind, rc) in self.candidates.items() if kinds is None or kind in kinds}
+
+
+def parse_run(data: Any, path: str = "<run>") -> SavedRun:
+    """Validate a decoded ``--json`` run of the kernel suites; errors name the file and the field."""
+    def bad(msg: str) -> BaselineError:
+        return BaselineError(f"{path}: {msg}")
+
+    if not isinstance(data, dict) or not isinstance(data.get("suites"), list) or not data["suites"]:
+        raise bad("not a saved run of `metal-attn bench --json` (allowed: an object with a non-empty 'suites' list; "
+                  "the generate suite's JSON has no baseline ratios)")
+    machine = data.get("machine")
+    if not isinstance(machine, dict) or not machine.get("backend"):
+        raise bad(f"machine={machine!r} (allowed: the machine object a run writes, with its backend)")
+    candidates: dict[str, tuple[str, RunCase]] = {}
+    problems: list[str] = []
+    names, interrupted = [], False
+    for i, suite in enumerate(data["suites"]):
+        if not isinstance(suite, dict) or not isinstance(suite.get("name"), str) \
+                or not isinstance(suite.get("results"), list):
+            raise bad(f"suites[{i}] is not a suite result (allowed: an object with 'name' and 'results')")
+        names.append(suite["name"])
+        interrupted = interrupted or bool(suite.get("interrupted"))
+        for j, shape_result in enumerate(suite["results"]):
+            try:
+                label = shape_result["shape"]["label"]
+                cands = list(shape_result["candidates"])
+            except (TypeError, KeyError):
+                raise bad(f"suites[{i}].results[{j}] has no shape label or candidates") from None
+            for c in cands:
+                try:
+                    name, kind, status = c["name"], c["kind"], c["status"]
+                    ratios = {k: float(v) for k, v in (c.get("ratios") or {}).items()}
+                except (TypeError, KeyError, ValueError):
+                    raise bad(f"suites[{i}].results[{j}]: a candidate without name, kind, status and numeric "
+                              "ratios") from None
+                case = case_id(suite["name"], label, name)
+                reasons = tuple(str(x) for x in c.get("reasons") or ())
+                candidates[case] = (kind, RunCase(status, reasons, ratios))
+                check = c.get("check")
+                if status == "error":
+                    problems.append(f"{case}: {'; '.join(reasons)}")
+                elif isinstance(check, dict) and not check.get("ok", True):
+                    problems.append(f"{case}: output differs from {check.get('against')}")
+    first = data["suites"][0]
+    argv = data.get("argv")
+    options = {"candidates": lambda x: ",".join(x["candidates"]) if isinstance(x.get("candidates"), list) else None,
+               "warmup": lambda x: x.get("warmup"), "iters": lambda x: x.get("iters"),
+               "pipelined": lambda x: True if x.get("mode") == "pipelined" else None}
+    run = {}
+    for key, get in options.items():
+        values = {repr(get(x)) for x in data["suites"]}
+        value = get(first)
+        kind, low = RUN_OPTIONS[key]
+        if len(values) == 1 and type(value) is kind and (low is None or value >= low):
+            run[key] = value
+    return SavedRun(path, dict(machine), list(argv) if isinstance(argv, list) else None, tuple(names),
+                    first.get("mode"), first.get("iters"), interrupted, candidates, tuple(problems), run)
+
+
+def load_run(path: str | Path) -> SavedRun:
+    """Read and validate a saved run (`BaselineError` with the path and what is wrong)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise BaselineError(f"{path}: cannot read the saved run ({exc.strerror or exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BaselineError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    return parse_run(data, str(path))
+
+
+def build_from_saved(saved: SavedRun, *, margin: float, note: str = "",
+                     ratios: Sequence[str] | None = None) -> dict[str, Any]:
+    """A baseline (as JSON data) from a saved run: the same entries `build` would store from it live."""
+    entries = entries_of(saved.cases(TRACKED_KINDS), ratios)
+    if not entries:
+        which = f" matching {', '.join(ratios)}" if ratios else ""
+        raise BaselineError(f"{saved.path}: the run has no provider result with ratios{which} to store")
+    return _data(entries, saved.machine, list(saved.suites), margin=margin, note=note, run=saved.run,
+                 created={"date": saved.machine.get("date"), "argv": saved.argv, "repeat": 1, "mode": saved.mode,
+                          "iters": saved.iters, "machine": dict(saved.machine), "from_json": saved.path})
 
 
 # -- the file --------------------------------------------------------------------------------------
@@ -219,16 +334,22 @@ def build(runs: Sequence[Sequence[SuiteResult]], machine: Mapping[str, Any], *, 
         raise BaselineError(f"the run has no provider result with ratios{which} to store (a ratio needs a peer or "
                             "the ceiling among the candidates)")
     first = runs[0] if runs else []
+    return _data(entries, machine, [s.name for s in first], margin=margin, note=note, run=run or {},
+                 created={"date": machine.get("date"), "argv": list(argv) if argv is not None else None,
+                          "repeat": len(runs), "mode": first[0].mode if first else None,
+                          "iters": first[0].iters if first else None, "machine": dict(machine)})
+
+
+def _data(entries: dict[str, dict[str, float]], machine: Mapping[str, Any], suites: list[str], *, margin: float,
+          note: str, run: Mapping[str, Any], created: dict[str, Any]) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "machine_class": machine_class(machine),
-        "suites": [s.name for s in first],
+        "suites": suites,
         "margin": check_margin(margin),
         "note": note,
-        "run": {k: v for k, v in (run or {}).items() if k in RUN_OPTIONS and v is not None},
-        "created": {"date": machine.get("date"), "argv": list(argv) if argv is not None else None,
-                    "repeat": len(runs), "mode": first[0].mode if first else None,
-                    "iters": first[0].iters if first else None, "machine": dict(machine)},
+        "run": {k: v for k, v in run.items() if k in RUN_OPTIONS and v is not None},
+        "created": created,
         "entries": entries,
     }
 

@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--write-baseline", metavar="FILE",
                    help="write this run's ratios (every provider result: speedup vs each peer, fraction of the "
                         "ceiling) as a baseline for this machine class")
+    b.add_argument("--from-json", metavar="RUN.json",
+                   help="with --write-baseline or --compare: take the results of a run saved with --json instead "
+                        "of measuring (its machine class is the run's)")
     b.add_argument("--repeat", type=int_at_least(1), metavar="N",
                    help="run the suites N times (default 1); --compare and --write-baseline take each ratio's "
                         "median over the runs; --suite generate runs each concurrency's candidates N times in "
@@ -400,6 +403,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "list", False):
         list_suites(sys.stdout)
         return 0
+    if getattr(args, "from_json", None):
+        return _from_saved_run(args, err)
     compare_to, early = _baseline_options(args, err)
     if early is not None:
         return early
@@ -547,6 +552,57 @@ def _baseline_options(args: argparse.Namespace, err: TextIO) -> tuple[baselines.
         return base, 1
     _apply_baseline_run(args, base, err)
     return base, None
+
+
+def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
+    """``--from-json RUN.json``: write a baseline from a saved run, or compare one against a baseline, measuring
+    nothing. 0 ok, 1 a comparison failed or the run cannot make a baseline, 2 bad usage or files."""
+    compare, write = getattr(args, "compare", None), getattr(args, "write_baseline", None)
+    if bool(compare) == bool(write):
+        print(f"metal-attn bench: error: --from-json {args.from_json} goes with exactly one of --write-baseline "
+              "and --compare", file=err)
+        return 2
+    measuring = [f for f, v in (("--suite", args.suite), ("--shapes", args.shapes), ("--candidates", args.candidates),
+                                ("--repeat", getattr(args, "repeat", None))) if v]
+    if measuring:
+        print(f"metal-attn bench: error: --from-json {args.from_json} measures nothing, so {', '.join(measuring)} "
+              "cannot apply (the saved run's suites, shapes and candidates are used)", file=err)
+        return 2
+    if compare and (args.ratios or args.margin is not None):
+        print("metal-attn bench: error: --ratios and --margin go with --write-baseline", file=err)
+        return 2
+    try:
+        saved = baselines.load_run(args.from_json)
+        base = baselines.load(compare) if compare else None
+    except baselines.BaselineError as exc:
+        print(f"metal-attn bench: error: --from-json {exc}", file=err)
+        return 2
+    if base is not None:
+        comparison = baselines.compare(base, saved.cases(), baselines.machine_class(saved.machine))
+        baselines.render(comparison, sys.stdout)
+        for p in comparison.problems():
+            print(f"metal-attn bench: compare: {p}", file=err)
+        return 1 if comparison.failed else 0
+    if saved.interrupted or saved.problems:
+        why = "the run was interrupted" if saved.interrupted else \
+            f"the run had {len(saved.problems)} problem(s): " + "; ".join(saved.problems)
+        print(f"metal-attn bench: error: --write-baseline {write}: not written, {why}", file=err)
+        return 1
+    margin = DEFAULT_MARGIN if args.margin is None else args.margin
+    argv = " ".join(saved.argv or ["(argv not recorded)"])
+    note = (f"written by `metal-attn bench --from-json {args.from_json} --write-baseline {write}` from a run of "
+            f"`metal-attn bench {argv}` on {saved.machine.get('date')}; a ratio may fall {margin:.0%} below its "
+            "value here")
+    try:
+        data = baselines.build_from_saved(saved, margin=margin, note=note,
+                                          ratios=_csv(args.ratios) if args.ratios else None)
+    except baselines.BaselineError as exc:
+        print(f"metal-attn bench: error: --write-baseline {write}: {exc}", file=err)
+        return 1
+    baselines.write(write, data)
+    print(f"wrote baseline {write}: {len(data['entries'])} cases, machine class {data['machine_class']}, "
+          f"margin {margin:g}", file=err)
+    return 0
 
 
 def _write_baseline(args: argparse.Namespace, runs: Sequence[Sequence[SuiteResult]], machine: dict[str, Any],
