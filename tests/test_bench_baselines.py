@@ -296,6 +296,7 @@ def test_a_saved_run_makes_the_same_baseline_and_is_compared_later(tmp_path, cap
         ([], "goes with exactly one of --write-baseline and --compare"),
         (["--write-baseline", "x.json", "--suite", "smoke"], "measures nothing, so --suite cannot apply"),
         (["--compare", "x.json", "--margin", "0.5"], "--ratios and --margin go with --write-baseline"),
+        (["--write-baseline", "x.json", "--margin", "1.5"], "--margin=1.5 (allowed: a number >= 0 and < 1"),
     ],
 )
 def test_saved_run_usage_errors_exit_2(tmp_path, capsys, extra, message) -> None:

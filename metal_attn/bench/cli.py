@@ -572,10 +572,12 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         print("metal-attn bench: error: --ratios and --margin go with --write-baseline", file=err)
         return 2
     try:
+        if args.margin is not None:
+            baselines.check_margin(args.margin, "--margin")
         saved = baselines.load_run(args.from_json)
         base = baselines.load(compare) if compare else None
     except baselines.BaselineError as exc:
-        print(f"metal-attn bench: error: --from-json {exc}", file=err)
+        print(f"metal-attn bench: error: {exc}", file=err)
         return 2
     if base is not None:
         comparison = baselines.compare(base, saved.cases(), baselines.machine_class(saved.machine))
