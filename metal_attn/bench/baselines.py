@@ -205,26 +205,27 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
                     first.get("mode"), first.get("iters"), interrupted, candidates, tuple(problems), run)
 
 
-def load_run(path: str | Path) -> SavedRun:
-    """Read and validate a saved run (`BaselineError` with the path and what is wrong)."""
+def _read_json(path: str | Path, what: str) -> Any:
+    """The decoded JSON of ``path`` (`BaselineError` with the path when it cannot be read or is not JSON)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise BaselineError(f"{path}: cannot read the saved run ({exc.strerror or exc})") from None
+        raise BaselineError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise BaselineError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
-    return parse_run(data, str(path))
+
+
+def load_run(path: str | Path) -> SavedRun:
+    """Read and validate a saved run (`BaselineError` with the path and what is wrong)."""
+    return parse_run(_read_json(path, "saved run"), str(path))
 
 
 def build_from_saved(saved: SavedRun, *, margin: float, note: str = "",
                      ratios: Sequence[str] | None = None) -> dict[str, Any]:
     """A baseline (as JSON data) from a saved run: the same entries `build` would store from it live."""
-    entries = entries_of(saved.cases(TRACKED_KINDS), ratios)
-    if not entries:
-        which = f" matching {', '.join(ratios)}" if ratios else ""
-        raise BaselineError(f"{saved.path}: the run has no provider result with ratios{which} to store")
+    entries = _some_entries(entries_of(saved.cases(TRACKED_KINDS), ratios), ratios)
     return _data(entries, saved.machine, list(saved.suites), margin=margin, note=note, run=saved.run,
                  created={"date": saved.machine.get("date"), "argv": saved.argv, "repeat": 1, "mode": saved.mode,
                           "iters": saved.iters, "machine": dict(saved.machine), "from_json": saved.path})
@@ -311,16 +312,7 @@ def parse(data: Any, path: str = "<baseline>") -> Baseline:
 
 def load(path: str | Path) -> Baseline:
     """Read and validate a baseline file (`BaselineError` with the path and what is wrong)."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise BaselineError(f"{path}: cannot read the baseline ({exc.strerror or exc})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BaselineError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
-    return parse(data, str(path))
+    return parse(_read_json(path, "baseline"), str(path))
 
 
 def build(runs: Sequence[Sequence[SuiteResult]], machine: Mapping[str, Any], *, margin: float,
@@ -328,16 +320,21 @@ def build(runs: Sequence[Sequence[SuiteResult]], machine: Mapping[str, Any], *, 
           run: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A baseline (as JSON data) from a finished run of one or more repeats (``runs``); ``run``: the
     options of `RUN_OPTIONS` the run was given (``None`` values are left out)."""
-    entries = tracked_entries(runs, ratios)
-    if not entries:
-        which = f" matching {', '.join(ratios)}" if ratios else ""
-        raise BaselineError(f"the run has no provider result with ratios{which} to store (a ratio needs a peer or "
-                            "the ceiling among the candidates)")
+    entries = _some_entries(tracked_entries(runs, ratios), ratios)
     first = runs[0] if runs else []
     return _data(entries, machine, [s.name for s in first], margin=margin, note=note, run=run or {},
                  created={"date": machine.get("date"), "argv": list(argv) if argv is not None else None,
                           "repeat": len(runs), "mode": first[0].mode if first else None,
                           "iters": first[0].iters if first else None, "machine": dict(machine)})
+
+
+def _some_entries(entries: dict[str, dict[str, float]], ratios: Sequence[str] | None) -> dict[str, dict[str, float]]:
+    """``entries``, or `BaselineError` when there are none to store."""
+    if not entries:
+        which = f" matching {', '.join(ratios)}" if ratios else ""
+        raise BaselineError(f"the run has no provider result with ratios{which} to store (a ratio needs a peer or "
+                            "the ceiling among the candidates)")
+    return entries
 
 
 def _data(entries: dict[str, dict[str, float]], machine: Mapping[str, Any], suites: list[str], *, margin: float,
