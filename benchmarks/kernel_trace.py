@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -72,4 +73,31 @@ def summarise(events: list[dict], calls: int, kv_bytes: int) -> dict:
         })
     kernels.sort(key=lambda k: -k["us_per_call"])
     return {"gpu_us_per_call": total_us, "gbps_gpu_time": kv_bytes / (total_us * 1e-6) / 1e9 if total_us else None,
-            "kernels": kernels}
+            "busy_us_per_call": busy_us(events) / calls, "kernels": kernels}
+
+
+def busy_us(events: list[dict]) -> float:
+    """Microseconds during which at least one of ``events`` ran: the union of their intervals (MLX's
+    CUDA graphs run kernels without a data dependency between them at once, so their durations
+    overlap and their sum overstates the GPU time)."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def build_ms(fn: Callable[[], Any], calls: int = 50) -> float:
+    """Median host time of building one call's graph (``fn()`` without evaluating it), in ms."""
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        out = fn()
+        samples.append(time.perf_counter() - t0)
+        mx.eval(out)
+    return statistics.median(samples) * 1e3

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import mlx.core as mx
-from kernel_trace import summarise, trace
+from kernel_trace import build_ms, summarise, trace
 from metal_attn.providers import sdpa_prefill as sp
 
 import metal_attn
@@ -59,17 +57,6 @@ def variants(case):
     yield "sdpa q_copy", lambda: sdpa(mx.contiguous(qv), k, v)
 
 
-def _build_ms(fn, calls: int = 50) -> float:
-    """Median host time of building one call's graph (``fn()`` without evaluating it)."""
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        out = fn()
-        samples.append(time.perf_counter() - t0)
-        mx.eval(out)
-    return statistics.median(samples) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
@@ -82,15 +69,15 @@ def main() -> None:
         case = build_case(shape)
         for label, fn in variants(case):
             timing = time_fn(lambda f=fn: mx.eval(f()), warmup=3, iters=7)
-            build_ms = _build_ms(fn)
+            host_ms = build_ms(fn)
             events = trace(fn, calls=5)
-            row = {"shape": shape.label, "variant": label, "wall_ms": timing.median_s * 1e3, "build_ms": build_ms,
+            row = {"shape": shape.label, "variant": label, "wall_ms": timing.median_s * 1e3, "build_ms": host_ms,
                    "tflops_wall": shape.flops / timing.median_s / 1e12, **summarise(events, 5, shape.kv_bytes)}
             results.append(row)
             top = ", ".join(f"{k['name'][:38]} {k['us_per_call']:.0f}us x{k['launches_per_call']:g}"
                             for k in row["kernels"][:4])
             print(f"{shape.label:44s} {label:12s} wall {row['wall_ms']:7.3f} ms ({row['tflops_wall']:5.0f} TF/s) "
-                  f"build {build_ms:6.3f} ms "
+                  f"build {host_ms:6.3f} ms "
                   f"gpu {row['gpu_us_per_call']:7.0f} us | {top}", flush=True)
         del case
     with open(args.out, "w") as f:

@@ -21,15 +21,25 @@
 // tile where some row of the tile does not attend every key, a non-finite V element is replaced
 // by 0 and its key's K elements by NaN, so the rows attending that key get a NaN score and the
 // others, whose masked scores are replaced, nothing (the V row would reach them as 0 * NaN).
+// Split-KV (TP_SPLIT): the grid's z is a partition of PARTITION_SIZE keys; each threadgroup walks
+// the tile's keys inside its partition only and writes the split contract's partials for every row
+// of the tile that reads the partition (the per-token kernel's, reduced by
+// paged_attention_v2_reduce): its maximum m (log2 space), its sum l relative to m, and O / (l + eps);
+// a row none of whose keys lie in the partition (a window) writes the neutral (-FLT_MAX, 0, 0). The
+// reducer folds the sinks, so a split launch passes use_sinks = 0. It puts more threadgroups on short
+// chunks after long context (one 128-row tile per head is 32 threadgroups at 32 heads).
 // Inputs : q [T, H, D], k_cache/v_cache [NB, BS, KVH, D], block_tables [S, MB] int32,
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32,
 //          tiles [N, 2] int32 (sequence, first query row of the tile within it),
 //          sinks [H] float32,
-//          params int32 [num_tiles, num_heads, num_kv_heads, max_blocks, window, use_sinks],
+//          params int32 [num_tiles, num_heads, num_kv_heads, max_blocks, window, use_sinks, max_parts],
 //          fparams float32 [score_scale, softcap]
 // Outputs: out [T, H, D] (T dtype); rows of sequences without tiles are not written.
+//          TP_SPLIT: max_logits, exp_sums [T, H, max_parts] f32, tmp_out [T, H, max_parts, D] f32
+//          (entries of partitions past a row's causal end are not written; the reducer reads none).
 // Template: T (float16 / bfloat16), HEAD_SIZE (multiple of 32), BLOCK_SIZE, BQ (8 * RB * simdgroups),
-//           BKV (multiple of 16), RB (8-row blocks per simdgroup: 1 or 2).
+//           BKV (multiple of 16), RB (8-row blocks per simdgroup: 1 or 2);
+//           TP_SPLIT: PARTITION_SIZE (a multiple of BKV, so that no KV tile straddles two partitions).
 constexpr int NUM_SG = BQ / (8 * RB);
 constexpr int NUM_THREADS = NUM_SG * MA_SIMD_WIDTH;
 constexpr int SG_ROWS = 8 * RB;    // query rows per simdgroup
@@ -45,6 +55,9 @@ const int num_kv_heads = params[2];
 const int max_blocks = params[3];
 const int window = params[4];
 const int use_sinks = params[5];
+#if TP_SPLIT
+const int max_parts = params[6];
+#endif
 const float score_scale = fparams[0];
 const float softcap = fparams[1];
 
@@ -68,9 +81,21 @@ const int kv_head = head / (num_heads / num_kv_heads);
 const int tile_rows = metal::min(BQ, q_len - row0);
 // Keys the whole tile needs: up to its last row's causal end, from its first row's
 // window start (aligned down to a KV tile).
-const int kv_end = ctx0 + row0 + tile_rows;
 const int kv_lo = window > 0 ? metal::max(ctx0 + row0 + 1 - window, 0) : 0;
+#if TP_SPLIT
+// This threadgroup's partition: the tile's keys inside [part_lo, part_lo + PARTITION_SIZE). No row of
+// the tile reads a partition from the tile's last causal key on (uniform: the whole threadgroup leaves).
+const int part = int(threadgroup_position_in_grid.z);
+const int part_lo = part * PARTITION_SIZE;
+if (part_lo >= ctx0 + row0 + tile_rows) {
+  return;
+}
+const int kv_end = metal::min(ctx0 + row0 + tile_rows, part_lo + PARTITION_SIZE);
+const int kv_begin = metal::max((kv_lo / BKV) * BKV, part_lo);
+#else
+const int kv_end = ctx0 + row0 + tile_rows;
 const int kv_begin = (kv_lo / BKV) * BKV;
+#endif
 
 // This simdgroup's rows: [sg_row0, sg_row0 + SG_ROWS) of the sequence (some may be past the end).
 const int sg_row0 = row0 + sg * SG_ROWS;
@@ -357,6 +382,26 @@ for (int kt = kv_begin; kt < kv_end; kt += BKV) {
 #undef v_tile
 #endif
 
+#if TP_SPLIT
+// The partials of every row that reads this partition (part_lo below its causal end). A row that
+// attended no key here kept m = -FLT_MAX and l = 0: the neutral partial, with O = 0.
+#pragma unroll
+for (int b = 0; b < RB; ++b) {
+  if (row_ok[b] && part_lo < my_end[b]) {
+    const int64_t pidx = (q_off[b] / HEAD_SIZE) * max_parts + part;  // (row, head, partition)
+    if (fc == 0) {  // the four lanes of a fragment row hold the same m and l
+      max_logits[pidx] = m[b];
+      exp_sums[pidx] = l[b];
+    }
+    const float inv = 1.0f / (l[b] + MA_SOFTMAX_EPS);
+#pragma unroll
+    for (int d = 0; d < D8; ++d) {
+      tmp_out[pidx * HEAD_SIZE + d * 8 + fc] = o[b][d].v[0] * inv;
+      tmp_out[pidx * HEAD_SIZE + d * 8 + fc + 1] = o[b][d].v[1] * inv;
+    }
+  }
+}
+#else
 #pragma unroll
 for (int b = 0; b < RB; ++b) {
   if (row_ok[b]) {
@@ -368,3 +413,4 @@ for (int b = 0; b < RB; ++b) {
     }
   }
 }
+#endif

@@ -137,6 +137,16 @@ class Settings(BaseSettings):
         ),
     )
 
+    tiled_partition_size: Literal[-1, 0, 128, 256, 512] = Field(
+        0,
+        validation_alias=_env("tiled_partition_size"),
+        description=(
+            "Tiled prefill kernel on a GPU: split-KV partitions of a launch (0: each backend's measured rule, "
+            "providers/tiled_prefill.TILED_SPLIT_RULES; -1: never split; 128/256/512: split at that size "
+            "whenever the longest row spans two partitions). Mixed batches never split."
+        ),
+    )
+
     # -- hardware probe overrides -------------------------------------------------------------
     backend_override: Literal["metal", "cuda", "cpu"] | None = Field(
         None,
@@ -226,10 +236,10 @@ class Settings(BaseSettings):
             return tuple(v)
         return v
 
-    @field_validator("partition_size", mode="before")
+    @field_validator("partition_size", "tiled_partition_size", mode="before")
     @classmethod
     def _digits_are_numbers(cls, v: Any) -> Any:
-        return int(v) if isinstance(v, str) and v.strip().isdigit() else v
+        return int(v) if isinstance(v, str) and v.strip().lstrip("-").isdigit() else v
 
     @field_validator("provider", "gpu_architecture", "gpu_name", "macos_version", "cache_dir", mode="before")
     @classmethod

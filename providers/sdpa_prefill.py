@@ -61,34 +61,56 @@ SPLIT_ROUTE = "sdpa_prefill_decode"
 
 
 @dataclasses.dataclass(frozen=True)
+class MixedRow:
+    """One row of a rule's mixed-batch table: from a longest decode row of ``min_decode_context``
+    tokens on, the longest prefill chunk needs ``min_chunk_rows`` rows."""
+
+    min_decode_context: int
+    min_chunk_rows: int
+
+
+@dataclasses.dataclass(frozen=True)
 class SdpaRule:
     """Where the route runs on one backend, and the measurement that put it there.
 
     ``min_chunk_rows``: the longest prefill chunk of the batch must have at least this many rows
-    (``None``: the route is not admitted on this backend). ``evidence``: what was measured, shown
-    by ``explain`` and the docs.
+    (``None``: the route is not admitted on this backend). ``min_chunk_pairs``: and its attended
+    (query, key) pairs, bounded by `chunk_pairs` from the longest chunk and the longest sequence, at
+    least this many (below it the tiles, split over the keys where they are few, are faster; mixed
+    batches follow ``mixed`` instead). ``evidence``: what was measured, shown by ``explain`` and the docs.
     """
 
     min_chunk_rows: int | None
     evidence: str
-    #: Mixed batches (decode rows in front): the longest prefill chunk must have at least this many
-    #: rows, else the tiles' mixed route is faster (its fewer launches win on short chunks).
-    min_mixed_chunk_rows: int | None = None
+    min_chunk_pairs: int = 0
+    #: Mixed batches (decode rows in front): the first row whose ``min_decode_context`` the longest
+    #: decode row reaches sets the chunk rows needed, else the tiles' mixed route is faster (its
+    #: fewer launches win on short chunks). Empty: mixed batches follow ``min_chunk_rows``.
+    mixed: tuple[MixedRow, ...] = ()
+
+    def mixed_row(self, max_decode_seq_len: int) -> MixedRow | None:
+        """The row of ``mixed`` that applies to a longest decode row of ``max_decode_seq_len`` tokens."""
+        return next((r for r in self.mixed if max_decode_seq_len >= r.min_decode_context), None)
 
 
 #: One rule per backend (data, like the split gate; `explain` prints the arithmetic).
 SDPA_PREFILL_RULES: Mapping[str, SdpaRule] = MappingProxyType({
     "cuda": SdpaRule(
         32,
-        "H200, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_sdpa_fused.py, prefill-gpu; "
-        "docs/bench-h200-prefill.md): the route ran 1.10-3.74x faster than tiled_prefill on every prefill chunk "
-        "from 32 rows after 2K tokens to 2,048-token prompts, and 0.75x on 24 rows after 1K (the route's times "
-        "include a re-plan per call, up to ~26 us against it; chunks of 16 rows or fewer are verification "
-        "windows, which it does not take). Mixed batches (8 decode rows at 4K, then one "
-        "chunk): 2.43-2.54x faster than the tiles' mixed route with chunks of 1,024 and 2,048 rows; 0.79-0.93x "
-        "with 512-row chunks (1.19-1.24x at 128 and 256 rows in the same run: one threshold keeps the tiles "
-        "below 1,024)",
-        min_mixed_chunk_rows=1024),
+        "H200, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_sdpa_fused.py, "
+        "benchmarks/probe_tiled_split.py, prefill-gpu; docs/bench-h200-prefill.md): against the unsplit tiles the "
+        "route ran 1.10-3.74x faster on every chunk from 32 rows after 2K tokens to 2,048-token prompts, 0.75x on "
+        "24 rows after 1K (chunks of 16 rows or fewer are verification windows, which it does not take). Against "
+        "the tiles split over the keys (tenth session, blocking calls, four machines): 0.70x at 32 rows after 2K "
+        "(65K pairs), 0.70x at 64 after 2K (133K), 0.80x at 128 after 4K (516K); 1.10x at 64 after 8K (520K), "
+        "1.20x at 96 after 8K (780K), 1.41x at 256 after 4K (1.02M), 1.13x at 128 after 8K, 1.16x at 64 after "
+        "32K, 2.5x at 512 after 8K, 3.5x at 1,024 after 8K: chunks need 500K attended pairs (516K and 520K "
+        "disagree; 500K sends both to the route, so the tiles' 1.26x at 128 after 4K is lost). Mixed "
+        "batches (tenth session, the rule opened once around both timings): 8 decode rows at 4K, then one "
+        "chunk: 1.27x, 1.46x, 1.25x, 2.02x, 3.14x faster than the tiles' mixed route with chunks of 128, 256, "
+        "512, 1,024 and 2,048 rows; 32 decode rows at 1K and a 512-row chunk: 0.75x (0.93x in the fifth "
+        "session), so below 4K of decode context chunks need 1,024 rows",
+        min_chunk_pairs=500_000, mixed=(MixedRow(4096, 128), MixedRow(0, 1024))),
     "metal": SdpaRule(None, "not measured on Apple hardware: the rule stays upstream's (tiled_prefill, NAX on M5)"),
     "cpu": SdpaRule(None, "2-core CPU: gathered SDPA is 27x slower than classic's native prefill "
                           "(docs/bench-cpu.md, prefill-cpu)"),
@@ -98,6 +120,12 @@ SDPA_PREFILL_RULES: Mapping[str, SdpaRule] = MappingProxyType({
 FUSED_HEAD_SIZES = frozenset({64, 96, 128})
 
 
+def chunk_pairs(max_q_len: int, max_seq_len: int) -> int:
+    """The attended (query, key) pairs of a causal chunk of ``max_q_len`` rows ending a sequence of
+    ``max_seq_len`` tokens (the longest chunk's, at most: it may end a shorter sequence)."""
+    return max_q_len * (max_seq_len - max_q_len) + max_q_len * (max_q_len + 1) // 2
+
+
 def rule_reasons(request: AttentionRequest, backend: str) -> tuple[list[str], str]:
     """(refusals, the arithmetic) of `SDPA_PREFILL_RULES` for ``request`` on ``backend``."""
     rule = SDPA_PREFILL_RULES.get(backend)
@@ -105,12 +133,21 @@ def rule_reasons(request: AttentionRequest, backend: str) -> tuple[list[str], st
         why = rule.evidence if rule is not None else "no rule measured"
         return [f"SDPA_PREFILL_RULES[{backend}]: not admitted ({why})"], ""
     rows = request.max_q_len
-    mixed = request.phase is Phase.MIXED and rule.min_mixed_chunk_rows is not None
-    field, need = ("min_mixed_chunk_rows", rule.min_mixed_chunk_rows) if mixed else ("min_chunk_rows",
-                                                                                     rule.min_chunk_rows)
+    mixed = rule.mixed_row(request.max_decode_seq_len) if request.phase is Phase.MIXED else None
+    if mixed is not None:
+        i = rule.mixed.index(mixed)
+        field, need = (f"mixed[{i}].min_chunk_rows (longest decode row {request.max_decode_seq_len} >= "
+                       f"{mixed.min_decode_context})", mixed.min_chunk_rows)
+    else:
+        field, need = "min_chunk_rows", rule.min_chunk_rows
     ok = rows >= need
     arithmetic = (f"longest prefill chunk {rows} rows {'>=' if ok else '<'} "
                   f"SDPA_PREFILL_RULES[{backend}].{field}={need}")
+    if ok and mixed is None and rule.min_chunk_pairs:
+        pairs = chunk_pairs(rows, request.max_seq_len)
+        ok = pairs >= rule.min_chunk_pairs
+        arithmetic += (f"; its attended pairs <= {rows}*({request.max_seq_len}-{rows})+{rows}*{rows + 1}/2={pairs} "
+                       f"{'>=' if ok else '<'} SDPA_PREFILL_RULES[{backend}].min_chunk_pairs={rule.min_chunk_pairs}")
     if not ok:
         return [f"{arithmetic} (below it tiled_prefill keeps the chunk: {rule.evidence})"], arithmetic
     return [], arithmetic

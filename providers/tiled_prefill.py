@@ -16,6 +16,11 @@ longest of them reaches `MIXED_DECODE_MIN_CONTEXT` tokens; then they go through
 the per-token kernel (``classic``'s, split or not by its occupancy gate: the
 decode-rows sub-plan of `metal_attn.providers.gpu_common`) and only the prefill
 rows through the tiles: route ``mixed_prefill_decode``.
+
+Split-KV: where a batch's tiles are too few to fill the GPU (a short chunk after long context:
+one 128-row tile per head is 32 threadgroups at 32 heads), a launch splits every tile's keys into
+partitions (`TILED_SPLIT_RULES`, per backend; route ``tiled_prefill_psP``) and the per-token
+kernel's reducer combines their partials. Mixed batches never split.
 """
 
 from __future__ import annotations
@@ -114,6 +119,40 @@ KERNEL_FILES = ("paged_common.h", "tiled_prefill.metal")
 KERNEL_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "tiles", "sinks", "params",
                  "fparams")
 KERNEL_OUTPUTS = ("out",)
+#: The split launch's outputs: the split-KV contract's partials (`gpu_common.split_scratch`).
+SPLIT_OUTPUTS = ("max_logits", "exp_sums", "tmp_out")
+#: The partition sizes a split launch may take (multiples of every table's BKV).
+TILED_PARTITION_SIZES = (512, 256, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledSplitRule:
+    """When a tiled launch splits its keys on one backend, and the measurement behind it.
+
+    A batch splits when its tiles times its query heads (the unsplit grid) stay below
+    ``max_threadgroups_per_core`` per GPU core and its longest row spans at least two partitions
+    of the smallest size. It then takes the largest of ``sizes`` whose threadgroups (tiles x heads x
+    partitions) reach ``min_threadgroups_per_core`` per core, else the smallest; never one whose
+    split-KV scratch exceeds `SCRATCH_CAP_BYTES`.
+    """
+
+    max_threadgroups_per_core: float
+    min_threadgroups_per_core: float
+    sizes: tuple[int, ...]
+    evidence: str
+
+
+#: One rule per backend (data; ``explain`` prints the arithmetic). A backend without one never splits.
+TILED_SPLIT_RULES: Mapping[str, TiledSplitRule] = MappingProxyType({
+    "cuda": TiledSplitRule(
+        1.0, 1.0, TILED_PARTITION_SIZES,
+        "H200, MLX 0.32.4, bf16, 32/8 heads, head 128, one sequence (benchmarks/probe_tiled_split.py, blocking "
+        "calls; docs/bench-h200-prefill.md): unsplit against split ms, 4 rows after 4K 0.499 against 0.219-0.257, "
+        "16 after 4K 0.547 against 0.242-0.252, 32 after 2K 0.338 against 0.182-0.196, 64 after 2K 0.325 against "
+        "0.185-0.199, 128 after 4K 0.602 against 0.292-0.389 (the grid: 1 tile x 32 heads; 512-key partitions "
+        "fastest or within 5% of it at every one); 256 rows after 4K (64 threadgroups) 0.604 against 0.457 at "
+        "512; 8 sequences of 4 rows after 2K (256 threadgroups, no split) 0.486 against 0.511-0.607"),
+})
 
 
 def _fmt(values: Any) -> str:
@@ -159,36 +198,48 @@ class TiledPrefillProvider(Provider):
         notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x {8 * cfg.rb}), BKV={cfg.bkv} keys, "
                  f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory",
                  *split_notes]
+        kv_split = 0
+        if not decode_spec:
+            kv_split, note = split_choice(request, tiles, device, settings)
+            notes.append(note)
+        parts = request.partitions(kv_split) if kv_split else 1
         return Plan(
             provider=self.name,
-            route=SPLIT_ROUTE if decode_spec else ROUTE,
-            partition_size=partition,
-            grid=(tiles * cfg.threads, request.num_heads, 1),
+            route=SPLIT_ROUTE if decode_spec else split_route(kv_split),
+            partition_size=partition or kv_split,
+            grid=(tiles * cfg.threads, request.num_heads, parts),
             threadgroup=(cfg.threads, 1, 1),
             specialization=(ROUTE, device.backend, request.dtype, request.head_size, request.block_size,
-                            dataclasses.astuple(cfg), decode_spec),
+                            dataclasses.astuple(cfg), decode_spec, kv_split),
             notes=tuple(notes),
         )
 
     def prepare(self, plan: Plan, device: DeviceInfo) -> None:
         """Compile the plan's kernels with tiny launches (skipped for hypothetical devices)."""
-        _, backend, dtype, head, block, tile, decode_spec = plan.specialization
+        _, backend, dtype, head, block, tile, decode_spec, kv_split = plan.specialization
+        cfg = TileConfig(*tile)
         gc.compile_eagerly(
             device, f"tiled_prefill {plan.specialization[:6]}",
             lambda b: launch(b.q, b.cache, b.cache, b.metadata, scale=1.0, sinks=None, sliding_window=None,
-                             softcap=None, backend=backend, config=TileConfig(*tile)),
+                             softcap=None, backend=backend, config=cfg),
             dtype=dtype, head_size=head, block_size=block, seq_len=2, q_rows=2)
+        if kv_split:  # two partitions, so the reducer runs too
+            gc.compile_eagerly(
+                device, f"tiled_prefill {plan.specialization[:6]} split {kv_split}",
+                lambda b: launch(b.q, b.cache, b.cache, b.metadata, scale=1.0, sinks=None, sliding_window=None,
+                                 softcap=None, backend=backend, config=cfg, partition_size=kv_split),
+                dtype=dtype, head_size=head, block_size=block, seq_len=kv_split + 2, q_rows=2)
         if decode_spec:
             gc.prepare_decode_rows(decode_spec, device)
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
         # The plan's tile is valid by construction (`tile_config`): no checks, the batch's descriptor.
-        _, backend, _, _, _, tile, decode_spec = plan.specialization
+        _, backend, _, _, _, tile, decode_spec, kv_split = plan.specialization
         md = inputs.metadata
         n_dec = md.num_decode_seqs if decode_spec else 0
         prefill = _launch(inputs.q, inputs.k_cache, inputs.v_cache, md, scale=inputs.scale, sinks=inputs.sinks,
                           sliding_window=inputs.sliding_window, softcap=inputs.softcap, backend=backend,
-                          config=_tile(tile), first_seq=n_dec)
+                          config=_tile(tile), first_seq=n_dec, partition_size=kv_split)
         if not decode_spec:
             return prefill
         import mlx.core as mx
@@ -215,7 +266,7 @@ class TiledPrefillProvider(Provider):
                         template=tuple(kernel_template(dtype, head, block, cfg)),
                         inputs=(((5, 4, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
                                 ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
-                                ((4,), "float32"), ((6,), "int32"), ((2,), "float32")),
+                                ((4,), "float32"), ((7,), "int32"), ((2,), "float32")),
                         outputs=(((5, 4, head), dtype),), defines=kernel_defines(cfg),
                     ))
         # The one-buffer path (no Metal table picks it; the NAX tests' reference at head 512 on CUDA).
@@ -226,9 +277,22 @@ class TiledPrefillProvider(Provider):
             template=tuple(kernel_template("bfloat16", 512, 16, one)),
             inputs=(((5, 4, 512), "bfloat16"), ((4, 16, 2, 512), "bfloat16"), ((4, 16, 2, 512), "bfloat16"),
                     ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
-                    ((4,), "float32"), ((6,), "int32"), ((2,), "float32")),
+                    ((4,), "float32"), ((7,), "int32"), ((2,), "float32")),
             outputs=(((5, 4, 512), "bfloat16"),), defines=kernel_defines(one),
         ))
+        # The split-KV path at each head size (no Metal rule splits: it is CUDA's, measured there).
+        for head, cfg in sorted(TILE_CONFIGS["metal"].items()):
+            psize = 256
+            specs.append(Specialization(
+                label=f"tiled_prefill bfloat16 head={head} block=16 split={psize}", kernel=ROUTE,
+                source_files=KERNEL_FILES, input_names=KERNEL_INPUTS, output_names=SPLIT_OUTPUTS,
+                template=tuple(kernel_template("bfloat16", head, 16, cfg, psize)),
+                inputs=(((5, 4, head), "bfloat16"), ((4, 16, 2, head), "bfloat16"), ((4, 16, 2, head), "bfloat16"),
+                        ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
+                        ((4,), "float32"), ((7,), "int32"), ((2,), "float32")),
+                outputs=(((5, 4, 2), "float32"), ((5, 4, 2), "float32"), ((5, 4, 2, head), "float32")),
+                defines=kernel_defines(cfg, split=True),
+            ))
         return specs
 
     def cuda_sources(self) -> list[CudaSource]:
@@ -243,6 +307,12 @@ class TiledPrefillProvider(Provider):
                                   tuple(zip(KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "int32", "float32",
                                                             "int32", "float32"))), (("out", dt),),
                                   tuple(kernel_template(dt, head, 16, cfg)), kernel_defines(cfg)))
+        for dt, (head, cfg) in itertools.product(("float16", "bfloat16"), sorted(TILE_CONFIGS["cuda"].items())):
+            out.append(CudaSource(f"tiled_prefill {dt} h{head} split", ROUTE, KERNEL_FILES,
+                                  tuple(zip(KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "int32", "float32",
+                                                            "int32", "float32"))),
+                                  tuple((name, "float32") for name in SPLIT_OUTPUTS),
+                                  tuple(kernel_template(dt, head, 16, cfg, 256)), kernel_defines(cfg, split=True)))
         return out
 
 
@@ -252,32 +322,89 @@ def _tile(fields: tuple[int, ...]) -> TileConfig:
     return TileConfig(*fields)
 
 
-def kernel_defines(config: TileConfig) -> tuple[tuple[str, int], ...]:
-    """The kernel's code-path define: K and V through one buffer (`TileConfig.one_buffer`) or two."""
-    return (("TP_KV_SERIAL", int(config.one_buffer)),)
+def kernel_defines(config: TileConfig, split: bool = False) -> tuple[tuple[str, int], ...]:
+    """The kernel's code-path defines: K and V through one buffer (`TileConfig.one_buffer`) or two;
+    the split-KV partials (``split``) or the output."""
+    return (("TP_KV_SERIAL", int(config.one_buffer)), ("TP_SPLIT", int(split)))
 
 
-def kernel_object(backend: str, config: TileConfig) -> Any:
-    """The ``mx.fast`` kernel object of ``tiled_prefill`` on ``backend`` for ``config``'s code path
-    (built once)."""
-    return kernels.load_kernel(ROUTE, KERNEL_FILES, KERNEL_INPUTS, KERNEL_OUTPUTS, backend,
-                               defines=kernel_defines(config))
+def kernel_object(backend: str, config: TileConfig, split: bool = False) -> Any:
+    """The ``mx.fast`` kernel object of ``tiled_prefill`` on ``backend`` for ``config``'s code path,
+    split or not (built once)."""
+    return kernels.load_kernel(ROUTE, KERNEL_FILES, KERNEL_INPUTS, SPLIT_OUTPUTS if split else KERNEL_OUTPUTS,
+                               backend, defines=kernel_defines(config, split))
 
 
-def kernel_template(dtype: Any, head_size: int, block_size: int, config: TileConfig) -> list[tuple[str, Any]]:
-    """The template arguments of one specialization."""
-    return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size), ("BQ", config.bq),
-            ("BKV", config.bkv), ("RB", config.rb)]
+def kernel_template(dtype: Any, head_size: int, block_size: int, config: TileConfig,
+                    partition_size: int = 0) -> list[tuple[str, Any]]:
+    """The template arguments of one specialization (``partition_size`` > 0: the split launch's)."""
+    template = [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size), ("BQ", config.bq),
+                ("BKV", config.bkv), ("RB", config.rb)]
+    return [*template, ("PARTITION_SIZE", partition_size)] if partition_size else template
+
+
+def split_route(partition_size: int) -> str:
+    """The route name of a tiled launch: ``tiled_prefill``, or ``tiled_prefill_psP`` when split."""
+    return f"{ROUTE}_ps{partition_size}" if partition_size else ROUTE
+
+
+def split_choice(request: AttentionRequest, tiles: int, device: DeviceInfo,
+                 settings: Settings | None) -> tuple[int, str]:
+    """The partition size of a tiled launch of ``tiles`` tiles for ``request`` (0: unsplit;
+    `TILED_SPLIT_RULES`, or ``METAL_ATTN_TILED_PARTITION_SIZE``), and the arithmetic for ``explain``."""
+    from metal_attn.constants import SCRATCH_CAP_BYTES
+    from metal_attn.request import Phase, split_scratch_bytes
+
+    if request.phase is Phase.MIXED:
+        return 0, "tiled split: mixed batches never split"
+
+    def fits(p: int) -> bool:
+        return split_scratch_bytes(request.total_q_tokens, request.num_heads, request.partitions(p),
+                                   request.head_size) <= SCRATCH_CAP_BYTES
+
+    forced = settings.tiled_partition_size if settings is not None else 0
+    if forced < 0:
+        return 0, "tiled split: off (METAL_ATTN_TILED_PARTITION_SIZE=-1)"
+    if forced:
+        ok = request.partitions(forced) >= 2 and fits(forced)
+        return (forced if ok else 0), (
+            f"tiled split: partition size {forced} forced by METAL_ATTN_TILED_PARTITION_SIZE -> "
+            + (f"{request.partitions(forced)} partitions" if ok else
+               "no split (fewer than 2 partitions, or the scratch exceeds its cap)"))
+    rule = TILED_SPLIT_RULES.get(device.backend)
+    if rule is None:
+        return 0, f"tiled split: no rule measured for backend={device.backend} (no split)"
+    cores = device.gpu_cores
+    if not cores:
+        return 0, "tiled split: gpu_cores unknown (no split; set METAL_ATTN_GPU_CORES)"
+    grid = tiles * request.num_heads
+    limit = rule.max_threadgroups_per_core * cores
+    sizes = [p for p in rule.sizes if request.partitions(p) >= 2 and fits(p)]
+    head = f"tiled split: tiles*num_heads={tiles}*{request.num_heads}={grid}"
+    if grid >= limit or not sizes:
+        why = (f">= {rule.max_threadgroups_per_core:g}*gpu_cores={limit:g}" if grid >= limit else
+               f"< {limit:g}, but no size of {list(rule.sizes)} gives 2 partitions of "
+               f"max_seq_len={request.max_seq_len} within the scratch cap")
+        return 0, f"{head} {why} -> no split"
+    want = rule.min_threadgroups_per_core * cores
+    chosen = next((p for p in sizes if grid * request.partitions(p) >= want), sizes[-1])
+    return chosen, (f"{head} < {rule.max_threadgroups_per_core:g}*gpu_cores={limit:g} -> split; partition size "
+                    f"{chosen}: threadgroups {grid}*{request.partitions(chosen)}={grid * request.partitions(chosen)} "
+                    f"{'>=' if grid * request.partitions(chosen) >= want else '<'} "
+                    f"{rule.min_threadgroups_per_core:g}*gpu_cores={want:g} (TILED_SPLIT_RULES[{device.backend}] "
+                    f"takes the largest of {list(rule.sizes)} reaching it, else the smallest)")
 
 
 def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
            sinks: mx.array | None, sliding_window: int | None, softcap: float | None, backend: str,
-           config: TileConfig | None = None, first_seq: int = 0) -> mx.array:
+           config: TileConfig | None = None, first_seq: int = 0, partition_size: int = 0) -> mx.array:
     """Run the tiled kernel over the sequences from ``first_seq`` on; returns ``[T, H, D]``.
 
     Rows of sequences before ``first_seq`` are left unwritten (the caller fills them).
     ``config`` overrides `TILE_CONFIGS` (BQ a positive multiple of 8, BKV a positive
-    multiple of 16), for sweeps and tests.
+    multiple of 16), for sweeps and tests. ``partition_size`` > 0 splits every tile's keys into
+    partitions of that many (a multiple of BKV; the whole batch, so ``first_seq`` must be 0) and
+    reduces them with the per-token kernel's reducer.
     """
     _, _, head = q.shape
     cfg = config or tile_config(backend, head)
@@ -289,54 +416,73 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
         raise ValueError(f"config={cfg} with head_size={head} (allowed: rb 1 or 2, BQ a positive "
                          "multiple of 8 * rb, BKV a positive multiple of 16, head_size a multiple of 32: "
                          "products go two 8x8 blocks at a time, K operands four at a time)")
+    if partition_size and (type(partition_size) is not int or partition_size < 0 or partition_size % cfg.bkv
+                           or first_seq):
+        raise ValueError(f"partition_size={partition_size!r} with BKV={cfg.bkv}, first_seq={first_seq} (allowed: 0, "
+                         "or a positive multiple of BKV with first_seq=0: a split launch reduces every row)")
     return _launch(q, k_cache, v_cache, metadata, scale=scale, sinks=sinks, sliding_window=sliding_window,
-                   softcap=softcap, backend=backend, config=cfg, first_seq=first_seq)
+                   softcap=softcap, backend=backend, config=cfg, first_seq=first_seq, partition_size=partition_size)
 
 
 def _launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
             sinks: mx.array | None, sliding_window: int | None, softcap: float | None, backend: str,
-            config: TileConfig, first_seq: int) -> mx.array:
+            config: TileConfig, first_seq: int, partition_size: int = 0) -> mx.array:
     """`launch` after its checks, through the batch's launch descriptor (`gc.cached_launch`: the
     layers of a step share it)."""
-    key = (_epoch.current(), ROUTE, backend, config, first_seq, q.shape, q.dtype, k_cache.shape, scale, softcap,
-           sliding_window, sinks is not None)
+    key = (_epoch.current(), ROUTE, backend, config, first_seq, partition_size, q.shape, q.dtype, k_cache.shape,
+           scale, softcap, sliding_window, sinks is not None)
     got = metadata._launches.get(key)
     if got is None:
         got = gc.cached_launch(metadata, key, lambda: tiled_launch(
             q.shape, q.dtype, k_cache.shape, metadata, scale=scale, use_sinks=sinks is not None,
-            sliding_window=sliding_window, softcap=softcap, backend=backend, config=config, first_seq=first_seq))
+            sliding_window=sliding_window, softcap=softcap, backend=backend, config=config, first_seq=first_seq,
+            partition_size=partition_size))
     return got(q, k_cache, v_cache, metadata, sinks)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TiledLaunch:
-    """A tiled launch over one batch (`tiled_launch`): call it with the query, the pools, the metadata
-    it was built for and the sinks (or ``None`` when it was built without)."""
+    """A tiled launch over one batch (`tiled_launch`), with the reducer when split: call it with the
+    query, the pools, the metadata it was built for and the sinks (or ``None`` when it was built
+    without). A split launch passes the kernel no sinks: the reducer folds them."""
 
     launch: gc.KernelLaunch
     tiles: mx.array
     params: mx.array
     fparams: mx.array
     zero_sinks: mx.array
+    reduce: gc.ReduceLaunch | None = None
 
     def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
                  sinks: mx.array | None) -> mx.array:
-        return self.launch([q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, self.tiles,
-                            self.zero_sinks if sinks is None else sinks, self.params, self.fparams])[0]
+        kernel_sinks = self.zero_sinks if sinks is None or self.reduce is not None else sinks
+        outs = self.launch([q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, self.tiles,
+                            kernel_sinks, self.params, self.fparams])
+        return outs[0] if self.reduce is None else self.reduce(*outs, md, sinks)
 
 
 def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...], metadata: AttentionMetadata, *,
                  scale: float, use_sinks: bool, sliding_window: int | None, softcap: float | None, backend: str,
-                 config: TileConfig, first_seq: int) -> TiledLaunch:
+                 config: TileConfig, first_seq: int, partition_size: int = 0) -> TiledLaunch:
     """The tiled kernel's launch for a query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` and
-    the batch ``metadata``, from sequence ``first_seq`` on (``config`` checked by `launch`)."""
+    the batch ``metadata``, from sequence ``first_seq`` on (``config`` and ``partition_size`` checked by
+    `launch`); split into partitions of ``partition_size`` keys when it is > 0."""
+    import mlx.core as mx
+
     total, num_heads, head = q_shape
     _, block_size, num_kv_heads, _ = k_shape
     tiles = metadata.query_tiles(config.bq, first_seq)
     num_tiles = tiles.shape[0]
+    split = partition_size > 0
+    max_parts = -(-metadata.max_seq_len // partition_size) if split else 1
     params = gc.pack_int32((num_tiles, num_heads, num_kv_heads, metadata.max_blocks_per_seq,
-                            int(sliding_window or 0), int(use_sinks)))
-    kernel = gc.kernel_launch(kernel_object(backend, config), template=kernel_template(dtype, head, block_size, config),
-                              grid=(num_tiles * config.threads, num_heads, 1), threadgroup=(config.threads, 1, 1),
-                              output_shapes=[(total, num_heads, head)], output_dtypes=[dtype])
-    return TiledLaunch(kernel, tiles, params, gc.pack_scale(scale, softcap), gc.zeros_f32(num_heads))
+                            int(sliding_window or 0), int(use_sinks and not split), max_parts))
+    out = (gc.split_scratch(total, num_heads, max_parts, head) if split
+           else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
+    kernel = gc.kernel_launch(kernel_object(backend, config, split),
+                              template=kernel_template(dtype, head, block_size, config, partition_size),
+                              grid=(num_tiles * config.threads, num_heads, max_parts),
+                              threadgroup=(config.threads, 1, 1), **out)
+    reduce = (gc.reduce_launch((total, num_heads, max_parts, head), mx.float32, dtype, metadata, use_sinks,
+                               partition_size, backend) if split else None)
+    return TiledLaunch(kernel, tiles, params, gc.pack_scale(scale, softcap), gc.zeros_f32(num_heads), reduce)

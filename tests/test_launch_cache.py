@@ -177,8 +177,8 @@ def test_a_split_page_size_shares_its_descriptor_too(cuda, builds):
 def test_the_mixed_split_shares_both_descriptors(cuda, builds):
     md = _md([4096] * 8 + [1024], q_lens=[1] * 8 + [256])
     pool = _pool()
-    for _ in range(4):
-        _attend(_q(md), pool, md)
+    for _ in range(4):  # forced: by SDPA_PREFILL_RULES this batch is sdpa_prefill's on CUDA
+        _attend(_q(md), pool, md, provider="tiled_prefill")
     assert diagnostics.last_dispatch().route == "mixed_prefill_decode"
     assert builds == {"per_token": 1, "tiled": 1}
     assert len(cuda.launches) == 4 * 3  # decode rows, reducer, prefill tiles

@@ -32,7 +32,7 @@ def _row(ex, name="sdpa_prefill"):
 
 
 @pytest.mark.parametrize(("q_lens", "seq_lens"), [([4096], [4096]), ([512], [32768 + 512]), ([2048] * 8, [2048] * 8),
-                                                  ([32, 300], [1024, 300])], ids=("prompt", "chunk", "eight", "small"))
+                                                  ([256], [4096])], ids=("prompt", "chunk", "eight", "256-after-4k"))
 def test_cuda_prefill_takes_the_route_and_explain_shows_the_rule(q_lens, seq_lens):
     ex = _explain(H200, q_lens, seq_lens)
     row = _row(ex)
@@ -44,19 +44,49 @@ def test_cuda_prefill_takes_the_route_and_explain_shows_the_rule(q_lens, seq_len
     assert "sdpa_prefill" in str(ex)
 
 
+@pytest.mark.parametrize(("q_lens", "seq_lens", "pairs"), [([64], [2112], 64 * 2048 + 64 * 65 // 2),
+                                                      ([96], [4096], 96 * 4000 + 96 * 97 // 2),
+                                                      ([32, 300], [1024, 300], 300 * 724 + 300 * 301 // 2)],
+                         ids=("64-after-2k", "96-after-4k", "bound-of-a-batch"))
+def test_cuda_chunks_with_few_pairs_go_to_the_tiles(q_lens, seq_lens, pairs):
+    # The tiles, split over the keys, ran these faster (docs/bench-h200-prefill.md); the last case's
+    # bound pairs its longest chunk (300 rows) with its longest sequence (1,024 tokens).
+    ex = _explain(H200, q_lens, seq_lens)
+    reasons = "\n".join(_row(ex).reasons)
+    assert f"its attended pairs <= {max(q_lens)}*({max(seq_lens)}-{max(q_lens)})+" in reasons, str(ex)
+    assert f"={pairs} < SDPA_PREFILL_RULES[cuda].min_chunk_pairs=500000" in reasons, str(ex)
+    tiles = _row(ex, "tiled_prefill")
+    assert tiles.chosen and tiles.plan.route.startswith("tiled_prefill_ps"), str(ex)
+
+
 def test_cuda_mixed_batch_splits_its_decode_rows_off():
     row = _row(_explain(H200, [1, 1, 2048], [4096, 4096, 2048]))
     assert row.chosen and row.plan.route == "sdpa_prefill_decode"
     assert any(n.startswith("decode rows: per_token") for n in row.plan.notes), row.plan.notes
-    assert any("longest prefill chunk 2048 rows >= SDPA_PREFILL_RULES[cuda].min_mixed_chunk_rows=1024" in n
-               for n in row.plan.notes), row.plan.notes
+    assert any("longest prefill chunk 2048 rows >= SDPA_PREFILL_RULES[cuda].mixed[0].min_chunk_rows "
+               "(longest decode row 4096 >= 4096)=128" in n for n in row.plan.notes), row.plan.notes
 
 
-def test_cuda_mixed_batch_with_short_chunks_stays_with_the_tiles():
-    ex = _explain(H200, [1] * 8 + [512], [4096] * 8 + [2048])
-    reasons = "\n".join(_row(ex).reasons)
-    assert "longest prefill chunk 512 rows < SDPA_PREFILL_RULES[cuda].min_mixed_chunk_rows=1024" in reasons, str(ex)
-    assert _row(ex, "tiled_prefill").chosen
+@pytest.mark.parametrize(("q_lens", "seq_lens", "chosen", "note"), [
+    ([1] * 8 + [512], [4096] * 8 + [2048], "sdpa_prefill",
+     "longest prefill chunk 512 rows >= SDPA_PREFILL_RULES[cuda].mixed[0].min_chunk_rows "
+     "(longest decode row 4096 >= 4096)=128"),
+    ([1] * 8 + [64], [4096] * 8 + [2048], "tiled_prefill",
+     "longest prefill chunk 64 rows < SDPA_PREFILL_RULES[cuda].mixed[0].min_chunk_rows "
+     "(longest decode row 4096 >= 4096)=128"),
+    ([1] * 32 + [512], [1024] * 32 + [1024], "tiled_prefill",
+     "longest prefill chunk 512 rows < SDPA_PREFILL_RULES[cuda].mixed[1].min_chunk_rows "
+     "(longest decode row 1024 >= 0)=1024"),
+    ([1] * 32 + [1024], [1024] * 32 + [2048], "sdpa_prefill",
+     "longest prefill chunk 1024 rows >= SDPA_PREFILL_RULES[cuda].mixed[1].min_chunk_rows "
+     "(longest decode row 1024 >= 0)=1024"),
+], ids=("long-decode-512", "long-decode-64", "short-decode-512", "short-decode-1024"))
+def test_cuda_mixed_rule_by_decode_context_and_chunk_rows(q_lens, seq_lens, chosen, note):
+    ex = _explain(H200, q_lens, seq_lens)
+    row = _row(ex)
+    text = "\n".join([*row.reasons, *(row.plan.notes if row.plan else ())])
+    assert note in text, str(ex)
+    assert _row(ex, chosen).chosen, str(ex)
 
 
 @pytest.mark.parametrize(("kwargs", "reason"), [

@@ -61,7 +61,8 @@ def _row(ex, name="tiled_prefill"):
 @pytest.mark.parametrize(("q_lens", "seq_lens"), [([4096], [4096]), ([64, 7], [1000, 7]), ([4, 4], [90, 300])],
                          ids=("prompt", "chunks", "verify"))
 def test_prefill_and_verify_batches_take_the_tiles(device, threads, tile, q_lens, seq_lens):
-    ex = _explain(device, q_lens, seq_lens)
+    with override_settings(tiled_partition_size=-1):  # the tile, not the split (tested below)
+        ex = _explain(device, q_lens, seq_lens)
     row = _row(ex)
     assert row.chosen, str(ex)
     assert row.plan.route == "tiled_prefill" and row.plan.partition_size == 0
@@ -124,7 +125,7 @@ def test_mixed_split_threshold(device):
     assert long.plan.route == "mixed_prefill_decode"
     assert any(n.startswith("decode rows: per_token_ps512") for n in long.plan.notes), long.plan.notes
     assert long.plan.partition_size == 512
-    decode_spec = long.plan.specialization[-1]
+    decode_spec = long.plan.specialization[6]
     assert decode_spec[0] == device.backend and decode_spec[4] == 512
 
 
@@ -210,7 +211,8 @@ def test_one_buffer_tile_takes_half_the_memory_and_its_own_code_path():
     two, one = tp.TileConfig(32, 32), tp.TileConfig(32, 32, one_buffer=True)
     assert two.threadgroup_bytes(512, 2) == 2 * 32 * (512 + tp.ROW_PADDING) * 2 == 2 * one.threadgroup_bytes(512, 2)
     assert one.threadgroup_bytes(512, 2) <= 48 * 1024 < two.threadgroup_bytes(512, 2)
-    assert tp.kernel_defines(one) == (("TP_KV_SERIAL", 1),) and tp.kernel_defines(two) == (("TP_KV_SERIAL", 0),)
+    assert tp.kernel_defines(one) == (("TP_KV_SERIAL", 1), ("TP_SPLIT", 0))
+    assert tp.kernel_defines(two) == (("TP_KV_SERIAL", 0), ("TP_SPLIT", 0))
     # No table picks it: the production tiles keep K and V in two buffers.
     assert not any(cfg.one_buffer for table in tp.TILE_CONFIGS.values() for cfg in table.values())
 
@@ -227,7 +229,9 @@ def test_msl_specializations_cover_every_choice():
             for block in (8, 16, 32):
                 assert f"tiled_prefill {dtype} head={head} block={block}" in labels
     assert "tiled_prefill bfloat16 head=512 block=16 one_buffer" in labels  # K then V through one buffer
-    assert len(labels) == 25
+    for head in tp.TILE_CONFIGS["metal"]:  # the split-KV path, once per head size
+        assert f"tiled_prefill bfloat16 head={head} block=16 split=256" in labels
+    assert len(labels) == 29
 
 
 def test_metal_generated_source_type_checks(needs_clang):
@@ -235,7 +239,7 @@ def test_metal_generated_source_type_checks(needs_clang):
 
     result = check(providers=_MSL_PROVIDER)
     assert result.ok, result.summary()
-    assert result.count == 25
+    assert result.count == 29
 
 
 def test_metal_source_check_catches_a_planted_error(needs_clang, planted_kernels):
@@ -285,3 +289,79 @@ def test_case_metadata_matches_its_call_arguments():
     kw = case.kwargs()
     assert md.seq_lens.tolist() == kw["seq_lens"].tolist() and md.cu_seqlens_q.tolist() == [0, 1, 6]
     assert md.block_tables.tolist() == kw["block_tables"].tolist() and md.num_decode_seqs == 1
+
+
+# -- split-KV (TILED_SPLIT_RULES) ------------------------------------------------------------------
+
+
+def test_short_chunk_after_long_context_splits_on_cuda_with_the_arithmetic():
+    # 64 rows after 2,048 tokens at 32/8 heads: one 128-row tile per head, 32 threadgroups on 132 SMs.
+    row = _row(_explain(H200, [64], [2112]))
+    rule = tp.TILED_SPLIT_RULES["cuda"]
+    grid = 1 * 32
+    assert grid < rule.max_threadgroups_per_core * 132
+    want = next(p for p in rule.sizes if grid * -(-2112 // p) >= rule.min_threadgroups_per_core * 132)
+    assert row.chosen and row.plan.route == f"tiled_prefill_ps{want}", row.plan
+    assert row.plan.partition_size == want and row.plan.specialization[-1] == want
+    assert row.plan.grid[2] == -(-2112 // want)
+    note = next(n for n in row.plan.notes if n.startswith("tiled split:"))
+    assert f"tiles*num_heads=1*32=32 < {rule.max_threadgroups_per_core:g}*gpu_cores=132" in note, note
+    assert f"partition size {want}: threadgroups 32*{-(-2112 // want)}=" in note, note
+
+
+def test_long_prompts_fill_the_gpu_and_do_not_split():
+    row = _row(_explain(H200, [4096], [4096]))  # 33 tiles x 32 heads = 1,056 threadgroups
+    assert row.plan.route == "tiled_prefill" and row.plan.grid[2] == 1
+    assert any("tiles*num_heads=33*32=1056 >= " in n and n.endswith("-> no split") for n in row.plan.notes)
+
+
+def test_metal_has_no_split_rule_and_mixed_batches_never_split():
+    row = _row(_explain(M5, [64], [2112]))
+    assert row.plan.route == "tiled_prefill"
+    assert "tiled split: no rule measured for backend=metal (no split)" in row.plan.notes
+    mixed = _row(_explain(H200, [1, 64], [100, 2112]))  # decode rows ride in the tiles here
+    assert mixed.plan.route == "tiled_prefill" and "tiled split: mixed batches never split" in mixed.plan.notes
+
+
+def test_one_partition_is_no_split_even_when_tiles_are_few():
+    row = _row(_explain(H200, [64], [100]))  # 100 keys: no size gives two partitions
+    assert row.plan.route == "tiled_prefill"
+    assert any("no size of" in n and "gives 2 partitions" in n for n in row.plan.notes), row.plan.notes
+
+
+@pytest.mark.parametrize(("forced", "seq_len", "route"),
+                         [(-1, 2112, "tiled_prefill"), (128, 2112, "tiled_prefill_ps128"),
+                          (512, 2112, "tiled_prefill_ps512"), (512, 400, "tiled_prefill"),
+                          (256, 8192, "tiled_prefill_ps256")])
+def test_the_setting_forces_or_turns_off_the_split(forced, seq_len, route):
+    with override_settings(tiled_partition_size=forced):
+        row = _row(_explain(H200, [64], [seq_len]))
+        m5 = _row(_explain(M5, [64], [seq_len]))
+    assert row.plan.route == route, row.plan.notes
+    assert m5.plan.route == route  # a forced size applies on every backend, Metal included
+    assert any("METAL_ATTN_TILED_PARTITION_SIZE" in n for n in row.plan.notes)
+
+
+def test_split_launch_arguments_are_checked():
+    md = AttentionMetadata.build(np.arange(4, dtype=np.int32)[None, :], [60], [0, 60], validate=False)
+    import mlx.core as mx
+
+    q = mx.zeros((60, 4, 128), mx.bfloat16)
+    kc = mx.zeros((4, 16, 2, 128), mx.bfloat16)
+    common = dict(scale=1.0, sinks=None, sliding_window=None, softcap=None, backend="cuda",
+                  config=tp.TileConfig(128, 32, rb=2))
+    with pytest.raises(ValueError, match=r"partition_size=48 with BKV=32, first_seq=0 \(allowed: 0, or a positive "
+                                         r"multiple of BKV"):
+        tp.launch(q, kc, kc, md, partition_size=48, **common)
+    with pytest.raises(ValueError, match=r"partition_size=128 with BKV=32, first_seq=1"):
+        tp.launch(q, kc, kc, md, partition_size=128, first_seq=1, **common)
+    with pytest.raises(ValueError, match=r"partition_size=-128"):
+        tp.launch(q, kc, kc, md, partition_size=-128, **common)
+
+
+def test_split_defines_and_template():
+    cfg = tp.TileConfig(128, 32, rb=2)
+    assert tp.kernel_defines(cfg, split=True) == (("TP_KV_SERIAL", 0), ("TP_SPLIT", 1))
+    assert tp.kernel_template("bfloat16", 128, 16, cfg, 256)[-1] == ("PARTITION_SIZE", 256)
+    assert all(name != "PARTITION_SIZE" for name, _ in tp.kernel_template("bfloat16", 128, 16, cfg))
+    assert all(p % 32 == 0 for p in tp.TILED_PARTITION_SIZES)  # whole KV tiles of every table's BKV

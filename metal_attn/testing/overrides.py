@@ -39,13 +39,19 @@ def opened_sdpa_prefill_rule() -> Iterator[None]:
 
     rules = dict(sp.SDPA_PREFILL_RULES)
     backend = current_device().backend
-    rules[backend] = dataclasses.replace(rules[backend], min_chunk_rows=1, min_mixed_chunk_rows=1)
+    rules[backend] = dataclasses.replace(rules[backend], min_chunk_rows=1, min_chunk_pairs=0, mixed=())
     try:
         with mock.patch.object(sp, "SDPA_PREFILL_RULES", rules):
             _epoch.bump()
             yield
     finally:
         _epoch.bump()
+
+
+def rule_opened_for(provider: str | None) -> contextlib.AbstractContextManager:
+    """`opened_sdpa_prefill_rule` when ``provider`` is ``sdpa_prefill``, else nothing: for tests of a
+    forced provider's numerics on batches its measured rule would leave to the tiles."""
+    return opened_sdpa_prefill_rule() if provider == "sdpa_prefill" else contextlib.nullcontext()
 
 
 #: The routes the GPU suites force: unsplit, the 512-token partitions of the occupancy gate, and the

@@ -30,6 +30,7 @@ import pytest
 
 from metal_attn.device import detect_backend
 from metal_attn.provider import AttentionInputs
+from metal_attn.settings import override_settings
 from metal_attn.testing import assert_close_to_oracle, make_case, run_case
 from metal_attn.testing.cases import round_to_dtype, to_numpy
 from metal_attn.testing.overrides import forced_mixed_threshold
@@ -87,7 +88,8 @@ def _twin(case, route: str = "nax_prefill") -> np.ndarray:
 def _tiled(case) -> np.ndarray:
     head = int(case.q.shape[2])
     if head not in TILED_CONFIGS:
-        return run_case(case, provider="tiled_prefill")
+        with override_settings(tiled_partition_size=-1):  # the unsplit walk, as the NAX kernel's
+            return run_case(case, provider="tiled_prefill")
     md = case.metadata()
     sinks = case.sinks.astype(mx.float32) if case.sinks is not None else None
     common = dict(scale=case.scale, sinks=sinks, sliding_window=case.sliding_window, softcap=case.softcap,

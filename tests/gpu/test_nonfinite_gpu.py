@@ -7,7 +7,7 @@ changes nothing. Every GPU provider and code path: ``classic`` on every route (u
 and 64-token partitions) with direct loads, staged loads and the matrix path; ``gqa_decode`` on
 every geometry of the backend's
 table at both partition sizes; ``tiled_prefill`` on both mixed routes, with diagonal tiles,
-tiles that start left of a window and partial last tiles. Also the non-finite specs of the
+tiles that start left of a window and partial last tiles, unsplit and split-KV. Also the non-finite specs of the
 conformance suite, forced on each provider that admits them.
 """
 
@@ -19,6 +19,7 @@ import pytest
 from metal_attn import diagnostics
 from metal_attn._layout import import_builtin_providers
 from metal_attn.device import current_device
+from metal_attn.settings import override_settings
 from metal_attn.testing import (
     NONFINITE_SPECS,
     admission_reasons,
@@ -28,7 +29,12 @@ from metal_attn.testing import (
     run_case,
 )
 from metal_attn.testing.conformance import CONFORMANCE_SPECS
-from metal_attn.testing.overrides import PER_TOKEN_TEST_ROUTES, expected_route, forced_per_token_route
+from metal_attn.testing.overrides import (
+    PER_TOKEN_TEST_ROUTES,
+    expected_route,
+    forced_per_token_route,
+    rule_opened_for,
+)
 
 import_builtin_providers()
 from metal_attn.providers import gqa_decode as gq  # noqa: E402
@@ -40,7 +46,8 @@ TABLE = gq.geometry_table(BACKEND if BACKEND in ("cuda", "metal") else "cuda")
 NAN, INF = float("nan"), float("inf")
 ALL_NONFINITE = [s for s in CONFORMANCE_SPECS if s.get("poison")]
 def _check(case, provider: str, route: str | None = None) -> None:
-    got = run_case(case, provider=provider)
+    with rule_opened_for(provider):  # sdpa_prefill: its numerics on batches its rule leaves to the tiles
+        got = run_case(case, provider=provider)
     rec = diagnostics.last_dispatch()
     assert rec is not None and rec.provider == provider, rec
     if route is not None:
@@ -51,7 +58,8 @@ def _check(case, provider: str, route: str | None = None) -> None:
 @pytest.mark.parametrize("provider", ("classic", "gqa_decode", "tiled_prefill", "sdpa_prefill"))
 @pytest.mark.parametrize("spec", ALL_NONFINITE, ids=[s["label"] for s in ALL_NONFINITE])
 def test_conformance_nonfinite_specs(spec, provider):
-    reasons = admission_reasons(spec, provider)
+    with rule_opened_for(provider):
+        reasons = admission_reasons(spec, provider)
     if reasons:
         pytest.skip(f"{provider} does not admit {spec['label']}: " + "; ".join(reasons))
     _check(make_case(**spec), provider)
@@ -103,9 +111,10 @@ def test_gqa_decode_every_geometry(geom, partition_size):
     assert_close_to_oracle(out, case.oracle(), case.dtype, label=case.label)
 
 
+@pytest.mark.parametrize("kv_split", (-1, 128), ids=("unsplit", "split128"))
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
 @pytest.mark.parametrize("head", (64, 128, 256))
-def test_tiled_prompt_tiles(head, dtype):
+def test_tiled_prompt_tiles(head, dtype, kv_split):
     # A 200-row prompt: diagonal tiles (keys some rows of the tile do not attend), a partial last
     # tile; with a window of 50 the later query tiles start at a key tile aligned down left of
     # their first row's window (keys loaded for no row).
@@ -115,8 +124,9 @@ def test_tiled_prompt_tiles(head, dtype):
             poison += [("v", 0, 70, 0, NAN), ("k", 0, 65, 1, NAN)]
         case = make_case(q_lens=[200], seq_lens=[200], num_heads=4, num_kv_heads=2, head_size=head, block_size=16,
                          dtype=dtype, sliding_window=window, seed=head, poison=poison,
-                         label=f"tiled h{head} {dtype} window={window}")
-        _check(case, "tiled_prefill", "tiled_prefill")
+                         label=f"tiled h{head} {dtype} window={window} split={kv_split}")
+        with override_settings(tiled_partition_size=kv_split):  # 128: two partitions of the 200 keys
+            _check(case, "tiled_prefill", "tiled_prefill_ps128" if kv_split > 0 else "tiled_prefill")
 
 
 @pytest.mark.parametrize("threshold", (0, 1 << 30), ids=("mixed_prefill_decode", "decode-rows-in-tiles"))

@@ -3,8 +3,9 @@
 Covers its admitted head sizes (64, 96, 128) and that head 256 stays with ``tiled_prefill``;
 GQA ratios 1 to 8; sinks; fresh prompts and continuation chunks after long context; blocks shared
 between sequences; random block tables; runs of equal-length sequences (one SDPA call) next to
-unequal ones; mixed batches (decode rows through the per-token kernel); float16 and bfloat16; and
-that automatic selection picks it for prefill on CUDA.
+unequal ones; mixed batches (decode rows through the per-token kernel); float16 and bfloat16 (the
+provider forced, its measured rule opened: most of these batches are the tiles' by the rule); and
+that automatic selection picks it for a prefill chunk past the rule's pairs on CUDA.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from metal_attn import diagnostics
 from metal_attn.device import current_device
 from metal_attn.testing import assert_close_to_oracle, make_case, run_case
+from metal_attn.testing.overrides import rule_opened_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +28,10 @@ DTYPES = ("float16", "bfloat16")
 
 
 def _check(case, route: str = "sdpa_prefill", provider: str | None = "sdpa_prefill") -> None:
-    got = run_case(case, provider=provider)
+    # A forced provider runs under its rule opened (these are tests of its numerics: the small batches
+    # below are the tiles' by SDPA_PREFILL_RULES); automatic selection under the rule itself.
+    with rule_opened_for(provider):
+        got = run_case(case, provider=provider)
     rec = diagnostics.last_dispatch()
     assert rec is not None and rec.provider == "sdpa_prefill", rec
     assert rec.route == route, f"{case.label}: route {rec.route} (expected {route})"
@@ -90,9 +95,16 @@ def test_mixed_batch_decode_rows_split_off(sinks):
 
 
 def test_auto_picks_it_for_prefill_and_tiled_for_head_256():
-    case = make_case(q_lens=[64], seq_lens=[300], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+    # 256 rows after 4K: 1.02M attended pairs, past the rule's 750K.
+    case = make_case(q_lens=[256], seq_lens=[4096], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                      dtype="bfloat16", seed=17, label="auto h128")
     _check(case, provider=None)
+    small = make_case(q_lens=[64], seq_lens=[300], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                      dtype="bfloat16", seed=17, label="auto h128 small")
+    got = run_case(small)
+    rec = diagnostics.last_dispatch()
+    assert rec.provider == "tiled_prefill", rec  # 17K pairs: the tiles'
+    assert_close_to_oracle(got, small.oracle(), small.dtype, label="auto h128 small tiled")
     case = make_case(q_lens=[64], seq_lens=[300], num_heads=8, num_kv_heads=2, head_size=256, block_size=16,
                      dtype="bfloat16", seed=17, label="auto h256")
     got = run_case(case)

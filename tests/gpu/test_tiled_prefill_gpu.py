@@ -7,6 +7,11 @@ window, in-window scores far below zero), softcap; verification batches; mixed b
 on both routes (decode rows riding in the tiles, and ``mixed_prefill_decode``, forced
 through the threshold table); scattered and shared blocks; other tile shapes (both
 row-block variants) through the launcher; bitwise repeats.
+
+Every test runs twice: unsplit (``METAL_ATTN_TILED_PARTITION_SIZE=-1``) and split-KV at 128-key
+partitions (every batch whose longest row spans two of them, mixed batches excepted, takes the
+split route and the per-token kernel's reducer); the split tests at the end add other partition
+sizes, windows that leave whole partitions empty, and non-finite values across partitions.
 """
 
 from __future__ import annotations
@@ -17,9 +22,32 @@ import pytest
 
 import metal_attn
 from metal_attn import diagnostics
+from metal_attn.settings import get_settings, override_settings
 from metal_attn.testing import assert_close_to_oracle, forced_mixed_threshold, make_case, run_case
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True, params=(-1, 128), ids=("unsplit", "split128"))
+def kv_split(request) -> int:
+    """The tiled launch's split for the test: -1 never, 128 at 128-key partitions (forced)."""
+    with override_settings(tiled_partition_size=request.param):
+        yield request.param
+
+
+def _split() -> int:
+    """The launcher's ``partition_size`` under the test's split setting (0: unsplit)."""
+    return max(get_settings().tiled_partition_size, 0)
+
+
+def _route(case, route: str = "tiled_prefill") -> str:
+    """The route the provider takes for ``case``: a forced split applies to batches that are not
+    mixed (decode rows in front of prefill rows) and whose longest row spans two partitions."""
+    p = _split()
+    mixed = case.q_lens[0] == 1 and max(case.q_lens) > 1
+    if route == "tiled_prefill" and p and not mixed and int(max(case.seq_lens)) > p:
+        return f"tiled_prefill_ps{p}"
+    return route
 
 DTYPES = ("float16", "bfloat16")
 HEADS = (64, 96, 128, 256)
@@ -27,6 +55,7 @@ BLOCKS = (8, 16, 32)
 
 
 def _check(case, route: str = "tiled_prefill") -> np.ndarray:
+    route = _route(case, route)
     got = run_case(case, provider="tiled_prefill")
     rec = diagnostics.last_dispatch()
     assert rec is not None and rec.provider == "tiled_prefill", rec
@@ -151,7 +180,7 @@ def test_other_tile_shapes_through_the_launcher(tile):
     md = case.metadata()
     out = tiled_prefill.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=None,
                                sliding_window=90, softcap=None, backend=metal_attn.current_device().backend,
-                               config=tiled_prefill.TileConfig(*tile))
+                               config=tiled_prefill.TileConfig(*tile), partition_size=_split())
     assert_close_to_oracle(out, case.oracle(), "bfloat16", label=case.label)
 
 
@@ -167,16 +196,16 @@ def test_row_block_variants_with_every_feature(tile):
     md = case.metadata()
     out = tiled_prefill.launch(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=case.sinks,
                                sliding_window=300, softcap=25.0, backend=metal_attn.current_device().backend,
-                               config=tiled_prefill.TileConfig(*tile))
+                               config=tiled_prefill.TileConfig(*tile), partition_size=_split())
     assert_close_to_oracle(out, case.oracle(), "float16", label=case.label)
 
 
-def _launch_tile(case, config, sinks=None, window=None, softcap=None) -> np.ndarray:
+def _launch_tile(case, config, sinks=None, window=None, softcap=None, partition_size=None) -> np.ndarray:
     from metal_attn.providers import tiled_prefill
 
     out = tiled_prefill.launch(case.q, case.k_cache, case.v_cache, case.metadata(), scale=case.scale, sinks=sinks,
                                sliding_window=window, softcap=softcap, backend=metal_attn.current_device().backend,
-                               config=config)
+                               config=config, partition_size=_split() if partition_size is None else partition_size)
     mx.eval(out)
     return np.array(out.astype(mx.float32)).astype(np.float64)
 
@@ -228,7 +257,7 @@ def test_bitwise_identical_on_repeat():
         with forced_mixed_threshold(threshold):
             first = run_case(case, provider="tiled_prefill")
             again = run_case(case, provider="tiled_prefill")
-            assert diagnostics.last_dispatch().route == ("mixed_prefill_decode" if threshold == 0 else "tiled_prefill")
+            assert diagnostics.last_dispatch().route == ("mixed_prefill_decode" if threshold == 0 else _route(case))
         assert np.array_equal(first, again)
 
 
@@ -249,5 +278,61 @@ def test_auto_routes_prefill_and_mixed_batches_here(q_lens, seq_lens):
     rec = diagnostics.last_dispatch()
     split = q_lens[0] == 1 and seq_lens[0] >= MIXED_DECODE_MIN_CONTEXT[rec.backend]
     assert rec.provider == "tiled_prefill", rec
-    assert rec.route == ("mixed_prefill_decode" if split else "tiled_prefill"), rec
+    assert rec.route == ("mixed_prefill_decode" if split else _route(case)), rec
     assert_close_to_oracle(np.array(out.astype(mx.float32)), case.oracle(), "bfloat16", label=f"auto {rec.route}")
+
+
+# -- split-KV --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("psize", (128, 256, 512))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_partition_sizes_with_sinks_and_a_window(psize, dtype):
+    """Every partition size on chunks after long context: the reducer folds the sinks once; a window
+    of 300 leaves whole partitions left of it empty (neutral partials); the short fresh prompt
+    spans one partition; rows of one tile end in different partitions."""
+    from metal_attn.providers import tiled_prefill
+
+    case = make_case(q_lens=[64, 9, 130], seq_lens=[2112, 1500, 130], num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype=dtype, sinks=True, sliding_window=300, seed=psize,
+                     label=f"split {psize} {dtype}")
+    out = _launch_tile(case, tiled_prefill.TileConfig(128, 32, rb=2), case.sinks.astype(mx.float32), 300,
+                       partition_size=psize)
+    assert_close_to_oracle(out, case.oracle(), dtype, label=case.label)
+
+
+@pytest.mark.parametrize("head", (64, 256))
+def test_split_with_softcap_gqa_and_non_finite_values(head):
+    """Softcap, a window, GQA 8, shared blocks, and the NaN contract across partitions: a NaN V at a
+    key the later rows of a chunk attend (their rows NaN, the earlier rows' not), an infinite K at
+    the last row's own position, a NaN V left of every row's window (nothing)."""
+    from metal_attn.providers import tiled_prefill
+
+    case = make_case(q_lens=[40, 17], seq_lens=[1000, 700], num_heads=16, num_kv_heads=2, head_size=head,
+                     block_size=16, dtype="bfloat16", softcap=30.0, sliding_window=500, shared_prefix_blocks=2,
+                     seed=head + 1,
+                     poison=[("v", 0, 975, 1, float("nan")), ("k", 0, 999, 0, float("inf")),
+                             ("v", 1, 100, 1, float("nan"))],
+                     label=f"split h{head} softcap gqa8 poison")
+    cfg = tiled_prefill.tile_config(metal_attn.current_device().backend, head)
+    out = _launch_tile(case, cfg, None, 500, 30.0, partition_size=128)
+    assert_close_to_oracle(out, case.oracle(), "bfloat16", label=case.label)
+    assert np.isnan(out).any() and np.isfinite(out).any()
+
+
+def test_split_rule_takes_short_chunks_after_long_context():
+    """Without a forced size (the backend's rule): a 64-row chunk after 2K tokens at 32/8 heads is one
+    tile per head, and splits where the backend has a rule."""
+    from metal_attn.providers import tiled_prefill
+
+    case = make_case(q_lens=[64], seq_lens=[2112], num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                     dtype="bfloat16", seed=64, label="rule q64 L2112")
+    with override_settings(tiled_partition_size=0):
+        got = run_case(case, provider="tiled_prefill")
+    rec = diagnostics.last_dispatch()
+    backend = rec.backend
+    if backend in tiled_prefill.TILED_SPLIT_RULES:
+        assert rec.route.startswith("tiled_prefill_ps"), rec
+    else:
+        assert rec.route == "tiled_prefill", rec
+    assert_close_to_oracle(got, case.oracle(), "bfloat16", label=f"{case.label} {rec.route}")

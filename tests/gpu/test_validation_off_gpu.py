@@ -15,6 +15,7 @@ import metal_attn
 from metal_attn.settings import override_settings
 from metal_attn.testing import admission_reasons, assert_close_to_oracle, forced_mixed_threshold, make_case
 from metal_attn.testing.cases import to_numpy
+from metal_attn.testing.overrides import rule_opened_for
 
 pytestmark = pytest.mark.gpu
 
@@ -55,10 +56,12 @@ def test_bad_block_ids_give_nan_rows(shape, provider, threshold):
     if threshold and provider != "tiled_prefill":
         pytest.skip("the mixed-route threshold only matters to tiled_prefill")
     case, ref = _bad_case(q_lens, seq_lens, heads, kv_heads, head, dtype)
-    reasons = admission_reasons(case, provider)
+    with rule_opened_for(provider):  # sdpa_prefill: these small batches are the tiles' by its rule
+        reasons = admission_reasons(case, provider)
     if reasons:
         pytest.skip(f"{provider} does not admit {label}: " + "; ".join(reasons))
-    with override_settings(validate_metadata=False), forced_mixed_threshold(threshold):
+    with (override_settings(validate_metadata=False), forced_mixed_threshold(threshold),
+          rule_opened_for(provider)):
         out = metal_attn.paged_attention(**case.kwargs(), provider=provider)
         got = to_numpy(out).astype(np.float64)
     assert metal_attn.diagnostics.last_dispatch().provider == provider
@@ -72,12 +75,13 @@ def test_short_table_gives_nan_rows(provider):
     case = make_case(q_lens=[1, 1, 5], seq_lens=[40, 60, 20], num_heads=8, num_kv_heads=2, head_size=128,
                      block_size=16, dtype="bfloat16", seed=3)
     ref = case.oracle()
-    reasons = admission_reasons(case, provider)
+    with rule_opened_for(provider):
+        reasons = admission_reasons(case, provider)
     if reasons:
         pytest.skip(f"{provider} does not admit the batch: " + "; ".join(reasons))
     kw = case.kwargs()
     kw["seq_lens"] = mx.array([40, 16 * case.block_tables.shape[1] + 5, 20], dtype=mx.int32)
-    with override_settings(validate_metadata=False):
+    with override_settings(validate_metadata=False), rule_opened_for(provider):
         got = to_numpy(metal_attn.paged_attention(**kw, provider=provider)).astype(np.float64)
     assert np.isnan(got[1]).all()
     keep = [0, 2, 3, 4, 5, 6]

@@ -1,0 +1,80 @@
+"""Where a mixed batch's time goes on the CUDA backend (not a test): issue #18's mixed target.
+
+    python3 benchmarks/profile_mixed.py OUT.json [--shapes PATTERN ...]
+
+For each mixed shape of the ``prefill-gpu`` suite (or those matching ``--shapes``), in one process:
+the wall time of a blocking call (`metal_attn.bench.core.time_fn`), the host time of building its
+graph, and the GPU time of every kernel it launches (CUPTI, `kernel_trace`), for
+
+- ``auto``: ``paged_attention`` with the registry's choice (the suite's ``auto``);
+- ``tiled_prefill``: the tiles' mixed route (decode rows split off to the per-token kernel);
+- ``sdpa_prefill``: the gathered-SDPA route with its rule opened to every chunk
+  (``sdpa_prefill_decode``; the rule is opened once around every measurement of it);
+- ``mlx_sdpa``: the suite's peer, MLX SDPA on contiguous K/V, one call per group of rows.
+
+``gpu`` sums the kernels' durations; ``busy`` is the union of their intervals (MLX's CUDA graphs run
+kernels without a data dependency at once: the tiles' route runs its per-token and tiled kernels
+side by side). A route slower than the peer on wall time but not on busy time pays in launches and
+host time; one slower on busy time pays in its kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+import mlx.core as mx
+from kernel_trace import build_ms, summarise, trace
+
+import metal_attn
+from metal_attn.bench.core import build_case, time_fn
+from metal_attn.bench.peers import MlxSdpa
+from metal_attn.bench.suites import get_suite
+from metal_attn.device import current_device
+from metal_attn.testing.overrides import opened_sdpa_prefill_rule
+
+
+def variants(case):
+    """(label, context manager to measure under, fn) for one mixed case."""
+    def route(provider=None):
+        return lambda: metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
+                                                  scale=case.scale, provider=provider)
+
+    peer = MlxSdpa().prepare(case)
+    yield "auto", contextlib.nullcontext, route()
+    yield "tiled_prefill", contextlib.nullcontext, route("tiled_prefill")
+    yield "sdpa_prefill", opened_sdpa_prefill_rule, route("sdpa_prefill")
+    yield "mlx_sdpa", contextlib.nullcontext, peer.run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--shapes", nargs="*", default=None, help="label patterns (default: every mixed shape)")
+    args = ap.parse_args()
+    shapes = [s for s in get_suite("prefill-gpu").select(args.shapes) if s.phase == "mixed"]
+    results = []
+    for shape in shapes:
+        case = build_case(shape)
+        for label, scope, fn in variants(case):
+            with scope():
+                timing = time_fn(lambda f=fn: mx.eval(f()), warmup=3, iters=7)
+                host_ms = build_ms(fn)
+                events = trace(fn, calls=5)
+            row = {"shape": shape.label, "variant": label, "wall_ms": timing.median_s * 1e3, "build_ms": host_ms,
+                   "gbps_wall": shape.kv_bytes / timing.median_s / 1e9, **summarise(events, 5, shape.kv_bytes)}
+            results.append(row)
+            top = ", ".join(f"{k['name'][:34]} {k['us_per_call']:.0f}us x{k['launches_per_call']:g}"
+                            for k in row["kernels"][:5])
+            print(f"{shape.label:46s} {label:13s} wall {row['wall_ms']:7.3f} ms ({row['gbps_wall']:5.0f} GB/s) "
+                  f"build {host_ms:6.3f} ms gpu {row['gpu_us_per_call']:6.0f} us "
+                  f"busy {row['busy_us_per_call']:6.0f} us | {top}", flush=True)
+        del case
+    with open(args.out, "w") as f:
+        json.dump({"device": current_device().describe(), "results": results}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
