@@ -39,10 +39,13 @@ if (tid == 0) {
 // @kernel sdpa_finish
 // Inputs : o [rows, H, D] (T: the fused kernel's output in packed row order), q [rows, H, D] (T:
 //          the same rows' queries), first [n * KVH] int32 (first_flagged),
-//          params int32 [q_len, seq_len, n, num_heads, kv_heads]
-// Outputs: out [rows, H, D] (T): o, or NaN for every element of a (row, head) that attends a
-//          flagged position (first <= seq_len - q_len + r, the row's last key) or whose query
-//          holds a non-finite element.
+//          lead [lead_rows, H, D] (T: rows computed elsewhere that go in front, a mixed batch's
+//          decode rows; unread when lead_rows is 0),
+//          params int32 [q_len, seq_len, n, num_heads, kv_heads, lead_rows]
+// Outputs: out [lead_rows + rows, H, D] (T): the lead rows as they are, then o, or NaN for every
+//          element of a (row, head) that attends a flagged position (first <= seq_len - q_len + r,
+//          the row's last key) or whose query holds a non-finite element. (Writing the lead rows
+//          here saves a mixed batch the concatenation of the two outputs: two copy launches.)
 // Template: T, HEAD_SIZE (a multiple of 4). The head counts are runtime parameters, so the kernel a
 // provider compiles ahead for a (dtype, head size) is the one every geometry of it runs.
 // rows = n * q_len, sequence-major. One simdgroup per (row, head); each lane moves groups of four
@@ -51,12 +54,19 @@ const int q_len = params[0];
 const int seq_len = params[1];
 const int num_heads = params[3];
 const int kv_heads = params[4];
+const uint lead_pairs = uint(params[5]) * uint(num_heads);
 const int lane = int(thread_index_in_simdgroup);
 // (row, head) indices in 32 bits (the grid's thread index is 32-bit): the divisions by the runtime
 // head count and chunk length stay cheap; the element offset is 64-bit.
-const uint pair = uint(thread_position_in_grid.x) / uint(MA_SIMD_WIDTH);
+const uint slot = uint(thread_position_in_grid.x) / uint(MA_SIMD_WIDTH);  // (row, head) of out
 const uint pairs = uint(params[2]) * uint(q_len) * uint(num_heads);
-if (pair < pairs) {
+if (slot < lead_pairs) {  // a lead row: copied as it is (uniform per simdgroup)
+  const int64_t at = int64_t(slot) * HEAD_SIZE;
+  for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
+    ma_store_raw4(out + at + d, ma_load_raw4(lead + at + d));
+  }
+} else if (slot - lead_pairs < pairs) {
+  const uint pair = slot - lead_pairs;  // (row, head) of o and q
   const int h = int(pair % uint(num_heads));
   const uint t = pair / uint(num_heads);
   const int r = int(t % uint(q_len));
@@ -64,6 +74,7 @@ if (pair < pairs) {
   const int kvh = h / (num_heads / kv_heads);
   const bool reached = first[s * kv_heads + kvh] <= seq_len - q_len + r;
   const int64_t base = int64_t(pair) * HEAD_SIZE;
+  const int64_t at = int64_t(slot) * HEAD_SIZE;
   float bad_q = 0.0f;
   for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
     float x[4];
@@ -79,10 +90,10 @@ if (pair < pairs) {
   for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
     if (nan_row) {
       for (int i = 0; i < 4; ++i) {
-        out[base + d + i] = ma_from_float<T>(ma_nan());
+        out[at + d + i] = ma_from_float<T>(ma_nan());
       }
     } else {
-      ma_store_raw4(out + base + d, ma_load_raw4(o + base + d));
+      ma_store_raw4(out + at + d, ma_load_raw4(o + base + d));
     }
   }
 }

@@ -114,6 +114,15 @@ def zeros_f32(n: int) -> mx.array:
     return kernels.param_array((0.0,) * n, "float32")
 
 
+@functools.lru_cache(maxsize=8)
+def placeholder(dtype: mx.Dtype) -> mx.array:
+    """One element of ``dtype`` for a kernel input a launch does not read (so the kernel's signature,
+    and its compiled specialization, stay those of the launches that do), built once per dtype."""
+    out = mx.zeros((1,), dtype)
+    mx.eval(out)
+    return out
+
+
 def sink_logits(sinks: mx.array | None, num_heads: int) -> mx.array:
     """The ``sinks`` input of a kernel: the sink logits given, else `zeros_f32` (the kernel's
     ``use_sinks`` parameter says which)."""

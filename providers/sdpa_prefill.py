@@ -230,8 +230,8 @@ class SdpaPrefillProvider(Provider):
         decode_spec = plan.specialization[-1]
         md = inputs.metadata
         n_dec = md.num_decode_seqs if decode_spec else 0
-        parts = [gc.run_decode_rows(inputs, decode_spec)] if n_dec else []
-        parts += prefill_rows(inputs, md, first_seq=n_dec, backend=plan.specialization[1])
+        decode = gc.run_decode_rows(inputs, decode_spec) if n_dec else None
+        parts = prefill_rows(inputs, md, first_seq=n_dec, backend=plan.specialization[1], lead=decode)
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
     # -- source checks ----------------------------------------------------------------------------
@@ -251,8 +251,9 @@ class SdpaPrefillProvider(Provider):
         finishes = [Specialization(
             label=f"sdpa_finish {dtype} head={head}", kernel="sdpa_finish", source_files=FINISH_FILES,
             input_names=FINISH_INPUTS, output_names=FINISH_OUTPUTS, template=tuple(finish_template(dtype, head)),
-            inputs=(((3, 4, head), dtype), ((3, 4, head), dtype), ((2,), "int32"), ((5,), "int32")),
-            outputs=(((3, 4, head), dtype),),
+            inputs=(((3, 4, head), dtype), ((3, 4, head), dtype), ((2,), "int32"), ((2, 4, head), dtype),
+                    ((6,), "int32")),
+            outputs=(((5, 4, head), dtype),),
         ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         first = Specialization(
             label="first_flagged", kernel="first_flagged", source_files=FINISH_FILES, input_names=FIRST_INPUTS,
@@ -271,7 +272,7 @@ class SdpaPrefillProvider(Provider):
                               tuple(gather_template(dtype, head)))
                    for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         finishes = [CudaSource(f"sdpa_finish {dtype} h{head}", "sdpa_finish", FINISH_FILES,
-                               (("o", dtype), ("q", dtype), ("first", "int32"), ("params", "int32")),
+                               (("o", dtype), ("q", dtype), ("first", "int32"), ("lead", dtype), ("params", "int32")),
                                (("out", dtype),), tuple(finish_template(dtype, head)))
                     for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         first = CudaSource("first_flagged", "first_flagged", FINISH_FILES, (("bad", "int32"), ("params", "int32")),
@@ -293,9 +294,11 @@ def _runs(md: AttentionMetadata, first_seq: int) -> list[tuple[int, int, int, in
 
 
 def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: int = 0, backend: str | None = None,
-                 force_fused: bool = True) -> list[mx.array]:
+                 force_fused: bool = True, lead: mx.array | None = None) -> list[mx.array]:
     """Outputs of sequences ``first_seq..`` in batch order, one ``[rows, H, D]`` array per run of
-    equal-length sequences: their pages gathered, then one fused SDPA call per run.
+    equal-length sequences: their pages gathered, then one fused SDPA call per run. ``lead``
+    (``[lead_rows, H, D]``, a mixed batch's decode rows) goes in front of the first output: its
+    ``sdpa_finish`` writes it, so a batch of one run needs no concatenation.
 
     On a GPU ``backend`` the pages go through the ``gather_kv`` kernel (one pass: the copy, V's
     non-finite elements zeroed, the flags of the NaN contract), and the contract is applied in one
@@ -304,6 +307,8 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     lets MLX use its unfused SDPA (the CPU tests; the provider never does)."""
     import mlx.core as mx
 
+    from metal_attn.kernels import SIMD_WIDTH
+
     q, kc, vc = inputs.q, inputs.k_cache, inputs.v_cache
     block_size, head = kc.shape[1], kc.shape[3]
     num_heads = q.shape[1]
@@ -311,10 +316,17 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     sinks = inputs.sinks.astype(q.dtype) if inputs.sinks is not None else None
     width = md.block_tables.shape[1]
     kvh = kc.shape[2]
-    outs = []
+    outs: list[mx.array] = []
+    pending = [] if lead is None else [lead]  # the lead rows, until the first run's finish writes them
+
+    def take_lead() -> None:  # a first run without sdpa_finish: the lead rows stay a part of their own
+        outs.extend(pending)
+        pending.clear()
+
     for seq, n, q_len, seq_len in _capped(_runs(md, first_seq), num_heads, kvh):
         rows, pages = n * q_len, -(-seq_len // block_size)
         if pages > width:  # a table too short for seq_len (only with validation off): nothing to read
+            take_lead()
             outs.append(mx.full((rows, num_heads, head), mx.nan, dtype=q.dtype))
             row0 += rows
             continue
@@ -333,11 +345,16 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
         # query can give -inf scores everywhere: a silent 0).
         o = o.transpose(0, 2, 1, 3).reshape(rows, num_heads, head)
         if gpu:
-            outs.append(launch_finish(o, q_rows, launch_first_flagged(bad, backend), n, q_len, seq_len, backend))
+            if pending and (pending[0].shape[0] + rows) * num_heads * SIMD_WIDTH > MAX_GRID_THREADS:
+                take_lead()  # the finish's 32-bit indices could not hold the lead rows too
+            outs.append(launch_finish(o, q_rows, launch_first_flagged(bad, backend), n, q_len, seq_len, backend,
+                                      lead=pending.pop() if pending else None))
         else:
+            take_lead()
             bad_rows = poisoned_rows(bad, q_len, num_heads).transpose(0, 2, 1).reshape(rows, num_heads)
             outs.append(mx.where((bad_rows | ~mx.isfinite(q_rows).all(axis=-1))[..., None], mx.nan, o))
         row0 += rows
+    take_lead()  # no run at all (a mixed batch always has one)
     return outs
 
 
@@ -372,7 +389,7 @@ GATHER_OUTPUTS = ("k_out", "v_out", "bad")
 GATHER_THREADS = 128
 FINISH_FILES = ("sdpa_finish.metal",)
 FIRST_INPUTS, FIRST_OUTPUTS = ("bad", "params"), ("first",)
-FINISH_INPUTS, FINISH_OUTPUTS = ("o", "q", "first", "params"), ("out",)
+FINISH_INPUTS, FINISH_OUTPUTS = ("o", "q", "first", "lead", "params"), ("out",)
 #: Threads per threadgroup of first_flagged (one threadgroup per (sequence, KV head)) and of
 #: sdpa_finish (four (row, head) pairs, one simdgroup each).
 FIRST_THREADS = 256
@@ -420,19 +437,22 @@ def launch_first_flagged(bad: mx.array, backend: str) -> mx.array:
 
 
 def launch_finish(o: mx.array, q_rows: mx.array, first: mx.array, n: int, q_len: int, seq_len: int,
-                  backend: str) -> mx.array:
+                  backend: str, lead: mx.array | None = None) -> mx.array:
     """``sdpa_finish``: the fused kernel's output ``o`` (``[n * q_len, H, D]``), with NaN in every
     (row, head) whose query holds a non-finite element or which attends a position ``first``
-    flags for its KV head."""
+    flags for its KV head; after the rows of ``lead`` (``[lead_rows, H, D]``, copied as they are)
+    when given."""
     from metal_attn import kernels
 
-    _, num_heads, head = o.shape
+    rows, num_heads, head = o.shape
     kvh = first.shape[0] // n
+    lead_rows = 0 if lead is None else lead.shape[0]
     kernel = kernels.load_kernel("sdpa_finish", FINISH_FILES, FINISH_INPUTS, FINISH_OUTPUTS, backend)
-    return kernel(inputs=[o, q_rows, first, gc.pack_int32((q_len, seq_len, n, num_heads, kvh))],
+    return kernel(inputs=[o, q_rows, first, gc.placeholder(o.dtype) if lead is None else lead,
+                          gc.pack_int32((q_len, seq_len, n, num_heads, kvh, lead_rows))],
                   template=finish_template(o.dtype, head),
-                  grid=(n * q_len * num_heads * kernels.SIMD_WIDTH, 1, 1), threadgroup=(FINISH_THREADS, 1, 1),
-                  output_shapes=[o.shape], output_dtypes=[o.dtype])[0]
+                  grid=((lead_rows + rows) * num_heads * kernels.SIMD_WIDTH, 1, 1), threadgroup=(FINISH_THREADS, 1, 1),
+                  output_shapes=[(lead_rows + rows, num_heads, head)], output_dtypes=[o.dtype])[0]
 
 
 def finish_template(dtype: Any, head_size: int) -> list[tuple[str, Any]]:

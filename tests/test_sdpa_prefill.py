@@ -6,6 +6,7 @@ route's numerics run in tests/gpu/test_sdpa_prefill_gpu.py)."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import metal_attn as ma
@@ -161,6 +162,20 @@ def test_rows_after_the_first_sequences_are_the_callers():
     inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale)
     out = mx.concatenate(sp.prefill_rows(inputs, md, first_seq=2, force_fused=False), axis=0)
     assert_close_to_oracle(out, case.oracle()[2:], "float16")
+
+
+def test_lead_rows_go_in_front_of_the_first_output():
+    # A mixed batch's decode rows, computed elsewhere, lead the outputs (on a GPU the first run's
+    # sdpa_finish writes them; without one they stay a part of their own).
+    case = make_case(q_lens=[1, 1, 30, 12], seq_lens=[50, 60, 200, 90], num_heads=4, num_kv_heads=1, head_size=64,
+                     block_size=8, dtype="float16", seed=5)
+    md = case.metadata()
+    inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale)
+    ref = case.oracle()
+    lead = mx.array(ref[:2].astype(np.float16))
+    parts = sp.prefill_rows(inputs, md, first_seq=2, force_fused=False, lead=lead)
+    assert parts[0] is lead and len(parts) == 3
+    assert_close_to_oracle(mx.concatenate(parts, axis=0), ref, "float16")
 
 
 def test_every_rule_states_its_evidence():
