@@ -194,7 +194,8 @@ class TiledPrefillProvider(Provider):
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         cfg = tile_config(device.backend, request.head_size)
         decode_spec, partition, split_notes = gc.tiles_decode_part(request, device.backend, device, settings)
-        tiles = request.total_q_tokens // cfg.bq + request.num_seqs  # an upper bound; exact per batch
+        # exact for one sequence, an upper bound for more (each may end in a partial tile); exact per batch
+        tiles = -(-request.total_q_tokens // cfg.bq) + request.num_seqs - 1
         notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x {8 * cfg.rb}), BKV={cfg.bkv} keys, "
                  f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory",
                  *split_notes]

@@ -310,9 +310,12 @@ def test_short_chunk_after_long_context_splits_on_cuda_with_the_arithmetic():
 
 
 def test_long_prompts_fill_the_gpu_and_do_not_split():
-    row = _row(_explain(H200, [4096], [4096]))  # 33 tiles x 32 heads = 1,056 threadgroups
+    row = _row(_explain(H200, [4096], [4096]))  # 32 tiles x 32 heads = 1,024 threadgroups
     assert row.plan.route == "tiled_prefill" and row.plan.grid[2] == 1
-    assert any("tiles*num_heads=33*32=1056 >= " in n and n.endswith("-> no split") for n in row.plan.notes)
+    assert any("tiles*num_heads=32*32=1024 >= " in n and n.endswith("-> no split") for n in row.plan.notes)
+    # Several sequences: a bound (each may end in a partial tile), 3 x 128 rows -> at most 5 tiles.
+    three = _row(_explain(H200, [128, 128, 128], [4096, 4096, 4096]))
+    assert any("tiles*num_heads=5*32=160 >= " in n for n in three.plan.notes), three.plan.notes
 
 
 def test_metal_has_no_split_rule_and_mixed_batches_never_split():

@@ -31,10 +31,11 @@ def forced_mixed_threshold(value: int) -> Iterator[None]:
 @contextlib.contextmanager
 def opened_sdpa_prefill_rule() -> Iterator[None]:
     """``SDPA_PREFILL_RULES`` admitting every chunk, mixed or not, on this backend for the block
-    (to measure the route below its rule); a new dispatch epoch on entry and exit, so no plan made
-    under one rule serves the other."""
+    (to measure the route below its rule); a new dispatch epoch and no cached selections on entry
+    and exit, so no plan or selection made under one rule serves the other."""
     from metal_attn import _epoch
     from metal_attn.device import current_device
+    from metal_attn.plugins import get_registry
     from metal_attn.providers import sdpa_prefill as sp
 
     rules = dict(sp.SDPA_PREFILL_RULES)
@@ -43,9 +44,11 @@ def opened_sdpa_prefill_rule() -> Iterator[None]:
     try:
         with mock.patch.object(sp, "SDPA_PREFILL_RULES", rules):
             _epoch.bump()
+            get_registry().forget_selections()
             yield
     finally:
         _epoch.bump()
+        get_registry().forget_selections()
 
 
 def rule_opened_for(provider: str | None) -> contextlib.AbstractContextManager:

@@ -95,7 +95,7 @@ def test_mixed_batch_decode_rows_split_off(sinks):
 
 
 def test_auto_picks_it_for_prefill_and_tiled_for_head_256():
-    # 256 rows after 4K: 1.02M attended pairs, past the rule's 750K.
+    # 256 rows after 4K: 1.02M attended pairs, past the rule's 500K.
     case = make_case(q_lens=[256], seq_lens=[4096], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                      dtype="bfloat16", seed=17, label="auto h128")
     _check(case, provider=None)
