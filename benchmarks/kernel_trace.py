@@ -101,3 +101,21 @@ def build_ms(fn: Callable[[], Any], calls: int = 50) -> float:
         samples.append(time.perf_counter() - t0)
         mx.eval(out)
     return statistics.median(samples) * 1e3
+
+
+def profile_call(fn: Callable[[], Any], kv_bytes: int, *, builds: bool = True, calls: int = 5) -> dict:
+    """One variant of a profile script: the median wall time of a blocking call of ``fn``
+    (`metal_attn.bench.core.time_fn`), the host time of building its graph (`build_ms`; ``None`` when
+    ``builds`` is false: ``fn`` evaluates its own result, so its call is no graph building) and
+    `summarise` of ``calls`` traced calls."""
+    from metal_attn.bench.core import time_fn
+
+    timing = time_fn(lambda: mx.eval(fn()), warmup=3, iters=7)
+    host_ms = build_ms(fn) if builds else None
+    return {"wall_ms": timing.median_s * 1e3, "build_ms": host_ms, **summarise(trace(fn, calls), calls, kv_bytes)}
+
+
+def top_kernels(row: dict, n: int, width: int) -> str:
+    """The ``n`` kernels of a `profile_call` row taking the most GPU time, as one line."""
+    return ", ".join(f"{k['name'][:width]} {k['us_per_call']:.0f}us x{k['launches_per_call']:g}"
+                     for k in row["kernels"][:n])

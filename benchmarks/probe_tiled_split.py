@@ -1,7 +1,7 @@
 """Where splitting the tiled kernel's keys pays, and against the gathered-SDPA route (not a test).
 
 The measurements behind ``providers/tiled_prefill.py``'s ``TILED_SPLIT_RULES`` and, on CUDA, the
-``min_chunk_rows`` of ``SDPA_PREFILL_RULES``: prefill chunks after context (32/8 heads, head 128,
+``min_chunk_pairs`` of ``SDPA_PREFILL_RULES``: prefill chunks after context (32/8 heads, head 128,
 bf16, block 16, one sequence unless marked) through ``paged_attention(provider="tiled_prefill")``
 unsplit, split at each partition size and at the rule's choice, and through ``sdpa_prefill`` with
 its rule opened to every chunk. Per variant: the median wall time of a blocking call (the
@@ -46,22 +46,26 @@ VARIANTS = (
 def _parse(text: str) -> tuple[tuple[int, int, int], ...]:
     out = []
     for item in text.split(","):
-        parts = [int(x) for x in item.split(":")]
-        if len(parts) not in (2, 3):
-            raise SystemExit(f"--chunks item {item!r} (allowed: Q:L or Q:L:N)")
+        try:
+            parts = [int(x) for x in item.split(":")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (2, 3) or min(parts) < 1 or parts[0] > parts[1]:
+            raise argparse.ArgumentTypeError(f"--chunks item {item!r} (allowed: Q:L or Q:L:N, positive integers, "
+                                             "Q rows at most L tokens of context)")
         out.append((*parts, 1)[:3])
     return tuple(out)
 
 
 def _busy_us(fn) -> float | None:
+    """The GPU busy time of five traced calls, or ``None`` without torch (the wall time stands alone)."""
+    from kernel_trace import summarise, trace
+
     try:
-        from kernel_trace import summarise, trace
+        import torch  # noqa: F401  (the tracer's CUPTI)
     except ImportError:
         return None
-    try:
-        return summarise(trace(fn, calls=5), 5, 0)["busy_us_per_call"]
-    except Exception:  # no torch / CUPTI here: the wall time stands alone
-        return None
+    return summarise(trace(fn, calls=5), 5, 0)["busy_us_per_call"]
 
 
 def main() -> None:

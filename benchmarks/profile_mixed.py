@@ -10,7 +10,8 @@ graph, and the GPU time of every kernel it launches (CUPTI, `kernel_trace`), for
 - ``tiled_prefill``: the tiles' mixed route (decode rows split off to the per-token kernel);
 - ``sdpa_prefill``: the gathered-SDPA route with its rule opened to every chunk
   (``sdpa_prefill_decode``; the rule is opened once around every measurement of it);
-- ``mlx_sdpa``: the suite's peer, MLX SDPA on contiguous K/V, one call per group of rows.
+- ``mlx_sdpa``: the suite's peer, MLX SDPA on contiguous K/V, one call per group of rows (its
+  prepared call evaluates its result, so its build time is not taken: ``n/a``).
 
 ``gpu`` sums the kernels' durations; ``busy`` is the union of their intervals (MLX's CUDA graphs run
 kernels without a data dependency at once: the tiles' route runs its per-token and tiled kernels
@@ -25,11 +26,10 @@ import contextlib
 import json
 import sys
 
-import mlx.core as mx
-from kernel_trace import build_ms, summarise, trace
+from kernel_trace import profile_call, top_kernels
 
 import metal_attn
-from metal_attn.bench.core import build_case, time_fn
+from metal_attn.bench.core import build_case
 from metal_attn.bench.peers import MlxSdpa
 from metal_attn.bench.suites import get_suite
 from metal_attn.device import current_device
@@ -37,16 +37,16 @@ from metal_attn.testing.overrides import opened_sdpa_prefill_rule
 
 
 def variants(case):
-    """(label, context manager to measure under, fn) for one mixed case."""
+    """(label, context manager to measure under, fn, whether fn only builds its graph) for one mixed case."""
     def route(provider=None):
         return lambda: metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
                                                   scale=case.scale, provider=provider)
 
     peer = MlxSdpa().prepare(case)
-    yield "auto", contextlib.nullcontext, route()
-    yield "tiled_prefill", contextlib.nullcontext, route("tiled_prefill")
-    yield "sdpa_prefill", opened_sdpa_prefill_rule, route("sdpa_prefill")
-    yield "mlx_sdpa", contextlib.nullcontext, peer.run
+    yield "auto", contextlib.nullcontext, route(), True
+    yield "tiled_prefill", contextlib.nullcontext, route("tiled_prefill"), True
+    yield "sdpa_prefill", opened_sdpa_prefill_rule, route("sdpa_prefill"), True
+    yield "mlx_sdpa", contextlib.nullcontext, peer.run, False  # the peer's call evaluates its result
 
 
 def main() -> None:
@@ -58,19 +58,15 @@ def main() -> None:
     results = []
     for shape in shapes:
         case = build_case(shape)
-        for label, scope, fn in variants(case):
+        for label, scope, fn, builds in variants(case):
             with scope():
-                timing = time_fn(lambda f=fn: mx.eval(f()), warmup=3, iters=7)
-                host_ms = build_ms(fn)
-                events = trace(fn, calls=5)
-            row = {"shape": shape.label, "variant": label, "wall_ms": timing.median_s * 1e3, "build_ms": host_ms,
-                   "gbps_wall": shape.kv_bytes / timing.median_s / 1e9, **summarise(events, 5, shape.kv_bytes)}
+                row = {"shape": shape.label, "variant": label, **profile_call(fn, shape.kv_bytes, builds=builds)}
+            row["gbps_wall"] = shape.kv_bytes / (row["wall_ms"] * 1e-3) / 1e9
             results.append(row)
-            top = ", ".join(f"{k['name'][:34]} {k['us_per_call']:.0f}us x{k['launches_per_call']:g}"
-                            for k in row["kernels"][:5])
+            build = "n/a" if row["build_ms"] is None else f"{row['build_ms']:.3f}"
             print(f"{shape.label:46s} {label:13s} wall {row['wall_ms']:7.3f} ms ({row['gbps_wall']:5.0f} GB/s) "
-                  f"build {host_ms:6.3f} ms gpu {row['gpu_us_per_call']:6.0f} us "
-                  f"busy {row['busy_us_per_call']:6.0f} us | {top}", flush=True)
+                  f"build {build:>6s} ms gpu {row['gpu_us_per_call']:6.0f} us "
+                  f"busy {row['busy_us_per_call']:6.0f} us | {top_kernels(row, 5, 34)}", flush=True)
         del case
     with open(args.out, "w") as f:
         json.dump({"device": current_device().describe(), "results": results}, f, indent=1, default=str)

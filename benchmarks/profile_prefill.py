@@ -25,11 +25,11 @@ import json
 import sys
 
 import mlx.core as mx
-from kernel_trace import build_ms, summarise, trace
+from kernel_trace import profile_call, top_kernels
 from metal_attn.providers import sdpa_prefill as sp
 
 import metal_attn
-from metal_attn.bench.core import build_case, time_fn
+from metal_attn.bench.core import build_case
 from metal_attn.bench.suites import get_suite
 from metal_attn.device import current_device
 
@@ -68,17 +68,12 @@ def main() -> None:
     for shape in shapes:
         case = build_case(shape)
         for label, fn in variants(case):
-            timing = time_fn(lambda f=fn: mx.eval(f()), warmup=3, iters=7)
-            host_ms = build_ms(fn)
-            events = trace(fn, calls=5)
-            row = {"shape": shape.label, "variant": label, "wall_ms": timing.median_s * 1e3, "build_ms": host_ms,
-                   "tflops_wall": shape.flops / timing.median_s / 1e12, **summarise(events, 5, shape.kv_bytes)}
+            row = {"shape": shape.label, "variant": label, **profile_call(fn, shape.kv_bytes)}
+            row["tflops_wall"] = shape.flops / (row["wall_ms"] * 1e-3) / 1e12
             results.append(row)
-            top = ", ".join(f"{k['name'][:38]} {k['us_per_call']:.0f}us x{k['launches_per_call']:g}"
-                            for k in row["kernels"][:4])
             print(f"{shape.label:44s} {label:12s} wall {row['wall_ms']:7.3f} ms ({row['tflops_wall']:5.0f} TF/s) "
-                  f"build {host_ms:6.3f} ms "
-                  f"gpu {row['gpu_us_per_call']:7.0f} us | {top}", flush=True)
+                  f"build {row['build_ms']:6.3f} ms "
+                  f"gpu {row['gpu_us_per_call']:7.0f} us | {top_kernels(row, 4, 38)}", flush=True)
         del case
     with open(args.out, "w") as f:
         json.dump({"device": current_device().describe(), "results": results}, f, indent=1, default=str)

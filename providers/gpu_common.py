@@ -677,13 +677,19 @@ PARTITION_RULES: dict[str, PartitionRule] = {
 }
 
 
+def scratch_fits(request: AttentionRequest, partition_size: int) -> bool:
+    """Whether a split launch of ``request`` at ``partition_size`` keeps its split-KV scratch (every
+    query row's partials) within `SCRATCH_CAP_BYTES`."""
+    return split_scratch_bytes(request.total_q_tokens, request.num_heads, request.partitions(partition_size),
+                               request.head_size) <= SCRATCH_CAP_BYTES
+
+
 def partition_choice(request: AttentionRequest, device: DeviceInfo, settings: Settings | None) -> tuple[int, str]:
     """The partition size of a split per-token launch for ``request`` (`PARTITION_RULES`), and the arithmetic."""
     rows, kvh = request.total_q_tokens, request.num_kv_heads
 
     def fits(p: int) -> bool:
-        return split_scratch_bytes(rows, request.num_heads, request.partitions(p), request.head_size) \
-            <= SCRATCH_CAP_BYTES
+        return scratch_fits(request, p)
 
     def items(p: int) -> int:
         return kvh * rows * request.partitions(p)

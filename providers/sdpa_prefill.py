@@ -317,16 +317,9 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     width = md.block_tables.shape[1]
     kvh = kc.shape[2]
     outs: list[mx.array] = []
-    pending = [] if lead is None else [lead]  # the lead rows, until the first run's finish writes them
-
-    def take_lead() -> None:  # a first run without sdpa_finish: the lead rows stay a part of their own
-        outs.extend(pending)
-        pending.clear()
-
     for seq, n, q_len, seq_len in _capped(_runs(md, first_seq), num_heads, kvh):
         rows, pages = n * q_len, -(-seq_len // block_size)
         if pages > width:  # a table too short for seq_len (only with validation off): nothing to read
-            take_lead()
             outs.append(mx.full((rows, num_heads, head), mx.nan, dtype=q.dtype))
             row0 += rows
             continue
@@ -345,17 +338,18 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
         # query can give -inf scores everywhere: a silent 0).
         o = o.transpose(0, 2, 1, 3).reshape(rows, num_heads, head)
         if gpu:
-            if pending and (pending[0].shape[0] + rows) * num_heads * SIMD_WIDTH > MAX_GRID_THREADS:
-                take_lead()  # the finish's 32-bit indices could not hold the lead rows too
+            # The first output takes the lead rows, if the finish's 32-bit indices can hold them too.
+            ahead = lead if lead is not None and not outs and \
+                (lead.shape[0] + rows) * num_heads * SIMD_WIDTH <= MAX_GRID_THREADS else None
             outs.append(launch_finish(o, q_rows, launch_first_flagged(bad, backend), n, q_len, seq_len, backend,
-                                      lead=pending.pop() if pending else None))
+                                      lead=ahead))
+            if ahead is not None:
+                lead = None
         else:
-            take_lead()
             bad_rows = poisoned_rows(bad, q_len, num_heads).transpose(0, 2, 1).reshape(rows, num_heads)
             outs.append(mx.where((bad_rows | ~mx.isfinite(q_rows).all(axis=-1))[..., None], mx.nan, o))
         row0 += rows
-    take_lead()  # no run at all (a mixed batch always has one)
-    return outs
+    return outs if lead is None else [lead, *outs]  # the lead rows as a part of their own
 
 
 #: The most threads one launch of ``gather_kv`` or ``sdpa_finish`` may have: their row indices are

@@ -219,17 +219,12 @@ class TiledPrefillProvider(Provider):
         """Compile the plan's kernels with tiny launches (skipped for hypothetical devices)."""
         _, backend, dtype, head, block, tile, decode_spec, kv_split = plan.specialization
         cfg = TileConfig(*tile)
+        # The path the plan runs: split, over two partitions so that the reducer compiles too, or not.
         gc.compile_eagerly(
-            device, f"tiled_prefill {plan.specialization[:6]}",
+            device, f"tiled_prefill {plan.specialization[:6]}" + (f" split {kv_split}" if kv_split else ""),
             lambda b: launch(b.q, b.cache, b.cache, b.metadata, scale=1.0, sinks=None, sliding_window=None,
-                             softcap=None, backend=backend, config=cfg),
-            dtype=dtype, head_size=head, block_size=block, seq_len=2, q_rows=2)
-        if kv_split:  # two partitions, so the reducer runs too
-            gc.compile_eagerly(
-                device, f"tiled_prefill {plan.specialization[:6]} split {kv_split}",
-                lambda b: launch(b.q, b.cache, b.cache, b.metadata, scale=1.0, sinks=None, sliding_window=None,
-                                 softcap=None, backend=backend, config=cfg, partition_size=kv_split),
-                dtype=dtype, head_size=head, block_size=block, seq_len=kv_split + 2, q_rows=2)
+                             softcap=None, backend=backend, config=cfg, partition_size=kv_split),
+            dtype=dtype, head_size=head, block_size=block, seq_len=kv_split + 2, q_rows=2)
         if decode_spec:
             gc.prepare_decode_rows(decode_spec, device)
 
@@ -265,9 +260,7 @@ class TiledPrefillProvider(Provider):
                         label=f"tiled_prefill {dtype} head={head} block={block}",
                         kernel=ROUTE, source_files=KERNEL_FILES, input_names=KERNEL_INPUTS, output_names=KERNEL_OUTPUTS,
                         template=tuple(kernel_template(dtype, head, block, cfg)),
-                        inputs=(((5, 4, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype),
-                                ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
-                                ((4,), "float32"), ((7,), "int32"), ((2,), "float32")),
+                        inputs=_msl_inputs(dtype, head, block),
                         outputs=(((5, 4, head), dtype),), defines=kernel_defines(cfg),
                     ))
         # The one-buffer path (no Metal table picks it; the NAX tests' reference at head 512 on CUDA).
@@ -276,9 +269,7 @@ class TiledPrefillProvider(Provider):
             label="tiled_prefill bfloat16 head=512 block=16 one_buffer", kernel=ROUTE, source_files=KERNEL_FILES,
             input_names=KERNEL_INPUTS, output_names=KERNEL_OUTPUTS,
             template=tuple(kernel_template("bfloat16", 512, 16, one)),
-            inputs=(((5, 4, 512), "bfloat16"), ((4, 16, 2, 512), "bfloat16"), ((4, 16, 2, 512), "bfloat16"),
-                    ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
-                    ((4,), "float32"), ((7,), "int32"), ((2,), "float32")),
+            inputs=_msl_inputs("bfloat16", 512, 16),
             outputs=(((5, 4, 512), "bfloat16"),), defines=kernel_defines(one),
         ))
         # The split-KV path at each head size (no Metal rule splits: it is CUDA's, measured there).
@@ -288,9 +279,7 @@ class TiledPrefillProvider(Provider):
                 label=f"tiled_prefill bfloat16 head={head} block=16 split={psize}", kernel=ROUTE,
                 source_files=KERNEL_FILES, input_names=KERNEL_INPUTS, output_names=SPLIT_OUTPUTS,
                 template=tuple(kernel_template("bfloat16", head, 16, cfg, psize)),
-                inputs=(((5, 4, head), "bfloat16"), ((4, 16, 2, head), "bfloat16"), ((4, 16, 2, head), "bfloat16"),
-                        ((2, 4), "int32"), ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"),
-                        ((4,), "float32"), ((7,), "int32"), ((2,), "float32")),
+                inputs=_msl_inputs("bfloat16", head, 16),
                 outputs=(((5, 4, 2), "float32"), ((5, 4, 2), "float32"), ((5, 4, 2, head), "float32")),
                 defines=kernel_defines(cfg, split=True),
             ))
@@ -304,17 +293,28 @@ class TiledPrefillProvider(Provider):
         tiles = [(head, cfg, "") for head, cfg in sorted(TILE_CONFIGS["cuda"].items())]
         tiles.append((512, TileConfig(32, 32, one_buffer=True), " one_buffer"))  # the NAX tests' reference
         for dt, (head, cfg, tag) in itertools.product(("float16", "bfloat16"), tiles):
-            out.append(CudaSource(f"tiled_prefill {dt} h{head}{tag}", ROUTE, KERNEL_FILES,
-                                  tuple(zip(KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "int32", "float32",
-                                                            "int32", "float32"))), (("out", dt),),
+            out.append(CudaSource(f"tiled_prefill {dt} h{head}{tag}", ROUTE, KERNEL_FILES, _cuda_inputs(dt),
+                                  (("out", dt),),
                                   tuple(kernel_template(dt, head, 16, cfg)), kernel_defines(cfg)))
         for dt, (head, cfg) in itertools.product(("float16", "bfloat16"), sorted(TILE_CONFIGS["cuda"].items())):
-            out.append(CudaSource(f"tiled_prefill {dt} h{head} split", ROUTE, KERNEL_FILES,
-                                  tuple(zip(KERNEL_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "int32", "float32",
-                                                            "int32", "float32"))),
+            out.append(CudaSource(f"tiled_prefill {dt} h{head} split", ROUTE, KERNEL_FILES, _cuda_inputs(dt),
                                   tuple((name, "float32") for name in SPLIT_OUTPUTS),
                                   tuple(kernel_template(dt, head, 16, cfg, 256)), kernel_defines(cfg, split=True)))
         return out
+
+
+def _msl_inputs(dtype: str, head: int, block: int) -> tuple:
+    """The source check's input shapes and dtypes of one specialization (`KERNEL_INPUTS`' order): five
+    query rows of 4 heads, four pages of 2 KV heads, two sequences, two tiles."""
+    return (((5, 4, head), dtype), ((4, block, 2, head), dtype), ((4, block, 2, head), dtype), ((2, 4), "int32"),
+            ((2,), "int32"), ((3,), "int32"), ((2, 2), "int32"), ((4,), "float32"), ((7,), "int32"),
+            ((2,), "float32"))
+
+
+def _cuda_inputs(dtype: str) -> tuple[tuple[str, str], ...]:
+    """`KERNEL_INPUTS` with their dtypes, for the CUDA source check."""
+    return tuple(zip(KERNEL_INPUTS, (dtype, dtype, dtype, "int32", "int32", "int32", "int32", "float32", "int32",
+                                     "float32")))
 
 
 @functools.lru_cache(maxsize=64)
@@ -353,15 +353,13 @@ def split_choice(request: AttentionRequest, tiles: int, device: DeviceInfo,
                  settings: Settings | None) -> tuple[int, str]:
     """The partition size of a tiled launch of ``tiles`` tiles for ``request`` (0: unsplit;
     `TILED_SPLIT_RULES`, or ``METAL_ATTN_TILED_PARTITION_SIZE``), and the arithmetic for ``explain``."""
-    from metal_attn.constants import SCRATCH_CAP_BYTES
-    from metal_attn.request import Phase, split_scratch_bytes
+    from metal_attn.request import Phase
 
     if request.phase is Phase.MIXED:
         return 0, "tiled split: mixed batches never split"
 
     def fits(p: int) -> bool:
-        return split_scratch_bytes(request.total_q_tokens, request.num_heads, request.partitions(p),
-                                   request.head_size) <= SCRATCH_CAP_BYTES
+        return gc.scratch_fits(request, p)
 
     forced = settings.tiled_partition_size if settings is not None else 0
     if forced < 0:
@@ -445,7 +443,8 @@ def _launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attenti
 class TiledLaunch:
     """A tiled launch over one batch (`tiled_launch`), with the reducer when split: call it with the
     query, the pools, the metadata it was built for and the sinks (or ``None`` when it was built
-    without). A split launch passes the kernel no sinks: the reducer folds them."""
+    without). A split launch's kernel does not read the sinks (its ``use_sinks`` parameter is 0): the
+    reducer folds them."""
 
     launch: gc.KernelLaunch
     tiles: mx.array
@@ -456,9 +455,8 @@ class TiledLaunch:
 
     def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
                  sinks: mx.array | None) -> mx.array:
-        kernel_sinks = self.zero_sinks if sinks is None or self.reduce is not None else sinks
         outs = self.launch([q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, self.tiles,
-                            kernel_sinks, self.params, self.fparams])
+                            self.zero_sinks if sinks is None else sinks, self.params, self.fparams])
         return outs[0] if self.reduce is None else self.reduce(*outs, md, sinks)
 
 

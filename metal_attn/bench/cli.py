@@ -10,7 +10,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -585,48 +585,53 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         for p in comparison.problems():
             print(f"metal-attn bench: compare: {p}", file=err)
         return 1 if comparison.failed else 0
-    if saved.interrupted or saved.problems:
-        why = "the run was interrupted" if saved.interrupted else \
-            f"the run had {len(saved.problems)} problem(s): " + "; ".join(saved.problems)
-        print(f"metal-attn bench: error: --write-baseline {write}: not written, {why}", file=err)
-        return 1
+    why_not = None
+    if saved.interrupted:
+        why_not = "the run was interrupted"
+    elif saved.problems:
+        why_not = f"the run had {len(saved.problems)} problem(s): " + "; ".join(saved.problems)
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
     argv = " ".join(saved.argv or ["(argv not recorded)"])
     note = (f"written by `metal-attn bench --from-json {args.from_json} --write-baseline {write}` from a run of "
             f"`metal-attn bench {argv}` on {saved.machine.get('date')}; a ratio may fall {margin:.0%} below its "
             "value here")
+    stored = _store_baseline(write, margin, why_not, lambda: baselines.build_from_saved(
+        saved, margin=margin, note=note, ratios=_csv(args.ratios) if args.ratios else None), err)
+    return 0 if stored else 1
+
+
+def _store_baseline(path: str, margin: float, why_not: str | None, build: Callable[[], dict[str, Any]],
+                    err: TextIO) -> bool:
+    """Write the baseline ``build()`` makes to ``path``, unless ``why_not`` says why the run cannot make
+    one or building it raises `BaselineError` (each said on ``err``); whether it was written."""
+    if why_not:
+        print(f"metal-attn bench: error: --write-baseline {path}: not written, {why_not}", file=err)
+        return False
     try:
-        data = baselines.build_from_saved(saved, margin=margin, note=note,
-                                          ratios=_csv(args.ratios) if args.ratios else None)
+        data = build()
     except baselines.BaselineError as exc:
-        print(f"metal-attn bench: error: --write-baseline {write}: {exc}", file=err)
-        return 1
-    baselines.write(write, data)
-    print(f"wrote baseline {write}: {len(data['entries'])} cases, machine class {data['machine_class']}, "
+        print(f"metal-attn bench: error: --write-baseline {path}: {exc}", file=err)
+        return False
+    baselines.write(path, data)
+    print(f"wrote baseline {path}: {len(data['entries'])} cases, machine class {data['machine_class']}, "
           f"margin {margin:g}", file=err)
-    return 0
+    return True
 
 
 def _write_baseline(args: argparse.Namespace, runs: Sequence[Sequence[SuiteResult]], machine: dict[str, Any],
                     argv: Sequence[str], problems: Sequence[str], interrupted: bool, err: TextIO) -> bool:
     """Write ``--write-baseline`` from a complete run without problems (else say why not); whether it was."""
-    if problems or interrupted:
-        why = "the run was interrupted" if interrupted else f"the run had {len(problems)} problem(s), listed above"
-        print(f"metal-attn bench: error: --write-baseline {args.write_baseline}: not written, {why}", file=err)
-        return False
+    why_not = None
+    if interrupted:
+        why_not = "the run was interrupted"
+    elif problems:
+        why_not = f"the run had {len(problems)} problem(s), listed above"
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
     note = (f"written by `metal-attn bench {' '.join(argv)}` on {machine.get('date')}; "
             f"a ratio may fall {margin:.0%} below its value here")
-    try:
-        data = baselines.build(runs, machine, margin=margin, argv=argv, note=note,
-                               ratios=_csv(args.ratios) if args.ratios else None, run=_run_options(args))
-    except baselines.BaselineError as exc:
-        print(f"metal-attn bench: error: --write-baseline {args.write_baseline}: {exc}", file=err)
-        return False
-    baselines.write(args.write_baseline, data)
-    print(f"wrote baseline {args.write_baseline}: {len(data['entries'])} cases, machine class "
-          f"{data['machine_class']}, margin {margin:g}", file=err)
-    return True
+    return _store_baseline(args.write_baseline, margin, why_not, lambda: baselines.build(
+        runs, machine, margin=margin, argv=argv, note=note, ratios=_csv(args.ratios) if args.ratios else None,
+        run=_run_options(args)), err)
 
 
 class _Progress:
