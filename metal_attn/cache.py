@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -244,30 +244,47 @@ def build_step_plan(
     )
 
 
-def next_decode_plan(plan: StepPlan, block_size: int) -> StepPlan | None:
+def next_decode_plan(plan: StepPlan, block_size: int, new_pages: Mapping[int, int] | None = None) -> StepPlan | None:
     """The plan of the step after ``plan`` when that step appends one token to each of the same
-    sequences, in the same order, over the same pages (the caller's to know: the scheduler's rows),
-    built without a host array: every position, slot and length one more, computed on the device
-    from ``plan``'s own (its `StepPlan.bases`); the block tables and query starts are ``plan``'s.
+    sequences, in the same order (the caller's to know: the scheduler's rows): every position, slot
+    and length one more, computed on the device from ``plan``'s own (its `StepPlan.bases`); the
+    query starts are ``plan``'s, and so are the block tables but for ``new_pages``.
+
+    ``new_pages`` maps the row of each sequence whose next token starts a page (its length a
+    multiple of ``block_size``) to the block the caller gave it for that page. Such a row's slot
+    is that block's first, and the tables gain the blocks (`AttentionMetadata.with_new_pages`):
+    two small host arrays, where a plan built anew takes six and the host's Python
+    (`build_step_plan`). Without page starts no host array is made at all.
 
     On MLX CUDA the first kernel to read a buffer the host has just written waits for it to
     migrate (`metal_attn.host_arrays`); at one decode row the step's fresh positions and slots cost
     more GPU time than its attention (docs/serving.md). ``None`` when the step cannot be derived:
-    a row of more than one token, a sequence whose next token starts a page (its slot is on a
-    page this plan does not know), page copies, or a plan without bases. The derived arrays are
+    a row of more than one token, a row that starts a page without a block in ``new_pages`` (or a
+    block for a row that does not), page copies, or a plan without bases. The derived arrays are
     lazy: for consumers that never read them on the host (a compiled decode step).
     """
     if plan.bases is None or plan.copies or any(q != 1 for q in plan.q_lens):
         return None
-    if any(s % block_size == 0 for s in plan.seq_lens):  # the next position, s, starts a page
+    new_pages = new_pages or {}
+    starting = {i for i, s in enumerate(plan.seq_lens) if s % block_size == 0}  # position s starts a page
+    if starting != set(new_pages):
         return None
     pos_base, slot_base = plan.bases
     n = len(plan.q_lens)
     positions, slots = pos_base + 1, slot_base + 1
+    metadata = plan.metadata
+    if new_pages:
+        fix = np.full(slot_base.shape[0], -1, dtype=np.int64)  # the base's length: over the small pool
+        for row, block in new_pages.items():
+            fix[row] = int(block) * block_size
+        fresh = device_array(fix)
+        slots = mx.where(fresh >= 0, fresh, slots)
+        metadata = metadata.with_new_pages({row: (plan.seq_lens[row] // block_size, block)
+                                            for row, block in new_pages.items()})
     seq_lens = tuple(s + 1 for s in plan.seq_lens)
     # A decode row's length is its new token's position + 1; ``positions + 1`` on the base keeps
     # a one-row length out of MLX's small-allocation pool, as the base's own buffer is.
-    metadata = plan.metadata.next_decode_step((positions + 1)[:n], seq_lens)
+    metadata = metadata.next_decode_step((positions + 1)[:n], seq_lens)
     return dataclasses.replace(plan, seq_lens=seq_lens, slot_mapping=slots[:n], positions=positions[:n],
                                metadata=metadata, bases=(positions, slots))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -231,6 +231,32 @@ class AttentionMetadata:
             got = self._padded_tables[width] = device_array(
                 np.pad(self._block_tables_host, ((0, 0), (0, width - have))), np.int32)
         return got
+
+    def with_new_pages(self, pages: Mapping[int, tuple[int, int]]) -> AttentionMetadata:
+        """This metadata with block-table entries set: ``pages`` maps a row to ``(column, block
+        id)``, a column past the table's width widening it (zeros between, as `build` pads). One
+        host array is made, the widest of the padded tables this metadata had handed out
+        (`padded_block_tables`), the others and ``block_tables`` views of it. The pool checks
+        (`pool_guard`) run again on first use."""
+        if self.lengths_are_bounds:
+            raise InvalidInputError("with_new_pages: decode_bounds metadata has no host copy of its table")
+        n = self.num_seqs
+        for row, (col, block) in pages.items():
+            if not (0 <= row < n and col >= 0 and 0 <= block < 2**31):
+                raise InvalidInputError(f"with_new_pages: row {row}, column {col}, block {block} (allowed: a row in "
+                                        f"0..{n - 1}, a column >= 0, a block id in 0..2^31-1)")
+        host = self._block_tables_host
+        width = max([host.shape[1]] + [col + 1 for col, _ in pages.values()])
+        widest = max([width, *self._padded_tables])
+        table = np.zeros((n, widest), dtype=host.dtype)
+        table[:, : host.shape[1]] = host
+        for row, (col, block) in pages.items():
+            table[row, col] = block
+        dev = device_array(table, np.int32)
+        out = dataclasses.replace(self, block_tables=dev if widest == width else dev[:, :width],
+                                  max_blocks_per_seq=width, _block_tables_host=table[:, :width])
+        out._padded_tables.update({w: dev if w == widest else dev[:, :w] for w in self._padded_tables if w >= width})
+        return out
 
     def next_decode_step(self, seq_lens: mx.array, seq_lens_host: Sequence[int]) -> AttentionMetadata:
         """This decode batch (one query row per sequence) one token later: the same tables and query

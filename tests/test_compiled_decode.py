@@ -247,10 +247,13 @@ def test_an_engine_follows_its_backends_default_unless_told():
     assert eng.runner.compiled is not None and eng.compile_decode_reason == "compile_decode=True (set)"
 
 
-def test_row_counts_are_padded_to_powers_of_two_through_a_reserved_scratch_page():
+@pytest.mark.parametrize("shrink_after", [0, 16])
+def test_row_counts_are_padded_to_powers_of_two_through_a_reserved_scratch_page(shrink_after):
     """Requests finishing one after another shrink the batch 6, 5, 4, 3, 2, 1: with padding rows the
-    engine traces once per power of two (8, 4, 2, 1) at one table width, their K/V lands on a page
-    no request holds, and every request's tokens stay stock mlx-lm's."""
+    engine traces once per power of two (8, 4, 2, 1) at one table width, or, by default, runs the
+    smaller batches padded in the traced 8 (`compile_shrink_after`: they last fewer steps than
+    that); their K/V lands on a page no request holds, and every request's tokens stay stock
+    mlx-lm's."""
     from metal_attn.mlx_lm.compiled import row_bucket
 
     assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 128]
@@ -260,7 +263,8 @@ def test_row_counts_are_padded_to_powers_of_two_through_a_reserved_scratch_page(
     prompts = [[3 + i, 50 + i, 9, 100 + 7 * i] for i in range(6)]
     max_tokens = [4, 5, 6, 7, 8, 9]
     refs = [reference_greedy(model, p, n, WordTokenizer.eos_token_ids) for p, n in zip(prompts, max_tokens)]
-    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=40, compile_decode=True))
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=40, compile_decode=True,
+                                                      compile_shrink_after=shrink_after))
     (pad,) = eng.blocks.reserved
     pools_before = [np.array(a) for a in (eng.model.kv.take_pools())]
     eng.model.kv.put_pools([mx.array(a) for a in pools_before])
@@ -275,7 +279,9 @@ def test_row_counts_are_padded_to_powers_of_two_through_a_reserved_scratch_page(
         assert_same_greedy(eng.completion(rid).token_ids, ref, 1e-4, f"padded compiled decode req {rid}")
     compiled = eng.runner.compiled
     assert compiled.pad_block == pad and compiled.steps > 0
-    assert compiled.traces == 4, f"{compiled.traces} traces for batch sizes {sorted(rows_seen)}"
+    want = 4 if shrink_after == 0 else 1
+    assert compiled.traces == want, f"{compiled.traces} traces for batch sizes {sorted(rows_seen)}"
+    assert (compiled.shrunk_steps > 0) == (shrink_after > 0)
     pools_after = eng.model.kv.take_pools()
     written = [not np.array_equal(np.array(a)[pad], b[pad]) for a, b in zip(pools_after, pools_before)]
     assert all(written), "the padding rows' K/V did not go to the reserved page"
@@ -340,7 +346,7 @@ def test_the_next_decode_plan_is_the_built_one_without_a_host_array(starts, monk
     """One token on, every row in the same page: `next_decode_plan` gives what `build_step_plan`
     builds for those rows (positions, slots, lengths, tables, query starts, host views), from the
     device alone (no host array made), its bases over MLX CUDA's small pool; and nothing when a row's
-    next token starts a page, a row has several tokens, or a plan has no bases."""
+    next token starts a page without its new block, a row has several tokens, or a plan has no bases."""
     from metal_attn import host_arrays
     from metal_attn.cache import next_decode_plan
 
@@ -357,6 +363,7 @@ def test_the_next_decode_plan_is_the_built_one_without_a_host_array(starts, monk
     assert _plan_arrays(again) == _plan_arrays(build_step_plan(ids, [s + 2 for s in starts], [1] * len(starts),
                                                                tables, 16))
     assert next_decode_plan(build_step_plan([0], [15], [1], [[4, 7]], 16), 16) is None  # position 16: page 2
+    assert next_decode_plan(plan, 16, {0: 9}) is None  # a new block for a row that starts no page
     assert next_decode_plan(build_step_plan([0], [0], [9], [[4]], 16), 16) is None  # a prefill row
     assert next_decode_plan(dataclasses.replace(plan, bases=None), 16) is None
     md = build_step_plan([0], [9], [1], [[4]], 16).metadata
@@ -366,10 +373,45 @@ def test_the_next_decode_plan_is_the_built_one_without_a_host_array(starts, monk
         md.next_decode_step(mx.array([11], dtype=mx.int64), [11])
 
 
-def test_steady_compiled_decode_uploads_a_plan_only_when_a_page_starts(monkeypatch):
-    """A compiled single stream builds its step plan on the host at the prefill, its first decode
-    step and each step whose token starts a page; every other step derives it on the device. The
-    tokens stay stock mlx-lm's."""
+@pytest.mark.parametrize("widths", [(), (8,)], ids=["no-padded-table", "padded-8"])
+def test_rows_that_start_pages_are_derived_with_their_new_blocks(widths, monkeypatch):
+    """Two of three rows' next tokens start pages: given the blocks the caller appended for them,
+    `next_decode_plan` gives what `build_step_plan` builds over the grown tables, with two host
+    arrays (the new slots and one table, of which the padded tables the plan had handed out are
+    views); and on from there without any."""
+    from metal_attn import host_arrays
+    from metal_attn.cache import next_decode_plan
+
+    ids, starts = [0, 1, 2], [15, 31, 9]
+    plan = build_step_plan(ids, starts, [1] * 3, [[4], [1, 2], [3]], 16)
+    for w in widths:
+        plan.metadata.padded_block_tables(w)
+    grown = [[4, 9], [1, 2, 5], [3]]
+    want = build_step_plan(ids, [16, 32, 10], [1] * 3, grown, 16)
+    made = []
+    real = host_arrays._allocate
+    monkeypatch.setattr(host_arrays, "_allocate", lambda host: made.append(host.shape) or real(host))
+    got = next_decode_plan(plan, 16, {0: 9, 1: 5})
+    assert len(made) == 2, made
+    assert _plan_arrays(got) == _plan_arrays(want)
+    for w in widths:  # the handed-out widths come with the new blocks, from the same upload
+        assert np.array(got.metadata.padded_block_tables(w)).tolist() == [t + [0] * (w - len(t)) for t in grown]
+        assert len(made) == 2
+    got.metadata.check_against_pool(16, 16)  # the host copy went along: the pool check sees the new blocks
+    with pytest.raises(InvalidInputError, match="block_tables"):
+        got.metadata.check_against_pool(6, 16)
+    made.clear()
+    again = next_decode_plan(got, 16)
+    assert made == [] and _plan_arrays(again) == _plan_arrays(build_step_plan(ids, [17, 33, 11], [1] * 3, grown, 16))
+    assert next_decode_plan(plan, 16, {0: 9}) is None  # row 1 starts a page too, and has no block
+    with pytest.raises(InvalidInputError, match=r"with_new_pages: row 5, column 1, block 9"):
+        plan.metadata.with_new_pages({5: (1, 9)})
+
+
+def test_steady_compiled_decode_builds_a_plan_only_when_the_batch_changes(monkeypatch):
+    """A compiled single stream builds its step plan on the host at the prefill and its first decode
+    step only; every later step derives it on the device, those whose token starts a page with the
+    new block. The tokens stay stock mlx-lm's."""
     from metal_attn.engine import runner as runner_mod
 
     model = tiny_model("llama")
@@ -384,6 +426,63 @@ def test_steady_compiled_decode_uploads_a_plan_only_when_a_page_starts(monkeypat
     while eng.has_unfinished():
         eng.step()
     assert_same_greedy(eng.completion(rid).token_ids, ref, 1e-4, "compiled decode, derived plans")
-    # Starts: the prefill (0), the first decode row (10), then the rows whose position starts a page.
-    assert built == [[0], [10], [16], [32], [48]], built
+    # Starts: the prefill (0) and the first decode row (10); the page starts (16, 32, 48) are derived.
+    assert built == [[0], [10]], built
     assert eng.runner.compiled.steps >= n - 2
+
+
+def test_rows_starting_pages_on_different_steps_keep_deriving_their_plans(monkeypatch):
+    """Four requests of staggered lengths decode together: their tokens start pages on different
+    steps, and every one of those steps derives its plan with the new blocks (the host builds one at
+    the prefill and the first decode step only). Tokens are stock mlx-lm's, single stream each."""
+    from metal_attn.engine import runner as runner_mod
+
+    model = tiny_model("llama")
+    prompts = [[5 + i for i in range(n)] for n in (5, 9, 14, 22)]
+    n = 30  # every row crosses at least one page start, each on its own step
+    refs = [reference_greedy(model, p, n, WordTokenizer.eos_token_ids) for p in prompts]
+    built = []
+    real = runner_mod.build_step_plan
+    monkeypatch.setattr(runner_mod, "build_step_plan", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=64, compile_decode=True, max_num_batched_tokens=256))
+    ids = [eng.add_request(p, max_tokens=n) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    for rid, ref in zip(ids, refs):
+        assert_same_greedy(eng.completion(rid).token_ids, ref, 1e-4, f"staggered pages, request {rid}")
+    assert built[:2] == [[0, 0, 0, 0], [5, 9, 14, 22]], built
+    # Later builds come only from requests finishing early (a stop token): the batch changed.
+    assert len(built) <= 2 + len(prompts), built
+    assert eng.runner.compiled.steps >= n - 4
+
+
+def test_a_smaller_batch_that_lasts_is_traced_after_shrink_after_steps():
+    """`CompiledDecode` runs a row bucket smaller than a traced one padded in it for its first
+    ``shrink_after`` steps, then traces it; a bucket larger than every traced one traces at once; the
+    logits are the eager forward's throughout. Without a scratch page nothing is padded."""
+    pm = PagedModel(tiny_model("llama"), num_blocks=32)
+    compiled = CompiledDecode(pm, pad_block=31, shrink_after=2)
+
+    def step(starts):
+        n = len(starts)
+        plan = build_step_plan(list(range(n)), starts, [1] * n, [[i + 1] for i in range(n)], 16)
+        tok = mx.arange(1, n + 1, dtype=mx.int32)
+        want = pm.forward(plan, tok)  # first: the eager forward's first dispatch may move the epoch
+        got = compiled.run(plan, tok)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+
+    step([3, 4, 5, 6])  # bucket 4: traced
+    assert (compiled.traces, compiled.shrunk_steps) == (1, 0)
+    step([4, 5])  # bucket 2, first and second sight: padded in 4
+    step([5, 6])
+    assert (compiled.traces, compiled.shrunk_steps) == (1, 2)
+    step([6, 7])  # third: traced
+    assert (compiled.traces, compiled.shrunk_steps) == (2, 2)
+    step([1, 2, 3, 4, 5, 6, 7, 8])  # bucket 8, larger than any traced: traced at once
+    assert compiled.traces == 3
+    with pytest.raises(ValueError, match=r"shrink_after=-1 \(allowed: an int >= 0\)"):
+        CompiledDecode(pm, shrink_after=-1)
+    unpadded = CompiledDecode(pm, shrink_after=2)
+    assert unpadded._larger_traced((2, 1)) is None
+    with pytest.raises(InvalidInputError, match=r"compile_shrink_after=-1 \(allowed: an int >= 0\)"):
+        EngineConfig(compile_shrink_after=-1).validate()

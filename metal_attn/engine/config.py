@@ -66,6 +66,12 @@ class EngineConfig:
     #: ``generate_step`` 42-47 ms in the same runs: the trace runs on the host while the prefill
     #: runs on the GPU; docs/serving.md).
     compile_trace_after: int = 1
+    #: With compiled steps on: a row bucket smaller than one already traced (at the same table
+    #: width) runs padded in the larger bucket for its first ``compile_shrink_after`` steps, and is
+    #: traced only if it lasts (0: trace it at once). A decode step's matmuls read the weights once
+    #: whatever the rows, and a padding row's attention reads one token, so padded steps cost the
+    #: GPU little; a trace cost the host about 28 ms at 64 requests on the H200 (docs/serving.md).
+    compile_shrink_after: int = 16
 
     @classmethod
     def from_settings(cls, **overrides: object) -> EngineConfig:
@@ -95,6 +101,9 @@ class EngineConfig:
         """Return ``self``; raise `InvalidInputError` naming the first bad field, its value and what is allowed."""
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "compile_trace_after"):
             _positive_int(name, getattr(self, name))
+        if not isinstance(self.compile_shrink_after, int) or isinstance(self.compile_shrink_after, bool) \
+                or self.compile_shrink_after < 0:
+            raise InvalidInputError(f"compile_shrink_after={self.compile_shrink_after!r} (allowed: an int >= 0)")
         for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))

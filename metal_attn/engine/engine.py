@@ -94,7 +94,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.blocks)
         compile_decode, self.compile_decode_reason = cfg.resolve_compile_decode(current_device().backend)
         self.runner = StepRunner(self.model, self.blocks, compile_decode=compile_decode,
-                                 trace_after=cfg.compile_trace_after)
+                                 trace_after=cfg.compile_trace_after, shrink_after=cfg.compile_shrink_after)
         self.requests: dict[int, Request] = {}
         self._inflight: deque[InFlight] = deque()
         self._next_id = 0

@@ -58,15 +58,16 @@ class StepRunner:
     """Runs scheduled steps of one `PagedModel` whose pages the `BlockManager` hands out."""
 
     def __init__(self, model: PagedModel, blocks: BlockManager, *, compile_decode: bool = False,
-                 trace_after: int = 1) -> None:
+                 trace_after: int = 1, shrink_after: int = 16) -> None:
         self.model = model
         self.blocks = blocks
         #: Decode-only steps through a compiled forward (None: every step eager); ``trace_after``:
-        #: the step of a decode shape that traces it (`CompiledDecode`).
+        #: the step of a decode shape that traces it, ``shrink_after``: the steps a smaller row
+        #: bucket runs padded in a larger traced one first (`CompiledDecode`).
         self.compiled = None
         if compile_decode:  # a pool of one page serves without padding rows
             pad = blocks.reserve("padding rows of compiled decode steps") if blocks.num_free > 1 else None
-            self.compiled = CompiledDecode(model, pad_block=pad, trace_after=trace_after)
+            self.compiled = CompiledDecode(model, pad_block=pad, trace_after=trace_after, shrink_after=shrink_after)
 
     def launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Build the step's graph and queue it. ``previous``: the step still in flight, whose
@@ -114,7 +115,8 @@ class StepRunner:
         )
 
     def _next_decode_plan(self, rows: tuple[ScheduledRow, ...], previous: InFlight | None) -> StepPlan | None:
-        """The previous step's plan one token on (`next_decode_plan`: no host arrays), when this step
+        """The previous step's plan one token on (`next_decode_plan`: no host arrays, or two small ones
+        when rows start pages, whose new blocks the block manager has just given them), when this step
         decodes one more token of each of its rows, in its order, and will run compiled (the eager
         forward's cache writer reads the slots on the host, which would wait for the GPU)."""
         if self.compiled is None or self.compiled.disabled is not None or previous is None:
@@ -125,7 +127,9 @@ class StepRunner:
             for r, p in zip(rows, before)
         ):
             return None
-        return next_decode_plan(previous.plan, self.blocks.block_size)
+        bs = self.blocks.block_size
+        pages = {i: self.blocks.table(r.request.id)[r.start // bs] for i, r in enumerate(rows) if r.start % bs == 0}
+        return next_decode_plan(previous.plan, bs, pages)
 
     @staticmethod
     def _input_tokens(rows: tuple[ScheduledRow, ...], previous: InFlight | None) -> mx.array:

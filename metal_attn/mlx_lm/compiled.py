@@ -22,7 +22,14 @@ What it needs (a refusal leaves the eager path in charge, with the reason in ``d
   and whose attention reads one token of it; its logits are dropped;
 - a decode shape (row count or bucket, table width) traces on its ``trace_after``-th step; the
   steps before run eagerly (`run` returns ``None``), so with 2 a shape seen on one step only never
-  traces (`EngineConfig.compile_trace_after`; the engine's default is 1).
+  traces (`EngineConfig.compile_trace_after`; the engine's default is 1);
+- a row bucket smaller than one already traced at the same table width runs padded in the larger
+  one for its first ``shrink_after`` steps, and is traced only if it lasts
+  (`EngineConfig.compile_shrink_after`). At the end of a run requests finish a few per step, and
+  each smaller power of two would otherwise cost a trace for a handful of steps: 3 of the 4
+  traces of the generate suite at 64 requests on the H200, 85 of its 114 ms of tracing
+  (docs/serving.md, "Eleventh session"). A padding row reads one token and writes to the scratch
+  page.
 """
 
 from __future__ import annotations
@@ -66,19 +73,24 @@ class CompiledDecode:
     ``None`` (and the caller runs the eager forward) when compiled steps do not apply.
     """
 
-    def __init__(self, model: Any, pad_block: int | None = None, *, trace_after: int = 1) -> None:
-        if not isinstance(trace_after, int) or isinstance(trace_after, bool) or trace_after < 1:
-            raise ValueError(f"trace_after={trace_after!r} (allowed: an int >= 1)")
+    def __init__(self, model: Any, pad_block: int | None = None, *, trace_after: int = 1,
+                 shrink_after: int = 16) -> None:
+        for name, value, low in (("trace_after", trace_after, 1), ("shrink_after", shrink_after, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}={value!r} (allowed: an int >= {low})")
         self.model = model
         self.pad_block = pad_block
         self.trace_after = trace_after
+        self.shrink_after = shrink_after
         #: Traces recorded (one per distinct row count, or row bucket when padding, x table width and
-        #: dispatch epoch), steps run compiled, and steps left eager because their shape had not been
-        #: seen ``trace_after`` times yet.
+        #: dispatch epoch), steps run compiled, steps left eager because their shape had not been
+        #: seen ``trace_after`` times yet, and steps run padded in a larger traced bucket.
         self.traces = 0
         self.steps = 0
         self.early_steps = 0
+        self.shrunk_steps = 0
         self._sightings: dict[tuple[int, int], int] = {}
+        self._traced: set[tuple[int, int]] = set()
         self._reset()
 
     def _reset(self) -> None:
@@ -88,6 +100,7 @@ class CompiledDecode:
         self._epoch = _epoch.current()
         self.disabled: str | None = self._static_reasons()
         self._fn = mx.compile(self._forward)
+        self._traced = set()
 
     def _static_reasons(self) -> str | None:
         windows = [i for i, spec in enumerate(self.model.resolved.layers) if spec.sliding_window]
@@ -117,11 +130,17 @@ class CompiledDecode:
         rows, width = len(plan.q_lens), table_width(md.max_blocks_per_seq)
         shape = (row_bucket(rows) if self.pad_block is not None else rows, width)
         seen = self._sightings.get(shape, 0)
-        if seen + 1 < self.trace_after:
+        larger = self._larger_traced(shape)
+        if larger is not None and seen < self.shrink_after:
+            self._sightings[shape] = seen + 1
+            self.shrunk_steps += 1
+            shape = larger
+        elif seen + 1 < self.trace_after:
             self._sightings[shape] = seen + 1
             self.early_steps += 1
             return None
-        self._sightings[shape] = self.trace_after
+        else:
+            self._sightings[shape] = max(seen, self.trace_after)
         inputs = [tokens, plan.positions, plan.slot_mapping, md.padded_block_tables(width), md.seq_lens]
         if shape[0] > rows:
             inputs = self._padded(inputs, shape[0] - rows)
@@ -141,8 +160,18 @@ class CompiledDecode:
             return None
         del pools  # the graph holds the old pools alone, so the scatters write in place
         kv.put_pools(out[1:])
+        self._traced.add(shape)
         self.steps += 1
         return out[0] if out[0].shape[0] == rows else out[0][:rows]
+
+    def _larger_traced(self, shape: tuple[int, int]) -> tuple[int, int] | None:
+        """The smallest traced shape of the same table width with more rows than ``shape`` (padding
+        rows only: ``None`` without a scratch page, or when ``shape`` itself is traced)."""
+        if self.pad_block is None or shape in self._traced:
+            return None
+        rows, width = shape
+        larger = [s for s in self._traced if s[1] == width and s[0] > rows]
+        return min(larger) if larger else None
 
     def _padded(self, inputs: list[mx.array], extra: int) -> list[mx.array]:
         """``inputs`` (tokens, positions, slots, tables, lengths) with ``extra`` padding rows: token 0
