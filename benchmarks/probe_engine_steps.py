@@ -1,7 +1,9 @@
 """Every step of one generate-suite engine run, on the host's clock: where the generation time goes.
 
-Runs the generate suite's engine workload (`metal_attn.bench.generate`: random prompts, the same
-pool sizing, budget and defaults) ``--runs`` times in one process and records, per step: its rows
+Runs the generate suite's engine workload (`metal_attn.bench.generate`: its pool sizing, budget and
+defaults over random prompts of the same lengths; the ids themselves are drawn from 1,000 values
+with the run's index as the seed, which does not change the timing) ``--runs`` times in one
+process and records, per step: its rows
 (decode and prompt tokens), whether it ran compiled, the traces so far, its host phases
 (`InFlight.timings`) and the gap to the previous step's completion. Prints a summary per run: the
 decode-only steps' median and mean gap, the time spent in steps that traced, the steps that built
@@ -60,6 +62,7 @@ def one_run(model, c: int, prompt_len: int, gen: int, budget: int, seed: int) ->
         "wall_s": wall, "prompt_s": prompt_s, "generation_s": wall - prompt_s,
         "generation_tps": eng.stats.generated_tokens / max(wall - prompt_s, 1e-9),
         "steps": len(steps), "decode_steps": len(decode), "traces": compiled.traces if compiled else 0,
+        "shrunk_steps": compiled.shrunk_steps if compiled else 0,
         "traced_ms": sum(s["gap_ms"] for s in steps if s["traced"]),
         "eager_decode_ms": sum(s["gap_ms"] for s in decode if not s["compiled"]),
         "steady_median_ms": statistics.median(s["gap_ms"] for s in steady) if steady else None,

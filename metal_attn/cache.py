@@ -254,7 +254,9 @@ def next_decode_plan(plan: StepPlan, block_size: int, new_pages: Mapping[int, in
     multiple of ``block_size``) to the block the caller gave it for that page. Such a row's slot
     is that block's first, and the tables gain the blocks (`AttentionMetadata.with_new_pages`):
     two small host arrays, where a plan built anew takes six and the host's Python
-    (`build_step_plan`). Without page starts no host array is made at all.
+    (`build_step_plan`); a third when the table's padded width grows past the widths already
+    handed out (a step a compiled forward traces anyway). Without page starts no host array is
+    made at all.
 
     On MLX CUDA the first kernel to read a buffer the host has just written waits for it to
     migrate (`metal_attn.host_arrays`); at one decode row the step's fresh positions and slots cost

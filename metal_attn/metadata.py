@@ -236,8 +236,9 @@ class AttentionMetadata:
         """This metadata with block-table entries set: ``pages`` maps a row to ``(column, block
         id)``, a column past the table's width widening it (zeros between, as `build` pads). One
         host array is made, the widest of the padded tables this metadata had handed out
-        (`padded_block_tables`), the others and ``block_tables`` views of it. The pool checks
-        (`pool_guard`) run again on first use."""
+        (`padded_block_tables`), the others and ``block_tables`` views of it: column slices, not
+        row-contiguous, which the kernels copy on read (`kernels.load_kernel` keeps MLX's
+        ``ensure_row_contiguous``). The pool checks (`pool_guard`) run again on first use."""
         if self.lengths_are_bounds:
             raise InvalidInputError("with_new_pages: decode_bounds metadata has no host copy of its table")
         n = self.num_seqs

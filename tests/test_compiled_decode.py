@@ -334,11 +334,12 @@ def test_a_one_page_pool_compiles_without_padding_rows():
 
 
 def _plan_arrays(plan):
+    """A plan's arrays (values and dtypes: a compiled step's cache key includes the dtypes) and host views."""
     md = plan.metadata
-    return {"positions": np.array(plan.positions).tolist(), "slots": np.array(plan.slot_mapping).tolist(),
-            "seq_lens": np.array(md.seq_lens).tolist(), "cu": np.array(md.cu_seqlens_q).tolist(),
-            "tables": np.array(md.block_tables).tolist(), "host": (plan.seq_lens, md.seq_lens_host, md.q_lens_host),
-            "plan": md.length_plan, "phase": md.phase}
+    arrays = {"positions": plan.positions, "slots": plan.slot_mapping, "seq_lens": md.seq_lens,
+              "cu": md.cu_seqlens_q, "tables": md.block_tables}
+    return {**{k: (str(a.dtype), np.array(a).tolist()) for k, a in arrays.items()},
+            "host": (plan.seq_lens, md.seq_lens_host, md.q_lens_host), "plan": md.length_plan, "phase": md.phase}
 
 
 @pytest.mark.parametrize("starts", [[9], [9, 20, 3], [1, 2, 3, 4, 5]])
@@ -437,23 +438,24 @@ def test_rows_starting_pages_on_different_steps_keep_deriving_their_plans(monkey
     the prefill and the first decode step only). Tokens are stock mlx-lm's, single stream each."""
     from metal_attn.engine import runner as runner_mod
 
+    class NoStop(WordTokenizer):
+        eos_token_ids = frozenset()  # every request runs its 30 tokens: the batch never changes
+
     model = tiny_model("llama")
     prompts = [[5 + i for i in range(n)] for n in (5, 9, 14, 22)]
-    n = 30  # every row crosses at least one page start, each on its own step
-    refs = [reference_greedy(model, p, n, WordTokenizer.eos_token_ids) for p in prompts]
+    n = 30  # rows reach 35, 39, 44 and 52 tokens: page starts at 16 and 32 (48 too for the last), on 7 steps
+    refs = [reference_greedy(model, p, n, frozenset()) for p in prompts]
     built = []
     real = runner_mod.build_step_plan
     monkeypatch.setattr(runner_mod, "build_step_plan", lambda *a, **k: built.append(a[1]) or real(*a, **k))
-    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=64, compile_decode=True, max_num_batched_tokens=256))
+    eng = Engine(model, NoStop(), EngineConfig(num_blocks=64, compile_decode=True, max_num_batched_tokens=256))
     ids = [eng.add_request(p, max_tokens=n) for p in prompts]
     while eng.has_unfinished():
         eng.step()
     for rid, ref in zip(ids, refs):
         assert_same_greedy(eng.completion(rid).token_ids, ref, 1e-4, f"staggered pages, request {rid}")
-    assert built[:2] == [[0, 0, 0, 0], [5, 9, 14, 22]], built
-    # Later builds come only from requests finishing early (a stop token): the batch changed.
-    assert len(built) <= 2 + len(prompts), built
-    assert eng.runner.compiled.steps >= n - 4
+    assert built == [[0, 0, 0, 0], [5, 9, 14, 22]], built  # the prefill and the first decode step only
+    assert eng.runner.compiled.steps == n - 1
 
 
 def test_a_smaller_batch_that_lasts_is_traced_after_shrink_after_steps():
@@ -482,7 +484,29 @@ def test_a_smaller_batch_that_lasts_is_traced_after_shrink_after_steps():
     assert compiled.traces == 3
     with pytest.raises(ValueError, match=r"shrink_after=-1 \(allowed: an int >= 0\)"):
         CompiledDecode(pm, shrink_after=-1)
-    unpadded = CompiledDecode(pm, shrink_after=2)
-    assert unpadded._larger_traced((2, 1)) is None
+    unpadded = CompiledDecode(pm, shrink_after=2)  # no scratch page: every row count is its own trace
+    for starts in ([3, 4, 5, 6], [4, 5]):
+        n = len(starts)
+        assert unpadded.run(build_step_plan(list(range(n)), starts, [1] * n, [[i + 1] for i in range(n)], 16),
+                            mx.arange(1, n + 1, dtype=mx.int32)) is not None
+    assert (unpadded.traces, unpadded.shrunk_steps) == (2, 0)
     with pytest.raises(InvalidInputError, match=r"compile_shrink_after=-1 \(allowed: an int >= 0\)"):
         EngineConfig(compile_shrink_after=-1).validate()
+
+
+def test_a_smaller_bucket_runs_padded_until_its_trace_after_th_step():
+    """With ``trace_after=3``, a smaller bucket than a traced one never goes eager: padded in the traced
+    bucket for its first two steps (``shrink_after=1`` alone would have covered one), traced on its third."""
+    pm = PagedModel(tiny_model("llama"), num_blocks=32)
+    compiled = CompiledDecode(pm, pad_block=31, trace_after=3, shrink_after=1)
+
+    def run(starts):
+        n = len(starts)
+        plan = build_step_plan(list(range(n)), starts, [1] * n, [[i + 1] for i in range(n)], 16)
+        return compiled.run(plan, mx.arange(1, n + 1, dtype=mx.int32))
+
+    pm.forward(build_step_plan([0], [2], [1], [[1]], 16), mx.array([1], dtype=mx.int32))  # settle the epoch
+
+    assert [run([3, 4, 5, 6]) is None for _ in range(3)] == [True, True, False]  # eager, eager, traced
+    assert [run([4, 5]) is not None for _ in range(3)] == [True, True, True]
+    assert (compiled.traces, compiled.shrunk_steps, compiled.early_steps) == (2, 2, 2)

@@ -135,6 +135,7 @@ def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_cachin
              "preemptions": eng.stats.preemptions}
     if eng.runner.compiled is not None:
         extra |= {"compiled_steps": eng.runner.compiled.steps, "compiled_traces": eng.runner.compiled.traces,
+                  "compiled_shrunk_steps": eng.runner.compiled.shrunk_steps,
                   "compiled_off": eng.runner.compiled.disabled}
     del eng
     return wall, prompt_s, generated, ttft, extra

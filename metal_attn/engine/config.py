@@ -68,7 +68,8 @@ class EngineConfig:
     compile_trace_after: int = 1
     #: With compiled steps on: a row bucket smaller than one already traced (at the same table
     #: width) runs padded in the larger bucket for its first ``compile_shrink_after`` steps, and is
-    #: traced only if it lasts (0: trace it at once). A decode step's matmuls read the weights once
+    #: traced only if it lasts (0: traced as any new shape is, on its ``compile_trace_after``-th
+    #: step, padded before that). A decode step's matmuls read the weights once
     #: whatever the rows, and a padding row's attention reads one token, so padded steps cost the
     #: GPU little; a trace cost the host about 28 ms at 64 requests on the H200 (docs/serving.md).
     compile_shrink_after: int = 16

@@ -24,8 +24,8 @@ What it needs (a refusal leaves the eager path in charge, with the reason in ``d
   steps before run eagerly (`run` returns ``None``), so with 2 a shape seen on one step only never
   traces (`EngineConfig.compile_trace_after`; the engine's default is 1);
 - a row bucket smaller than one already traced at the same table width runs padded in the larger
-  one for its first ``shrink_after`` steps, and is traced only if it lasts
-  (`EngineConfig.compile_shrink_after`). At the end of a run requests finish a few per step, and
+  one for its first ``shrink_after`` steps (and any before its ``trace_after``-th), and is traced
+  only if it lasts (`EngineConfig.compile_shrink_after`). At the end of a run requests finish a few per step, and
   each smaller power of two would otherwise cost a trace for a handful of steps: 3 of the 4
   traces of the generate suite at 64 requests on the H200, 85 of its 114 ms of tracing
   (docs/serving.md, "Eleventh session"). A padding row reads one token and writes to the scratch
@@ -69,8 +69,10 @@ class CompiledDecode:
     ``model``: a `metal_attn.mlx_lm.runner.PagedModel`. ``pad_block``: a page of its pool that no
     sequence uses (the engine reserves one), where padding rows write; ``None``: no padding, one
     trace per row count. ``trace_after``: the step of a shape (rows, table width) that traces it;
-    earlier ones are left to the eager forward. Call `run` with a decode-only plan; it returns
-    ``None`` (and the caller runs the eager forward) when compiled steps do not apply.
+    earlier ones are left to the eager forward, or, when a larger row bucket of the same width is
+    traced, run padded in it. ``shrink_after``: how many steps a smaller bucket runs padded in a
+    traced larger one before it is traced itself (padding rows only). Call `run` with a decode-only
+    plan; it returns ``None`` (and the caller runs the eager forward) when compiled steps do not apply.
     """
 
     def __init__(self, model: Any, pad_block: int | None = None, *, trace_after: int = 1,
@@ -90,7 +92,8 @@ class CompiledDecode:
         self.early_steps = 0
         self.shrunk_steps = 0
         self._sightings: dict[tuple[int, int], int] = {}
-        self._traced: set[tuple[int, int]] = set()
+        #: Shapes traced in this dispatch epoch (`_reset` empties it).
+        self._traced: set[tuple[int, int]]
         self._reset()
 
     def _reset(self) -> None:
@@ -119,9 +122,10 @@ class CompiledDecode:
     def run(self, plan: StepPlan, tokens: mx.array) -> mx.array | None:
         """Logits ``[rows, vocab]`` of a decode step (lazy), one per row in the plan's order, the
         pools rebound to the step's; or ``None`` when the step does not apply, its shape has been
-        seen fewer than ``trace_after`` times (counted in ``early_steps``), or its trace failed
-        (then ``disabled`` says why); the caller then runs the eager forward. Replays record no
-        dispatch diagnostics: the trace's are the step's."""
+        seen fewer than ``trace_after`` times with no larger traced bucket to run padded in
+        (counted in ``early_steps``; padded steps in ``shrunk_steps``), or its trace failed (then
+        ``disabled`` says why); the caller then runs the eager forward. Replays record no dispatch
+        diagnostics: the trace's are the step's."""
         if self._epoch != _epoch.current():
             self._reset()
         if not self.applies(plan):
@@ -131,7 +135,7 @@ class CompiledDecode:
         shape = (row_bucket(rows) if self.pad_block is not None else rows, width)
         seen = self._sightings.get(shape, 0)
         larger = self._larger_traced(shape)
-        if larger is not None and seen < self.shrink_after:
+        if larger is not None and (seen < self.shrink_after or seen + 1 < self.trace_after):
             self._sightings[shape] = seen + 1
             self.shrunk_steps += 1
             shape = larger
