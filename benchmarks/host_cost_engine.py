@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,20 +67,18 @@ def engine_steps(model, c: int, prompt_len: int, steps: int, compile_decode: boo
 def trace_engine(eng: Engine, steps: int) -> dict:
     """``steps`` pipelined engine steps under torch.profiler: per step, the GPU's busy time, the wall
     time, and the host's CUDA runtime/driver calls by name (calls and µs per step, largest first)."""
-    import torch
-    from kernel_trace import busy_us
-    from torch.profiler import ProfilerActivity, profile
+    from kernel_trace import busy_us, trace_events
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    wall = 0.0
+
+    def run() -> None:
+        nonlocal wall
         t = time.perf_counter()
         for _ in range(steps):
             eng.step()
         wall = time.perf_counter() - t
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as g:
-            events = json.load(g).get("traceEvents", [])
+
+    events = trace_events(run)
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     api: dict[str, list[float]] = {}
     for e in events:

@@ -35,6 +35,12 @@ def trace(fn: Callable[[], Any], calls: int) -> list[dict]:
 def record(run: Callable[[], Any], *, cpu: bool = True) -> list[dict]:
     """GPU kernel and memcpy events of whatever ``run`` launches (MLX synchronized before and after);
     ``cpu=False`` leaves the profiler's host-side activity off."""
+    return [e for e in trace_events(run, cpu=cpu) if e.get("cat") in ("kernel", "gpu_memcpy")]
+
+
+def trace_events(run: Callable[[], Any], *, cpu: bool = True) -> list[dict]:
+    """Every event torch.profiler records while ``run`` runs (MLX synchronized before and after): the
+    GPU's kernels and copies, and with ``cpu`` the host's CUDA runtime and driver calls, whoever makes them."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -47,8 +53,7 @@ def record(run: Callable[[], Any], *, cpu: bool = True) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as g:
-            events = json.load(g)
-    return [e for e in events.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy")]
+            return json.load(g).get("traceEvents", [])
 
 
 def summarise(events: list[dict], calls: int, kv_bytes: int) -> dict:

@@ -1,9 +1,9 @@
 """Every step of one generate-suite engine run, on the host's clock: where the generation time goes.
 
-Runs the generate suite's engine workload (`metal_attn.bench.generate`: its pool sizing, budget and
-defaults over random prompts of the same lengths; the ids themselves are drawn from 1,000 values
-with the run's index as the seed, which does not change the timing) ``--runs`` times in one
-process and records, per step: its rows
+Runs the generate suite's engine workload (`metal_attn.bench.generate.suite_engine_config`: its pool
+sizing, budget and defaults over random prompts of the same lengths; the ids themselves are drawn
+from 1,000 values with the run's index as the seed, which does not change the timing) ``--runs``
+times in one process and records, per step: its rows
 (decode and prompt tokens), whether it ran compiled, the traces so far, its host phases
 (`InFlight.timings`) and the gap to the previous step's completion. Prints a summary per run: the
 decode-only steps' median and mean gap, the time spent in steps that traced, the steps that built
@@ -21,16 +21,14 @@ import statistics
 import time
 from pathlib import Path
 
-from metal_attn.bench.generate import _NoStopTokenizer, _prompts, load_bench_model
+from metal_attn.bench.generate import _NoStopTokenizer, _prompts, load_bench_model, suite_engine_config
 from metal_attn.device import current_device
-from metal_attn.engine import Engine, EngineConfig
+from metal_attn.engine import Engine
 
 
 def one_run(model, c: int, prompt_len: int, gen: int, budget: int, seed: int) -> dict:
     prompts = _prompts(c, prompt_len, 1000, seed)
-    need = sum(len(p) + gen for p in prompts)
-    cfg = EngineConfig(num_blocks=-(-need // 16) + 2 * c + 8, max_num_seqs=c, max_num_batched_tokens=budget)
-    eng = Engine(model, _NoStopTokenizer(), cfg)
+    eng = Engine(model, _NoStopTokenizer(), suite_engine_config(prompts, gen, budget=budget))
     for p in prompts:
         eng.add_request(p, max_tokens=gen)
     compiled = eng.runner.compiled

@@ -688,21 +688,19 @@ def partition_choice(request: AttentionRequest, device: DeviceInfo, settings: Se
     """The partition size of a split per-token launch for ``request`` (`PARTITION_RULES`), and the arithmetic."""
     rows, kvh = request.total_q_tokens, request.num_kv_heads
 
-    def fits(p: int) -> bool:
-        return scratch_fits(request, p)
-
     def items(p: int) -> int:
         return kvh * rows * request.partitions(p)
 
     forced = settings.partition_size if settings is not None else None
     if forced:
         # The gate checked the scratch at 512: a smaller forced size takes the nearest that fits.
-        size = min((p for p in PER_TOKEN_PARTITION_SIZES if p >= forced and fits(p)), default=PARTITION_SIZE)
+        size = min((p for p in PER_TOKEN_PARTITION_SIZES if p >= forced and scratch_fits(request, p)),
+                   default=PARTITION_SIZE)
         why = "" if size == forced else f"; {forced} would exceed the {SCRATCH_CAP_BYTES}-byte scratch cap"
         return size, f"partition size {size} (forced by METAL_ATTN_PARTITION_SIZE={forced}{why})"
     rule = PARTITION_RULES.get(device.backend, PARTITION_RULES["metal"])
     cores = device.gpu_cores or 0
-    sizes = [p for p in rule.sizes if fits(p)] or [PARTITION_SIZE]
+    sizes = [p for p in rule.sizes if scratch_fits(request, p)] or [PARTITION_SIZE]
     chosen = next((p for p in sizes if cores and items(p) >= rule.min_items_per_core * cores), sizes[-1])
     if len(rule.sizes) == 1:
         return chosen, f"partition size {chosen} (PARTITION_RULES[{device.backend}]: one size)"

@@ -273,8 +273,8 @@ class TiledPrefillProvider(Provider):
             outputs=(((5, 4, 512), "bfloat16"),), defines=kernel_defines(one),
         ))
         # The split-KV path at each head size (no Metal rule splits: it is CUDA's, measured there).
+        psize = 256
         for head, cfg in sorted(TILE_CONFIGS["metal"].items()):
-            psize = 256
             specs.append(Specialization(
                 label=f"tiled_prefill bfloat16 head={head} block=16 split={psize}", kernel=ROUTE,
                 source_files=KERNEL_FILES, input_names=KERNEL_INPUTS, output_names=SPLIT_OUTPUTS,
@@ -358,14 +358,11 @@ def split_choice(request: AttentionRequest, tiles: int, device: DeviceInfo,
     if request.phase is Phase.MIXED:
         return 0, "tiled split: mixed batches never split"
 
-    def fits(p: int) -> bool:
-        return gc.scratch_fits(request, p)
-
     forced = settings.tiled_partition_size if settings is not None else 0
     if forced < 0:
         return 0, "tiled split: off (METAL_ATTN_TILED_PARTITION_SIZE=-1)"
     if forced:
-        ok = request.partitions(forced) >= 2 and fits(forced)
+        ok = request.partitions(forced) >= 2 and gc.scratch_fits(request, forced)
         return (forced if ok else 0), (
             f"tiled split: partition size {forced} forced by METAL_ATTN_TILED_PARTITION_SIZE -> "
             + (f"{request.partitions(forced)} partitions" if ok else
@@ -378,7 +375,7 @@ def split_choice(request: AttentionRequest, tiles: int, device: DeviceInfo,
         return 0, "tiled split: gpu_cores unknown (no split; set METAL_ATTN_GPU_CORES)"
     grid = tiles * request.num_heads
     limit = rule.max_threadgroups_per_core * cores
-    sizes = [p for p in rule.sizes if request.partitions(p) >= 2 and fits(p)]
+    sizes = [p for p in rule.sizes if request.partitions(p) >= 2 and gc.scratch_fits(request, p)]
     head = f"tiled split: tiles*num_heads={tiles}*{request.num_heads}={grid}"
     if grid >= limit or not sizes:
         why = (f">= {rule.max_threadgroups_per_core:g}*gpu_cores={limit:g}" if grid >= limit else

@@ -108,17 +108,24 @@ def _prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> lis
     return [head + rng.integers(1, vocab, size=length).tolist() for _ in range(n)]
 
 
+def suite_engine_config(prompts: list[list[int]], gen: int, *, budget: int = 4096, **overrides: Any) -> Any:
+    """The suite engine's `EngineConfig` for ``prompts`` generating ``gen`` tokens each: a pool of
+    what they need plus two pages a request, a seat for every request, ``budget`` tokens a step;
+    ``overrides`` set other fields (``None`` values keep the defaults)."""
+    from metal_attn.engine import EngineConfig
+
+    need = sum(len(p) + gen for p in prompts)
+    return EngineConfig(num_blocks=-(-need // 16) + 2 * len(prompts) + 8, max_num_seqs=max(len(prompts), 1),
+                        max_num_batched_tokens=budget, **{k: v for k, v in overrides.items() if v is not None})
+
+
 def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_caching: bool = True,
                 budget: int = 4096, compile_decode: bool | None = None,
                 compile_trace_after: int | None = None) -> tuple[float, float, int, list[float], dict[str, Any]]:
-    from metal_attn.engine import Engine, EngineConfig
+    from metal_attn.engine import Engine
 
-    need = sum(len(p) + gen for p in prompts)
-    cfg = EngineConfig(num_blocks=-(-need // 16) + 2 * len(prompts) + 8, max_num_seqs=max(len(prompts), 1),
-                       max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching,
-                       compile_decode=compile_decode)
-    if compile_trace_after is not None:
-        cfg = dataclasses.replace(cfg, compile_trace_after=compile_trace_after)
+    cfg = suite_engine_config(prompts, gen, budget=budget, enable_prefix_caching=prefix_caching,
+                              compile_decode=compile_decode, compile_trace_after=compile_trace_after)
     eng = Engine(model, _NoStopTokenizer(), cfg)
     ids = [eng.add_request(p, max_tokens=gen) for p in prompts]
     t0 = time.perf_counter()

@@ -101,13 +101,11 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         """Return ``self``; raise `InvalidInputError` naming the first bad field, its value and what is allowed."""
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "compile_trace_after"):
-            _positive_int(name, getattr(self, name))
-        if not isinstance(self.compile_shrink_after, int) or isinstance(self.compile_shrink_after, bool) \
-                or self.compile_shrink_after < 0:
-            raise InvalidInputError(f"compile_shrink_after={self.compile_shrink_after!r} (allowed: an int >= 0)")
+            _int_at_least(name, getattr(self, name))
+        _int_at_least("compile_shrink_after", self.compile_shrink_after, low=0)
         for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                _int_at_least(name, getattr(self, name))
         if self.block_size % 8:
             raise InvalidInputError(f"block_size={self.block_size} (allowed: a multiple of 8, e.g. 8, 16, 32)")
         if not (isinstance(self.kv_cache_fraction, (int, float)) and 0 < self.kv_cache_fraction <= 1):
@@ -146,6 +144,7 @@ class EngineConfig:
         return blocks, source
 
 
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")
+def _int_at_least(name: str, value: object, low: int = 1) -> None:
+    """Raise `InvalidInputError` unless ``value`` is an int (not a bool) of at least ``low``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InvalidInputError(f"{name}={value!r} (allowed: an int >= {low})")
