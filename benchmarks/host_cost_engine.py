@@ -66,7 +66,8 @@ def engine_steps(model, c: int, prompt_len: int, steps: int, compile_decode: boo
 
 def trace_engine(eng: Engine, steps: int) -> dict:
     """``steps`` pipelined engine steps under torch.profiler: per step, the GPU's busy time, the wall
-    time, and the host's CUDA runtime/driver calls by name (calls and µs per step, largest first)."""
+    time, the host's CUDA runtime/driver calls by name (calls and µs per step, largest first), and the
+    GPU's kernels by name (launches and µs per step, most launched first)."""
     from kernel_trace import busy_us, trace_events
 
     wall = 0.0
@@ -85,10 +86,15 @@ def trace_engine(eng: Engine, steps: int) -> dict:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
             api.setdefault(e["name"], []).append(float(e["dur"]))
     calls = sorted(((n, len(d) / steps, sum(d) / steps) for n, d in api.items()), key=lambda x: -x[2])
+    by_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        by_kernel.setdefault(e["name"][:120], []).append(float(e.get("dur", 0.0)))
+    per_kernel = sorted(((n, len(d) / steps, sum(d) / steps) for n, d in by_kernel.items()), key=lambda x: -x[1])
     return {"wall_us_per_step": wall / steps * 1e6, "busy_us_per_step": busy_us(kernels) / steps if kernels else 0.0,
             "kernels_per_step": len(kernels) / steps,
             "api_us_per_step": sum(c[2] for c in calls),
-            "api": [{"name": n, "calls_per_step": k, "us_per_step": u} for n, k, u in calls[:15]]}
+            "api": [{"name": n, "calls_per_step": k, "us_per_step": u} for n, k, u in calls[:15]],
+            "kernels": [{"name": n, "per_step": k, "us_per_step": u} for n, k, u in per_kernel[:40]]}
 
 
 def stock_steps(model, prompt_len: int, steps: int) -> dict[str, list[float]]:
@@ -161,6 +167,9 @@ def main() -> None:
               f"{tr['kernels_per_step']:.0f} kernels, CUDA API {tr['api_us_per_step']:.0f} us of host time")
         for a in tr["api"][:10]:
             print(f"    {a['name'][:40]:40s} {a['calls_per_step']:7.1f} calls {a['us_per_step']:9.1f} us")
+        print("  kernels a step, by count:")
+        for k in tr["kernels"][:25]:
+            print(f"    {k['name'][:90]:90s} {k['per_step']:6.1f} x {k['us_per_step']:8.1f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -8,13 +8,13 @@ The measurements behind ``providers/sdpa_prefill.py``'s rule (``SDPA_PREFILL_RUL
    unfused matmuls, whose scores take ``q_len * kv_len`` memory per head);
 2. ``crossover``: small prefill chunks after some context, 32/8 heads, head 128, bf16, block 16:
    the tiled kernel (``provider="tiled_prefill"``) against the route itself
-   (``provider="sdpa_prefill"``, its rule opened to every chunk), medians of queued calls, in the
-   same run;
-3. ``mixed``: mixed batches (decode rows, then one prefill chunk of 128 to 2,048 rows), the tiles'
+   (``provider="sdpa_prefill"``, its rule opened to every chunk), medians of calls each waited
+   for (``--pipelined``: queued, one wait per sample), in the same run;
+3. ``mixed``: mixed batches (decode rows, then one or two prefill chunks of 128 to 2,048 rows), the tiles'
    mixed route against ``sdpa_prefill_decode`` (the rule opened the same way): where
    ``min_mixed_chunk_rows`` comes from.
 
-Usage (GPU): ``python benchmarks/probe_sdpa_fused.py --json OUT.json``.
+Usage (GPU): ``python benchmarks/probe_sdpa_fused.py --json OUT.json [--only mixed] [--pipelined]``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,13 @@ def fused_matrix() -> list[dict]:
     return rows
 
 
+#: ``--pipelined``: time queued calls (one wait per sample) instead of one wait per call.
+PIPELINED = False
+
+
 def _median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
+    """Median ms per call over ``iters`` samples of at least 2 ms each: every call waited for, or with
+    `PIPELINED` every call queued and the sample waited for once (calls overlap the host's next build)."""
     for _ in range(warmup):
         mx.eval(fn())
     samples = []
@@ -67,9 +73,11 @@ def _median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
         while True:
             mx.async_eval(fn())
             n += 1
-            mx.synchronize()
+            if not PIPELINED:
+                mx.synchronize()
             if time.perf_counter() - t > 2e-3:
                 break
+        mx.synchronize()
         samples.append((time.perf_counter() - t) / n * 1e3)
     return statistics.median(samples)
 
@@ -107,9 +115,14 @@ def mixed() -> list[dict]:
     from metal_attn.testing.conformance import rel_l2
 
     rows = []
-    for dec, ql, ctx in ((8, 128, 2048), (8, 256, 2048), (8, 512, 2048), (32, 512, 1024), (8, 1024, 4096),
-                         (8, 2048, 4096)):
-        case = build_case(Shape.mix((Rows(dec, 1, 4096 if dec == 8 else 1024), Rows(1, ql, ctx)), 32, 8, 128))
+    batches = [(Rows(dec, 1, 4096 if dec == 8 else 1024), Rows(1, ql, ctx))
+               for dec, ql, ctx in ((8, 128, 2048), (8, 256, 2048), (8, 512, 2048), (32, 512, 1024),
+                                    (8, 1024, 4096), (8, 2048, 4096))]
+    # The prefill-gpu suite's batch of two chunks, and 32 decode rows at 1K with one chunk of each size.
+    batches.append((Rows(32, 1, 1024), Rows(1, 256, 1024), Rows(1, 256, 2048)))
+    batches += [(Rows(32, 1, 1024), Rows(1, ql, 2048)) for ql in (128, 256, 1024)]
+    for rows_of in batches:
+        case = build_case(Shape.mix(rows_of, 32, 8, 128))
 
         def run(provider, c=case):
             return metal_attn.paged_attention(c.q, c.k_pool, c.v_pool, metadata=c.metadata, scale=c.scale,
@@ -168,7 +181,11 @@ def main() -> None:
     ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--only", default="fused,crossover,mixed,layouts",
                     help="comma-separated parts to run (default: all four)")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="time queued calls, one wait per sample (default: every call waited for)")
     args = ap.parse_args()
+    global PIPELINED
+    PIPELINED = args.pipelined
     parts = set(args.only.split(","))
     fused = fused_matrix() if "fused" in parts else []
     ok = [r for r in fused if r["fused"]]
@@ -184,7 +201,8 @@ def main() -> None:
     layout = layouts() if "layouts" in parts else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": mx.device_info().get("device_name"), "mlx": mx.__version__, "fused": fused,
+            json.dump({"device": mx.device_info().get("device_name"), "mlx": mx.__version__,
+                       "mode": "pipelined" if PIPELINED else "blocking", "fused": fused,
                        "crossover": cross, "mixed": mix, "layouts": layout}, f, indent=1)
 
 

@@ -140,8 +140,8 @@ def test_time_fn_reports_the_median_of_synchronized_samples() -> None:
 
     t = core.time_fn(slow, warmup=2, iters=5, sync=lambda: syncs.append(1))
     assert t.inner == 1 and len(t.samples_s) == 5
-    assert len(calls) == 2 + 5  # warm-up calls, then one per sample
-    assert len(syncs) == 2 + 2 * 5  # around the last (calibrating) warm-up call and around every sample
+    assert len(calls) == 1 + 2 + 5  # a warm-up call, one per calibration loop, then one per sample
+    assert len(syncs) == 2 * 2 + 2 * 5  # around each calibration loop and around every sample
     assert 0.006 <= t.min_s <= t.median_s < 0.03
     assert t.median_s == sorted(t.samples_s)[2]
 
@@ -149,6 +149,20 @@ def test_time_fn_reports_the_median_of_synchronized_samples() -> None:
 def test_time_fn_loops_short_calls_to_a_measurable_sample() -> None:
     t = core.time_fn(lambda: None, warmup=1, iters=3, sync=lambda: None, max_inner=50)
     assert t.inner == 50
+
+
+def test_time_fn_sizes_its_samples_from_the_fast_calls_after_a_slow_first_one() -> None:
+    # A first call that builds something (a kernel variant, a plan) must not size the samples:
+    # from it alone a sample would hold one call of a function that takes 0.5 ms.
+    calls = []
+
+    def first_slow() -> None:
+        calls.append(1)
+        time.sleep(0.02 if len(calls) == 1 else 0.0005)
+
+    t = core.time_fn(first_slow, warmup=1, iters=2, sync=lambda: None)
+    assert t.inner >= 5, t.inner
+    assert t.median_s < 0.002
 
 
 def test_time_fn_rejects_bad_counts() -> None:

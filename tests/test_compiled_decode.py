@@ -430,6 +430,8 @@ def test_steady_compiled_decode_builds_a_plan_only_when_the_batch_changes(monkey
     # Starts: the prefill (0) and the first decode row (10); the page starts (16, 32, 48) are derived.
     assert built == [[0], [10]], built
     assert eng.runner.compiled.steps >= n - 2
+    # The runner's own counters say the same (benchmarks/probe_engine_steps.py reads them).
+    assert (eng.runner.plans_built, eng.runner.plans_derived) == (2, eng.stats.steps - 2)
 
 
 def test_rows_starting_pages_on_different_steps_keep_deriving_their_plans(monkeypatch):
@@ -456,6 +458,7 @@ def test_rows_starting_pages_on_different_steps_keep_deriving_their_plans(monkey
         assert_same_greedy(eng.completion(rid).token_ids, ref, 1e-4, f"staggered pages, request {rid}")
     assert built == [[0, 0, 0, 0], [5, 9, 14, 22]], built  # the prefill and the first decode step only
     assert eng.runner.compiled.steps == n - 1
+    assert (eng.runner.plans_built, eng.runner.plans_derived) == (2, n - 2)
 
 
 def test_a_smaller_batch_that_lasts_is_traced_after_shrink_after_steps():

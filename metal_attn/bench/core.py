@@ -394,12 +394,19 @@ def time_fn(
     """Median per-call time of ``fn`` (``mx.eval`` inside for MLX, so the call's work is done).
 
     ``warmup`` calls first (at least one: MLX compiles each kernel on its first
-    call); the last of them is a calibration loop that grows until it lasts a
+    call); the last of them is two calibration loops, each growing until it lasts a
     fifth of ``min_sample_s``. Then ``iters`` samples; each is ``sync(); t0;
     inner calls; sync(); t1`` divided by ``inner``, with ``inner`` chosen so a
     sample lasts at least ``min_sample_s``: on GPUs a lone call is dominated by
     launch and synchronization latency (measured on the H200: one blocking MLX
     SDPA call per sample reads 0.32 ms, twenty per sample 0.13 ms each).
+
+    ``inner`` comes from the faster of the two loops' per-call times: one slow call (a
+    kernel variant or a plan built on first use) ends a loop early, and sized from it
+    the samples would hold two or three calls, so a pipelined sample would time the
+    wait more than the queue. On the H200 (prefill-gpu --pipelined, the 1,024-row chunk
+    after 7K), ``auto``, measured first, sampled 2-3 calls and read 288-378 TFLOP/s; the
+    same route measured right after it sampled 4-7 and read 368-454.
     """
     _positive("iters", iters)
     _positive("max_inner", max_inner)
@@ -407,18 +414,8 @@ def time_fn(
         raise ValueError(f"warmup={warmup!r} (allowed: an int >= 0)")
     for _ in range(max(warmup - 1, 0)):
         fn()
-    n = 1
-    while True:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        elapsed = time.perf_counter() - t0
-        if elapsed >= min_sample_s / 5 or n >= max_inner:
-            break
-        n = min(n * 4, max_inner)
-    inner = max(1, min(max_inner, math.ceil(n * min_sample_s / elapsed) if elapsed > 0 else max_inner))
+    per_call = min(_calibrate(fn, sync, min_sample_s, max_inner) for _ in range(2))
+    inner = max(1, min(max_inner, math.ceil(min_sample_s / per_call) if per_call > 0 else max_inner))
     samples = []
     for _ in range(iters):
         sync()
@@ -431,6 +428,22 @@ def time_fn(
         median_s=statistics.median(samples), min_s=min(samples), mean_s=statistics.fmean(samples),
         stdev_s=statistics.stdev(samples) if len(samples) > 1 else 0.0, samples_s=tuple(samples), inner=inner,
     )
+
+
+def _calibrate(fn: Callable[[], Any], sync: Callable[[], None], min_sample_s: float, max_inner: int) -> float:
+    """Seconds per call of ``fn`` over a loop of 1, 4, 16 ... calls grown until it lasts a fifth of
+    ``min_sample_s`` (or reaches ``max_inner`` calls)."""
+    n = 1
+    while True:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_sample_s / 5 or n >= max_inner:
+            return elapsed / n
+        n = min(n * 4, max_inner)
 
 
 # -- candidates -------------------------------------------------------------------------------------

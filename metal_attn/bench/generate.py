@@ -139,7 +139,8 @@ def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_cachin
     extra = {"steps": eng.stats.steps, "host_build_s": eng.stats.build_seconds,
              "decode_step_ms": statistics.median(gaps) * 1e3 if gaps else None,
              "prefix_hit_rate": eng.blocks.prefix_hits / max(eng.blocks.prefix_queries, 1),
-             "preemptions": eng.stats.preemptions}
+             "preemptions": eng.stats.preemptions,
+             "plans_built": eng.runner.plans_built, "plans_derived": eng.runner.plans_derived}
     if eng.runner.compiled is not None:
         extra |= {"compiled_steps": eng.runner.compiled.steps, "compiled_traces": eng.runner.compiled.traces,
                   "compiled_shrunk_steps": eng.runner.compiled.shrunk_steps,

@@ -65,6 +65,10 @@ class StepRunner:
         #: the step of a decode shape that traces it, ``shrink_after``: the steps a smaller row
         #: bucket runs padded in a larger traced one first (`CompiledDecode`).
         self.compiled = None
+        #: Step plans built on the host (`build_step_plan`) and derived from the step before on the
+        #: device (`next_decode_plan`), so far.
+        self.plans_built = 0
+        self.plans_derived = 0
         if compile_decode:  # a pool of one page serves without padding rows
             pad = blocks.reserve("padding rows of compiled decode steps") if blocks.num_free > 1 else None
             self.compiled = CompiledDecode(model, pad_block=pad, trace_after=trace_after, shrink_after=shrink_after)
@@ -74,13 +78,18 @@ class StepRunner:
         sampled tokens are this step's inputs wherever a request's newest token is pending."""
         t0 = time.perf_counter()
         rows = out.rows
-        plan = self._next_decode_plan(rows, previous) or build_step_plan(
-            [r.request.id for r in rows],
-            [r.start for r in rows],
-            [r.num_tokens for r in rows],
-            [self.blocks.table(r.request.id) for r in rows],
-            self.blocks.block_size,
-        )
+        plan = self._next_decode_plan(rows, previous)
+        if plan is None:
+            plan = build_step_plan(
+                [r.request.id for r in rows],
+                [r.start for r in rows],
+                [r.num_tokens for r in rows],
+                [self.blocks.table(r.request.id) for r in rows],
+                self.blocks.block_size,
+            )
+            self.plans_built += 1
+        else:
+            self.plans_derived += 1
         tokens = self._input_tokens(rows, previous)
         ends = np.cumsum([r.num_tokens for r in rows]) - 1
         sampling = [(i, r) for i, r in enumerate(rows) if r.samples]
