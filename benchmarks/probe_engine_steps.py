@@ -39,11 +39,12 @@ def one_run(model, c: int, prompt_len: int, gen: int, budget: int, seed: int) ->
         traces = compiled.traces if compiled else 0
         n_steps = compiled.steps if compiled else 0
         built = eng.runner.plans_built
-        flights = len(eng._inflight)
+        flights = len(eng.in_flight)
         eng.step()
         now = time.perf_counter()
         # The step launched by this call is the newest in flight (pipelined), if any was launched.
-        fl = eng._inflight[-1] if len(eng._inflight) >= flights and eng._inflight else None
+        launched = eng.in_flight
+        fl = launched[-1] if launched and len(launched) >= flights else None
         rows = fl.output.rows if fl is not None else ()
         steps.append({
             "gap_ms": (now - last) * 1e3,

@@ -242,7 +242,7 @@ def test_random_workloads_keep_the_invariants(llama, actions, num_blocks, budget
         steps += 1
         eng.blocks.check_invariants()
         assert len(eng.scheduler.running) <= cap
-        for flight in eng._inflight:
+        for flight in eng.in_flight:
             out = flight.output
             assert out.num_tokens <= budget
             ones = [r.num_tokens == 1 for r in out.rows]

@@ -212,6 +212,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._inflight) or any(not r.finished for r in self.requests.values())
 
+    @property
+    def in_flight(self) -> tuple[InFlight, ...]:
+        """The steps launched and not yet completed, oldest first: each one's scheduled rows
+        (``output``), step plan and host timings. With pipelining on, the newest is the step the
+        last `step` call launched."""
+        return tuple(self._inflight)
+
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
