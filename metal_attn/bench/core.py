@@ -394,8 +394,9 @@ def time_fn(
     """Median per-call time of ``fn`` (``mx.eval`` inside for MLX, so the call's work is done).
 
     ``warmup`` calls first (at least one: MLX compiles each kernel on its first
-    call); the last of them is two calibration loops, each growing until it lasts a
-    fifth of ``min_sample_s``. Then ``iters`` samples; each is ``sync(); t0;
+    call); the last of them is two calibration loops (`_calibrate`), each growing until
+    it lasts a fifth of ``min_sample_s`` over at least `MIN_CALIBRATION_CALLS` calls.
+    Then ``iters`` samples; each is ``sync(); t0;
     inner calls; sync(); t1`` divided by ``inner``, with ``inner`` chosen so a
     sample lasts at least ``min_sample_s``: on GPUs a lone call is dominated by
     launch and synchronization latency (measured on the H200: one blocking MLX
@@ -406,7 +407,9 @@ def time_fn(
     the samples would hold two or three calls, so a pipelined sample would time the
     wait more than the queue. On the H200 (prefill-gpu --pipelined, the 1,024-row chunk
     after 7K), ``auto``, measured first, sampled 2-3 calls and read 288-378 TFLOP/s; the
-    same route measured right after it sampled 4-7 and read 368-454.
+    same route measured right after it sampled 4-7 and read 368-454. A loop of one call
+    sizes the samples from the call's latency rather than its rate, so a loop holds at
+    least four calls unless one call alone fills a sample.
     """
     _positive("iters", iters)
     _positive("max_inner", max_inner)
@@ -430,9 +433,15 @@ def time_fn(
     )
 
 
+#: Fewest calls a calibration loop times unless one call alone lasts a whole sample: a lone call
+#: and its wait time a queued call's latency, not its rate.
+MIN_CALIBRATION_CALLS = 4
+
+
 def _calibrate(fn: Callable[[], Any], sync: Callable[[], None], min_sample_s: float, max_inner: int) -> float:
     """Seconds per call of ``fn`` over a loop of 1, 4, 16 ... calls grown until it lasts a fifth of
-    ``min_sample_s`` (or reaches ``max_inner`` calls)."""
+    ``min_sample_s`` with at least `MIN_CALIBRATION_CALLS` calls (or one call lasts ``min_sample_s``,
+    or the loop reaches ``max_inner`` calls)."""
     n = 1
     while True:
         sync()
@@ -441,7 +450,8 @@ def _calibrate(fn: Callable[[], Any], sync: Callable[[], None], min_sample_s: fl
             fn()
         sync()
         elapsed = time.perf_counter() - t0
-        if elapsed >= min_sample_s / 5 or n >= max_inner:
+        long_enough = elapsed >= min_sample_s / 5 and (n >= MIN_CALIBRATION_CALLS or elapsed >= min_sample_s)
+        if long_enough or n >= max_inner:
             return elapsed / n
         n = min(n * 4, max_inner)
 
