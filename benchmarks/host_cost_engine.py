@@ -81,20 +81,22 @@ def trace_engine(eng: Engine, steps: int) -> dict:
 
     events = trace_events(run)
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    api: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
-            api.setdefault(e["name"], []).append(float(e["dur"]))
-    calls = sorted(((n, len(d) / steps, sum(d) / steps) for n, d in api.items()), key=lambda x: -x[2])
-    by_kernel: dict[str, list[float]] = {}
-    for e in kernels:
-        by_kernel.setdefault(e["name"][:120], []).append(float(e.get("dur", 0.0)))
-    per_kernel = sorted(((n, len(d) / steps, sum(d) / steps) for n, d in by_kernel.items()), key=lambda x: -x[1])
+    calls = _per_step([e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e], steps)
+    per_kernel = sorted(_per_step(kernels, steps, name_chars=120), key=lambda x: -x[1])
     return {"wall_us_per_step": wall / steps * 1e6, "busy_us_per_step": busy_us(kernels) / steps if kernels else 0.0,
             "kernels_per_step": len(kernels) / steps,
             "api_us_per_step": sum(c[2] for c in calls),
             "api": [{"name": n, "calls_per_step": k, "us_per_step": u} for n, k, u in calls[:15]],
             "kernels": [{"name": n, "per_step": k, "us_per_step": u} for n, k, u in per_kernel[:40]]}
+
+
+def _per_step(events: list[dict], steps: int, name_chars: int | None = None) -> list[tuple[str, float, float]]:
+    """``(name, events a step, µs a step)`` per event name (its first ``name_chars`` characters),
+    most µs first."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e["name"][:name_chars], []).append(float(e.get("dur", 0.0)))
+    return sorted(((n, len(d) / steps, sum(d) / steps) for n, d in by_name.items()), key=lambda x: -x[2])
 
 
 def stock_steps(model, prompt_len: int, steps: int) -> dict[str, list[float]]:

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -61,25 +59,14 @@ PIPELINED = False
 
 
 def _median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
-    """Median ms per call over ``iters`` samples of at least 2 ms each: every call waited for, or with
-    `PIPELINED` every call queued and the sample waited for once (calls overlap the host's next build)."""
-    for _ in range(warmup):
-        mx.eval(fn())
-    samples = []
-    for _ in range(iters):
-        mx.synchronize()
-        t = time.perf_counter()
-        n = 0
-        while True:
-            mx.async_eval(fn())
-            n += 1
-            if not PIPELINED:
-                mx.synchronize()
-            if time.perf_counter() - t > 2e-3:
-                break
-        mx.synchronize()
-        samples.append((time.perf_counter() - t) / n * 1e3)
-    return statistics.median(samples)
+    """Median ms per call (`metal_attn.bench.core.time_fn`): every call waited for, or with
+    `PIPELINED` every call queued and each sample waited for once (calls overlap the host's next build)."""
+    from metal_attn.bench.core import time_fn
+
+    def call() -> None:
+        (mx.async_eval if PIPELINED else mx.eval)(fn())
+
+    return time_fn(call, warmup=warmup, iters=iters).median_s * 1e3
 
 
 def _chunk(ql: int, ctx: int, h: int = 32, kvh: int = 8, d: int = 128, bs: int = 16) -> dict:

@@ -166,16 +166,17 @@ def test_time_fn_sizes_its_samples_from_the_fast_calls_after_a_slow_first_one() 
 
 
 def test_time_fn_calibrates_over_several_calls_unless_one_fills_a_sample() -> None:
-    # A 2 ms call: one call passes a fifth of the 5 ms sample, but a lone call and its wait time
-    # the latency, so each loop goes on from one call to four (5 calls); a 6 ms call fills a sample alone.
-    for pause, loop in ((0.002, 1 + core.MIN_CALIBRATION_CALLS), (0.006, 1)):
+    # Samples of 50 ms. A 12 ms call passes a fifth of a sample alone, but a lone call and its wait
+    # time the latency, so each loop goes on from one call to four (5 calls); a 60 ms call fills a
+    # sample alone (1 call). Sleeps only overrun: the 12 ms one may overrun 4x on a loaded host.
+    for pause, loop in ((0.012, 1 + core.MIN_CALIBRATION_CALLS), (0.06, 1)):
         calls = []
 
         def fn(p=pause, c=calls) -> None:
             c.append(1)
             time.sleep(p)
 
-        t = core.time_fn(fn, warmup=1, iters=1, sync=lambda: None)
+        t = core.time_fn(fn, warmup=1, iters=1, sync=lambda: None, min_sample_s=0.05)
         assert len(calls) == 2 * loop + t.inner, (pause, len(calls), t.inner)
 
 

@@ -31,10 +31,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from metal_attn.engine import EngineConfig
 
 __all__ = ["GenerateResult", "bench_generate", "load_bench_model", "run"]
 
@@ -108,7 +111,8 @@ def _prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> lis
     return [head + rng.integers(1, vocab, size=length).tolist() for _ in range(n)]
 
 
-def suite_engine_config(prompts: list[list[int]], gen: int, *, budget: int = 4096, **overrides: Any) -> Any:
+def suite_engine_config(prompts: list[list[int]], gen: int, *, budget: int = 4096,
+                        **overrides: Any) -> EngineConfig:
     """The suite engine's `EngineConfig` for ``prompts`` generating ``gen`` tokens each: a pool of
     what they need plus two pages a request, a seat for every request, ``budget`` tokens a step;
     ``overrides`` set other fields (``None`` values keep the defaults)."""
