@@ -4,7 +4,9 @@
 `DeviceInfo.preset("h200")`, so admission and plans are the H200's and `compile_eagerly` skips
 its launch) and replaces ``mx.fast.cuda_kernel`` by a factory of `FakeKernel` objects:
 `metal_attn.kernels` assembles, names and caches each kernel as usual, and a launch records its
-arguments and returns lazy zeros of the requested output shapes and dtypes. Nothing is computed:
+arguments and returns lazy zeros of the requested output shapes and dtypes. MLX's fused SDPA,
+which CUDA has and the CPU backend does not, is stood in for by the unfused one
+(``force_fused`` dropped), so the routes that call it (``sdpa_prefill``) build their graphs too. Nothing is computed:
 this is for the host side (what reaches the kernels, and what it costs), never for numerics.
 Used by ``benchmarks/host_cost_python.py`` and the launch-descriptor tests.
 """
@@ -83,19 +85,25 @@ def fake_cuda(dev: DeviceInfo | None = None) -> Iterator[FakeCuda]:
     fake = FakeCuda()
     dev = dev or DeviceInfo.preset("h200")
     real_probe, real_cuda_kernel = device._probed, mx.fast.cuda_kernel
+    real_sdpa = mx.fast.scaled_dot_product_attention
 
     def factory(**spec: Any) -> FakeKernel:
         k = FakeKernel(fake, **spec)
         fake.kernels.append(k)
         return k
 
+    def sdpa(*args: Any, force_fused: bool = False, **kwargs: Any) -> mx.array:
+        return real_sdpa(*args, **kwargs)
+
     kernels.clear_cache()
     device._probed = lambda: dev
     mx.fast.cuda_kernel = factory
+    mx.fast.scaled_dot_product_attention = sdpa
     _epoch.bump()
     try:
         yield fake
     finally:
         device._probed, mx.fast.cuda_kernel = real_probe, real_cuda_kernel
+        mx.fast.scaled_dot_product_attention = real_sdpa
         kernels.clear_cache()
         _epoch.bump()
