@@ -147,6 +147,16 @@ class Settings(BaseSettings):
         ),
     )
 
+    tiled_short_tile: bool = Field(
+        True,
+        validation_alias=_env("tiled_short_tile"),
+        description=(
+            "Tiled prefill kernel on a GPU: a split launch whose chunks are short takes the backend's short-chunk "
+            "tile (providers/tiled_prefill.TILED_SPLIT_RULES short_tiles; CUDA, head 128: 64 query rows for chunks "
+            "of at most 64). 0: the tile of TILE_CONFIGS always."
+        ),
+    )
+
     # -- hardware probe overrides -------------------------------------------------------------
     backend_override: Literal["metal", "cuda", "cpu"] | None = Field(
         None,

@@ -126,6 +126,18 @@ TILED_PARTITION_SIZES = (512, 256, 128)
 
 
 @dataclasses.dataclass(frozen=True)
+class ShortTile:
+    """The tile of a split launch over short chunks: where a batch splits and its longest chunk has at
+    most ``max_rows`` rows, ``config`` replaces `TILE_CONFIGS`' tile (fewer idle simdgroups: a
+    128-row tile over a 64-row chunk leaves half of them without rows), and the partition size
+    aims at ``min_threadgroups_per_core`` of its smaller threadgroups."""
+
+    max_rows: int
+    config: TileConfig
+    min_threadgroups_per_core: float
+
+
+@dataclasses.dataclass(frozen=True)
 class TiledSplitRule:
     """When a tiled launch splits its keys on one backend, and the measurement behind it.
 
@@ -133,13 +145,16 @@ class TiledSplitRule:
     ``max_threadgroups_per_core`` per GPU core and its longest row spans at least two partitions
     of the smallest size. It then takes the largest of ``sizes`` whose threadgroups (tiles x heads x
     partitions) reach ``min_threadgroups_per_core`` per core, else the smallest; never one whose
-    split-KV scratch exceeds `SCRATCH_CAP_BYTES`.
+    split-KV scratch exceeds `SCRATCH_CAP_BYTES`. ``short_tiles`` (per head size): the tile of a
+    split launch whose chunks are all short (`ShortTile`), with ``short_evidence`` behind it.
     """
 
     max_threadgroups_per_core: float
     min_threadgroups_per_core: float
     sizes: tuple[int, ...]
     evidence: str
+    short_tiles: Mapping[int, ShortTile] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    short_evidence: str = ""
 
 
 #: One rule per backend (data; ``explain`` prints the arithmetic). A backend without one never splits.
@@ -151,7 +166,15 @@ TILED_SPLIT_RULES: Mapping[str, TiledSplitRule] = MappingProxyType({
         "16 after 4K 0.547 against 0.242-0.252, 32 after 2K 0.338 against 0.182-0.196, 64 after 2K 0.325 against "
         "0.185-0.199, 128 after 4K 0.602 against 0.292-0.389 (the grid: 1 tile x 32 heads; 512-key partitions "
         "fastest or within 5% of it at every one); 256 rows after 4K (64 threadgroups) 0.604 against 0.457 at "
-        "512; 8 sequences of 4 rows after 2K (256 threadgroups, no split) 0.486 against 0.511-0.607"),
+        "512; 8 sequences of 4 rows after 2K (256 threadgroups, no split) 0.486 against 0.511-0.607",
+        short_tiles=MappingProxyType({128: ShortTile(64, TileConfig(64, 32, rb=2), 2.0)}),
+        short_evidence=(
+            "H200, MLX 0.32.4, bf16, 32/8 heads, head 128, one chunk, bare launches queued (benchmarks/sweep_tiled.py "
+            "--chunks, thirteenth session; docs/bench-h200-prefill.md), us: 64 rows after 2K 77.1 with the 128-row "
+            "tile at 512-key partitions (the rule's choice before it), 59.8 with the 64-row tile at 256 (this rule's "
+            "choice at 2 threadgroups per core; 70.4 at 512); 32 after 2K 68.6 against 64.4 (128; 66.2 at 256); 16 "
+            "after 4K 96.2 against 71.9 (256; 67.5 at 512); 128 after 4K keeps the 128-row tile (137.9 against "
+            "150.7); two 256-row chunks and a 512-row one ran fastest unsplit")),
 })
 
 
@@ -194,15 +217,23 @@ class TiledPrefillProvider(Provider):
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         cfg = tile_config(device.backend, request.head_size)
         decode_spec, partition, split_notes = gc.tiles_decode_part(request, device.backend, device, settings)
-        # exact for one sequence, an upper bound for more (each may end in a partial tile); exact per batch
-        tiles = -(-request.total_q_tokens // cfg.bq) + request.num_seqs - 1
-        notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x {8 * cfg.rb}), BKV={cfg.bkv} keys, "
-                 f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory",
-                 *split_notes]
-        kv_split = 0
+        tiles = tile_count(request, cfg)
+        kv_split, tile_note, split_note = 0, "", None
         if not decode_spec:
-            kv_split, note = split_choice(request, tiles, device, settings)
-            notes.append(note)
+            kv_split, split_note = split_choice(request, tiles, device, settings)
+            short, tile_note = short_tile(request, device, settings) if kv_split else (None, "")
+            if short is not None:  # the short tile's own split (its grid has more tiles when there are sequences)
+                short_tiles = tile_count(request, short.config)
+                short_split, short_note = split_choice(request, short_tiles, device, settings,
+                                                       short.min_threadgroups_per_core)
+                if short_split:
+                    cfg, tiles, kv_split, split_note = short.config, short_tiles, short_split, short_note
+                else:
+                    tile_note = ""
+        notes = [f"tile: BQ={cfg.bq} query rows ({cfg.simdgroups} simdgroups x {8 * cfg.rb}), BKV={cfg.bkv} keys, "
+                 f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory"
+                 + (f" ({tile_note})" if tile_note else ""),
+                 *split_notes, *([split_note] if split_note else [])]
         parts = request.partitions(kv_split) if kv_split else 1
         return Plan(
             provider=self.name,
@@ -300,6 +331,12 @@ class TiledPrefillProvider(Provider):
             out.append(CudaSource(f"tiled_prefill {dt} h{head} split", ROUTE, KERNEL_FILES, _cuda_inputs(dt),
                                   tuple((name, "float32") for name in SPLIT_OUTPUTS),
                                   tuple(kernel_template(dt, head, 16, cfg, 256)), kernel_defines(cfg, split=True)))
+        shorts = sorted(TILED_SPLIT_RULES["cuda"].short_tiles.items())
+        for dt, (head, short) in itertools.product(("float16", "bfloat16"), shorts):
+            out.append(CudaSource(f"tiled_prefill {dt} h{head} split short tile", ROUTE, KERNEL_FILES,
+                                  _cuda_inputs(dt), tuple((name, "float32") for name in SPLIT_OUTPUTS),
+                                  tuple(kernel_template(dt, head, 16, short.config, 256)),
+                                  kernel_defines(short.config, split=True)))
         return out
 
 
@@ -349,10 +386,11 @@ def split_route(partition_size: int) -> str:
     return f"{ROUTE}_ps{partition_size}" if partition_size else ROUTE
 
 
-def split_choice(request: AttentionRequest, tiles: int, device: DeviceInfo,
-                 settings: Settings | None) -> tuple[int, str]:
+def split_choice(request: AttentionRequest, tiles: int, device: DeviceInfo, settings: Settings | None,
+                 min_threadgroups_per_core: float | None = None) -> tuple[int, str]:
     """The partition size of a tiled launch of ``tiles`` tiles for ``request`` (0: unsplit;
-    `TILED_SPLIT_RULES`, or ``METAL_ATTN_TILED_PARTITION_SIZE``), and the arithmetic for ``explain``."""
+    `TILED_SPLIT_RULES`, or ``METAL_ATTN_TILED_PARTITION_SIZE``), and the arithmetic for ``explain``.
+    ``min_threadgroups_per_core`` replaces the rule's own (a `ShortTile`'s)."""
     from metal_attn.request import Phase
 
     if request.phase is Phase.MIXED:
@@ -382,13 +420,40 @@ def split_choice(request: AttentionRequest, tiles: int, device: DeviceInfo,
                f"< {limit:g}, but no size of {list(rule.sizes)} gives 2 partitions of "
                f"max_seq_len={request.max_seq_len} within the scratch cap")
         return 0, f"{head} {why} -> no split"
-    want = rule.min_threadgroups_per_core * cores
+    per_core = rule.min_threadgroups_per_core if min_threadgroups_per_core is None else min_threadgroups_per_core
+    want = per_core * cores
     chosen = next((p for p in sizes if grid * request.partitions(p) >= want), sizes[-1])
     return chosen, (f"{head} < {rule.max_threadgroups_per_core:g}*gpu_cores={limit:g} -> split; partition size "
                     f"{chosen}: threadgroups {grid}*{request.partitions(chosen)}={grid * request.partitions(chosen)} "
                     f"{'>=' if grid * request.partitions(chosen) >= want else '<'} "
-                    f"{rule.min_threadgroups_per_core:g}*gpu_cores={want:g} (TILED_SPLIT_RULES[{device.backend}] "
+                    f"{per_core:g}*gpu_cores={want:g} (TILED_SPLIT_RULES[{device.backend}] "
                     f"takes the largest of {list(rule.sizes)} reaching it, else the smallest)")
+
+
+def tile_count(request: AttentionRequest, config: TileConfig) -> int:
+    """Query tiles of ``config`` over ``request``'s rows: exact for one sequence, an upper bound for
+    more (each may end in a partial tile; the launch counts them exactly per batch)."""
+    return -(-request.total_q_tokens // config.bq) + request.num_seqs - 1
+
+
+def short_tile(request: AttentionRequest, device: DeviceInfo,
+               settings: Settings | None) -> tuple[ShortTile | None, str]:
+    """The `ShortTile` of a split launch for ``request`` (``None``: `TILE_CONFIGS`' tile stays), and
+    why, for ``explain``. The caller has decided that the launch splits."""
+    rule = TILED_SPLIT_RULES.get(device.backend)
+    short = rule.short_tiles.get(request.head_size) if rule is not None else None
+    if short is None:
+        return None, ""
+    where = f"TILED_SPLIT_RULES[{device.backend}].short_tiles[{request.head_size}]"
+    if settings is not None and not settings.tiled_short_tile:
+        return None, f"{where} off (METAL_ATTN_TILED_SHORT_TILE=0)"
+    if request.max_q_len > short.max_rows:
+        return None, ""
+    limit = device.max_threadgroup_memory
+    if limit is not None and short.config.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype]) > limit:
+        return None, f"{where} needs more threadgroup memory than {limit} bytes: the table's tile stays"
+    return short, (f"split launch, longest chunk {request.max_q_len} rows <= {where}.max_rows={short.max_rows}: "
+                   f"the short-chunk tile, {short.min_threadgroups_per_core:g} threadgroups per core")
 
 
 def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,

@@ -295,18 +295,68 @@ def test_case_metadata_matches_its_call_arguments():
 
 
 def test_short_chunk_after_long_context_splits_on_cuda_with_the_arithmetic():
-    # 64 rows after 2,048 tokens at 32/8 heads: one 128-row tile per head, 32 threadgroups on 132 SMs.
-    row = _row(_explain(H200, [64], [2112]))
+    # 128 rows after 4K at 32/8 heads: one 128-row tile per head, 32 threadgroups on 132 SMs; too
+    # many rows for the short-chunk tile, so the table's tile splits at the rule's own target.
+    row = _row(_explain(H200, [128], [4096]))
     rule = tp.TILED_SPLIT_RULES["cuda"]
     grid = 1 * 32
     assert grid < rule.max_threadgroups_per_core * 132
-    want = next(p for p in rule.sizes if grid * -(-2112 // p) >= rule.min_threadgroups_per_core * 132)
+    want = next(p for p in rule.sizes if grid * -(-4096 // p) >= rule.min_threadgroups_per_core * 132)
     assert row.chosen and row.plan.route == f"tiled_prefill_ps{want}", row.plan
     assert row.plan.partition_size == want and row.plan.specialization[-1] == want
-    assert row.plan.grid[2] == -(-2112 // want)
+    assert row.plan.grid == (256, 32, -(-4096 // want)) and row.plan.specialization[5] == (128, 32, 2, False)
     note = next(n for n in row.plan.notes if n.startswith("tiled split:"))
     assert f"tiles*num_heads=1*32=32 < {rule.max_threadgroups_per_core:g}*gpu_cores=132" in note, note
-    assert f"partition size {want}: threadgroups 32*{-(-2112 // want)}=" in note, note
+    assert f"partition size {want}: threadgroups 32*{-(-4096 // want)}=" in note, note
+    assert not any("short-chunk tile" in n for n in row.plan.notes)
+
+
+@pytest.mark.parametrize(("q_len", "seq_len"), [(64, 2112), (32, 2048), (16, 4096), (4, 4096)])
+def test_short_chunks_split_with_the_short_tile_at_its_own_target(q_len, seq_len):
+    """The suite's 64 rows after 2K and the sweep's shorter chunks: the 64-row tile, split until its
+    threadgroups reach the short tile's per-core target, the arithmetic in the notes."""
+    rule = tp.TILED_SPLIT_RULES["cuda"]
+    short = rule.short_tiles[128]
+    row = _row(_explain(H200, [q_len], [seq_len]))
+    want = next((p for p in rule.sizes if 32 * -(-seq_len // p) >= short.min_threadgroups_per_core * 132),
+                rule.sizes[-1])
+    assert row.plan.route == f"tiled_prefill_ps{want}", row.plan.notes
+    assert row.plan.specialization[5] == dataclasses.astuple(short.config)
+    assert row.plan.grid == (short.config.threads, 32, -(-seq_len // want)) and row.plan.threadgroup[0] == 128
+    tile = row.plan.notes[0]
+    assert tile.startswith("tile: BQ=64 query rows (4 simdgroups x 16), BKV=32"), tile
+    assert (f"longest chunk {q_len} rows <= TILED_SPLIT_RULES[cuda].short_tiles[128].max_rows=64: the short-chunk "
+            f"tile, {short.min_threadgroups_per_core:g} threadgroups per core") in tile
+    split = [n for n in row.plan.notes if n.startswith("tiled split:")]
+    assert len(split) == 1 and f"{short.min_threadgroups_per_core:g}*gpu_cores=264" in split[0], split
+
+
+def test_the_short_tile_only_where_a_launch_splits_and_it_is_measured():
+    """No short tile: without a split (many sequences fill the GPU), at head sizes the table does not
+    list, on Metal, with the setting off; a forced split size takes it (the route's size stays forced)."""
+    def tile(row):
+        return row.plan.specialization[5]
+
+    table = dataclasses.astuple(tp.tile_config("cuda", 128))
+    many = _row(_explain(H200, [4] * 8, [2048] * 8))  # 8 tiles x 32 heads = 256 threadgroups: no split
+    assert many.plan.route == "tiled_prefill" and tile(many) == table
+    head64 = _row(_explain(H200, [64], [2112], heads=(32, 8, 64)))
+    assert head64.plan.route.startswith("tiled_prefill_ps") and tile(head64) == dataclasses.astuple(
+        tp.tile_config("cuda", 64))
+    assert _row(_explain(M5, [64], [2112])).plan.specialization[5] == dataclasses.astuple(tp.tile_config("metal", 128))
+    with override_settings(tiled_short_tile=False):
+        off = _row(_explain(H200, [64], [2112]))
+    assert tile(off) == table and off.plan.route == "tiled_prefill_ps512"
+    assert "TILED_SPLIT_RULES[cuda].short_tiles[128] off (METAL_ATTN_TILED_SHORT_TILE=0)" in off.plan.notes[0]
+    with override_settings(tiled_partition_size=512):
+        forced = _row(_explain(H200, [64], [2112]))
+    assert forced.plan.route == "tiled_prefill_ps512" and tile(forced) == dataclasses.astuple(
+        tp.TILED_SPLIT_RULES["cuda"].short_tiles[128].config)
+    # Six chunks of 60 rows at 16 heads: the table's tile splits (at most 3 + 5 = 8 tiles, 128 threadgroups),
+    # the short tile would not (6 + 5 = 11 tiles, 176 >= 132), so the table's tile keeps its split.
+    crowd = _row(_explain(H200, [60] * 6, [2048] * 6, heads=(16, 2, 128)))
+    assert tile(crowd) == table and crowd.plan.route.startswith("tiled_prefill_ps"), crowd.plan.notes
+    assert "short-chunk tile" not in crowd.plan.notes[0]
 
 
 def test_long_prompts_fill_the_gpu_and_do_not_split():

@@ -336,3 +336,31 @@ def test_split_rule_takes_short_chunks_after_long_context():
     else:
         assert rec.route == "tiled_prefill", rec
     assert_close_to_oracle(got, case.oracle(), "bfloat16", label=f"{case.label} {rec.route}")
+
+
+_SHORT = [("bfloat16", 32, 8, False, None, 16), ("float16", 8, 8, True, None, 16), ("bfloat16", 16, 2, True, 700, 32),
+          ("float16", 32, 4, False, None, 8)]
+
+
+@pytest.mark.parametrize(("dtype", "heads", "kv_heads", "sinks", "window", "block"), _SHORT,
+                         ids=[f"{d}-{h}/{k}-sinks{int(s)}-w{w}-b{b}" for d, h, k, s, w, b in _SHORT])
+def test_short_chunk_tile_against_the_oracle(dtype, heads, kv_heads, sinks, window, block):
+    """The rule's short-chunk tile (CUDA, head 128: a 64-row tile where a split launch's chunks have at
+    most 64 rows), at its own partition choice: three short chunks after long context, two of them
+    behind a shared prefix, with sinks and a window in some cases; the tile the plan ran is checked."""
+    import dataclasses
+
+    from metal_attn.providers import tiled_prefill
+
+    case = make_case(q_lens=[64, 17, 40], seq_lens=[2112, 3000, 1800], num_heads=heads, num_kv_heads=kv_heads,
+                     head_size=128, block_size=block, dtype=dtype, sinks=sinks, sliding_window=window,
+                     shared_prefix_blocks=4, seed=heads + block, label=f"short tile {dtype} {heads}/{kv_heads}")
+    with override_settings(tiled_partition_size=0):
+        got = run_case(case, provider="tiled_prefill")
+        rec = diagnostics.last_dispatch()
+        plan = next(r for r in metal_attn.explain(request=rec.request).rows if r.name == "tiled_prefill").plan
+    rule = tiled_prefill.TILED_SPLIT_RULES.get(rec.backend)
+    if rule is not None and 128 in rule.short_tiles and heads * 4 < 132:  # 4 tiles x heads: a split grid
+        assert plan.specialization[5] == dataclasses.astuple(rule.short_tiles[128].config), plan.notes
+        assert rec.route.startswith("tiled_prefill_ps"), rec
+    assert_close_to_oracle(got, case.oracle(), dtype, label=f"{case.label} {rec.route}")
