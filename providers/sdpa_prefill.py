@@ -293,12 +293,84 @@ def _runs(md: AttentionMetadata, first_seq: int) -> list[tuple[int, int, int, in
     return runs
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunLaunch:
+    """One fused SDPA call of `prefill_rows`: ``n`` sequences from ``seq`` on, each ``q_len`` rows
+    ending ``seq_len`` tokens, rows ``row0 .. row0 + rows`` of the query, their ``pages`` pages. On a
+    GPU its three kernels' launches are built once (``gather``, ``first``, ``finish``, with their
+    parameter arrays); ``takes_lead``: its ``sdpa_finish`` writes the lead rows in front.
+    ``table_short``: the block table is narrower than ``pages`` (validation off): NaN rows."""
+
+    seq: int
+    n: int
+    q_len: int
+    seq_len: int
+    row0: int
+    rows: int
+    pages: int
+    table_short: bool
+    takes_lead: bool = False
+    gather: gc.KernelLaunch | None = None
+    gather_params: Any = None
+    first: gc.KernelLaunch | None = None
+    first_params: Any = None
+    finish: gc.KernelLaunch | None = None
+    finish_params: Any = None
+
+
+def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+                 dtype: Any, lead_rows: int, backend: str | None) -> tuple[RunLaunch, ...]:
+    """The fused calls of `prefill_rows` for the batch ``md`` from sequence ``first_seq`` on, with a
+    query of ``q_shape`` over pools of ``k_shape`` in ``dtype`` and ``lead_rows`` lead rows; with a
+    GPU ``backend`` each carries its kernels' launches. Built once per metadata (`gc.cached_launch`),
+    so the layers of a step share it."""
+    import mlx.core as mx
+
+    from metal_attn import kernels
+    from metal_attn.kernels import SIMD_WIDTH
+
+    _, num_heads, _ = q_shape
+    nb, block_size, kvh, head = k_shape
+    width = md.block_tables.shape[1]
+    row0 = sum(md.q_lens_host[:first_seq])
+    out: list[RunLaunch] = []
+    for seq, n, q_len, seq_len in _capped(_runs(md, first_seq), num_heads, kvh):
+        rows, pages = n * q_len, -(-seq_len // block_size)
+        run = RunLaunch(seq, n, q_len, seq_len, row0, rows, pages, pages > width)
+        row0 += rows
+        if backend is None or run.table_short:
+            out.append(run)
+            continue
+        # The first call takes the lead rows, if the finish's 32-bit indices can hold them too.
+        lead = lead_rows if not out and (lead_rows + rows) * num_heads * SIMD_WIDTH <= MAX_GRID_THREADS else 0
+        gather = gc.kernel_launch(
+            kernels.load_kernel("gather_kv", GATHER_FILES, GATHER_INPUTS, GATHER_OUTPUTS, backend),
+            template=gather_template(dtype, head), grid=(n * seq_len * kvh * SIMD_WIDTH, 1, 1),
+            threadgroup=(GATHER_THREADS, 1, 1),
+            output_shapes=[(n, kvh, seq_len, head), (n, kvh, seq_len, head), (n, kvh, seq_len)],
+            output_dtypes=[dtype, dtype, mx.int32])
+        first = gc.kernel_launch(
+            kernels.load_kernel("first_flagged", FINISH_FILES, FIRST_INPUTS, FIRST_OUTPUTS, backend),
+            template=[("THREADS", FIRST_THREADS)], grid=(n * kvh * FIRST_THREADS, 1, 1),
+            threadgroup=(FIRST_THREADS, 1, 1), output_shapes=[(n * kvh,)], output_dtypes=[mx.int32])
+        finish = gc.kernel_launch(
+            kernels.load_kernel("sdpa_finish", FINISH_FILES, FINISH_INPUTS, FINISH_OUTPUTS, backend),
+            template=finish_template(dtype, head), grid=((lead + rows) * num_heads * SIMD_WIDTH, 1, 1),
+            threadgroup=(FINISH_THREADS, 1, 1), output_shapes=[(lead + rows, num_heads, head)], output_dtypes=[dtype])
+        out.append(dataclasses.replace(
+            run, takes_lead=lead > 0, gather=gather,
+            gather_params=gc.pack_int32((seq, n, seq_len, nb, width, block_size, kvh)),
+            first=first, first_params=gc.pack_int32((seq_len,)), finish=finish,
+            finish_params=gc.pack_int32((q_len, seq_len, n, num_heads, kvh, lead))))
+    return tuple(out)
+
+
 def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: int = 0, backend: str | None = None,
                  force_fused: bool = True, lead: mx.array | None = None) -> list[mx.array]:
     """Outputs of sequences ``first_seq..`` in batch order, one ``[rows, H, D]`` array per run of
-    equal-length sequences: their pages gathered, then one fused SDPA call per run. ``lead``
-    (``[lead_rows, H, D]``, a mixed batch's decode rows) goes in front of the first output: its
-    ``sdpa_finish`` writes it, so a batch of one run needs no concatenation.
+    equal-length sequences: their pages gathered, then one fused SDPA call per run (`run_launches`).
+    ``lead`` (``[lead_rows, H, D]``, a mixed batch's decode rows) goes in front of the first output:
+    its ``sdpa_finish`` writes it, so a batch of one run needs no concatenation.
 
     On a GPU ``backend`` the pages go through the ``gather_kv`` kernel (one pass: the copy, V's
     non-finite elements zeroed, the flags of the NaN contract), and the contract is applied in one
@@ -307,49 +379,43 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     lets MLX use its unfused SDPA (the CPU tests; the provider never does)."""
     import mlx.core as mx
 
-    from metal_attn.kernels import SIMD_WIDTH
+    from metal_attn import _epoch
 
     q, kc, vc = inputs.q, inputs.k_cache, inputs.v_cache
-    block_size, head = kc.shape[1], kc.shape[3]
-    num_heads = q.shape[1]
-    row0 = sum(md.q_lens_host[:first_seq])
+    num_heads, head = q.shape[1], kc.shape[3]
     sinks = inputs.sinks.astype(q.dtype) if inputs.sinks is not None else None
-    width = md.block_tables.shape[1]
-    kvh = kc.shape[2]
+    gpu = backend in ("cuda", "metal")
+    lead_rows = 0 if lead is None else lead.shape[0]
+    key = (_epoch.current(), ROUTE, backend if gpu else None, first_seq, q.shape, kc.shape, q.dtype, lead_rows)
+    runs = gc.cached_launch(md, key, lambda: run_launches(md, first_seq, q.shape, kc.shape, q.dtype, lead_rows,
+                                                          backend if gpu else None))
     outs: list[mx.array] = []
-    for seq, n, q_len, seq_len in _capped(_runs(md, first_seq), num_heads, kvh):
-        rows, pages = n * q_len, -(-seq_len // block_size)
-        if pages > width:  # a table too short for seq_len (only with validation off): nothing to read
-            outs.append(mx.full((rows, num_heads, head), mx.nan, dtype=q.dtype))
-            row0 += rows
+    for r in runs:
+        if r.table_short:  # a table too short for seq_len (only with validation off): nothing to read
+            outs.append(mx.full((r.rows, num_heads, head), mx.nan, dtype=q.dtype))
             continue
-        gpu = backend in ("cuda", "metal")
         if gpu:
-            k, v, bad = launch_gather(kc, vc, md.block_tables, seq, n, seq_len, backend)
+            k, v, bad = r.gather([kc, vc, md.block_tables, r.gather_params])
         else:
-            k, v, bad = gather_with_mlx_ops(kc, vc, md.block_tables[seq:seq + n, :pages], seq_len)
-        q_rows = q[row0:row0 + rows]
-        qs = q_rows.reshape(n, q_len, num_heads, head).transpose(0, 2, 1, 3)
-        o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=inputs.scale, mask="causal" if q_len > 1 else None,
+            k, v, bad = gather_with_mlx_ops(kc, vc, md.block_tables[r.seq:r.seq + r.n, :r.pages], r.seq_len)
+        q_rows = q[r.row0:r.row0 + r.rows]
+        qs = q_rows.reshape(r.n, r.q_len, num_heads, head).transpose(0, 2, 1, 3)
+        o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=inputs.scale, mask="causal" if r.q_len > 1 else None,
                                                  sinks=sinks, force_fused=force_fused)
         # The fused kernel writes its output in the query's layout, so this is packed row order
         # without a copy; a non-finite query element, or an attended flagged position, makes its
         # row NaN (the contract), whatever the fused kernel's arithmetic does with it (an infinite
         # query can give -inf scores everywhere: a silent 0).
-        o = o.transpose(0, 2, 1, 3).reshape(rows, num_heads, head)
+        o = o.transpose(0, 2, 1, 3).reshape(r.rows, num_heads, head)
         if gpu:
-            # The first output takes the lead rows, if the finish's 32-bit indices can hold them too.
-            ahead = lead if lead is not None and not outs and \
-                (lead.shape[0] + rows) * num_heads * SIMD_WIDTH <= MAX_GRID_THREADS else None
-            outs.append(launch_finish(o, q_rows, launch_first_flagged(bad, backend), n, q_len, seq_len, backend,
-                                      lead=ahead))
-            if ahead is not None:
-                lead = None
+            first = r.first([bad, r.first_params])[0]
+            ahead = lead if r.takes_lead else gc.placeholder(o.dtype)
+            outs.append(r.finish([o, q_rows, first, ahead, r.finish_params])[0])
         else:
-            bad_rows = poisoned_rows(bad, q_len, num_heads).transpose(0, 2, 1).reshape(rows, num_heads)
+            bad_rows = poisoned_rows(bad, r.q_len, num_heads).transpose(0, 2, 1).reshape(r.rows, num_heads)
             outs.append(mx.where((bad_rows | ~mx.isfinite(q_rows).all(axis=-1))[..., None], mx.nan, o))
-        row0 += rows
-    return outs if lead is None else [lead, *outs]  # the lead rows as a part of their own
+    led = lead is None or (bool(runs) and runs[0].takes_lead)
+    return outs if led else [lead, *outs]  # the lead rows as a part of their own
 
 
 #: The most threads one launch of ``gather_kv`` or ``sdpa_finish`` may have: their row indices are
@@ -393,60 +459,6 @@ FINISH_THREADS = 128
 def gather_template(dtype: Any, head_size: int) -> list[tuple[str, Any]]:
     """The template arguments of ``gather_kv`` (its block size and KV head count are parameters)."""
     return [("T", dtype), ("HEAD_SIZE", head_size)]
-
-
-def launch_gather(k_cache: mx.array, v_cache: mx.array, block_tables: mx.array, first_seq: int, n: int,
-                  seq_len: int, backend: str) -> tuple[mx.array, mx.array, mx.array]:
-    """``gather_kv`` over sequences ``first_seq .. first_seq + n`` of ``seq_len`` tokens:
-    ``(k, v, bad)``, ``[n, KVH, seq_len, D]`` twice and ``[n, KVH, seq_len]`` int32."""
-    import mlx.core as mx
-
-    from metal_attn import kernels
-
-    nb, bs, kvh, head = k_cache.shape
-    kernel = kernels.load_kernel("gather_kv", GATHER_FILES, GATHER_INPUTS, GATHER_OUTPUTS, backend)
-    params = gc.pack_int32((first_seq, n, seq_len, nb, block_tables.shape[1], bs, kvh))
-    k, v, bad = kernel(
-        inputs=[k_cache, v_cache, block_tables, params],
-        template=gather_template(k_cache.dtype, head),
-        grid=(n * seq_len * kvh * kernels.SIMD_WIDTH, 1, 1), threadgroup=(GATHER_THREADS, 1, 1),
-        output_shapes=[(n, kvh, seq_len, head), (n, kvh, seq_len, head), (n, kvh, seq_len)],
-        output_dtypes=[k_cache.dtype, v_cache.dtype, mx.int32],
-    )
-    return k, v, bad
-
-
-def launch_first_flagged(bad: mx.array, backend: str) -> mx.array:
-    """``first_flagged`` over ``gather_kv``'s flags ``[n, KVH, seq_len]``: ``[n * KVH]`` int32, the
-    first flagged position of each (sequence, KV head), ``seq_len`` when none."""
-    import mlx.core as mx
-
-    from metal_attn import kernels
-
-    n, kvh, seq_len = bad.shape
-    kernel = kernels.load_kernel("first_flagged", FINISH_FILES, FIRST_INPUTS, FIRST_OUTPUTS, backend)
-    return kernel(inputs=[bad, gc.pack_int32((seq_len,))], template=[("THREADS", FIRST_THREADS)],
-                  grid=(n * kvh * FIRST_THREADS, 1, 1), threadgroup=(FIRST_THREADS, 1, 1),
-                  output_shapes=[(n * kvh,)], output_dtypes=[mx.int32])[0]
-
-
-def launch_finish(o: mx.array, q_rows: mx.array, first: mx.array, n: int, q_len: int, seq_len: int,
-                  backend: str, lead: mx.array | None = None) -> mx.array:
-    """``sdpa_finish``: the fused kernel's output ``o`` (``[n * q_len, H, D]``), with NaN in every
-    (row, head) whose query holds a non-finite element or which attends a position ``first``
-    flags for its KV head; after the rows of ``lead`` (``[lead_rows, H, D]``, copied as they are)
-    when given."""
-    from metal_attn import kernels
-
-    rows, num_heads, head = o.shape
-    kvh = first.shape[0] // n
-    lead_rows = 0 if lead is None else lead.shape[0]
-    kernel = kernels.load_kernel("sdpa_finish", FINISH_FILES, FINISH_INPUTS, FINISH_OUTPUTS, backend)
-    return kernel(inputs=[o, q_rows, first, gc.placeholder(o.dtype) if lead is None else lead,
-                          gc.pack_int32((q_len, seq_len, n, num_heads, kvh, lead_rows))],
-                  template=finish_template(o.dtype, head),
-                  grid=((lead_rows + rows) * num_heads * kernels.SIMD_WIDTH, 1, 1), threadgroup=(FINISH_THREADS, 1, 1),
-                  output_shapes=[(lead_rows + rows, num_heads, head)], output_dtypes=[o.dtype])[0]
 
 
 def finish_template(dtype: Any, head_size: int) -> list[tuple[str, Any]]:

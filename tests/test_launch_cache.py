@@ -189,6 +189,33 @@ def test_the_mixed_split_shares_both_descriptors(cuda, builds):
     assert decode["grid"][1] == 8 and decode["output_shapes"][0][0] == 8
 
 
+def test_the_gathered_route_shares_its_run_launches(cuda, monkeypatch):
+    """``sdpa_prefill``'s calls (gather, first_flagged, finish per run of equal sequences) are built once
+    per metadata and call geometry: the layers of a mixed step launch the same templates, grids and
+    parameter arrays with their own pools; the first run's finish writes the decode rows in front."""
+    from metal_attn.providers import sdpa_prefill as sp
+
+    built, real = [], sp.run_launches
+    monkeypatch.setattr(sp, "run_launches", lambda *a: built.append(a) or real(*a))
+    md = _md([4096] * 8 + [2048, 2048, 1024], q_lens=[1] * 8 + [512, 512, 256])
+    layers = [(_q(md), _pool()) for _ in range(3)]
+    outs = [_attend(q, pool, md) for q, pool in layers]
+    assert diagnostics.last_dispatch().route == "sdpa_prefill_decode"
+    assert len(built) == 1 and all(o.shape == (8 + 1280, H, D) for o in outs)
+    gathers, finishes = _of(cuda, "gather_kv"), _of(cuda, "sdpa_finish")
+    assert len(gathers) == len(finishes) == 3 * 2  # two runs a layer: 2 x 512 rows after 2K, 256 after 1K
+    for layer, (_, pool) in enumerate(layers):
+        g0, g1 = gathers[2 * layer].args, gathers[2 * layer + 1].args
+        assert g0["inputs"][0] is pool and g0["inputs"][2] is md.block_tables
+        assert g0["template"] is gathers[0].args["template"] and g0["inputs"][3] is gathers[0].args["inputs"][3]
+        assert _ints(g0["inputs"][3]) == [8, 2, 2048, PAGES, 256, BS, KVH]
+        assert _ints(g1["inputs"][3])[:3] == [10, 1, 1024]
+        f0, f1 = finishes[2 * layer].args, finishes[2 * layer + 1].args
+        assert f0["output_shapes"] == [(8 + 1024, H, D)] and _ints(f0["inputs"][4])[-1] == 8  # lead rows in front
+        assert f1["output_shapes"] == [(256, H, D)] and _ints(f1["inputs"][4])[-1] == 0
+        assert f0["grid"] is finishes[0].args["grid"]
+
+
 def test_gqa_decode_layers_share_one_descriptor(monkeypatch):
     """Forced on a 4-core H200 stand-in (its work budget admits these batches)."""
     from metal_attn.providers import gqa_decode as gq
