@@ -71,12 +71,14 @@ class Case:
 def cases() -> list[Case]:
     dec = lambda b: Shape(b, 32, 8, 128, 4096, "bfloat16")  # noqa: E731
     mixed = Shape.mix([Rows(8, 1, 4096), Rows(1, 256, 1024)], 32, 8, 128)
+    chunk = Shape(1, 32, 8, 128, 2112, "bfloat16", q_len=64)  # the prefill suite's chunk after 2K: split tiles
     return [
         Case("b1 L4096 split", dec(1)),
         Case("b8 L4096 split", dec(8)),
         Case("b1 L4096 unsplit (gpu_cores=1)", dec(1), gpu_cores=1),
         Case("b8 L4096 unsplit (gpu_cores=1)", dec(8), gpu_cores=1),
         Case("mixed 8x1@4096 + 256@1024", mixed),
+        Case("chunk 64@2112", chunk),
     ]
 
 
