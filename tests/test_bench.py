@@ -512,3 +512,29 @@ def test_generate_rounds_alternate_the_order_and_report_the_median_ratio(monkeyp
     assert row["generation_ratio"] == pytest.approx(1.5)
     with pytest.raises(ValueError, match=r"rounds=0 \(allowed: an int >= 1\)"):
         generate.bench_generate(Model(), concurrencies=(1,), rounds=0)
+
+
+def test_a_rotated_run_measures_the_candidates_from_another_place_and_keeps_their_order():
+    """``run_suite(rotate=k)`` (``--repeat`` passes each run's index) starts each shape's measurements
+    ``k`` candidates further along, so no candidate is always measured first; the results keep the
+    candidates' order, so tables and comparisons do not move."""
+    measured: list[tuple[str, str]] = []
+
+    class Recording:
+        kind = "peer"
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def measure(self, case, *, warmup, iters, pipelined=False):
+            measured.append((case.shape.label, self.name))
+            return core.CandidateResult(self.name, self.kind, "skipped", ("recorded",))
+
+    shapes = [Shape(1, 4, 2, 32, 64, "float32"), Shape(2, 4, 2, 32, 64, "float32")]
+    cands = [Recording(n) for n in ("a", "b", "c")]
+    for rotate, want in ((0, "abc"), (1, "bca"), (2, "cab"), (4, "bca")):
+        measured.clear()
+        result = core.run_suite("t", shapes, cands, warmup=1, iters=1, rotate=rotate)
+        assert [n for _, n in measured] == list(want) * 2, rotate
+        assert [label for label, _ in measured] == [shapes[0].label] * 3 + [shapes[1].label] * 3
+        assert all([c.name for c in sr.candidates] == ["a", "b", "c"] for sr in result.results)

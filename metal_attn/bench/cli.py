@@ -464,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
                     s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
                     iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
                     pipelined=getattr(args, "pipelined", False), progress=lambda msg, _s=s: bar.step(_s.name, msg),
-                    on_shape=stream.shape,
+                    on_shape=stream.shape, rotate=i,
                 )
                 this_run.append(suite)
                 results.append(suite)

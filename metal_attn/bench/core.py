@@ -803,6 +803,7 @@ def run_suite(
     pipelined: bool = False,
     progress: Callable[[str], None] | None = None,
     on_shape: Callable[[ShapeResult], None] | None = None,
+    rotate: int = 0,
 ) -> SuiteResult:
     """Measure every candidate on every shape (one case built per shape), in one process and run.
 
@@ -810,7 +811,10 @@ def run_suite(
     ``pipelined=True``: calls are queued (``mx.async_eval``; torch launches) and each sample waits once.
     ``on_shape`` receives each shape's result as soon as it is complete (to print it). A Ctrl-C
     (KeyboardInterrupt) ends the run early: the shapes completed so far are returned, with
-    ``interrupted`` set.
+    ``interrupted`` set. ``rotate``: each shape measures its candidates starting ``rotate`` places
+    further along their list (results keep the list's order). ``--repeat`` passes the run's index,
+    so no candidate is measured first in every run: on the H200 the first candidate of a shape has
+    read up to 1.36x slower than the same route measured next (docs/bench-h200-prefill.md).
     """
     say = progress or (lambda _msg: None)
     out: list[ShapeResult] = []
@@ -818,7 +822,7 @@ def run_suite(
     interrupted = False
     with cpu_cache_limit():
         try:
-            _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out)
+            _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out, rotate)
         except KeyboardInterrupt:
             interrupted = True
     ceiling = next((getattr(c, "summary", None) for c in candidates if c.kind == "ceiling"), None)
@@ -827,8 +831,10 @@ def run_suite(
                        interrupted)
 
 
-def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out) -> None:
+def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out, rotate=0) -> None:
     """`run_suite`'s loop: appends each completed `ShapeResult` to ``out`` (and hands it to ``on_shape``)."""
+    first = rotate % len(candidates) if candidates else 0
+    order = [*range(first, len(candidates)), *range(first)]
     for shape in shapes:
         need = shape.memory_estimate()
         if mem is not None and need > 0.85 * mem:
@@ -840,15 +846,16 @@ def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shap
                 on_shape(sr)
             continue
         case = shape.build(seed=seed)
-        results = []
-        for cand in candidates:
+        results: list[CandidateResult | None] = [None] * len(candidates)
+        for i in order:
+            cand = candidates[i]
             say(f"{shape.label}: {cand.name}")
             try:
                 res = cand.measure(case, warmup=warmup, iters=iters, pipelined=pipelined)
             except Exception as exc:
                 res = CandidateResult(cand.name, getattr(cand, "kind", "peer"), "error",
                                       (f"{type(exc).__name__}: {exc}",))
-            results.append(res)
+            results[i] = res
         sr = ShapeResult(shape, results)
         finish_shape(sr)
         out.append(sr)
