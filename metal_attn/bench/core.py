@@ -813,8 +813,9 @@ def run_suite(
     (KeyboardInterrupt) ends the run early: the shapes completed so far are returned, with
     ``interrupted`` set. ``rotate``: each shape measures its candidates starting ``rotate`` places
     further along their list (results keep the list's order). ``--repeat`` passes the run's index,
-    so no candidate is measured first in every run: on the H200 the first candidate of a shape has
-    read up to 1.36x slower than the same route measured next (docs/bench-h200-prefill.md).
+    so no candidate holds the same place in every run and an order effect (a first-use cost, the
+    GPU's clocks) spreads over them. On the H200 two measurements of one route in one run have read
+    1.19-1.71x apart, measured first or last (docs/bench-h200-prefill.md, thirteenth session).
     """
     say = progress or (lambda _msg: None)
     out: list[ShapeResult] = []
