@@ -319,11 +319,11 @@ class RunLaunch:
 
 
 def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
-                 dtype: Any, lead_rows: int, backend: str | None) -> tuple[RunLaunch, ...]:
+                 dtype: Any, cache_dtype: Any, lead_rows: int, backend: str | None) -> tuple[RunLaunch, ...]:
     """The fused calls of `prefill_rows` for the batch ``md`` from sequence ``first_seq`` on, with a
-    query of ``q_shape`` over pools of ``k_shape`` in ``dtype`` and ``lead_rows`` lead rows; with a
-    GPU ``backend`` each carries its kernels' launches. Built once per metadata (`gc.cached_launch`),
-    so the layers of a step share it."""
+    query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` in ``cache_dtype`` and ``lead_rows``
+    lead rows; with a GPU ``backend`` each carries its kernels' launches. Built once per metadata
+    (`gc.cached_launch`), so the layers of a step share it."""
     import mlx.core as mx
 
     from metal_attn import kernels
@@ -345,10 +345,10 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
         lead = lead_rows if not out and (lead_rows + rows) * num_heads * SIMD_WIDTH <= MAX_GRID_THREADS else 0
         gather = gc.kernel_launch(
             kernels.load_kernel("gather_kv", GATHER_FILES, GATHER_INPUTS, GATHER_OUTPUTS, backend),
-            template=gather_template(dtype, head), grid=(n * seq_len * kvh * SIMD_WIDTH, 1, 1),
+            template=gather_template(cache_dtype, head), grid=(n * seq_len * kvh * SIMD_WIDTH, 1, 1),
             threadgroup=(GATHER_THREADS, 1, 1),
             output_shapes=[(n, kvh, seq_len, head), (n, kvh, seq_len, head), (n, kvh, seq_len)],
-            output_dtypes=[dtype, dtype, mx.int32])
+            output_dtypes=[cache_dtype, cache_dtype, mx.int32])
         first = gc.kernel_launch(
             kernels.load_kernel("first_flagged", FINISH_FILES, FIRST_INPUTS, FIRST_OUTPUTS, backend),
             template=[("THREADS", FIRST_THREADS)], grid=(n * kvh * FIRST_THREADS, 1, 1),
@@ -386,9 +386,10 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     sinks = inputs.sinks.astype(q.dtype) if inputs.sinks is not None else None
     gpu = backend in ("cuda", "metal")
     lead_rows = 0 if lead is None else lead.shape[0]
-    key = (_epoch.current(), ROUTE, backend if gpu else None, first_seq, q.shape, kc.shape, q.dtype, lead_rows)
-    runs = gc.cached_launch(md, key, lambda: run_launches(md, first_seq, q.shape, kc.shape, q.dtype, lead_rows,
-                                                          backend if gpu else None))
+    key = (_epoch.current(), ROUTE, backend if gpu else None, first_seq, q.shape, kc.shape, q.dtype, kc.dtype,
+           lead_rows)
+    runs = gc.cached_launch(md, key, lambda: run_launches(md, first_seq, q.shape, kc.shape, q.dtype, kc.dtype,
+                                                          lead_rows, backend if gpu else None))
     outs: list[mx.array] = []
     for r in runs:
         if r.table_short:  # a table too short for seq_len (only with validation off): nothing to read

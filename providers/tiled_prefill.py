@@ -130,11 +130,13 @@ class ShortTile:
     """The tile of a split launch over short chunks: where a batch splits and its longest chunk has at
     most ``max_rows`` rows, ``config`` replaces `TILE_CONFIGS`' tile (fewer idle simdgroups: a
     128-row tile over a 64-row chunk leaves half of them without rows), and the partition size
-    aims at ``min_threadgroups_per_core`` of its smaller threadgroups."""
+    aims at ``min_threadgroups_per_core`` of its smaller threadgroups. ``evidence``: the
+    measurement behind it."""
 
     max_rows: int
     config: TileConfig
     min_threadgroups_per_core: float
+    evidence: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +148,7 @@ class TiledSplitRule:
     of the smallest size. It then takes the largest of ``sizes`` whose threadgroups (tiles x heads x
     partitions) reach ``min_threadgroups_per_core`` per core, else the smallest; never one whose
     split-KV scratch exceeds `SCRATCH_CAP_BYTES`. ``short_tiles`` (per head size): the tile of a
-    split launch whose chunks are all short (`ShortTile`), with ``short_evidence`` behind it.
+    split launch whose chunks are all short (`ShortTile`).
     """
 
     max_threadgroups_per_core: float
@@ -154,7 +156,6 @@ class TiledSplitRule:
     sizes: tuple[int, ...]
     evidence: str
     short_tiles: Mapping[int, ShortTile] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
-    short_evidence: str = ""
 
 
 #: One rule per backend (data; ``explain`` prints the arithmetic). A backend without one never splits.
@@ -167,14 +168,15 @@ TILED_SPLIT_RULES: Mapping[str, TiledSplitRule] = MappingProxyType({
         "0.185-0.199, 128 after 4K 0.602 against 0.292-0.389 (the grid: 1 tile x 32 heads; 512-key partitions "
         "fastest or within 5% of it at every one); 256 rows after 4K (64 threadgroups) 0.604 against 0.457 at "
         "512; 8 sequences of 4 rows after 2K (256 threadgroups, no split) 0.486 against 0.511-0.607",
-        short_tiles=MappingProxyType({128: ShortTile(64, TileConfig(64, 32, rb=2), 2.0)}),
-        short_evidence=(
+        short_tiles=MappingProxyType({128: ShortTile(64, TileConfig(64, 32, rb=2), 2.0, evidence=(
             "H200, MLX 0.32.4, bf16, 32/8 heads, head 128, one chunk, bare launches queued (benchmarks/sweep_tiled.py "
             "--chunks, thirteenth session; docs/bench-h200-prefill.md), us: 64 rows after 2K 77.1 with the 128-row "
             "tile at 512-key partitions (the rule's choice before it), 59.8 with the 64-row tile at 256 (this rule's "
             "choice at 2 threadgroups per core; 70.4 at 512); 32 after 2K 68.6 against 64.4 (128; 66.2 at 256); 16 "
             "after 4K 96.2 against 71.9 (256; 67.5 at 512); 128 after 4K keeps the 128-row tile (137.9 against "
-            "150.7); two 256-row chunks and a 512-row one ran fastest unsplit")),
+            "150.7); two 256-row chunks unsplit within 0.5% of the best split, a 512-row one fastest unsplit. GPU "
+            "busy at the rule's choice (CUPTI, probe_tiled_split.py, short tile on / off): 64 after 2K 54 / 61 us, 32 "
+            "after 2K 42 / 53, 16 after 4K 63 / 86, 4 after 4K 61 / 85"))})),
 })
 
 

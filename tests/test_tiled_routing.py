@@ -317,6 +317,7 @@ def test_short_chunks_split_with_the_short_tile_at_its_own_target(q_len, seq_len
     threadgroups reach the short tile's per-core target, the arithmetic in the notes."""
     rule = tp.TILED_SPLIT_RULES["cuda"]
     short = rule.short_tiles[128]
+    assert short.evidence and short.config.bq < tp.tile_config("cuda", 128).bq
     row = _row(_explain(H200, [q_len], [seq_len]))
     want = next((p for p in rule.sizes if 32 * -(-seq_len // p) >= short.min_threadgroups_per_core * 132),
                 rule.sizes[-1])
