@@ -5,10 +5,11 @@ The measurements behind ``providers/tiled_prefill.py``'s ``TILED_SPLIT_RULES`` a
 bf16, block 16, one sequence unless marked) through ``paged_attention(provider="tiled_prefill")``
 unsplit, split at each partition size and at the rule's choice, and through ``sdpa_prefill`` with
 its rule opened to every chunk. Per variant: the median wall time of a blocking call (the
-``prefill-gpu`` suite's measure, `metal_attn.bench.core.time_fn`) and the GPU busy time of five
-traced calls (CUPTI through torch, `kernel_trace`; skipped without torch).
+``prefill-gpu`` suite's blocking measure, `metal_attn.bench.core.time_fn`; ``--pipelined``: of a
+queued call, one wait per sample, as a step's layers run) and the GPU busy time of five traced calls
+(CUPTI through torch, `kernel_trace`; skipped without torch).
 
-    python3 benchmarks/probe_tiled_split.py OUT.json [--chunks Q:L[:N],...]
+    python3 benchmarks/probe_tiled_split.py OUT.json [--chunks Q:L[:N],...] [--pipelined]
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--chunks", type=_parse, default=CHUNKS, help="Q:L[:N],... (query rows, context, sequences)")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="time queued calls, one wait per sample (default: every call waited for)")
     args = ap.parse_args()
+    finish = mx.async_eval if args.pipelined else mx.eval
     rows = []
     for q_len, ctx, n in args.chunks:
         shape = Shape(n, 32, 8, 128, ctx, "bfloat16", q_len=q_len)
@@ -90,7 +94,7 @@ def main() -> None:
                     entry[label] = {"refused": str(exc).splitlines()[-1].strip()}
                     continue
                 route = diagnostics.last_dispatch().route
-                wall = time_fn(lambda c=call: mx.eval(c()), warmup=3, iters=7).median_s * 1e3
+                wall = time_fn(lambda c=call: finish(c()), warmup=3, iters=7).median_s * 1e3
                 busy = _busy_us(call)
             entry[label] = {"route": route, "wall_ms": wall, "busy_us": busy,
                             "tflops_wall": shape.flops / (wall * 1e-3) / 1e12}
@@ -103,7 +107,8 @@ def main() -> None:
               flush=True)
         del case
     with open(args.out, "w") as f:
-        json.dump({"device": current_device().describe(), "chunks": rows}, f, indent=1, default=str)
+        json.dump({"device": current_device().describe(), "mode": "pipelined" if args.pipelined else "blocking",
+                   "chunks": rows}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
