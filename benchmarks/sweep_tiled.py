@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from metal_attn.providers import tiled_prefill as tp
 
-from metal_attn.bench.core import Rows, Shape, build_case, pipelined_median_s, rates
+from metal_attn.bench.core import Rows, Shape, build_case, pipelined_median_s, rates, time_fn
 from metal_attn.bench.peers import MlxSdpa
 from metal_attn.device import current_device
 from metal_attn.testing.conformance import rel_l2
@@ -80,7 +80,7 @@ def sweep_chunks(shapes: list[Shape], partitions: tuple[int, ...]) -> list[dict]
         case = build_case(shape)
         peer = MlxSdpa().prepare(case)
         peer.run()
-        peer_s = time_queued(peer.launch)
+        peer_s = time_fn(peer.launch, warmup=3, iters=10).median_s  # the peer queues its own work
         shipped = tp.tile_config(backend, shape.head_size)
 
         def launch(cfg, psize, case=case):
@@ -111,13 +111,6 @@ def sweep_chunks(shapes: list[Shape], partitions: tuple[int, ...]) -> list[dict]
                 rows.append(row)
         case.release()
     return rows
-
-
-def time_queued(launch) -> float:
-    """Median seconds per queued call of ``launch`` (it queues its own work)."""
-    from metal_attn.bench.core import time_fn
-
-    return time_fn(launch, warmup=3, iters=10).median_s
 
 
 def main() -> None:
