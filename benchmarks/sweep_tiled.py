@@ -71,6 +71,12 @@ def _partitions(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _launch(case, backend: str, cfg: tp.TileConfig, partition_size: int = 0) -> mx.array:
+    """One bare tiled launch of ``case`` with tile ``cfg`` (split at ``partition_size`` keys when > 0)."""
+    return tp.launch(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,
+                     sliding_window=None, softcap=None, backend=backend, config=cfg, partition_size=partition_size)
+
+
 def sweep_chunks(shapes: list[Shape], partitions: tuple[int, ...]) -> list[dict]:
     """Every tile shape of `CHUNK_CONFIGS` at every partition size on each batch of ``shapes``, with
     MLX SDPA on contiguous K/V in the same run."""
@@ -82,12 +88,7 @@ def sweep_chunks(shapes: list[Shape], partitions: tuple[int, ...]) -> list[dict]
         peer.run()
         peer_s = time_fn(peer.launch, warmup=3, iters=10).median_s  # the peer queues its own work
         shipped = tp.tile_config(backend, shape.head_size)
-
-        def launch(cfg, psize, case=case):
-            return tp.launch(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,
-                             sliding_window=None, softcap=None, backend=backend, config=cfg, partition_size=psize)
-
-        ref = np.array(launch(shipped, 0).astype(mx.float32))
+        ref = np.array(_launch(case, backend, shipped).astype(mx.float32))
         label = "+".join(f"{r.q_len}@{r.context}" for r in shape.rows)
         print(json.dumps({"batch": label, "mlx_sdpa_us": peer_s * 1e6}), flush=True)
         for bq, bkv, rb in CHUNK_CONFIGS:
@@ -96,9 +97,9 @@ def sweep_chunks(shapes: list[Shape], partitions: tuple[int, ...]) -> list[dict]
                 if psize and (psize % bkv or psize < 2 * bkv or -(-shape.context // psize) < 2):
                     continue
                 try:
-                    got = launch(cfg, psize)
+                    got = _launch(case, backend, cfg, psize)
                     mx.eval(got)
-                    sec = pipelined_median_s(lambda cfg=cfg, psize=psize: launch(cfg, psize))
+                    sec = pipelined_median_s(lambda cfg=cfg, psize=psize, case=case: _launch(case, backend, cfg, psize))
                 except RuntimeError as exc:
                     print(json.dumps({"batch": label, "config": [bq, bkv, rb, psize], "error": str(exc)}))
                     continue
@@ -135,18 +136,13 @@ def shape_sweep(path: str) -> None:
     for shape in SHAPES:
         case = build_case(shape)
         shipped = tp.tile_config(backend, shape.head_size)
-
-        def launch(cfg, case=case):
-            return tp.launch(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale, sinks=None,
-                             sliding_window=None, softcap=None, backend=backend, config=cfg)
-
-        ref = np.array(launch(shipped).astype(mx.float32))
+        ref = np.array(_launch(case, backend, shipped).astype(mx.float32))
         for bq, bkv, rb in CONFIGS[shape.head_size]:
             cfg = tp.TileConfig(bq, bkv, rb)
             try:
-                got = launch(cfg)
+                got = _launch(case, backend, cfg)
                 mx.eval(got)
-                sec = pipelined_median_s(lambda cfg=cfg: launch(cfg))
+                sec = pipelined_median_s(lambda cfg=cfg, case=case: _launch(case, backend, cfg))
             except RuntimeError as exc:  # e.g. more registers than the SM has for this many threads
                 print(json.dumps({"shape": shape.label, "config": [bq, bkv, rb], "error": str(exc)}))
                 continue

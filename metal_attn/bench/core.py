@@ -832,7 +832,7 @@ def run_suite(
                        interrupted)
 
 
-def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out, rotate=0) -> None:
+def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out, rotate) -> None:
     """`run_suite`'s loop: appends each completed `ShapeResult` to ``out`` (and hands it to ``on_shape``)."""
     first = rotate % len(candidates) if candidates else 0
     order = [*range(first, len(candidates)), *range(first)]

@@ -359,8 +359,13 @@ def test_short_chunk_tile_against_the_oracle(dtype, heads, kv_heads, sinks, wind
         got = run_case(case, provider="tiled_prefill")
         rec = diagnostics.last_dispatch()
         plan = next(r for r in metal_attn.explain(request=rec.request).rows if r.name == "tiled_prefill").plan
+    from metal_attn.device import current_device
+
     rule = tiled_prefill.TILED_SPLIT_RULES.get(rec.backend)
-    if rule is not None and 128 in rule.short_tiles and heads * 4 < 132:  # 4 tiles x heads: a split grid
+    cores = current_device().gpu_cores or 0
+    # At most 4 short tiles x heads threadgroups: the batch splits with the short tile where that stays
+    # below the core count (every case here on the H200's 132 cores).
+    if rule is not None and 128 in rule.short_tiles and heads * 4 < cores:
         assert plan.specialization[5] == dataclasses.astuple(rule.short_tiles[128].config), plan.notes
         assert rec.route.startswith("tiled_prefill_ps"), rec
     assert_close_to_oracle(got, case.oracle(), dtype, label=f"{case.label} {rec.route}")
