@@ -329,6 +329,19 @@ def native_module_status() -> dict[str, Any]:
     return {"status": native.status(), "detail": native.unavailable_reason() or "unknown"}
 
 
+def cuda_chains_status() -> dict[str, Any]:
+    """Whether CUDA launches run as chains, one MLX operation each (`metal_attn.cuda_ops`), and why not."""
+    from metal_attn import cuda_ops
+    from metal_attn.settings import get_settings
+
+    reason = cuda_ops.unavailable_reason()
+    if reason is not None:
+        return {"status": "unavailable", "detail": reason}
+    if not get_settings().cuda_chains:
+        return {"status": "off", "detail": "METAL_ATTN_CUDA_CHAINS=0: one mx.fast.cuda_kernel call per kernel"}
+    return {"status": "ok", "detail": getattr(cuda_ops.native(), "__file__", None) or "built in"}
+
+
 def _setting_default(name: str) -> Any:
     from metal_attn.settings import Settings
 
@@ -370,6 +383,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     env = {k: v for k, v in sorted(os.environ.items()) if k.upper().startswith("METAL_ATTN_")
            or k.upper().startswith("VLLM_METAL_")}
     native = native_module_status()
+    chains = cuda_chains_status()
     provs = providers(device)
     smoke = [] if args.no_smoke else _smoke(device)
     registry = get_registry()
@@ -394,6 +408,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         "environment": env,
         "unknown_variables": _check_unknown_env(dict(os.environ)),
         "native_module": native,
+        "cuda_chains": chains,
         "providers": [{k: p[k] for k in ("name", "priority", "backend_priority", "priority_here", "origin", "enabled",
                                          "disabled_reason", "available", "availability_reasons")} for p in provs],
         "kernel_failures": failures,
@@ -414,6 +429,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         con.print(f"warning: {msg}", style="yellow", markup=False)
     con.print(_table("native CPU module (metal_attn._native)", ["status", "detail"],
                      [[native["status"], native["detail"]]]))
+    con.print(_table("CUDA chains (metal_attn._cuda_ops)", ["status", "detail"],
+                     [[chains["status"], chains["detail"]]]))
     con.print(_table("providers", ["name", "origin", "enabled", "available", "reasons"], [
         [p["name"], p["origin"], p["enabled"], p["available"], _why_not(p)] for p in provs
     ]))

@@ -13,8 +13,12 @@ device headers; nvcc has no ``--device-as-default-execution-space``, so the wrap
 ``__device__`` that the prelude's ``#define device`` empties. Nothing runs: numerics, races and
 speed are for ``tests/gpu`` on a GPU. The sources come from every registered provider
 (`Provider.cuda_sources`, built-in and third-party alike), or from those named with ``--provider``.
+With ``--nvrtc LIBNVRTC`` it compiles instead the translation units CUDA chains build at run time
+(`metal_attn.cuda_ops`: no nvcc wrapper, NVRTC's options) with that NVRTC library, which needs no
+GPU either (``pip download nvidia-cuda-nvrtc`` has one).
 Usage: ``python -m metal_attn.cuda_check [--provider NAME ...] [--only REGEX] [--kernels-dir DIR]
-[--resources] [--jobs N]``; exit 1 when a source fails, 2 without nvcc.
+[--resources] [--jobs N] [--nvrtc LIB [--arch sm_90a]]``; exit 1 when a source fails, 2 without a
+compiler.
 """
 
 from __future__ import annotations
@@ -28,26 +32,33 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+from metal_attn.cuda_ops import nvrtc_options, runtime_source, translation_unit
 from metal_attn.source_specs import CudaSource
 
 NVCC_ARGS = ("-std=c++17", "-arch=sm_90a")
-_CT = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t", "int64": "int64_t"}
 #: Restores CUDA's __device__ after the prelude's `#define device` (NVRTC's default-device mode makes it moot).
 _PRE = "#include <cuda_runtime.h>\n#undef __device__\n#define __device__ __attribute__((__device__))\n"
 
 
-def wrapped_source(src: CudaSource) -> str:
-    """The wrapped source (prelude, defines and headers, then one __global__ function)."""
+def _parts(src: CudaSource) -> tuple[str, str, str]:
     from metal_attn import kernels
 
     header, body = kernels.assemble(src.kernel, src.source_files, "cuda", dict(src.defines))
-    name = re.sub(r"\W", "_", src.label)
-    sig = ", ".join([f"const {_CT[t]}* {n}" for n, t in src.inputs] + [f"{_CT[t]}* {n}" for n, t in src.outputs])
-    lines = [f"  using {k} = {_CT[v]};" if isinstance(v, str) and v in _CT else f"  constexpr int {k} = {int(v)};"
-             for k, v in src.template]
-    return f"{_PRE}{header}\nnamespace mlx::core::cu {{\n__global__ void {name}({sig}) {{\n" + "\n".join(lines) \
-        + f"\n{body}\n}}\n}}\n"
+    return re.sub(r"\W", "_", src.label), header, body
+
+
+def wrapped_source(src: CudaSource) -> str:
+    """The wrapped source for nvcc (prelude, defines and headers, then one __global__ function)."""
+    name, header, body = _parts(src)
+    return translation_unit(name, header, body, src.inputs, src.outputs, src.template, preamble=_PRE)
+
+
+def nvrtc_source(src: CudaSource) -> str:
+    """The translation unit a CUDA chain compiles at run time with NVRTC (`metal_attn.cuda_ops`)."""
+    name, header, body = _parts(src)
+    return runtime_source(name, header, body, src.inputs, src.outputs, src.template)
 
 
 def cuda_sources(providers: Sequence[str] | None = None) -> list[CudaSource]:
@@ -73,6 +84,29 @@ def compile_one(src: CudaSource, text: str, workdir: str, nvcc: str, resources: 
     return src, res.returncode, res.stdout + res.stderr
 
 
+def compile_nvrtc(src: CudaSource, text: str, lib: Any, arch: str) -> tuple[CudaSource, int, str]:
+    """NVRTC (``lib``, a ctypes handle of libnvrtc) on one runtime translation unit, as a chain
+    compiles it; (source, NVRTC's result code, its log)."""
+    import ctypes
+
+    name = re.sub(r"\W", "_", src.label)
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), f"{name}.cu".encode(), 0, None, None)
+    if rc:
+        return src, rc, "nvrtcCreateProgram failed"
+    try:
+        lib.nvrtcAddNameExpression(prog, f"mlx::core::cu::{name}".encode())
+        opts = [o.encode() for o in nvrtc_options(arch)]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetProgramLog(prog, log)
+        return src, rc, log.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
 def resources_line(output: str) -> str:
     """ptxas's registers, spills and shared memory from its -v output."""
     regs = re.search(r"Used (\d+) registers", output)
@@ -90,9 +124,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kernels-dir", help="read the kernel texts from this folder (another version, to compare)")
     p.add_argument("--resources", action="store_true", help="print ptxas's registers and spills per kernel")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel nvcc processes")
+    p.add_argument("--nvrtc", metavar="LIBNVRTC",
+                   help="compile the run-time translation units of CUDA chains (metal_attn.cuda_ops) with this "
+                        "libnvrtc.so instead of nvcc's (e.g. the nvidia-cuda-nvrtc wheel's)")
+    p.add_argument("--arch", default="sm_90a", help="--nvrtc's target architecture (default sm_90a)")
     args = p.parse_args(argv)
+    lib = None
+    if args.nvrtc:
+        import ctypes
+
+        try:
+            lib = ctypes.CDLL(args.nvrtc)
+        except OSError as exc:
+            p.error(f"--nvrtc {args.nvrtc!r}: {exc}")
     nvcc = find_nvcc()
-    if nvcc is None:
+    if nvcc is None and lib is None:
         print("cuda_check: nvcc is not on PATH (the CUDA toolkit provides it)", file=sys.stderr)
         return 2
     from metal_attn import kernels
@@ -105,13 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             sources = [s for s in cuda_sources(args.provider) if not args.only or re.search(args.only, s.label)]
         except ProviderRefusedError as exc:
             p.error(str(exc))
-        texts = {s: wrapped_source(s) for s in sources}
+        texts = {s: (nvrtc_source(s) if lib is not None else wrapped_source(s)) for s in sources}
     finally:
         if args.kernels_dir:
             kernels.use_source_dir(None)
             kernels.clear_cache()
     with tempfile.TemporaryDirectory() as work, ThreadPoolExecutor(max(1, args.jobs)) as ex:
-        results = list(ex.map(lambda s: compile_one(s, texts[s], work, nvcc, args.resources), sources))
+        if lib is not None:
+            results = list(ex.map(lambda s: compile_nvrtc(s, texts[s], lib, args.arch), sources))
+        else:
+            results = list(ex.map(lambda s: compile_one(s, texts[s], work, nvcc, args.resources), sources))
     failed = [(s, out) for s, rc, out in results if rc]
     for s, rc, out in results:
         if args.resources and not rc:
@@ -119,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s, out in failed[:10]:
         errors = [ln for ln in out.splitlines() if "error" in ln]
         print(f"FAILED {s.label}:\n  " + "\n  ".join(errors[:8]), file=sys.stderr)
-    print(f"{len(results)} CUDA sources, {len(failed)} failed ({nvcc}, {' '.join(NVCC_ARGS)})")
+    how = f"NVRTC {args.nvrtc}, {' '.join(nvrtc_options(args.arch))}" if lib is not None else \
+        f"{nvcc}, {' '.join(NVCC_ARGS)}"
+    print(f"{len(results)} CUDA sources, {len(failed)} failed ({how})")
     return 1 if failed else 0
 
 

@@ -157,6 +157,16 @@ class Settings(BaseSettings):
         ),
     )
 
+    cuda_chains: bool = Field(
+        True,
+        validation_alias=_env("cuda_chains"),
+        description=(
+            "CUDA: run a per-token call (the kernel and, when split, the reducer) as one MLX operation through "
+            "metal_attn._cuda_ops where that module is built (metal_attn.cuda_ops). 0: one mx.fast.cuda_kernel "
+            "call per kernel."
+        ),
+    )
+
     # -- hardware probe overrides -------------------------------------------------------------
     backend_override: Literal["metal", "cuda", "cpu"] | None = Field(
         None,

@@ -177,6 +177,14 @@ def kernel_launch(kernel: Any, *, template: list, grid: tuple[int, ...], threadg
                                  "output_shapes": output_shapes, "output_dtypes": output_dtypes})
 
 
+def cuda_chains_enabled() -> bool:
+    """Whether CUDA launches run as chains, one MLX operation each (`metal_attn.cuda_ops.enabled`:
+    the module is built and ``METAL_ATTN_CUDA_CHAINS`` is on)."""
+    from metal_attn import cuda_ops
+
+    return cuda_ops.enabled()
+
+
 def cached_launch(md: AttentionMetadata, key: tuple, build: Callable[[], Any]) -> Any:
     """The launch descriptor ``key`` of the batch ``md``, from ``build()`` on first use.
 
@@ -831,7 +839,7 @@ def _launch(
     """`launch_paged` after its checks."""
     launch = per_token_launch(q.shape, q.dtype, k_cache.shape, md, scale=scale, use_sinks=sinks is not None,
                               sliding_window=sliding_window, softcap=softcap, partition_size=partition_size,
-                              backend=backend, geo=geo, prefetch=prefetch, rows=rows)
+                              backend=backend, geo=geo, prefetch=prefetch, rows=rows, pool_dtype=k_cache.dtype)
     return launch(q, k_cache, v_cache, md, sinks)
 
 
@@ -857,11 +865,74 @@ class PerTokenLaunch:
         return self.reduce(max_logits, exp_sums, tmp_out, md, sinks)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChainedPerTokenLaunch:
+    """`PerTokenLaunch` as one MLX operation on CUDA (`metal_attn.cuda_ops`): the per-token kernel
+    and, when split, the reducer, with the partials as the chain's scratch. Same kernel texts,
+    grids and parameters; called the same way."""
+
+    chain: Any
+    params: mx.array
+    fparams: mx.array
+    zero_sinks: mx.array
+    reduce_params: mx.array | None
+
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
+                 sinks: mx.array | None) -> mx.array:
+        inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q,
+                  self.zero_sinks if sinks is None else sinks, self.params, self.fparams]
+        if self.reduce_params is not None:
+            inputs.append(self.reduce_params)
+        return self.chain(inputs)[0]
+
+
+def chained_per_token_launch(
+    dtype: Any, pool_dtype: Any, total: int, num_heads: int, head: int, block_size: int, max_parts: int,
+    partition_size: int, geo: Geometry, prefetch: int, params: mx.array, fparams: mx.array,
+    reduce_params: mx.array | None,
+) -> ChainedPerTokenLaunch:
+    """The `ChainedPerTokenLaunch` of a per-token launch (`per_token_launch` builds both kinds)."""
+    from metal_attn import cuda_ops
+    from metal_attn.api import dtype_name
+
+    split = partition_size > 0
+    dn, pn = dtype_name(dtype), dtype_name(pool_dtype)
+    in_dtypes = [dtype, pool_dtype, pool_dtype, mx.int32, mx.int32, mx.int32, mx.float32, mx.int32, mx.float32]
+    sig = list(zip(PA_INPUTS, (dn, pn, pn, "int32", "int32", "int32", "float32", "int32", "float32")))
+    template = [(k, dtype_name(v) if isinstance(v, mx.Dtype) else v)
+                for k, v in paged_template(dtype, head, block_size, partition_size, geo, prefetch)]
+    grid = cuda_ops.threadgroups((geo.grid_x(num_heads), total, max_parts), (geo.threads, 1, 1))
+    block = (geo.threads, 1, 1)
+    n_in = len(PA_INPUTS) + int(split)
+    if not split:
+        fn = cuda_ops.kernel_function("paged_attention", PAGED_FILES, paged_defines(False, geo), sig,
+                                      [("out", dn)], template)
+        ch = cuda_ops.chain("metal_attn.per_token_ps0", in_dtypes, [((total, num_heads, head), dtype)], [],
+                            [(fn, grid, block, [*range(n_in), n_in], n_in)])
+        return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), None)
+    scratch_spec = split_scratch(total, num_heads, max_parts, head)
+    names = PA_OUTPUTS[1]
+    fn = cuda_ops.kernel_function("paged_attention", PAGED_FILES, paged_defines(True, geo), sig,
+                                  [(n, "float32") for n in names], template)
+    red_sig = list(zip(REDUCE_INPUTS, ("float32", "float32", "float32", "int32", "int32", "float32", "int32")))
+    red = cuda_ops.kernel_function("paged_attention_v2_reduce", PAGED_FILES, None, red_sig, [("out", dn)],
+                                   [(k, dtype_name(v) if isinstance(v, mx.Dtype) else v)
+                                    for k, v in reducer_template(dtype, mx.float32, head, partition_size)])
+    out, ml, es, tmp = n_in, n_in + 1, n_in + 2, n_in + 3  # buffer indices: inputs, the output, the partials
+    launches = [(fn, grid, block, [*range(len(PA_INPUTS)), ml, es, tmp], len(PA_INPUTS)),
+                (red, cuda_ops.threadgroups((num_heads * NUM_THREADS, total, 1), (NUM_THREADS, 1, 1)),
+                 (NUM_THREADS, 1, 1), [ml, es, tmp, 4, 5, 6, len(PA_INPUTS), out], 7)]
+    ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32],
+                        [((total, num_heads, head), dtype)],
+                        list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"])), launches)
+    return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), reduce_params)
+
+
 def per_token_launch(
     q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...], md: AttentionMetadata, *, scale: float,
     use_sinks: bool, sliding_window: int | None, softcap: float | None, partition_size: int, backend: str,
-    geo: Geometry, prefetch: int, rows: int | None,
-) -> PerTokenLaunch:
+    geo: Geometry, prefetch: int, rows: int | None, pool_dtype: Any = None,
+) -> PerTokenLaunch | ChainedPerTokenLaunch:
     """The per-token kernel's launch (and the reducer's when split: ``partition_size`` > 0) for a
     query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` and the batch ``md``; ``rows``: only
     the first rows."""
@@ -872,6 +943,11 @@ def per_token_launch(
     max_parts = _max_parts(md, partition_size, rows)
     params = pack_int32((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq, int(sliding_window or 0),
                          max_parts, int(use_sinks)))
+    if backend == "cuda" and cuda_chains_enabled():
+        reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))) if split else None
+        return chained_per_token_launch(dtype, pool_dtype or dtype, total, num_heads, head, block_size, max_parts,
+                                        partition_size, geo, prefetch, params, pack_scale(scale, softcap),
+                                        reduce_params)
     out = (split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     launch = kernel_launch(per_token_kernel(backend, split, geo),
@@ -897,7 +973,8 @@ def run_per_token(inputs: AttentionInputs, specialization: tuple, rows: int | No
     `launch_paged`); no checks: the plan's geometry is valid by construction. The launch descriptor
     is built once per batch and call geometry (`cached_launch`): the layers of a step share it."""
     q, k_cache, md = inputs.q, inputs.k_cache, inputs.metadata
-    key = (_epoch.current(), "per_token", specialization, rows, q.shape, q.dtype, k_cache.shape, inputs.scale,
+    key = (_epoch.current(), "per_token", specialization, rows, q.shape, q.dtype, k_cache.shape, k_cache.dtype,
+           inputs.scale,
            inputs.softcap, inputs.sliding_window, inputs.sinks is not None)
     launch = md._launches.get(key)
     if launch is None:
@@ -905,7 +982,8 @@ def run_per_token(inputs: AttentionInputs, specialization: tuple, rows: int | No
         launch = cached_launch(md, key, lambda: per_token_launch(
             q.shape, q.dtype, k_cache.shape, md, scale=inputs.scale, use_sinks=inputs.sinks is not None,
             sliding_window=inputs.sliding_window, softcap=inputs.softcap, partition_size=specialization[4],
-            backend=backend, geo=plan_geometry(specialization), prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows))
+            backend=backend, geo=plan_geometry(specialization), prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows,
+            pool_dtype=k_cache.dtype))
     return launch(q, k_cache, inputs.v_cache, md, inputs.sinks)
 
 

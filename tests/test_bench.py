@@ -538,3 +538,45 @@ def test_a_rotated_run_measures_the_candidates_from_another_place_and_keeps_thei
         assert [n for _, n in measured] == list(want) * 2, rotate
         assert [label for label, _ in measured] == [shapes[0].label] * 3 + [shapes[1].label] * 3
         assert all([c.name for c in sr.candidates] == ["a", "b", "c"] for sr in result.results)
+
+
+def test_a_settings_variant_is_measured_under_its_settings_and_named_for_them(tmp_path, capsys, monkeypatch) -> None:
+    from metal_attn.settings import get_settings
+
+    seen: list[tuple[str, int]] = []
+    real = core.ProviderCandidate.prepare
+
+    def prepare(self, case):
+        seen.append((self.name, get_settings().partition_size))
+        return real(self, case)
+
+    monkeypatch.setattr(core.ProviderCandidate, "prepare", prepare)
+    rc, data, out, err = _bench(tmp_path, capsys, "--markdown", "--shapes", "decode b3",
+                                "--candidates", "classic,classic[partition_size=64],reference")
+    assert rc == 0, err
+    assert ("classic", 0) in seen and ("classic", 64) in seen
+    (r,) = data["suites"][0]["results"]
+    c = {x["name"]: x for x in r["candidates"]}
+    assert list(c) == ["classic", "classic[partition_size=64]", "reference"]
+    variant = c["classic[partition_size=64]"]
+    assert variant["status"] == "ok" and variant["kind"] == "variant"
+    assert variant["check"]["ok"] is True
+    assert get_settings().partition_size == 0  # the override ended with the candidate
+    assert "| classic[partition_size=64] |" in out
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("auto[cuda_chains]", "'cuda_chains' is not setting=value"),
+    ("auto[]", "no settings between the brackets"),
+    ("auto[no_such_setting=1]", "unknown setting(s): no_such_setting"),
+    ("auto[partition_size=7]", "partition_size"),
+])
+def test_a_malformed_variant_is_a_usage_error(name: str, message: str, capsys) -> None:
+    assert cli.main(["--suite", "smoke", "--candidates", f"reference,{name}"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_variant_names_parse() -> None:
+    assert core.parse_variant("auto[cuda_chains=0; partition_size = 256]") == (
+        "auto", {"cuda_chains": "0", "partition_size": "256"})
+    assert core.parse_variant("auto") is None

@@ -22,6 +22,7 @@ from metal_attn.bench.core import (
     SuiteResult,
     machine_info,
     run_suite,
+    with_variants,
 )
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
 from metal_attn.cli import int_at_least
@@ -210,6 +211,8 @@ class TableStream:
 
     def shape(self, sr: ShapeResult) -> None:
         """Print one shape's rows (the header with the first)."""
+        from rich.markup import escape
+
         table = self._table(self._printed == 0)
         for j, r in enumerate(sr.candidates):
             style = None if r.ok else ("red" if r.status == "error" else "dim")
@@ -226,7 +229,7 @@ class TableStream:
             for p in self.speed:
                 cells.append(f"{r.speedup[p]:.2f}x" if p in r.speedup else "")
             cells.append(_note(r))
-            table.add_row(*cells, style=style)
+            table.add_row(*(escape(c) for c in cells), style=style)  # names hold [setting=value]
         self.console.print(table)
         lag = sr.auto_vs_fastest
         if lag and lag["marked"]:
@@ -449,7 +452,12 @@ def run(args: argparse.Namespace) -> int:
         if not cand_names:
             print("metal-attn bench: error: --candidates is empty", file=err)
             return 2
-        plan.append((s, shapes, s.resolve(cand_names)))
+        try:
+            cands = with_variants(s.resolve)(cand_names)
+        except ValueError as exc:
+            print(f"metal-attn bench: error: --candidates: {exc}", file=err)
+            return 2
+        plan.append((s, shapes, cands))
     repeat = getattr(args, "repeat", None) or 1
     runs: list[list[SuiteResult]] = []
     total = repeat * sum(len(shapes) * len(c) for _, shapes, c in plan)

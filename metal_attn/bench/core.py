@@ -34,6 +34,7 @@ import gc
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -593,6 +594,73 @@ def apply_metrics(res: CandidateResult, shape: Shape) -> None:
     if res.timing is None or res.timing.median_s <= 0:
         return
     res.gbps, res.tflops = rates(shape, res.timing.median_s)
+
+
+#: ``NAME[setting=value;...]``: candidate NAME measured under those settings (`SettingsVariant`).
+_VARIANT = re.compile(r"^(?P<base>[^\[\]]+)\[(?P<changes>[^\[\]]*)\]$")
+
+
+class SettingsVariant:
+    """A candidate measured under other settings, for same-run A/B figures: ``auto[cuda_chains=0]``
+    is ``auto`` with ``METAL_ATTN_CUDA_CHAINS=0`` for its preparation, calls and cleanup only (an
+    `override_settings` block, so dispatch caches keep the two apart). Its kind is ``variant``:
+    never a route ``auto`` is held to, never stored in baselines."""
+
+    kind = "variant"
+
+    def __init__(self, name: str, base: Any, changes: dict[str, str]) -> None:
+        self.name, self.base, self.changes = name, base, changes
+
+    def measure(self, case: Case, **kwargs: Any) -> CandidateResult:
+        from metal_attn.settings import override_settings
+
+        with override_settings(**self.changes):
+            res = self.base.measure(case, **kwargs)
+        res.name, res.kind = self.name, self.kind
+        return res
+
+
+def parse_variant(name: str) -> tuple[str, dict[str, str]] | None:
+    """``("auto", {"cuda_chains": "0"})`` for ``"auto[cuda_chains=0]"``; ``None`` for a plain name.
+    Raises ValueError naming the candidate when a change is not ``setting=value``."""
+    m = _VARIANT.match(name.strip())
+    if m is None:
+        return None
+    changes: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in m.group("changes").split(";"))):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"candidate {name!r}: {part!r} is not setting=value (e.g. auto[cuda_chains=0])")
+        changes[key.strip()] = value.strip()
+    if not changes:
+        raise ValueError(f"candidate {name!r}: no settings between the brackets (e.g. auto[cuda_chains=0])")
+    return m.group("base").strip(), changes
+
+
+def with_variants(resolve: Callable[[Sequence[str]], list[Any]]) -> Callable[[Sequence[str]], list[Any]]:
+    """``resolve`` extended to ``NAME[setting=value;...]`` names (`SettingsVariant` of NAME's candidate)."""
+
+    def resolve_all(names: Sequence[str]) -> list[Any]:
+        out: list[Any] = []
+        for raw in names:
+            parsed = parse_variant(raw)
+            if parsed is None:
+                out.extend(resolve([raw]))
+                continue
+            base, changes = parsed
+            from metal_attn.errors import SettingsError
+            from metal_attn.settings import override_settings
+
+            try:  # refused now, before any shape is measured
+                with override_settings(**changes):
+                    pass
+            except SettingsError as exc:
+                raise ValueError(f"candidate {raw.strip()!r}: {exc}") from None
+            (cand,) = resolve([base])
+            out.append(SettingsVariant(raw.strip(), cand, changes))
+        return out
+
+    return resolve_all
 
 
 class ProviderCandidate(TimedCandidate):

@@ -190,21 +190,31 @@ def _run_generate_step(model: Any, prompts: list[list[int]], gen: int) -> tuple[
     return wall, first or 0.0, n, [first or 0.0], {}
 
 
+def _run_engine_no_chains(*args: Any, **kw: Any) -> tuple[float, float, int, list[float], dict[str, Any]]:
+    from metal_attn.settings import override_settings
+
+    with override_settings(cuda_chains=False):
+        return _run_engine(*args, **kw)
+
+
 #: Candidates by name; ``engine`` runs the engine's defaults, ``engine_eager`` / ``engine_compiled``
 #: force its compiled decode steps off / on (`EngineConfig.compile_decode`), ``engine_trace_second``
-#: forces them on and traces each decode shape on its second step (`EngineConfig.compile_trace_after`).
+#: forces them on and traces each decode shape on its second step (`EngineConfig.compile_trace_after`),
+#: ``engine_no_chains`` runs the defaults with ``METAL_ATTN_CUDA_CHAINS=0`` (one ``mx.fast`` call per
+#: kernel on CUDA: `metal_attn.cuda_ops`).
 RUNNERS: dict[str, Callable[..., tuple[float, float, int, list[float], dict[str, Any]]]] = {
     "engine": _run_engine,
     "engine_eager": functools.partial(_run_engine, compile_decode=False),
     "engine_compiled": functools.partial(_run_engine, compile_decode=True),
     "engine_trace_second": functools.partial(_run_engine, compile_decode=True, compile_trace_after=2),
+    "engine_no_chains": _run_engine_no_chains,
     "batch_generator": _run_batch_generator,
     "generate_step": _run_generate_step,
 }
 
 
 #: The engine's candidates, whose ratios to the peers are reported.
-ENGINES = ("engine", "engine_eager", "engine_compiled", "engine_trace_second")
+ENGINES = ("engine", "engine_eager", "engine_compiled", "engine_trace_second", "engine_no_chains")
 
 #: What ``--suite generate`` runs unless ``--candidates`` says otherwise (the suite's timed defaults).
 DEFAULT_CANDIDATES = ("engine", "batch_generator", "generate_step")

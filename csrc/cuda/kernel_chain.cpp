@@ -1,0 +1,202 @@
+// metal-attn CUDA ops: KernelChain (see kernel_chain.h).
+#include "kernel_chain.h"
+
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+#include "jit.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/utils.h"
+
+namespace metal_attn_cuda {
+
+namespace {
+
+constexpr int kMaxCopyDims = 8;
+
+// Kernel arguments of the strided copy, passed by value.
+struct CopyShape {
+  long long size;
+  int ndim;
+  long long shape[kMaxCopyDims];
+  long long strides[kMaxCopyDims];
+};
+
+// Copies a strided input into a row-contiguous buffer, as MLX's custom kernels do for inputs
+// that are not row-contiguous; one kernel per element size.
+constexpr const char* kCopySource = R"(
+struct CopyShape { long long size; int ndim; long long shape[8]; long long strides[8]; };
+template <typename T>
+__device__ void strided_copy(const T* in, T* out, CopyShape s) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < s.size;
+       i += (long long)gridDim.x * blockDim.x) {
+    long long rest = i, at = 0;
+    for (int d = s.ndim - 1; d >= 0; --d) {
+      at += (rest % s.shape[d]) * s.strides[d];
+      rest /= s.shape[d];
+    }
+    out[i] = in[at];
+  }
+}
+extern "C" __global__ void ma_copy_1(const unsigned char* in, unsigned char* out, CopyShape s) { strided_copy(in, out, s); }
+extern "C" __global__ void ma_copy_2(const unsigned short* in, unsigned short* out, CopyShape s) { strided_copy(in, out, s); }
+extern "C" __global__ void ma_copy_4(const unsigned int* in, unsigned int* out, CopyShape s) { strided_copy(in, out, s); }
+extern "C" __global__ void ma_copy_8(const unsigned long long* in, unsigned long long* out, CopyShape s) { strided_copy(in, out, s); }
+)";
+
+CUfunction copy_function(int itemsize) {
+  static std::once_flag once;
+  static std::vector<CUfunction> fns;
+  std::call_once(once, [] {
+    auto [image, lowered] = compile_cubin("ma_strided_copy", kCopySource, {}, {"--gpu-architecture=" + device_architecture()});
+    fns = load_functions(image, {"ma_copy_1", "ma_copy_2", "ma_copy_4", "ma_copy_8"});
+  });
+  switch (itemsize) {
+    case 1: return fns[0];
+    case 2: return fns[1];
+    case 4: return fns[2];
+    case 8: return fns[3];
+    default: throw std::runtime_error("metal_attn._cuda_ops: no strided copy for items of " + std::to_string(itemsize) + " bytes");
+  }
+}
+
+mx::array allocated(const mx::Shape& shape, mx::Dtype dtype) {
+  mx::array a(shape, dtype, nullptr, {});
+  a.set_data(mx::allocator::malloc(a.nbytes()));
+  return a;
+}
+
+void encode_copy(mx::cu::CommandEncoder& enc, const mx::array& in, const mx::array& out) {
+  if (in.ndim() > kMaxCopyDims) {
+    throw std::runtime_error("metal_attn._cuda_ops: a non-contiguous input of " + std::to_string(in.ndim()) +
+                             " dimensions (at most " + std::to_string(kMaxCopyDims) + ")");
+  }
+  CopyShape s{};
+  s.size = static_cast<long long>(in.size());
+  s.ndim = static_cast<int>(in.ndim());
+  for (int d = 0; d < s.ndim; ++d) {
+    s.shape[d] = in.shape(d);
+    s.strides[d] = in.strides()[d];
+  }
+  CUdeviceptr src = reinterpret_cast<CUdeviceptr>(mx::gpu_ptr<void>(in));
+  CUdeviceptr dst = reinterpret_cast<CUdeviceptr>(mx::gpu_ptr<void>(out));
+  void* params[] = {&src, &dst, &s};
+  unsigned threads = 256;
+  long long blocks = (s.size + threads - 1) / threads;
+  enc.set_input_array(in);
+  enc.set_output_array(out);
+  enc.add_kernel_node_raw(copy_function(static_cast<int>(in.itemsize())),
+                          dim3(static_cast<unsigned>(std::min<long long>(std::max<long long>(blocks, 1), 65535))),
+                          dim3(threads), dim3(1, 1, 1), 0, params);
+}
+
+}  // namespace
+
+void ChainSpec::validate() const {
+  const int n = static_cast<int>(input_dtypes.size() + outputs.size() + scratch.size());
+  if (outputs.empty()) throw std::invalid_argument("chain " + name + ": outputs is empty (at least one)");
+  if (launches.empty()) throw std::invalid_argument("chain " + name + ": launches is empty (at least one)");
+  for (size_t l = 0; l < launches.size(); ++l) {
+    const Launch& launch = launches[l];
+    if (!launch.function) throw std::invalid_argument("chain " + name + ": launch " + std::to_string(l) + " has no function");
+    if (launch.reads < 0 || launch.reads > static_cast<int>(launch.args.size())) {
+      throw std::invalid_argument("chain " + name + ": launch " + std::to_string(l) + " reads=" +
+                                  std::to_string(launch.reads) + " (allowed: 0.." + std::to_string(launch.args.size()) + ")");
+    }
+    for (int a : launch.args) {
+      if (a < 0 || a >= n) {
+        throw std::invalid_argument("chain " + name + ": launch " + std::to_string(l) + " argument " + std::to_string(a) +
+                                    " (allowed: buffer indices 0.." + std::to_string(n - 1) + ")");
+      }
+    }
+    for (int i = 0; i < 3; ++i) {
+      if (launch.grid[i] == 0 || launch.block[i] == 0) {
+        throw std::invalid_argument("chain " + name + ": launch " + std::to_string(l) + " has an empty grid or block");
+      }
+    }
+  }
+}
+
+void KernelChain::eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("metal_attn._cuda_ops: " + spec_->name + " runs on the GPU only");
+}
+
+bool KernelChain::is_equivalent(const mx::Primitive& other) const {
+  auto* o = dynamic_cast<const KernelChain*>(&other);
+  return o != nullptr && o->spec_ == spec_;
+}
+
+void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const ChainSpec& spec = *spec_;
+  auto& enc = mx::cu::get_command_encoder(stream());
+  std::vector<mx::array> buffers;
+  buffers.reserve(inputs.size() + outputs.size() + spec.scratch.size());
+  for (const auto& in : inputs) {
+    if (in.flags().row_contiguous) {
+      buffers.push_back(in);
+    } else {
+      mx::array c = allocated(in.shape(), in.dtype());
+      encode_copy(enc, in, c);
+      enc.add_temporary(c);
+      buffers.push_back(c);
+    }
+  }
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    buffers.push_back(out);
+  }
+  for (const auto& b : spec.scratch) {
+    mx::array t = allocated(b.shape, b.dtype);
+    enc.add_temporary(t);
+    buffers.push_back(t);
+  }
+  std::vector<CUdeviceptr> pointers;
+  std::vector<void*> params;
+  for (const auto& launch : spec.launches) {
+    const size_t n = launch.args.size();
+    pointers.resize(n);
+    params.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const mx::array& b = buffers[launch.args[i]];
+      pointers[i] = reinterpret_cast<CUdeviceptr>(mx::gpu_ptr<void>(b));
+      params[i] = &pointers[i];
+      if (static_cast<int>(i) < launch.reads) {
+        enc.set_input_array(b);
+      } else {
+        enc.set_output_array(b);
+      }
+    }
+    enc.add_kernel_node_raw(launch.function, dim3(launch.grid[0], launch.grid[1], launch.grid[2]),
+                            dim3(launch.block[0], launch.block[1], launch.block[2]), dim3(1, 1, 1), 0, params.data());
+  }
+}
+
+std::vector<mx::array> run_chain(const std::shared_ptr<const ChainSpec>& spec, const std::vector<mx::array>& inputs) {
+  if (inputs.size() != spec->input_dtypes.size()) {
+    throw std::invalid_argument("chain " + spec->name + ": " + std::to_string(inputs.size()) + " inputs (it takes " +
+                                std::to_string(spec->input_dtypes.size()) + ")");
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].dtype() != spec->input_dtypes[i]) {
+      std::ostringstream msg;
+      msg << "chain " << spec->name << ": input " << i << " has dtype " << inputs[i].dtype() << " (it was built for "
+          << spec->input_dtypes[i] << ")";
+      throw std::invalid_argument(msg.str());
+    }
+  }
+  auto stream = mx::default_stream(mx::default_device());
+  if (stream.device != mx::Device::gpu) {
+    throw std::invalid_argument("chain " + spec->name + ": the default device is the CPU (it runs on the GPU)");
+  }
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (const auto& b : spec->outputs) {
+    shapes.push_back(b.shape);
+    dtypes.push_back(b.dtype);
+  }
+  return mx::array::make_arrays(std::move(shapes), dtypes, std::make_shared<KernelChain>(stream, spec), inputs);
+}
+
+}  // namespace metal_attn_cuda

@@ -1,0 +1,66 @@
+// metal-attn CUDA ops: KernelChain, one MLX primitive that encodes several of our kernels.
+//
+// A chain is data (ChainSpec): the inputs it takes, the outputs it returns, the scratch buffers
+// it allocates for one evaluation, and the launches, each a loaded CUfunction with its grid and
+// the buffers it reads and writes. Evaluating the primitive adds one kernel node per launch to
+// MLX's command encoder, ordered through the buffers as MLX orders its own kernels.
+#pragma once
+
+#include <cuda.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace metal_attn_cuda {
+
+namespace mx = mlx::core;
+
+struct Buffer {
+  mx::Shape shape;
+  mx::Dtype dtype;
+};
+
+struct Launch {
+  CUfunction function;
+  unsigned grid[3];   // threadgroups, not threads
+  unsigned block[3];  // threads per threadgroup
+  // Kernel arguments in order, as buffer indices: [0, inputs) the chain's inputs, then its
+  // outputs, then its scratch. The first `reads` arguments are read, the rest written.
+  std::vector<int> args;
+  int reads;
+};
+
+struct ChainSpec {
+  std::string name;
+  std::vector<mx::Dtype> input_dtypes;
+  std::vector<Buffer> outputs;
+  std::vector<Buffer> scratch;
+  std::vector<Launch> launches;
+
+  // Checks every index and size; throws std::invalid_argument naming what is wrong.
+  void validate() const;
+};
+
+class KernelChain : public mx::Primitive {
+ public:
+  KernelChain(mx::Stream stream, std::shared_ptr<const ChainSpec> spec)
+      : mx::Primitive(stream), spec_(std::move(spec)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return spec_->name.c_str(); }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  std::shared_ptr<const ChainSpec> spec_;
+};
+
+// The chain's outputs over `inputs` (lazy). Throws std::invalid_argument when the inputs do not
+// match the spec (count, dtypes) or the default device is not a GPU.
+std::vector<mx::array> run_chain(const std::shared_ptr<const ChainSpec>& spec, const std::vector<mx::array>& inputs);
+
+}  // namespace metal_attn_cuda

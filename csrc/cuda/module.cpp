@@ -1,0 +1,96 @@
+// nanobind module metal_attn._cuda_ops (NB_DOMAIN mlx, so mx.array and mx.Dtype cross over):
+// compile and load kernel texts, and run chains of them as one MLX primitive on MLX's CUDA backend.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <tuple>
+
+#include "jit.h"
+#include "kernel_chain.h"
+#include "mlx/backend/cuda/device.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mac = metal_attn_cuda;
+namespace mx = mlx::core;
+
+namespace {
+
+using Dims = std::tuple<unsigned, unsigned, unsigned>;
+using BufferSpec = std::pair<std::vector<int>, mx::Dtype>;
+using LaunchSpec = std::tuple<uintptr_t, Dims, Dims, std::vector<int>, int>;
+
+void make_current() {
+  mx::Device d = mx::default_device();
+  if (d.type != mx::Device::gpu) throw std::invalid_argument("metal_attn._cuda_ops: the default device is not a GPU");
+  mx::cu::device(d).make_current();
+}
+
+std::vector<mac::Buffer> buffers(const std::vector<BufferSpec>& specs) {
+  std::vector<mac::Buffer> out;
+  for (const auto& [shape, dtype] : specs) out.push_back({mx::Shape(shape.begin(), shape.end()), dtype});
+  return out;
+}
+
+struct Chain {
+  std::shared_ptr<const mac::ChainSpec> spec;
+};
+
+Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dtypes,
+                 const std::vector<BufferSpec>& outputs, const std::vector<BufferSpec>& scratch,
+                 const std::vector<LaunchSpec>& launches) {
+  auto spec = std::make_shared<mac::ChainSpec>();
+  spec->name = name;
+  spec->input_dtypes = input_dtypes;
+  spec->outputs = buffers(outputs);
+  spec->scratch = buffers(scratch);
+  for (const auto& [fn, grid, block, args, reads] : launches) {
+    mac::Launch l{};
+    l.function = reinterpret_cast<CUfunction>(fn);
+    l.grid[0] = std::get<0>(grid), l.grid[1] = std::get<1>(grid), l.grid[2] = std::get<2>(grid);
+    l.block[0] = std::get<0>(block), l.block[1] = std::get<1>(block), l.block[2] = std::get<2>(block);
+    l.args = args;
+    l.reads = reads;
+    spec->launches.push_back(std::move(l));
+  }
+  spec->validate();
+  return Chain{std::move(spec)};
+}
+
+}  // namespace
+
+NB_MODULE(_cuda_ops, m) {
+  m.doc() = "metal-attn CUDA ops: NVRTC-compiled kernel texts run as one MLX primitive per chain of launches.";
+
+  m.def("nvrtc_version", &mac::nvrtc_version, "NVRTC's (major, minor) version.");
+  m.def("device_architecture", [] { make_current(); return mac::device_architecture(); },
+        "The --gpu-architecture value for the default device (e.g. 'sm_90a').");
+  m.def("compile", [](const std::string& name, const std::string& source, const std::vector<std::string>& names,
+                      const std::vector<std::string>& options) {
+          auto [image, lowered] = mac::compile_cubin(name, source, names, options);
+          return std::make_pair(nb::bytes(image.data(), image.size()), lowered);
+        },
+        "name"_a, "source"_a, "name_expressions"_a, "options"_a,
+        "Compile a CUDA source with NVRTC: (cubin bytes, the lowered names of name_expressions).");
+  m.def("load", [](nb::bytes image, const std::vector<std::string>& symbols) {
+          make_current();
+          std::vector<uintptr_t> out;
+          for (CUfunction f : mac::load_functions(std::string(image.c_str(), image.size()), symbols)) {
+            out.push_back(reinterpret_cast<uintptr_t>(f));
+          }
+          return out;
+        },
+        "image"_a, "symbols"_a, "Load a cubin into the GPU's context; its functions' handles, in order.");
+
+  nb::class_<Chain>(m, "Chain", "A fixed sequence of kernel launches, run as one MLX primitive.")
+      .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
+           "outputs and scratch: (shape, dtype) pairs; launches: (function, grid, block, args, reads), grid in "
+           "threadgroups, args as buffer indices (inputs, then outputs, then scratch), the first `reads` read.")
+      .def("__call__", [](const Chain& c, const std::vector<mx::array>& inputs) { return mac::run_chain(c.spec, inputs); },
+           "inputs"_a, "The chain's outputs over inputs (lazy).")
+      .def_prop_ro("name", [](const Chain& c) { return c.spec->name; });
+}

@@ -1,0 +1,113 @@
+"""CUDA chains (`metal_attn.cuda_ops`): a per-token call as one MLX operation, on MLX's CUDA backend.
+
+The chain runs the same kernel texts as ``mx.fast.cuda_kernel`` with the same grids and parameters,
+so its output must equal the ``mx.fast`` route's bit for bit, and both must match the float64
+oracle. Also: a strided query (the chain copies it, as MLX does for its custom kernels), a compiled
+step, and inputs that do not match what the chain was built for.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from metal_attn.providers import gpu_common
+
+import metal_attn
+from metal_attn import cuda_ops, diagnostics
+from metal_attn.device import detect_backend
+from metal_attn.settings import override_settings
+from metal_attn.testing import assert_close_to_oracle, make_case, run_case
+from metal_attn.testing.overrides import PER_TOKEN_TEST_ROUTES, forced_per_token_route
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(detect_backend() != "cuda", reason="CUDA chains run on MLX's CUDA backend only"),
+    pytest.mark.skipif(detect_backend() == "cuda" and cuda_ops.unavailable_reason() is not None,
+                       reason=f"metal_attn._cuda_ops is not loadable here: {cuda_ops.unavailable_reason()}"),
+]
+
+CASES = [
+    dict(q_lens=[1, 1, 1], seq_lens=[17, 1000, 4096], num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+         dtype="bfloat16", label="gqa4 bf16"),
+    dict(q_lens=[1, 1], seq_lens=[600, 2049], num_heads=16, num_kv_heads=2, head_size=256, block_size=32,
+         dtype="float16", sinks=True, label="gqa8 h256 fp16 sinks"),
+    dict(q_lens=[1, 1], seq_lens=[700, 1500], num_heads=8, num_kv_heads=8, head_size=64, block_size=8,
+         dtype="float32", sliding_window=300, label="mha fp32 window"),
+    dict(q_lens=[1, 3, 1], seq_lens=[513, 40, 1025], num_heads=4, num_kv_heads=2, head_size=96, block_size=16,
+         dtype="bfloat16", softcap=30.0, label="mixed rows softcap"),
+]
+
+
+def _case(spec, seed):
+    return make_case(**spec, seed=seed)
+
+
+def _run(case, route, chains: bool):
+    before = sum(cuda_ops.chains_built.values())
+    with override_settings(cuda_chains=chains), forced_per_token_route(route):
+        out = run_case(case, provider="classic")
+        rec = diagnostics.last_dispatch()
+    return out, rec, sum(cuda_ops.chains_built.values()) - before
+
+
+@pytest.mark.parametrize("route", PER_TOKEN_TEST_ROUTES)
+@pytest.mark.parametrize("spec", CASES, ids=[c["label"] for c in CASES])
+def test_the_chain_equals_the_mx_fast_route_bit_for_bit_and_matches_the_oracle(spec, route):
+    case = _case(spec, seed=7)
+    chained, rec_c, built_c = _run(case, route, True)
+    plain, rec_p, built_p = _run(case, route, False)
+    assert rec_c.route == rec_p.route, (rec_c.route, rec_p.route)
+    assert built_c >= 1 and built_p == 0, (built_c, built_p)
+    np.testing.assert_array_equal(chained, plain, err_msg=f"{case.label} {rec_c.route}")
+    assert_close_to_oracle(chained, case.oracle(), case.dtype, label=f"{case.label} {rec_c.route} chain")
+
+
+def _decode_case():
+    return make_case(q_lens=[1, 1], seq_lens=[300, 900], num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype="bfloat16", seed=3)
+
+
+def _as_f32(x):
+    return np.asarray(x.astype(mx.float32))
+
+
+def test_a_strided_query_is_copied_first_as_mlx_does():
+    case = _decode_case()
+    md = case.metadata()
+    ref = metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
+                                     provider="classic")
+    # The same values through a view that is not row-contiguous: [T, D, H] swapped back to [T, H, D].
+    qt = mx.swapaxes(mx.contiguous(mx.swapaxes(case.q, 1, 2)), 1, 2)
+    got = metal_attn.paged_attention(qt, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
+                                     provider="classic")
+    assert any(isinstance(v, gpu_common.ChainedPerTokenLaunch) for v in md._launches.values())
+    np.testing.assert_array_equal(_as_f32(got), _as_f32(ref))
+
+
+def test_a_compiled_step_replays_the_chain():
+    case = _decode_case()
+    md = case.metadata()
+
+    def layer(q, k, v):
+        return metal_attn.paged_attention(q, k, v, metadata=md, scale=case.scale, provider="classic")
+
+    eager = layer(case.q, case.k_cache, case.v_cache)
+    compiled = mx.compile(layer)
+    for q in (case.q, case.q * 1):
+        np.testing.assert_array_equal(_as_f32(compiled(q, case.k_cache, case.v_cache)), _as_f32(eager))
+
+
+def test_inputs_that_do_not_match_the_chain_are_refused_by_name():
+    case = _decode_case()
+    md = case.metadata()
+    mx.eval(metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
+                                       provider="classic"))
+    launch = next(v for v in md._launches.values() if isinstance(v, gpu_common.ChainedPerTokenLaunch))
+    assert launch.chain.name.startswith("metal_attn.per_token")
+    inputs = [case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, launch.zero_sinks,
+              launch.params, launch.fparams] + ([launch.reduce_params] if launch.reduce_params is not None else [])
+    with pytest.raises(ValueError, match=r"input 0 has dtype .*float16.*built for .*bfloat16"):
+        launch.chain([case.q.astype(mx.float16), *inputs[1:]])
+    with pytest.raises(ValueError, match=r"inputs \(it takes"):
+        launch.chain(inputs[:-1])

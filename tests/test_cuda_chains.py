@@ -1,0 +1,155 @@
+"""CUDA chains' host side (`metal_attn.cuda_ops`), on any machine: what a chained per-token call
+hands the compiled module, against what the ``mx.fast`` route launches for the same call.
+
+The module itself (``csrc/cuda``) runs on MLX's CUDA backend only; its numerics are
+``tests/gpu/test_cuda_chains_gpu.py``'s (bitwise against the ``mx.fast`` route, and the oracle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metal_attn import cuda_ops
+from metal_attn.metadata import AttentionMetadata
+from metal_attn.providers import gpu_common as gc
+from metal_attn.testing.fake_cuda import fake_cuda
+
+
+@dataclasses.dataclass
+class FakeChain:
+    name: str
+    input_dtypes: list
+    outputs: list
+    scratch: list
+    launches: list
+    calls: list = dataclasses.field(default_factory=list)
+
+    def __call__(self, inputs: list) -> list:
+        self.calls.append(inputs)
+        return [mx.zeros(tuple(s), d) for s, d in self.outputs]
+
+
+class FakeModule:
+    Chain = FakeChain
+
+
+@pytest.fixture
+def fake_chains(monkeypatch):
+    """cuda_ops as if the module were built: chains are FakeChain, kernels are numbered specs."""
+    functions: list[dict[str, Any]] = []
+
+    def kernel_function(name, source_files, defines, inputs, outputs, template):
+        functions.append(dict(name=name, defines=defines, inputs=list(inputs), outputs=list(outputs),
+                              template=list(template)))
+        return 1000 + len(functions) - 1
+
+    monkeypatch.setattr(cuda_ops, "native", lambda: FakeModule)
+    monkeypatch.setattr(cuda_ops, "enabled", lambda: True)
+    monkeypatch.setattr(cuda_ops, "kernel_function", kernel_function)
+    return functions
+
+
+def _batch():
+    md = AttentionMetadata.build(np.arange(16, dtype=np.int32).reshape(2, 8), [100, 128], [0, 1, 2], validate=False)
+    return md, (2, 8, 128), (16, 16, 2, 128)
+
+
+def _names(template):
+    from metal_attn.api import dtype_name
+
+    return [(k, dtype_name(v) if isinstance(v, mx.Dtype) else v) for k, v in template]
+
+
+@pytest.mark.parametrize("partition_size", [0, 64])
+def test_a_chained_call_launches_what_the_mx_fast_route_launches(fake_chains, partition_size):
+    md, q_shape, k_shape = _batch()
+    geo = gc.geometry(128, "bfloat16", "cuda", 4, partition_size > 0, None)
+    kw = dict(scale=0.1, use_sinks=True, sliding_window=50, softcap=None, partition_size=partition_size,
+              backend="cuda", geo=geo, prefetch=0, rows=None, pool_dtype=mx.bfloat16)
+    chained = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
+    with fake_cuda():
+        cuda_ops_enabled = cuda_ops.enabled
+        cuda_ops.enabled = lambda: False
+        try:
+            plain = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
+        finally:
+            cuda_ops.enabled = cuda_ops_enabled
+    assert isinstance(chained, gc.ChainedPerTokenLaunch) and isinstance(plain, gc.PerTokenLaunch)
+    ch = chained.chain
+    pt = plain.launch.kwargs
+    # The per-token kernel: same template, grid (in threadgroups), signature and parameters.
+    f0 = fake_chains[0]
+    assert f0["name"] == "paged_attention" and f0["template"] == _names(pt["template"])
+    assert [n for n, _ in f0["inputs"]] == list(gc.PA_INPUTS)
+    assert [n for n, _ in f0["outputs"]] == list(gc.PA_OUTPUTS[int(partition_size > 0)])
+    fn, grid, block, args, reads = ch.launches[0]
+    assert fn == 1000 and block == pt["threadgroup"]
+    assert grid == tuple(-(-g // t) for g, t in zip(pt["grid"], pt["threadgroup"]))
+    assert reads == len(gc.PA_INPUTS) and args[:reads] == list(range(len(gc.PA_INPUTS)))
+    assert chained.params is plain.params and chained.fparams is plain.fparams
+    n_in = len(ch.input_dtypes)
+    if partition_size == 0:
+        assert len(ch.launches) == 1 and ch.scratch == [] and args[reads:] == [n_in]
+        assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in pt["output_shapes"]]
+        return
+    # Split: the partials are the chain's scratch, in the shapes the mx.fast route allocates...
+    assert [tuple(s) for s, _ in ch.scratch] == [tuple(s) for s in pt["output_shapes"]]
+    assert [d for _, d in ch.scratch] == list(pt["output_dtypes"])
+    scratch = list(range(n_in + 1, n_in + 1 + len(ch.scratch)))
+    assert args[reads:] == scratch
+    # ...and the reducer reads them with the batch's lengths, the sinks and its parameters.
+    red = plain.reduce.launch.kwargs
+    f1 = fake_chains[1]
+    assert f1["name"] == "paged_attention_v2_reduce" and f1["template"] == _names(red["template"])
+    fn, grid, block, args, reads = ch.launches[1]
+    assert block == red["threadgroup"]
+    assert grid == tuple(-(-g // t) for g, t in zip(red["grid"], red["threadgroup"]))
+    pa = list(gc.PA_INPUTS)
+    assert args == [*scratch, pa.index("seq_lens"), pa.index("cu_seqlens_q"), pa.index("sinks"), n_in - 1, n_in]
+    assert reads == len(gc.REDUCE_INPUTS)
+    assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in red["output_shapes"]]
+    assert chained.reduce_params is not None and np.array_equal(np.array(chained.reduce_params),
+                                                                np.array(plain.reduce.params))
+
+
+def test_a_chained_call_passes_the_inputs_in_the_kernels_order(fake_chains):
+    md, q_shape, k_shape = _batch()
+    geo = gc.geometry(128, "bfloat16", "cuda", 4, True, None)
+    launch = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, scale=0.1, use_sinks=False, sliding_window=None,
+                                 softcap=None, partition_size=64, backend="cuda", geo=geo, prefetch=0, rows=None)
+    q, k, v = mx.zeros(q_shape, mx.bfloat16), mx.zeros(k_shape, mx.bfloat16), mx.ones(k_shape, mx.bfloat16)
+    launch(q, k, v, md, None)
+    (got,) = launch.chain.calls
+    want = [q, k, v, md.block_tables, md.seq_lens, md.cu_seqlens_q, launch.zero_sinks, launch.params, launch.fparams,
+            launch.reduce_params]
+    assert len(got) == len(want) == len(launch.chain.input_dtypes)
+    assert all(a is b for a, b in zip(got, want))
+    assert [a.dtype for a in got] == launch.chain.input_dtypes
+
+
+def test_without_the_module_chains_are_off_and_say_why():
+    # No machine of CI has MLX's CUDA backend, so the module never loads there.
+    if mx.cuda.is_available():
+        pytest.skip("this process has MLX's CUDA backend")
+    assert cuda_ops.native() is None and not cuda_ops.enabled()
+    assert "CUDA backend" in cuda_ops.unavailable_reason()
+    with pytest.raises(RuntimeError, match="CUDA chains are not available: MLX's CUDA backend"):
+        cuda_ops.chain("x", [], [((1,), mx.float32)], [], [])
+
+
+def test_the_runtime_source_is_the_mx_fast_shape_after_the_nvrtc_preamble():
+    text = cuda_ops.runtime_source("k", "// header\n", "out[0] = a[0];", [("a", "bfloat16"), ("t", "int32")],
+                                   [("out", "float32")], [("T", "bfloat16"), ("N", 4)])
+    assert text.startswith(cuda_ops._PREAMBLE + "// header\n")
+    assert ("namespace mlx::core::cu {\n__global__ void k(const __nv_bfloat16* a, const int32_t* t, float* out) {\n"
+            "  using T = __nv_bfloat16;\n  constexpr int N = 4;\nout[0] = a[0];\n}\n}\n") in text
+
+
+def test_threadgroups_are_the_mx_fast_grid_over_the_threadgroup():
+    assert cuda_ops.threadgroups((1000, 3, 8), (128, 1, 1)) == (8, 3, 8)
+    assert cuda_ops.threadgroups((128, 1, 1), (128, 1, 1)) == (1, 1, 1)
