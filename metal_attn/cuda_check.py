@@ -95,13 +95,19 @@ def compile_nvrtc(src: CudaSource, text: str, lib: Any, arch: str) -> tuple[Cuda
     if rc:
         return src, rc, "nvrtcCreateProgram failed"
     try:
-        lib.nvrtcAddNameExpression(prog, f"mlx::core::cu::{name}".encode())
+        expr = f"mlx::core::cu::{name}".encode()
+        if lib.nvrtcAddNameExpression(prog, expr):
+            return src, 1, "nvrtcAddNameExpression failed"
         opts = [o.encode() for o in nvrtc_options(arch)]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value + 1)
         lib.nvrtcGetProgramLog(prog, log)
+        if rc == 0:  # the kernel a chain loads must exist under the name it asks for
+            lowered = ctypes.c_char_p()
+            if lib.nvrtcGetLoweredName(prog, expr, ctypes.byref(lowered)) or not lowered.value:
+                return src, 1, f"error: no kernel {expr.decode()} in the compiled program"
         return src, rc, log.value.decode(errors="replace")
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from metal_attn import _epoch
+
 #: MLX dtype names to the CUDA types MLX's wrapper writes for them.
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t",
               "uint32": "uint32_t", "int64": "int64_t", "uint8": "uint8_t", "bool": "bool"}
@@ -130,12 +132,14 @@ def runtime_source(func: str, header: str, body: str, inputs: Sequence[tuple[str
 
 
 def _cache_dir() -> Path | None:
-    path = Path(os.environ.get("METAL_ATTN_CUDA_CACHE_DIR") or Path(tempfile.gettempdir()) / "metal_attn" / "cubin")
+    """Where compiled images are kept (per user), or ``None`` when no folder can be made."""
+    default = Path(tempfile.gettempdir()) / f"metal_attn-{os.getuid() if hasattr(os, 'getuid') else 'user'}" / "cubin"
+    path = Path(os.environ.get("METAL_ATTN_CUDA_CACHE_DIR") or default)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
-    return path
+    return path if os.access(path, os.W_OK | os.R_OK) else None
 
 
 @functools.cache
@@ -149,7 +153,27 @@ def compile_function(func: str, source: str) -> int:
     return _compile(func, source)
 
 
-@functools.lru_cache(maxsize=512)
+def _read_cached(path: Path) -> tuple[bytes, str] | None:
+    """A cached ``(image, lowered name)``: one file, the name's line first; ``None`` if absent or unreadable."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    name, sep, image = data.partition(b"\n")
+    return (image, name.decode()) if sep and name and image else None
+
+
+def _write_cached(path: Path, image: bytes, lowered: str) -> None:
+    """Write the pair atomically (a temporary file, then a rename); a failure only loses the cache."""
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_bytes(lowered.encode() + b"\n" + image)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+@functools.cache
 def _compile(func: str, source: str) -> int:
     from metal_attn.errors import KernelCompileError
 
@@ -157,26 +181,26 @@ def _compile(func: str, source: str) -> int:
     if mod is None:
         raise KernelCompileError(f"CUDA chains are not available: {unavailable_reason()}")
     arch = _architecture()
-    major, minor = mod.nvrtc_version()
-    digest = hashlib.sha256(f"{arch}\0{major}.{minor}\0{func}\0{source}".encode()).hexdigest()[:24]
+    options = nvrtc_options(arch)
+    version = "{}.{}".format(*mod.nvrtc_version())
+    digest = hashlib.sha256("\0".join([version, *options, func, source]).encode()).hexdigest()[:24]
     cache = _cache_dir()
-    image_path = cache / f"{func}-{digest}.cubin" if cache else None
-    name_path = cache / f"{func}-{digest}.name" if cache else None
+    path = cache / f"{func}-{digest}.cubin" if cache else None
     with _lock:
+        cached = _read_cached(path) if path else None
+        if cached is not None:
+            try:
+                (fn,) = mod.load(cached[0], [cached[1]])
+                return fn
+            except RuntimeError:  # a damaged entry: compile again and replace it
+                pass
         try:
-            if image_path and image_path.exists() and name_path.exists():
-                image, lowered = image_path.read_bytes(), name_path.read_text()
-            else:
-                options = nvrtc_options(arch)
-                image, (lowered,) = mod.compile(func, source, [f"mlx::core::cu::{func}"], options)
-                if image_path:
-                    tmp = image_path.with_suffix(f".{os.getpid()}.tmp")
-                    tmp.write_bytes(image)
-                    os.replace(tmp, image_path)
-                    name_path.write_text(lowered)
+            image, (lowered,) = mod.compile(func, source, [f"mlx::core::cu::{func}"], options)
             (fn,) = mod.load(image, [lowered])
         except RuntimeError as exc:
             raise KernelCompileError(f"could not build CUDA kernel {func!r}: {exc}") from exc
+        if path:
+            _write_cached(path, image, lowered)
     return fn
 
 
@@ -184,6 +208,15 @@ def kernel_function(name: str, source_files: Sequence[str], defines: Any, inputs
                     outputs: Sequence[tuple[str, str]], template: Sequence[tuple[str, Any]]) -> int:
     """The loaded function of kernel ``name`` of our texts (`metal_attn.kernels.assemble` on CUDA
     with ``defines``), specialized by ``template`` and the ``(name, dtype name)`` signature."""
+    return _kernel_function(_epoch.current()[0], name, tuple(source_files),
+                            defines if defines is None or type(defines) is tuple else tuple(sorted(defines.items())),
+                            tuple(inputs), tuple(outputs), tuple(template))
+
+
+@functools.lru_cache(maxsize=1024)
+def _kernel_function(epoch: int, name: str, source_files: tuple, defines: Any, inputs: tuple, outputs: tuple,
+                     template: tuple) -> int:
+    # `epoch`: kernel sources changing (`metal_attn.kernels.use_source_dir`, `clear_cache`) bump it.
     from metal_attn import kernels
 
     header, body = kernels.assemble(name, source_files, "cuda", defines)
@@ -200,13 +233,16 @@ def threadgroups(grid: Sequence[int], threadgroup: Sequence[int]) -> tuple[int, 
 
 def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[int, ...], Any]],
           scratch: Sequence[tuple[tuple[int, ...], Any]],
-          launches: Sequence[tuple[int, tuple[int, int, int], tuple[int, int, int], Sequence[int], int]]) -> Any:
-    """A ``_cuda_ops.Chain``: call it with the inputs (a list of arrays in ``input_dtypes``) for its
-    outputs. ``launches``: ``(function, grid in threadgroups, threadgroup, argument buffer indices
-    (inputs, then outputs, then scratch), how many of the arguments are read)``."""
+          launches: Sequence[tuple[int, tuple[int, int, int], tuple[int, int, int], Sequence[int], int]],
+          input_shapes: Sequence[tuple[int, ...]] = ()) -> Any:
+    """A ``_cuda_ops.Chain``: call it with the inputs (a list of arrays in ``input_dtypes``, and of
+    ``input_shapes`` when given: each call checks both) for its outputs. ``launches``: ``(function,
+    grid in threadgroups, threadgroup, argument buffer indices (inputs, then outputs, then scratch),
+    how many of the arguments are read)``."""
     mod = native()
     if mod is None:
         raise RuntimeError(f"CUDA chains are not available: {unavailable_reason()}")
     chains_built[name] += 1
     return mod.Chain(name, list(input_dtypes), [(list(s), d) for s, d in outputs], [(list(s), d) for s, d in scratch],
-                     [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches])
+                     [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches],
+                     [list(x) for x in input_shapes])

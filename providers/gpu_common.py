@@ -879,8 +879,12 @@ class ChainedPerTokenLaunch:
 
     def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
                  sinks: mx.array | None) -> mx.array:
-        inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q,
-                  self.zero_sinks if sinks is None else sinks, self.params, self.fparams]
+        if sinks is None:
+            sinks = self.zero_sinks
+        elif sinks.dtype != mx.float32:  # the chain takes float32 sinks (as the reducer always did)
+            sinks = sinks.astype(mx.float32)
+        inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks, self.params,
+                  self.fparams]
         if self.reduce_params is not None:
             inputs.append(self.reduce_params)
         return self.chain(inputs)[0]
@@ -889,9 +893,11 @@ class ChainedPerTokenLaunch:
 def chained_per_token_launch(
     dtype: Any, pool_dtype: Any, total: int, num_heads: int, head: int, block_size: int, max_parts: int,
     partition_size: int, geo: Geometry, prefetch: int, params: mx.array, fparams: mx.array,
-    reduce_params: mx.array | None,
+    reduce_params: mx.array | None, shapes: tuple[tuple[int, ...], ...],
 ) -> ChainedPerTokenLaunch:
-    """The `ChainedPerTokenLaunch` of a per-token launch (`per_token_launch` builds both kinds)."""
+    """The `ChainedPerTokenLaunch` of a per-token launch (`per_token_launch` builds both kinds);
+    ``shapes``: the query's, the pools' and the metadata's (``q``, ``k``, ``v``, ``block_tables``,
+    ``seq_lens``, ``cu_seqlens_q``), which every call of the chain checks."""
     from metal_attn import cuda_ops
     from metal_attn.api import dtype_name
 
@@ -904,11 +910,13 @@ def chained_per_token_launch(
     grid = cuda_ops.threadgroups((geo.grid_x(num_heads), total, max_parts), (geo.threads, 1, 1))
     block = (geo.threads, 1, 1)
     n_in = len(PA_INPUTS) + int(split)
+    in_shapes = [*shapes, (num_heads,), tuple(params.shape), tuple(fparams.shape),
+                 *([tuple(reduce_params.shape)] if split else [])]
     if not split:
         fn = cuda_ops.kernel_function("paged_attention", PAGED_FILES, paged_defines(False, geo), sig,
                                       [("out", dn)], template)
         ch = cuda_ops.chain("metal_attn.per_token_ps0", in_dtypes, [((total, num_heads, head), dtype)], [],
-                            [(fn, grid, block, [*range(n_in), n_in], n_in)])
+                            [(fn, grid, block, [*range(n_in), n_in], n_in)], in_shapes)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), None)
     scratch_spec = split_scratch(total, num_heads, max_parts, head)
     names = PA_OUTPUTS[1]
@@ -924,7 +932,7 @@ def chained_per_token_launch(
                  (NUM_THREADS, 1, 1), [ml, es, tmp, 4, 5, 6, len(PA_INPUTS), out], 7)]
     ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32],
                         [((total, num_heads, head), dtype)],
-                        list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"])), launches)
+                        list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"])), launches, in_shapes)
     return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), reduce_params)
 
 
@@ -947,7 +955,9 @@ def per_token_launch(
         reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))) if split else None
         return chained_per_token_launch(dtype, pool_dtype or dtype, total, num_heads, head, block_size, max_parts,
                                         partition_size, geo, prefetch, params, pack_scale(scale, softcap),
-                                        reduce_params)
+                                        reduce_params, (tuple(q_shape), tuple(k_shape), tuple(k_shape),
+                                                        tuple(md.block_tables.shape), tuple(md.seq_lens.shape),
+                                                        tuple(md.cu_seqlens_q.shape)))
     out = (split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     launch = kernel_launch(per_token_kernel(backend, split, geo),

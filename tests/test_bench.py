@@ -476,7 +476,7 @@ def test_generate_suite_refuses_an_unknown_candidate_before_loading_a_model(caps
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert ("nope unknown for the generate suite (allowed: engine, engine_eager, engine_compiled, engine_trace_second, "
-            "batch_generator, generate_step)") in err
+            "engine_no_chains, batch_generator, generate_step)") in err
 
 
 def test_generate_rounds_alternate_the_order_and_report_the_median_ratio(monkeypatch):

@@ -13,10 +13,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from metal_attn.providers import gpu_common as gc
 
 from metal_attn import cuda_ops
 from metal_attn.metadata import AttentionMetadata
-from metal_attn.providers import gpu_common as gc
 from metal_attn.testing.fake_cuda import fake_cuda
 
 
@@ -27,6 +27,7 @@ class FakeChain:
     outputs: list
     scratch: list
     launches: list
+    input_shapes: list
     calls: list = dataclasses.field(default_factory=list)
 
     def __call__(self, inputs: list) -> list:
@@ -130,6 +131,7 @@ def test_a_chained_call_passes_the_inputs_in_the_kernels_order(fake_chains):
     assert len(got) == len(want) == len(launch.chain.input_dtypes)
     assert all(a is b for a, b in zip(got, want))
     assert [a.dtype for a in got] == launch.chain.input_dtypes
+    assert [tuple(a.shape) for a in got] == [tuple(s) for s in launch.chain.input_shapes]
 
 
 def test_without_the_module_chains_are_off_and_say_why():

@@ -129,6 +129,7 @@ std::pair<std::string, std::vector<std::string>> compile_cubin(
     api.log_size(prog, &size);
     std::string log(size, '\0');
     if (size) api.log(prog, log.data());
+    while (!log.empty() && log.back() == '\0') log.pop_back();
     throw std::runtime_error("metal_attn._cuda_ops: NVRTC could not compile " + name + ": " + log);
   }
   std::vector<std::string> lowered;

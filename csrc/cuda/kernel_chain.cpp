@@ -46,18 +46,16 @@ extern "C" __global__ void ma_copy_4(const unsigned int* in, unsigned int* out, 
 extern "C" __global__ void ma_copy_8(const unsigned long long* in, unsigned long long* out, CopyShape s) { strided_copy(in, out, s); }
 )";
 
+std::once_flag copy_once;
+std::vector<CUfunction> copy_fns;
+
 CUfunction copy_function(int itemsize) {
-  static std::once_flag once;
-  static std::vector<CUfunction> fns;
-  std::call_once(once, [] {
-    auto [image, lowered] = compile_cubin("ma_strided_copy", kCopySource, {}, {"--gpu-architecture=" + device_architecture()});
-    fns = load_functions(image, {"ma_copy_1", "ma_copy_2", "ma_copy_4", "ma_copy_8"});
-  });
+  prepare_copy_kernels();
   switch (itemsize) {
-    case 1: return fns[0];
-    case 2: return fns[1];
-    case 4: return fns[2];
-    case 8: return fns[3];
+    case 1: return copy_fns[0];
+    case 2: return copy_fns[1];
+    case 4: return copy_fns[2];
+    case 8: return copy_fns[3];
     default: throw std::runtime_error("metal_attn._cuda_ops: no strided copy for items of " + std::to_string(itemsize) + " bytes");
   }
 }
@@ -80,6 +78,7 @@ void encode_copy(mx::cu::CommandEncoder& enc, const mx::array& in, const mx::arr
     s.shape[d] = in.shape(d);
     s.strides[d] = in.strides()[d];
   }
+  CUfunction fn = copy_function(static_cast<int>(in.itemsize()));  // before the encoder records anything
   CUdeviceptr src = reinterpret_cast<CUdeviceptr>(mx::gpu_ptr<void>(in));
   CUdeviceptr dst = reinterpret_cast<CUdeviceptr>(mx::gpu_ptr<void>(out));
   void* params[] = {&src, &dst, &s};
@@ -87,15 +86,27 @@ void encode_copy(mx::cu::CommandEncoder& enc, const mx::array& in, const mx::arr
   long long blocks = (s.size + threads - 1) / threads;
   enc.set_input_array(in);
   enc.set_output_array(out);
-  enc.add_kernel_node_raw(copy_function(static_cast<int>(in.itemsize())),
-                          dim3(static_cast<unsigned>(std::min<long long>(std::max<long long>(blocks, 1), 65535))),
+  enc.add_kernel_node_raw(fn, dim3(static_cast<unsigned>(std::min<long long>(std::max<long long>(blocks, 1), 65535))),
                           dim3(threads), dim3(1, 1, 1), 0, params);
 }
 
 }  // namespace
 
+void prepare_copy_kernels() {
+  std::call_once(copy_once, [] {
+    auto [image, lowered] = compile_cubin("ma_strided_copy", kCopySource, {}, {"--gpu-architecture=" + device_architecture()});
+    copy_fns = load_functions(image, {"ma_copy_1", "ma_copy_2", "ma_copy_4", "ma_copy_8"});
+  });
+}
+
 void ChainSpec::validate() const {
+  const int n_in = static_cast<int>(input_dtypes.size());
+  const int n_out = static_cast<int>(outputs.size());
   const int n = static_cast<int>(input_dtypes.size() + outputs.size() + scratch.size());
+  if (!input_shapes.empty() && input_shapes.size() != input_dtypes.size()) {
+    throw std::invalid_argument("chain " + name + ": " + std::to_string(input_shapes.size()) + " input shapes for " +
+                                std::to_string(input_dtypes.size()) + " inputs (one each, or none)");
+  }
   if (outputs.empty()) throw std::invalid_argument("chain " + name + ": outputs is empty (at least one)");
   if (launches.empty()) throw std::invalid_argument("chain " + name + ": launches is empty (at least one)");
   for (size_t l = 0; l < launches.size(); ++l) {
@@ -113,9 +124,38 @@ void ChainSpec::validate() const {
     }
     for (int i = 0; i < 3; ++i) {
       if (launch.grid[i] == 0 || launch.block[i] == 0) {
-        throw std::invalid_argument("chain " + name + ": launch " + std::to_string(l) + " has an empty grid or block");
+        throw std::invalid_argument("chain " + name + ": launch " + std::to_string(l) + " grid (" +
+                                    std::to_string(launch.grid[0]) + ", " + std::to_string(launch.grid[1]) + ", " +
+                                    std::to_string(launch.grid[2]) + ") block (" + std::to_string(launch.block[0]) +
+                                    ", " + std::to_string(launch.block[1]) + ", " + std::to_string(launch.block[2]) +
+                                    ") (allowed: every dimension at least 1)");
       }
     }
+  }
+  // Data flow: inputs are never written (MLX arrays may share them); scratch is written before it is
+  // read; every output is written by some launch.
+  std::vector<bool> written(n, false);
+  for (size_t l = 0; l < launches.size(); ++l) {
+    const Launch& launch = launches[l];
+    for (int i = 0; i < launch.reads; ++i) {
+      int a = launch.args[i];
+      if (a >= n_in + n_out && !written[a]) {
+        throw std::invalid_argument("chain " + name + ": launch " + std::to_string(l) + " reads scratch buffer " +
+                                    std::to_string(a) + " before any launch writes it");
+      }
+    }
+    for (size_t i = launch.reads; i < launch.args.size(); ++i) {
+      int a = launch.args[i];
+      if (a < n_in) {
+        throw std::invalid_argument("chain " + name + ": launch " + std::to_string(l) + " writes input " +
+                                    std::to_string(a) + " (allowed: outputs and scratch, indices " +
+                                    std::to_string(n_in) + ".." + std::to_string(n - 1) + ")");
+      }
+      written[a] = true;
+    }
+  }
+  for (int o = n_in; o < n_in + n_out; ++o) {
+    if (!written[o]) throw std::invalid_argument("chain " + name + ": no launch writes output " + std::to_string(o - n_in));
   }
 }
 
@@ -183,6 +223,12 @@ std::vector<mx::array> run_chain(const std::shared_ptr<const ChainSpec>& spec, c
       std::ostringstream msg;
       msg << "chain " << spec->name << ": input " << i << " has dtype " << inputs[i].dtype() << " (it was built for "
           << spec->input_dtypes[i] << ")";
+      throw std::invalid_argument(msg.str());
+    }
+    if (!spec->input_shapes.empty() && inputs[i].shape() != spec->input_shapes[i]) {
+      std::ostringstream msg;
+      msg << "chain " << spec->name << ": input " << i << " has shape " << inputs[i].shape()
+          << " (it was built for " << spec->input_shapes[i] << ")";
       throw std::invalid_argument(msg.str());
     }
   }

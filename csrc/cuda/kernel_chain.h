@@ -37,11 +37,14 @@ struct Launch {
 struct ChainSpec {
   std::string name;
   std::vector<mx::Dtype> input_dtypes;
+  std::vector<mx::Shape> input_shapes;
   std::vector<Buffer> outputs;
   std::vector<Buffer> scratch;
   std::vector<Launch> launches;
 
-  // Checks every index and size; throws std::invalid_argument naming what is wrong.
+  // Checks every index and size, that no launch writes an input, that every output is written and
+  // that no scratch buffer is read before a launch writes it; throws std::invalid_argument naming
+  // what is wrong.
   void validate() const;
 };
 
@@ -59,8 +62,12 @@ class KernelChain : public mx::Primitive {
   std::shared_ptr<const ChainSpec> spec_;
 };
 
+// Compiles and loads the strided-copy kernels for the current device now (on the caller's thread,
+// so that eval_gpu never compiles); idempotent.
+void prepare_copy_kernels();
+
 // The chain's outputs over `inputs` (lazy). Throws std::invalid_argument when the inputs do not
-// match the spec (count, dtypes) or the default device is not a GPU.
+// match the spec (count, dtypes, shapes) or the default device is not a GPU.
 std::vector<mx::array> run_chain(const std::shared_ptr<const ChainSpec>& spec, const std::vector<mx::array>& inputs);
 
 }  // namespace metal_attn_cuda

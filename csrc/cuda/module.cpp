@@ -42,10 +42,11 @@ struct Chain {
 
 Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dtypes,
                  const std::vector<BufferSpec>& outputs, const std::vector<BufferSpec>& scratch,
-                 const std::vector<LaunchSpec>& launches) {
+                 const std::vector<LaunchSpec>& launches, const std::vector<std::vector<int>>& input_shapes) {
   auto spec = std::make_shared<mac::ChainSpec>();
   spec->name = name;
   spec->input_dtypes = input_dtypes;
+  for (const auto& s : input_shapes) spec->input_shapes.emplace_back(s.begin(), s.end());
   spec->outputs = buffers(outputs);
   spec->scratch = buffers(scratch);
   for (const auto& [fn, grid, block, args, reads] : launches) {
@@ -58,6 +59,8 @@ Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dt
     spec->launches.push_back(std::move(l));
   }
   spec->validate();
+  make_current();
+  mac::prepare_copy_kernels();  // here, so that evaluating a chain never compiles
   return Chain{std::move(spec)};
 }
 
@@ -71,8 +74,12 @@ NB_MODULE(_cuda_ops, m) {
         "The --gpu-architecture value for the default device (e.g. 'sm_90a').");
   m.def("compile", [](const std::string& name, const std::string& source, const std::vector<std::string>& names,
                       const std::vector<std::string>& options) {
-          auto [image, lowered] = mac::compile_cubin(name, source, names, options);
-          return std::make_pair(nb::bytes(image.data(), image.size()), lowered);
+          std::pair<std::string, std::vector<std::string>> got;
+          {
+            nb::gil_scoped_release unlocked;  // NVRTC takes seconds; Python objects only after it
+            got = mac::compile_cubin(name, source, names, options);
+          }
+          return std::make_pair(nb::bytes(got.first.data(), got.first.size()), got.second);
         },
         "name"_a, "source"_a, "name_expressions"_a, "options"_a,
         "Compile a CUDA source with NVRTC: (cubin bytes, the lowered names of name_expressions).");
@@ -88,7 +95,8 @@ NB_MODULE(_cuda_ops, m) {
 
   nb::class_<Chain>(m, "Chain", "A fixed sequence of kernel launches, run as one MLX primitive.")
       .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
-           "outputs and scratch: (shape, dtype) pairs; launches: (function, grid, block, args, reads), grid in "
+           "input_shapes"_a = std::vector<std::vector<int>>{},
+           "input_shapes: one per input (checked at each call), or none; outputs and scratch: (shape, dtype) pairs; launches: (function, grid, block, args, reads), grid in "
            "threadgroups, args as buffer indices (inputs, then outputs, then scratch), the first `reads` read.")
       .def("__call__", [](const Chain& c, const std::vector<mx::array>& inputs) { return mac::run_chain(c.spec, inputs); },
            "inputs"_a, "The chain's outputs over inputs (lazy).")

@@ -642,7 +642,7 @@ def with_variants(resolve: Callable[[Sequence[str]], list[Any]]) -> Callable[[Se
 
     def resolve_all(names: Sequence[str]) -> list[Any]:
         out: list[Any] = []
-        for raw in names:
+        for raw in dict.fromkeys(n.strip() for n in names if n.strip()):
             parsed = parse_variant(raw)
             if parsed is None:
                 out.extend(resolve([raw]))
@@ -656,8 +656,10 @@ def with_variants(resolve: Callable[[Sequence[str]], list[Any]]) -> Callable[[Se
                     pass
             except SettingsError as exc:
                 raise ValueError(f"candidate {raw.strip()!r}: {exc}") from None
-            (cand,) = resolve([base])
-            out.append(SettingsVariant(raw.strip(), cand, changes))
+            cands = resolve([base])
+            if len(cands) != 1:
+                raise ValueError(f"candidate {raw!r}: {base!r} names {len(cands)} candidates (a variant takes one)")
+            out.append(SettingsVariant(raw, cands[0], changes))
         return out
 
     return resolve_all

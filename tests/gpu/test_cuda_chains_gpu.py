@@ -111,3 +111,30 @@ def test_inputs_that_do_not_match_the_chain_are_refused_by_name():
         launch.chain([case.q.astype(mx.float16), *inputs[1:]])
     with pytest.raises(ValueError, match=r"inputs \(it takes"):
         launch.chain(inputs[:-1])
+
+
+def test_a_chain_whose_data_flow_is_wrong_is_refused_when_built():
+    f32 = mx.float32
+    fake_fn = 1  # never launched: validation refuses the chain first
+    bad = [
+        (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 0], 1)]), r"writes input 0"),
+        (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 2], 1)]), r"no launch writes output 0"),
+        (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 2, 1], 2)]), r"reads scratch buffer 2 before"),
+        (dict(launches=[(fake_fn, (0, 1, 1), (32, 1, 1), [0, 1], 1)]), r"grid \(0, 1, 1\).*at least 1"),
+        (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 7], 1)]), r"argument 7 \(allowed: buffer indices 0..2\)"),
+    ]
+    for kw, message in bad:
+        with pytest.raises(ValueError, match=message):
+            cuda_ops.chain("bad", [f32], [((4,), f32)], [((4,), f32)], **kw)
+
+
+def test_an_input_of_another_shape_is_refused_by_name():
+    case = _decode_case()
+    md = case.metadata()
+    mx.eval(metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
+                                       provider="classic"))
+    launch = next(v for v in md._launches.values() if isinstance(v, gpu_common.ChainedPerTokenLaunch))
+    inputs = [case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, launch.zero_sinks,
+              launch.params, launch.fparams] + ([launch.reduce_params] if launch.reduce_params is not None else [])
+    with pytest.raises(ValueError, match=r"input 0 has shape .* \(it was built for"):
+        launch.chain([case.q[:1], *inputs[1:]])
