@@ -73,6 +73,20 @@ def find_nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+def find_nvrtc() -> str | None:
+    """A libnvrtc for ``--nvrtc``: ``$METAL_ATTN_NVRTC``, else the ``nvidia-cuda-nvrtc`` wheel's on
+    ``sys.path`` (CUDA 13, then 12), else ``None``."""
+    env = os.environ.get("METAL_ATTN_NVRTC")
+    if env:
+        return env
+    for base in sys.path:
+        for rel in ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"):
+            path = os.path.join(base, rel)
+            if os.path.exists(path):
+                return path
+    return None
+
+
 def compile_one(src: CudaSource, text: str, workdir: str, nvcc: str, resources: bool) -> tuple[CudaSource, int, str]:
     """nvcc on one source's text (PTX, or a cubin with ptxas's resource report); (source, return code, output)."""
     path = os.path.join(workdir, re.sub(r"\W", "_", src.label) + ".cu")

@@ -108,7 +108,8 @@ def cuda_include_dirs() -> list[str]:
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     dirs = [str(Path(r) / "include" / sub) for r in roots if r for sub in ("", "cccl")]
     for base in map(Path, sys.path):
-        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cuda_nvrtc/include"):
+        for sub in ("nvidia/cu13/include", "nvidia/cu13/include/cccl", "nvidia/cuda_runtime/include",
+                    "nvidia/cuda_nvrtc/include"):
             dirs.append(str(base / sub))
     dirs.append(str(Path(mx.__file__).parent / "include" / "cccl"))  # mlx is a namespace package: its core
     seen: list[str] = []

@@ -11,7 +11,9 @@ The public names, by concept:
 - launch descriptors: `cached_launch` (per metadata: what a launch derives from its plan, the batch
   and the call's shapes and constants, built once and shared by the layers of a step),
   `KernelLaunch` / `kernel_launch` (one ``mx.fast`` call without its per-call arrays), and the
-  per-token kernel's and the reducer's descriptors (`PerTokenLaunch`, `ReduceLaunch`);
+  per-token kernel's and the reducer's descriptors (`PerTokenLaunch`, `ReduceLaunch`); on CUDA with
+  `metal_attn._cuda_ops` built, `ChainedPerTokenLaunch` (both kernels as one MLX operation,
+  `metal_attn.cuda_ops`; `cuda_chains_enabled`);
 - eager compilation (``Provider.prepare``): `tiny_batch` and `compile_eagerly` (a one-page launch
   of a specialization, skipped on hypothetical devices, failures as `KernelCompileError`);
 - the split-KV reducer (``paged_attention_v2_reduce``) of every kernel that writes the split

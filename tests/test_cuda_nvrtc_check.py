@@ -1,0 +1,38 @@
+"""The run-time translation units of CUDA chains (`metal_attn.cuda_ops`) under NVRTC, on any machine:
+`metal_attn.cuda_check --nvrtc` compiles the specializations the chains would build, with NVRTC's
+options, and fails a planted error. Needs a libnvrtc and the CUDA headers, which the
+``nvidia-cuda-nvrtc``, ``nvidia-cuda-runtime`` and ``nvidia-cuda-cccl`` wheels provide (CI installs
+them); skipped with that reason where they are missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from metal_attn import cuda_check, cuda_ops
+
+NVRTC = cuda_check.find_nvrtc()
+
+pytestmark = pytest.mark.skipif(
+    NVRTC is None or not cuda_ops.cuda_include_dirs(),
+    reason="no libnvrtc or CUDA headers here (pip install nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cuda-cccl)",
+)
+
+#: The per-token kernel's three paths and the reducer (what chains run), and the other kernels' texts.
+SAMPLE = ("paged_attention_v2_reduce bfloat16 h128|paged_attention bfloat16 h128 g4 split=1.*matrix"
+          "|paged_attention float32 h128 g4 split=0.*staged|paged_attention float16 h64 g2 split=1.*direct"
+          "|tiled_prefill bfloat16 h128|gqa_decode float16 32/8/128/bs16 P512")
+
+
+def test_the_runtime_sources_compile_with_nvrtc(capsys):
+    assert cuda_check.main(["--nvrtc", NVRTC, "--only", SAMPLE, "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "8 CUDA sources, 0 failed (NVRTC" in out and "--device-as-default-execution-space" in out
+
+
+def test_a_planted_error_fails_under_nvrtc(planted_kernels, seq_line, capsys):
+    folder = planted_kernels("pagedattention.metal", seq_line, seq_line + "\n  undeclared_name += 1;")
+    rc = cuda_check.main(["--nvrtc", NVRTC, "--only", "paged_attention float16 h64 g2 split=1", "--kernels-dir",
+                          str(folder)])
+    assert rc == 1
+    captured = capsys.readouterr()
+    assert "FAILED paged_attention float16 h64 g2 split=1" in captured.err and "undeclared_name" in captured.err
