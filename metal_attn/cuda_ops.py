@@ -148,12 +148,6 @@ def _architecture() -> str:
     return native().device_architecture()
 
 
-def compile_function(func: str, source: str) -> int:
-    """The loaded ``__global__`` function ``mlx::core::cu::func`` of ``source`` (NVRTC, once per
-    process and text; the image is cached on disk). Raises `KernelCompileError` with NVRTC's log."""
-    return _compile(func, source)
-
-
 def _read_cached(path: Path) -> tuple[bytes, str] | None:
     """A cached ``(image, lowered name)``: one file, the name's line first; ``None`` if absent or unreadable."""
     try:
@@ -175,7 +169,9 @@ def _write_cached(path: Path, image: bytes, lowered: str) -> None:
 
 
 @functools.cache
-def _compile(func: str, source: str) -> int:
+def compile_function(func: str, source: str) -> int:
+    """The loaded ``__global__`` function ``mlx::core::cu::func`` of ``source`` (NVRTC, once per
+    process and text; the image is cached on disk). Raises `KernelCompileError` with NVRTC's log."""
     from metal_attn.errors import KernelCompileError
 
     mod = native()

@@ -80,6 +80,15 @@ PAGED_FILES = ("paged_common.h", "pagedattention.metal")
 PA_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "sinks", "params", "fparams")
 PA_OUTPUTS = {0: ("out",), 1: ("max_logits", "exp_sums", "tmp_out")}
 REDUCE_INPUTS = ("max_logits", "exp_sums", "tmp_out", "seq_lens", "cu_seqlens_q", "sinks", "params")
+#: The reducer's inputs with their dtype names (the partials are float32).
+REDUCE_SIGNATURE = tuple(zip(REDUCE_INPUTS, ("float32", "float32", "float32", "int32", "int32", "float32", "int32")))
+
+
+def per_token_signature(dtype: str, pool_dtype: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The per-token kernel's inputs with their dtype names: the query's ``dtype``, the pools'
+    ``pool_dtype`` (default: the query's), then the metadata, sinks and parameters."""
+    pool = pool_dtype or dtype
+    return tuple(zip(PA_INPUTS, (dtype, pool, pool, "int32", "int32", "int32", "float32", "int32", "float32")))
 
 
 def per_token_route(partition_size: int) -> str:
@@ -332,8 +341,7 @@ def reducer_cuda_source(label: str, dtype: str, head_size: int, partition_size: 
     from metal_attn.source_specs import CudaSource
 
     return CudaSource(label, "paged_attention_v2_reduce", PAGED_FILES,
-                      tuple(zip(REDUCE_INPUTS, ("float32", "float32", "float32", "int32", "int32", "float32",
-                                                "int32"))), (("out", dtype),),
+                      REDUCE_SIGNATURE, (("out", dtype),),
                       tuple(reducer_template(dtype, "float32", head_size, partition_size)))
 
 
@@ -904,37 +912,34 @@ def chained_per_token_launch(
     from metal_attn.api import dtype_name
 
     split = partition_size > 0
-    dn, pn = dtype_name(dtype), dtype_name(pool_dtype)
-    in_dtypes = [dtype, pool_dtype, pool_dtype, mx.int32, mx.int32, mx.int32, mx.float32, mx.int32, mx.float32]
-    sig = list(zip(PA_INPUTS, (dn, pn, pn, "int32", "int32", "int32", "float32", "int32", "float32")))
-    template = [(k, dtype_name(v) if isinstance(v, mx.Dtype) else v)
-                for k, v in paged_template(dtype, head, block_size, partition_size, geo, prefetch)]
+    dn = dtype_name(dtype)
+    sig = per_token_signature(dn, dtype_name(pool_dtype))
+    in_dtypes = [getattr(mx, t) for _, t in sig]
+    in_shapes = [*shapes, (num_heads,), tuple(params.shape), tuple(fparams.shape)]
+    per_token = cuda_ops.kernel_function(
+        "paged_attention", PAGED_FILES, paged_defines(split, geo), sig,
+        [(n, "float32" if split else dn) for n in PA_OUTPUTS[int(split)]],
+        paged_template(dn, head, block_size, partition_size, geo, prefetch))
     grid = cuda_ops.threadgroups((geo.grid_x(num_heads), total, max_parts), (geo.threads, 1, 1))
-    block = (geo.threads, 1, 1)
-    n_in = len(PA_INPUTS) + int(split)
-    in_shapes = [*shapes, (num_heads,), tuple(params.shape), tuple(fparams.shape),
-                 *([tuple(reduce_params.shape)] if split else [])]
-    if not split:
-        fn = cuda_ops.kernel_function("paged_attention", PAGED_FILES, paged_defines(False, geo), sig,
-                                      [("out", dn)], template)
-        ch = cuda_ops.chain("metal_attn.per_token_ps0", in_dtypes, [((total, num_heads, head), dtype)], [],
-                            [(fn, grid, block, [*range(n_in), n_in], n_in)], in_shapes)
+    out_spec = [((total, num_heads, head), dtype)]
+    n_pa = len(PA_INPUTS)
+    if not split:  # buffer indices: the inputs, then the output
+        ch = cuda_ops.chain("metal_attn.per_token_ps0", in_dtypes, out_spec, [],
+                            [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), n_pa], n_pa)], in_shapes)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), None)
     scratch_spec = split_scratch(total, num_heads, max_parts, head)
-    names = PA_OUTPUTS[1]
-    fn = cuda_ops.kernel_function("paged_attention", PAGED_FILES, paged_defines(True, geo), sig,
-                                  [(n, "float32") for n in names], template)
-    red_sig = list(zip(REDUCE_INPUTS, ("float32", "float32", "float32", "int32", "int32", "float32", "int32")))
-    red = cuda_ops.kernel_function("paged_attention_v2_reduce", PAGED_FILES, None, red_sig, [("out", dn)],
-                                   [(k, dtype_name(v) if isinstance(v, mx.Dtype) else v)
-                                    for k, v in reducer_template(dtype, mx.float32, head, partition_size)])
-    out, ml, es, tmp = n_in, n_in + 1, n_in + 2, n_in + 3  # buffer indices: inputs, the output, the partials
-    launches = [(fn, grid, block, [*range(len(PA_INPUTS)), ml, es, tmp], len(PA_INPUTS)),
-                (red, cuda_ops.threadgroups((num_heads * NUM_THREADS, total, 1), (NUM_THREADS, 1, 1)),
-                 (NUM_THREADS, 1, 1), [ml, es, tmp, 4, 5, 6, len(PA_INPUTS), out], 7)]
-    ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32],
-                        [((total, num_heads, head), dtype)],
-                        list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"])), launches, in_shapes)
+    reducer = cuda_ops.kernel_function("paged_attention_v2_reduce", PAGED_FILES, None, REDUCE_SIGNATURE,
+                                       [("out", dn)], reducer_template(dn, "float32", head, partition_size))
+    # Buffer indices: the per-token inputs, the reducer's parameters, the output, the partials.
+    red_params, out = n_pa, n_pa + 1
+    partials = [out + 1, out + 2, out + 3]
+    shared = [PA_INPUTS.index(n) for n in REDUCE_INPUTS[len(partials):-1]]  # seq_lens, cu_seqlens_q, sinks
+    launches = [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials], n_pa),
+                (reducer, cuda_ops.threadgroups((num_heads * NUM_THREADS, total, 1), (NUM_THREADS, 1, 1)),
+                 (NUM_THREADS, 1, 1), [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
+    ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32], out_spec,
+                        list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"])), launches,
+                        [*in_shapes, tuple(reduce_params.shape)])
     return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), reduce_params)
 
 

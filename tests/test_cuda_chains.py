@@ -67,19 +67,15 @@ def _names(template):
 
 
 @pytest.mark.parametrize("partition_size", [0, 64])
-def test_a_chained_call_launches_what_the_mx_fast_route_launches(fake_chains, partition_size):
+def test_a_chained_call_launches_what_the_mx_fast_route_launches(fake_chains, partition_size, monkeypatch):
     md, q_shape, k_shape = _batch()
     geo = gc.geometry(128, "bfloat16", "cuda", 4, partition_size > 0, None)
     kw = dict(scale=0.1, use_sinks=True, sliding_window=50, softcap=None, partition_size=partition_size,
               backend="cuda", geo=geo, prefetch=0, rows=None, pool_dtype=mx.bfloat16)
     chained = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
+    monkeypatch.setattr(cuda_ops, "enabled", lambda: False)
     with fake_cuda():
-        cuda_ops_enabled = cuda_ops.enabled
-        cuda_ops.enabled = lambda: False
-        try:
-            plain = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
-        finally:
-            cuda_ops.enabled = cuda_ops_enabled
+        plain = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
     assert isinstance(chained, gc.ChainedPerTokenLaunch) and isinstance(plain, gc.PerTokenLaunch)
     ch = chained.chain
     pt = plain.launch.kwargs

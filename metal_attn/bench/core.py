@@ -641,6 +641,9 @@ def with_variants(resolve: Callable[[Sequence[str]], list[Any]]) -> Callable[[Se
     """``resolve`` extended to ``NAME[setting=value;...]`` names (`SettingsVariant` of NAME's candidate)."""
 
     def resolve_all(names: Sequence[str]) -> list[Any]:
+        from metal_attn.errors import SettingsError
+        from metal_attn.settings import override_settings
+
         out: list[Any] = []
         for raw in dict.fromkeys(n.strip() for n in names if n.strip()):
             parsed = parse_variant(raw)
@@ -648,14 +651,11 @@ def with_variants(resolve: Callable[[Sequence[str]], list[Any]]) -> Callable[[Se
                 out.extend(resolve([raw]))
                 continue
             base, changes = parsed
-            from metal_attn.errors import SettingsError
-            from metal_attn.settings import override_settings
-
             try:  # refused now, before any shape is measured
                 with override_settings(**changes):
                     pass
             except SettingsError as exc:
-                raise ValueError(f"candidate {raw.strip()!r}: {exc}") from None
+                raise ValueError(f"candidate {raw!r}: {exc}") from None
             cands = resolve([base])
             if len(cands) != 1:
                 raise ValueError(f"candidate {raw!r}: {base!r} names {len(cands)} candidates (a variant takes one)")

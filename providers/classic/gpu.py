@@ -150,7 +150,7 @@ def cuda_sources() -> list[CudaSource]:
                                                     (False, True), (2, 4, 8)):
         for cores_items in (1.0, None):  # a small split grid and a large one (the staging rule's choice)
             geo = gc.geometry(head, dt, "cuda", group, split, cores_items if split else None)
-            ins = tuple(zip(gc.PA_INPUTS, (dt, dt, dt, "int32", "int32", "int32", "float32", "int32", "float32")))
+            ins = gc.per_token_signature(dt)
             outs = ((("out", dt),) if not split else tuple((n, "float32") for n in gc.PA_OUTPUTS[1]))
             label = f"paged_attention {dt} h{head} g{group} split={int(split)} {gc.describe_geometry(geo, None)}"
             src = CudaSource(label, "paged_attention", gc.PAGED_FILES, ins, outs,
