@@ -98,20 +98,21 @@ def test_a_compiled_step_replays_the_chain():
         np.testing.assert_array_equal(_as_f32(compiled(q, case.k_cache, case.v_cache)), _as_f32(eager))
 
 
-def _chain_and_inputs(case, md):
-    """The chained launch ``md`` holds after one call, and the inputs it passes its chain."""
-    launch = next(v for v in md._launches.values() if isinstance(v, gpu_common.ChainedPerTokenLaunch))
-    inputs = [case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, launch.zero_sinks,
-              launch.params, launch.fparams] + ([launch.reduce_params] if launch.reduce_params is not None else [])
-    return launch, inputs
-
-
-def test_inputs_that_do_not_match_the_chain_are_refused_by_name():
+def _built_chain():
+    """A decode case after one classic call: the case, the chained launch its metadata holds, and the
+    inputs that launch passes its chain."""
     case = _decode_case()
     md = case.metadata()
     mx.eval(metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
                                        provider="classic"))
-    launch, inputs = _chain_and_inputs(case, md)
+    launch = next(v for v in md._launches.values() if isinstance(v, gpu_common.ChainedPerTokenLaunch))
+    inputs = [case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, launch.zero_sinks,
+              launch.params, launch.fparams] + ([launch.reduce_params] if launch.reduce_params is not None else [])
+    return case, launch, inputs
+
+
+def test_inputs_that_do_not_match_the_chain_are_refused_by_name():
+    case, launch, inputs = _built_chain()
     assert launch.chain.name.startswith("metal_attn.per_token")
     with pytest.raises(ValueError, match=r"input 0 has dtype .*float16.*built for .*bfloat16"):
         launch.chain([case.q.astype(mx.float16), *inputs[1:]])
@@ -135,10 +136,6 @@ def test_a_chain_whose_data_flow_is_wrong_is_refused_when_built():
 
 
 def test_an_input_of_another_shape_is_refused_by_name():
-    case = _decode_case()
-    md = case.metadata()
-    mx.eval(metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
-                                       provider="classic"))
-    launch, inputs = _chain_and_inputs(case, md)
+    case, launch, inputs = _built_chain()
     with pytest.raises(ValueError, match=r"input 0 has shape .* \(it was built for"):
         launch.chain([case.q[:1], *inputs[1:]])
