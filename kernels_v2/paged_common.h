@@ -37,3 +37,4 @@ MA_FUNC int ma_seq_of(P cu_seqlens_q, int num_seqs, int qtok) {
   }
   return lo;
 }
+

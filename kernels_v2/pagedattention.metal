@@ -38,6 +38,8 @@
 //          fparams float32 [score_scale, softcap]
 // Outputs: PA_SPLIT == 0: out [T, H, D] (T dtype)
 //          PA_SPLIT == 1: max_logits [T, H, P], exp_sums [T, H, P], tmp_out [T, H, P, D] (float32)
+//          PA_FUSED == 1 (split, CUDA only): also out [T, H, D] (T dtype) and counters
+//          [T * ceil(H / HPS)] int32, zero before the launch and zero after it (see below)
 // Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token),
 //           UNROLL (tokens per lane per iteration), HPS (heads per threadgroup), HPW (heads
 //           per simdgroup), PREFETCH, STAGE (tokens per staged chunk, 0 = direct), STAGES.
@@ -58,6 +60,55 @@ static_assert(STAGE % (SG_T * STEP) == 0, "a staged chunk is whole iterations of
 // L2 prefetch (PREFETCH = 1): 128-byte lines per K (or V) row of one KV head.
 constexpr int LINE_ELEMS = 128 / int(sizeof(T));
 constexpr int ROW_LINES = HEAD_SIZE / LINE_ELEMS > 0 ? HEAD_SIZE / LINE_ELEMS : 1;
+#endif
+
+#if PA_FUSED
+// The fused reducer (PA_FUSED: split, CUDA only; Metal keeps the standalone reducer, as the split
+// contract's other writers do). Each threadgroup that writes a partial counts itself in on its
+// (row, head group) counter; the last of the row's n_parts writers to arrive reduces the row's
+// partials for its HPS heads into out (all at once, or one at a time: below) and sets the counter back to 0 for
+// the next launch, which the launcher orders after this one (it writes the same counters).
+// Every thread fences its partial's stores device-wide before the count; the last arrival
+// fences again and reads the partials past L1.
+static_assert(PA_SPLIT, "the fused reducer reduces split partials");
+// The HPS heads reduced at once (ma_reduce_partials_heads) where they split the threadgroup into
+// power-of-two blocks and the row has at most a block's worth of partitions; else one at a time.
+constexpr bool FUSED_HEADS = NUM_THREADS % HPS == 0 && ((NUM_THREADS / HPS) & (NUM_THREADS / HPS - 1)) == 0;
+#define MA_FUSED_REDUCE()                                                                          \
+  {                                                                                               \
+    threadgroup int last_arrival;                                                                 \
+    threadgroup float red_sg[NUM_SG];                                                             \
+    threadgroup float red_w[NUM_THREADS];                                                         \
+    threadgroup float red_tot[HPS];                                                               \
+    ma_device_fence();                                                                            \
+    threadgroup_barrier(mem_flags::mem_device);                                                   \
+    if (tid == 0) {                                                                               \
+      const int64_t slot = int64_t(qtok) * ((num_heads + HPS - 1) / HPS) + head0 / HPS;           \
+      const int n_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;                            \
+      last_arrival = ma_atomic_add(&counters[slot], 1) == n_parts - 1;                            \
+      if (last_arrival) {                                                                         \
+        counters[slot] = 0;                                                                       \
+      }                                                                                           \
+    }                                                                                             \
+    threadgroup_barrier(mem_flags::mem_threadgroup);                                              \
+    if (last_arrival) {                                                                           \
+      ma_device_fence();                                                                          \
+      const int n_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;                            \
+      if (FUSED_HEADS && n_parts <= NUM_THREADS / HPS) {                                          \
+        ma_reduce_partials_heads<T, HEAD_SIZE, NUM_THREADS, FUSED_HEADS ? HPS : 1>(               \
+            max_logits, exp_sums, tmp_out, out + row_head0 * HEAD_SIZE, row_head0 * max_parts,    \
+            max_parts, n_parts, use_sinks != 0, sinks + head0, red_w, red_sg, red_tot, tid);      \
+      } else {                                                                                    \
+        for (int h = 0; h < HPS; ++h) {                                                           \
+          const int64_t rh = row_head0 + h;                                                       \
+          ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, true>(                                    \
+              max_logits, exp_sums, tmp_out, out + rh * HEAD_SIZE, rh * max_parts, n_parts,       \
+              use_sinks != 0, use_sinks ? sinks[head0 + h] * MA_LOG2E : MA_NEG_FLT_MAX, red_sg,   \
+              red_w, tid);                                                                        \
+        }                                                                                         \
+      }                                                                                           \
+    }                                                                                             \
+  }
 #endif
 
 const int num_seqs = params[0];
@@ -108,6 +159,9 @@ if (p_end <= win_start) {
     }
     tmp_out[stat * HEAD_SIZE + i % HEAD_SIZE] = 0.0f;
   }
+#if PA_FUSED
+  MA_FUSED_REDUCE()
+#endif
   return;
 }
 const int t_begin = metal::max(p_start, win_start);
@@ -515,6 +569,10 @@ for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
 #endif
 }
 #undef MA_MERGE_ACC
+#if PA_FUSED
+MA_FUSED_REDUCE()
+#undef MA_FUSED_REDUCE
+#endif
 
 // @kernel paged_attention_v2_reduce
 // The split-KV reducer, shared by every kernel that writes the split contract:
@@ -544,84 +602,8 @@ const int q_len = cu_seqlens_q[seq + 1] - q_start;
 const int ctx = seq_lens[seq] - q_len + (qtok - q_start) + 1;
 const int n_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
 const int64_t base = (int64_t(qtok) * num_heads + head) * max_parts;
-
-// Partitions are independent loads: the maximum takes one per thread (then a simdgroup
-// butterfly and the simdgroups' values through threadgroup memory); the weights of a block of
-// NUM_THREADS partitions are computed once, one per thread, into threadgroup memory, and every
-// thread sums its head elements over the block UNROLL_Z partitions at a time (their loads
-// issued together), so a row's reduction is a few load latencies, not one per partition.
-constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;
-constexpr int DPT = (HEAD_SIZE + NUM_THREADS - 1) / NUM_THREADS;  // head elements per thread
-constexpr int UNROLL_Z = 8;
-threadgroup float sg_part[NUM_SG];
+threadgroup float sg_part[NUM_THREADS / MA_SIMD_WIDTH];
 threadgroup float w_block[NUM_THREADS];
-const int lane = tid % MA_SIMD_WIDTH;
-const int sg = tid / MA_SIMD_WIDTH;
-
-float g_max = MA_NEG_FLT_MAX;
-for (int z = tid; z < n_parts; z += NUM_THREADS) {
-  g_max = metal::max(g_max, max_logits[base + z]);
-}
-for (int x = MA_SIMD_WIDTH / 2; x > 0; x >>= 1) {
-  g_max = metal::max(g_max, simd_shuffle_xor(g_max, ushort(x)));
-}
-if (lane == 0) {
-  sg_part[sg] = g_max;
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-for (int w = 0; w < NUM_SG; ++w) {
-  g_max = metal::max(g_max, sg_part[w]);
-}
-float sink = MA_NEG_FLT_MAX;
-if (use_sinks) {
-  sink = sinks[head] * MA_LOG2E;
-  g_max = metal::max(g_max, sink);
-}
-
-float part_sum = 0.0f;  // this thread's partitions' weights
-float o[DPT];
-for (int j = 0; j < DPT; ++j) {
-  o[j] = 0.0f;
-}
-for (int z0 = 0; z0 < n_parts; z0 += NUM_THREADS) {
-  const int z = z0 + tid;
-  const float w = z < n_parts ? exp_sums[base + z] * ma_rescale(max_logits[base + z], g_max) : 0.0f;
-  part_sum += w;
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's weights (and sg_part) are read
-  w_block[tid] = w;
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const int nz = metal::min(NUM_THREADS, n_parts - z0);
-  for (int j = 0; j < DPT; ++j) {
-    const int d = tid + j * NUM_THREADS;
-    if (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) {
-      for (int y = 0; y < nz; y += UNROLL_Z) {
-        float t[UNROLL_Z];
-        for (int k = 0; k < UNROLL_Z; ++k) {
-          t[k] = y + k < nz ? ma_to_float(tmp_out[(base + z0 + y + k) * HEAD_SIZE + d]) : 0.0f;
-        }
-        for (int k = 0; k < UNROLL_Z; ++k) {
-          o[j] += (y + k < nz ? w_block[y + k] : 0.0f) * t[k];
-        }
-      }
-    }
-  }
-}
-// The total weight: the threads' sums, then the simdgroups' (sg_part is free again: every
-// thread read it before the first block's barriers).
-part_sum = simd_sum(part_sum);
-threadgroup_barrier(mem_flags::mem_threadgroup);
-if (lane == 0) {
-  sg_part[sg] = part_sum;
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-float total = use_sinks ? metal::exp2(sink - g_max) : 0.0f;
-for (int w = 0; w < NUM_SG; ++w) {
-  total += sg_part[w];
-}
-const float inv = 1.0f / (total + MA_SOFTMAX_EPS);
-for (int j = 0; j < DPT; ++j) {
-  const int d = tid + j * NUM_THREADS;
-  if (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) {
-    out[(int64_t(qtok) * num_heads + head) * HEAD_SIZE + d] = ma_from_float<T>(o[j] * inv);
-  }
-}
+ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, false>(
+    max_logits, exp_sums, tmp_out, out + (int64_t(qtok) * num_heads + head) * HEAD_SIZE, base, n_parts, use_sinks != 0,
+    use_sinks ? sinks[head] * MA_LOG2E : MA_NEG_FLT_MAX, sg_part, w_block, tid);

@@ -114,6 +114,23 @@ MA_FUNC float ma_to_float(float x) { return x; }
 MA_FUNC float ma_to_float(__half x) { return __half2float(x); }
 MA_FUNC float ma_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// Reading what other threadgroups of the same launch wrote (the fused split-KV reducer): the
+// writers fence their stores device-wide (ma_device_fence) and count themselves in on a counter
+// (ma_atomic_add); the last to arrive fences again and reads the partials past L1
+// (ma_partial_reader<true>: ld.global.cg), where another threadgroup's read of the same line may
+// still sit. ma_partial_reader<false> is a plain load (the standalone reducer).
+MA_FUNC void ma_device_fence() { __threadfence(); }
+MA_FUNC int ma_atomic_add(int* p, int v) { return atomicAdd(p, v); }
+template <bool CG>
+struct ma_partial_reader {
+  template <typename P>
+  MA_FUNC static float read(P p) { return ma_to_float(*p); }
+};
+template <>
+struct ma_partial_reader<true> {
+  MA_FUNC static float read(const float* p) { return __ldcg(p); }
+};
+
 template <typename U>
 MA_FUNC U ma_from_float(float x);
 template <>

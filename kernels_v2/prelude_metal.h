@@ -30,6 +30,15 @@ MA_FUNC U ma_from_float(float x) {
   return static_cast<U>(x);
 }
 
+// A partial of the split-KV contract as float (paged_common.h's reducer). The CUDA prelude's
+// ma_partial_reader<true> reads past L1 for the fused reducer, a CUDA-only path: Metal has only
+// this plain load.
+template <bool CG>
+struct ma_partial_reader {
+  template <typename P>
+  MA_FUNC static float read(P p) { return ma_to_float(*p); }
+};
+
 // Four elements kept in registers until they are used (the CUDA prelude packs them
 // into one 8- or 16-byte load); loading a chunk of tokens before any arithmetic
 // keeps many loads in flight.

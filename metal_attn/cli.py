@@ -339,7 +339,9 @@ def cuda_chains_status() -> dict[str, Any]:
         return {"status": "unavailable", "detail": reason}
     if not get_settings().cuda_chains:
         return {"status": "off", "detail": "METAL_ATTN_CUDA_CHAINS=0: one mx.fast.cuda_kernel call per kernel"}
-    return {"status": "ok", "detail": getattr(cuda_ops.native(), "__file__", None) or "built in"}
+    split = ("split calls: one launch (fused reducer)" if get_settings().cuda_fused_reduce
+             else "split calls: kernel + reducer (METAL_ATTN_CUDA_FUSED_REDUCE=0)")
+    return {"status": "ok", "detail": f"{getattr(cuda_ops.native(), '__file__', None) or 'built in'}; {split}"}
 
 
 def _setting_default(name: str) -> Any:

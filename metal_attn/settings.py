@@ -167,6 +167,17 @@ class Settings(BaseSettings):
         ),
     )
 
+    cuda_fused_reduce: bool = Field(
+        False,
+        validation_alias=_env("cuda_fused_reduce"),
+        description=(
+            "CUDA chains: a split per-token call as one launch, the last threadgroup of each (row, head group) "
+            "reducing the partials (kernels_v2/pagedattention.metal PA_FUSED). Off by default: on the H200 it "
+            "was no faster than the kernel + reducer pair on any peer shape, and slower where rows have many "
+            "partitions (docs/bench-h200-decode-step.md, fifteenth session). 1: for A/B runs."
+        ),
+    )
+
     # -- hardware probe overrides -------------------------------------------------------------
     backend_override: Literal["metal", "cuda", "cpu"] | None = Field(
         None,

@@ -76,7 +76,7 @@ THREAD_CHOICES = (64, 128, 256)
 MMA_TOKENS = 8
 
 #: The kernel text of the per-token kernel and the reducer.
-PAGED_FILES = ("paged_common.h", "pagedattention.metal")
+PAGED_FILES = ("paged_common.h", "split_reduce.h", "pagedattention.metal")
 PA_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "sinks", "params", "fparams")
 PA_OUTPUTS = {0: ("out",), 1: ("max_logits", "exp_sums", "tmp_out")}
 REDUCE_INPUTS = ("max_logits", "exp_sums", "tmp_out", "seq_lens", "cu_seqlens_q", "sinks", "params")
@@ -772,10 +772,37 @@ def plan_geometry(specialization: tuple) -> Geometry:
 # -- the per-token kernel: launching ------------------------------------------------------------
 
 
-def paged_defines(split: bool, geo: Geometry) -> tuple[tuple[str, int], ...]:
-    """The per-token kernel's code-path defines (route; direct or staged loads; the matrix path), as
-    the pairs `kernels.load_kernel` hashes as given on every launch."""
-    return (("PA_MMA", int(geo.mma)), ("PA_SPLIT", int(split)), ("PA_STAGED", int(geo.stage > 0)))
+def paged_defines(split: bool, geo: Geometry, fused: bool = False) -> tuple[tuple[str, int], ...]:
+    """The per-token kernel's code-path defines (route; direct or staged loads; the matrix path;
+    ``fused``: the split partials reduced in the same launch, CUDA chains only), as the pairs
+    `kernels.load_kernel` hashes as given on every launch."""
+    return (("PA_FUSED", int(fused)), ("PA_MMA", int(geo.mma)), ("PA_SPLIT", int(split)),
+            ("PA_STAGED", int(geo.stage > 0)))
+
+
+#: The fused reducer's outputs after the partials: the attention output and the arrival counters.
+PA_FUSED_OUTPUTS = ("out", "counters")
+
+#: Arrival counters of the fused reducer, one zeroed int32 array per size class, shared by every
+#: fused call of the process (each call leaves them zero; calls sharing one are ordered).
+_fused_counters: dict[int, mx.array] = {}
+
+
+def fused_counters(slots: int) -> mx.array:
+    """A zeroed int32 array of at least ``slots`` counters (a power of two, at least 1,024), kept for
+    the process: the fused reducer's kernels leave it zero (`ChainedPerTokenLaunch`)."""
+    size = max(1024, 1 << (max(slots, 1) - 1).bit_length())
+    got = _fused_counters.get(size)
+    if got is None:
+        got = _fused_counters[size] = mx.zeros((size,), mx.int32)
+    return got
+
+
+def fused_reduce_enabled() -> bool:
+    """Whether split per-token calls on CUDA chains reduce in the same launch (``cuda_fused_reduce``)."""
+    from metal_attn.settings import get_settings
+
+    return get_settings().cuda_fused_reduce
 
 
 def per_token_kernel(backend: str, split: bool, geo: Geometry) -> Any:
@@ -885,7 +912,9 @@ class ChainedPerTokenLaunch:
     params: mx.array
     fparams: mx.array
     zero_sinks: mx.array
-    reduce_params: mx.array | None
+    #: After the per-token inputs: the standalone reducer's parameters, or the fused reducer's
+    #: counters (`fused_counters`), or nothing (unsplit).
+    extra: mx.array | None
 
     def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
                  sinks: mx.array | None) -> mx.array:
@@ -895,30 +924,35 @@ class ChainedPerTokenLaunch:
             sinks = sinks.astype(mx.float32)
         inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks, self.params,
                   self.fparams]
-        if self.reduce_params is not None:
-            inputs.append(self.reduce_params)
+        if self.extra is not None:
+            inputs.append(self.extra)
         return self.chain(inputs)[0]
 
 
 def chained_per_token_launch(
     dtype: Any, pool_dtype: Any, total: int, num_heads: int, head: int, block_size: int, max_parts: int,
     partition_size: int, geo: Geometry, prefetch: int, params: mx.array, fparams: mx.array,
-    reduce_params: mx.array | None, shapes: tuple[tuple[int, ...], ...],
+    reduce_params: mx.array | None, shapes: tuple[tuple[int, ...], ...], fused: bool = False,
 ) -> ChainedPerTokenLaunch:
     """The `ChainedPerTokenLaunch` of a per-token launch (`per_token_launch` builds both kinds);
     ``shapes``: the query's, the pools' and the metadata's (``q``, ``k``, ``v``, ``block_tables``,
-    ``seq_lens``, ``cu_seqlens_q``), which every call of the chain checks."""
+    ``seq_lens``, ``cu_seqlens_q``), which every call of the chain checks. ``fused`` (split only):
+    one launch, the partials reduced by the last threadgroup of each (row, head group)."""
     from metal_attn import cuda_ops
     from metal_attn.api import dtype_name
 
     split = partition_size > 0
+    if fused and not split:
+        raise ValueError(f"fused=True needs a split launch (partition_size={partition_size}; allowed: > 0)")
     dn = dtype_name(dtype)
     sig = per_token_signature(dn, dtype_name(pool_dtype))
     in_dtypes = [getattr(mx, t) for _, t in sig]
     in_shapes = [*shapes, (num_heads,), tuple(params.shape), tuple(fparams.shape)]
+    outputs = [(n, "float32" if split else dn) for n in PA_OUTPUTS[int(split)]]
+    if fused:  # the output and the arrival counters after the partials
+        outputs += [(PA_FUSED_OUTPUTS[0], dn), (PA_FUSED_OUTPUTS[1], "int32")]
     per_token = cuda_ops.kernel_function(
-        "paged_attention", PAGED_FILES, paged_defines(split, geo), sig,
-        [(n, "float32" if split else dn) for n in PA_OUTPUTS[int(split)]],
+        "paged_attention", PAGED_FILES, paged_defines(split, geo, fused), sig, outputs,
         paged_template(dn, head, block_size, partition_size, geo, prefetch))
     grid = cuda_ops.threadgroups((geo.grid_x(num_heads), total, max_parts), (geo.threads, 1, 1))
     out_spec = [((total, num_heads, head), dtype)]
@@ -928,6 +962,16 @@ def chained_per_token_launch(
                             [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), n_pa], n_pa)], in_shapes)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), None)
     scratch_spec = split_scratch(total, num_heads, max_parts, head)
+    scratch = list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"]))
+    if fused:
+        # Buffer indices: the per-token inputs, the counters (state), the output, the partials.
+        counters, out = n_pa, n_pa + 1
+        partials = [out + 1, out + 2, out + 3]
+        arrivals = fused_counters(total * grid[0])  # one per (row, head group)
+        ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}_fused", [*in_dtypes, mx.int32], out_spec,
+                            scratch, [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials, out, counters],
+                                       n_pa)], [*in_shapes, tuple(arrivals.shape)], state=[counters])
+        return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), arrivals)
     reducer = cuda_ops.kernel_function("paged_attention_v2_reduce", PAGED_FILES, None, REDUCE_SIGNATURE,
                                        [("out", dn)], reducer_template(dn, "float32", head, partition_size))
     # Buffer indices: the per-token inputs, the reducer's parameters, the output, the partials.
@@ -937,9 +981,8 @@ def chained_per_token_launch(
     launches = [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials], n_pa),
                 (reducer, cuda_ops.threadgroups((num_heads * NUM_THREADS, total, 1), (NUM_THREADS, 1, 1)),
                  (NUM_THREADS, 1, 1), [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
-    ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32], out_spec,
-                        list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"])), launches,
-                        [*in_shapes, tuple(reduce_params.shape)])
+    ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32], out_spec, scratch,
+                        launches, [*in_shapes, tuple(reduce_params.shape)])
     return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), reduce_params)
 
 
@@ -959,12 +1002,13 @@ def per_token_launch(
     params = pack_int32((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq, int(sliding_window or 0),
                          max_parts, int(use_sinks)))
     if backend == "cuda" and cuda_chains_enabled():
-        reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))) if split else None
+        fused = split and fused_reduce_enabled()
+        reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))) if split and not fused else None
         return chained_per_token_launch(dtype, pool_dtype or dtype, total, num_heads, head, block_size, max_parts,
                                         partition_size, geo, prefetch, params, pack_scale(scale, softcap),
                                         reduce_params, (tuple(q_shape), tuple(k_shape), tuple(k_shape),
                                                         tuple(md.block_tables.shape), tuple(md.seq_lens.shape),
-                                                        tuple(md.cu_seqlens_q.shape)))
+                                                        tuple(md.cu_seqlens_q.shape)), fused=fused)
     out = (split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     launch = kernel_launch(per_token_kernel(backend, split, geo),

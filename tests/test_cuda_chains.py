@@ -17,6 +17,7 @@ from metal_attn.providers import gpu_common as gc
 
 from metal_attn import cuda_ops
 from metal_attn.metadata import AttentionMetadata
+from metal_attn.settings import override_settings
 from metal_attn.testing.fake_cuda import fake_cuda
 
 
@@ -28,6 +29,7 @@ class FakeChain:
     scratch: list
     launches: list
     input_shapes: list
+    state: list
     calls: list = dataclasses.field(default_factory=list)
 
     def __call__(self, inputs: list) -> list:
@@ -72,7 +74,8 @@ def test_a_chained_call_launches_what_the_mx_fast_route_launches(fake_chains, pa
     geo = gc.geometry(128, "bfloat16", "cuda", 4, partition_size > 0, None)
     kw = dict(scale=0.1, use_sinks=True, sliding_window=50, softcap=None, partition_size=partition_size,
               backend="cuda", geo=geo, prefetch=0, rows=None, pool_dtype=mx.bfloat16)
-    chained = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
+    with override_settings(cuda_fused_reduce=False):
+        chained = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
     monkeypatch.setattr(cuda_ops, "enabled", lambda: False)
     with fake_cuda():
         plain = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
@@ -110,20 +113,65 @@ def test_a_chained_call_launches_what_the_mx_fast_route_launches(fake_chains, pa
     assert args == [*scratch, pa.index("seq_lens"), pa.index("cu_seqlens_q"), pa.index("sinks"), n_in - 1, n_in]
     assert reads == len(gc.REDUCE_INPUTS)
     assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in red["output_shapes"]]
-    assert chained.reduce_params is not None and np.array_equal(np.array(chained.reduce_params),
-                                                                np.array(plain.reduce.params))
+    assert chained.extra is not None and np.array_equal(np.array(chained.extra), np.array(plain.reduce.params))
+    assert ch.state == []
 
 
-def test_a_chained_call_passes_the_inputs_in_the_kernels_order(fake_chains):
+def test_a_fused_split_call_is_one_launch_that_reduces_into_the_output(fake_chains):
+    # METAL_ATTN_CUDA_FUSED_REDUCE=1: the per-token kernel with PA_FUSED writes the partials
+    # (scratch), the output and the arrival counters (a state input, zero, one per row and head group).
     md, q_shape, k_shape = _batch()
     geo = gc.geometry(128, "bfloat16", "cuda", 4, True, None)
-    launch = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, scale=0.1, use_sinks=False, sliding_window=None,
-                                 softcap=None, partition_size=64, backend="cuda", geo=geo, prefetch=0, rows=None)
+    with override_settings(cuda_fused_reduce=True):
+        launch = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, scale=0.1, use_sinks=True, sliding_window=50,
+                                     softcap=None, partition_size=64, backend="cuda", geo=geo, prefetch=0,
+                                     rows=None, pool_dtype=mx.bfloat16)
+    ch = launch.chain
+    assert ch.name == "metal_attn.per_token_ps64_fused" and len(ch.launches) == 1 and len(fake_chains) == 1
+    (f0,) = fake_chains
+    assert f0["name"] == "paged_attention" and dict(f0["defines"])["PA_FUSED"] == 1
+    assert dict(f0["defines"])["PA_SPLIT"] == 1
+    assert [n for n, _ in f0["outputs"]] == [*gc.PA_OUTPUTS[1], *gc.PA_FUSED_OUTPUTS]
+    assert f0["outputs"][-2:] == [("out", "bfloat16"), ("counters", "int32")]
+    n_pa = len(gc.PA_INPUTS)
+    counters, out = n_pa, n_pa + 1
+    _, grid, _, args, reads = ch.launches[0]
+    assert reads == n_pa and args == [*range(n_pa), out + 1, out + 2, out + 3, out, counters]
+    assert ch.state == [counters] and ch.input_dtypes[counters] == mx.int32
+    assert [tuple(s) for s, _ in ch.outputs] == [q_shape]
+    assert len(ch.scratch) == 3  # the partials live for the evaluation only
+    arrivals = launch.extra
+    assert arrivals.dtype == mx.int32 and arrivals.size >= q_shape[0] * grid[0]
+    assert not np.array(arrivals).any()
+    assert tuple(ch.input_shapes[counters]) == tuple(arrivals.shape)
+    # Every fused launch of the process shares one counter array per size class.
+    with override_settings(cuda_fused_reduce=True):
+        again = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, scale=0.2, use_sinks=False,
+                                    sliding_window=None, softcap=None, partition_size=64, backend="cuda", geo=geo,
+                                    prefetch=0, rows=None)
+    assert again.extra is arrivals
+
+
+def test_fused_counters_come_in_power_of_two_size_classes():
+    assert gc.fused_counters(1).shape == (1024,)
+    assert gc.fused_counters(1024) is gc.fused_counters(1000)
+    assert gc.fused_counters(1025).shape == (2048,)
+    assert gc.fused_counters(5000).dtype == mx.int32 and not np.array(gc.fused_counters(5000)).any()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_chained_call_passes_the_inputs_in_the_kernels_order(fake_chains, fused):
+    md, q_shape, k_shape = _batch()
+    geo = gc.geometry(128, "bfloat16", "cuda", 4, True, None)
+    with override_settings(cuda_fused_reduce=fused):
+        launch = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, scale=0.1, use_sinks=False,
+                                     sliding_window=None, softcap=None, partition_size=64, backend="cuda", geo=geo,
+                                     prefetch=0, rows=None)
     q, k, v = mx.zeros(q_shape, mx.bfloat16), mx.zeros(k_shape, mx.bfloat16), mx.ones(k_shape, mx.bfloat16)
     launch(q, k, v, md, None)
     (got,) = launch.chain.calls
     want = [q, k, v, md.block_tables, md.seq_lens, md.cu_seqlens_q, launch.zero_sinks, launch.params, launch.fparams,
-            launch.reduce_params]
+            launch.extra]
     assert len(got) == len(want) == len(launch.chain.input_dtypes)
     assert all(a is b for a, b in zip(got, want))
     assert [a.dtype for a in got] == launch.chain.input_dtypes

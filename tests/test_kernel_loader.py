@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from metal_attn.providers import gpu_common as gc
 
 from metal_attn import kernels
 from metal_attn._layout import kernels_dir
@@ -46,7 +47,7 @@ def test_a_backslash_continued_line_comment_is_kept():
 
 
 def test_assembled_kernels_carry_no_comments_and_keep_their_lines():
-    header, body = kernels.assemble("paged_attention", ("paged_common.h", "pagedattention.metal"), "cuda",
+    header, body = kernels.assemble("paged_attention", gc.PAGED_FILES, "cuda",
                                     {"PA_SPLIT": 1, "PA_STAGED": 1, "PA_MMA": 1})
     raw_body = kernels.sections("pagedattention.metal")["paged_attention"]
     assert body.count("\n") == raw_body.count("\n")
@@ -76,8 +77,6 @@ def test_kernel_objects_are_kept_and_follow_the_source_folder(planted_kernels, s
     """Kernel objects are kept per (backend, kernel, sources, defines). Launchers pass the defines as
     pairs, others as a mapping: both reach the same object. A new source folder (any
     `kernels.clear_cache`) drops them, or planted sources would run the old text."""
-    from metal_attn.providers import gpu_common as gc
-
     geo = gc.geometry(128, "bfloat16", "metal", split=True)
     first = gc.per_token_kernel("metal", True, geo)
     reducer = gc.reducer_kernel("metal")

@@ -1,6 +1,7 @@
 // metal-attn CUDA ops: KernelChain (see kernel_chain.h).
 #include "kernel_chain.h"
 
+#include <algorithm>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -108,6 +109,13 @@ void ChainSpec::validate() const {
                                 std::to_string(input_dtypes.size()) + " inputs (one each, or none)");
   }
   if (outputs.empty()) throw std::invalid_argument("chain " + name + ": outputs is empty (at least one)");
+  for (int a : state) {
+    if (a < 0 || a >= n_in) {
+      throw std::invalid_argument("chain " + name + ": state input " + std::to_string(a) +
+                                  " (allowed: input indices 0.." + std::to_string(n_in - 1) + ")");
+    }
+  }
+  auto is_state = [this](int a) { return std::find(state.begin(), state.end(), a) != state.end(); };
   if (launches.empty()) throw std::invalid_argument("chain " + name + ": launches is empty (at least one)");
   for (size_t l = 0; l < launches.size(); ++l) {
     const Launch& launch = launches[l];
@@ -146,9 +154,9 @@ void ChainSpec::validate() const {
     }
     for (size_t i = launch.reads; i < launch.args.size(); ++i) {
       int a = launch.args[i];
-      if (a < n_in) {
+      if (a < n_in && !is_state(a)) {
         throw std::invalid_argument("chain " + name + ": launch " + std::to_string(l) + " writes input " +
-                                    std::to_string(a) + " (allowed: outputs and scratch, indices " +
+                                    std::to_string(a) + " (allowed: state inputs, outputs and scratch, indices " +
                                     std::to_string(n_in) + ".." + std::to_string(n - 1) + ")");
       }
       written[a] = true;
@@ -173,6 +181,12 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
   auto& enc = mx::cu::get_command_encoder(stream());
   std::vector<mx::array> buffers;
   buffers.reserve(inputs.size() + outputs.size() + spec.scratch.size());
+  for (int a : spec.state) {
+    if (!inputs[a].flags().row_contiguous) {
+      throw std::invalid_argument("chain " + spec.name + ": state input " + std::to_string(a) +
+                                  " is not row-contiguous (it is updated in place, so it is never copied)");
+    }
+  }
   for (const auto& in : inputs) {
     if (in.flags().row_contiguous) {
       buffers.push_back(in);
@@ -205,7 +219,7 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
       if (static_cast<int>(i) < launch.reads) {
         enc.set_input_array(b);
       } else {
-        enc.set_output_array(b);
+        enc.set_output_array(b);  // also a dependency on the buffer's last writer (a state input's)
       }
     }
     enc.add_kernel_node_raw(launch.function, dim3(launch.grid[0], launch.grid[1], launch.grid[2]),

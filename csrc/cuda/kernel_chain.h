@@ -38,11 +38,17 @@ struct ChainSpec {
   std::string name;
   std::vector<mx::Dtype> input_dtypes;
   std::vector<mx::Shape> input_shapes;
+  // Inputs the launches update in place: persistent buffers the caller owns and the kernels leave
+  // as they found them (the fused reducer's arrival counters, zero before and after). They must
+  // be row-contiguous (never copied), and each evaluation's launches are ordered after the
+  // previous writer of the buffer, so that calls sharing one never overlap.
+  std::vector<int> state;
   std::vector<Buffer> outputs;
   std::vector<Buffer> scratch;
   std::vector<Launch> launches;
 
-  // Checks every index and size, that no launch writes an input, that every output is written and
+  // Checks every index and size, that no launch writes an input other than a state input, that
+  // every output is written and
   // that no scratch buffer is read before a launch writes it; throws std::invalid_argument naming
   // what is wrong.
   void validate() const;

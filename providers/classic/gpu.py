@@ -152,13 +152,16 @@ def cuda_sources() -> list[CudaSource]:
             geo = gc.geometry(head, dt, "cuda", group, split, cores_items if split else None)
             ins = gc.per_token_signature(dt)
             outs = ((("out", dt),) if not split else tuple((n, "float32") for n in gc.PA_OUTPUTS[1]))
+            template = tuple(gc.paged_template(dt, head, 16, PARTITION_SIZE if split else 0, geo,
+                                               gc.PREFETCH_NEXT["cuda"]))
             label = f"paged_attention {dt} h{head} g{group} split={int(split)} {gc.describe_geometry(geo, None)}"
-            src = CudaSource(label, "paged_attention", gc.PAGED_FILES, ins, outs,
-                             tuple(gc.paged_template(dt, head, 16, PARTITION_SIZE if split else 0, geo,
-                                                                gc.PREFETCH_NEXT["cuda"])),
-                             gc.paged_defines(split, geo))
-            if src not in out:
-                out.append(src)
+            srcs = [CudaSource(label, "paged_attention", gc.PAGED_FILES, ins, outs, template,
+                               gc.paged_defines(split, geo))]
+            if split:  # the fused reducer (CUDA chains): the output and the arrival counters too
+                srcs.append(CudaSource(f"{label} fused", "paged_attention", gc.PAGED_FILES, ins,
+                                       outs + tuple(zip(gc.PA_FUSED_OUTPUTS, (dt, "int32"))), template,
+                                       gc.paged_defines(split, geo, fused=True)))
+            out.extend(src for src in srcs if src not in out)
     for dt, head in itertools.product(("float32", "bfloat16"), (64, 128, 256)):
         out.append(gc.reducer_cuda_source(f"paged_attention_v2_reduce {dt} h{head}", dt, head, 512))
     return out

@@ -43,24 +43,55 @@ def _case(spec, seed):
     return make_case(**spec, seed=seed)
 
 
-def _run(case, route, chains: bool):
-    before = sum(cuda_ops.chains_built.values())
-    with override_settings(cuda_chains=chains), forced_per_token_route(route):
+def _run(case, route, chains: bool, fused: bool = True):
+    before = dict(cuda_ops.chains_built)
+    with override_settings(cuda_chains=chains, cuda_fused_reduce=fused), forced_per_token_route(route):
         out = run_case(case, provider="classic")
         rec = diagnostics.last_dispatch()
-    return out, rec, sum(cuda_ops.chains_built.values()) - before
+    built = {k: v - before.get(k, 0) for k, v in cuda_ops.chains_built.items() if v != before.get(k, 0)}
+    return out, rec, built
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
 @pytest.mark.parametrize("route", PER_TOKEN_TEST_ROUTES)
 @pytest.mark.parametrize("spec", CASES, ids=[c["label"] for c in CASES])
-def test_the_chain_equals_the_mx_fast_route_bit_for_bit_and_matches_the_oracle(spec, route):
+def test_the_chain_equals_the_mx_fast_route_bit_for_bit_and_matches_the_oracle(spec, route, fused):
+    # The fused reducer runs the standalone reducer's arithmetic (ma_reduce_partials) in the same
+    # order, so it too equals the mx.fast route (per-token kernel, then reducer) bit for bit.
     case = _case(spec, seed=7)
-    chained, rec_c, built_c = _run(case, route, True)
+    chained, rec_c, built_c = _run(case, route, True, fused)
     plain, rec_p, built_p = _run(case, route, False)
     assert rec_c.route == rec_p.route, (rec_c.route, rec_p.route)
-    assert built_c >= 1 and built_p == 0, (built_c, built_p)
-    np.testing.assert_array_equal(chained, plain, err_msg=f"{case.label} {rec_c.route}")
+    assert built_c and not built_p, (built_c, built_p)
+    want_fused = fused and route != "per_token_ps0"
+    assert all(name.endswith("_fused") == want_fused for name in built_c), built_c
+    np.testing.assert_array_equal(chained, plain, err_msg=f"{case.label} {rec_c.route} fused={fused}")
     assert_close_to_oracle(chained, case.oracle(), case.dtype, label=f"{case.label} {rec_c.route} chain")
+
+
+def test_fused_calls_queued_on_one_counter_array_never_overlap_and_leave_it_zero():
+    # 24 layers' calls over one metadata share one launch, hence one counter array; they are queued
+    # and evaluated together. Each must equal its two-kernel result, and the counters end at zero.
+    case = make_case(q_lens=[1] * 6, seq_lens=[4096, 3001, 17, 1024, 2500, 65], num_heads=32, num_kv_heads=8,
+                     head_size=128, block_size=16, dtype="bfloat16", sinks=True, seed=11)
+    qs = [mx.random.normal(case.q.shape, key=mx.random.key(i)).astype(case.q.dtype) for i in range(24)]
+
+    def layers(fused: bool):
+        md = case.metadata()
+        with override_settings(cuda_fused_reduce=fused), forced_per_token_route("per_token_ps64"):
+            outs = [metal_attn.paged_attention(q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
+                                               sinks=case.sinks, provider="classic") for q in qs]
+            mx.eval(outs)
+        return outs, next(v for v in md._launches.values() if isinstance(v, gpu_common.ChainedPerTokenLaunch))
+
+    outs, launch = layers(True)
+    assert launch.chain.name.endswith("_fused")
+    assert not np.array(launch.extra).any(), "the fused reducer left counters non-zero"
+    for i, (got, want) in enumerate(zip(outs, layers(False)[0])):
+        np.testing.assert_array_equal(_as_f32(got), _as_f32(want), err_msg=f"layer {i}")
+    again, _ = layers(True)  # a second round on the same counters
+    for i, (got, want) in enumerate(zip(again, outs)):
+        np.testing.assert_array_equal(_as_f32(got), _as_f32(want), err_msg=f"round 2, layer {i}")
 
 
 def _decode_case():
@@ -107,7 +138,7 @@ def _built_chain():
                                        provider="classic"))
     launch = next(v for v in md._launches.values() if isinstance(v, gpu_common.ChainedPerTokenLaunch))
     inputs = [case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, launch.zero_sinks,
-              launch.params, launch.fparams] + ([launch.reduce_params] if launch.reduce_params is not None else [])
+              launch.params, launch.fparams] + ([launch.extra] if launch.extra is not None else [])
     return case, launch, inputs
 
 
@@ -129,10 +160,15 @@ def test_a_chain_whose_data_flow_is_wrong_is_refused_when_built():
         (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 2, 1], 2)]), r"reads scratch buffer 2 before"),
         (dict(launches=[(fake_fn, (0, 1, 1), (32, 1, 1), [0, 1], 1)]), r"grid \(0, 1, 1\).*at least 1"),
         (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 7], 1)]), r"argument 7 \(allowed: buffer indices 0..2\)"),
+        (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 1], 1)], state=[3]),
+         r"state input 3 \(allowed: input indices 0..0\)"),
     ]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message):
             cuda_ops.chain("bad", [f32], [((4,), f32)], [((4,), f32)], **kw)
+    # A state input may be written in place (the fused reducer's counters).
+    ok = cuda_ops.chain("state", [f32], [((4,), f32)], [], [(fake_fn, (1, 1, 1), (32, 1, 1), [0, 1], 0)], state=[0])
+    assert ok.name == "state"
 
 
 def test_an_input_of_another_shape_is_refused_by_name():
