@@ -48,9 +48,8 @@ struct ChainSpec {
   std::vector<Launch> launches;
 
   // Checks every index and size, that no launch writes an input other than a state input, that
-  // every output is written and
-  // that no scratch buffer is read before a launch writes it; throws std::invalid_argument naming
-  // what is wrong.
+  // every output is written and that no scratch buffer is read before a launch writes it; throws
+  // std::invalid_argument naming what is wrong.
   void validate() const;
 };
 
