@@ -266,17 +266,14 @@ class SdpaPrefillProvider(Provider):
         per (dtype, head size), and ``first_flagged``."""
         from metal_attn.source_specs import CudaSource
 
-        gathers = [CudaSource(f"gather_kv {dtype} h{head}", "gather_kv", GATHER_FILES,
-                              (("k_cache", dtype), ("v_cache", dtype), ("block_tables", "int32"), ("params", "int32")),
-                              (("k_out", dtype), ("v_out", dtype), ("bad", "int32")),
+        gathers = [CudaSource(f"gather_kv {dtype} h{head}", "gather_kv", GATHER_FILES, *gather_signature(dtype),
                               tuple(gather_template(dtype, head)))
                    for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
-        finishes = [CudaSource(f"sdpa_finish {dtype} h{head}", "sdpa_finish", FINISH_FILES,
-                               (("o", dtype), ("q", dtype), ("first", "int32"), ("lead", dtype), ("params", "int32")),
-                               (("out", dtype),), tuple(finish_template(dtype, head)))
+        finishes = [CudaSource(f"sdpa_finish {dtype} h{head}", "sdpa_finish", FINISH_FILES, *finish_signature(dtype),
+                               tuple(finish_template(dtype, head)))
                     for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
-        first = CudaSource("first_flagged", "first_flagged", FINISH_FILES, (("bad", "int32"), ("params", "int32")),
-                           (("first", "int32"),), (("THREADS", FIRST_THREADS),))
+        first = CudaSource("first_flagged", "first_flagged", FINISH_FILES, *FIRST_SIGNATURE,
+                           (("THREADS", FIRST_THREADS),))
         return [*gathers, *finishes, first]
 
 
@@ -310,12 +307,23 @@ class RunLaunch:
     pages: int
     table_short: bool
     takes_lead: bool = False
-    gather: gc.KernelLaunch | None = None
+    #: On CUDA with chains (`gc.cuda_chains_enabled`), ``gather`` is one chain of ``gather_kv`` and
+    #: ``first_flagged`` (the flags stay its scratch), ``first`` is None and ``finish`` is a chain too.
+    gather: gc.KernelLaunch | gc.ChainLaunch | None = None
     gather_params: Any = None
     first: gc.KernelLaunch | None = None
     first_params: Any = None
-    finish: gc.KernelLaunch | None = None
+    finish: gc.KernelLaunch | gc.ChainLaunch | None = None
     finish_params: Any = None
+
+    def gather_flagged(self, k_cache: Any, v_cache: Any, block_tables: Any) -> tuple[Any, Any, Any]:
+        """The run's contiguous K and V, and the first flagged position of each (sequence, KV
+        head): ``gather_kv`` then ``first_flagged`` (GPU backends)."""
+        if self.first is None:  # chained: both kernels in one operation
+            k, v, first = self.gather([k_cache, v_cache, block_tables, self.gather_params, self.first_params])
+            return k, v, first
+        k, v, bad = self.gather([k_cache, v_cache, block_tables, self.gather_params])
+        return k, v, self.first([bad, self.first_params])[0]
 
 
 def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
@@ -343,6 +351,13 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
             continue
         # The first call takes the lead rows, if the finish's 32-bit indices can hold them too.
         lead = lead_rows if not out and (lead_rows + rows) * num_heads * SIMD_WIDTH <= MAX_GRID_THREADS else 0
+        params = dict(gather_params=gc.pack_int32((seq, n, seq_len, nb, width, block_size, kvh)),
+                      first_params=gc.pack_int32((seq_len,)),
+                      finish_params=gc.pack_int32((q_len, seq_len, n, num_heads, kvh, lead)))
+        if backend == "cuda" and gc.cuda_chains_enabled():
+            gather_first, finish = chained_run(n, seq_len, kvh, head, lead + rows, num_heads, dtype, cache_dtype)
+            out.append(dataclasses.replace(run, takes_lead=lead > 0, gather=gather_first, finish=finish, **params))
+            continue
         gather = gc.kernel_launch(
             kernels.load_kernel("gather_kv", GATHER_FILES, GATHER_INPUTS, GATHER_OUTPUTS, backend),
             template=gather_template(cache_dtype, head), grid=(n * seq_len * kvh * SIMD_WIDTH, 1, 1),
@@ -357,12 +372,44 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
             kernels.load_kernel("sdpa_finish", FINISH_FILES, FINISH_INPUTS, FINISH_OUTPUTS, backend),
             template=finish_template(dtype, head), grid=((lead + rows) * num_heads * SIMD_WIDTH, 1, 1),
             threadgroup=(FINISH_THREADS, 1, 1), output_shapes=[(lead + rows, num_heads, head)], output_dtypes=[dtype])
-        out.append(dataclasses.replace(
-            run, takes_lead=lead > 0, gather=gather,
-            gather_params=gc.pack_int32((seq, n, seq_len, nb, width, block_size, kvh)),
-            first=first, first_params=gc.pack_int32((seq_len,)), finish=finish,
-            finish_params=gc.pack_int32((q_len, seq_len, n, num_heads, kvh, lead))))
+        out.append(dataclasses.replace(run, takes_lead=lead > 0, gather=gather, first=first, finish=finish, **params))
     return tuple(out)
+
+
+def chained_run(n: int, seq_len: int, kv_heads: int, head: int, out_rows: int, num_heads: int, dtype: Any,
+                cache_dtype: Any) -> tuple[gc.ChainLaunch, gc.ChainLaunch]:
+    """A run's kernels as two CUDA chains (`metal_attn.cuda_ops`), with the texts, grids and
+    parameters of the ``mx.fast`` launches of `run_launches`: ``gather_kv`` then ``first_flagged``
+    (inputs: the pools, the block table, both parameter arrays; outputs: K, V and the first flagged
+    positions; the flags are scratch), and ``sdpa_finish`` (``out_rows`` rows: the lead rows and
+    the run's)."""
+    import mlx.core as mx
+
+    from metal_attn import cuda_ops
+    from metal_attn.api import dtype_name
+    from metal_attn.kernels import SIMD_WIDTH
+
+    dn, cn = dtype_name(dtype), dtype_name(cache_dtype)
+    g_in, g_out = gather_signature(cn)
+    gather = cuda_ops.kernel_function("gather_kv", GATHER_FILES, None, g_in, g_out, gather_template(cn, head))
+    first = cuda_ops.kernel_function("first_flagged", FINISH_FILES, None, FIRST_SIGNATURE[0], FIRST_SIGNATURE[1],
+                                     [("THREADS", FIRST_THREADS)])
+    # Buffer indices: inputs k_cache 0, v_cache 1, block_tables 2, gather params 3, first params 4;
+    # outputs k 5, v 6, first 7; scratch bad 8.
+    kv = ((n, kv_heads, seq_len, head), cache_dtype)
+    gather_first = cuda_ops.chain(
+        "metal_attn.gather_kv", [cache_dtype, cache_dtype, mx.int32, mx.int32, mx.int32],
+        [kv, kv, ((n * kv_heads,), mx.int32)], [((n, kv_heads, seq_len), mx.int32)],
+        [(gather, cuda_ops.threadgroups((n * seq_len * kv_heads * SIMD_WIDTH, 1, 1), (GATHER_THREADS, 1, 1)),
+          (GATHER_THREADS, 1, 1), [0, 1, 2, 3, 5, 6, 8], 4),
+         (first, (n * kv_heads, 1, 1), (FIRST_THREADS, 1, 1), [8, 4, 7], 2)])
+    f_in, f_out = finish_signature(dn)
+    fin = cuda_ops.kernel_function("sdpa_finish", FINISH_FILES, None, f_in, f_out, finish_template(dn, head))
+    finish = cuda_ops.chain(
+        "metal_attn.sdpa_finish", [dtype, dtype, mx.int32, dtype, mx.int32], [((out_rows, num_heads, head), dtype)],
+        [], [(fin, cuda_ops.threadgroups((out_rows * num_heads * SIMD_WIDTH, 1, 1), (FINISH_THREADS, 1, 1)),
+              (FINISH_THREADS, 1, 1), [0, 1, 2, 3, 4, 5], 5)])
+    return gc.ChainLaunch(gather_first), gc.ChainLaunch(finish)
 
 
 def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: int = 0, backend: str | None = None,
@@ -396,7 +443,7 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
             outs.append(mx.full((r.rows, num_heads, head), mx.nan, dtype=q.dtype))
             continue
         if gpu:
-            k, v, bad = r.gather([kc, vc, md.block_tables, r.gather_params])
+            k, v, first = r.gather_flagged(kc, vc, md.block_tables)
         else:
             k, v, bad = gather_with_mlx_ops(kc, vc, md.block_tables[r.seq:r.seq + r.n, :r.pages], r.seq_len)
         q_rows = q[r.row0:r.row0 + r.rows]
@@ -409,7 +456,6 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
         # query can give -inf scores everywhere: a silent 0).
         o = o.transpose(0, 2, 1, 3).reshape(r.rows, num_heads, head)
         if gpu:
-            first = r.first([bad, r.first_params])[0]
             ahead = lead if r.takes_lead else gc.placeholder(o.dtype)
             outs.append(r.finish([o, q_rows, first, ahead, r.finish_params])[0])
         else:
@@ -455,6 +501,22 @@ FINISH_INPUTS, FINISH_OUTPUTS = ("o", "q", "first", "lead", "params"), ("out",)
 #: sdpa_finish (four (row, head) pairs, one simdgroup each).
 FIRST_THREADS = 256
 FINISH_THREADS = 128
+
+
+#: first_flagged's ``(name, dtype name)`` inputs and outputs.
+FIRST_SIGNATURE = ((("bad", "int32"), ("params", "int32")), (("first", "int32"),))
+
+
+def gather_signature(dtype: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """gather_kv's ``(name, dtype name)`` inputs and outputs over pools of ``dtype``."""
+    return ((("k_cache", dtype), ("v_cache", dtype), ("block_tables", "int32"), ("params", "int32")),
+            (("k_out", dtype), ("v_out", dtype), ("bad", "int32")))
+
+
+def finish_signature(dtype: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """sdpa_finish's ``(name, dtype name)`` inputs and outputs for a query of ``dtype``."""
+    return ((("o", dtype), ("q", dtype), ("first", "int32"), ("lead", dtype), ("params", "int32")),
+            (("out", dtype),))
 
 
 def gather_template(dtype: Any, head_size: int) -> list[tuple[str, Any]]:

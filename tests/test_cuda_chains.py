@@ -30,6 +30,7 @@ class FakeChain:
     launches: list
     input_shapes: list
     state: list
+    updates: list
     calls: list = dataclasses.field(default_factory=list)
 
     def __call__(self, inputs: list) -> list:
@@ -199,3 +200,95 @@ def test_the_runtime_source_is_the_mx_fast_shape_after_the_nvrtc_preamble():
 def test_threadgroups_are_the_mx_fast_grid_over_the_threadgroup():
     assert cuda_ops.threadgroups((1000, 3, 8), (128, 1, 1)) == (8, 3, 8)
     assert cuda_ops.threadgroups((128, 1, 1), (128, 1, 1)) == (1, 1, 1)
+
+
+def _gathered_runs(monkeypatch, chained: bool):
+    from metal_attn.providers import sdpa_prefill as sp
+
+    # Two decode rows, then two runs of chunks: 2 x 8 rows ending at 40 tokens, 1 x 5 rows at 70.
+    md = AttentionMetadata.build(np.arange(25, dtype=np.int32).reshape(5, 5), [30, 31, 40, 40, 70],
+                                 [0, 1, 2, 10, 18, 23], validate=False)
+    args = (md, 2, (23, 8, 128), (25, 16, 2, 128), mx.bfloat16, mx.bfloat16, 2, "cuda")
+    if chained:
+        return sp.run_launches(*args)
+    monkeypatch.setattr(cuda_ops, "enabled", lambda: False)
+    with fake_cuda():
+        return sp.run_launches(*args)
+
+
+def test_a_chained_gathered_run_launches_what_the_mx_fast_route_launches(fake_chains, monkeypatch):
+    from metal_attn.providers import sdpa_prefill as sp
+
+    chained = _gathered_runs(monkeypatch, True)
+    plain = _gathered_runs(monkeypatch, False)
+    assert len(chained) == len(plain) == 2
+    for i, (c, p) in enumerate(zip(chained, plain)):
+        assert isinstance(c.gather, gc.ChainLaunch) and c.first is None and isinstance(c.finish, gc.ChainLaunch)
+        assert isinstance(p.gather, gc.KernelLaunch) and isinstance(p.first, gc.KernelLaunch)
+        assert (c.takes_lead, p.takes_lead) == (i == 0, i == 0)
+        for name in ("gather_params", "first_params", "finish_params"):
+            assert np.array_equal(np.array(getattr(c, name)), np.array(getattr(p, name)))
+        g, f = c.gather.chain, c.finish.chain
+        gk, fk, ffk = p.gather.kwargs, p.first.kwargs, p.finish.kwargs
+        gather_fn, first_fn, finish_fn = (fake_chains[3 * i + j] for j in range(3))
+        # gather_kv then first_flagged in one chain: the mx.fast templates, grids and signatures.
+        assert gather_fn["name"] == "gather_kv" and gather_fn["template"] == _names(gk["template"])
+        assert [n for n, _ in gather_fn["inputs"]] == list(sp.GATHER_INPUTS)
+        assert [n for n, _ in gather_fn["outputs"]] == list(sp.GATHER_OUTPUTS)
+        assert first_fn["name"] == "first_flagged" and first_fn["template"] == _names(fk["template"])
+        assert finish_fn["name"] == "sdpa_finish" and finish_fn["template"] == _names(ffk["template"])
+        assert [n for n, _ in finish_fn["inputs"]] == list(sp.FINISH_INPUTS)
+        (_, g_grid, g_block, g_args, g_reads), (_, f_grid, f_block, f_args, f_reads) = g.launches
+        assert g_block == gk["threadgroup"] and g_grid == cuda_ops.threadgroups(gk["grid"], gk["threadgroup"])
+        assert f_block == fk["threadgroup"] and f_grid == cuda_ops.threadgroups(fk["grid"], fk["threadgroup"])
+        # K, V and the first flags are the outputs, in the mx.fast shapes; the flags (bad) are scratch,
+        # written by gather_kv and read by first_flagged.
+        want = [*gk["output_shapes"][:2], *fk["output_shapes"]]
+        assert [tuple(s) for s, _ in g.outputs] == [tuple(s) for s in want]
+        assert [tuple(s) for s, _ in g.scratch] == [tuple(gk["output_shapes"][2])]
+        assert (g_args, g_reads, f_args, f_reads) == ([0, 1, 2, 3, 5, 6, 8], 4, [8, 4, 7], 2)
+        ((_, n_grid, n_block, n_args, n_reads),) = f.launches
+        assert n_block == ffk["threadgroup"] and n_grid == cuda_ops.threadgroups(ffk["grid"], ffk["threadgroup"])
+        assert (n_args, n_reads) == ([0, 1, 2, 3, 4, 5], 5)
+        assert [tuple(s) for s, _ in f.outputs] == [tuple(s) for s in ffk["output_shapes"]]
+
+
+def test_a_chained_gathered_run_passes_its_inputs_in_the_kernels_order(fake_chains, monkeypatch):
+    (run, _) = _gathered_runs(monkeypatch, True)
+    kc, vc = mx.zeros((25, 16, 2, 128), mx.bfloat16), mx.ones((25, 16, 2, 128), mx.bfloat16)
+    bt = mx.zeros((5, 5), mx.int32)
+    k, v, first = run.gather_flagged(kc, vc, bt)
+    (got,) = run.gather.chain.calls
+    assert all(a is b for a, b in zip(got, [kc, vc, bt, run.gather_params, run.first_params]))
+    assert [a.dtype for a in got] == run.gather.chain.input_dtypes
+    assert k.shape == v.shape == (2, 2, 40, 128) and first.shape == (4,)
+
+
+def test_a_chained_cache_write_updates_the_pools_in_place(fake_chains):
+    # reshape_and_cache on CUDA with chains: one threadgroup per new token writes its slot's row into
+    # the pools, which are the chain's outputs updated in place (no pass over the whole pool).
+    from metal_attn.providers.classic import gpu
+
+    from metal_attn.device import DeviceInfo
+
+    pool = mx.zeros((16, 16, 2, 128), mx.bfloat16)
+    key, value = mx.ones((5, 2, 128), mx.bfloat16), mx.ones((5, 2, 128), mx.bfloat16)
+    slots = mx.array([3, -1, 17, 200, 255], dtype=mx.int32)
+    k_out, v_out = gpu.write_cache(key, value, pool, pool, slots, DeviceInfo.preset("h200"))
+    (fn,) = fake_chains
+    assert fn["name"] == "reshape_and_cache_slots" and fn["template"] == [("T", "bfloat16")]
+    assert [n for n, _ in fn["inputs"]] == list(gpu.SLOT_WRITE_INPUTS)
+    assert [n for n, _ in fn["outputs"]] == list(gpu.SLOT_WRITE_OUTPUTS)
+    writer = gpu.slot_writer(5, (16, 16, 2, 128), mx.bfloat16)
+    ch = writer.chain
+    assert ch.name == "metal_attn.reshape_and_cache" and ch.updates == [(2, 0), (3, 1)] and ch.scratch == []
+    ((_, grid, block, args, reads),) = ch.launches
+    assert grid == (5, 1, 1) and block == (gpu.SLOT_WRITE_THREADS, 1, 1)
+    assert (args, reads) == ([0, 1, 4, 5, 6, 7], 4)  # key, value, slots, params; the updated pools
+    assert [tuple(s) for s, _ in ch.outputs] == [(16, 16, 2, 128)] * 2
+    assert np.array(writer.params).tolist() == [16 * 16, 2 * 128]
+    (got,) = ch.calls
+    assert got[0] is key and got[1] is value and got[2] is pool and got[3] is pool
+    assert got[4].dtype == mx.int64 and np.array(got[4]).tolist() == [3, -1, 17, 200, 255]
+    assert k_out.shape == v_out.shape == pool.shape
+    assert gpu.slot_writer(5, (16, 16, 2, 128), mx.bfloat16) is writer  # built once
