@@ -6,14 +6,13 @@ For pools of 2,048 and 32,768 pages of 16 x 8 x 128 bf16 (64 MiB and 1 GiB each)
 new tokens, ``--writes`` writes in a row, each rebinding K and V to the write's result (as
 `PagedKVCache` does), evaluated once; per write:
 
-- ``classic chain``: `metal_attn.reshape_and_cache` on CUDA with chains, the in-place
-  ``reshape_and_cache_slots`` kernel (the pools' own buffers);
-- ``MLX scatter``: the same call with chains off, where the registry takes the reference
-  provider's in-place MLX scatter (two scatters a write);
-- ``whole-pool kernel``: classic's ``mx.fast`` kernel, which makes both new pools in one pass.
+- ``MLX scatter``: `metal_attn.reshape_and_cache`, which on GPU backends the registry gives to the
+  reference provider's in-place MLX scatter (two scatters a write, into the donated pools);
+- ``whole-pool kernel``: classic's ``mx.fast`` kernel (`providers.classic.gpu.write_cache`, which
+  the registry does not choose on GPUs), which makes both new pools in one pass over them.
 
 Wall µs per write (queued writes, one evaluation) and the GPU µs of each kernel (CUPTI medians).
-Needs MLX's CUDA backend, torch (CUPTI) and the CUDA chains module.
+Needs MLX's CUDA backend and torch (CUPTI).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from kernel_trace import record
 from metal_attn.providers.classic import gpu as classic_gpu
 
 import metal_attn
-from metal_attn.settings import override_settings
 
 
 def main() -> None:
@@ -44,7 +42,7 @@ def main() -> None:
             key = mx.ones((tokens, 8, 128), mx.bfloat16)
             slots = mx.array((np.random.default_rng(tokens).permutation(pages * 16)[:tokens]).astype(np.int64))
             mx.eval(key, slots)
-            for writer in ("classic chain", "MLX scatter", "whole-pool kernel"):
+            for writer in ("MLX scatter", "whole-pool kernel"):
                 pools = [mx.zeros((pages, 16, 8, 128), mx.bfloat16) for _ in range(2)]
                 mx.eval(pools)
 
@@ -63,16 +61,16 @@ def main() -> None:
                         write()
                     mx.eval(pools)
 
-                with override_settings(cuda_chains=writer == "classic chain"):
-                    run(3)
-                    walls = []
-                    for _ in range(5):
-                        mx.synchronize()
-                        t0 = time.perf_counter()
-                        run(args.writes)
-                        walls.append((time.perf_counter() - t0) / args.writes)
-                    events = record(lambda run=run: run(args.writes), cpu=False)
-                    provider = metal_attn.diagnostics.last_cache_write().provider
+                run(3)
+                walls = []
+                for _ in range(5):
+                    mx.synchronize()
+                    t0 = time.perf_counter()
+                    run(args.writes)
+                    walls.append((time.perf_counter() - t0) / args.writes)
+                events = record(lambda run=run: run(args.writes), cpu=False)
+                last = metal_attn.diagnostics.last_cache_write().provider
+                provider = "classic" if writer == "whole-pool kernel" else last
                 by_name: dict[str, list[float]] = {}
                 for e in events:
                     by_name.setdefault(e["name"][:60], []).append(float(e["dur"]))

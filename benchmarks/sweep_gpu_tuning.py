@@ -103,9 +103,9 @@ def sweep_classic(backend: str) -> list[dict]:
                                    geometry_override=geo, prefetch=prefetch)
 
         ref = np.array(launch().astype(mx.float32))
-        geo = gc.launch_geometry(case.q, case.k_pool, case.metadata, partition_size=512 if split else 0,
-                                 backend=backend)
-        shipped = (geo, gc.prefetch_for(geo, backend))
+        shipped = (gc.launch_geometry(case.q, case.k_pool, case.metadata, partition_size=512 if split else 0,
+                                       backend=backend),
+                   gc.PREFETCH_NEXT.get(backend, 0))
         for g, pf in dict.fromkeys((*CLASSIC_TUNINGS, shipped)):
             if gc.geometry_problem(g, d, h // kvh, 2, backend):
                 continue

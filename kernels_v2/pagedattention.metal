@@ -42,9 +42,7 @@
 //          [T * ceil(H / HPS)] int32, zero before the launch and zero after it (see below)
 // Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token),
 //           UNROLL (tokens per lane per iteration), HPS (heads per threadgroup), HPW (heads
-//           per simdgroup), PREFETCH (direct: 1 = the next iteration's rows asked of L2; staged:
-//           how many chunks after the copies in flight are asked of L2), STAGE (tokens per
-//           staged chunk, 0 = direct), STAGES.
+//           per simdgroup), PREFETCH, STAGE (tokens per staged chunk, 0 = direct), STAGES.
 constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;  // simdgroups
 constexpr int SG_H = HPS / HPW;                       // simdgroups across heads
 constexpr int SG_T = NUM_SG / SG_H;                   // simdgroups across tokens
@@ -265,30 +263,6 @@ int pg[COPY_ITERS];
       ma_async_copy16(kv_stage + dst + STAGE * PITCH, v_cache + src, live);                     \
     }                                                                                           \
   }
-// L2 prefetch (PREFETCH = A > 0; CUDA, a no-op on Metal): the A chunks after the copies in flight
-// are asked of L2, so that more of the partition's bytes are on their way than the stages hold.
-// Iteration c asks for chunk c + STAGES - 1 + A, on page ids read one iteration earlier (pf_pg);
-// the first A - 1 of those chunks are asked for before the loop.
-constexpr int PF_ROW_LINES = HEAD_SIZE * int(sizeof(T)) / 128 > 0 ? HEAD_SIZE * int(sizeof(T)) / 128 : 1;
-constexpr int PF_LINES = 2 * STAGE * PF_ROW_LINES;  // 128-byte lines of a chunk's K and V rows
-constexpr int PF_ITERS = PREFETCH > 0 ? (PF_LINES + NUM_THREADS - 1) / NUM_THREADS : 0;
-int pf_pg[PF_ITERS > 0 ? PF_ITERS : 1];
-#define MA_PF_PAGES(c)                                                            \
-  for (int x = 0; x < PF_ITERS; ++x) {                                            \
-    const int i = tid + x * NUM_THREADS;                                          \
-    const int tok = t_begin + (c) * STAGE + i / (2 * PF_ROW_LINES);               \
-    pf_pg[x] = i < PF_LINES && tok < t_end ? block_tables[bt_row + tok / BLOCK_SIZE] : -1; \
-  }
-#define MA_PF_ISSUE(c)                                                                              \
-  for (int x = 0; x < PF_ITERS; ++x) {                                                             \
-    const int i = tid + x * NUM_THREADS;                                                           \
-    const int tok = t_begin + (c) * STAGE + i / (2 * PF_ROW_LINES);                                \
-    if (pf_pg[x] >= 0) {                                                                           \
-      const int64_t off = (int64_t(pf_pg[x]) * BLOCK_SIZE + tok % BLOCK_SIZE) * tok_stride + head_off \
-                          + (i % PF_ROW_LINES) * (128 / int(sizeof(T)));                           \
-      ma_prefetch(((i / PF_ROW_LINES) % 2 ? v_cache : k_cache) + off);                             \
-    }                                                                                              \
-  }
 for (int c = 0; c < STAGES - 1; ++c) {
   if (c < n_chunks) {
     MA_STAGE_PAGES(c)
@@ -297,21 +271,10 @@ for (int c = 0; c < STAGES - 1; ++c) {
   ma_async_commit();
 }
 MA_STAGE_PAGES(STAGES - 1)
-if (PREFETCH > 0) {
-  for (int a = 0; a + 1 < PREFETCH; ++a) {
-    MA_PF_PAGES(STAGES + a)
-    MA_PF_ISSUE(STAGES + a)
-  }
-  MA_PF_PAGES(STAGES - 1 + PREFETCH)
-}
 for (int c = 0; c < n_chunks; ++c) {
   if (c + STAGES - 1 < n_chunks) {
     MA_STAGE_CHUNK(c + STAGES - 1)  // into the stage chunk c - 1 used (all done reading it)
     MA_STAGE_PAGES(c + STAGES)      // read now, used next iteration
-  }
-  if (PREFETCH > 0 && c + STAGES - 1 + PREFETCH < n_chunks) {
-    MA_PF_ISSUE(c + STAGES - 1 + PREFETCH)
-    MA_PF_PAGES(c + STAGES + PREFETCH)
   }
   ma_async_commit();
   ma_async_wait<STAGES - 1>();  // this thread's pieces of chunk c have landed
@@ -511,8 +474,6 @@ for (int u = 0; u < UNROLL; ++u) {
 #if PA_STAGED
 #undef MA_STAGE_CHUNK
 #undef MA_STAGE_PAGES
-#undef MA_PF_PAGES
-#undef MA_PF_ISSUE
 // The merge reuses the stages: the last chunk's closing barrier has every thread done reading
 // them, and every copy group committed after that chunk's was empty (nothing in flight).
 #define MA_MERGE_ACC(i) ma_tg_floats(kv_stage)[i]

@@ -231,21 +231,17 @@ def threadgroups(grid: Sequence[int], threadgroup: Sequence[int]) -> tuple[int, 
 def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[int, ...], Any]],
           scratch: Sequence[tuple[tuple[int, ...], Any]],
           launches: Sequence[tuple[int, tuple[int, int, int], tuple[int, int, int], Sequence[int], int]],
-          input_shapes: Sequence[tuple[int, ...]] = (), state: Sequence[int] = (),
-          updates: Sequence[tuple[int, int]] = ()) -> Any:
+          input_shapes: Sequence[tuple[int, ...]] = (), state: Sequence[int] = ()) -> Any:
     """A ``_cuda_ops.Chain``: call it with the inputs (a list of arrays in ``input_dtypes``, and of
     ``input_shapes`` when given: each call checks both) for its outputs. ``launches``: ``(function,
     grid in threadgroups, threadgroup, argument buffer indices (inputs, then outputs, then scratch),
     how many of the arguments are read)``. ``state``: the indices of inputs the launches update in
     place (row-contiguous buffers the kernels leave as they found them, such as arrival counters);
-    each call is ordered after the previous writer of each. ``updates``: ``(input, output)`` pairs,
-    the output that input updated in place by the launches (a scatter into a pool): the input's own
-    buffer when MLX may donate it (nothing else holds it), else a copy, so an array the caller still
-    holds never changes."""
+    each call is ordered after the previous writer of each."""
     mod = native()
     if mod is None:
         raise RuntimeError(f"CUDA chains are not available: {unavailable_reason()}")
     chains_built[name] += 1
     return mod.Chain(name, list(input_dtypes), [(list(s), d) for s, d in outputs], [(list(s), d) for s, d in scratch],
                      [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches],
-                     [list(x) for x in input_shapes], list(state), [tuple(u) for u in updates])
+                     [list(x) for x in input_shapes], list(state))

@@ -424,9 +424,6 @@ class StagingRule:
     stages: int
     mma_head_sizes: tuple[int, ...] = ()
     mma_launches: tuple[tuple[int, int], ...] = ()
-    #: Chunks after the copies in flight that the kernel asks L2 for (its ``PREFETCH`` on staged
-    #: launches; 0: none).
-    l2_ahead: int = 0
 
 
 #: CUDA: the H200 sweep (docs/bench-h200-classic.md, `benchmarks/sweep_gpu_tuning.py classic`).
@@ -443,21 +440,9 @@ STAGE_BYTES_LIMIT = {"metal": 24 * 1024, "cuda": 40 * 1024}
 #: All of the per-token kernel's threadgroup memory, per backend: CUDA's static limit is 48 KiB
 #: a threadgroup, Apple GPUs have 32 KiB.
 THREADGROUP_BYTES_LIMIT = {"metal": 32 * 1024, "cuda": 48 * 1024}
-#: Whether the kernel's direct loads ask L2 for the next iteration's K/V rows (CUDA
-#: ``prefetch.global.L2``; Metal has no such instruction and the kernel's prefetch is a no-op there).
-#: Staged launches take `StagingRule.l2_ahead` instead (`prefetch_for`).
+#: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
+#: Metal has no such instruction and the kernel's prefetch is a no-op there).
 PREFETCH_NEXT = {"metal": 0, "cuda": 1}
-#: The most chunks a staged launch may ask L2 for ahead of its copies.
-MAX_L2_AHEAD = 4
-
-
-def prefetch_for(geo: Geometry, backend: str) -> int:
-    """The per-token kernel's ``PREFETCH`` for ``geo``: staged, the chunks after the copies in
-    flight asked of L2 (`StagingRule.l2_ahead`); direct, `PREFETCH_NEXT`."""
-    if geo.stage:
-        rule = STAGING_RULES.get(backend)
-        return rule.l2_ahead if rule is not None else 0
-    return PREFETCH_NEXT.get(backend, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -870,8 +855,7 @@ def launch_paged(
     rows at the front of a mixed batch) and returns ``[rows, H, D]``.
 
     ``geometry_override`` replaces `launch_geometry` (checked by `geometry_problem`) and
-    ``prefetch`` replaces `prefetch_for` (direct loads 0 or 1; staged 0..`MAX_L2_AHEAD`), for tuning
-    sweeps and tests; plans run
+    ``prefetch`` replaces `PREFETCH_NEXT` (0 or 1), for tuning sweeps and tests; plans run
     through `run_per_token`, whose geometry is valid by construction.
     """
     total, num_heads, head = q.shape
@@ -887,11 +871,9 @@ def launch_paged(
         problem = geometry_problem(geo, head, num_heads // k_cache.shape[2], q.dtype.size, backend)
         if problem:
             raise ValueError(f"geometry_override={geometry_override}: {problem}")
-    if prefetch is None:
-        prefetch = prefetch_for(geo, backend)
-    elif not (0 <= prefetch <= (MAX_L2_AHEAD if geo.stage else 1)):
-        raise ValueError(f"prefetch={prefetch} (allowed: " + (f"0..{MAX_L2_AHEAD}, chunks asked of L2 ahead of a "
-                         "staged launch's copies)" if geo.stage else "0 or 1 for direct loads)"))
+    prefetch = PREFETCH_NEXT.get(backend, 0) if prefetch is None else prefetch
+    if prefetch not in (0, 1):
+        raise ValueError(f"prefetch={prefetch} (allowed: 0 or 1)")
     return _launch(q, k_cache, v_cache, md, scale=scale, sinks=sinks, sliding_window=sliding_window,
                    softcap=softcap, partition_size=partition_size, backend=backend, geo=geo, prefetch=prefetch,
                    rows=rows)
@@ -1072,7 +1054,7 @@ def run_per_token(inputs: AttentionInputs, specialization: tuple, rows: int | No
         launch = cached_launch(md, key, lambda: per_token_launch(
             q.shape, q.dtype, k_cache.shape, md, scale=inputs.scale, use_sinks=inputs.sinks is not None,
             sliding_window=inputs.sliding_window, softcap=inputs.softcap, partition_size=specialization[4],
-            backend=backend, geo=(geo := plan_geometry(specialization)), prefetch=prefetch_for(geo, backend), rows=rows,
+            backend=backend, geo=plan_geometry(specialization), prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows,
             pool_dtype=k_cache.dtype))
     return launch(q, k_cache, inputs.v_cache, md, inputs.sinks)
 

@@ -30,7 +30,6 @@ class FakeChain:
     launches: list
     input_shapes: list
     state: list
-    updates: list
     calls: list = dataclasses.field(default_factory=list)
 
     def __call__(self, inputs: list) -> list:
@@ -263,32 +262,3 @@ def test_a_chained_gathered_run_passes_its_inputs_in_the_kernels_order(fake_chai
     assert [a.dtype for a in got] == run.gather.chain.input_dtypes
     assert k.shape == v.shape == (2, 2, 40, 128) and first.shape == (4,)
 
-
-def test_a_chained_cache_write_updates_the_pools_in_place(fake_chains):
-    # reshape_and_cache on CUDA with chains: one threadgroup per new token writes its slot's row into
-    # the pools, which are the chain's outputs updated in place (no pass over the whole pool).
-    from metal_attn.providers.classic import gpu
-
-    from metal_attn.device import DeviceInfo
-
-    pool = mx.zeros((16, 16, 2, 128), mx.bfloat16)
-    key, value = mx.ones((5, 2, 128), mx.bfloat16), mx.ones((5, 2, 128), mx.bfloat16)
-    slots = mx.array([3, -1, 17, 200, 255], dtype=mx.int32)
-    k_out, v_out = gpu.write_cache(key, value, pool, pool, slots, DeviceInfo.preset("h200"))
-    (fn,) = fake_chains
-    assert fn["name"] == "reshape_and_cache_slots" and fn["template"] == [("T", "bfloat16")]
-    assert [n for n, _ in fn["inputs"]] == list(gpu.SLOT_WRITE_INPUTS)
-    assert [n for n, _ in fn["outputs"]] == list(gpu.SLOT_WRITE_OUTPUTS)
-    writer = gpu.slot_writer(5, (16, 16, 2, 128), mx.bfloat16)
-    ch = writer.chain
-    assert ch.name == "metal_attn.reshape_and_cache" and ch.updates == [(2, 0), (3, 1)] and ch.scratch == []
-    ((_, grid, block, args, reads),) = ch.launches
-    assert grid == (5, 1, 1) and block == (gpu.SLOT_WRITE_THREADS, 1, 1)
-    assert (args, reads) == ([0, 1, 4, 5, 6, 7], 4)  # key, value, slots, params; the updated pools
-    assert [tuple(s) for s, _ in ch.outputs] == [(16, 16, 2, 128)] * 2
-    assert np.array(writer.params).tolist() == [16 * 16, 2 * 128]
-    (got,) = ch.calls
-    assert got[0] is key and got[1] is value and got[2] is pool and got[3] is pool
-    assert got[4].dtype == mx.int64 and np.array(got[4]).tolist() == [3, -1, 17, 200, 255]
-    assert k_out.shape == v_out.shape == pool.shape
-    assert gpu.slot_writer(5, (16, 16, 2, 128), mx.bfloat16) is writer  # built once

@@ -23,10 +23,9 @@ def test_every_classic_specialization_type_checks():
     assert result.count == len(specs)
     # dtypes x heads x blocks x {unsplit, split} x {direct, staged loads}, plus the matrix path for the
     # two 16-bit dtypes at the five head sizes that are multiples of 32; a reducer per (dtype, head);
-    # the cache writers per dtype (the whole-pool pass and the in-place form)
+    # a cache writer per dtype
     assert sum(" mma" in s.label for s in specs) == 2 * 5 * 3 * 2
-    assert sum(s.kernel == "reshape_and_cache_slots" for s in specs) == 3
-    assert result.count == 3 * 7 * 3 * 2 * 2 + 2 * 5 * 3 * 2 + 3 * 7 + 3 + 3
+    assert result.count == 3 * 7 * 3 * 2 * 2 + 2 * 5 * 3 * 2 + 3 * 7 + 3
 
 
 def test_generated_source_is_mlx_signature_plus_our_text():

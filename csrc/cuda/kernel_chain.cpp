@@ -116,23 +116,6 @@ void ChainSpec::validate() const {
     }
   }
   auto is_state = [this](int a) { return std::find(state.begin(), state.end(), a) != state.end(); };
-  std::vector<bool> updated_in(n_in, false), updated_out(n_out, false);
-  for (const auto& [i, o] : updates) {
-    if (i < 0 || i >= n_in || o < 0 || o >= n_out) {
-      throw std::invalid_argument("chain " + name + ": update (" + std::to_string(i) + ", " + std::to_string(o) +
-                                  ") (allowed: (input 0.." + std::to_string(n_in - 1) + ", output 0.." +
-                                  std::to_string(n_out - 1) + "))");
-    }
-    if (updated_in[i] || updated_out[o] || is_state(i)) {
-      throw std::invalid_argument("chain " + name + ": update (" + std::to_string(i) + ", " + std::to_string(o) +
-                                  ") reuses an input or output (each at most once, and not a state input)");
-    }
-    if (input_dtypes[i] != outputs[o].dtype) {
-      throw std::invalid_argument("chain " + name + ": update (" + std::to_string(i) + ", " + std::to_string(o) +
-                                  ") pairs buffers of two dtypes");
-    }
-    updated_in[i] = updated_out[o] = true;
-  }
   if (launches.empty()) throw std::invalid_argument("chain " + name + ": launches is empty (at least one)");
   for (size_t l = 0; l < launches.size(); ++l) {
     const Launch& launch = launches[l];
@@ -214,21 +197,8 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
       buffers.push_back(c);
     }
   }
-  for (size_t o = 0; o < outputs.size(); ++o) {
-    auto& out = outputs[o];
-    auto update = std::find_if(spec.updates.begin(), spec.updates.end(),
-                               [o](const std::pair<int, int>& u) { return u.second == static_cast<int>(o); });
-    if (update == spec.updates.end()) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    } else {
-      const mx::array& in = inputs[update->first];
-      if (in.is_donatable() && in.flags().row_contiguous) {
-        out.copy_shared_buffer(in);  // in place: nothing else holds the input
-      } else {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        encode_copy(enc, in, out);  // someone still holds it: update a copy
-      }
-    }
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
     buffers.push_back(out);
   }
   for (const auto& b : spec.scratch) {
@@ -273,14 +243,6 @@ std::vector<mx::array> run_chain(const std::shared_ptr<const ChainSpec>& spec, c
       std::ostringstream msg;
       msg << "chain " << spec->name << ": input " << i << " has shape " << inputs[i].shape()
           << " (it was built for " << spec->input_shapes[i] << ")";
-      throw std::invalid_argument(msg.str());
-    }
-  }
-  for (const auto& [i, o] : spec->updates) {
-    if (inputs[i].shape() != spec->outputs[o].shape) {
-      std::ostringstream msg;
-      msg << "chain " << spec->name << ": input " << i << " has shape " << inputs[i].shape() << ", but output " << o
-          << ", its update in place, has " << spec->outputs[o].shape;
       throw std::invalid_argument(msg.str());
     }
   }

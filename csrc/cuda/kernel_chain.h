@@ -10,7 +10,6 @@
 
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "mlx/array.h"
@@ -44,19 +43,12 @@ struct ChainSpec {
   // be row-contiguous (never copied), and each evaluation's launches are ordered after the
   // previous writer of the buffer, so that calls sharing one never overlap.
   std::vector<int> state;
-  // Outputs that are inputs updated in place, as (input, output) pairs (a scatter into a pool):
-  // the output starts as the input's contents, in the input's own buffer when MLX may donate it
-  // (nothing else holds the input), else in a copy of it (so that an input someone still holds
-  // never changes); the launches then write part of it. The input and output match in shape
-  // and dtype.
-  std::vector<std::pair<int, int>> updates;
   std::vector<Buffer> outputs;
   std::vector<Buffer> scratch;
   std::vector<Launch> launches;
 
   // Checks every index and size, that no launch writes an input other than a state input, that
-  // every output is written, that no scratch buffer is read before a launch writes it and that
-  // each update pairs an input and an output of one dtype, each at most once; throws
+  // every output is written and that no scratch buffer is read before a launch writes it; throws
   // std::invalid_argument naming what is wrong.
   void validate() const;
 };

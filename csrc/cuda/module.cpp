@@ -43,13 +43,12 @@ struct Chain {
 Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dtypes,
                  const std::vector<BufferSpec>& outputs, const std::vector<BufferSpec>& scratch,
                  const std::vector<LaunchSpec>& launches, const std::vector<std::vector<int>>& input_shapes,
-                 const std::vector<int>& state, const std::vector<std::pair<int, int>>& updates) {
+                 const std::vector<int>& state) {
   auto spec = std::make_shared<mac::ChainSpec>();
   spec->name = name;
   spec->input_dtypes = input_dtypes;
   for (const auto& s : input_shapes) spec->input_shapes.emplace_back(s.begin(), s.end());
   spec->state = state;
-  spec->updates = updates;
   spec->outputs = buffers(outputs);
   spec->scratch = buffers(scratch);
   for (const auto& [fn, grid, block, args, reads] : launches) {
@@ -99,11 +98,9 @@ NB_MODULE(_cuda_ops, m) {
   nb::class_<Chain>(m, "Chain", "A fixed sequence of kernel launches, run as one MLX primitive.")
       .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
            "input_shapes"_a = std::vector<std::vector<int>>{}, "state"_a = std::vector<int>{},
-           "updates"_a = std::vector<std::pair<int, int>>{},
            "input_shapes: one per input (checked at each call), or none; outputs and scratch: (shape, dtype) pairs; launches: (function, grid, block, args, reads), grid in "
            "threadgroups, args as buffer indices (inputs, then outputs, then scratch), the first `reads` read; state: the input "
-           "indices launches may write in place (row-contiguous buffers they leave as they found them); updates: (input, output) "
-           "pairs, the output the input updated in place (its buffer when MLX may donate it, else a copy).")
+           "indices launches may write in place (row-contiguous buffers they leave as they found them).")
       .def("__call__", [](const Chain& c, const std::vector<mx::array>& inputs) { return mac::run_chain(c.spec, inputs); },
            "inputs"_a, "The chain's outputs over inputs (lazy).")
       .def_prop_ro("name", [](const Chain& c) { return c.spec->name; });

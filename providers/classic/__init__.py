@@ -169,19 +169,15 @@ class ClassicProvider(Provider):
 
     def cache_write_reasons(self, dtype: str, device: DeviceInfo, settings: Settings) -> list[str]:
         reasons = super().cache_write_reasons(dtype, device, settings)
-        if device.backend != "cpu" and not reasons:
-            # On CUDA with chains the writer updates the pools in place (reshape_and_cache_slots).
-            # Else mx.fast kernels cannot write into an input, so the GPU kernel produces two
-            # whole new pools per call; MLX's own scatter updates a donated pool in place, which
-            # is what serving needs. That kernel stays reachable as providers.classic.gpu.write_cache
+        if device.backend != "cpu":
+            # mx.fast kernels cannot write into an input, so the GPU kernel produces two whole
+            # new pools per call; MLX's own scatter updates a donated pool in place, which is
+            # what serving needs. The kernel stays reachable as providers.classic.gpu.write_cache
             # (tested byte-identical in tests/gpu).
-            why_not = self._gpu().in_place_reasons(device)
-            if why_not:
-                reasons.append(
-                    f"backend={device.backend}: the reshape_and_cache kernel would rewrite both whole pools per "
-                    f"call (mx.fast kernels cannot alias an input; {why_not}); the in-place MLX scatter is used "
-                    "instead"
-                )
+            reasons.append(
+                f"backend={device.backend}: the reshape_and_cache kernel rewrites both whole pools per call "
+                "(mx.fast kernels cannot alias an input); the in-place MLX scatter is used instead"
+            )
         return reasons
 
     def write_cache(

@@ -9,7 +9,6 @@ too); this module adds what only ``classic`` does: its plan, prepare and run on 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Mapping
@@ -65,31 +64,11 @@ def _cache_kernel(backend: str):
                                CACHE_INPUTS, CACHE_OUTPUTS, backend)
 
 
-def in_place_reasons(device: DeviceInfo) -> str:
-    """Why `write_cache` cannot write the pools in place on ``device`` (empty when it can: CUDA with
-    chains)."""
-    if device.backend != "cuda":
-        return f"an in-place write needs a C++ primitive, and none is built for backend={device.backend}"
-    if not gc.cuda_chains_enabled():
-        from metal_attn import cuda_ops
-
-        why = cuda_ops.unavailable_reason() or "METAL_ATTN_CUDA_CHAINS=0"
-        return f"CUDA chains, which write in place, are off: {why}"
-    return ""
-
-
 def write_cache(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slots: mx.array,
                 device: DeviceInfo) -> tuple[mx.array, mx.array]:
     """``pool[slot] = kv`` for every slot inside the pool (negative ones are padding; with
-    ``validate_metadata`` off, slots past the pool are skipped too).
-
-    On CUDA with chains (`gc.cuda_chains_enabled`): ``reshape_and_cache_slots`` writes the slots'
-    rows in place, in the pools' own buffers when nothing else holds them (`slot_writer`). Else
-    ``mx.fast`` kernels cannot write into an input, so ``reshape_and_cache`` makes the new pools
-    in one pass over them (a copy of each pool per call)."""
-    if not in_place_reasons(device):
-        writer = slot_writer(key.shape[0], tuple(k_cache.shape), k_cache.dtype)
-        return writer(key, value, k_cache, v_cache, slots if slots.dtype == mx.int64 else slots.astype(mx.int64))
+    ``validate_metadata`` off, slots past the pool are skipped too), as one GPU pass producing the
+    new pools."""
     nb, bs, kvh, head = k_cache.shape
     host = np.array(slots, copy=False).astype(np.int64, copy=False)
     num_slots = nb * bs
@@ -109,59 +88,6 @@ def write_cache(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.a
         output_shapes=[k_cache.shape, v_cache.shape], output_dtypes=[k_cache.dtype, v_cache.dtype],
     )
     return k_out, v_out
-
-
-#: The in-place writer, ``reshape_and_cache_slots``: threads per threadgroup (one per token), its
-#: ``(name, dtype name)`` inputs and outputs.
-SLOT_WRITE_THREADS = 128
-SLOT_WRITE_INPUTS = ("key", "value", "slots", "params")
-SLOT_WRITE_OUTPUTS = ("k_cache", "v_cache")
-
-
-def slot_write_signature(dtype: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
-    """``reshape_and_cache_slots``' inputs and outputs over pools of ``dtype``."""
-    return (tuple(zip(SLOT_WRITE_INPUTS, (dtype, dtype, "int64", "int64"))),
-            tuple(zip(SLOT_WRITE_OUTPUTS, (dtype, dtype))))
-
-
-class SlotWriter:
-    """``reshape_and_cache_slots`` as a CUDA chain for ``tokens`` new tokens into pools of one shape
-    and dtype: inputs key, value, the two pools, the int64 slots and the kernel's parameters; the
-    outputs are the pools updated in place (the chain's ``updates``)."""
-
-    def __init__(self, tokens: int, pool_shape: tuple[int, ...], dtype: mx.Dtype) -> None:
-        from metal_attn import cuda_ops
-        from metal_attn.api import dtype_name
-
-        nb, bs, kvh, head = pool_shape
-        dn = dtype_name(dtype)
-        fn = cuda_ops.kernel_function("reshape_and_cache_slots", CACHE_FILES, None, *slot_write_signature(dn),
-                                      [("T", dn)])
-        # Buffer indices: key 0, value 1, k_cache 2, v_cache 3, slots 4, params 5; the updated
-        # pools 6 and 7.
-        self.params = kernels.param_array((nb * bs, kvh * head), "int64")
-        self.chain = cuda_ops.chain(
-            "metal_attn.reshape_and_cache", [dtype, dtype, dtype, dtype, mx.int64, mx.int64],
-            [(pool_shape, dtype), (pool_shape, dtype)], [],
-            [(fn, (tokens, 1, 1), (SLOT_WRITE_THREADS, 1, 1), [0, 1, 4, 5, 6, 7], 4)],
-            updates=[(2, 0), (3, 1)])
-
-    def __call__(self, key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array,
-                 slots: mx.array) -> tuple[mx.array, mx.array]:
-        k_out, v_out = self.chain([key, value, k_cache, v_cache, slots, self.params])
-        return k_out, v_out
-
-
-def slot_writer(tokens: int, pool_shape: tuple[int, ...], dtype: mx.Dtype) -> SlotWriter:
-    """The `SlotWriter` of a (token count, pool shape, dtype), built once per kernel epoch."""
-    from metal_attn import _epoch
-
-    return _slot_writer(_epoch.current(), tokens, pool_shape, dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _slot_writer(epoch: tuple, tokens: int, pool_shape: tuple[int, ...], dtype: mx.Dtype) -> SlotWriter:
-    return SlotWriter(tokens, pool_shape, dtype)
 
 
 # -- source-check sets ---------------------------------------------------------------------------
@@ -196,7 +122,7 @@ def msl_specializations(admission: Mapping[str, frozenset]) -> list[Specializati
                         kernel="paged_attention", source_files=gc.PAGED_FILES, input_names=gc.PA_INPUTS,
                         output_names=gc.PA_OUTPUTS[split],
                         template=tuple(gc.paged_template(dtype, head, block, PARTITION_SIZE if split else 0, geo,
-                                                            gc.prefetch_for(geo, "metal"))),
+                                                            gc.PREFETCH_NEXT["metal"])),
                         inputs=common_in, outputs=outs, defines=gc.paged_defines(split, geo),
                     ))
             specs.append(gc.reducer_msl_specialization(f"paged_attention_v2_reduce {dtype} head={head}", dtype,
@@ -210,19 +136,13 @@ def msl_specializations(admission: Mapping[str, frozenset]) -> list[Specializati
                     ((64,), "int32"), ((3,), "int64")),
             outputs=(((4, 16, 2, 64), dtype), ((4, 16, 2, 64), dtype)),
         ))
-        specs.append(Specialization(  # the in-place writer: source-checked only on Metal (no primitive binds it)
-            label=f"reshape_and_cache_slots {dtype}", kernel="reshape_and_cache_slots", source_files=CACHE_FILES,
-            input_names=SLOT_WRITE_INPUTS, output_names=SLOT_WRITE_OUTPUTS, template=(("T", dtype),),
-            inputs=(((3, 2, 64), dtype), ((3, 2, 64), dtype), ((3,), "int64"), ((2,), "int64")),
-            outputs=(((4, 16, 2, 64), dtype), ((4, 16, 2, 64), dtype)),
-        ))
     return specs
 
 
 def cuda_sources() -> list[CudaSource]:
     """The specializations the CUDA tables choose for ``classic``, for `metal_attn.cuda_check`: the
     per-token kernel at the head sizes and GQA groups that pick each path (direct, staged, matrix;
-    both routes; a small and a large split grid), the reducer and the in-place cache writer."""
+    both routes; a small and a large split grid), and the reducer."""
     from metal_attn.source_specs import CudaSource
 
     out: list[CudaSource] = []
@@ -233,7 +153,7 @@ def cuda_sources() -> list[CudaSource]:
             ins = gc.per_token_signature(dt)
             outs = ((("out", dt),) if not split else tuple((n, "float32") for n in gc.PA_OUTPUTS[1]))
             template = tuple(gc.paged_template(dt, head, 16, PARTITION_SIZE if split else 0, geo,
-                                               gc.prefetch_for(geo, "cuda")))
+                                               gc.PREFETCH_NEXT["cuda"]))
             label = f"paged_attention {dt} h{head} g{group} split={int(split)} {gc.describe_geometry(geo, None)}"
             srcs = [CudaSource(label, "paged_attention", gc.PAGED_FILES, ins, outs, template,
                                gc.paged_defines(split, geo))]
@@ -244,7 +164,4 @@ def cuda_sources() -> list[CudaSource]:
             out.extend(src for src in srcs if src not in out)
     for dt, head in itertools.product(("float32", "bfloat16"), (64, 128, 256)):
         out.append(gc.reducer_cuda_source(f"paged_attention_v2_reduce {dt} h{head}", dt, head, 512))
-    for dt in ("float32", "float16", "bfloat16"):  # the in-place cache writer (CUDA chains)
-        out.append(CudaSource(f"reshape_and_cache_slots {dt}", "reshape_and_cache_slots", CACHE_FILES,
-                              *slot_write_signature(dt), (("T", dt),)))
     return out

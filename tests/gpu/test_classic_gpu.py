@@ -76,17 +76,14 @@ def test_lengths_at_page_and_partition_edges(dtype, route):
 
 
 #: Geometry and prefetch variants a table may ship: ((lanes per token, unroll, heads per threadgroup,
-#: heads per simdgroup, staged chunk tokens, stages[, matrix path, threads]), PREFETCH: direct, the next
-#: iteration's rows asked of L2; staged, the chunks asked of L2 ahead of the copies); direct loads then staged chunks
+#: heads per simdgroup, staged chunk tokens, stages[, matrix path, threads]), PREFETCH); direct loads then staged chunks
 #: (one chunk a partition, several, a chunk longer than the shortest rows).
 _TUNINGS = [((8, 1, 2), 1), ((8, 2, 2), 1), ((8, 1, 2), 0), ((16, 1, 2), 1), ((16, 2, 4), 1), ((4, 1, 1), 1),
             ((32, 2, 2), 1), ((8, 2, 1), 0), ((8, 1, 4, 1, 32, 2), 0), ((8, 1, 4, 1, 16, 3), 0),
             ((8, 2, 4, 2, 32, 2), 0), ((8, 1, 2, 1, 16, 2), 0), ((16, 1, 1, 1, 8, 4), 0), ((4, 1, 4, 2, 32, 2), 0),
             # the matrix path ((..., mma, threads)): 128 and 64 threads, every head of the group or fewer
             ((8, 1, 4, 4, 32, 2, 1, 128), 0), ((8, 1, 2, 2, 32, 2, 1, 128), 0), ((8, 1, 4, 4, 16, 2, 1, 64), 0),
-            ((8, 1, 1, 1, 16, 4, 1, 64), 0),
-            # staged chunks asked of L2 ahead of the copies (PREFETCH on staged launches)
-            ((8, 1, 4, 4, 32, 2, 1, 128), 2), ((8, 1, 4, 1, 16, 3), 3), ((8, 1, 4, 4, 16, 2, 1, 64), 1)]
+            ((8, 1, 1, 1, 16, 4, 1, 64), 0)]
 
 
 def _tuning_id(t) -> str:
@@ -305,22 +302,16 @@ def test_reshape_and_cache_matches_scatter(dtype):
     keep = slots >= 0
     ek[slots[keep]] = kk.reshape(n, -1)[keep]
     ev[slots[keep]] = vv.reshape(n, -1)[keep]
-    # The GPU kernels themselves: the whole-pool pass (mx.fast), and on CUDA the in-place chain too.
+    # The GPU kernel itself (reachable directly: the public call prefers the in-place scatter).
     from metal_attn.providers.classic import gpu as classic_gpu
 
-    from metal_attn.settings import override_settings
-
-    for chains in (False, True) if metal_attn.current_device().backend == "cuda" else (False,):
-        with override_settings(cuda_chains=chains):
-            k1, v1 = classic_gpu.write_cache(key, val, kc, vc, mx.array(slots), metal_attn.current_device())
-            mx.eval(k1, v1)
-        assert np.array_equal(np.array(k1.view(raw)).reshape(nb * bs, -1), ek), f"chains={chains}"
-        assert np.array_equal(np.array(v1.view(raw)).reshape(nb * bs, -1), ev), f"chains={chains}"
-    # The public call: byte-identical too, in place: classic's chain on CUDA with chains, else
-    # MLX's scatter (the reference provider).
+    k1, v1 = classic_gpu.write_cache(key, val, kc, vc, mx.array(slots), metal_attn.current_device())
+    mx.eval(k1, v1)
+    assert np.array_equal(np.array(k1.view(raw)).reshape(nb * bs, -1), ek)
+    assert np.array_equal(np.array(v1.view(raw)).reshape(nb * bs, -1), ev)
+    # The public call: byte-identical too, through the in-place MLX scatter on GPU backends.
     k2, v2 = metal_attn.reshape_and_cache(key, val, kc, vc, mx.array(slots))
     mx.eval(k2, v2)
-    in_place = not classic_gpu.in_place_reasons(metal_attn.current_device())
-    assert diagnostics.last_cache_write().provider == ("classic" if in_place else "reference")
+    assert diagnostics.last_cache_write().provider == "reference"
     assert np.array_equal(np.array(k2.view(raw)).reshape(nb * bs, -1), ek)
     assert np.array_equal(np.array(v2.view(raw)).reshape(nb * bs, -1), ev)
