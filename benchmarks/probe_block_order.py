@@ -28,6 +28,7 @@ import statistics
 import mlx.core as mx
 import numpy as np
 from kernel_trace import busy_us, record, trace
+from probe_fused_reduce import _shapes
 
 import metal_attn
 from metal_attn.bench.core import Shape, build_case
@@ -37,17 +38,6 @@ SHAPES = ((8, 32, 8, 128, 4096), (1, 32, 8, 128, 32768), (16, 16, 2, 128, 16384)
           (32, 32, 8, 128, 4096), (8, 32, 8, 128, 32768))
 
 RUN_BYTES = 2 << 20
-
-
-def _shapes(text: str) -> tuple[tuple[int, ...], ...]:
-    try:
-        out = tuple(tuple(int(x) for x in item.removeprefix("b").split(":")) for item in text.split(","))
-    except ValueError:
-        out = ()
-    if not out or any(len(s) != 5 or min(s) < 1 for s in out):
-        raise argparse.ArgumentTypeError(f"--shapes={text!r} (allowed: batch:heads:kv_heads:head_size:context, "
-                                         "comma-separated, every field at least 1)")
-    return out
 
 
 def _tables(order: str, case, rng: np.random.Generator) -> np.ndarray:
