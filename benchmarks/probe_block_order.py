@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import mlx.core as mx
 import numpy as np
-from kernel_trace import busy_us, record, trace
+from kernel_trace import busy_us, record, summarise, trace
 from probe_fused_reduce import _shapes
 
 import metal_attn
@@ -65,11 +64,8 @@ def _tables(order: str, case, rng: np.random.Generator) -> np.ndarray:
 
 
 def _kernels(events: list[dict], calls: int) -> list[dict]:
-    by_name: dict[str, list[float]] = {}
-    for e in events:
-        by_name.setdefault(e["name"], []).append(float(e["dur"]))
-    return [{"name": n[:60], "median_us": statistics.median(d), "launches_per_call": len(d) / calls}
-            for n, d in by_name.items()]
+    """Per kernel: its name, median µs and launches per call (`kernel_trace.summarise`)."""
+    return summarise(events, calls, 1)["kernels"]
 
 
 def _torch_sdpa(case, calls: int, token_major: bool) -> dict:

@@ -24,7 +24,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from kernel_trace import record
+from kernel_trace import record, summarise
 from metal_attn.providers.classic import gpu as classic_gpu
 
 import metal_attn
@@ -71,11 +71,8 @@ def main() -> None:
                 events = record(lambda run=run: run(args.writes), cpu=False)
                 last = metal_attn.diagnostics.last_cache_write().provider
                 provider = "classic" if writer == "whole-pool kernel" else last
-                by_name: dict[str, list[float]] = {}
-                for e in events:
-                    by_name.setdefault(e["name"][:60], []).append(float(e["dur"]))
-                kernels = {n: {"median_us": statistics.median(d), "per_write": len(d) / args.writes}
-                           for n, d in by_name.items()}
+                kernels = {k["name"][:60]: {"median_us": k["median_us"], "per_write": k["launches_per_call"]}
+                           for k in summarise(events, args.writes, 1)["kernels"]}
                 gpu_us = sum(k["median_us"] * k["per_write"] for k in kernels.values())
                 row = {"pages": pages, "pool_mib": pages * 16 * 8 * 128 * 2 / 2**20, "tokens": tokens, "writer": writer,
                        "provider": provider, "wall_us": statistics.median(walls) * 1e6, "gpu_us": gpu_us,

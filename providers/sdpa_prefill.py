@@ -307,8 +307,9 @@ class RunLaunch:
     pages: int
     table_short: bool
     takes_lead: bool = False
-    #: On CUDA with chains (`gc.cuda_chains_enabled`), ``gather`` is one chain of ``gather_kv`` and
-    #: ``first_flagged`` (the flags stay its scratch), ``first`` is None and ``finish`` is a chain too.
+    #: On CUDA with chains (`gc.cuda_chains_enabled`), ``gather`` is one chain (`gc.ChainLaunch`) of
+    #: ``gather_kv`` and ``first_flagged`` (the flags stay its scratch), ``first`` is None and
+    #: ``finish`` is a chain too.
     gather: gc.KernelLaunch | gc.ChainLaunch | None = None
     gather_params: Any = None
     first: gc.KernelLaunch | None = None
@@ -319,7 +320,7 @@ class RunLaunch:
     def gather_flagged(self, k_cache: Any, v_cache: Any, block_tables: Any) -> tuple[Any, Any, Any]:
         """The run's contiguous K and V, and the first flagged position of each (sequence, KV
         head): ``gather_kv`` then ``first_flagged`` (GPU backends)."""
-        if self.first is None:  # chained: both kernels in one operation
+        if isinstance(self.gather, gc.ChainLaunch):  # both kernels in one operation
             k, v, first = self.gather([k_cache, v_cache, block_tables, self.gather_params, self.first_params])
             return k, v, first
         k, v, bad = self.gather([k_cache, v_cache, block_tables, self.gather_params])
@@ -504,19 +505,19 @@ FINISH_THREADS = 128
 
 
 #: first_flagged's ``(name, dtype name)`` inputs and outputs.
-FIRST_SIGNATURE = ((("bad", "int32"), ("params", "int32")), (("first", "int32"),))
+FIRST_SIGNATURE = (tuple(zip(FIRST_INPUTS, ("int32", "int32"))), tuple(zip(FIRST_OUTPUTS, ("int32",))))
 
 
 def gather_signature(dtype: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
     """gather_kv's ``(name, dtype name)`` inputs and outputs over pools of ``dtype``."""
-    return ((("k_cache", dtype), ("v_cache", dtype), ("block_tables", "int32"), ("params", "int32")),
-            (("k_out", dtype), ("v_out", dtype), ("bad", "int32")))
+    return (tuple(zip(GATHER_INPUTS, (dtype, dtype, "int32", "int32"))),
+            tuple(zip(GATHER_OUTPUTS, (dtype, dtype, "int32"))))
 
 
 def finish_signature(dtype: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
     """sdpa_finish's ``(name, dtype name)`` inputs and outputs for a query of ``dtype``."""
-    return ((("o", dtype), ("q", dtype), ("first", "int32"), ("lead", dtype), ("params", "int32")),
-            (("out", dtype),))
+    return (tuple(zip(FINISH_INPUTS, (dtype, dtype, "int32", dtype, "int32"))),
+            tuple(zip(FINISH_OUTPUTS, (dtype,))))
 
 
 def gather_template(dtype: Any, head_size: int) -> list[tuple[str, Any]]:

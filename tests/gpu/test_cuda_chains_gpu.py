@@ -175,4 +175,3 @@ def test_an_input_of_another_shape_is_refused_by_name():
     case, launch, inputs = _built_chain()
     with pytest.raises(ValueError, match=r"input 0 has shape .* \(it was built for"):
         launch.chain([case.q[:1], *inputs[1:]])
-
