@@ -103,7 +103,8 @@ def mixed() -> list[dict]:
 
     rows = []
     batches = [(Rows(dec, 1, 4096 if dec == 8 else 1024), Rows(1, ql, ctx))
-               for dec, ql, ctx in ((8, 128, 2048), (8, 256, 2048), (8, 512, 2048), (32, 512, 1024),
+               for dec, ql, ctx in ((8, 32, 2048), (8, 64, 2048), (8, 128, 2048), (8, 256, 2048),
+                                    (8, 512, 2048), (32, 32, 1024), (32, 64, 1024), (32, 512, 1024),
                                     (8, 1024, 4096), (8, 2048, 4096))]
     # The prefill-gpu suite's batch of two chunks, and 32 decode rows at 1K with one chunk of each size.
     batches.append((Rows(32, 1, 1024), Rows(1, 256, 1024), Rows(1, 256, 2048)))

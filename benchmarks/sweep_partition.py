@@ -69,7 +69,7 @@ def main() -> None:
                     ref = out
                 err = float(np.max(np.abs(out - ref)))
                 assert route in (gc.per_token_route(p), "per_token_ps0"), route
-                assert err <= 0.05, f"P{p} differs from P512 by {err} at b{batch} L{context}"
+                assert err <= 0.05, f"P{p} differs from P{SIZES[0]} by {err} at b{batch} L{context}"
             t, rule_route, _ = _time_step(case, None)
             rule_us = t / args.layers * 1e6
             kv, q4 = case.contiguous_kv(), case.query4()

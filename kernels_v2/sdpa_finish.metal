@@ -41,11 +41,13 @@ if (tid == 0) {
 //          the same rows' queries), first [n * KVH] int32 (first_flagged),
 //          lead [lead_rows, H, D] (T: rows computed elsewhere that go in front, a mixed batch's
 //          decode rows; unread when lead_rows is 0),
-//          params int32 [q_len, seq_len, n, num_heads, kv_heads, lead_rows]
-// Outputs: out [lead_rows + rows, H, D] (T): the lead rows as they are, then o, or NaN for every
+//          params int32 [q_len, seq_len, n, num_heads, kv_heads, lead_rows, out_row0]
+// Outputs: out [out_row0 + lead_rows + rows (at least), H, D] (T): from row out_row0 on, the lead
+//          rows as they are, then o, or NaN for every
 //          element of a (row, head) that attends a flagged position (first <= seq_len - q_len + r,
 //          the row's last key) or whose query holds a non-finite element. (Writing the lead rows
-//          here saves a mixed batch the concatenation of the two outputs: two copy launches.)
+//          here saves a mixed batch the concatenation of the two outputs: two copy launches. With
+//          out_row0, launches of several runs write one output: no concatenation either.)
 // Template: T, HEAD_SIZE (a multiple of 4). The head counts are runtime parameters, so the kernel a
 // provider compiles ahead for a (dtype, head size) is the one every geometry of it runs.
 // rows = n * q_len, sequence-major. One simdgroup per (row, head); each lane moves groups of four
@@ -55,13 +57,14 @@ const int seq_len = params[1];
 const int num_heads = params[3];
 const int kv_heads = params[4];
 const uint lead_pairs = uint(params[5]) * uint(num_heads);
+const int64_t out0 = int64_t(params[6]) * num_heads;  // (row, head) pairs of out before this launch's
 const int lane = int(thread_index_in_simdgroup);
 // (row, head) indices in 32 bits (the grid's thread index is 32-bit): the divisions by the runtime
 // head count and chunk length stay cheap; the element offset is 64-bit.
 const uint slot = uint(thread_position_in_grid.x) / uint(MA_SIMD_WIDTH);  // (row, head) of out
 const uint pairs = uint(params[2]) * uint(q_len) * uint(num_heads);
 if (slot < lead_pairs) {  // a lead row: copied as it is (uniform per simdgroup)
-  const int64_t at = int64_t(slot) * HEAD_SIZE;
+  const int64_t at = (out0 + slot) * HEAD_SIZE;
   for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
     ma_store_raw4(out + at + d, ma_load_raw4(lead + at + d));
   }
@@ -74,7 +77,7 @@ if (slot < lead_pairs) {  // a lead row: copied as it is (uniform per simdgroup)
   const int kvh = h / (num_heads / kv_heads);
   const bool reached = first[s * kv_heads + kvh] <= seq_len - q_len + r;
   const int64_t base = int64_t(pair) * HEAD_SIZE;
-  const int64_t at = int64_t(slot) * HEAD_SIZE;
+  const int64_t at = (out0 + slot) * HEAD_SIZE;
   float bad_q = 0.0f;
   for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
     float x[4];

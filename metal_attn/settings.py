@@ -128,7 +128,7 @@ class Settings(BaseSettings):
     )
 
     # -- kernel choices for A/B runs -----------------------------------------------------------
-    partition_size: Literal[0, 64, 128, 256, 512] = Field(
+    partition_size: Literal[0, 64, 128, 256, 512, 1024, 2048, 4096] = Field(
         0,
         validation_alias=_env("partition_size"),
         description=(

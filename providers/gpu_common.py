@@ -684,24 +684,39 @@ class PartitionRule:
     sizes: tuple[int, ...]
     min_items_per_core: float
     evidence: str
+    #: Sizes above 512, largest first, that a launch takes before ``sizes`` where its KV work items
+    #: reach ``long_min_items_per_core`` per core (fewer, longer threadgroups over long contexts).
+    long_sizes: tuple[int, ...] = ()
+    long_min_items_per_core: float = 0.0
+
+    def tiers(self) -> tuple[tuple[int, float], ...]:
+        """``(partition size, KV work items per core it needs)``, largest size first."""
+        return (tuple((p, self.long_min_items_per_core) for p in self.long_sizes)
+                + tuple((p, self.min_items_per_core) for p in self.sizes))
 
 
 #: The partition sizes the per-token kernel's text takes (multiples of its 32-token staged chunks
-#: and of every kernel block size); `METAL_ATTN_PARTITION_SIZE` may force any of them.
-PER_TOKEN_PARTITION_SIZES = (512, 256, 128, 64)
+#: and of every kernel block size); `METAL_ATTN_PARTITION_SIZE` may force any of them. The sizes
+#: above 512 are for long contexts, where fewer and longer threadgroups stream the same bytes.
+PER_TOKEN_PARTITION_SIZES = (4096, 2048, 1024, 512, 256, 128, 64)
 
 #: One rule per backend (data, like the split gate; ``explain`` prints the arithmetic). CUDA takes
-#: the largest size whose KV work items reach the core count, else the smallest (the evidence);
-#: Metal keeps upstream's 512.
+#: the largest size above 512 whose KV work items reach twice the core count, else the largest of
+#: 512 and below reaching the core count, else the smallest (the evidence); Metal keeps upstream's 512.
 PARTITION_RULES: dict[str, PartitionRule] = {
     "cuda": PartitionRule(
-        PER_TOKEN_PARTITION_SIZES, 1.0,
+        (512, 256, 128, 64), 1.0,
         "H200, MLX 0.32.4, bf16, 32/8 heads, head 128, one decode row (benchmarks/probe_per_token_small.py, "
         "CUPTI, kernel + reducer us): 600 tokens 16.0 + 2.5 at 512 against 5.7 + 3.1 at 64; 2,048 tokens "
         "16.5 + 2.8 against 6.8 + 3.8. The kernel's floor is about 4.5 us at one page of context, so a "
         "threadgroup's walk over its partition's chunks is most of a 512-token launch at one row. Before "
         "the kernels' small inputs left MLX's small-allocation pool (metal_attn.host_arrays) the floor was "
-        "7.2 us and the reducer 7.7, and 512 won. docs/bench-h200-decode-step.md"),
+        "7.2 us and the reducer 7.7, and 512 won. docs/bench-h200-decode-step.md. Partitions above 512 (seventeenth "
+        "session, decode-gpu pipelined, one run, % of the copy ceiling at 512 / 1,024 / 2,048 / 4,096): b32 L4096 "
+        "75/79/81/80, b64 L8192 83/86/86/87, b8 L32768 83/85/86/86, b16 16/2 L16384 64/71/72/54 (items at "
+        "2,048: 256); b8 L4096 61/61/46/26, b1 L32768 60/61/47/27, b1 24/4/256 L65536 58/57/38/21 (items at "
+        "1,024: 256): so a size above 512 needs 2 KV items per core",
+        long_sizes=(4096, 2048, 1024), long_min_items_per_core=2.0),
     "metal": PartitionRule((PARTITION_SIZE,), 0.0, "upstream's 512-token partitions; not measured on Apple hardware"),
 }
 
@@ -729,15 +744,19 @@ def partition_choice(request: AttentionRequest, device: DeviceInfo, settings: Se
         return size, f"partition size {size} (forced by METAL_ATTN_PARTITION_SIZE={forced}{why})"
     rule = PARTITION_RULES.get(device.backend, PARTITION_RULES["metal"])
     cores = device.gpu_cores or 0
-    sizes = [p for p in rule.sizes if scratch_fits(request, p)] or [PARTITION_SIZE]
-    chosen = next((p for p in sizes if cores and items(p) >= rule.min_items_per_core * cores), sizes[-1])
-    if len(rule.sizes) == 1:
+    # Every size must give two partitions (the gate checked 512's) and keep the scratch within its cap.
+    tiers = ([(p, need) for p, need in rule.tiers() if request.partitions(p) >= 2 and scratch_fits(request, p)]
+             or [(PARTITION_SIZE, 0.0)])
+    chosen, need = next(((p, need) for p, need in tiers if cores and items(p) >= need * cores), tiers[-1])
+    if len(tiers) == 1 and len(rule.tiers()) == 1:
         return chosen, f"partition size {chosen} (PARTITION_RULES[{device.backend}]: one size)"
+    reached = bool(cores) and items(chosen) >= need * cores
+    long = (f"; above 512: {list(rule.long_sizes)} at {rule.long_min_items_per_core:g}*gpu_cores"
+            if rule.long_sizes else "")
     return chosen, (f"partition size {chosen}: KV items {kvh}*{rows}*{request.partitions(chosen)}={items(chosen)} "
-                    f"{'>=' if items(chosen) >= rule.min_items_per_core * cores else '<'} "
-                    f"{rule.min_items_per_core:g}*gpu_cores={rule.min_items_per_core * cores:g} "
-                    f"(PARTITION_RULES[{device.backend}] takes the largest of {list(rule.sizes)} reaching it, "
-                    f"else the smallest)")
+                    f"{'>=' if reached else '<'} {need:g}*gpu_cores={need * cores:g} "
+                    f"(PARTITION_RULES[{device.backend}] takes the largest of {list(rule.sizes)} reaching "
+                    f"{rule.min_items_per_core:g}*gpu_cores{long}, else the smallest)")
 
 
 def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:

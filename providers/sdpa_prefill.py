@@ -108,9 +108,13 @@ SDPA_PREFILL_RULES: Mapping[str, SdpaRule] = MappingProxyType({
         "disagree; 500K sends both to the route, so the tiles' 1.26x at 128 after 4K is lost). Mixed "
         "batches (tenth session, the rule opened once around both timings): 8 decode rows at 4K, then one "
         "chunk: 1.27x, 1.46x, 1.25x, 2.02x, 3.14x faster than the tiles' mixed route with chunks of 128, 256, "
-        "512, 1,024 and 2,048 rows; 32 decode rows at 1K and a 512-row chunk: 0.75x (0.93x in the fifth "
-        "session), so below 4K of decode context chunks need 1,024 rows",
-        min_chunk_pairs=500_000, mixed=(MixedRow(4096, 128), MixedRow(0, 1024))),
+        "512, 1,024 and 2,048 rows. Seventeenth session, with the route's kernels as CUDA chains "
+        "(probe_sdpa_fused.py --only mixed, queued / blocking, one machine): 8 decode rows at 4K with one chunk "
+        "of 32, 64, 128, 256, 512, 1,024, 2,048 rows: 1.83/1.44x, 1.81/1.93x, 2.12/1.39x, 1.83/2.26x, 1.89/1.80x, "
+        "3.83/2.84x, 5.18/2.97x faster than the tiles' mixed route; 32 decode rows at 1K with 128 or 256 rows "
+        "after 2K: 2.04/2.01x, 1.61/1.99x; 512 after 1K 1.11/1.08x; two chunks of 256 1.16/1.11x; but 32 or 64 "
+        "rows after 1K 0.95/1.14x, 0.96/0.86x: so from 4K of decode context chunks need 32 rows, below it 128",
+        min_chunk_pairs=500_000, mixed=(MixedRow(4096, 32), MixedRow(0, 128))),
     "metal": SdpaRule(None, "not measured on Apple hardware: the rule stays upstream's (tiled_prefill, NAX on M5)"),
     "cpu": SdpaRule(None, "2-core CPU: gathered SDPA is 27x slower than classic's native prefill "
                           "(docs/bench-cpu.md, prefill-cpu)"),
@@ -252,7 +256,7 @@ class SdpaPrefillProvider(Provider):
             label=f"sdpa_finish {dtype} head={head}", kernel="sdpa_finish", source_files=FINISH_FILES,
             input_names=FINISH_INPUTS, output_names=FINISH_OUTPUTS, template=tuple(finish_template(dtype, head)),
             inputs=(((3, 4, head), dtype), ((3, 4, head), dtype), ((2,), "int32"), ((2, 4, head), dtype),
-                    ((6,), "int32")),
+                    ((7,), "int32")),
             outputs=(((5, 4, head), dtype),),
         ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         first = Specialization(
@@ -294,9 +298,9 @@ def _runs(md: AttentionMetadata, first_seq: int) -> list[tuple[int, int, int, in
 class RunLaunch:
     """One fused SDPA call of `prefill_rows`: ``n`` sequences from ``seq`` on, each ``q_len`` rows
     ending ``seq_len`` tokens, rows ``row0 .. row0 + rows`` of the query, their ``pages`` pages. On a
-    GPU its three kernels' launches are built once (``gather``, ``first``, ``finish``, with their
-    parameter arrays); ``takes_lead``: its ``sdpa_finish`` writes the lead rows in front.
-    ``table_short``: the block table is narrower than ``pages`` (validation off): NaN rows."""
+    GPU it carries its kernels' parameter arrays and, on the ``mx.fast`` route, their launches
+    (``gather``, ``first``, ``finish``); ``takes_lead``: its ``sdpa_finish`` writes the lead rows in
+    front. ``table_short``: the block table is narrower than ``pages`` (validation off): NaN rows."""
 
     seq: int
     n: int
@@ -307,32 +311,60 @@ class RunLaunch:
     pages: int
     table_short: bool
     takes_lead: bool = False
-    #: On CUDA with chains (`gc.cuda_chains_enabled`), ``gather`` is one chain (`gc.ChainLaunch`) of
-    #: ``gather_kv`` and ``first_flagged`` (the flags stay its scratch), ``first`` is None and
-    #: ``finish`` is a chain too.
-    gather: gc.KernelLaunch | gc.ChainLaunch | None = None
+    gather: gc.KernelLaunch | None = None
     gather_params: Any = None
     first: gc.KernelLaunch | None = None
     first_params: Any = None
-    finish: gc.KernelLaunch | gc.ChainLaunch | None = None
+    finish: gc.KernelLaunch | None = None
     finish_params: Any = None
 
     def gather_flagged(self, k_cache: Any, v_cache: Any, block_tables: Any) -> tuple[Any, Any, Any]:
         """The run's contiguous K and V, and the first flagged position of each (sequence, KV
-        head): ``gather_kv`` then ``first_flagged`` (GPU backends)."""
-        if isinstance(self.gather, gc.ChainLaunch):  # both kernels in one operation
-            k, v, first = self.gather([k_cache, v_cache, block_tables, self.gather_params, self.first_params])
-            return k, v, first
+        head): ``gather_kv`` then ``first_flagged`` (the ``mx.fast`` route)."""
         k, v, bad = self.gather([k_cache, v_cache, block_tables, self.gather_params])
         return k, v, self.first([bad, self.first_params])[0]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChainedRuns:
+    """Every run of a batch as two CUDA chains (`metal_attn.cuda_ops`), with the kernel texts,
+    grids and parameters of the ``mx.fast`` launches: ``gather`` runs each run's ``gather_kv`` then
+    its ``first_flagged`` (the flags are scratch), ``finish`` each run's ``sdpa_finish`` into one
+    output, the lead rows in front (each launch's ``out_row0`` says where its rows go). So a batch
+    of any number of runs is two of our operations, plus one fused SDPA call per run."""
+
+    gather: gc.ChainLaunch
+    finish: gc.ChainLaunch
+
+    def gather_flagged(self, runs: tuple[RunLaunch, ...], k_cache: Any, v_cache: Any,
+                       block_tables: Any) -> list[tuple[Any, Any, Any]]:
+        """Each run's contiguous K and V and first flagged positions, in one operation."""
+        params = [p for r in runs for p in (r.gather_params, r.first_params)]
+        out = self.gather([k_cache, v_cache, block_tables, *params])
+        return [tuple(out[3 * i:3 * i + 3]) for i in range(len(runs))]
+
+    def finish_rows(self, runs: tuple[RunLaunch, ...], outs: list[Any], q_rows: list[Any], firsts: list[Any],
+                    lead: Any) -> Any:
+        """The batch's output: the lead rows, then each run's rows under the NaN contract."""
+        per_run = [a for i, r in enumerate(runs) for a in (outs[i], q_rows[i], firsts[i], r.finish_params)]
+        return self.finish([*per_run, lead])[0]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunPlan:
+    """`prefill_rows`' calls for one batch: its runs and, on CUDA with chains, their chains."""
+
+    runs: tuple[RunLaunch, ...]
+    chained: ChainedRuns | None = None
+
+
 def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
-                 dtype: Any, cache_dtype: Any, lead_rows: int, backend: str | None) -> tuple[RunLaunch, ...]:
+                 dtype: Any, cache_dtype: Any, lead_rows: int, backend: str | None) -> RunPlan:
     """The fused calls of `prefill_rows` for the batch ``md`` from sequence ``first_seq`` on, with a
     query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` in ``cache_dtype`` and ``lead_rows``
-    lead rows; with a GPU ``backend`` each carries its kernels' launches. Built once per metadata
-    (`gc.cached_launch`), so the layers of a step share it."""
+    lead rows; with a GPU ``backend`` each carries its kernels' parameters and launches (on CUDA
+    with chains, where every run has pages to read and the lead rows fit the first launch, the batch's
+    two chains instead). Built once per metadata (`gc.cached_launch`), so the layers of a step share it."""
     import mlx.core as mx
 
     from metal_attn import kernels
@@ -342,23 +374,35 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
     nb, block_size, kvh, head = k_shape
     width = md.block_tables.shape[1]
     row0 = sum(md.q_lens_host[:first_seq])
-    out: list[RunLaunch] = []
+    base = row0
+    runs: list[RunLaunch] = []
     for seq, n, q_len, seq_len in _capped(_runs(md, first_seq), num_heads, kvh):
         rows, pages = n * q_len, -(-seq_len // block_size)
-        run = RunLaunch(seq, n, q_len, seq_len, row0, rows, pages, pages > width)
+        runs.append(RunLaunch(seq, n, q_len, seq_len, row0, rows, pages, pages > width))
         row0 += rows
-        if backend is None or run.table_short:
+    if backend is None:
+        return RunPlan(tuple(runs))
+    # The first call takes the lead rows, if the finish's 32-bit indices can hold them too.
+    lead_fits = bool(runs) and (lead_rows + runs[0].rows) * num_heads * SIMD_WIDTH <= MAX_GRID_THREADS
+    chained = (backend == "cuda" and gc.cuda_chains_enabled() and bool(runs) and (lead_fits or not lead_rows)
+               and not any(r.table_short for r in runs))
+    out: list[RunLaunch] = []
+    for i, run in enumerate(runs):
+        if run.table_short:
             out.append(run)
             continue
-        # The first call takes the lead rows, if the finish's 32-bit indices can hold them too.
-        lead = lead_rows if not out and (lead_rows + rows) * num_heads * SIMD_WIDTH <= MAX_GRID_THREADS else 0
-        params = dict(gather_params=gc.pack_int32((seq, n, seq_len, nb, width, block_size, kvh)),
-                      first_params=gc.pack_int32((seq_len,)),
-                      finish_params=gc.pack_int32((q_len, seq_len, n, num_heads, kvh, lead)))
-        if backend == "cuda" and gc.cuda_chains_enabled():
-            gather_first, finish = chained_run(n, seq_len, kvh, head, lead + rows, num_heads, dtype, cache_dtype)
-            out.append(dataclasses.replace(run, takes_lead=lead > 0, gather=gather_first, finish=finish, **params))
+        lead = lead_rows if i == 0 and lead_fits else 0
+        # With chains every run's finish writes the batch's one output, the lead rows in front.
+        out_row0 = (lead_rows + run.row0 - base) if chained and i else 0
+        run = dataclasses.replace(
+            run, takes_lead=lead > 0,
+            gather_params=gc.pack_int32((run.seq, run.n, run.seq_len, nb, width, block_size, kvh)),
+            first_params=gc.pack_int32((run.seq_len,)),
+            finish_params=gc.pack_int32((run.q_len, run.seq_len, run.n, num_heads, kvh, lead, out_row0)))
+        if chained:
+            out.append(run)
             continue
+        n, seq_len, rows = run.n, run.seq_len, run.rows
         gather = gc.kernel_launch(
             kernels.load_kernel("gather_kv", GATHER_FILES, GATHER_INPUTS, GATHER_OUTPUTS, backend),
             template=gather_template(cache_dtype, head), grid=(n * seq_len * kvh * SIMD_WIDTH, 1, 1),
@@ -373,52 +417,65 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
             kernels.load_kernel("sdpa_finish", FINISH_FILES, FINISH_INPUTS, FINISH_OUTPUTS, backend),
             template=finish_template(dtype, head), grid=((lead + rows) * num_heads * SIMD_WIDTH, 1, 1),
             threadgroup=(FINISH_THREADS, 1, 1), output_shapes=[(lead + rows, num_heads, head)], output_dtypes=[dtype])
-        out.append(dataclasses.replace(run, takes_lead=lead > 0, gather=gather, first=first, finish=finish, **params))
-    return tuple(out)
+        out.append(dataclasses.replace(run, gather=gather, first=first, finish=finish))
+    runs_t = tuple(out)
+    if not chained:
+        return RunPlan(runs_t)
+    return RunPlan(runs_t, chained_runs(runs_t, kvh, head, lead_rows, num_heads, dtype, cache_dtype))
 
 
-def chained_run(n: int, seq_len: int, kv_heads: int, head: int, out_rows: int, num_heads: int, dtype: Any,
-                cache_dtype: Any) -> tuple[gc.ChainLaunch, gc.ChainLaunch]:
-    """A run's kernels as two CUDA chains (`metal_attn.cuda_ops`), with the texts, grids and
-    parameters of the ``mx.fast`` launches of `run_launches`: ``gather_kv`` then ``first_flagged``
-    (inputs: the pools, the block table, both parameter arrays; outputs: K, V and the first flagged
-    positions; the flags are scratch), and ``sdpa_finish`` (``out_rows`` rows: the lead rows and
-    the run's)."""
+def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_rows: int, num_heads: int,
+                 dtype: Any, cache_dtype: Any) -> ChainedRuns:
+    """The batch's `ChainedRuns` for ``runs`` (the first takes the ``lead_rows``)."""
     import mlx.core as mx
 
     from metal_attn import cuda_ops
     from metal_attn.api import dtype_name
     from metal_attn.kernels import SIMD_WIDTH
 
-    dn, cn = dtype_name(dtype), dtype_name(cache_dtype)
+    dn, cn, count = dtype_name(dtype), dtype_name(cache_dtype), len(runs)
     g_in, g_out = gather_signature(cn)
-    gather = cuda_ops.kernel_function("gather_kv", GATHER_FILES, None, g_in, g_out, gather_template(cn, head))
-    first = cuda_ops.kernel_function("first_flagged", FINISH_FILES, None, FIRST_SIGNATURE[0], FIRST_SIGNATURE[1],
-                                     [("THREADS", FIRST_THREADS)])
-    # Buffer indices: inputs k_cache 0, v_cache 1, block_tables 2, gather params 3, first params 4;
-    # outputs k 5, v 6, first 7; scratch bad 8.
-    kv = ((n, kv_heads, seq_len, head), cache_dtype)
-    gather_first = cuda_ops.chain(
-        "metal_attn.gather_kv", [cache_dtype, cache_dtype, mx.int32, mx.int32, mx.int32],
-        [kv, kv, ((n * kv_heads,), mx.int32)], [((n, kv_heads, seq_len), mx.int32)],
-        [(gather, cuda_ops.threadgroups((n * seq_len * kv_heads * SIMD_WIDTH, 1, 1), (GATHER_THREADS, 1, 1)),
-          (GATHER_THREADS, 1, 1), [0, 1, 2, 3, 5, 6, 8], 4),
-         (first, (n * kv_heads, 1, 1), (FIRST_THREADS, 1, 1), [8, 4, 7], 2)])
+    gather_fn = cuda_ops.kernel_function("gather_kv", GATHER_FILES, None, g_in, g_out, gather_template(cn, head))
+    first_fn = cuda_ops.kernel_function("first_flagged", FINISH_FILES, None, FIRST_SIGNATURE[0], FIRST_SIGNATURE[1],
+                                        [("THREADS", FIRST_THREADS)])
+    # Gather chain buffers: inputs k_cache 0, v_cache 1, block_tables 2, then run i's gather and
+    # first params at 3 + 2i, 4 + 2i; outputs: run i's K, V, first at o + 3i ..; scratch: run i's
+    # flags at o + 3 * count + i.
+    o = 3 + 2 * count
+    outputs, scratch, launches = [], [], []
+    for i, r in enumerate(runs):
+        kv = ((r.n, kv_heads, r.seq_len, head), cache_dtype)
+        outputs += [kv, kv, ((r.n * kv_heads,), mx.int32)]
+        scratch.append(((r.n, kv_heads, r.seq_len), mx.int32))
+        k, v, first, bad = o + 3 * i, o + 3 * i + 1, o + 3 * i + 2, o + 3 * count + i
+        launches += [
+            (gather_fn, cuda_ops.threadgroups((r.n * r.seq_len * kv_heads * SIMD_WIDTH, 1, 1), (GATHER_THREADS, 1, 1)),
+             (GATHER_THREADS, 1, 1), [0, 1, 2, 3 + 2 * i, k, v, bad], 4),
+            (first_fn, (r.n * kv_heads, 1, 1), (FIRST_THREADS, 1, 1), [bad, 4 + 2 * i, first], 2)]
+    gather = cuda_ops.chain("metal_attn.gather_kv", [cache_dtype, cache_dtype, mx.int32, *[mx.int32] * (2 * count)],
+                            outputs, scratch, launches)
+    # Finish chain buffers: run i's o, q rows, first, params at 4i .. 4i + 3; the lead rows at
+    # 4 * count; the output after them.
     f_in, f_out = finish_signature(dn)
     fin = cuda_ops.kernel_function("sdpa_finish", FINISH_FILES, None, f_in, f_out, finish_template(dn, head))
-    finish = cuda_ops.chain(
-        "metal_attn.sdpa_finish", [dtype, dtype, mx.int32, dtype, mx.int32], [((out_rows, num_heads, head), dtype)],
-        [], [(fin, cuda_ops.threadgroups((out_rows * num_heads * SIMD_WIDTH, 1, 1), (FINISH_THREADS, 1, 1)),
-              (FINISH_THREADS, 1, 1), [0, 1, 2, 3, 4, 5], 5)])
-    return gc.ChainLaunch(gather_first), gc.ChainLaunch(finish)
+    lead_at, out_at = 4 * count, 4 * count + 1
+    total = lead_rows + sum(r.rows for r in runs)
+    finishes = [(fin, cuda_ops.threadgroups(((r.rows + (lead_rows if r.takes_lead else 0)) * num_heads * SIMD_WIDTH,
+                                             1, 1), (FINISH_THREADS, 1, 1)),
+                 (FINISH_THREADS, 1, 1), [4 * i, 4 * i + 1, 4 * i + 2, lead_at, 4 * i + 3, out_at], 5)
+                for i, r in enumerate(runs)]
+    finish = cuda_ops.chain("metal_attn.sdpa_finish", [*[dtype, dtype, mx.int32, mx.int32] * count, dtype],
+                            [((total, num_heads, head), dtype)], [], finishes)
+    return ChainedRuns(gc.ChainLaunch(gather), gc.ChainLaunch(finish))
 
 
 def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: int = 0, backend: str | None = None,
                  force_fused: bool = True, lead: mx.array | None = None) -> list[mx.array]:
-    """Outputs of sequences ``first_seq..`` in batch order, one ``[rows, H, D]`` array per run of
-    equal-length sequences: their pages gathered, then one fused SDPA call per run (`run_launches`).
-    ``lead`` (``[lead_rows, H, D]``, a mixed batch's decode rows) goes in front of the first output:
-    its ``sdpa_finish`` writes it, so a batch of one run needs no concatenation.
+    """Outputs of sequences ``first_seq..`` in batch order: one ``[rows, H, D]`` array per run of
+    equal-length sequences, each its pages gathered then one fused SDPA call (`run_launches`), or on
+    CUDA with chains one array for the whole batch. ``lead`` (``[lead_rows, H, D]``, a mixed batch's
+    decode rows) goes in front of the first output: its ``sdpa_finish`` writes it, so no
+    concatenation is needed.
 
     On a GPU ``backend`` the pages go through the ``gather_kv`` kernel (one pass: the copy, V's
     non-finite elements zeroed, the flags of the NaN contract), and the contract is applied in one
@@ -436,34 +493,44 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     lead_rows = 0 if lead is None else lead.shape[0]
     key = (_epoch.current(), ROUTE, backend if gpu else None, first_seq, q.shape, kc.shape, q.dtype, kc.dtype,
            lead_rows)
-    runs = gc.cached_launch(md, key, lambda: run_launches(md, first_seq, q.shape, kc.shape, q.dtype, kc.dtype,
+    plan = gc.cached_launch(md, key, lambda: run_launches(md, first_seq, q.shape, kc.shape, q.dtype, kc.dtype,
                                                           lead_rows, backend if gpu else None))
-    outs: list[mx.array] = []
-    for r in runs:
-        if r.table_short:  # a table too short for seq_len (only with validation off): nothing to read
-            outs.append(mx.full((r.rows, num_heads, head), mx.nan, dtype=q.dtype))
-            continue
-        if gpu:
-            k, v, first = r.gather_flagged(kc, vc, md.block_tables)
-        else:
-            k, v, bad = gather_with_mlx_ops(kc, vc, md.block_tables[r.seq:r.seq + r.n, :r.pages], r.seq_len)
-        q_rows = q[r.row0:r.row0 + r.rows]
-        qs = q_rows.reshape(r.n, r.q_len, num_heads, head).transpose(0, 2, 1, 3)
+    runs, chained = plan.runs, plan.chained
+
+    def fused(r: RunLaunch, k: mx.array, v: mx.array) -> mx.array:
+        # The fused kernel writes its output in the query's layout, so this is packed row order
+        # without a copy.
+        qs = q[r.row0:r.row0 + r.rows].reshape(r.n, r.q_len, num_heads, head).transpose(0, 2, 1, 3)
         o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=inputs.scale, mask="causal" if r.q_len > 1 else None,
                                                  sinks=sinks, force_fused=force_fused)
-        # The fused kernel writes its output in the query's layout, so this is packed row order
-        # without a copy; a non-finite query element, or an attended flagged position, makes its
-        # row NaN (the contract), whatever the fused kernel's arithmetic does with it (an infinite
-        # query can give -inf scores everywhere: a silent 0).
-        o = o.transpose(0, 2, 1, 3).reshape(r.rows, num_heads, head)
+        return o.transpose(0, 2, 1, 3).reshape(r.rows, num_heads, head)
+
+    # A non-finite query element, or an attended flagged position, makes its row NaN (the
+    # contract), whatever the fused kernel's arithmetic does with it (an infinite query can give
+    # -inf scores everywhere: a silent 0).
+    if chained is not None:
+        gathered = chained.gather_flagged(runs, kc, vc, md.block_tables)
+        outs = [fused(r, k, v) for r, (k, v, _) in zip(runs, gathered)]
+        q_rows = [q[r.row0:r.row0 + r.rows] for r in runs]
+        ahead = lead if lead is not None else gc.placeholder(q.dtype)
+        return [chained.finish_rows(runs, outs, q_rows, [f for _, _, f in gathered], ahead)]
+    parts: list[mx.array] = []
+    for r in runs:
+        if r.table_short:  # a table too short for seq_len (only with validation off): nothing to read
+            parts.append(mx.full((r.rows, num_heads, head), mx.nan, dtype=q.dtype))
+            continue
+        q_rows = q[r.row0:r.row0 + r.rows]
         if gpu:
-            ahead = lead if r.takes_lead else gc.placeholder(o.dtype)
-            outs.append(r.finish([o, q_rows, first, ahead, r.finish_params])[0])
+            k, v, first = r.gather_flagged(kc, vc, md.block_tables)
+            ahead = lead if r.takes_lead else gc.placeholder(q.dtype)
+            parts.append(r.finish([fused(r, k, v), q_rows, first, ahead, r.finish_params])[0])
         else:
+            k, v, bad = gather_with_mlx_ops(kc, vc, md.block_tables[r.seq:r.seq + r.n, :r.pages], r.seq_len)
             bad_rows = poisoned_rows(bad, r.q_len, num_heads).transpose(0, 2, 1).reshape(r.rows, num_heads)
-            outs.append(mx.where((bad_rows | ~mx.isfinite(q_rows).all(axis=-1))[..., None], mx.nan, o))
+            parts.append(mx.where((bad_rows | ~mx.isfinite(q_rows).all(axis=-1))[..., None], mx.nan,
+                                  fused(r, k, v)))
     led = lead is None or (bool(runs) and runs[0].takes_lead)
-    return outs if led else [lead, *outs]  # the lead rows as a part of their own
+    return parts if led else [lead, *parts]  # the lead rows as a part of their own
 
 
 #: The most threads one launch of ``gather_kv`` or ``sdpa_finish`` may have: their row indices are

@@ -215,50 +215,71 @@ def _gathered_runs(monkeypatch, chained: bool):
         return sp.run_launches(*args)
 
 
-def test_a_chained_gathered_run_launches_what_the_mx_fast_route_launches(fake_chains, monkeypatch):
+def test_a_chained_batch_launches_what_the_mx_fast_route_launches(fake_chains, monkeypatch):
+    """Two runs: one gather chain (gather_kv, first_flagged per run) and one finish chain whose
+    launches write one output, the lead rows then each run's rows (``out_row0``)."""
     from metal_attn.providers import sdpa_prefill as sp
 
     chained = _gathered_runs(monkeypatch, True)
     plain = _gathered_runs(monkeypatch, False)
-    assert len(chained) == len(plain) == 2
-    for i, (c, p) in enumerate(zip(chained, plain)):
-        assert isinstance(c.gather, gc.ChainLaunch) and c.first is None and isinstance(c.finish, gc.ChainLaunch)
+    assert chained.chained is not None and plain.chained is None
+    assert len(chained.runs) == len(plain.runs) == 2
+    g, f = chained.chained.gather.chain, chained.chained.finish.chain
+    assert len(g.launches) == 4 and len(f.launches) == 2
+    gather_fn, first_fn, finish_fn = fake_chains  # compiled once, shared by the runs' launches
+    for i, (c, p) in enumerate(zip(chained.runs, plain.runs)):
+        assert c.gather is c.first is c.finish is None
         assert isinstance(p.gather, gc.KernelLaunch) and isinstance(p.first, gc.KernelLaunch)
         assert (c.takes_lead, p.takes_lead) == (i == 0, i == 0)
-        for name in ("gather_params", "first_params", "finish_params"):
+        for name in ("gather_params", "first_params"):
             assert np.array_equal(np.array(getattr(c, name)), np.array(getattr(p, name)))
-        g, f = c.gather.chain, c.finish.chain
+        # The finish's parameters are the mx.fast route's but for where the run's rows go.
+        want_row0 = 0 if i == 0 else 2 + chained.runs[0].rows
+        assert list(np.array(c.finish_params)) == [*list(np.array(p.finish_params))[:6], want_row0]
         gk, fk, ffk = p.gather.kwargs, p.first.kwargs, p.finish.kwargs
-        gather_fn, first_fn, finish_fn = (fake_chains[3 * i + j] for j in range(3))
-        # gather_kv then first_flagged in one chain: the mx.fast templates, grids and signatures.
         assert gather_fn["name"] == "gather_kv" and gather_fn["template"] == _names(gk["template"])
         assert [n for n, _ in gather_fn["inputs"]] == list(sp.GATHER_INPUTS)
         assert [n for n, _ in gather_fn["outputs"]] == list(sp.GATHER_OUTPUTS)
         assert first_fn["name"] == "first_flagged" and first_fn["template"] == _names(fk["template"])
         assert finish_fn["name"] == "sdpa_finish" and finish_fn["template"] == _names(ffk["template"])
         assert [n for n, _ in finish_fn["inputs"]] == list(sp.FINISH_INPUTS)
-        (_, g_grid, g_block, g_args, g_reads), (_, f_grid, f_block, f_args, f_reads) = g.launches
+        (_, g_grid, g_block, g_args, g_reads), (_, f_grid, f_block, f_args, f_reads) = g.launches[2 * i:2 * i + 2]
         assert g_block == gk["threadgroup"] and g_grid == cuda_ops.threadgroups(gk["grid"], gk["threadgroup"])
         assert f_block == fk["threadgroup"] and f_grid == cuda_ops.threadgroups(fk["grid"], fk["threadgroup"])
-        # K, V and the first flags are the outputs, in the mx.fast shapes; the flags (bad) are scratch,
-        # written by gather_kv and read by first_flagged.
-        want = [*gk["output_shapes"][:2], *fk["output_shapes"]]
-        assert [tuple(s) for s, _ in g.outputs] == [tuple(s) for s in want]
-        assert [tuple(s) for s, _ in g.scratch] == [tuple(gk["output_shapes"][2])]
-        assert (g_args, g_reads, f_args, f_reads) == ([0, 1, 2, 3, 5, 6, 8], 4, [8, 4, 7], 2)
-        ((_, n_grid, n_block, n_args, n_reads),) = f.launches
+        # Buffers: 3 + 2 * 2 inputs (pools, table, each run's two parameter arrays), then each run's
+        # K, V and first flags (the mx.fast shapes), then each run's flags as scratch.
+        assert [tuple(s) for s, _ in g.outputs[3 * i:3 * i + 3]] == [
+            tuple(s) for s in (*gk["output_shapes"][:2], *fk["output_shapes"])]
+        assert tuple(g.scratch[i][0]) == tuple(gk["output_shapes"][2])
+        k, bad = 7 + 3 * i, 13 + i
+        assert (g_args, g_reads) == ([0, 1, 2, 3 + 2 * i, k, k + 1, bad], 4)
+        assert (f_args, f_reads) == ([bad, 4 + 2 * i, k + 2], 2)
+        _, n_grid, n_block, n_args, n_reads = f.launches[i]
         assert n_block == ffk["threadgroup"] and n_grid == cuda_ops.threadgroups(ffk["grid"], ffk["threadgroup"])
-        assert (n_args, n_reads) == ([0, 1, 2, 3, 4, 5], 5)
-        assert [tuple(s) for s, _ in f.outputs] == [tuple(s) for s in ffk["output_shapes"]]
+        assert (n_args, n_reads) == ([4 * i, 4 * i + 1, 4 * i + 2, 8, 4 * i + 3, 9], 5)
+    total = 2 + sum(r.rows for r in chained.runs)
+    assert [tuple(s) for s, _ in f.outputs] == [(total, 8, 128)]
 
 
-def test_a_chained_gathered_run_passes_its_inputs_in_the_kernels_order(fake_chains, monkeypatch):
-    (run, _) = _gathered_runs(monkeypatch, True)
+def test_a_chained_batch_passes_its_inputs_in_the_kernels_order(fake_chains, monkeypatch):
+    plan = _gathered_runs(monkeypatch, True)
+    runs, ch = plan.runs, plan.chained
     kc, vc = mx.zeros((25, 16, 2, 128), mx.bfloat16), mx.ones((25, 16, 2, 128), mx.bfloat16)
     bt = mx.zeros((5, 5), mx.int32)
-    k, v, first = run.gather_flagged(kc, vc, bt)
-    (got,) = run.gather.chain.calls
-    assert all(a is b for a, b in zip(got, [kc, vc, bt, run.gather_params, run.first_params]))
-    assert [a.dtype for a in got] == run.gather.chain.input_dtypes
-    assert k.shape == v.shape == (2, 2, 40, 128) and first.shape == (4,)
-
+    gathered = ch.gather_flagged(runs, kc, vc, bt)
+    (got,) = ch.gather.chain.calls
+    want = [kc, vc, bt, runs[0].gather_params, runs[0].first_params, runs[1].gather_params, runs[1].first_params]
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+    assert [a.dtype for a in got] == ch.gather.chain.input_dtypes
+    (k0, v0, f0), (k1, v1, f1) = gathered
+    assert k0.shape == v0.shape == (2, 2, 40, 128) and f0.shape == (4,)
+    assert k1.shape == v1.shape == (1, 2, 70, 128) and f1.shape == (2,)
+    outs = [mx.zeros((r.rows, 8, 128), mx.bfloat16) for r in runs]
+    qs = [mx.zeros((r.rows, 8, 128), mx.bfloat16) for r in runs]
+    lead = mx.zeros((2, 8, 128), mx.bfloat16)
+    out = ch.finish_rows(runs, outs, qs, [f0, f1], lead)
+    (got,) = ch.finish.chain.calls
+    want = [outs[0], qs[0], f0, runs[0].finish_params, outs[1], qs[1], f1, runs[1].finish_params, lead]
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+    assert [a.dtype for a in got] == ch.finish.chain.input_dtypes
+    assert out.shape == (2 + 16 + 5, 8, 128)

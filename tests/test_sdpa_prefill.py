@@ -65,23 +65,23 @@ def test_cuda_mixed_batch_splits_its_decode_rows_off():
     assert row.chosen and row.plan.route == "sdpa_prefill_decode"
     assert any(n.startswith("decode rows: per_token") for n in row.plan.notes), row.plan.notes
     assert any("longest prefill chunk 2048 rows >= SDPA_PREFILL_RULES[cuda].mixed[0].min_chunk_rows "
-               "(longest decode row 4096 >= 4096)=128" in n for n in row.plan.notes), row.plan.notes
+               "(longest decode row 4096 >= 4096)=32" in n for n in row.plan.notes), row.plan.notes
 
 
 @pytest.mark.parametrize(("q_lens", "seq_lens", "chosen", "note"), [
-    ([1] * 8 + [512], [4096] * 8 + [2048], "sdpa_prefill",
-     "longest prefill chunk 512 rows >= SDPA_PREFILL_RULES[cuda].mixed[0].min_chunk_rows "
-     "(longest decode row 4096 >= 4096)=128"),
-    ([1] * 8 + [64], [4096] * 8 + [2048], "tiled_prefill",
-     "longest prefill chunk 64 rows < SDPA_PREFILL_RULES[cuda].mixed[0].min_chunk_rows "
-     "(longest decode row 4096 >= 4096)=128"),
-    ([1] * 32 + [512], [1024] * 32 + [1024], "tiled_prefill",
-     "longest prefill chunk 512 rows < SDPA_PREFILL_RULES[cuda].mixed[1].min_chunk_rows "
-     "(longest decode row 1024 >= 0)=1024"),
-    ([1] * 32 + [1024], [1024] * 32 + [2048], "sdpa_prefill",
-     "longest prefill chunk 1024 rows >= SDPA_PREFILL_RULES[cuda].mixed[1].min_chunk_rows "
-     "(longest decode row 1024 >= 0)=1024"),
-], ids=("long-decode-512", "long-decode-64", "short-decode-512", "short-decode-1024"))
+    ([1] * 8 + [64], [4096] * 8 + [2048], "sdpa_prefill",
+     "longest prefill chunk 64 rows >= SDPA_PREFILL_RULES[cuda].mixed[0].min_chunk_rows "
+     "(longest decode row 4096 >= 4096)=32"),
+    ([1] * 8 + [24], [4096] * 8 + [2048], "tiled_prefill",
+     "longest prefill chunk 24 rows < SDPA_PREFILL_RULES[cuda].mixed[0].min_chunk_rows "
+     "(longest decode row 4096 >= 4096)=32"),
+    ([1] * 32 + [64], [1024] * 32 + [1024], "tiled_prefill",
+     "longest prefill chunk 64 rows < SDPA_PREFILL_RULES[cuda].mixed[1].min_chunk_rows "
+     "(longest decode row 1024 >= 0)=128"),
+    ([1] * 32 + [512], [1024] * 32 + [1024], "sdpa_prefill",
+     "longest prefill chunk 512 rows >= SDPA_PREFILL_RULES[cuda].mixed[1].min_chunk_rows "
+     "(longest decode row 1024 >= 0)=128"),
+], ids=("long-decode-64", "long-decode-24", "short-decode-64", "short-decode-512"))
 def test_cuda_mixed_rule_by_decode_context_and_chunk_rows(q_lens, seq_lens, chosen, note):
     ex = _explain(H200, q_lens, seq_lens)
     row = _row(ex)

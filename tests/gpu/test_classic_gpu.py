@@ -112,6 +112,25 @@ def test_every_tuning_matches_oracle(tuning, partition_size):
     assert_close_to_oracle(out, case.oracle(), "bfloat16", label=f"{case.label} partitions of {partition_size}")
 
 
+@pytest.mark.parametrize("partition_size", (1024, 2048, 4096))
+@pytest.mark.parametrize("features", ("plain", "sinks+window"))
+def test_long_partitions_match_oracle(partition_size, features):
+    """The partition sizes above 512 (forced only: `PARTITION_RULES` does not pick them yet) against
+    the oracle: rows ending inside, at and one past a partition's edge, a row shorter than one
+    partition, a chunk, and windows that leave whole partitions out."""
+    from metal_attn.providers import gpu_common as gc
+
+    window = 1500 if features != "plain" else None
+    case = make_case(q_lens=[1, 1, 1, 1, 3], seq_lens=[9000, 4096, 4097, 700, 2050], num_heads=8, num_kv_heads=2,
+                     head_size=128, block_size=16, dtype="bfloat16", seed=partition_size // 64,
+                     sinks=features != "plain", sliding_window=window, label=f"partitions of {partition_size}")
+    md = case.metadata()
+    out = gc.launch_paged(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=case.sinks,
+                          sliding_window=window, softcap=None, partition_size=partition_size,
+                          backend=metal_attn.current_device().backend)
+    assert_close_to_oracle(out, case.oracle(), "bfloat16", label=case.label)
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_very_long_context(route):
     case = make_case(q_lens=[1, 1], seq_lens=[33000, 4097], num_heads=4, num_kv_heads=1, head_size=128,

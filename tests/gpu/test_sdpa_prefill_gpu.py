@@ -94,6 +94,29 @@ def test_mixed_batch_decode_rows_split_off(sinks):
     _check(case, route="sdpa_prefill_decode")
 
 
+@pytest.mark.skipif(current_device().backend != "cuda", reason="CUDA chains exist on MLX's CUDA backend only")
+def test_chained_batch_is_bitwise_the_mx_fast_route():
+    """Decode rows and three runs of chunks (one of two equal sequences): the batch as two CUDA
+    chains (one output written by every run's finish) gives the ``mx.fast`` launches' bytes."""
+    import numpy as np
+
+    from metal_attn import cuda_ops
+    from metal_attn.settings import override_settings
+
+    if not cuda_ops.enabled():
+        pytest.skip(f"CUDA chains are off here: {cuda_ops.unavailable_reason()}")
+    case = make_case(q_lens=[1, 1, 40, 40, 300, 33], seq_lens=[3000, 17, 200, 200, 1300, 2500], num_heads=16,
+                     num_kv_heads=4, head_size=128, block_size=16, dtype="bfloat16", sinks=True, seed=21,
+                     label="three runs")
+    with rule_opened_for("sdpa_prefill"):
+        chained = run_case(case, provider="sdpa_prefill")
+        assert diagnostics.last_dispatch().route == "sdpa_prefill_decode"
+        with override_settings(cuda_chains=False):
+            plain = run_case(case, provider="sdpa_prefill")
+    assert np.array_equal(chained, plain)  # float64 copies of the bfloat16 outputs
+    assert_close_to_oracle(chained, case.oracle(), case.dtype, label=case.label)
+
+
 def test_auto_picks_it_for_prefill_and_tiled_for_head_256():
     # 256 rows after 4K: 1.02M attended pairs, past the rule's 500K.
     case = make_case(q_lens=[256], seq_lens=[4096], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
