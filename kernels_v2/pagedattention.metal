@@ -42,7 +42,8 @@
 //          [T * ceil(H / HPS)] int32, zero before the launch and zero after it (see below)
 // Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token),
 //           UNROLL (tokens per lane per iteration), HPS (heads per threadgroup), HPW (heads
-//           per simdgroup), PREFETCH, STAGE (tokens per staged chunk, 0 = direct), STAGES.
+//           per simdgroup), PREFETCH, STAGE (tokens per staged chunk, 0 = direct), STAGES,
+//           STAGE_PAD (bytes of padding after each staged row, a multiple of 16).
 constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;  // simdgroups
 constexpr int SG_H = HPS / HPW;                       // simdgroups across heads
 constexpr int SG_T = NUM_SG / SG_H;                   // simdgroups across tokens
@@ -226,12 +227,12 @@ const int bt_row = seq * max_blocks;
 
 #if PA_STAGED
 // Staged: chunk c (tokens t_begin + c * STAGE ...) goes to stage c % STAGES, its K rows then
-// its V rows, each row PITCH elements apart (padding against bank conflicts: 64 bytes, so that
-// the two tokens a half-simdgroup reads sit in different banks; 16 bytes for the matrix
+// its V rows, each row PITCH elements apart (STAGE_PAD bytes of padding against bank conflicts:
+// 64, so that the two tokens a half-simdgroup reads sit in different banks; 16 for the matrix
 // path's 8-row fragment reads). Once the loop is done, the stages hold the simdgroup merge.
 constexpr int VEC16 = 16 / int(sizeof(T));             // elements per 16-byte copy
 constexpr int ROW_COPIES = HEAD_SIZE / VEC16;          // copies per row
-constexpr int PITCH = HEAD_SIZE + (PA_MMA ? 16 : 64) / int(sizeof(T));
+constexpr int PITCH = HEAD_SIZE + STAGE_PAD / int(sizeof(T));
 constexpr int STAGE_ELEMS = 2 * STAGE * PITCH;
 constexpr int MERGE_ELEMS = (SG_T * HPS * HEAD_SIZE * 4 + int(sizeof(T)) - 1) / int(sizeof(T));
 threadgroup alignas(16) T kv_stage[STAGES * STAGE_ELEMS > MERGE_ELEMS ? STAGES * STAGE_ELEMS : MERGE_ELEMS];

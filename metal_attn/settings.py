@@ -157,6 +157,16 @@ class Settings(BaseSettings):
         ),
     )
 
+    mma_stage_pad: Literal[0, 16, 32, 48, 64] = Field(
+        0,
+        validation_alias=_env("mma_stage_pad"),
+        description=(
+            "Per-token kernel's matrix path (GPU, 16-bit, GQA groups of 4 or more): bytes of padding after each "
+            "K/V row it stages in threadgroup memory (0: providers/gpu_common.STAGE_PAD, 16). 32 aligns every row "
+            "to 32 bytes (an A/B toggle; not measured yet)."
+        ),
+    )
+
     cuda_chains: bool = Field(
         True,
         validation_alias=_env("cuda_chains"),
@@ -267,7 +277,7 @@ class Settings(BaseSettings):
             return tuple(v)
         return v
 
-    @field_validator("partition_size", "tiled_partition_size", mode="before")
+    @field_validator("partition_size", "tiled_partition_size", "mma_stage_pad", mode="before")
     @classmethod
     def _digits_are_numbers(cls, v: Any) -> Any:
         return int(v) if isinstance(v, str) and v.strip().lstrip("-").isdigit() else v

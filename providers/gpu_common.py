@@ -440,6 +440,12 @@ STAGE_BYTES_LIMIT = {"metal": 24 * 1024, "cuda": 40 * 1024}
 #: All of the per-token kernel's threadgroup memory, per backend: CUDA's static limit is 48 KiB
 #: a threadgroup, Apple GPUs have 32 KiB.
 THREADGROUP_BYTES_LIMIT = {"metal": 32 * 1024, "cuda": 48 * 1024}
+#: Bytes of padding after each staged K/V row, by path (`Geometry.stage_pad`'s default). Scalar:
+#: 64, so that the two tokens a half-simdgroup reads sit in different banks. Matrix: 16, so that
+#: the 8 rows of a fragment read do; ``METAL_ATTN_MMA_STAGE_PAD=32`` makes every row 32-byte
+#: aligned instead (ncu on the H200 counts 1.5x the L2 reads of the bytes at 16:
+#: docs/bench-h200-classic.md, seventeenth session; 32 is not measured yet).
+STAGE_PAD = {"scalar": 64, "mma": 16}
 #: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
 #: Metal has no such instruction and the kernel's prefetch is a no-op there).
 PREFETCH_NEXT = {"metal": 0, "cuda": 1}
@@ -457,10 +463,15 @@ class Geometry:
     stages: int = 2  # staged chunks in flight
     mma: int = 0  # 1: the heads as rows of 8x8 matrix products (staged, 16-bit; lanes/unroll unused)
     threads: int = NUM_THREADS  # threads per threadgroup
+    #: Bytes of padding after each staged row (0: the path's default, `STAGE_PAD`: 64 for the
+    #: scalar path, 16 for the matrix path's fragment reads).
+    stage_pad: int = 0
 
     def __post_init__(self) -> None:
         if self.hpw == 0:
             object.__setattr__(self, "hpw", self.hps)
+        if self.stage_pad == 0:
+            object.__setattr__(self, "stage_pad", STAGE_PAD["mma" if self.mma else "scalar"])
 
     @property
     def simdgroups(self) -> int:
@@ -486,10 +497,9 @@ class Geometry:
         return self.token_simdgroups * per_simdgroup
 
     def stage_bytes(self, head_size: int, itemsize: int) -> int:
-        """Threadgroup memory of the staged chunks (rows padded as the kernel lays them out: 64 bytes,
-        16 on the matrix path)."""
-        pad = 16 if self.mma else 64
-        return self.stages * 2 * self.stage * (head_size * itemsize + pad) if self.stage else 0
+        """Threadgroup memory of the staged chunks (rows padded as the kernel lays them out:
+        ``stage_pad`` bytes)."""
+        return self.stages * 2 * self.stage * (head_size * itemsize + self.stage_pad) if self.stage else 0
 
     def threadgroup_bytes(self, head_size: int, itemsize: int, backend: str) -> int:
         """All the threadgroup memory the kernel declares for this geometry: the stages (or, with
@@ -542,9 +552,12 @@ def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype:
     if (rule is None or dtype not in ("float16", "bfloat16") or group < rule.min_group
             or head_size not in rule.mma_head_sizes):
         return None
+    from metal_attn.settings import get_settings
+
     hps = _group_heads(rule, group)
+    pad = get_settings().mma_stage_pad  # 0: STAGE_PAD's
     for threads, chunk in rule.mma_launches:
-        geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, mma=1, threads=threads)
+        geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, mma=1, threads=threads, stage_pad=pad)
         if geometry_problem(geo, head_size, group, 2, backend) is None:
             return geo
     return None
@@ -618,6 +631,8 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
     if geo.hpw < 1 or geo.hps % geo.hpw or geo.simdgroups % (geo.hps // geo.hpw):
         return (f"hpw={geo.hpw} (allowed: a divisor of hps={geo.hps} with hps/hpw dividing {geo.simdgroups} "
                 f"simdgroups)")
+    if geo.stage_pad < 16 or geo.stage_pad % 16:
+        return f"stage_pad={geo.stage_pad} (allowed: a positive multiple of 16 bytes, the staged copies' size)"
     if geo.mma:
         if geo.mma != 1 or not geo.stage or itemsize != 2 or geo.hpw != geo.hps or geo.hps > 8 or head_size % 32:
             return (f"mma={geo.mma} (allowed: 0, or 1 with staged chunks, a 16-bit dtype (itemsize={itemsize}), "
@@ -1056,7 +1071,7 @@ def paged_template(dtype, head_size: int, block_size: int, partition_size: int, 
     return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size),
             ("PARTITION_SIZE", partition_size), ("NUM_THREADS", geo.threads),
             ("TPT", geo.lanes), ("UNROLL", geo.unroll), ("HPS", geo.hps), ("HPW", geo.hpw),
-            ("PREFETCH", prefetch), ("STAGE", geo.stage), ("STAGES", geo.stages)]
+            ("PREFETCH", prefetch), ("STAGE", geo.stage), ("STAGES", geo.stages), ("STAGE_PAD", geo.stage_pad)]
 
 
 def run_per_token(inputs: AttentionInputs, specialization: tuple, rows: int | None = None) -> mx.array:

@@ -303,6 +303,7 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
     assert (template["TPT"], template["UNROLL"], template["HPS"], template["HPW"], template["STAGE"],
             template["STAGES"]) == (geo.lanes, geo.unroll, geo.hps, geo.hpw, geo.stage, geo.stages)
     assert template["PREFETCH"] == gc.PREFETCH_NEXT["cuda"]
+    assert template["STAGE_PAD"] == geo.stage_pad == gc.STAGE_PAD["mma"]
 
     calls.clear()
     out = gc.run_per_token(inputs, plan.specialization, rows=3)
@@ -415,3 +416,19 @@ def test_a_forced_size_never_exceeds_the_scratch_cap(monkeypatch):
     with override_settings(partition_size=64):
         size, note = gc.partition_choice(req, DeviceInfo.preset("h200"), get_settings())
     assert size == 128 and "64 would exceed the" in note, note
+
+
+def test_the_matrix_paths_row_padding_is_a_toggle():
+    """``METAL_ATTN_MMA_STAGE_PAD``: the matrix path's staged rows padded by 32 bytes instead of 16
+    (an A/B toggle), in the plan's geometry and its threadgroup memory; the scalar path keeps 64."""
+    from metal_attn.providers import gpu_common as gc
+
+    base = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
+    with override_settings(mma_stage_pad=32):
+        padded = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
+        assert _cuda_plan([1] * 8, [4096] * 8).specialization[-1] == 32  # the plan carries it
+    assert (base.mma, base.stage_pad, padded.stage_pad) == (1, 16, 32)
+    assert padded.stage_bytes(128, 2) - base.stage_bytes(128, 2) == base.stages * 2 * base.stage * 16
+    assert gc.Geometry(8, 2, 4, 2, 32, 2).stage_pad == 64
+    assert "stage_pad=8 (allowed: a positive multiple of 16" in gc.geometry_problem(
+        gc.Geometry(8, 1, 4, 4, 32, 2, mma=1, stage_pad=8), 128, 4, 2, "cuda")

@@ -76,14 +76,17 @@ def test_lengths_at_page_and_partition_edges(dtype, route):
 
 
 #: Geometry and prefetch variants a table may ship: ((lanes per token, unroll, heads per threadgroup,
-#: heads per simdgroup, staged chunk tokens, stages[, matrix path, threads]), PREFETCH); direct loads then staged chunks
+#: heads per simdgroup, staged chunk tokens, stages[, matrix path, threads[, row padding]]), PREFETCH); direct loads
+#: then staged chunks
 #: (one chunk a partition, several, a chunk longer than the shortest rows).
 _TUNINGS = [((8, 1, 2), 1), ((8, 2, 2), 1), ((8, 1, 2), 0), ((16, 1, 2), 1), ((16, 2, 4), 1), ((4, 1, 1), 1),
             ((32, 2, 2), 1), ((8, 2, 1), 0), ((8, 1, 4, 1, 32, 2), 0), ((8, 1, 4, 1, 16, 3), 0),
             ((8, 2, 4, 2, 32, 2), 0), ((8, 1, 2, 1, 16, 2), 0), ((16, 1, 1, 1, 8, 4), 0), ((4, 1, 4, 2, 32, 2), 0),
             # the matrix path ((..., mma, threads)): 128 and 64 threads, every head of the group or fewer
             ((8, 1, 4, 4, 32, 2, 1, 128), 0), ((8, 1, 2, 2, 32, 2, 1, 128), 0), ((8, 1, 4, 4, 16, 2, 1, 64), 0),
-            ((8, 1, 1, 1, 16, 4, 1, 64), 0)]
+            ((8, 1, 1, 1, 16, 4, 1, 64), 0),
+            # the matrix path's rows padded by 32 bytes (METAL_ATTN_MMA_STAGE_PAD=32), and 48
+            ((8, 1, 4, 4, 32, 2, 1, 128, 32), 0), ((8, 1, 4, 4, 16, 2, 1, 64, 48), 0)]
 
 
 def _tuning_id(t) -> str:
