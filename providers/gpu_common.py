@@ -514,11 +514,12 @@ class Geometry:
 
 
 def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: int = 1,
-             split: bool = False, kv_items_per_core: float | None = None) -> Geometry:
+             split: bool = False, kv_items_per_core: float | None = None, mma_stage_pad: int = 0) -> Geometry:
     """The kernel geometry for ``head_size`` on ``backend``, GQA ``group`` query heads per KV head, route ``split``.
 
     ``kv_items_per_core``: (KV heads x query rows x partitions) / GPU cores of the launch, for
-    the staging rule's small-grid choice (None: treated as a large grid).
+    the staging rule's small-grid choice (None: treated as a large grid). ``mma_stage_pad``: the
+    matrix path's row padding (``METAL_ATTN_MMA_STAGE_PAD``; 0: `STAGE_PAD`'s).
     """
     vecs = head_size // 4
     if head_size % 4 or vecs == 0:
@@ -527,7 +528,7 @@ def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: i
     lanes = next(t for t in (32, 16, 8, 4, 2, 1)
                  if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
     itemsize = 4 if dtype in (None, "float32") else 2  # unknown dtype: size the chunks for the widest
-    mma = _mma_geometry(STAGING_RULES.get(backend), backend, head_size, dtype, lanes, group)
+    mma = _mma_geometry(STAGING_RULES.get(backend), backend, head_size, dtype, lanes, group, mma_stage_pad)
     if mma is not None:
         return mma
     staged = _staged_geometry(STAGING_RULES.get(backend), backend, head_size, itemsize, lanes, group, split,
@@ -546,16 +547,13 @@ def _group_heads(rule: StagingRule, group: int) -> int:
 
 
 def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype: str | None, lanes: int,
-                  group: int) -> Geometry | None:
+                  group: int, pad: int) -> Geometry | None:
     """The matrix-path geometry `StagingRule` gives, or None where it does not apply (the same for
     both routes and any grid: the sweep found no split or small-grid variant worth a rule)."""
     if (rule is None or dtype not in ("float16", "bfloat16") or group < rule.min_group
             or head_size not in rule.mma_head_sizes):
         return None
-    from metal_attn.settings import get_settings
-
     hps = _group_heads(rule, group)
-    pad = get_settings().mma_stage_pad  # 0: STAGE_PAD's
     for threads, chunk in rule.mma_launches:
         geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, mma=1, threads=threads, stage_pad=pad)
         if geometry_problem(geo, head_size, group, 2, backend) is None:
@@ -784,7 +782,7 @@ def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo,
     parts = request.partitions(psize) if split else 1
     items = kv_items_per_core(request.num_kv_heads, request.total_q_tokens, parts, device.gpu_cores)
     geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads,
-                   split, items)
+                   split, items, settings.mma_stage_pad)
     return Plan(
         provider=provider,
         route=per_token_route(psize),
@@ -862,12 +860,14 @@ def launch_geometry(q: mx.array, k_cache: mx.array, md: AttentionMetadata, *, pa
     ``partition_size`` 0: unsplit."""
     from metal_attn.api import dtype_name
     from metal_attn.device import current_device
+    from metal_attn.settings import get_settings
 
     total, num_heads, head = q.shape
     num_kv_heads = k_cache.shape[2]
     items = kv_items_per_core(num_kv_heads, rows or total, _max_parts(md, partition_size, rows),
                               current_device().gpu_cores)
-    return geometry(head, dtype_name(q.dtype), backend, num_heads // num_kv_heads, partition_size > 0, items)
+    return geometry(head, dtype_name(q.dtype), backend, num_heads // num_kv_heads, partition_size > 0, items,
+                    get_settings().mma_stage_pad)
 
 
 def _max_parts(md: AttentionMetadata, partition_size: int, rows: int | None) -> int:

@@ -335,13 +335,14 @@ class ChainedRuns:
 
     gather: gc.ChainLaunch
     finish: gc.ChainLaunch
+    #: The gather chain's inputs after the pools and the table: each run's gather and
+    #: first_flagged parameters.
+    gather_params: tuple[Any, ...]
 
-    def gather_flagged(self, runs: tuple[RunLaunch, ...], k_cache: Any, v_cache: Any,
-                       block_tables: Any) -> list[tuple[Any, Any, Any]]:
+    def gather_flagged(self, k_cache: Any, v_cache: Any, block_tables: Any) -> list[tuple[Any, Any, Any]]:
         """Each run's contiguous K and V and first flagged positions, in one operation."""
-        params = [p for r in runs for p in (r.gather_params, r.first_params)]
-        out = self.gather([k_cache, v_cache, block_tables, *params])
-        return [tuple(out[3 * i:3 * i + 3]) for i in range(len(runs))]
+        out = self.gather([k_cache, v_cache, block_tables, *self.gather_params])
+        return [tuple(out[i:i + 3]) for i in range(0, len(out), 3)]
 
     def finish_rows(self, runs: tuple[RunLaunch, ...], outs: list[Any], q_rows: list[Any], firsts: list[Any],
                     lead: Any) -> Any:
@@ -466,7 +467,8 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
                 for i, r in enumerate(runs)]
     finish = cuda_ops.chain("metal_attn.sdpa_finish", [*[dtype, dtype, mx.int32, mx.int32] * count, dtype],
                             [((total, num_heads, head), dtype)], [], finishes)
-    return ChainedRuns(gc.ChainLaunch(gather), gc.ChainLaunch(finish))
+    return ChainedRuns(gc.ChainLaunch(gather), gc.ChainLaunch(finish),
+                       tuple(p for r in runs for p in (r.gather_params, r.first_params)))
 
 
 def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: int = 0, backend: str | None = None,
@@ -497,10 +499,10 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
                                                           lead_rows, backend if gpu else None))
     runs, chained = plan.runs, plan.chained
 
-    def fused(r: RunLaunch, k: mx.array, v: mx.array) -> mx.array:
+    def fused(r: RunLaunch, q_rows: mx.array, k: mx.array, v: mx.array) -> mx.array:
         # The fused kernel writes its output in the query's layout, so this is packed row order
         # without a copy.
-        qs = q[r.row0:r.row0 + r.rows].reshape(r.n, r.q_len, num_heads, head).transpose(0, 2, 1, 3)
+        qs = q_rows.reshape(r.n, r.q_len, num_heads, head).transpose(0, 2, 1, 3)
         o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=inputs.scale, mask="causal" if r.q_len > 1 else None,
                                                  sinks=sinks, force_fused=force_fused)
         return o.transpose(0, 2, 1, 3).reshape(r.rows, num_heads, head)
@@ -509,9 +511,9 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     # contract), whatever the fused kernel's arithmetic does with it (an infinite query can give
     # -inf scores everywhere: a silent 0).
     if chained is not None:
-        gathered = chained.gather_flagged(runs, kc, vc, md.block_tables)
-        outs = [fused(r, k, v) for r, (k, v, _) in zip(runs, gathered)]
+        gathered = chained.gather_flagged(kc, vc, md.block_tables)
         q_rows = [q[r.row0:r.row0 + r.rows] for r in runs]
+        outs = [fused(r, qr, k, v) for r, qr, (k, v, _) in zip(runs, q_rows, gathered)]
         ahead = lead if lead is not None else gc.placeholder(q.dtype)
         return [chained.finish_rows(runs, outs, q_rows, [f for _, _, f in gathered], ahead)]
     parts: list[mx.array] = []
@@ -523,12 +525,12 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
         if gpu:
             k, v, first = r.gather_flagged(kc, vc, md.block_tables)
             ahead = lead if r.takes_lead else gc.placeholder(q.dtype)
-            parts.append(r.finish([fused(r, k, v), q_rows, first, ahead, r.finish_params])[0])
+            parts.append(r.finish([fused(r, q_rows, k, v), q_rows, first, ahead, r.finish_params])[0])
         else:
             k, v, bad = gather_with_mlx_ops(kc, vc, md.block_tables[r.seq:r.seq + r.n, :r.pages], r.seq_len)
             bad_rows = poisoned_rows(bad, r.q_len, num_heads).transpose(0, 2, 1).reshape(r.rows, num_heads)
             parts.append(mx.where((bad_rows | ~mx.isfinite(q_rows).all(axis=-1))[..., None], mx.nan,
-                                  fused(r, k, v)))
+                                  fused(r, q_rows, k, v)))
     led = lead is None or (bool(runs) and runs[0].takes_lead)
     return parts if led else [lead, *parts]  # the lead rows as a part of their own
 

@@ -424,8 +424,8 @@ def test_the_matrix_paths_row_padding_is_a_toggle():
     from metal_attn.providers import gpu_common as gc
 
     base = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
+    padded = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0, mma_stage_pad=32)
     with override_settings(mma_stage_pad=32):
-        padded = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
         assert _cuda_plan([1] * 8, [4096] * 8).specialization[-1] == 32  # the plan carries it
     assert (base.mma, base.stage_pad, padded.stage_pad) == (1, 16, 32)
     assert padded.stage_bytes(128, 2) - base.stage_bytes(128, 2) == base.stages * 2 * base.stage * 16
