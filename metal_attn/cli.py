@@ -600,6 +600,12 @@ def _cmd_bench(args: argparse.Namespace, _parser: argparse.ArgumentParser) -> in
     return int(module.run(args) or 0)
 
 
+def _bench_argv(argv: Sequence[str]) -> list[str]:
+    """The arguments after ``bench`` (what a baseline's note and a saved run record as the bench command line)."""
+    argv = list(argv)
+    return argv[argv.index("bench") + 1:] if "bench" in argv else argv
+
+
 # -- parser ------------------------------------------------------------------------------------------
 
 def _common(json_help: str = "print machine-readable JSON on stdout instead of tables") -> argparse.ArgumentParser:
@@ -752,6 +758,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``metal-attn`` console script; returns the exit code."""
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    if getattr(args, "command", None) == "bench":
+        args.argv = _bench_argv(sys.argv[1:] if argv is None else argv)
     try:
         _configure_logging(getattr(args, "verbose", 0) or 0)
         func: Callable[[argparse.Namespace, argparse.ArgumentParser], int] = args.func

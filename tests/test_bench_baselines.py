@@ -4,6 +4,7 @@ the committed CPU baseline against a smoke run, and a kernel falling to the refe
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,20 @@ def test_write_then_compare_round_trip(tmp_path, capsys) -> None:
     assert "2 baseline case(s) missing from the run" in err and "comparison FAILED" in " ".join(out.split())
 
 
+def test_the_metal_attn_command_records_the_bench_arguments_once(tmp_path, capsys) -> None:
+    """Through the ``metal-attn`` entry point, the baseline's note and the saved run record the arguments
+    after ``bench`` (the note once said ``metal-attn bench bench ...``)."""
+    from metal_attn import cli as top
+
+    base, run = tmp_path / "b.json", tmp_path / "run.json"
+    argv = ["bench", "--suite", "smoke", "--shapes", "decode b3", "--quiet", "--iters", "2",
+            "--candidates", "auto,mlx_sdpa", "--write-baseline", str(base), "--json", str(run)]
+    assert top.main(argv) == 0, capsys.readouterr().err
+    note = json.loads(base.read_text())["note"]
+    assert note.startswith("written by `metal-attn bench --suite smoke --shapes decode b3 ")
+    assert json.loads(run.read_text())["argv"] == argv[1:]
+
+
 def test_no_baseline_is_written_from_a_run_with_problems(tmp_path, capsys, monkeypatch) -> None:
     from metal_attn.bench import peers
 
@@ -288,6 +303,43 @@ def test_a_saved_run_makes_the_same_baseline_and_is_compared_later(tmp_path, cap
     slower = _write(tmp_path, data, "slower.json")
     rc, out, err = _cli(capsys, "--from-json", str(slower), "--compare", str(saved))
     assert rc == 1 and "1 ratio(s) below their floor" in err and "/ auto: speedup_vs_mlx_sdpa_ratio" in err
+
+
+def test_saved_repeats_and_several_saved_runs_give_medians_over_every_repeat(tmp_path, capsys) -> None:
+    """A saved run of ``--repeat 3`` writes the baseline a live ``--repeat 3`` would (medians over its repeats,
+    its suite named once, the repeat count among the measuring options); two saved runs count as one of all
+    their repeats, so each ratio is the median over the pooled repeats; runs of different suites or machine
+    classes are refused, naming the file."""
+    common = ["--suite", "smoke", "--shapes", "decode b3", "--quiet", "--iters", "2", "--candidates", "auto,mlx_sdpa"]
+    one, two, live, saved = (tmp_path / n for n in ("one.json", "two.json", "live.json", "saved.json"))
+    assert _cli(capsys, *common, "--repeat", "3", "--json", str(one), "--write-baseline", str(live))[0] == 0
+    assert _cli(capsys, "--from-json", str(one), "--write-baseline", str(saved))[0] == 0
+    a, b = json.loads(live.read_text()), json.loads(saved.read_text())
+    assert b["entries"] == a["entries"] and b["suites"] == ["smoke"] and b["created"]["repeat"] == 3
+    assert b["run"]["repeat"] == 3
+
+    assert _cli(capsys, *common, "--json", str(two))[0] == 0
+    pooled = tmp_path / "pooled.json"
+    rc, _, err = _cli(capsys, "--from-json", str(one), str(two), "--write-baseline", str(pooled))
+    assert rc == 0, err
+    data = json.loads(pooled.read_text())
+    case, key = "smoke / decode b3 h4/2 d64 L100 f32 / auto", "speedup_vs_mlx_sdpa_ratio"
+    values = [c["ratios"][key] for f in (one, two) for s in json.loads(f.read_text())["suites"]
+              for r in s["results"] for c in r["candidates"] if c["name"] == "auto"]
+    assert len(values) == 4 and data["entries"][case][key] == pytest.approx(statistics.median(values), rel=1e-3)
+    assert data["created"]["repeat"] == 4 and "repeat" not in data["run"]  # the runs disagree: 3 and 1
+    assert "from 2 runs (4 repeats in all)" in data["note"]
+
+    other = json.loads(two.read_text())
+    other["suites"][0]["name"] = "decode-cpu"
+    rc, _, err = _cli(capsys, "--from-json", str(one), str(_write(tmp_path, other, "other.json")),
+                      "--write-baseline", str(tmp_path / "x.json"))
+    assert rc == 2 and "other.json: suites ['decode-cpu']" in err
+    other = json.loads(two.read_text())
+    other["machine"]["backend"] = "cuda"
+    rc, _, err = _cli(capsys, "--from-json", str(one), str(_write(tmp_path, other, "gpu.json")),
+                      "--write-baseline", str(tmp_path / "x.json"))
+    assert rc == 2 and "gpu.json: machine class" in err
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,8 @@ Every ratio's key ends in ``ratio`` and higher is better. A comparison fails whe
 class differs, when a baseline case or ratio is missing from the run, or when a ratio is below
 ``baseline * (1 - margin)``. Only providers' results (``kind`` ``"provider"``, ``auto`` included, or
 ``"compiled"``) are written: the peers are what they are measured against. A run saved with ``--json``
-can make a baseline or be compared later (`load_run`, ``metal-attn bench --from-json RUN.json``).
+can make a baseline or be compared later (`load_run`, ``metal-attn bench --from-json RUN.json``), and several
+saved runs as one (`load_runs`: their repeats pooled, ``--from-json A.json B.json ...``).
 A run of several repeats (``--repeat N``) gives each ratio as its median over the repeats, both when writing and when
 comparing. ``run`` keeps the measurement options given when the baseline was written
 (`RUN_OPTIONS`); ``--compare`` uses them where its own command line gives none.
@@ -83,25 +84,28 @@ class RunCase:
 
 def run_cases(runs: Sequence[Sequence[SuiteResult]], kinds: Sequence[str] | None = None) -> dict[str, RunCase]:
     """Every candidate (of ``kinds``; default all) of every shape by case id, over the repeats ``runs``
-    (each a list of suite results): each ratio is its median over the repeats that measured it; the
-    status is ``ok`` when every repeat ran it, else the first other status and its reasons."""
-    seen: dict[str, list[Any]] = {}
+    (each a list of suite results), combined by `combine_repeats`."""
+    seen: dict[str, list[RunCase]] = {}
     for results in runs:
         for s in results:
             for sr in s.results:
                 for r in sr.candidates:
                     if kinds is None or r.kind in kinds:
-                        seen.setdefault(case_id(s.name, sr.shape.label, r.name), []).append(r)
-    out = {}
-    for case, rs in seen.items():
-        bad = next((r for r in rs if not r.ok), None)
-        values: dict[str, list[float]] = {}
-        for r in rs:
-            for k, v in r.ratios.items():
-                values.setdefault(k, []).append(v)
-        out[case] = RunCase(bad.status if bad else "ok", tuple(bad.reasons) if bad else (),
-                            {k: statistics.median(v) for k, v in values.items()})
-    return out
+                        seen.setdefault(case_id(s.name, sr.shape.label, r.name), []).append(
+                            RunCase(r.status, tuple(r.reasons), dict(r.ratios)))
+    return {case: combine_repeats(rs) for case, rs in seen.items()}
+
+
+def combine_repeats(repeats: Sequence[RunCase]) -> RunCase:
+    """One case over its repeats: each ratio its median over the repeats that measured it; the status ``ok``
+    when every repeat ran it, else the first other status and its reasons."""
+    bad = next((r for r in repeats if r.status != "ok"), None)
+    values: dict[str, list[float]] = {}
+    for r in repeats:
+        for k, v in r.ratios.items():
+            values.setdefault(k, []).append(v)
+    return RunCase(bad.status if bad else "ok", bad.reasons if bad else (),
+                   {k: statistics.median(v) for k, v in values.items()})
 
 
 def tracked_entries(runs: Sequence[Sequence[SuiteResult]],
@@ -136,16 +140,19 @@ class SavedRun:
     mode: str | None
     iters: int | None
     interrupted: bool
-    #: Every candidate by case id, with its kind: ``{case: (kind, RunCase)}``.
-    candidates: dict[str, tuple[str, RunCase]]
+    #: Every candidate by case id, with its kind and its outcome in each repeat: ``{case: (kind, (RunCase, ...))}``.
+    candidates: dict[str, tuple[str, tuple[RunCase, ...]]]
     #: One line per candidate that errored or whose output disagreed with its check.
     problems: tuple[str, ...]
     #: The options of `RUN_OPTIONS` the run's suites agree on (how a later ``--compare`` should measure).
     run: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    #: How many repeats of the suites the run holds (``--repeat N``; several saved runs merged: their sum).
+    repeats: int = 1
+
     def cases(self, kinds: Sequence[str] | None = None) -> dict[str, RunCase]:
-        """The candidates of ``kinds`` (default all) by case id."""
-        return {c: rc for c, (kind, rc) in self.candidates.items() if kinds is None or kind in kinds}
+        """The candidates of ``kinds`` (default all) by case id, each combined over its repeats."""
+        return {c: combine_repeats(rs) for c, (kind, rs) in self.candidates.items() if kinds is None or kind in kinds}
 
 
 def parse_run(data: Any, path: str = "<run>") -> SavedRun:
@@ -159,7 +166,7 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
     machine = data.get("machine")
     if not isinstance(machine, dict) or not machine.get("backend"):
         raise bad(f"machine={machine!r} (allowed: the machine object a run writes, with its backend)")
-    candidates: dict[str, tuple[str, RunCase]] = {}
+    candidates: dict[str, tuple[str, list[RunCase]]] = {}
     problems: list[str] = []
     names, interrupted = [], False
     for i, suite in enumerate(data["suites"]):
@@ -183,7 +190,7 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
                               "ratios") from None
                 case = case_id(suite["name"], label, name)
                 reasons = tuple(str(x) for x in c.get("reasons") or ())
-                candidates[case] = (kind, RunCase(status, reasons, ratios))
+                candidates.setdefault(case, (kind, []))[1].append(RunCase(status, reasons, ratios))
                 check = c.get("check")
                 if status == "error":
                     problems.append(f"{case}: {'; '.join(reasons)}")
@@ -201,8 +208,14 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
         kind, low = RUN_OPTIONS[key]
         if len(values) == 1 and type(value) is kind and (low is None or value >= low):
             run[key] = value
-    return SavedRun(path, dict(machine), list(argv) if isinstance(argv, list) else None, tuple(names),
-                    first.get("mode"), first.get("iters"), interrupted, candidates, tuple(problems), run)
+    distinct = tuple(dict.fromkeys(names))
+    repeats = max(names.count(n) for n in distinct)
+    if repeats > 1:
+        run["repeat"] = repeats
+    return SavedRun(path, dict(machine), list(argv) if isinstance(argv, list) else None, distinct,
+                    first.get("mode"), first.get("iters"), interrupted,
+                    {c: (kind, tuple(rs)) for c, (kind, rs) in candidates.items()}, tuple(problems), run,
+                    repeats=repeats)
 
 
 def _read_json(path: str | Path, what: str) -> Any:
@@ -222,12 +235,51 @@ def load_run(path: str | Path) -> SavedRun:
     return parse_run(_read_json(path, "saved run"), str(path))
 
 
+def load_runs(paths: Sequence[str | Path]) -> SavedRun:
+    """Several saved runs read as one (`merge_runs`); one path is `load_run`."""
+    return merge_runs([load_run(p) for p in paths])
+
+
+def merge_runs(runs: Sequence[SavedRun]) -> SavedRun:
+    """Saved runs of one machine class and the same suites as one run whose repeats are all of theirs
+    (runs in separate processes vary more than repeats in one, so a baseline can take its medians over
+    several). The measuring options kept are those every run agrees on; `BaselineError` when the machine
+    classes or suites differ."""
+    if not runs:
+        raise BaselineError("no saved run given")
+    first = runs[0]
+    if len(runs) == 1:
+        return first
+    for r in runs[1:]:
+        if machine_class(r.machine) != machine_class(first.machine):
+            raise BaselineError(f"{r.path}: machine class {machine_class(r.machine)!r}, but {first.path} is "
+                                f"{machine_class(first.machine)!r} (allowed: saved runs of one machine class)")
+        if r.suites != first.suites:
+            raise BaselineError(f"{r.path}: suites {list(r.suites)}, but {first.path} has {list(first.suites)} "
+                                "(allowed: saved runs of the same suites)")
+    candidates: dict[str, tuple[str, list[RunCase]]] = {}
+    for r in runs:
+        for case, (kind, reps) in r.candidates.items():
+            candidates.setdefault(case, (kind, []))[1].extend(reps)
+    run = {k: v for k, v in first.run.items() if all(r.run.get(k) == v for r in runs)}
+    return SavedRun(", ".join(r.path for r in runs), dict(first.machine), first.argv, first.suites,
+                    _agreed([r.mode for r in runs]), _agreed([r.iters for r in runs]),
+                    any(r.interrupted for r in runs), {c: (k, tuple(v)) for c, (k, v) in candidates.items()},
+                    tuple(p for r in runs for p in r.problems), run, repeats=sum(r.repeats for r in runs))
+
+
+def _agreed(values: Sequence[Any]) -> Any:
+    """The value every one of ``values`` has, else None."""
+    return values[0] if all(v == values[0] for v in values) else None
+
+
 def build_from_saved(saved: SavedRun, *, margin: float, note: str = "",
                      ratios: Sequence[str] | None = None) -> dict[str, Any]:
     """A baseline (as JSON data) from a saved run: the same entries `build` would store from it live."""
     entries = _some_entries(entries_of(saved.cases(TRACKED_KINDS), ratios), ratios)
     return _data(entries, saved.machine, list(saved.suites), margin=margin, note=note, run=saved.run,
-                 created={"date": saved.machine.get("date"), "argv": saved.argv, "repeat": 1, "mode": saved.mode,
+                 created={"date": saved.machine.get("date"), "argv": saved.argv, "repeat": saved.repeats,
+                          "mode": saved.mode,
                           "iters": saved.iters, "machine": dict(saved.machine), "from_json": saved.path})
 
 

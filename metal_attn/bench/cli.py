@@ -84,9 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--write-baseline", metavar="FILE",
                    help="write this run's ratios (every provider result: speedup vs each peer, fraction of the "
                         "ceiling) as a baseline for this machine class")
-    b.add_argument("--from-json", metavar="RUN.json",
+    b.add_argument("--from-json", metavar="RUN.json", nargs="+",
                    help="with --write-baseline or --compare: take the results of a run saved with --json instead "
-                        "of measuring (its machine class is the run's)")
+                        "of measuring (its machine class is the run's); several runs of one machine class and "
+                        "suites count as one whose repeats are all of theirs (each ratio its median over them)")
     b.add_argument("--repeat", type=int_at_least(1), metavar="N",
                    help="run the suites N times (default 1); --compare and --write-baseline take each ratio's "
                         "median over the runs; --suite generate runs each concurrency's candidates N times in "
@@ -566,14 +567,15 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
     """``--from-json RUN.json``: write a baseline from a saved run, or compare one against a baseline, measuring
     nothing. 0 ok, 1 a comparison failed or the run cannot make a baseline, 2 bad usage or files."""
     compare, write = getattr(args, "compare", None), getattr(args, "write_baseline", None)
+    sources = " ".join(args.from_json)
     if bool(compare) == bool(write):
-        print(f"metal-attn bench: error: --from-json {args.from_json} goes with exactly one of --write-baseline "
+        print(f"metal-attn bench: error: --from-json {sources} goes with exactly one of --write-baseline "
               "and --compare", file=err)
         return 2
     measuring = [f for f, v in (("--suite", args.suite), ("--shapes", args.shapes), ("--candidates", args.candidates),
                                 ("--repeat", getattr(args, "repeat", None))) if v]
     if measuring:
-        print(f"metal-attn bench: error: --from-json {args.from_json} measures nothing, so {', '.join(measuring)} "
+        print(f"metal-attn bench: error: --from-json {sources} measures nothing, so {', '.join(measuring)} "
               "cannot apply (the saved run's suites, shapes and candidates are used)", file=err)
         return 2
     if compare and (args.ratios or args.margin is not None):
@@ -582,7 +584,7 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
     try:
         if args.margin is not None:
             baselines.check_margin(args.margin, "--margin")
-        saved = baselines.load_run(args.from_json)
+        saved = baselines.load_runs(args.from_json)
         base = baselines.load(compare) if compare else None
     except baselines.BaselineError as exc:
         print(f"metal-attn bench: error: {exc}", file=err)
@@ -600,7 +602,8 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         why_not = f"the run had {len(saved.problems)} problem(s): " + "; ".join(saved.problems)
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
     argv = " ".join(saved.argv or ["(argv not recorded)"])
-    note = (f"written by `metal-attn bench --from-json {args.from_json} --write-baseline {write}` from a run of "
+    runs = "a run" if len(args.from_json) == 1 else f"{len(args.from_json)} runs ({saved.repeats} repeats in all)"
+    note = (f"written by `metal-attn bench --from-json {sources} --write-baseline {write}` from {runs} of "
             f"`metal-attn bench {argv}` on {saved.machine.get('date')}; a ratio may fall {margin:.0%} below its "
             "value here")
     stored = _store_baseline(write, margin, why_not, lambda: baselines.build_from_saved(
