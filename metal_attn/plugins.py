@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pluggy
@@ -111,6 +111,11 @@ def build_registry(
         except Exception as exc:
             _failed("plugin_register_failed", impl.plugin_name, exc)
     return registry
+
+
+def registry_from(plugins: Iterable[object] | None = None, *, names: Sequence[str] | None = None) -> Registry:
+    """A fresh registry built from plugin objects/modules directly, without entry points (for tests)."""
+    return build_registry(extra_plugins=list(plugins or ()), names=names, load_entry_points=False)
 
 
 _lock = threading.Lock()

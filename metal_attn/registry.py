@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from metal_attn import _epoch
@@ -369,10 +369,3 @@ class Registry:
         raise NoProviderError(
             f"no provider implements reshape_and_cache for dtype={dtype} on {device.describe()}:\n" + "\n".join(table)
         )
-
-
-def registry_from(plugins: Iterable[object] | None = None, *, names: Sequence[str] | None = None) -> Registry:
-    """A fresh registry built from plugin objects/modules directly (for tests)."""
-    from metal_attn.plugins import build_registry
-
-    return build_registry(extra_plugins=list(plugins or ()), names=names, load_entry_points=False)

@@ -423,7 +423,7 @@ class _BrokenPlugin:
 @pytest.fixture
 def broken_provider_installed(monkeypatch):
     from metal_attn._layout import import_builtin_providers
-    from metal_attn.registry import registry_from
+    from metal_attn.plugins import registry_from
 
     reg = registry_from([import_builtin_providers(), _BrokenPlugin()], names=["builtin", "broken"])
     monkeypatch.setattr(plugins, "get_registry", lambda: reg)

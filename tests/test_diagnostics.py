@@ -17,8 +17,8 @@ import metal_attn as ma
 from metal_attn import compat, diagnostics, plugins
 from metal_attn import settings as settings_mod
 from metal_attn.hookspecs import hookimpl
+from metal_attn.plugins import registry_from
 from metal_attn.provider import Plan, Provider
-from metal_attn.registry import registry_from
 
 
 class RouteProvider(Provider):

@@ -23,7 +23,7 @@ import pytest
 
 from metal_attn import hookspecs, plugins
 from metal_attn import settings as settings_mod
-from metal_attn.registry import registry_from
+from metal_attn.plugins import registry_from
 from metal_attn.settings import override_settings
 
 GROUP = plugins.ENTRY_POINT_GROUP

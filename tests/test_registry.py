@@ -22,8 +22,9 @@ from metal_attn import settings as settings_mod
 from metal_attn.device import DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
 from metal_attn.hookspecs import hookimpl
+from metal_attn.plugins import registry_from
 from metal_attn.provider import Plan, Provider
-from metal_attn.registry import Origin, ProviderRegistrar, Registry, registry_from
+from metal_attn.registry import Origin, ProviderRegistrar, Registry
 from metal_attn.request import AttentionRequest
 
 CPU = DeviceInfo("cpu", "test CPU", "x86_64", None, None, None, 2)
