@@ -6,7 +6,9 @@ tiled tile), our part of the source (the CUDA prelude, generated defines, header
 wrapper shaped like the one ``mx.fast.cuda_kernel`` generates (``namespace mlx::core::cu``, one
 ``__global__`` function, the inputs as ``const T*``, template arguments as ``using`` / ``constexpr``
 lines at the top of the body) compiles for ``sm_90a`` with nvcc; with ``--resources``, ptxas's
-registers and spills per kernel, to compare two versions of a kernel text.
+registers and spills per kernel, to compare two versions of a kernel text; with ``--same-ptx-as DIR``,
+whether each source compiles to the same PTX from the kernel texts in DIR (another version: a refactor
+or a new parameter at its default that should change no generated code).
 
 What it does not prove: MLX compiles with NVRTC, not nvcc, and its real wrapper also includes MLX's
 device headers; nvcc has no ``--device-as-default-execution-space``, so the wrapper restores
@@ -17,8 +19,8 @@ With ``--nvrtc LIBNVRTC`` it compiles instead the translation units CUDA chains 
 (`metal_attn.cuda_ops`: no nvcc wrapper, NVRTC's options) with that NVRTC library, which needs no
 GPU either (``pip download nvidia-cuda-nvrtc`` has one).
 Usage: ``python -m metal_attn.cuda_check [--provider NAME ...] [--only REGEX] [--kernels-dir DIR]
-[--resources] [--jobs N] [--nvrtc LIB [--arch sm_90a]]``; exit 1 when a source fails, 2 without a
-compiler.
+[--resources | --same-ptx-as DIR] [--jobs N] [--nvrtc LIB [--arch sm_90a]]``; exit 1 when a source fails
+(or, with ``--same-ptx-as``, compiles to other PTX), 2 without a compiler.
 """
 
 from __future__ import annotations
@@ -87,15 +89,42 @@ def find_nvrtc() -> str | None:
     return None
 
 
+def _unit_path(src: CudaSource, workdir: str) -> str:
+    return os.path.join(workdir, re.sub(r"\W", "_", src.label) + ".cu")
+
+
 def compile_one(src: CudaSource, text: str, workdir: str, nvcc: str, resources: bool) -> tuple[CudaSource, int, str]:
-    """nvcc on one source's text (PTX, or a cubin with ptxas's resource report); (source, return code, output)."""
-    path = os.path.join(workdir, re.sub(r"\W", "_", src.label) + ".cu")
+    """nvcc on one source's text (PTX, or a cubin with ptxas's resource report); (source, return code, output).
+    The PTX is left at the unit's path plus ``.ptx`` (`comparable_ptx` reads it)."""
+    path = _unit_path(src, workdir)
     with open(path, "w") as f:
         f.write(text)
     args = [nvcc, *NVCC_ARGS, *(("-cubin", "-Xptxas", "-v") if resources else ("--ptx",)),
             "-o", path + (".cubin" if resources else ".ptx"), path]
     res = subprocess.run(args, capture_output=True, text=True)
     return src, res.returncode, res.stdout + res.stderr
+
+
+def comparable_ptx(src: CudaSource, workdir: str) -> str:
+    """The PTX `compile_one` wrote for ``src`` in ``workdir``, without comments and file or line records (they
+    name the temporary file and the compiler's build)."""
+    with open(_unit_path(src, workdir) + ".ptx") as f:
+        return "\n".join(ln for ln in f.read().splitlines()
+                         if not ln.lstrip().startswith(("//", ".file", ".loc")))
+
+
+def _texts(sources: Sequence[CudaSource], kernels_dir: str | None, make: Any) -> dict[CudaSource, str]:
+    """``make(source)`` for each source with the kernel texts read from ``kernels_dir`` (None: the package's)."""
+    from metal_attn import kernels
+
+    if kernels_dir:
+        kernels.use_source_dir(kernels_dir)
+    try:
+        return {s: make(s) for s in sources}
+    finally:
+        if kernels_dir:
+            kernels.use_source_dir(None)
+            kernels.clear_cache()
 
 
 def compile_nvrtc(src: CudaSource, text: str, lib: Any, arch: str) -> tuple[CudaSource, int, str]:
@@ -143,12 +172,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", help="only sources whose label matches this regular expression")
     p.add_argument("--kernels-dir", help="read the kernel texts from this folder (another version, to compare)")
     p.add_argument("--resources", action="store_true", help="print ptxas's registers and spills per kernel")
+    p.add_argument("--same-ptx-as", metavar="DIR",
+                   help="also compile every source from the kernel texts in DIR and say whether the PTX is the same "
+                        "(exit 1 when one differs)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel nvcc processes")
     p.add_argument("--nvrtc", metavar="LIBNVRTC",
                    help="compile the run-time translation units of CUDA chains (metal_attn.cuda_ops) with this "
                         "libnvrtc.so instead of nvcc's (e.g. the nvidia-cuda-nvrtc wheel's)")
     p.add_argument("--arch", default="sm_90a", help="--nvrtc's target architecture (default sm_90a)")
     args = p.parse_args(argv)
+    if args.same_ptx_as and (args.nvrtc or args.resources):
+        p.error("--same-ptx-as compares nvcc's PTX: it goes without --nvrtc and --resources")
+    if args.same_ptx_as and not os.path.isdir(args.same_ptx_as):
+        p.error(f"--same-ptx-as {args.same_ptx_as!r}: not a folder (allowed: a folder of kernel texts, like "
+                "kernels_v2/ of another version)")
     lib = None
     if args.nvrtc:
         import ctypes
@@ -161,35 +198,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     if nvcc is None and lib is None:
         print("cuda_check: nvcc is not on PATH (the CUDA toolkit provides it)", file=sys.stderr)
         return 2
-    from metal_attn import kernels
     from metal_attn.errors import ProviderRefusedError
 
-    if args.kernels_dir:
-        kernels.use_source_dir(args.kernels_dir)
     try:
-        try:
-            sources = [s for s in cuda_sources(args.provider) if not args.only or re.search(args.only, s.label)]
-        except ProviderRefusedError as exc:
-            p.error(str(exc))
-        texts = {s: (nvrtc_source(s) if lib is not None else wrapped_source(s)) for s in sources}
-    finally:
-        if args.kernels_dir:
-            kernels.use_source_dir(None)
-            kernels.clear_cache()
+        sources = [s for s in cuda_sources(args.provider) if not args.only or re.search(args.only, s.label)]
+    except ProviderRefusedError as exc:
+        p.error(str(exc))
+    texts = _texts(sources, args.kernels_dir, nvrtc_source if lib is not None else wrapped_source)
+    others = _texts(sources, args.same_ptx_as, wrapped_source) if args.same_ptx_as else {}
     with tempfile.TemporaryDirectory() as work, ThreadPoolExecutor(max(1, args.jobs)) as ex:
         if lib is not None:
             results = list(ex.map(lambda s: compile_nvrtc(s, texts[s], lib, args.arch), sources))
         else:
             results = list(ex.map(lambda s: compile_one(s, texts[s], work, nvcc, args.resources), sources))
-    failed = [(s, out) for s, rc, out in results if rc]
+        differ: list[CudaSource] = []
+        if others:
+            theirs = os.path.join(work, "other")
+            os.mkdir(theirs)
+            results_other = list(ex.map(lambda s: compile_one(s, others[s], theirs, nvcc, False), sources))
+            if not any(rc for _, rc, _ in results + results_other):
+                differ = [s for s in sources if comparable_ptx(s, work) != comparable_ptx(s, theirs)]
+    failed = [(s.label, out) for s, rc, out in results if rc]
+    if others:
+        failed += [(f"{s.label} (from {args.same_ptx_as})", out) for s, rc, out in results_other if rc]
     for s, rc, out in results:
         if args.resources and not rc:
             print(f"{s.label}: {resources_line(out)}")
-    for s, out in failed[:10]:
+    for label, out in failed[:10]:
         errors = [ln for ln in out.splitlines() if "error" in ln]
-        print(f"FAILED {s.label}:\n  " + "\n  ".join(errors[:8]), file=sys.stderr)
+        print(f"FAILED {label}:\n  " + "\n  ".join(errors[:8]), file=sys.stderr)
     how = f"NVRTC {args.nvrtc}, {' '.join(nvrtc_options(args.arch))}" if lib is not None else \
         f"{nvcc}, {' '.join(NVCC_ARGS)}"
+    if others:
+        for s in differ:
+            print(f"DIFFERENT PTX {s.label}")
+        print(f"{len(sources)} CUDA sources compiled twice, {len(failed)} failed; "
+              f"{len(sources) - len(differ)} with the same PTX as from {args.same_ptx_as}, {len(differ)} different "
+              f"({how})")
+        return 1 if failed or differ else 0
     print(f"{len(results)} CUDA sources, {len(failed)} failed ({how})")
     return 1 if failed else 0
 

@@ -173,15 +173,29 @@ def restore_logging() -> Iterator[logging.Logger]:
     lg.handlers[:], lg.level, lg.propagate = saved
 
 
+class _Collect(logging.Handler):
+    """Keeps every record it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 @pytest.fixture
-def log_records(caplog, monkeypatch):
-    """``log_records(event)``: the records of the 'metal_attn' stdlib logger with that event
-    (propagation forced on, in case a CLI test turned it off)."""
-    monkeypatch.setattr(logging.getLogger("metal_attn"), "propagate", True)
-    caplog.set_level(logging.DEBUG, logger="metal_attn")
+def log_records(restore_logging):
+    """``log_records(event)``: the records of the 'metal_attn' stdlib logger with that event, collected
+    by a handler on that logger itself (each emitted record once, whatever other tests left on the
+    logging tree: handlers, levels, propagation); the logger's state is restored afterwards."""
+    lg = restore_logging
+    collect = _Collect()
+    lg.handlers[:] = [collect]
+    lg.setLevel(logging.DEBUG)
 
     def _records(event: str) -> list[logging.LogRecord]:
-        return [r for r in caplog.records if r.name == "metal_attn" and r.msg == event]
+        return [r for r in collect.records if r.name == "metal_attn" and r.msg == event]
 
     return _records
 

@@ -245,7 +245,7 @@ def test_write_then_compare_round_trip(tmp_path, capsys) -> None:
     assert "2 baseline case(s) missing from the run" in err and "comparison FAILED" in " ".join(out.split())
 
 
-def test_the_metal_attn_command_records_the_bench_arguments_once(tmp_path, capsys) -> None:
+def test_the_metal_attn_command_records_the_bench_arguments_once(tmp_path, capsys, restore_logging) -> None:
     """Through the ``metal-attn`` entry point, the baseline's note and the saved run record the arguments
     after ``bench`` (the note once said ``metal-attn bench bench ...``)."""
     from metal_attn import cli as top

@@ -29,3 +29,34 @@ def test_a_planted_error_fails(planted_kernels, seq_line, capsys):
     assert cuda_check.main(["--only", "paged_attention float16 h64 g2 split=1", "--kernels-dir", str(folder)]) == 1
     captured = capsys.readouterr()
     assert "FAILED paged_attention float16 h64 g2 split=1" in captured.err and "undeclared_name" in captured.err
+
+
+ONE = "paged_attention bfloat16 h128 g4 split=1.*matrix"
+
+
+def test_a_change_that_generates_the_same_code_has_the_same_ptx(planted_kernels, capsys):
+    """--same-ptx-as: a comment and a constant spelled another way give the same PTX (exit 0)."""
+    folder = planted_kernels("pagedattention.metal", "constexpr int PITCH = HEAD_SIZE + STAGE_PAD / int(sizeof(T));",
+                             "// spelled another way, the same value\n"
+                             "constexpr int PITCH = STAGE_PAD / int(sizeof(T)) + HEAD_SIZE;")
+    assert cuda_check.main(["--only", ONE, "--same-ptx-as", str(folder), "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 CUDA sources compiled twice, 0 failed; 2 with the same PTX" in out and "DIFFERENT" not in out
+
+
+def test_a_change_of_generated_code_is_different_ptx(planted_kernels, capsys):
+    """--same-ptx-as: another row pitch in the other texts is other PTX (exit 1, the source named)."""
+    folder = planted_kernels("pagedattention.metal", "constexpr int PITCH = HEAD_SIZE + STAGE_PAD / int(sizeof(T));",
+                             "constexpr int PITCH = HEAD_SIZE + 2 * STAGE_PAD / int(sizeof(T));")
+    assert cuda_check.main(["--only", ONE, "--same-ptx-as", str(folder), "--jobs", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERENT PTX paged_attention bfloat16 h128 g4 split=1" in out and "2 different" in out
+
+
+def test_same_ptx_usage_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cuda_check.main(["--same-ptx-as", str(tmp_path / "missing")])
+    assert exc.value.code == 2 and "not a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cuda_check.main(["--same-ptx-as", str(tmp_path), "--resources"])
+    assert "goes without --nvrtc and --resources" in capsys.readouterr().err

@@ -3,10 +3,10 @@ and renamed variables, `override_settings`, and probe overrides reaching the dev
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import metal_attn as ma
@@ -158,9 +158,7 @@ def test_bad_value_in_an_alias_names_the_alias(monkeypatch):
         settings_mod.reload_settings()
 
 
-def test_unknown_variable_warns_with_the_closest_name(monkeypatch, caplog):
-    monkeypatch.setattr(logging.getLogger("metal_attn"), "propagate", True)
-    caplog.set_level(logging.WARNING, logger="metal_attn")
+def test_unknown_variable_warns_with_the_closest_name(monkeypatch, log_records):
     monkeypatch.setenv("METAL_ATTN_GPU_CORE", "10")
     monkeypatch.setenv("METAL_ATTN_DISABLE_GQA_DECOD", "1")
     with pytest.warns(UserWarning) as warned:
@@ -172,7 +170,7 @@ def test_unknown_variable_warns_with_the_closest_name(monkeypatch, caplog):
         "METAL_ATTN_GPU_CORE is not a metal-attn setting and is ignored; did you mean METAL_ATTN_GPU_CORES?",
     ]
     assert s.gpu_cores is None and s.disable_gqa_decode is False  # ignored, as the warning says
-    logged = sorted(r.reason for r in caplog.records if r.name == "metal_attn" and r.msg == "unknown_setting")
+    logged = sorted(r.reason for r in log_records("unknown_setting"))
     assert logged == messages
 
 
@@ -312,19 +310,34 @@ def test_override_settings_dispatch_caches_do_not_cross_threads():
     setting (not the call's argument, so only the scope tells the keys apart), interleaved."""
     case = make_case(q_lens=[1, 1], seq_lens=[40, 17], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
     md = case.metadata()
+    # MLX streams are thread-local: a lazy array made on this thread cannot be evaluated on another.
+    mx.eval(case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q)
     barrier = threading.Barrier(2)
+    outs: dict[str, list] = {"reference": [], "classic": []}
+    errors: list[str] = []
 
     def body(provider: str) -> None:
-        with override_settings(provider=provider):
-            for _ in range(10):
-                barrier.wait(10)
-                mx.eval(ma.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md))
+        try:
+            with override_settings(provider=provider):
+                for _ in range(10):
+                    barrier.wait(10)
+                    out = ma.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md)
+                    mx.eval(out)
+                    outs[provider].append(out)
+        except Exception as exc:  # a thread's failure must fail the test, not end as a warning
+            errors.append(f"{provider}: {exc!r}")
+            barrier.abort()
 
-    threads = [threading.Thread(target=body, args=(p,)) for p in ("reference", "classic")]
+    threads = [threading.Thread(target=body, args=(p,)) for p in outs]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
+    assert not errors and all(len(v) == 10 for v in outs.values()), errors
+    want = case.oracle()
+    for provider, results in outs.items():
+        for out in results:
+            np.testing.assert_allclose(np.array(out, copy=False), want, atol=1e-4, rtol=1e-4, err_msg=provider)
     by_scope: dict[int, set[str]] = {}
     for key, hit in md._selections.items():
         by_scope.setdefault(key[-1][1], set()).add(hit[0].provider.name)
