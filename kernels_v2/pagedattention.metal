@@ -2,8 +2,8 @@
 // Two kernel bodies, one per `// @kernel NAME` section; MLX writes the signatures.
 // Generated defines (from metal_attn/constants.py via metal_attn/kernels.py):
 //   MA_LOG2E, MA_NEG_FLT_MAX, MA_SOFTMAX_EPS, MA_RESCALE_SLACK, MA_SIMD_WIDTH, and per variant PA_SPLIT,
-//   PA_STAGED and PA_MMA (template arguments are not macros, so the code paths they pick are
-//   defines).
+//   PA_STAGED, PA_MMA and PA_SWIZZLE (template arguments are not macros, so the code paths they pick
+//   are defines).
 
 // @kernel paged_attention
 // One threadgroup per (HPS consecutive query heads, query row, partition). The HPS heads
@@ -43,7 +43,7 @@
 // Template: T, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, NUM_THREADS, TPT (lanes per token),
 //           UNROLL (tokens per lane per iteration), HPS (heads per threadgroup), HPW (heads
 //           per simdgroup), PREFETCH, STAGE (tokens per staged chunk, 0 = direct), STAGES,
-//           STAGE_PAD (bytes of padding after each staged row, a multiple of 16).
+//           STAGE_PAD (bytes of padding after each staged row, a multiple of 16; 0 with PA_SWIZZLE).
 constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;  // simdgroups
 constexpr int SG_H = HPS / HPW;                       // simdgroups across heads
 constexpr int SG_T = NUM_SG / SG_H;                   // simdgroups across tokens
@@ -229,9 +229,12 @@ const int bt_row = seq * max_blocks;
 // Staged: chunk c (tokens t_begin + c * STAGE ...) goes to stage c % STAGES, its K rows then
 // its V rows, each row PITCH elements apart (STAGE_PAD bytes of padding against bank conflicts:
 // 64, so that the two tokens a half-simdgroup reads sit in different banks; 16 for the matrix
-// path's 8-row fragment reads). Once the loop is done, the stages hold the simdgroup merge.
+// path's 8-row fragment reads). PA_SWIZZLE == 1 (matrix path, CUDA only): rows unpadded, row r's
+// 16-byte piece x stored at piece x ^ (r % 8), so that rows stay 32-byte aligned and an 8-row
+// fragment read still touches 8 bank groups. Once the loop is done, the stages hold the simdgroup merge.
 constexpr int VEC16 = 16 / int(sizeof(T));             // elements per 16-byte copy
 constexpr int ROW_COPIES = HEAD_SIZE / VEC16;          // copies per row
+static_assert(!PA_SWIZZLE || (PA_MMA && ROW_COPIES >= 8), "the swizzle is the matrix path's, on rows of 8+ pieces");
 constexpr int PITCH = HEAD_SIZE + STAGE_PAD / int(sizeof(T));
 constexpr int STAGE_ELEMS = 2 * STAGE * PITCH;
 constexpr int MERGE_ELEMS = (SG_T * HPS * HEAD_SIZE * 4 + int(sizeof(T)) - 1) / int(sizeof(T));
@@ -259,7 +262,8 @@ int pg[COPY_ITERS];
       const bool live = tok < t_end;                                                            \
       const int64_t src = (int64_t(pg[x]) * BLOCK_SIZE + (live ? tok % BLOCK_SIZE : 0)) * tok_stride \
                           + head_off + (i % ROW_COPIES) * VEC16;                                \
-      const int dst = ((c) % STAGES) * STAGE_ELEMS + r * PITCH + (i % ROW_COPIES) * VEC16;      \
+      const int piece = PA_SWIZZLE ? (i % ROW_COPIES) ^ (r & 7) : i % ROW_COPIES;                  \
+      const int dst = ((c) % STAGES) * STAGE_ELEMS + r * PITCH + piece * VEC16;                  \
       ma_async_copy16(kv_stage + dst, k_cache + src, live);                                     \
       ma_async_copy16(kv_stage + dst + STAGE * PITCH, v_cache + src, live);                     \
     }                                                                                           \
@@ -307,7 +311,11 @@ for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
       for (int d = 0; d < D8; d += 4) {
         ma_opnd<T> kb[4];
+#if PA_SWIZZLE
+        ma_load_bt4_swz<PITCH>(kv_stage + k_tile + row, d, lane, kb);
+#else
         ma_load_bt4<PITCH>(kv_stage + k_tile + row + d * 8, lane, kb);
+#endif
         ma_mma2<T>(s0, q_ops[d * MA_SIMD_WIDTH + lane], kb[0], q_ops[(d + 1) * MA_SIMD_WIDTH + lane], kb[1]);
         ma_mma2<T>(s0, q_ops[(d + 2) * MA_SIMD_WIDTH + lane], kb[2], q_ops[(d + 3) * MA_SIMD_WIDTH + lane], kb[3]);
       }
@@ -338,7 +346,11 @@ for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
       for (int d = 0; d < D8; d += 4) {
         ma_opnd<T> vb[4];
+#if PA_SWIZZLE
+        ma_load_b4d_swz<PITCH>(kv_stage + v_tile + row, d, lane, vb);
+#else
         ma_load_b4d<PITCH>(kv_stage + v_tile + row + d * 8, lane, vb);
+#endif
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
           ma_mma_p<T>(ofr[d + x], pf, vb[x]);

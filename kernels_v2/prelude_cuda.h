@@ -330,6 +330,17 @@ template <int LD, typename U>
 MA_FUNC void ma_load_b4d(const U* p, int lane, ma_opnd<U>* r) {
   ma_ldmatrix4<true>(p + (lane & 7) * LD + (lane >> 3) * 8, r);
 }
+// The same two loads from rows stored XOR-swizzled (the per-token kernel's PA_SWIZZLE): row k of
+// the 8 at `rows` (LD elements apart, unpadded) keeps its 16-byte piece c at piece c ^ (k % 8);
+// `piece` is the first of the four 8-element pieces read (d of the unswizzled p + d * 8).
+template <int LD, typename U>
+MA_FUNC void ma_load_bt4_swz(const U* rows, int piece, int lane, ma_opnd<U>* r) {
+  ma_ldmatrix4<false>(rows + (lane & 7) * LD + (((piece + (lane >> 3)) ^ (lane & 7)) << 3), r);
+}
+template <int LD, typename U>
+MA_FUNC void ma_load_b4d_swz(const U* rows, int piece, int lane, ma_opnd<U>* r) {
+  ma_ldmatrix4<true>(rows + (lane & 7) * LD + (((piece + (lane >> 3)) ^ (lane & 7)) << 3), r);
+}
 // d += A0 B0 + A1 B1: two 8x8x8 products, exact 16-bit products with float accumulation
 // (what Metal's float simdgroup product computes for the same values); rows 8..15 of
 // the instruction are zero.

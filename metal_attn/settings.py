@@ -167,6 +167,17 @@ class Settings(BaseSettings):
         ),
     )
 
+    mma_stage_swizzle: bool = Field(
+        False,
+        validation_alias=_env("mma_stage_swizzle"),
+        description=(
+            "Per-token kernel's matrix path on CUDA (16-bit, GQA groups of 4 or more, head 128 or 256): stage "
+            "K/V rows unpadded, each row's 16-byte pieces XOR-swizzled by the row's index mod 8 (32-byte aligned "
+            "rows, conflict-free fragment reads; METAL_ATTN_MMA_STAGE_PAD does not apply). An A/B toggle; not "
+            "run on a GPU yet."
+        ),
+    )
+
     cuda_chains: bool = Field(
         True,
         validation_alias=_env("cuda_chains"),

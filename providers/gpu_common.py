@@ -444,7 +444,9 @@ THREADGROUP_BYTES_LIMIT = {"metal": 32 * 1024, "cuda": 48 * 1024}
 #: 64, so that the two tokens a half-simdgroup reads sit in different banks. Matrix: 16, so that
 #: the 8 rows of a fragment read do; ``METAL_ATTN_MMA_STAGE_PAD=32`` makes every row 32-byte
 #: aligned instead (ncu on the H200 counts 1.5x the L2 reads of the bytes at 16:
-#: docs/bench-h200-classic.md, seventeenth session; 32 is not measured yet).
+#: docs/bench-h200-classic.md, seventeenth session; 32 is not measured yet), at the cost of two-way
+#: bank conflicts in those reads. ``METAL_ATTN_MMA_STAGE_SWIZZLE=1`` (CUDA) gives both: unpadded
+#: rows with their 16-byte pieces XOR-swizzled by row (`Geometry.swizzle`; not run on a GPU yet).
 STAGE_PAD = {"scalar": 64, "mma": 16}
 #: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
 #: Metal has no such instruction and the kernel's prefetch is a no-op there).
@@ -466,6 +468,9 @@ class Geometry:
     #: Bytes of padding after each staged row (0: the path's default, `STAGE_PAD`: 64 for the
     #: scalar path, 16 for the matrix path's fragment reads).
     stage_pad: int = 0
+    #: 1 (matrix path, CUDA): rows unpadded, each row's 16-byte pieces XOR-swizzled by the row's index
+    #: mod 8 (``stage_pad`` unused; `row_pad` is 0).
+    swizzle: int = 0
 
     def __post_init__(self) -> None:
         if self.hpw == 0:
@@ -476,6 +481,11 @@ class Geometry:
     @property
     def simdgroups(self) -> int:
         return self.threads // SIMD_WIDTH
+
+    @property
+    def row_pad(self) -> int:
+        """Bytes between the end of one staged row and the start of the next (the kernel's ``STAGE_PAD``)."""
+        return 0 if self.swizzle else self.stage_pad
 
     def grid_x(self, num_heads: int) -> int:
         """The launch grid's x extent in threads: one threadgroup per ``hps`` query heads."""
@@ -498,8 +508,8 @@ class Geometry:
 
     def stage_bytes(self, head_size: int, itemsize: int) -> int:
         """Threadgroup memory of the staged chunks (rows padded as the kernel lays them out:
-        ``stage_pad`` bytes)."""
-        return self.stages * 2 * self.stage * (head_size * itemsize + self.stage_pad) if self.stage else 0
+        `row_pad` bytes)."""
+        return self.stages * 2 * self.stage * (head_size * itemsize + self.row_pad) if self.stage else 0
 
     def threadgroup_bytes(self, head_size: int, itemsize: int, backend: str) -> int:
         """All the threadgroup memory the kernel declares for this geometry: the stages (or, with
@@ -514,12 +524,15 @@ class Geometry:
 
 
 def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: int = 1,
-             split: bool = False, kv_items_per_core: float | None = None, mma_stage_pad: int = 0) -> Geometry:
+             split: bool = False, kv_items_per_core: float | None = None, mma_stage_pad: int = 0,
+             mma_stage_swizzle: bool = False) -> Geometry:
     """The kernel geometry for ``head_size`` on ``backend``, GQA ``group`` query heads per KV head, route ``split``.
 
     ``kv_items_per_core``: (KV heads x query rows x partitions) / GPU cores of the launch, for
     the staging rule's small-grid choice (None: treated as a large grid). ``mma_stage_pad``: the
-    matrix path's row padding (``METAL_ATTN_MMA_STAGE_PAD``; 0: `STAGE_PAD`'s).
+    matrix path's row padding (``METAL_ATTN_MMA_STAGE_PAD``; 0: `STAGE_PAD`'s); ``mma_stage_swizzle``: its
+    rows unpadded and swizzled instead (``METAL_ATTN_MMA_STAGE_SWIZZLE``; where `geometry_problem` refuses
+    the swizzle, as on Metal, the padded rows).
     """
     vecs = head_size // 4
     if head_size % 4 or vecs == 0:
@@ -528,7 +541,8 @@ def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: i
     lanes = next(t for t in (32, 16, 8, 4, 2, 1)
                  if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
     itemsize = 4 if dtype in (None, "float32") else 2  # unknown dtype: size the chunks for the widest
-    mma = _mma_geometry(STAGING_RULES.get(backend), backend, head_size, dtype, lanes, group, mma_stage_pad)
+    mma = _mma_geometry(STAGING_RULES.get(backend), backend, head_size, dtype, lanes, group, mma_stage_pad,
+                        mma_stage_swizzle)
     if mma is not None:
         return mma
     staged = _staged_geometry(STAGING_RULES.get(backend), backend, head_size, itemsize, lanes, group, split,
@@ -547,7 +561,7 @@ def _group_heads(rule: StagingRule, group: int) -> int:
 
 
 def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype: str | None, lanes: int,
-                  group: int, pad: int) -> Geometry | None:
+                  group: int, pad: int, swizzle: bool = False) -> Geometry | None:
     """The matrix-path geometry `StagingRule` gives, or None where it does not apply (the same for
     both routes and any grid: the sweep found no split or small-grid variant worth a rule)."""
     if (rule is None or dtype not in ("float16", "bfloat16") or group < rule.min_group
@@ -557,6 +571,9 @@ def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype:
     for threads, chunk in rule.mma_launches:
         geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, mma=1, threads=threads, stage_pad=pad)
         if geometry_problem(geo, head_size, group, 2, backend) is None:
+            swizzled = dataclasses.replace(geo, swizzle=1) if swizzle else None
+            if swizzled is not None and geometry_problem(swizzled, head_size, group, 2, backend) is None:
+                return swizzled
             return geo
     return None
 
@@ -631,6 +648,10 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
                 f"simdgroups)")
     if geo.stage_pad < 16 or geo.stage_pad % 16:
         return f"stage_pad={geo.stage_pad} (allowed: a positive multiple of 16 bytes, the staged copies' size)"
+    if geo.swizzle and (geo.swizzle != 1 or not geo.mma or backend != "cuda" or head_size * itemsize < 128):
+        return (f"swizzle={geo.swizzle} (allowed: 0, or 1 on the matrix path (mma={geo.mma}) on cuda "
+                f"(backend={backend}) with rows of at least eight 16-byte pieces (head_size={head_size}, "
+                f"itemsize={itemsize}))")
     if geo.mma:
         if geo.mma != 1 or not geo.stage or itemsize != 2 or geo.hpw != geo.hps or geo.hps > 8 or head_size % 32:
             return (f"mma={geo.mma} (allowed: 0, or 1 with staged chunks, a 16-bit dtype (itemsize={itemsize}), "
@@ -782,7 +803,7 @@ def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo,
     parts = request.partitions(psize) if split else 1
     items = kv_items_per_core(request.num_kv_heads, request.total_q_tokens, parts, device.gpu_cores)
     geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads,
-                   split, items, settings.mma_stage_pad)
+                   split, items, settings.mma_stage_pad, settings.mma_stage_swizzle)
     return Plan(
         provider=provider,
         route=per_token_route(psize),
@@ -798,6 +819,10 @@ def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo,
 def describe_geometry(geo: Geometry, kv_items_per_core: float | None) -> str:
     """The geometry as a diagnostics note."""
     loads = (f"staged chunks of {geo.stage} tokens, {geo.stages} in flight" if geo.stage else "direct loads")
+    if geo.stage and geo.swizzle:
+        loads += ", rows unpadded and swizzled"
+    elif geo.stage and geo.stage_pad != STAGE_PAD["mma" if geo.mma else "scalar"]:
+        loads += f", rows padded by {geo.stage_pad} bytes"
     grid = "" if kv_items_per_core is None else f" (kv_items_per_core={kv_items_per_core:.1f})"
     if geo.mma:
         return (f"heads_per_threadgroup={geo.hps} as the rows of 8x8 matrix products, {MMA_TOKENS} tokens a "
@@ -816,11 +841,11 @@ def plan_geometry(specialization: tuple) -> Geometry:
 
 
 def paged_defines(split: bool, geo: Geometry, fused: bool = False) -> tuple[tuple[str, int], ...]:
-    """The per-token kernel's code-path defines (route; direct or staged loads; the matrix path;
-    ``fused``: the split partials reduced in the same launch, CUDA chains only), as the pairs
+    """The per-token kernel's code-path defines (route; direct or staged loads; the matrix path and its
+    staged rows' swizzle; ``fused``: the split partials reduced in the same launch, CUDA chains only), as the pairs
     `kernels.load_kernel` hashes as given on every launch."""
     return (("PA_FUSED", int(fused)), ("PA_MMA", int(geo.mma)), ("PA_SPLIT", int(split)),
-            ("PA_STAGED", int(geo.stage > 0)))
+            ("PA_STAGED", int(geo.stage > 0)), ("PA_SWIZZLE", int(geo.swizzle)))
 
 
 #: The fused reducer's outputs after the partials: the attention output and the arrival counters.
@@ -866,8 +891,9 @@ def launch_geometry(q: mx.array, k_cache: mx.array, md: AttentionMetadata, *, pa
     num_kv_heads = k_cache.shape[2]
     items = kv_items_per_core(num_kv_heads, rows or total, _max_parts(md, partition_size, rows),
                               current_device().gpu_cores)
+    s = get_settings()
     return geometry(head, dtype_name(q.dtype), backend, num_heads // num_kv_heads, partition_size > 0, items,
-                    get_settings().mma_stage_pad)
+                    s.mma_stage_pad, s.mma_stage_swizzle)
 
 
 def _max_parts(md: AttentionMetadata, partition_size: int, rows: int | None) -> int:
@@ -1071,7 +1097,7 @@ def paged_template(dtype, head_size: int, block_size: int, partition_size: int, 
     return [("T", dtype), ("HEAD_SIZE", head_size), ("BLOCK_SIZE", block_size),
             ("PARTITION_SIZE", partition_size), ("NUM_THREADS", geo.threads),
             ("TPT", geo.lanes), ("UNROLL", geo.unroll), ("HPS", geo.hps), ("HPW", geo.hpw),
-            ("PREFETCH", prefetch), ("STAGE", geo.stage), ("STAGES", geo.stages), ("STAGE_PAD", geo.stage_pad)]
+            ("PREFETCH", prefetch), ("STAGE", geo.stage), ("STAGES", geo.stages), ("STAGE_PAD", geo.row_pad)]
 
 
 def run_per_token(inputs: AttentionInputs, specialization: tuple, rows: int | None = None) -> mx.array:

@@ -426,9 +426,36 @@ def test_the_matrix_paths_row_padding_is_a_toggle():
     base = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
     padded = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0, mma_stage_pad=32)
     with override_settings(mma_stage_pad=32):
-        assert _cuda_plan([1] * 8, [4096] * 8).specialization[-1] == 32  # the plan carries it
+        assert gc.plan_geometry(_cuda_plan([1] * 8, [4096] * 8).specialization).stage_pad == 32  # the plan carries it
     assert (base.mma, base.stage_pad, padded.stage_pad) == (1, 16, 32)
     assert padded.stage_bytes(128, 2) - base.stage_bytes(128, 2) == base.stages * 2 * base.stage * 16
     assert gc.Geometry(8, 2, 4, 2, 32, 2).stage_pad == 64
     assert "stage_pad=8 (allowed: a positive multiple of 16" in gc.geometry_problem(
         gc.Geometry(8, 1, 4, 4, 32, 2, mma=1, stage_pad=8), 128, 4, 2, "cuda")
+
+
+def test_the_matrix_paths_swizzled_rows_are_a_cuda_toggle():
+    """``METAL_ATTN_MMA_STAGE_SWIZZLE``: on CUDA the matrix path stages unpadded rows with swizzled pieces
+    (the plan's geometry, its threadgroup memory, the kernel's template and defines, explain's note); where
+    the swizzle cannot apply (Metal, the scalar path, rows of fewer than eight 16-byte pieces) the
+    geometry says why, and the toggle leaves the padded rows."""
+    from metal_attn.providers import gpu_common as gc
+
+    base = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
+    swz = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0, mma_stage_swizzle=True)
+    assert (base.swizzle, base.row_pad, swz.swizzle, swz.row_pad) == (0, 16, 1, 0)
+    assert base.stage_bytes(128, 2) - swz.stage_bytes(128, 2) == base.stages * 2 * base.stage * 16
+    assert dict(gc.paged_template("bfloat16", 128, 16, 512, swz, 1))["STAGE_PAD"] == 0
+    assert dict(gc.paged_defines(True, swz))["PA_SWIZZLE"] == 1
+    assert dict(gc.paged_defines(True, base))["PA_SWIZZLE"] == 0
+    with override_settings(mma_stage_swizzle=True):
+        plan = _cuda_plan([1] * 8, [4096] * 8)
+    assert gc.plan_geometry(plan.specialization).swizzle == 1
+    assert any("rows unpadded and swizzled" in n for n in plan.notes), plan.notes
+    # Where it does not apply: Metal keeps its padded rows; the scalar path and short rows are refused.
+    assert gc.geometry(128, "bfloat16", "metal", 4, True, 4.0, mma_stage_swizzle=True).swizzle == 0
+    assert gc.geometry(32, "bfloat16", "cuda", 4, True, 4.0, mma_stage_swizzle=True).swizzle == 0
+    scalar = gc.Geometry(8, 2, 4, 2, 32, 2, swizzle=1)
+    for geo, head, backend in ((swz, 128, "metal"), (scalar, 128, "cuda"), (swz, 32, "cuda")):
+        problem = gc.geometry_problem(geo, head, 4, 2, backend)
+        assert problem and problem.startswith("swizzle=1 (allowed: 0, or 1 on the matrix path"), problem

@@ -9,6 +9,7 @@ too); this module adds what only ``classic`` does: its plan, prepare and run on 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
@@ -139,6 +140,13 @@ def msl_specializations(admission: Mapping[str, frozenset]) -> list[Specializati
     return specs
 
 
+def _mma_layouts(geo: gc.Geometry, head: int, group: int) -> list[gc.Geometry]:
+    """The matrix path's staged-row layouts other than ``geo``'s that CUDA can launch: rows padded by
+    32 bytes, and unpadded swizzled rows (the A/B toggles)."""
+    variants = (dataclasses.replace(geo, stage_pad=32), dataclasses.replace(geo, swizzle=1))
+    return [v for v in variants if v != geo and gc.geometry_problem(v, head, group, 2, "cuda") is None]
+
+
 def cuda_sources() -> list[CudaSource]:
     """The specializations the CUDA tables choose for ``classic``, for `metal_attn.cuda_check`: the
     per-token kernel at the head sizes and GQA groups that pick each path (direct, staged, matrix;
@@ -149,19 +157,21 @@ def cuda_sources() -> list[CudaSource]:
     for dt, head, split, group in itertools.product(("float32", "float16", "bfloat16"), (64, 128, 256),
                                                     (False, True), (2, 4, 8)):
         for cores_items in (1.0, None):  # a small split grid and a large one (the staging rule's choice)
-            geo = gc.geometry(head, dt, "cuda", group, split, cores_items if split else None)
-            ins = gc.per_token_signature(dt)
-            outs = ((("out", dt),) if not split else tuple((n, "float32") for n in gc.PA_OUTPUTS[1]))
-            template = tuple(gc.paged_template(dt, head, 16, PARTITION_SIZE if split else 0, geo,
-                                               gc.PREFETCH_NEXT["cuda"]))
-            label = f"paged_attention {dt} h{head} g{group} split={int(split)} {gc.describe_geometry(geo, None)}"
-            srcs = [CudaSource(label, "paged_attention", gc.PAGED_FILES, ins, outs, template,
-                               gc.paged_defines(split, geo))]
-            if split:  # the fused reducer (CUDA chains): the output and the arrival counters too
-                srcs.append(CudaSource(f"{label} fused", "paged_attention", gc.PAGED_FILES, ins,
-                                       outs + tuple(zip(gc.PA_FUSED_OUTPUTS, (dt, "int32"))), template,
-                                       gc.paged_defines(split, geo, fused=True)))
-            out.extend(src for src in srcs if src not in out)
+            table = gc.geometry(head, dt, "cuda", group, split, cores_items if split else None)
+            # The matrix path's A/B layouts too (METAL_ATTN_MMA_STAGE_PAD=32, METAL_ATTN_MMA_STAGE_SWIZZLE=1).
+            for geo in (table, *(_mma_layouts(table, head, group) if table.mma else ())):
+                ins = gc.per_token_signature(dt)
+                outs = ((("out", dt),) if not split else tuple((n, "float32") for n in gc.PA_OUTPUTS[1]))
+                template = tuple(gc.paged_template(dt, head, 16, PARTITION_SIZE if split else 0, geo,
+                                                   gc.PREFETCH_NEXT["cuda"]))
+                label = f"paged_attention {dt} h{head} g{group} split={int(split)} {gc.describe_geometry(geo, None)}"
+                srcs = [CudaSource(label, "paged_attention", gc.PAGED_FILES, ins, outs, template,
+                                   gc.paged_defines(split, geo))]
+                if split:  # the fused reducer (CUDA chains): the output and the arrival counters too
+                    srcs.append(CudaSource(f"{label} fused", "paged_attention", gc.PAGED_FILES, ins,
+                                           outs + tuple(zip(gc.PA_FUSED_OUTPUTS, (dt, "int32"))), template,
+                                           gc.paged_defines(split, geo, fused=True)))
+                out.extend(src for src in srcs if src not in out)
     for dt, head in itertools.product(("float32", "bfloat16"), (64, 128, 256)):
         out.append(gc.reducer_cuda_source(f"paged_attention_v2_reduce {dt} h{head}", dt, head, 512))
     return out
