@@ -102,7 +102,7 @@ constexpr bool FUSED_HEADS = NUM_THREADS % HPS == 0 && ((NUM_THREADS / HPS) & (N
       } else {                                                                                    \
         for (int h = 0; h < HPS; ++h) {                                                           \
           const int64_t rh = row_head0 + h;                                                       \
-          ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, true>(                                    \
+          ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, true, 8>(                                 \
               max_logits, exp_sums, tmp_out, out + rh * HEAD_SIZE, rh * max_parts, n_parts,       \
               use_sinks != 0, use_sinks ? sinks[head0 + h] * MA_LOG2E : MA_NEG_FLT_MAX, red_sg,   \
               red_w, tid);                                                                        \
@@ -617,6 +617,10 @@ const int n_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
 const int64_t base = (int64_t(qtok) * num_heads + head) * max_parts;
 threadgroup float sg_part[NUM_THREADS / MA_SIMD_WIDTH];
 threadgroup float w_block[NUM_THREADS];
-ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, false>(
+// Partitions per load round: 16, so that a thread holds DPT x 16 loads in flight (rows of 128
+// partitions at head 256 take 8 rounds, not 32 at 8; the fused reducer keeps 8, its registers
+// being the per-token kernel's).
+constexpr int REDUCE_UNROLL = 16;
+ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, false, REDUCE_UNROLL>(
     max_logits, exp_sums, tmp_out, out + (int64_t(qtok) * num_heads + head) * HEAD_SIZE, base, n_parts, use_sinks != 0,
     use_sinks ? sinks[head] * MA_LOG2E : MA_NEG_FLT_MAX, sg_part, w_block, tid);

@@ -12,20 +12,35 @@
 // Partitions are independent loads: the maximum takes one per thread (then a simdgroup
 // butterfly and the simdgroups' values through threadgroup memory); the weights of a block of
 // NUM_THREADS partitions are computed once, one per thread, into threadgroup memory, and every
-// thread sums its head elements over the block UNROLL_Z partitions at a time (their loads
-// issued together), so a row's reduction is a few load latencies, not one per partition.
-template <typename T, int HEAD_SIZE, int NUM_THREADS, bool CG, typename PF, typename PT, typename PO,
+// thread sums its head elements over the block UNROLL_Z partitions at a time (the loads of all
+// its DPT elements issued together), so a row's reduction is a few load latencies, not one per
+// partition. A thread's first partition's statistics are read once, and the first UNROLL_Z
+// partitions' rows, which need no statistics, are loaded before the maximum, so their latency
+// overlaps its rounds. The sums run over the partitions in order whatever UNROLL_Z is (the
+// fused heads variant below agrees with this one bit for bit).
+template <typename T, int HEAD_SIZE, int NUM_THREADS, bool CG, int UNROLL_Z, typename PF, typename PT, typename PO,
           typename PS>
 MA_FUNC void ma_reduce_partials(PF max_logits, PF exp_sums, PT tmp_out, PO out_row, int64_t base, int n_parts,
                                 bool use_sinks, float sink, PS sg_part, PS w_block, int tid) {
   constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;
   constexpr int DPT = (HEAD_SIZE + NUM_THREADS - 1) / NUM_THREADS;  // head elements per thread
-  constexpr int UNROLL_Z = 8;
   const int lane = tid % MA_SIMD_WIDTH;
   const int sg = tid / MA_SIMD_WIDTH;
 
-  float g_max = MA_NEG_FLT_MAX;
-  for (int z = tid; z < n_parts; z += NUM_THREADS) {
+  const bool live0 = tid < n_parts;
+  const float m0 = live0 ? ma_partial_reader<CG>::read(&max_logits[base + tid]) : MA_NEG_FLT_MAX;
+  const float e0 = live0 ? ma_partial_reader<CG>::read(&exp_sums[base + tid]) : 0.0f;
+  float t[DPT][UNROLL_Z];
+  for (int j = 0; j < DPT; ++j) {
+    const int d = tid + j * NUM_THREADS;
+    for (int k = 0; k < UNROLL_Z; ++k) {
+      t[j][k] = (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) && k < n_parts
+                    ? ma_partial_reader<CG>::read(&tmp_out[(base + k) * HEAD_SIZE + d])
+                    : 0.0f;
+    }
+  }
+  float g_max = m0;
+  for (int z = tid + NUM_THREADS; z < n_parts; z += NUM_THREADS) {
     g_max = metal::max(g_max, ma_partial_reader<CG>::read(&max_logits[base + z]));
   }
   for (int x = MA_SIMD_WIDTH / 2; x > 0; x >>= 1) {
@@ -49,25 +64,29 @@ MA_FUNC void ma_reduce_partials(PF max_logits, PF exp_sums, PT tmp_out, PO out_r
   }
   for (int z0 = 0; z0 < n_parts; z0 += NUM_THREADS) {
     const int z = z0 + tid;
-    const float w = z < n_parts ? ma_partial_reader<CG>::read(&exp_sums[base + z]) *
-                                      ma_rescale(ma_partial_reader<CG>::read(&max_logits[base + z]), g_max)
-                                : 0.0f;
+    const float w = z >= n_parts ? 0.0f
+                    : z0 == 0    ? e0 * ma_rescale(m0, g_max)
+                                 : ma_partial_reader<CG>::read(&exp_sums[base + z]) *
+                                    ma_rescale(ma_partial_reader<CG>::read(&max_logits[base + z]), g_max);
     part_sum += w;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's weights (and sg_part) are read
     w_block[tid] = w;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const int nz = metal::min(NUM_THREADS, n_parts - z0);
-    for (int j = 0; j < DPT; ++j) {
-      const int d = tid + j * NUM_THREADS;
-      if (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) {
-        for (int y = 0; y < nz; y += UNROLL_Z) {
-          float t[UNROLL_Z];
+    for (int y = 0; y < nz; y += UNROLL_Z) {
+      if (z0 + y > 0) {  // the first round was loaded above
+        for (int j = 0; j < DPT; ++j) {
+          const int d = tid + j * NUM_THREADS;
           for (int k = 0; k < UNROLL_Z; ++k) {
-            t[k] = y + k < nz ? ma_partial_reader<CG>::read(&tmp_out[(base + z0 + y + k) * HEAD_SIZE + d]) : 0.0f;
+            t[j][k] = (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) && y + k < nz
+                          ? ma_partial_reader<CG>::read(&tmp_out[(base + z0 + y + k) * HEAD_SIZE + d])
+                          : 0.0f;
           }
-          for (int k = 0; k < UNROLL_Z; ++k) {
-            o[j] += (y + k < nz ? w_block[y + k] : 0.0f) * t[k];
-          }
+        }
+      }
+      for (int j = 0; j < DPT; ++j) {
+        for (int k = 0; k < UNROLL_Z; ++k) {
+          o[j] += (y + k < nz ? w_block[y + k] : 0.0f) * t[j][k];
         }
       }
     }

@@ -442,11 +442,12 @@ STAGE_BYTES_LIMIT = {"metal": 24 * 1024, "cuda": 40 * 1024}
 THREADGROUP_BYTES_LIMIT = {"metal": 32 * 1024, "cuda": 48 * 1024}
 #: Bytes of padding after each staged K/V row, by path (`Geometry.stage_pad`'s default). Scalar:
 #: 64, so that the two tokens a half-simdgroup reads sit in different banks. Matrix: 16, so that
-#: the 8 rows of a fragment read do; ``METAL_ATTN_MMA_STAGE_PAD=32`` makes every row 32-byte
-#: aligned instead (ncu on the H200 counts 1.5x the L2 reads of the bytes at 16:
-#: docs/bench-h200-classic.md, seventeenth session; 32 is not measured yet), at the cost of two-way
-#: bank conflicts in those reads. ``METAL_ATTN_MMA_STAGE_SWIZZLE=1`` (CUDA) gives both: unpadded
-#: rows with their 16-byte pieces XOR-swizzled by row (`Geometry.swizzle`; not run on a GPU yet).
+#: the 8 rows of a fragment read do. On CUDA the matrix path's rows are not padded but swizzled
+#: (`Geometry.swizzle`, ``METAL_ATTN_MMA_STAGE_SWIZZLE``, on by default): ncu on the H200 counts
+#: 1.5x the L2 reads of the bytes with 16-byte padding (rows not 32-byte aligned), 1.0x with 32
+#: (but 32x the bank conflicts) and 1.0x swizzled with as few conflicts as at 16
+#: (docs/bench-h200-classic.md, nineteenth session). Metal keeps the padding: the swizzle's
+#: fragment loads are written for CUDA's ``ldmatrix`` only.
 STAGE_PAD = {"scalar": 64, "mma": 16}
 #: Whether the kernel asks L2 for the next iteration's K/V rows (CUDA ``prefetch.global.L2``;
 #: Metal has no such instruction and the kernel's prefetch is a no-op there).
@@ -525,14 +526,14 @@ class Geometry:
 
 def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: int = 1,
              split: bool = False, kv_items_per_core: float | None = None, mma_stage_pad: int = 0,
-             mma_stage_swizzle: bool = False) -> Geometry:
+             mma_stage_swizzle: bool = True) -> Geometry:
     """The kernel geometry for ``head_size`` on ``backend``, GQA ``group`` query heads per KV head, route ``split``.
 
     ``kv_items_per_core``: (KV heads x query rows x partitions) / GPU cores of the launch, for
     the staging rule's small-grid choice (None: treated as a large grid). ``mma_stage_pad``: the
     matrix path's row padding (``METAL_ATTN_MMA_STAGE_PAD``; 0: `STAGE_PAD`'s); ``mma_stage_swizzle``: its
-    rows unpadded and swizzled instead (``METAL_ATTN_MMA_STAGE_SWIZZLE``; where `geometry_problem` refuses
-    the swizzle, as on Metal, the padded rows).
+    rows unpadded and swizzled instead (``METAL_ATTN_MMA_STAGE_SWIZZLE``, the default; where
+    `geometry_problem` refuses the swizzle, as on Metal, the padded rows).
     """
     vecs = head_size // 4
     if head_size % 4 or vecs == 0:
@@ -561,7 +562,7 @@ def _group_heads(rule: StagingRule, group: int) -> int:
 
 
 def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype: str | None, lanes: int,
-                  group: int, pad: int, swizzle: bool = False) -> Geometry | None:
+                  group: int, pad: int, swizzle: bool) -> Geometry | None:
     """The matrix-path geometry `StagingRule` gives, or None where it does not apply (the same for
     both routes and any grid: the sweep found no split or small-grid variant worth a rule)."""
     if (rule is None or dtype not in ("float16", "bfloat16") or group < rule.min_group

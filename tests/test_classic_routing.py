@@ -141,12 +141,13 @@ def test_lanes_per_token_geometry():
     assert geometry(192, "bfloat16", "cuda", group=6) == Geometry(8, 1, 1)  # 48 vectors: 8 lanes x 6
     # CUDA, groups >= 4 at heads 128 and 256: the whole group (up to 8 heads) in one threadgroup.
     # 16-bit types take the matrix path (heads as the rows of 8x8 products): 128 threads and
-    # chunks of 32 tokens where two fit in 40 KiB (head 128), else 64 threads and chunks of 16.
-    assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(8, 1, 4, 4, 32, 2, 1, 128)
+    # chunks of 32 tokens where two fit in 40 KiB (head 128), else 64 threads and chunks of 16; the
+    # staged rows unpadded and swizzled (the last field; Metal pads them instead).
+    assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(8, 1, 4, 4, 32, 2, 1, 128, 16, 1)
     assert geometry(128, "float16", "cuda", group=8, split=True, kv_items_per_core=1.0) == Geometry(
-        8, 1, 8, 8, 32, 2, 1)
-    assert geometry(256, "bfloat16", "cuda", group=6, split=True) == Geometry(16, 1, 6, 6, 16, 2, 1, 64)
-    assert geometry(128, "float16", "cuda", group=16) == Geometry(8, 1, 8, 8, 32, 2, 1)  # largest divisor <= 8
+        8, 1, 8, 8, 32, 2, 1, swizzle=1)
+    assert geometry(256, "bfloat16", "cuda", group=6, split=True) == Geometry(16, 1, 6, 6, 16, 2, 1, 64, swizzle=1)
+    assert geometry(128, "float16", "cuda", group=16) == Geometry(8, 1, 8, 8, 32, 2, 1, swizzle=1)  # divisor <= 8
     # float32 stages per-token loads: two heads a simdgroup (unroll 2) unless a split grid is
     # small (< 6 threadgroups a core: one head, unroll 4); chunks halved until two fit in 40 KiB.
     assert geometry(128, "float32", "cuda", group=4) == Geometry(8, 2, 4, 2, 16, 2)
@@ -303,7 +304,7 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
     assert (template["TPT"], template["UNROLL"], template["HPS"], template["HPW"], template["STAGE"],
             template["STAGES"]) == (geo.lanes, geo.unroll, geo.hps, geo.hpw, geo.stage, geo.stages)
     assert template["PREFETCH"] == gc.PREFETCH_NEXT["cuda"]
-    assert template["STAGE_PAD"] == geo.stage_pad == gc.STAGE_PAD["mma"]
+    assert template["STAGE_PAD"] == geo.row_pad == 0 and geo.swizzle == 1  # CUDA: unpadded, swizzled rows
 
     calls.clear()
     out = gc.run_per_token(inputs, plan.specialization, rows=3)
@@ -420,12 +421,13 @@ def test_a_forced_size_never_exceeds_the_scratch_cap(monkeypatch):
 
 def test_the_matrix_paths_row_padding_is_a_toggle():
     """``METAL_ATTN_MMA_STAGE_PAD``: the matrix path's staged rows padded by 32 bytes instead of 16
-    (an A/B toggle), in the plan's geometry and its threadgroup memory; the scalar path keeps 64."""
+    (an A/B toggle where the rows are not swizzled: Metal, or CUDA with the swizzle off), in the plan's
+    geometry and its threadgroup memory; the scalar path keeps 64."""
     from metal_attn.providers import gpu_common as gc
 
-    base = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
-    padded = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0, mma_stage_pad=32)
-    with override_settings(mma_stage_pad=32):
+    base = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0, mma_stage_swizzle=False)
+    padded = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0, mma_stage_pad=32, mma_stage_swizzle=False)
+    with override_settings(mma_stage_pad=32, mma_stage_swizzle=False):
         assert gc.plan_geometry(_cuda_plan([1] * 8, [4096] * 8).specialization).stage_pad == 32  # the plan carries it
     assert (base.mma, base.stage_pad, padded.stage_pad) == (1, 16, 32)
     assert padded.stage_bytes(128, 2) - base.stage_bytes(128, 2) == base.stages * 2 * base.stage * 16
@@ -434,24 +436,27 @@ def test_the_matrix_paths_row_padding_is_a_toggle():
         gc.Geometry(8, 1, 4, 4, 32, 2, mma=1, stage_pad=8), 128, 4, 2, "cuda")
 
 
-def test_the_matrix_paths_swizzled_rows_are_a_cuda_toggle():
-    """``METAL_ATTN_MMA_STAGE_SWIZZLE``: on CUDA the matrix path stages unpadded rows with swizzled pieces
-    (the plan's geometry, its threadgroup memory, the kernel's template and defines, explain's note); where
-    the swizzle cannot apply (Metal, the scalar path, rows of fewer than eight 16-byte pieces) the
-    geometry says why, and the toggle leaves the padded rows."""
+def test_the_matrix_paths_rows_are_swizzled_on_cuda_by_default():
+    """``METAL_ATTN_MMA_STAGE_SWIZZLE`` (on by default): on CUDA the matrix path stages unpadded rows with
+    swizzled pieces (the plan's geometry, its threadgroup memory, the kernel's template and defines,
+    explain's note), and 0 gives the padded rows back; where the swizzle cannot apply (Metal, the scalar
+    path, rows of fewer than eight 16-byte pieces) the geometry says why, and the padded rows run."""
     from metal_attn.providers import gpu_common as gc
 
-    base = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
-    swz = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0, mma_stage_swizzle=True)
+    base = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0, mma_stage_swizzle=False)
+    swz = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
     assert (base.swizzle, base.row_pad, swz.swizzle, swz.row_pad) == (0, 16, 1, 0)
     assert base.stage_bytes(128, 2) - swz.stage_bytes(128, 2) == base.stages * 2 * base.stage * 16
     assert dict(gc.paged_template("bfloat16", 128, 16, 512, swz, 1))["STAGE_PAD"] == 0
     assert dict(gc.paged_defines(True, swz))["PA_SWIZZLE"] == 1
     assert dict(gc.paged_defines(True, base))["PA_SWIZZLE"] == 0
-    with override_settings(mma_stage_swizzle=True):
-        plan = _cuda_plan([1] * 8, [4096] * 8)
+    plan = _cuda_plan([1] * 8, [4096] * 8)
     assert gc.plan_geometry(plan.specialization).swizzle == 1
     assert any("rows unpadded and swizzled" in n for n in plan.notes), plan.notes
+    with override_settings(mma_stage_swizzle=False):
+        padded = _cuda_plan([1] * 8, [4096] * 8)
+    assert gc.plan_geometry(padded.specialization).row_pad == 16
+    assert not any("swizzled" in n for n in padded.notes), padded.notes
     # Where it does not apply: Metal keeps its padded rows; the scalar path and short rows are refused.
     assert gc.geometry(128, "bfloat16", "metal", 4, True, 4.0, mma_stage_swizzle=True).swizzle == 0
     assert gc.geometry(32, "bfloat16", "cuda", 4, True, 4.0, mma_stage_swizzle=True).swizzle == 0

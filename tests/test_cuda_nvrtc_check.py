@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 #: The per-token kernel's three paths and the reducer (what chains run), and the other kernels' texts.
 #: Each split per-token pattern takes its fused-reducer variant (`PA_FUSED`) too; the matrix pattern its A/B
-#: layouts (rows padded by 32 bytes, swizzled rows).
+#: layouts (swizzled rows by default; rows padded by 16 bytes and by 32).
 SAMPLE = ("paged_attention_v2_reduce bfloat16 h128|paged_attention bfloat16 h128 g4 split=1.*matrix"
           "|paged_attention float32 h128 g4 split=0.*staged|paged_attention float16 h64 g2 split=1.*direct"
           "|tiled_prefill bfloat16 h128|gqa_decode float16 32/8/128/bs16 P512")

@@ -141,9 +141,9 @@ def msl_specializations(admission: Mapping[str, frozenset]) -> list[Specializati
 
 
 def _mma_layouts(geo: gc.Geometry, head: int, group: int) -> list[gc.Geometry]:
-    """The matrix path's staged-row layouts other than ``geo``'s that CUDA can launch: rows padded by
-    32 bytes, and unpadded swizzled rows (the A/B toggles)."""
-    variants = (dataclasses.replace(geo, stage_pad=32), dataclasses.replace(geo, swizzle=1))
+    """The matrix path's staged-row layouts other than ``geo``'s (swizzled rows, CUDA's default) that
+    CUDA can launch: rows padded by 16 bytes (Metal's layout) and by 32 (the A/B toggles)."""
+    variants = (dataclasses.replace(geo, swizzle=0, stage_pad=16), dataclasses.replace(geo, swizzle=0, stage_pad=32))
     return [v for v in variants if v != geo and gc.geometry_problem(v, head, group, 2, "cuda") is None]
 
 
@@ -158,7 +158,7 @@ def cuda_sources() -> list[CudaSource]:
                                                     (False, True), (2, 4, 8)):
         for cores_items in (1.0, None):  # a small split grid and a large one (the staging rule's choice)
             table = gc.geometry(head, dt, "cuda", group, split, cores_items if split else None)
-            # The matrix path's A/B layouts too (METAL_ATTN_MMA_STAGE_PAD=32, METAL_ATTN_MMA_STAGE_SWIZZLE=1).
+            # The matrix path's A/B layouts too (METAL_ATTN_MMA_STAGE_SWIZZLE=0: rows padded by 16, or by 32).
             for geo in (table, *(_mma_layouts(table, head, group) if table.mma else ())):
                 ins = gc.per_token_signature(dt)
                 outs = ((("out", dt),) if not split else tuple((n, "float32") for n in gc.PA_OUTPUTS[1]))

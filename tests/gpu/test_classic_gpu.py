@@ -87,7 +87,7 @@ _TUNINGS = [((8, 1, 2), 1), ((8, 2, 2), 1), ((8, 1, 2), 0), ((16, 1, 2), 1), ((1
             ((8, 1, 1, 1, 16, 4, 1, 64), 0),
             # the matrix path's rows padded by 32 bytes (METAL_ATTN_MMA_STAGE_PAD=32), and 48
             ((8, 1, 4, 4, 32, 2, 1, 128, 32), 0), ((8, 1, 4, 4, 16, 2, 1, 64, 48), 0),
-            # its rows unpadded and swizzled (METAL_ATTN_MMA_STAGE_SWIZZLE=1; CUDA only)
+            # its rows unpadded and swizzled (METAL_ATTN_MMA_STAGE_SWIZZLE, CUDA's default)
             ((8, 1, 4, 4, 32, 2, 1, 128, 16, 1), 0), ((8, 1, 2, 2, 32, 2, 1, 128, 16, 1), 0),
             ((8, 1, 4, 4, 16, 2, 1, 64, 16, 1), 0)]
 
@@ -118,26 +118,27 @@ def test_every_tuning_matches_oracle(tuning, partition_size):
     assert_close_to_oracle(out, case.oracle(), "bfloat16", label=f"{case.label} partitions of {partition_size}")
 
 
+@pytest.mark.parametrize("swizzle", (True, False), ids=("swizzled", "padded"))
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize(("dtype", "head", "group"), [("bfloat16", 128, 4), ("float16", 128, 8), ("bfloat16", 256, 4),
                                                      ("float16", 256, 8)])
-def test_swizzled_rows_match_oracle(dtype, head, group, route):
-    """``METAL_ATTN_MMA_STAGE_SWIZZLE=1`` through the public call, on the head sizes and groups the matrix
-    path takes on CUDA (128 and 256; 4 and 8), with sinks and a window (on Metal the geometry refuses the
-    swizzle and its own rows run)."""
+def test_matrix_row_layouts_match_oracle(dtype, head, group, route, swizzle):
+    """``METAL_ATTN_MMA_STAGE_SWIZZLE`` on (CUDA's default) and off (the padded rows, Metal's layout)
+    through the public call, on the head sizes and groups the matrix path takes on CUDA (128 and 256;
+    4 and 8), with sinks and a window (on Metal the geometry refuses the swizzle and its own rows run)."""
     from metal_attn.providers import gpu_common as gc
 
     from metal_attn.settings import override_settings
 
     case = make_case(q_lens=[1, 1, 1, 1, 7], seq_lens=[1, 16, 513, 1100, 530], num_heads=2 * group, num_kv_heads=2,
                      head_size=head, block_size=16, dtype=dtype, seed=head + group, sinks=True, sliding_window=600,
-                     label=f"swizzled {dtype} h{head} g{group}")
+                     label=f"{'swizzled' if swizzle else 'padded'} {dtype} h{head} g{group}")
     backend = metal_attn.current_device().backend
-    with override_settings(mma_stage_swizzle=True):
+    with override_settings(mma_stage_swizzle=swizzle):
         _check(case, route)
         psize = diagnostics.last_dispatch().partition_size
         geo = gc.launch_geometry(case.q, case.k_cache, case.metadata(), partition_size=psize, backend=backend)
-    assert (geo.mma, geo.swizzle) == (1, 1) if backend == "cuda" else geo.swizzle == 0, geo
+    assert (geo.mma, geo.swizzle) == (1, int(swizzle)) if backend == "cuda" else geo.swizzle == 0, geo
 
 
 @pytest.mark.parametrize("partition_size", (1024, 2048, 4096))
