@@ -82,6 +82,22 @@ def test_h200_decode_figures_equal_the_marked_table():
         assert phrase in text, f"README's H200 bullet should say {phrase!r} (docs/bench-h200-classic.md's table)"
 
 
+def test_h200_latest_decode_figures_equal_the_marked_table():
+    doc = (ROOT / "docs" / "bench-h200-classic.md").read_text()
+    header, *rows = _table_after(doc, "<!-- readme-figures-latest:")
+    auto, torch = header.index("auto"), header.index("torch SDPA")
+    pct = r"\((\d+(?:\.\d+)?)%\)"
+    gbs = r"^\**([\d,]+) "
+    decode = [r for r in rows if r[0].startswith("b")]
+    assert len(decode) == 8, decode
+    ours = _span([_num(r[auto], pct) for r in decode])
+    theirs = _span([_num(r[torch], pct) for r in decode])
+    ratios = [float(_num(r[auto], gbs).replace(",", "")) / float(_num(r[torch], gbs).replace(",", "")) for r in decode]
+    speed = f"{min(ratios):.2f}-{max(ratios):.2f}x"
+    phrase = f"`auto` at {ours}% against torch SDPA's {theirs}% in the same run, {speed} its speed"
+    assert phrase in _measured(), f"README's H200 bullet should say {phrase!r} (docs/bench-h200-classic.md's table)"
+
+
 def test_h200_prefill_figures_are_the_tiled_doc_sentence():
     doc = " ".join((ROOT / "docs" / "bench-h200-tiled.md").read_text().split())
     m = re.search(r"the tiles run at (\d+-\d+) TFLOP/s where cuDNN \(behind MLX SDPA on contiguous K/V\) "
