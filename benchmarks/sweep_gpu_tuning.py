@@ -6,7 +6,8 @@
   together; L2 prefetch of the next page) at each partition size, on the
   geometries of the CUDA table;
 - ``classic``: geometry variants of the per-token kernel (lanes per token, unroll, heads
-  per threadgroup and per simdgroup, direct or staged loads), split and unsplit.
+  per threadgroup and per simdgroup, direct or staged loads, the matrix path's launches and
+  row layouts), split and unsplit; ``matrix``: the matrix path's variants alone.
 
 Bare kernel launches (no dispatch), timed pipelined (calls queued with
 ``mx.async_eval``, one wait per sample), medians of 10 samples. Every variant's
@@ -62,6 +63,11 @@ CLASSIC_TUNINGS = (
     # the matrix path: (..., mma=1, threads), the whole group (4, 6 or 8 heads) a threadgroup
     (G(8, 1, 4, 4, 32, 2, 1, 128), 0), (G(8, 1, 4, 4, 16, 2, 1, 64), 0), (G(8, 1, 4, 4, 16, 4, 1, 64), 0),
     (G(8, 1, 8, 8, 32, 2, 1, 128), 0), (G(8, 1, 8, 8, 16, 2, 1, 64), 0), (G(16, 1, 6, 6, 16, 2, 1, 64), 0),
+    # its rows unpadded and swizzled (CUDA's default since the nineteenth session): the launches the
+    # 40 KiB budget leaves (hpw == hps; 128 threads take chunks of 32, 64 threads of 16 or 32)
+    (G(8, 1, 4, 4, 32, 2, 1, 64, swizzle=1), 0), (G(8, 1, 4, 4, 16, 4, 1, 64, swizzle=1), 0),
+    (G(8, 1, 4, 4, 16, 3, 1, 64, swizzle=1), 0), (G(8, 1, 8, 8, 32, 2, 1, 64, swizzle=1), 0),
+    (G(8, 1, 8, 8, 16, 4, 1, 64, swizzle=1), 0), (G(8, 1, 8, 8, 16, 3, 1, 64, swizzle=1), 0),
 )
 
 
@@ -91,7 +97,8 @@ def sweep_gqa(backend: str) -> list[dict]:
     return rows
 
 
-def sweep_classic(backend: str) -> list[dict]:
+def sweep_classic(backend: str, matrix_only: bool = False) -> list[dict]:
+    """The per-token kernel's variants on `CLASSIC_SHAPES` (``matrix_only``: its matrix path's alone)."""
     rows = []
     for batch, h, kvh, d, n, split in CLASSIC_SHAPES:
         case = build_case(Shape(batch, h, kvh, d, n, "bfloat16"))
@@ -107,7 +114,7 @@ def sweep_classic(backend: str) -> list[dict]:
                                        backend=backend),
                    gc.PREFETCH_NEXT.get(backend, 0))
         for g, pf in dict.fromkeys((*CLASSIC_TUNINGS, shipped)):
-            if gc.geometry_problem(g, d, h // kvh, 2, backend):
+            if gc.geometry_problem(g, d, h // kvh, 2, backend) or (matrix_only and not g.mma):
                 continue
             err = rel_l2(launch(g, pf), ref)
             sec = pipelined_median_s(lambda g=g, pf=pf: launch(g, pf))
@@ -127,13 +134,13 @@ def main(out_path: str, which: str = "all") -> None:
     rows = []
     if which in ("all", "gqa"):
         rows += sweep_gqa(dev.backend)
-    if which in ("all", "classic"):
-        rows += sweep_classic(dev.backend)
+    if which in ("all", "classic", "matrix"):
+        rows += sweep_classic(dev.backend, matrix_only=which == "matrix")
     with open(out_path, "w") as f:
         json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3):
-        raise SystemExit("usage: python3 benchmarks/sweep_gpu_tuning.py OUT.json [all|gqa|classic]")
+        raise SystemExit("usage: python3 benchmarks/sweep_gpu_tuning.py OUT.json [all|gqa|classic|matrix]")
     main(*sys.argv[1:])
