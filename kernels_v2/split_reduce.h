@@ -30,15 +30,21 @@ MA_FUNC void ma_reduce_partials(PF max_logits, PF exp_sums, PT tmp_out, PO out_r
   const bool live0 = tid < n_parts;
   const float m0 = live0 ? ma_partial_reader<CG>::read(&max_logits[base + tid]) : MA_NEG_FLT_MAX;
   const float e0 = live0 ? ma_partial_reader<CG>::read(&exp_sums[base + tid]) : 0.0f;
-  float t[DPT][UNROLL_Z];
-  for (int j = 0; j < DPT; ++j) {
-    const int d = tid + j * NUM_THREADS;
-    for (int k = 0; k < UNROLL_Z; ++k) {
-      t[j][k] = (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) && k < n_parts
-                    ? ma_partial_reader<CG>::read(&tmp_out[(base + k) * HEAD_SIZE + d])
-                    : 0.0f;
-    }
+  // One round of this thread's tmp_out loads into t, for each of its DPT head elements: partitions
+  // z0 + y + k of the row for k < UNROLL_Z, those with y + k < nz read (the rest 0). The arguments
+  // are pasted unparenthesized, so the index sums in one order at both uses (nvcc: the same PTX as
+  // the two loops this replaced).
+#define MA_REDUCE_LOAD_ROUND(z0, y, nz)                                                              \
+  for (int j = 0; j < DPT; ++j) {                                                                    \
+    const int d = tid + j * NUM_THREADS;                                                             \
+    for (int k = 0; k < UNROLL_Z; ++k) {                                                             \
+      t[j][k] = (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) && y + k < nz                      \
+                    ? ma_partial_reader<CG>::read(&tmp_out[(base + z0 + y + k) * HEAD_SIZE + d])     \
+                    : 0.0f;                                                                          \
+    }                                                                                                \
   }
+  float t[DPT][UNROLL_Z];
+  MA_REDUCE_LOAD_ROUND(0, 0, n_parts)
   float g_max = m0;
   for (int z = tid + NUM_THREADS; z < n_parts; z += NUM_THREADS) {
     g_max = metal::max(g_max, ma_partial_reader<CG>::read(&max_logits[base + z]));
@@ -75,14 +81,7 @@ MA_FUNC void ma_reduce_partials(PF max_logits, PF exp_sums, PT tmp_out, PO out_r
     const int nz = metal::min(NUM_THREADS, n_parts - z0);
     for (int y = 0; y < nz; y += UNROLL_Z) {
       if (z0 + y > 0) {  // the first round was loaded above
-        for (int j = 0; j < DPT; ++j) {
-          const int d = tid + j * NUM_THREADS;
-          for (int k = 0; k < UNROLL_Z; ++k) {
-            t[j][k] = (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) && y + k < nz
-                          ? ma_partial_reader<CG>::read(&tmp_out[(base + z0 + y + k) * HEAD_SIZE + d])
-                          : 0.0f;
-          }
-        }
+        MA_REDUCE_LOAD_ROUND(z0, y, nz)
       }
       for (int j = 0; j < DPT; ++j) {
         for (int k = 0; k < UNROLL_Z; ++k) {
@@ -91,6 +90,7 @@ MA_FUNC void ma_reduce_partials(PF max_logits, PF exp_sums, PT tmp_out, PO out_r
       }
     }
   }
+#undef MA_REDUCE_LOAD_ROUND
   // The total weight: the threads' sums, then the simdgroups' (sg_part is free again: every
   // thread read it before the first block's barriers).
   part_sum = simd_sum(part_sum);

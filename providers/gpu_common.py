@@ -572,10 +572,8 @@ def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype:
     for threads, chunk in rule.mma_launches:
         geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, mma=1, threads=threads, stage_pad=pad)
         if geometry_problem(geo, head_size, group, 2, backend) is None:
-            swizzled = dataclasses.replace(geo, swizzle=1) if swizzle else None
-            if swizzled is not None and geometry_problem(swizzled, head_size, group, 2, backend) is None:
-                return swizzled
-            return geo
+            swizzled = dataclasses.replace(geo, swizzle=1)
+            return swizzled if swizzle and geometry_problem(swizzled, head_size, group, 2, backend) is None else geo
     return None
 
 

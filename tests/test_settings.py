@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import metal_attn as ma
@@ -22,6 +21,7 @@ from metal_attn.settings import (
     reload_settings,
 )
 from metal_attn.testing import make_case
+from metal_attn.testing.conformance import assert_close_to_oracle
 
 pytestmark = pytest.mark.usefixtures("clean_settings_env")
 
@@ -337,7 +337,7 @@ def test_override_settings_dispatch_caches_do_not_cross_threads():
     want = case.oracle()
     for provider, results in outs.items():
         for out in results:
-            np.testing.assert_allclose(np.array(out, copy=False), want, atol=1e-4, rtol=1e-4, err_msg=provider)
+            assert_close_to_oracle(out, want, case.dtype, label=provider)
     by_scope: dict[int, set[str]] = {}
     for key, hit in md._selections.items():
         by_scope.setdefault(key[-1][1], set()).add(hit[0].provider.name)
