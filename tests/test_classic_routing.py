@@ -3,12 +3,14 @@ admission reasons, the split gate arithmetic in ``explain``, and the CPU delegat
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 import metal_attn
 from metal_attn.constants import PARTITION_SIZE, SPLIT_GATE_FACTOR
 from metal_attn.device import DeviceInfo
-from metal_attn.settings import get_settings, override_settings
+from metal_attn.settings import Settings, get_settings, override_settings
 
 
 def _classic_row(**kw):
@@ -445,6 +447,9 @@ def test_the_matrix_paths_rows_are_swizzled_on_cuda_by_default():
 
     base = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0, mma_stage_swizzle=False)
     swz = gc.geometry(128, "bfloat16", "cuda", 4, True, 4.0)
+    # geometry()'s own default (for callers without settings: cuda_check's sources) is the setting's
+    assert inspect.signature(gc.geometry).parameters["mma_stage_swizzle"].default is \
+        Settings.model_fields["mma_stage_swizzle"].default is True
     assert (base.swizzle, base.row_pad, swz.swizzle, swz.row_pad) == (0, 16, 1, 0)
     assert base.stage_bytes(128, 2) - swz.stage_bytes(128, 2) == base.stages * 2 * base.stage * 16
     assert dict(gc.paged_template("bfloat16", 128, 16, 512, swz, 1))["STAGE_PAD"] == 0
