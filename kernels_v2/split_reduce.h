@@ -33,8 +33,9 @@ MA_FUNC void ma_reduce_partials(PF max_logits, PF exp_sums, PT tmp_out, PO out_r
   // One round of this thread's tmp_out loads into t, for each of its DPT head elements: partitions
   // z0 + y + k of the row for k < UNROLL_Z, those with y + k < nz read (the rest 0). The arguments
   // are pasted unparenthesized, so the index sums in one order at both uses (nvcc: the same PTX as
-  // the two loops this replaced).
-#define MA_REDUCE_LOAD_ROUND(z0, y, nz)                                                              \
+  // the two loops this replaced). The parameter list has no spaces, as preprocessors print it
+  // (tests/test_kernel_loader.py compares our comment stripping with g++'s tokens).
+#define MA_REDUCE_LOAD_ROUND(z0,y,nz)                                                                \
   for (int j = 0; j < DPT; ++j) {                                                                    \
     const int d = tid + j * NUM_THREADS;                                                             \
     for (int k = 0; k < UNROLL_Z; ++k) {                                                             \
