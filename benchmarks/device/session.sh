@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The measurements a GPU session of 30 device minutes owes the open issues, in phases that each fit one
+# device call (at most 10 minutes). On the GPU machine, from the checkout root, with the bundle and
+# the CUDA module carried (benchmarks/device/README.md):
+#
+#   source .device/setup.sh && bash benchmarks/device/session.sh PHASE [PHASE ...]
+#
+# Phases (each writes its logs and JSON under $OUT/PHASE/, OUT defaulting to ./device-out):
+#   tests    tests/gpu but the fuzz (pytest-xdist when the machine has it: 280 s with -n 14 in the
+#            thirteenth session)
+#   decode   decode-gpu with the fused-reducer A/B, the decode-step suite three times, the matrix sweep
+#            (issue #17)
+#   prefill  the mixed batches three times, and where a mixed batch's time goes (issue #18)
+#   engine   the generate suite at 1, 8, 32 and 64 requests (issue #15)
+#   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
+#   fuzz     the GPU fuzz (250 seeds)
+#
+# Each step runs under its own time limit (STEP_LIMIT seconds, default 300; the GPU tests 420), cut to
+# what is left of BUDGET (seconds for the whole command, default 570: a device call holds 600), so a
+# slow step leaves the others their time and the command ends before the device tool's limit; a step
+# with under 30 s left is skipped. A progress line with the elapsed seconds goes before and after each.
+# Steps that fail or are skipped are listed at the end and the script exits 1; the others' files are there.
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}
+STEP_LIMIT=${STEP_LIMIT:-300}
+BUDGET=${BUDGET:-570}
+BENCH=(python3 -m metal_attn.bench.cli)
+start=$(date +%s)
+failed=()
+
+say() { echo "==> [$(($(date +%s) - start))s] $*"; }
+
+# step NAME LIMIT COMMAND...: run COMMAND with its output in $dir/NAME.log (its tail on failure).
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET - ($(date +%s) - start)))
+  if [ "$left" -lt 30 ]; then
+    say "$phase/$name: skipped (${left}s of BUDGET=${BUDGET}s left)"
+    failed+=("$phase/$name (skipped)")
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  say "$phase/$name: $*"
+  timeout --signal=INT --kill-after=20 "$limit" "$@" >"$dir/$name.log" 2>&1
+  local rc=$?
+  if [ "$rc" -eq 0 ]; then
+    say "$phase/$name: ok"
+  else
+    say "$phase/$name: FAILED (exit $rc; 124 is the ${limit}s limit)"
+    tail -n 25 "$dir/$name.log"
+    failed+=("$phase/$name")
+  fi
+}
+
+xdist() { python3 -c 'import xdist' 2>/dev/null && echo "-n 14" || true; }
+
+run_phase() {
+  case "$phase" in
+    tests)
+      # shellcheck disable=SC2046
+      step pytest 420 python3 -m pytest -q -rfEx $(xdist) tests/gpu --ignore=tests/gpu/test_fuzz_gpu.py ;;
+    fuzz)
+      step fuzz "$STEP_LIMIT" python3 -m pytest -q -rfEx tests/gpu/test_fuzz_gpu.py ;;
+    decode)
+      step decode-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
+        --candidates "auto,auto[cuda_fused_reduce=1],torch_sdpa,mlx_sdpa,ceiling" --json "$dir/decode-gpu.json"
+      step decode-step "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --repeat 3 --quiet --markdown \
+        --candidates "auto,torch_sdpa,mlx_sdpa,ceiling" --json "$dir/decode-step.json"
+      step sweep-matrix "$STEP_LIMIT" python3 benchmarks/sweep_gpu_tuning.py "$dir/sweep-matrix.json" matrix ;;
+    prefill)
+      step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
+        --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"
+      step profile-mixed "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile-mixed.json" ;;
+    engine)
+      step generate "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet --markdown \
+        --candidates engine,batch_generator --concurrency 1,8,32,64 --json "$dir/generate.json" ;;
+    baseline)
+      step decode-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --quiet \
+        --candidates auto,classic,torch_sdpa,gather_sdpa,ceiling --json "$dir/decode-gpu.json"
+      step decode-step "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --quiet \
+        --candidates auto,auto_compiled,torch_sdpa,ceiling --json "$dir/decode-step.json" ;;
+    *)
+      echo "unknown phase '$phase' (allowed: tests, decode, prefill, engine, baseline, fuzz)" >&2
+      exit 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 2; }
+for phase in "$@"; do  # every name checked before any phase runs
+  case "$phase" in tests|decode|prefill|engine|baseline|fuzz) ;;
+    *) echo "unknown phase '$phase' (allowed: tests, decode, prefill, engine, baseline, fuzz)" >&2; exit 2 ;;
+  esac
+done
+python3 -c 'import metal_attn.cuda_ops as c; print("CUDA chains:", "on" if c.enabled() else "off")' \
+  || echo "metal_attn.cuda_ops does not import: the chains are off"
+for phase in "$@"; do
+  dir="$OUT/$phase"
+  mkdir -p "$dir"
+  say "phase $phase -> $dir"
+  run_phase
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  say "failed: ${failed[*]}"
+  exit 1
+fi
+say "all steps passed"

@@ -1,0 +1,49 @@
+"""The GPU session runner (benchmarks/device/session.sh): its phase names and its time budget.
+
+What the phases measure needs the H200; what is checked here is the harness a device call depends
+on: an unknown phase is refused before anything runs, and a step the budget cannot hold is skipped,
+named and counted as a failure, so a call never runs past the device tool's limit unseen.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "device" / "session.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and coreutils' timeout")
+
+
+def _run(*args: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "OUT": str(tmp_path / "out"), **env})
+
+
+def test_no_phase_prints_the_usage(tmp_path):
+    got = _run(tmp_path=tmp_path)
+    assert got.returncode == 2
+    assert "Phases" in got.stdout and "BUDGET" in got.stdout
+
+
+def test_an_unknown_phase_is_refused_before_any_phase_runs(tmp_path):
+    got = _run("tests", "decod", tmp_path=tmp_path)
+    assert got.returncode == 2
+    assert "unknown phase 'decod'" in got.stderr and "allowed: tests, decode" in got.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_steps_the_budget_cannot_hold_are_skipped_and_named(tmp_path):
+    got = _run("decode", tmp_path=tmp_path, BUDGET="0")
+    assert got.returncode == 1
+    for step in ("decode-gpu", "decode-step", "sweep-matrix"):
+        assert f"decode/{step}: skipped" in got.stdout
+        assert f"decode/{step} (skipped)" in got.stdout.splitlines()[-1]
+    assert (tmp_path / "out" / "decode").is_dir()
+    assert not list((tmp_path / "out" / "decode").iterdir())  # nothing ran
