@@ -13,7 +13,7 @@ Bare kernel launches (no dispatch), timed pipelined (calls queued with
 ``mx.async_eval``, one wait per sample), medians of 10 samples. Every variant's
 output is compared with the shipped tuning's (relative L2 <= 1e-2), so a fast wrong
 variant cannot win. The winners go into ``providers/gqa_decode.py::KERNEL_TUNING`` and
-``providers/gpu_common.py`` (tables), with the figures in docs/bench-h200-*.md.
+``providers/gpu_common/per_token_geometry.py`` and ``per_token.py`` (tables), with the figures in docs/bench-h200-*.md.
 """
 
 from __future__ import annotations

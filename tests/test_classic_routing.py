@@ -281,8 +281,8 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
         kernel_geometries.append(geo)  # the code path (defines) is chosen from it
         return recorder(f"paged split={int(split)}")
 
-    monkeypatch.setattr(gc, "per_token_kernel", paged_kernel)
-    monkeypatch.setattr(gc, "reducer_kernel", lambda backend: recorder("reduce"))
+    monkeypatch.setattr(gc.per_token, "per_token_kernel", paged_kernel)
+    monkeypatch.setattr(gc.reducer, "reducer_kernel", lambda backend: recorder("reduce"))
     batch, ctx, heads, kv_heads = 8, 4096, 32, 8
     _, row = _classic_row(q_lens=[1] * batch, seq_lens=[ctx] * batch, device="h200", num_heads=heads,
                           num_kv_heads=kv_heads)
@@ -403,7 +403,7 @@ def test_partition_sizes_respect_the_scratch_cap(monkeypatch):
     # but not 128 the rule takes 256, the smallest that fits.
     req = AttentionRequest.from_lengths(q_lens=[1], seq_lens=[600], backend="cuda", dtype="bfloat16",
                                         num_heads=32, num_kv_heads=8)
-    monkeypatch.setattr(gc, "SCRATCH_CAP_BYTES", split_scratch_bytes(1, 32, req.partitions(256), 128))
+    monkeypatch.setattr(gc.per_token, "SCRATCH_CAP_BYTES", split_scratch_bytes(1, 32, req.partitions(256), 128))
     size, note = gc.partition_choice(req, DeviceInfo.preset("h200"), get_settings())
     assert size == 256, note
 
@@ -415,7 +415,7 @@ def test_a_forced_size_never_exceeds_the_scratch_cap(monkeypatch):
 
     req = AttentionRequest.from_lengths(q_lens=[1], seq_lens=[600], backend="cuda", dtype="bfloat16",
                                         num_heads=32, num_kv_heads=8)
-    monkeypatch.setattr(gc, "SCRATCH_CAP_BYTES", split_scratch_bytes(1, 32, req.partitions(128), 128))
+    monkeypatch.setattr(gc.per_token, "SCRATCH_CAP_BYTES", split_scratch_bytes(1, 32, req.partitions(128), 128))
     with override_settings(partition_size=64):
         size, note = gc.partition_choice(req, DeviceInfo.preset("h200"), get_settings())
     assert size == 128 and "64 would exceed the" in note, note

@@ -24,7 +24,7 @@ SHARED = "metal_attn.providers.gpu_common"
 def _provider_of(module: str) -> str | None:
     """The provider a ``metal_attn.providers.*`` module belongs to (``None``: not a provider module)."""
     parts = module.split(".")
-    if parts[:2] != ["metal_attn", "providers"] or len(parts) < 3 or module == SHARED:
+    if parts[:2] != ["metal_attn", "providers"] or len(parts) < 3 or parts[2] == SHARED.rsplit(".", 1)[1]:
         return None
     return parts[2]
 
@@ -55,6 +55,10 @@ def test_the_import_rule_sees_a_violation(tmp_path):
                    "    from metal_attn.providers import tiled_prefill, gpu_common\n")
     assert {m for m in _imports(bad) if _provider_of(m)} == {"metal_attn.providers.classic",
                                                               "metal_attn.providers.tiled_prefill"}
+    shared = tmp_path / "shared.py"  # the shared package's modules are not a provider's
+    shared.write_text("from metal_attn.providers.gpu_common.per_token import plan_per_token\n"
+                      "from metal_attn.providers.gpu_common import decode_rows\n")
+    assert not {m for m in _imports(shared) if _provider_of(m)}
 
 
 def test_pack_scale_is_log2_space_unless_a_softcap_applies():

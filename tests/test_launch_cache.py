@@ -71,7 +71,7 @@ def builds(monkeypatch):
             return build(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(gc, "per_token_launch", counting("per_token", gc.per_token_launch))
+    monkeypatch.setattr(gc.per_token, "per_token_launch", counting("per_token", gc.per_token_launch))
     monkeypatch.setattr(tp, "tiled_launch", counting("tiled", tp.tiled_launch))
     return counts
 

@@ -261,12 +261,12 @@ def test_forced_mixed_threshold_routes_both_ways_and_restores():
     from metal_attn.settings import get_settings
     from metal_attn.testing import forced_mixed_threshold
 
-    before = gc.MIXED_DECODE_MIN_CONTEXT
+    before = gc.decode_rows.MIXED_DECODE_MIN_CONTEXT
     with forced_mixed_threshold(0):
         assert _row(_explain(H200, [1, 1, 300], [50, 100, 800])).plan.route == "mixed_prefill_decode"
     with forced_mixed_threshold(1 << 30):
         assert _row(_explain(H200, [1, 1, 300], [8192, 100, 800])).plan.route == "tiled_prefill"
-    assert gc.MIXED_DECODE_MIN_CONTEXT is before
+    assert gc.decode_rows.MIXED_DECODE_MIN_CONTEXT is before
     assert _row(_explain(H200, [1, 1, 300], [8192, 100, 800])).plan.route == "mixed_prefill_decode"
     # Selections are cached: the override drops them on the way in and out.
     req = _explain(H200, [1, 1, 300], [8192, 100, 800]).request

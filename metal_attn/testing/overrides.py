@@ -12,17 +12,17 @@ from metal_attn.settings import override_settings
 
 @contextlib.contextmanager
 def forced_mixed_threshold(value: int) -> Iterator[None]:
-    """Patch the mixed-batch split threshold of the tiled prefill kernels (`gpu_common.mixed_split`,
+    """Patch the mixed-batch split threshold of the tiled prefill kernels (`gpu_common.decode_rows.mixed_split`,
     every backend) to ``value`` for the block: 0 sends every decode row of a mixed batch to the
     per-token kernel, a huge value keeps them in the tiles. Cached selections are dropped on entry
     and exit."""
     from metal_attn.plugins import get_registry
-    from metal_attn.providers import gpu_common
+    from metal_attn.providers.gpu_common import decode_rows
 
     get_registry().forget_selections()
     try:
-        with mock.patch.object(gpu_common, "MIXED_DECODE_MIN_CONTEXT",
-                               dict.fromkeys(gpu_common.MIXED_DECODE_MIN_CONTEXT, value)):
+        with mock.patch.object(decode_rows, "MIXED_DECODE_MIN_CONTEXT",
+                               dict.fromkeys(decode_rows.MIXED_DECODE_MIN_CONTEXT, value)):
             yield
     finally:
         get_registry().forget_selections()
@@ -73,14 +73,14 @@ def forced_per_token_route(route: str) -> Iterator[None]:
     partitions), at the route's partition size; for the unsplit route one core is not enough on
     CUDA, where the gate factor is 16 and a grid of 4 heads x 2 rows = 8 < 16 * 1 still splits,
     so the factor is set to 0 as well."""
-    from metal_attn.providers import gpu_common as gc
+    from metal_attn.providers.gpu_common import per_token
 
     psize = partition_size_of(route)
-    factors = dict(gc.SPLIT_GATE_FACTOR)
+    factors = dict(per_token.SPLIT_GATE_FACTOR)
     if psize == 0:
         factors = dict.fromkeys(factors, 0)
     with (override_settings(gpu_cores=4096 if psize else 1, partition_size=psize),
-          mock.patch.object(gc, "SPLIT_GATE_FACTOR", factors)):
+          mock.patch.object(per_token, "SPLIT_GATE_FACTOR", factors)):
         yield
 
 

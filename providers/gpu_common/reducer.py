@@ -1,0 +1,124 @@
+"""The split-KV reducer (``paged_attention_v2_reduce``, `kernels_v2/split_reduce.h`) of every kernel
+that writes the split contract: the per-token kernel, the GQA decode kernel and the tiled kernel's
+split launches (docs/kernels.md, "Split-KV")."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from metal_attn.providers.gpu_common.launches import KernelLaunch, kernel_launch, pack_int32, zeros_f32
+
+from metal_attn import kernels
+from metal_attn.kernels import SIMD_WIDTH
+
+if TYPE_CHECKING:  # pragma: no cover
+    from metal_attn.metadata import AttentionMetadata
+    from metal_attn.source_specs import CudaSource, Specialization
+
+#: Threads per threadgroup of the reducer, and the per-token kernel's default.
+NUM_THREADS = 128
+SIMDGROUPS = NUM_THREADS // SIMD_WIDTH
+
+#: The kernel text of the per-token kernel and the reducer (the reducer's body is split_reduce.h).
+PAGED_FILES = ("paged_common.h", "split_reduce.h", "pagedattention.metal")
+REDUCE_INPUTS = ("max_logits", "exp_sums", "tmp_out", "seq_lens", "cu_seqlens_q", "sinks", "params")
+#: The reducer's inputs with their dtype names (the partials are float32).
+REDUCE_SIGNATURE = tuple(zip(REDUCE_INPUTS, ("float32", "float32", "float32", "int32", "int32", "float32", "int32")))
+
+
+def reducer_kernel(backend: str) -> Any:
+    """The ``mx.fast`` kernel object of ``paged_attention_v2_reduce`` on ``backend`` (built once)."""
+    return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
+
+
+def reducer_template(out_dtype: Any, tmp_dtype: Any, head_size: int, partition_size: int) -> list[tuple[str, Any]]:
+    """The reducer's template arguments (dtypes as MLX dtypes, or their names for the source checks)."""
+    return [("T", out_dtype), ("TT", tmp_dtype), ("HEAD_SIZE", head_size), ("PARTITION_SIZE", partition_size),
+            ("NUM_THREADS", NUM_THREADS)]
+
+
+def reduce_partitions(
+    max_logits: mx.array, exp_sums: mx.array, tmp_out: mx.array, metadata: AttentionMetadata,
+    sinks: mx.array | None, partition_size: int, *, out_dtype=None, backend: str | None = None,
+) -> mx.array:
+    """Launch ``paged_attention_v2_reduce`` over partials written by the split contract.
+
+    ``max_logits``/``exp_sums``: ``[total_q_tokens, num_heads, max_parts]`` float32
+    (log2-space reference maxima, each the partition's maximum or up to
+    ``RESCALE_SLACK`` below it; sums un-normalised, relative to that reference); ``tmp_out``: ``[..., head_size]``
+    (float32 or the query dtype), already divided by ``exp_sums + eps``; neutral
+    partials are ``(-FLT_MAX, 0, 0)``. Each row's partition count is recomputed
+    from ``metadata`` (causal length over ``partition_size``). ``sinks``: float32
+    ``[num_heads]`` or ``None``, folded once here. Returns ``[total_q_tokens,
+    num_heads, head_size]`` in ``out_dtype`` (default: ``tmp_out``'s dtype).
+    """
+    total, num_heads, max_parts, _ = tmp_out.shape
+    if max_logits.shape != (total, num_heads, max_parts) or exp_sums.shape != max_logits.shape:
+        raise ValueError(f"max_logits.shape={tuple(max_logits.shape)} and exp_sums.shape={tuple(exp_sums.shape)} "
+                         f"must both be {(total, num_heads, max_parts)} to match tmp_out.shape={tuple(tmp_out.shape)}")
+    launch = reduce_launch(tmp_out.shape, tmp_out.dtype, out_dtype or tmp_out.dtype, metadata, sinks is not None,
+                           partition_size, backend or _backend())
+    return launch(max_logits, exp_sums, tmp_out, metadata, sinks)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReduceLaunch:
+    """A reducer launch over one batch (`reduce_launch`): call it with the partials, the metadata it
+    was built for and the sinks (or ``None`` when it was built without)."""
+
+    launch: KernelLaunch
+    params: mx.array
+    zero_sinks: mx.array
+
+    def __call__(self, max_logits: mx.array, exp_sums: mx.array, tmp_out: mx.array, md: AttentionMetadata,
+                 sinks: mx.array | None) -> mx.array:
+        if sinks is None:
+            sinks = self.zero_sinks
+        elif sinks.dtype != mx.float32:
+            sinks = sinks.astype(mx.float32)
+        return self.launch([max_logits, exp_sums, tmp_out, md.seq_lens, md.cu_seqlens_q, sinks, self.params])[0]
+
+
+def reduce_launch(tmp_shape: tuple[int, ...], tmp_dtype: Any, out_dtype: Any, md: AttentionMetadata,
+                  use_sinks: bool, partition_size: int, backend: str) -> ReduceLaunch:
+    """The reducer's launch over partials of ``tmp_shape`` ``[rows, num_heads, max_parts, head_size]``."""
+    total, num_heads, max_parts, head = tmp_shape
+    launch = kernel_launch(reducer_kernel(backend), template=reducer_template(out_dtype, tmp_dtype, head,
+                                                                              partition_size),
+                           grid=(num_heads * NUM_THREADS, total, 1), threadgroup=(NUM_THREADS, 1, 1),
+                           output_shapes=[(total, num_heads, head)], output_dtypes=[out_dtype])
+    return ReduceLaunch(launch, pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))), zeros_f32(num_heads))
+
+
+def reducer_msl_specialization(label: str, dtype: str, head_size: int, partition_size: int,
+                               rows: int = 3) -> Specialization:
+    """The reducer's Metal source-check entry (`metal_attn.msl_check`) for ``dtype`` outputs from
+    float32 partials (``rows`` query rows, 4 heads, 2 sequences, 2 partitions: shapes only matter
+    for tracing)."""
+    from metal_attn.source_specs import Specialization
+
+    return Specialization(
+        label=label, kernel="paged_attention_v2_reduce", source_files=PAGED_FILES, input_names=REDUCE_INPUTS,
+        output_names=("out",), template=tuple(reducer_template(dtype, "float32", head_size, partition_size)),
+        inputs=(((rows, 4, 2), "float32"), ((rows, 4, 2), "float32"), ((rows, 4, 2, head_size), "float32"),
+                ((2,), "int32"), ((3,), "int32"), ((4,), "float32"), ((4,), "int32")),
+        outputs=(((rows, 4, head_size), dtype),),
+    )
+
+
+def reducer_cuda_source(label: str, dtype: str, head_size: int, partition_size: int) -> CudaSource:
+    """The reducer's CUDA source-check entry (`metal_attn.cuda_check`) for ``dtype`` outputs from
+    float32 partials."""
+    from metal_attn.source_specs import CudaSource
+
+    return CudaSource(label, "paged_attention_v2_reduce", PAGED_FILES,
+                      REDUCE_SIGNATURE, (("out", dtype),),
+                      tuple(reducer_template(dtype, "float32", head_size, partition_size)))
+
+
+def _backend() -> str:
+    from metal_attn.device import current_device
+
+    return current_device().backend
