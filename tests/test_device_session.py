@@ -47,3 +47,25 @@ def test_steps_the_budget_cannot_hold_are_skipped_and_named(tmp_path):
         assert f"decode/{step} (skipped)" in got.stdout.splitlines()[-1]
     assert (tmp_path / "out" / "decode").is_dir()
     assert not list((tmp_path / "out" / "decode").iterdir())  # nothing ran
+
+
+@pytest.mark.skipif(bool(list(Path("/usr/local").glob("cuda*/bin/ncu"))), reason="this machine has ncu")
+def test_the_ncu_phase_without_ncu_says_so(tmp_path):
+    got = _run("ncu", tmp_path=tmp_path, NCU="", PATH="/usr/bin:/bin")
+    assert got.returncode == 1
+    assert "no ncu" in got.stdout
+
+
+def test_the_profiler_driver_runs_our_side_on_any_backend(tmp_path):
+    """`benchmarks/ncu_decode_pair.py ours ...` (what the ncu phase profiles) runs here on the CPU, through
+    the registry; a bad shape is refused with the rule."""
+    import sys
+
+    driver = str(ROOT / "benchmarks" / "ncu_decode_pair.py")
+    got = subprocess.run([sys.executable, driver, "ours", "2", "8", "2", "64", "40", "2"], capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert "op='paged_attention'" in got.stderr and "heads=8/2x64" in got.stderr
+    bad = subprocess.run([sys.executable, driver, "ours", "2", "8", "3", "64", "40"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "HEADS a multiple of KV_HEADS" in bad.stderr

@@ -14,6 +14,9 @@
 #   engine   the generate suite at 1, 8, 32 and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
 #   fuzz     the GPU fuzz (250 seeds)
+#   ncu      ncu (speed of light, occupancy, warp stalls, memory) of our decode call and torch SDPA's on the
+#            three shapes issue #17 still misses, the last of four calls each (benchmarks/ncu_decode_pair.py;
+#            not run yet)
 #
 # Each step runs under its own time limit (STEP_LIMIT seconds, default 300; the GPU tests 420), cut to
 # what is left of BUDGET (seconds for the whole command, default 570: a device call holds 600), so a
@@ -80,16 +83,34 @@ run_phase() {
         --candidates auto,classic,torch_sdpa,gather_sdpa,ceiling --json "$dir/decode-gpu.json"
       step decode-step "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --quiet \
         --candidates auto,auto_compiled,torch_sdpa,ceiling --json "$dir/decode-step.json" ;;
+    ncu)
+      local ncu=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)}
+      if [ -z "$ncu" ]; then
+        say "ncu: no ncu on PATH or under /usr/local/cuda*/bin (set NCU=...)"
+        failed+=("ncu (no ncu)")
+        return
+      fi
+      local shape side tag
+      for shape in "8 32 8 128 4096" "16 16 2 128 16384" "1 24 4 256 65536"; do
+        tag=b$(echo "$shape" | tr ' ' x)
+        for side in ours torch; do  # 4 calls of 2 kernels: the last call's two
+          step "$side-$tag" "$STEP_LIMIT" "$ncu" --csv --log-file "$dir/$side-$tag.csv" --clock-control none \
+            --cache-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+            --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+            --kernel-name "regex:paged_attention|flash|fmha|sdpa|lean_reduction" --launch-skip 6 --launch-count 2 \
+            python3 benchmarks/ncu_decode_pair.py "$side" $shape
+        done
+      done ;;
     *)
-      echo "unknown phase '$phase' (allowed: tests, decode, prefill, engine, baseline, fuzz)" >&2
+      echo "unknown phase '$phase' (allowed: tests, decode, prefill, engine, baseline, fuzz, ncu)" >&2
       exit 2 ;;
   esac
 }
 
 [ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 2; }
 for phase in "$@"; do  # every name checked before any phase runs
-  case "$phase" in tests|decode|prefill|engine|baseline|fuzz) ;;
-    *) echo "unknown phase '$phase' (allowed: tests, decode, prefill, engine, baseline, fuzz)" >&2; exit 2 ;;
+  case "$phase" in tests|decode|prefill|engine|baseline|fuzz|ncu) ;;
+    *) echo "unknown phase '$phase' (allowed: tests, decode, prefill, engine, baseline, fuzz, ncu)" >&2; exit 2 ;;
   esac
 done
 python3 -c 'import metal_attn.cuda_ops as c; print("CUDA chains:", "on" if c.enabled() else "off")' \
