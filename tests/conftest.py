@@ -195,7 +195,7 @@ def log_records(restore_logging):
     lg.setLevel(logging.DEBUG)
 
     def _records(event: str) -> list[logging.LogRecord]:
-        return [r for r in collect.records if r.name == "metal_attn" and r.msg == event]
+        return [r for r in collect.records if r.name == "metal_attn" and getattr(r, "event", None) == event]
 
     return _records
 

@@ -495,6 +495,43 @@ def test_verbose_flag_configures_the_library_logger(capsys, restore_logging):
     capsys.readouterr()
 
 
+def test_an_event_reads_on_its_own_and_carries_its_fields(log_records):
+    """The record's message is the event with its fields as text (what Python prints when nothing
+    configured logging); the fields are also the record's attributes."""
+    from metal_attn.log import get_logger
+
+    get_logger().warning("test_event", reason="why it happened", provider="p", route="r")
+    [rec] = log_records("test_event")
+    assert rec.getMessage() == "test_event: why it happened (provider=p, route=r)"
+    assert (rec.reason, rec.provider, rec.route, rec.levelname) == ("why it happened", "p", "r", "WARNING")
+
+
+def test_an_event_without_logging_configured_prints_its_reason(tmp_path):
+    """A library user who configured nothing sees the whole warning, not the bare event name."""
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", "import metal_attn as ma; ma.providers()"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "METAL_ATTN_PROVIDR": "x"})
+    assert proc.returncode == 0, proc.stderr
+    assert ("unknown_setting: METAL_ATTN_PROVIDR is not a metal-attn setting and is ignored; did you mean "
+            "METAL_ATTN_PROVIDER?") in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("fmt", ["console", "json"])
+def test_the_cli_log_formats_render_the_event_fields(capsys, restore_logging, fmt):
+    from metal_attn.log import configure_cli_logging, get_logger
+
+    configure_cli_logging(fmt=fmt)
+    get_logger().warning("test_event", reason="why it happened", provider="p")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    if fmt == "json":
+        data = json.loads(err)
+        assert (data["event"], data["reason"], data["provider"], data["level"]) == (
+            "test_event", "why it happened", "p", "warning")
+    else:
+        assert "[warning" in err and "test_event" in err
+        assert "reason='why it happened'" in err and "provider=p" in err
+
+
 def test_python_dash_m_and_version(tmp_path):
     proc = fresh_process("--version", cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == f"metal-attn {metal_attn.__version__}"
