@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -168,6 +169,12 @@ def test_a_request_that_can_never_fit_is_refused_at_add(llama):
         ({"prompt": [1], "sampling": SamplingParams(top_p=0)}, r"top_p=0 \(allowed: a number in \(0, 1\]"),
         ({"prompt": [1], "sampling": SamplingParams(seed=-3)}, "seed=-3"),
         ({"prompt": [1], "stop": [""]}, "stop="),
+        ({"prompt": [1], "stop": 123}, r"stop=123 \(allowed: a non-empty string, an iterable of them, or None\)"),
+        ({"prompt": [1], "sampling": {"temperature": 0.5}},
+         r"sampling=\{'temperature': 0.5\} \(allowed: a SamplingParams"),
+        ({"prompt": [1, 2.5]}, r"prompt=\[1, 2.5\] \(allowed: a text or a list of int token ids\)"),  # never rounded
+        ({"prompt": [True, 2]}, r"prompt=\[True, 2\]"),
+        ({"prompt": mx.array([1.0, 2.0])}, "allowed: a text or a list of int token ids"),
     ],
 )
 def test_bad_requests_are_named(llama, kwargs, message):
@@ -176,6 +183,13 @@ def test_bad_requests_are_named(llama, kwargs, message):
     with pytest.raises(InvalidInputError, match=message):
         eng.add_request(prompt, **kwargs)
     assert not eng.requests
+
+
+def test_token_ids_may_be_numpy_or_mlx_integers(llama):
+    eng = _engine(llama)
+    ids = [eng.add_request(p, max_tokens=1) for p in ([5, 6, 7], np.array([5, 6, 7]), mx.array([5, 6, 7]))]
+    assert [eng.requests[i].prompt_ids for i in ids] == [[5, 6, 7]] * 3
+    assert all(type(t) is int for i in ids for t in eng.requests[i].prompt_ids)
 
 
 def test_abort_unknown_id_and_running_request(llama):

@@ -9,6 +9,7 @@ stop conditions. One forward per call; the host's work overlaps the device's.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -155,9 +156,13 @@ class Engine:
         """Check a request without queueing it: an empty prompt, ids outside the vocabulary,
         ``max_tokens`` < 1, bad sampling values, or a request that can never fit (longer than
         the model's context or than the whole pool) raise `InvalidInputError`."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise InvalidInputError(f"sampling={sampling!r} (allowed: a SamplingParams, or None for greedy)")
         sampling = (sampling or SamplingParams()).validate()
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InvalidInputError(f"max_tokens={max_tokens!r} (allowed: an int >= 1)")
+        if stop is not None and not isinstance(stop, (str, Iterable)):
+            raise InvalidInputError(f"stop={stop!r} (allowed: a non-empty string, an iterable of them, or None)")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidInputError(f"stop={stop!r} (allowed: non-empty strings)")
@@ -184,7 +189,7 @@ class Engine:
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
         else:
             try:
-                ids = [int(t) for t in prompt]
+                ids = [_token_id(t) for t in prompt]
             except (TypeError, ValueError):
                 raise InvalidInputError(f"prompt={prompt!r} (allowed: a text or a list of int token ids)") from None
         if not ids:
@@ -390,6 +395,16 @@ class Engine:
         while self._inflight:
             self._complete(self._inflight.popleft())
         mx.synchronize()
+
+
+def _token_id(t: Any) -> int:
+    """``t`` as a token id: a Python or numpy int, or an MLX integer scalar. A float or a bool raises
+    ``ValueError`` (``int(1.5)`` would silently be 1)."""
+    integral = isinstance(t, numbers.Integral) or (isinstance(t, mx.array) and t.ndim == 0
+                                                   and mx.issubdtype(t.dtype, mx.integer))
+    if isinstance(t, bool) or not integral:
+        raise ValueError(f"token id {t!r} is not an integer")
+    return int(t)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
