@@ -208,6 +208,30 @@ def test_abort_unknown_id_and_running_request(llama):
     eng.blocks.check_invariants()
 
 
+def test_a_stream_ends_an_aborted_request_with_a_final_output_at_once(llama):
+    """Aborting a streamed request gives the stream a last output (finished, "abort", no tokens), and
+    the stream stops there: it does not go on stepping the engine for the other requests."""
+    eng = _engine(llama)
+    ids = [eng.add_request([7 + i] * (9 + 5 * i), max_tokens=40) for i in range(3)]
+    waiting = eng.add_request([3] * 12, max_tokens=40)
+    outs = []
+    for out in eng.stream_ids([ids[0], waiting]):
+        outs.append(out)
+        if len(outs) == 3:  # the consumer aborts between two outputs: a running and a queued request
+            eng.abort(ids[0])
+            eng.abort(waiting)
+    finals = [o for o in outs if o.finished]
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in finals] == [
+        (ids[0], "abort", ()), (waiting, "abort", ())]
+    assert outs[-2:] == finals
+    others = [eng.requests[i] for i in ids[1:]]
+    assert all(not r.finished and len(r.output_ids) < 10 for r in others), [len(r.output_ids) for r in others]
+    assert list(eng.stream_ids([ids[0]])) == []  # finished before the stream starts: nothing to say
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.blocks.num_used == 0
+
+
 def test_a_failing_sampler_ends_only_its_request(llama, workload):
     prompts, n_tokens, refs = workload
 

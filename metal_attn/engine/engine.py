@@ -327,10 +327,17 @@ class Engine:
         yield from self.stream_ids(self._add_all(prompts, sampling, max_tokens, stop))
 
     def stream_ids(self, request_ids: Iterable[int]) -> Iterator[RequestOutput]:
-        """Step until the given (already added) requests finish, yielding their new tokens."""
+        """Step until the given (already added) requests finish, yielding their new tokens.
+
+        Each request's last output has ``finished`` set, whatever ended it: a request aborted
+        meanwhile (by the consumer between two outputs, say) gets one with ``finish_reason``
+        ``"abort"`` and no tokens, and the stream stops stepping for it at once."""
         pending = {self._get(i).id for i in request_ids}
         pending -= {i for i in pending if self.requests[i].finished}
         while pending:
+            yield from self._ended_outside_a_step(pending)
+            if not pending:
+                break
             outs = self.step()
             if not outs and not self._inflight and not self.scheduler.has_work():
                 break
@@ -339,6 +346,14 @@ class Engine:
                     yield o
                     if o.finished:
                         pending.discard(o.request_id)
+
+    def _ended_outside_a_step(self, pending: set[int]) -> Iterator[RequestOutput]:
+        """The final outputs of the ``pending`` requests that finished without a step saying so
+        (aborted), removed from ``pending``."""
+        for rid in sorted(i for i in pending if self.requests[i].finished):
+            req = self.requests[rid]
+            pending.discard(rid)
+            yield RequestOutput(rid, (), "", True, req.finish_reason.value if req.finish_reason else None, req.error)
 
     def generate(
         self,
