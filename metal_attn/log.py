@@ -20,7 +20,8 @@ import structlog
 
 _LOGGER_NAME = "metal_attn"
 
-def message(event: str, fields: dict[str, Any]) -> str:
+
+def _message(event: str, fields: dict[str, Any]) -> str:
     """An event as one line of text: ``event: reason (key=value, ...)``."""
     text = f"{event}: {fields['reason']}" if "reason" in fields else event
     rest = ", ".join(f"{k}={v}" for k, v in fields.items() if k != "reason")
@@ -28,13 +29,13 @@ def message(event: str, fields: dict[str, Any]) -> str:
 
 
 def _to_log_kwargs(_: logging.Logger, __: str, event_dict: Any) -> dict[str, Any]:
-    """The last processor: an event as a stdlib logging call's arguments. The message is `message`
+    """The last processor: an event as a stdlib logging call's arguments. The message is `_message`
     (the event and its fields as text); ``extra`` puts the event and each field on the record as
     attributes; ``exc_info``, ``stack_info`` and ``stacklevel`` stay logging's own arguments."""
     kwargs = {kw: event_dict.pop(kw) for kw in structlog.stdlib.LOG_KWARG_NAMES if kw in event_dict}
     event = event_dict.pop("event")
     event_dict.pop("level", None)  # the record's own levelname says it
-    return {"msg": message(event, event_dict), "extra": {"event": event, **event_dict}, **kwargs}
+    return {"msg": _message(event, event_dict), "extra": {"event": event, **event_dict}, **kwargs}
 
 
 _logger = structlog.wrap_logger(

@@ -353,7 +353,7 @@ class Engine:
         for rid in sorted(i for i in pending if self.requests[i].finished):
             req = self.requests[rid]
             pending.discard(rid)
-            yield RequestOutput(rid, (), "", True, req.finish_reason.value if req.finish_reason else None, req.error)
+            yield RequestOutput(rid, (), "", True, req.finish_reason.value, req.error)
 
     def generate(
         self,
