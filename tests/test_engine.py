@@ -15,7 +15,7 @@ from metal_attn.device import current_device
 from metal_attn.engine import Engine, EngineConfig, SamplingParams
 from metal_attn.engine.block_manager import BlockManager, block_hash
 from metal_attn.engine.request import RequestStatus
-from metal_attn.errors import InvalidInputError
+from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.testing.greedy import assert_same_greedy, reference_greedy
 from metal_attn.testing.models import WordTokenizer, tiny_model
 
@@ -156,6 +156,33 @@ def test_a_request_that_can_never_fit_is_refused_at_add(llama):
     with pytest.raises(InvalidInputError, match="exceeds the model's context of 2048"):
         _engine(llama, num_blocks=256).add_request([1] * 2000, max_tokens=100)
     assert not eng.requests
+
+
+def test_the_pages_the_engine_reserves_are_not_counted_as_room(llama):
+    """Compiled decode steps reserve a page for their padding rows: a request that needs the whole pool
+    is refused at add_request (it used to be accepted and then wait forever, generate() spinning)."""
+    eng = _engine(llama, num_blocks=2, block_size=32, compile_decode=True)
+    assert eng.blocks.reserved and eng.pool_tokens == 32
+    with pytest.raises(InvalidInputError, match=r"can never fit the KV pool of 1 blocks x 32 = 32 tokens \(and 1 "
+                                                r"reserved: padding rows of compiled decode steps\)"):
+        eng.add_request(list(range(1, 46)), max_tokens=2)
+    rid = eng.add_request(list(range(1, 30)), max_tokens=3)  # what fits still runs
+    while eng.has_unfinished():
+        eng.step()
+    assert len(eng.completion(rid).token_ids) == 3
+
+
+def test_a_request_that_cannot_be_admitted_into_an_idle_pool_raises_instead_of_spinning(llama, monkeypatch):
+    """The guard behind add_request's check: with the check defeated, the step that finds nothing
+    running, nothing in flight and a waiting request it cannot admit raises, naming the request."""
+    eng = _engine(llama, num_blocks=2, block_size=32, compile_decode=True)
+    monkeypatch.setattr(Engine, "pool_tokens", property(lambda self: self.blocks.num_blocks * 32))
+    rid = eng.add_request(list(range(1, 46)), max_tokens=2)
+    stuck = (rf"request {rid} \(45 tokens, max_tokens=2\) cannot be admitted with nothing running: 1 free and 0 "
+             r"cached blocks of 2 \(1 reserved")
+    with pytest.raises(CacheExhaustedError, match=stuck):
+        for _ in range(3):
+            eng.step()
 
 
 @pytest.mark.parametrize(

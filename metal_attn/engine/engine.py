@@ -26,7 +26,7 @@ from metal_attn.engine.runner import InFlight, StepRunner
 from metal_attn.engine.sampling import init_sampling_state
 from metal_attn.engine.scheduler import Scheduler
 from metal_attn.engine.stats import EngineStats, RequestStats
-from metal_attn.errors import InvalidInputError
+from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.mlx_lm.runner import PagedModel, inspect_model
 
 __all__ = ["Completion", "Engine", "RequestOutput"]
@@ -108,8 +108,9 @@ class Engine:
 
     @property
     def pool_tokens(self) -> int:
-        """Tokens the whole pool holds."""
-        return self.blocks.num_blocks * self.config.block_size
+        """Tokens the pool holds for requests: every page but those the engine reserves (the
+        padding page of compiled decode steps)."""
+        return (self.blocks.num_blocks - len(self.blocks.reserved)) * self.config.block_size
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -174,10 +175,12 @@ class Engine:
                 f"context of {self.max_model_len} tokens (allowed: at most {self.max_model_len} in all)"
             )
         if total > self.pool_tokens:
+            reserved = self.blocks.reserved
+            aside = f" (and {len(reserved)} reserved: {', '.join(sorted(set(reserved.values())))})" if reserved else ""
             raise InvalidInputError(
                 f"{label} of {len(ids)} tokens + max_tokens={max_tokens} = {total} tokens can never fit the KV pool "
-                f"of {self.blocks.num_blocks} blocks x {self.config.block_size} = {self.pool_tokens} tokens "
-                f"(allowed: at most {self.pool_tokens}; give the pool more memory)"
+                f"of {self.blocks.num_blocks - len(reserved)} blocks x {self.config.block_size} = {self.pool_tokens} "
+                f"tokens{aside} (allowed: at most {self.pool_tokens}; give the pool more memory)"
             )
         return ids, sampling, stops
 
@@ -238,8 +241,21 @@ class Engine:
         if self.config.pipeline:
             self._launch()
         if not self._inflight:
+            self._check_not_stuck()
             return []
         return self._complete(self._inflight.popleft())
+
+    def _check_not_stuck(self) -> None:
+        """Nothing ran and nothing is in flight: with requests waiting and none running, the pool is
+        as empty as it gets, so a request it cannot admit now never will be. Raise rather than let
+        the caller's loop spin (`add_request` refuses such a request, so this is a broken invariant)."""
+        sched = self.scheduler
+        if sched.waiting and not sched.running:
+            req = sched.waiting[0]
+            raise CacheExhaustedError(
+                f"request {req.id} ({req.num_tokens} tokens, max_tokens={req.max_tokens}) cannot be admitted with "
+                f"nothing running: {self.blocks.allocator.num_free} free and {self.blocks.num_evictable} cached "
+                f"blocks of {self.blocks.num_blocks} ({len(self.blocks.reserved)} reserved by the engine)")
 
     def _launch(self) -> None:
         t = time.perf_counter()
