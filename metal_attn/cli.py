@@ -772,6 +772,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # `metal-attn providers | head`
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: what was printed stays; no traceback
+        print(f"\nmetal-attn {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

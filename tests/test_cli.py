@@ -532,6 +532,16 @@ def test_the_cli_log_formats_render_the_event_fields(capsys, restore_logging, fm
         assert "reason='why it happened'" in err and "provider=p" in err
 
 
+def test_ctrl_c_ends_a_command_with_130_and_no_traceback(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_providers", interrupted)
+    assert cli.main(["providers"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "metal-attn providers: interrupted" and "Traceback" not in err
+
+
 def test_python_dash_m_and_version(tmp_path):
     proc = fresh_process("--version", cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == f"metal-attn {metal_attn.__version__}"
