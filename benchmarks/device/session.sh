@@ -28,6 +28,7 @@ OUT=${OUT:-$PWD/device-out}
 STEP_LIMIT=${STEP_LIMIT:-300}
 BUDGET=${BUDGET:-570}
 BENCH=(python3 -m metal_attn.bench.cli)
+PHASES=(tests decode prefill engine baseline fuzz ncu)
 start=$(date +%s)
 failed=()
 
@@ -101,17 +102,16 @@ run_phase() {
             python3 benchmarks/ncu_decode_pair.py "$side" $shape
         done
       done ;;
-    *)
-      echo "unknown phase '$phase' (allowed: tests, decode, prefill, engine, baseline, fuzz, ncu)" >&2
-      exit 2 ;;
   esac
 }
 
 [ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 2; }
 for phase in "$@"; do  # every name checked before any phase runs
-  case "$phase" in tests|decode|prefill|engine|baseline|fuzz|ncu) ;;
-    *) echo "unknown phase '$phase' (allowed: tests, decode, prefill, engine, baseline, fuzz, ncu)" >&2; exit 2 ;;
-  esac
+  if [[ " ${PHASES[*]} " != *" $phase "* ]]; then
+    allowed=$(printf '%s, ' "${PHASES[@]}")
+    echo "unknown phase '$phase' (allowed: ${allowed%, })" >&2
+    exit 2
+  fi
 done
 python3 -c 'import metal_attn.cuda_ops as c; print("CUDA chains:", "on" if c.enabled() else "off")' \
   || echo "metal_attn.cuda_ops does not import: the chains are off"
