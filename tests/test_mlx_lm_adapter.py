@@ -277,3 +277,11 @@ def test_bad_arguments_are_named():
     plan = pm.kv.prepare_step([("a", 3)])
     with pytest.raises(InvalidInputError, match=r"tokens.shape=\(2,\) \(allowed: \[3\]"):
         pm.forward(plan, mx.array([1, 2], dtype=mx.int32))
+    # Rows past the step (a gather there read other memory: finite garbage, no error) or not integers.
+    tokens = mx.array([1, 2, 3], dtype=mx.int32)
+    for rows in ([3], [-1], [1.5], [], [[2]]):
+        with pytest.raises(InvalidInputError, match=r"logit_rows=.* \(allowed: one or more row indices in 0..2"):
+            pm.forward(plan, tokens, rows)
+    with pytest.raises(InvalidInputError, match=r"logit_rows: an mx.array .* dtype float32 \(allowed: 1-D integer"):
+        pm.forward(plan, tokens, mx.array([2.0]))
+    assert pm.forward(plan, tokens, np.array([0, 2])).shape[0] == 2

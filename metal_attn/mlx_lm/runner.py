@@ -131,7 +131,9 @@ class PagedModel:
         """Logits ``[len(logit_rows), vocab]`` (lazy) for one step.
 
         ``tokens``: ``[plan.num_tokens]`` int ids in the plan's row order. ``logit_rows``:
-        the rows whose logits are wanted (default: each sequence's last row).
+        the rows whose logits are wanted (default: each sequence's last row), each in
+        ``0..plan.num_tokens - 1``; given as an ``mx.array`` (a device array, not read back),
+        only its rank and dtype are checked.
         """
         if tokens.ndim != 1 or tokens.shape[0] != plan.num_tokens:
             raise InvalidInputError(
@@ -139,6 +141,12 @@ class PagedModel:
             )
         if logit_rows is None:
             logit_rows = np.cumsum(plan.q_lens) - 1
+        elif isinstance(logit_rows, mx.array):
+            if logit_rows.ndim != 1 or not mx.issubdtype(logit_rows.dtype, mx.integer):
+                raise InvalidInputError(f"logit_rows: an mx.array of shape {tuple(logit_rows.shape)} and dtype "
+                                        f"{dtype_name(logit_rows.dtype)} (allowed: 1-D integer row indices)")
+        else:
+            _check_rows(logit_rows, plan.num_tokens)
         if not isinstance(logit_rows, mx.array):
             logit_rows = device_array(logit_rows, np.int32)
         if not hook.is_installed(self.resolved.attention_modules):
@@ -158,6 +166,17 @@ class PagedModel:
                 )
         logits = self._head(self._text, hidden[logit_rows])
         return logits.reshape(logit_rows.shape[0], -1)
+
+
+def _check_rows(rows: Sequence[int], num_tokens: int) -> None:
+    """``rows`` are host row indices of a step of ``num_tokens`` rows (a gather past the rows would
+    read whatever memory follows, silently)."""
+    arr = np.asarray(rows)
+    if (arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer)
+            or arr.min() < 0 or arr.max() >= num_tokens):
+        shown = list(rows) if arr.size <= 16 else f"{arr.size} values"
+        raise InvalidInputError(f"logit_rows={shown} (allowed: one or more row indices in 0..{num_tokens - 1}, "
+                                f"the step's rows)")
 
 
 def _show(values: tuple) -> str:
