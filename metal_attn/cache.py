@@ -603,8 +603,14 @@ class PagedKVCache:
         """Copy pages ``old -> new`` in every layer's K and V pools.
 
         The source pages are gathered and evaluated first: a scatter whose update
-        still depends lazily on the same pool would copy the whole pool.
+        still depends lazily on the same pool would copy the whole pool. Every page id
+        is checked first (an id past the pool would be read and written out of bounds).
         """
+        n = self.num_blocks
+        for k, pair in enumerate(pairs):
+            if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+                    or not all(_is_int(b) and 0 <= b < n for b in pair)):
+                raise InvalidInputError(f"pairs[{k}]={pair!r} (allowed: (old page, new page), page ids in 0..{n - 1})")
         src = device_array([o for o, _ in pairs], np.int32)
         dst = device_array([n for _, n in pairs], np.int32)
         all_pools = (self._k, self._v)

@@ -399,6 +399,20 @@ def test_copy_on_write_copies_the_page_in_every_layer():
             assert np.any(p[old][:3])  # the copied page held data
 
 
+@pytest.mark.parametrize("pairs", [[(0, 99)], [(-1, 2)], [(0, 1, 2)], [(True, 1)], [(0.0, 1)], [(0, 1), (2, 4)]])
+def test_copy_pages_refuses_ids_outside_the_pool_and_changes_nothing(pairs):
+    """An id past the pool would be gathered and scattered out of bounds; a negative one would wrap."""
+    c = _cache(num_layers=2, block_size=8, num_blocks=4)
+    c.add_sequence("p")
+    _fill(c, c.prepare_step([("p", 11)]), 1.0)
+    before = [np.array(pool) for layer in range(2) for pool in c.pools(layer)]
+    refusal = r"pairs\[\d\]=.* \(allowed: \(old page, new page\), page ids in 0..3\)"
+    with pytest.raises(InvalidInputError, match=refusal):
+        c.copy_pages(pairs)
+    after = [np.array(pool) for layer in range(2) for pool in c.pools(layer)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
 def test_copy_on_write_once_when_both_holders_append():
     c = _cache(block_size=8)
     c.add_sequence("p")
