@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from enum import Enum
 
 from metal_attn.constants import GQA_PARTITION_SIZES, PARTITION_SIZE
+from metal_attn.errors import InvalidInputError
 
 
 class Phase(str, Enum):
@@ -174,13 +175,26 @@ class AttentionRequest:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> AttentionRequest:
-        """Build a request from per-sequence lengths (handy for `explain` and tests)."""
+        """Build a request from per-sequence lengths (handy for `explain` and tests). A batch no call
+        could make (a sequence with fewer KV tokens than query rows, heads that do not group) raises
+        `InvalidInputError` naming the value."""
         q_lens = [int(x) for x in q_lens]
         seq_lens = [int(x) for x in seq_lens]
         if len(q_lens) != len(seq_lens) or not q_lens:
-            raise ValueError(
+            raise InvalidInputError(
                 f"q_lens and seq_lens must be non-empty and of equal length (got {len(q_lens)} and {len(seq_lens)})"
             )
+        for i, (q, s) in enumerate(zip(q_lens, seq_lens)):
+            if not 1 <= q <= s:
+                raise InvalidInputError(f"sequence {i}: q_len={q}, seq_len={s} (allowed: 1 <= q_len <= seq_len; "
+                                        "seq_len counts this step's tokens)")
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_size", head_size),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")
+        if num_heads % num_kv_heads:
+            raise InvalidInputError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads} "
+                                    "(GQA needs whole groups)")
         n_dec = leading_decode_rows(q_lens)
         return cls(
             backend=backend,

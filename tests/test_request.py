@@ -8,6 +8,7 @@ import math
 import pytest
 
 from metal_attn.constants import GQA_PARTITION_SIZES, PARTITION_SIZE, SIMDGROUPS_PER_CORE
+from metal_attn.errors import InvalidInputError
 from metal_attn.request import (
     LENGTH_PLAN_SIZES,
     VERIFY_MAX_Q_LEN,
@@ -48,6 +49,23 @@ def test_decode_prefix_is_counted():
     assert (req.num_seqs, req.total_q_tokens, req.max_q_len, req.max_seq_len) == (4, 11, 6, 4000)
     pre = AttentionRequest.from_lengths(q_lens=[5], seq_lens=[5])
     assert (pre.num_decode_seqs, pre.max_decode_seq_len) == (0, 0)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"q_lens": [1, 1], "seq_lens": [5]}, r"non-empty and of equal length \(got 2 and 1\)"),
+    ({"q_lens": [], "seq_lens": []}, "non-empty"),
+    ({"q_lens": [1, 4], "seq_lens": [5, 3]}, r"sequence 1: q_len=4, seq_len=3 \(allowed: 1 <= q_len <= seq_len"),
+    ({"q_lens": [0], "seq_lens": [5]}, r"sequence 0: q_len=0, seq_len=5"),
+    ({"q_lens": [1], "seq_lens": [5], "num_heads": 6, "num_kv_heads": 4},
+     r"num_heads=6 is not a multiple of num_kv_heads=4"),
+    ({"q_lens": [1], "seq_lens": [5], "head_size": 0}, r"head_size=0 \(allowed: an int >= 1\)"),
+    ({"q_lens": [1], "seq_lens": [5], "num_kv_heads": 0}, r"num_kv_heads=0 \(allowed: an int >= 1\)"),
+])
+def test_a_batch_no_call_could_make_is_refused(fields, message):
+    """`from_lengths` (and so `metal_attn.explain`) refuses what `paged_attention` would: it used to
+    explain, and route, a sequence of 4 query rows over 3 KV tokens."""
+    with pytest.raises(InvalidInputError, match=message):
+        AttentionRequest.from_lengths(**fields)
 
 
 def test_length_plan_sizes_follow_the_constants():
