@@ -606,11 +606,11 @@ class PagedKVCache:
         still depends lazily on the same pool would copy the whole pool. Every page id
         is checked first (an id past the pool would be read and written out of bounds).
         """
-        n = self.num_blocks
+        last = self.num_blocks - 1
         for k, pair in enumerate(pairs):
             if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-                    or not all(_is_int(b) and 0 <= b < n for b in pair)):
-                raise InvalidInputError(f"pairs[{k}]={pair!r} (allowed: (old page, new page), page ids in 0..{n - 1})")
+                    or not all(_is_int(b) and 0 <= b <= last for b in pair)):
+                raise InvalidInputError(f"pairs[{k}]={pair!r} (allowed: (old page, new page), page ids in 0..{last})")
         src = device_array([o for o, _ in pairs], np.int32)
         dst = device_array([n for _, n in pairs], np.int32)
         all_pools = (self._k, self._v)

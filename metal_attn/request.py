@@ -8,6 +8,7 @@ nothing that lives on the GPU.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Sequence
 from enum import Enum
 
@@ -190,8 +191,9 @@ class AttentionRequest:
                                         "seq_len counts this step's tokens)")
         for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_size", head_size),
                             ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")
+        num_heads, num_kv_heads, head_size, block_size = map(int, (num_heads, num_kv_heads, head_size, block_size))
         if num_heads % num_kv_heads:
             raise InvalidInputError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads} "
                                     "(GQA needs whole groups)")
