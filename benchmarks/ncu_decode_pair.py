@@ -1,12 +1,13 @@
 """One decode shape, ours or the anchor's, called a few times for a profiler to compare (not a test).
 
-    ncu --csv --kernel-name regex:'paged_attention|flash|fmha|sdpa|lean_reduction' --launch-skip 4 \\
-        python3 benchmarks/ncu_decode_pair.py ours|torch BATCH HEADS KV_HEADS HEAD_SIZE CONTEXT [CALLS]
+    ncu --csv --kernel-name regex:'paged_attention|flash|fmha|sdpa|lean_reduction' --launch-skip 6 \\
+        --launch-count 2 python3 benchmarks/ncu_decode_pair.py ours|torch BATCH HEADS KV_HEADS HEAD_SIZE CONTEXT [CALLS]
 
 ``ours``: ``metal_attn.paged_attention`` with the registry's choice (what a user runs) over 16-token
 pages in a shuffled block table; ``torch``: torch SDPA on contiguous K/V with ``enable_gqa`` (the
 peer of the decode suites). bfloat16, one query row per sequence, ``CALLS`` calls (default 4), each
-waited for, so a profiler's ``--launch-skip`` can pass the first calls' compilation and warm-up.
+waited for, so a profiler's ``--launch-skip`` can pass the first calls' compilation and warm-up (each
+call is two kernels on both sides, a split kernel and its reduction: skip 6, count 2 is the fourth call).
 `benchmarks/device/session.sh ncu` runs both sides at the shapes issue #17 still misses.
 """
 
