@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>  // std::integer_sequence only (a type; no code)
 
 #include "kernel_api.h"
 
@@ -40,7 +41,7 @@ constexpr int W = 8;
 #else
 constexpr int W = 4;
 #endif
-constexpr int kChunk = 32;      // tokens per scoring chunk (within one page)
+constexpr int kChunk = 16;      // tokens per scoring chunk (may span pages)
 constexpr int kMaxNQ = 4;       // query vectors per micro-kernel
 constexpr float kLog2e = static_cast<float>(MA_LOG2E);
 constexpr float kEps = static_cast<float>(MA_SOFTMAX_EPS);
@@ -51,7 +52,9 @@ typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint16_t vh16 __attribute__((vector_size(W * 2)));
 
-static inline vf splat(float x) { return vf{} + x; }
+// x - 0 is x for every float (-0 and NaN included), so this is a plain broadcast; `vf{} + x` is not
+// (-0 + 0 is +0), and without fast-math it costs a scalar add before every broadcast.
+static inline vf splat(float x) { return x - vf{}; }
 static inline vf loadu(const float* p) {
   vf r;
   std::memcpy(&r, p, sizeof(r));
@@ -73,10 +76,19 @@ static inline vu f_to_bits(vf f) {
 // ---- loads with conversion to float32 --------------------------------------------------
 
 static inline vf load_bf16(const uint16_t* p) {
+#if defined(MA_ISA_AVX512)
+  // One zero-extending load and a shift; the generic form below compiles to twice the instructions.
+  __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<vf>(u);
+#elif defined(MA_ISA_AVX2)
+  __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<vf>(u);
+#else
   vh16 h;
   std::memcpy(&h, p, sizeof(h));
   vu u = __builtin_convertvector(h, vu) << 16;
   return bits_to_f(u);
+#endif
 }
 
 static inline vf load_f16(const uint16_t* p) {
@@ -212,6 +224,52 @@ static inline float hsum(vf v) {
 
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
+// Folds for horizontal reductions of several vectors at once. Over the 2W lanes of (x, y), taken
+// as blocks of H lanes, fold<H> adds every even block to the odd block after it: from two vectors
+// of W partial sums each it makes one vector of W/2 partials of x, then W/2 of y, in order. Four
+// levels (H = W/2, ..., 1) turn W vectors of one token each into one vector of W token sums in
+// token order, for 3 instructions a fold where a horizontal sum per vector costs about 8.
+template <int H, int... I>
+static inline vf fold_seq(vf x, vf y, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(x, y, ((I / H) * 2 * H + I % H)...) +
+         __builtin_shufflevector(x, y, ((I / H) * 2 * H + I % H + H)...);
+}
+template <int H>
+static inline vf fold(vf x, vf y) {
+  return fold_seq<H>(x, y, std::make_integer_sequence<int, W>{});
+}
+template <int H>
+static inline void fold_level(vf* v, int count) {
+  for (int i = 0; i < count / 2; ++i) v[i] = fold<H>(v[2 * i], v[2 * i + 1]);
+}
+// W/2 vectors, each fold<W/2> of two tokens' partial sums, into the W tokens' sums (v is clobbered).
+static inline vf sum_pairs(vf* v) {
+  if constexpr (W == 16) {
+    fold_level<4>(v, 8);
+    fold_level<2>(v, 4);
+    fold_level<1>(v, 2);
+  } else if constexpr (W == 8) {
+    fold_level<2>(v, 4);
+    fold_level<1>(v, 2);
+  } else {
+    fold_level<1>(v, 2);
+  }
+  return v[0];
+}
+
+// The largest lane (no lane may be NaN): log2(W) swaps of lane blocks.
+template <int H, int... I>
+static inline vf swap_blocks(vf x, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(x, x, (I ^ H)...);
+}
+static inline float hmax(vf m) {
+  if constexpr (W >= 16) m = vmax(m, swap_blocks<8>(m, std::make_integer_sequence<int, W>{}));
+  if constexpr (W >= 8) m = vmax(m, swap_blocks<4>(m, std::make_integer_sequence<int, W>{}));
+  m = vmax(m, swap_blocks<2>(m, std::make_integer_sequence<int, W>{}));
+  m = vmax(m, swap_blocks<1>(m, std::make_integer_sequence<int, W>{}));
+  return m[0];
+}
+
 // Lanes that hold a NaN or an infinity (all bits set), and NaN written into them.
 static inline vu nonfinite_lanes(vf x) { return (vu)((f_to_bits(x) & 0x7fffffffu) >= 0x7f800000u); }
 static inline vf nan_where(vu lanes, vf x) { return bits_to_f((f_to_bits(x) & ~lanes) | (0x7fc00000u & lanes)); }
@@ -259,7 +317,7 @@ static inline vf softcap_log2(vf s, float c) {
   return t * splat(c * kLog2e);
 }
 
-// ---- micro-kernel: NQ query vectors x up to kChunk consecutive tokens of one page -----
+// ---- micro-kernel: NQ query vectors x up to kChunk tokens of one sequence --------------
 
 struct QState {
   float* q;    // [D] pre-scaled query
@@ -268,65 +326,71 @@ struct QState {
   float* l;    // running sum
 };
 
-// Software prefetch of the next chunk's K/V rows (one chunk ahead, spread over
-// the score loop): a KV head's rows sit one token stride apart, a different
-// 4 KiB page each, where hardware prefetchers do not follow.
-struct Prefetch {
-  const char* k = nullptr;
-  const char* v = nullptr;
+// Up to kChunk consecutive KV positions of one sequence, which may span pages: the address of each
+// token's row (its first KV head; a head's rows start `head * D` elements further) in both pools.
+struct ChunkRows {
+  const char* k[kChunk];
+  const char* v[kChunk];
   int n = 0;
-  int64_t tok_bytes = 0;
-  int row_bytes = 0;
 };
 
-template <int NQ, int DT>
-static inline void attend_chunk(const void* kbase, const void* vbase, int64_t tok_stride, int n, int D,
-                                float softcap, QState* qs, const Prefetch& pf) {
-  alignas(64) float s[NQ][kChunk];
-  const int nd = D / W;
-  auto prefetch_row = [&](int t) {
-    if (t < pf.n) {
-      const char* pk = pf.k + t * pf.tok_bytes;
-      const char* pv = pf.v + t * pf.tok_bytes;
-      for (int b = 0; b < pf.row_bytes; b += 64) {
-        __builtin_prefetch(pk + b, 0, 3);
-        __builtin_prefetch(pv + b, 0, 3);
-      }
+// Software prefetch of the next chunk's K/V rows of one KV head (one chunk ahead, spread over the
+// score loop): a head's rows sit one token stride apart, a different 4 KiB page each, where
+// hardware prefetchers do not follow.
+struct Prefetch {
+  const ChunkRows* rows = nullptr;
+  int64_t head_bytes = 0;  // offset of the KV head in a row
+  int row_bytes = 0;       // bytes of one head's row
+};
+
+// Always inlined: as a function of its own, GCC's interprocedural analysis finds it free of side
+// effects (prefetches and loads only) and deletes every call.
+__attribute__((always_inline)) static inline void prefetch_row(const Prefetch& pf, int t) {
+  if (pf.rows != nullptr && t < pf.rows->n) {
+    const char* pk = pf.rows->k[t] + pf.head_bytes;
+    const char* pv = pf.rows->v[t] + pf.head_bytes;
+    for (int b = 0; b < pf.row_bytes; b += 64) {
+      __builtin_prefetch(pk + b, 0, 3);
+      __builtin_prefetch(pv + b, 0, 3);
     }
-  };
-  // Scores: each K element is loaded once and used by the NQ query vectors;
-  // two tokens at a time so 2*NQ independent FMA chains are in flight.
+  }
+}
+
+template <int NQ, int DT>
+static inline void attend_chunk(const ChunkRows& rows, int64_t head_bytes, int D, float softcap, QState* qs,
+                                const Prefetch& pf) {
+  alignas(64) float s[NQ][kChunk];
+  const int n = rows.n;
+  const int nd = D / W;
+  // Scores: each K element is loaded once and used by the NQ query vectors; two tokens at a time
+  // so 2*NQ independent FMA chains are in flight. Each pair's two vectors of partial sums are folded
+  // into one right away, and every W tokens' folds into one vector of their W scores.
+  vf pairs[NQ][kChunk / 2];
   int t = 0;
-  for (; t + 1 < n; t += 2) {
-    prefetch_row(t);
-    prefetch_row(t + 1);
-    const int64_t row0 = t * tok_stride, row1 = row0 + tok_stride;
+  for (; t < n; t += 2) {
+    prefetch_row(pf, t);
+    prefetch_row(pf, t + 1);
+    const bool two = t + 1 < n;
+    const char* k0 = rows.k[t] + head_bytes;
+    const char* k1 = two ? rows.k[t + 1] + head_bytes : k0;
     vf a[NQ], b[NQ];
     for (int j = 0; j < NQ; ++j) a[j] = b[j] = splat(0.0f);
     for (int c = 0; c < nd; ++c) {
-      const vf k0 = load_vec<DT>(kbase, row0 + c * W);
-      const vf k1 = load_vec<DT>(kbase, row1 + c * W);
+      const vf kv0 = load_vec<DT>(k0, c * W);
+      const vf kv1 = load_vec<DT>(k1, c * W);
       for (int j = 0; j < NQ; ++j) {
         const vf qv = loadu(qs[j].q + c * W);
-        a[j] += qv * k0;
-        b[j] += qv * k1;
+        a[j] += qv * kv0;
+        b[j] += qv * kv1;
       }
     }
-    for (int j = 0; j < NQ; ++j) {
-      s[j][t] = hsum(a[j]);
-      s[j][t + 1] = hsum(b[j]);
-    }
+    // A lone last token scores its row twice; the copy is a padding lane, overwritten below.
+    for (int j = 0; j < NQ; ++j) pairs[j][t / 2] = fold<W / 2>(a[j], b[j]);
   }
-  if (t < n) {
-    prefetch_row(t);
-    const int64_t row = t * tok_stride;
-    vf a[NQ];
-    for (int j = 0; j < NQ; ++j) a[j] = splat(0.0f);
-    for (int c = 0; c < nd; ++c) {
-      vf kv = load_vec<DT>(kbase, row + c * W);
-      for (int j = 0; j < NQ; ++j) a[j] += loadu(qs[j].q + c * W) * kv;
-    }
-    for (int j = 0; j < NQ; ++j) s[j][t] = hsum(a[j]);
+  const int groups = (n + W - 1) / W;
+  for (int j = 0; j < NQ; ++j) {
+    for (int i = t / 2; i < groups * (W / 2); ++i) pairs[j][i] = splat(0.0f);
+    for (int g = 0; g < groups; ++g) storeu(&s[j][g * W], sum_pairs(&pairs[j][g * (W / 2)]));
   }
 
   // Online softmax update, one chunk at a time.
@@ -337,36 +401,36 @@ static inline void attend_chunk(const void* kbase, const void* vbase, int64_t to
     // A NaN or infinite dot product (a non-finite q or K element) becomes a NaN score, softcap or
     // not: exp2 keeps it NaN, so the row's sums turn NaN instead of dropping the key (-inf) or
     // taking a finite capped value (tanh of +-inf).
-    for (int i = 0; i < NV; ++i) {
+    for (int i = 0; i < groups; ++i) {
       vf sv = loadu(&s[j][i * W]);
       const vu bad = nonfinite_lanes(sv);
       if (softcap > 0.0f) sv = softcap_log2(sv, softcap);
       storeu(&s[j][i * W], nan_where(bad, sv));
     }
-    for (int t = n; t < kChunk; ++t) s[j][t] = kNegMax;  // padding stays masked
+    for (int i = n; i < groups * W; ++i) s[j][i] = kNegMax;  // padding stays masked (after the softcap)
     // The chunk's maximum ignores NaN scores (x > mv is false for them).
     vf mv = splat(kNegMax);
-    for (int i = 0; i < NV; ++i) {
+    for (int i = 0; i < groups; ++i) {
       const vf x = loadu(&s[j][i * W]);
       mv = x > mv ? x : mv;
     }
-    float cmax = kNegMax;
-    for (int i = 0; i < W; ++i) cmax = mv[i] > cmax ? mv[i] : cmax;
+    const float cmax = hmax(mv);
     const float m_old = *qs[j].m;
     const float m_new = cmax > m_old ? cmax : m_old;
     // m_old == -FLT_MAX (fresh state): exp2 of a huge negative number is 0.
     alpha[j] = m_old == m_new ? 1.0f : std::exp2(m_old - m_new);
     vf sum = splat(0.0f);
-    for (int i = 0; i < NV; ++i) {
+    for (int i = 0; i < groups; ++i) {
       const vf pv = exp2v(loadu(&s[j][i * W]) - m_new);
       storeu(&p[j][i * W], pv);
       sum += pv;
     }
+    for (int i = groups; i < NV; ++i) storeu(&p[j][i * W], splat(0.0f));
     *qs[j].l = *qs[j].l * alpha[j] + hsum(sum);
     *qs[j].m = m_new;
   }
   // acc = acc * alpha + P V; the accumulators stay in registers across the
-  // chunk, two 16-float column blocks at a time for independent FMA chains.
+  // chunk, two W-float column blocks at a time for independent FMA chains.
   int c = 0;
   for (; c + 1 < nd; c += 2) {
     vf a[NQ], b[NQ];
@@ -375,8 +439,9 @@ static inline void attend_chunk(const void* kbase, const void* vbase, int64_t to
       b[j] = loadu(qs[j].acc + (c + 1) * W) * splat(alpha[j]);
     }
     for (int t = 0; t < n; ++t) {
-      const vf v0 = load_vec<DT>(vbase, t * tok_stride + c * W);
-      const vf v1 = load_vec<DT>(vbase, t * tok_stride + (c + 1) * W);
+      const char* vr = rows.v[t] + head_bytes;
+      const vf v0 = load_vec<DT>(vr, c * W);
+      const vf v1 = load_vec<DT>(vr, (c + 1) * W);
       for (int j = 0; j < NQ; ++j) {
         const vf pj = splat(p[j][t]);
         a[j] += pj * v0;
@@ -392,7 +457,7 @@ static inline void attend_chunk(const void* kbase, const void* vbase, int64_t to
     vf a[NQ];
     for (int j = 0; j < NQ; ++j) a[j] = loadu(qs[j].acc + c * W) * splat(alpha[j]);
     for (int t = 0; t < n; ++t) {
-      vf vv = load_vec<DT>(vbase, t * tok_stride + c * W);
+      vf vv = load_vec<DT>(rows.v[t] + head_bytes, c * W);
       for (int j = 0; j < NQ; ++j) a[j] += splat(p[j][t]) * vv;
     }
     for (int j = 0; j < NQ; ++j) storeu(qs[j].acc + c * W, a[j]);
@@ -400,13 +465,13 @@ static inline void attend_chunk(const void* kbase, const void* vbase, int64_t to
 }
 
 template <int DT>
-static void attend_chunk_n(int nq, const void* kbase, const void* vbase, int64_t tok_stride, int n, int D,
-                           float softcap, QState* qs, const Prefetch& pf) {
+static void attend_chunk_n(int nq, const ChunkRows& rows, int64_t head_bytes, int D, float softcap, QState* qs,
+                           const Prefetch& pf) {
   switch (nq) {
-    case 1: attend_chunk<1, DT>(kbase, vbase, tok_stride, n, D, softcap, qs, pf); break;
-    case 2: attend_chunk<2, DT>(kbase, vbase, tok_stride, n, D, softcap, qs, pf); break;
-    case 3: attend_chunk<3, DT>(kbase, vbase, tok_stride, n, D, softcap, qs, pf); break;
-    default: attend_chunk<4, DT>(kbase, vbase, tok_stride, n, D, softcap, qs, pf); break;
+    case 1: attend_chunk<1, DT>(rows, head_bytes, D, softcap, qs, pf); break;
+    case 2: attend_chunk<2, DT>(rows, head_bytes, D, softcap, qs, pf); break;
+    case 3: attend_chunk<3, DT>(rows, head_bytes, D, softcap, qs, pf); break;
+    default: attend_chunk<4, DT>(rows, head_bytes, D, softcap, qs, pf); break;
   }
 }
 
@@ -477,9 +542,31 @@ static void attend_unit_t(const Job& job, const Unit& u, float* work) {
   const char* vb = static_cast<const char*>(job.v);
   const int64_t isz = DT == kFloat32 ? 4 : 2;
   QState qs[kMaxNQ];
+  // The rows of KV positions [from, from + up to kChunk) before `end`, walking the block table.
+  auto fill_rows = [&](ChunkRows& cr, int64_t from, int64_t end) {
+    int64_t n = end - from < kChunk ? end - from : kChunk;
+    cr.n = static_cast<int>(n);
+    int64_t page = from / BS;
+    int off = static_cast<int>(from - page * BS);
+    for (int i = 0; i < cr.n;) {
+      const int64_t block = table[page];
+      const char* kp = kb + (block * job.k_sb + off * tok_stride) * isz;
+      const char* vp = vb + (block * job.v_sb + off * tok_stride) * isz;
+      for (; off < BS && i < cr.n; ++off, ++i) {
+        cr.k[i] = kp;
+        cr.v[i] = vp;
+        kp += tok_stride * isz;
+        vp += tok_stride * isz;
+      }
+      ++page;
+      off = 0;
+    }
+  };
+  ChunkRows chunk_rows[2];
   // Outer chunks of PARTITION_SIZE tokens keep a prefill tile's K/V in L2 while
-  // all of its rows pass over them; then pages, then KV heads and head blocks,
-  // so each K/V chunk is loaded into L1 once for every query head that uses it.
+  // all of its rows pass over them; then chunks of kChunk tokens (across pages),
+  // then KV heads and head blocks, so each K/V chunk is loaded into L1 once for
+  // every query head that uses it.
   const int64_t outer = MA_PARTITION_SIZE;
   for (int64_t cs = union_lo; cs < union_hi; cs += outer) {
     const int64_t ce = cs + outer < union_hi ? cs + outer : union_hi;
@@ -488,53 +575,30 @@ static void attend_unit_t(const Job& job, const Unit& u, float* work) {
       const int64_t lo = job.window > 0 && hi - job.window > 0 ? hi - job.window : 0;
       int64_t a = lo > cs ? lo : cs;
       const int64_t b = hi < ce ? hi : ce;
+      if (a >= b) continue;
+      int cur = 0;
+      fill_rows(chunk_rows[cur], a, b);
       while (a < b) {
-        const int64_t page = a / BS;
-        const int off = static_cast<int>(a - page * BS);
-        int64_t n = BS - off;
-        if (n > b - a) n = b - a;
-        if (n > kChunk) n = kChunk;
-        const int64_t block = table[page];
-        const int64_t elem = static_cast<int64_t>(off) * tok_stride;
-        const char* kp = kb + (block * job.k_sb + elem) * isz;
-        const char* vp = vb + (block * job.v_sb + elem) * isz;
+        const ChunkRows& rows = chunk_rows[cur];
         // The next chunk of this row, prefetched while this one is computed.
-        const char* nkp = nullptr;
-        const char* nvp = nullptr;
-        int nn = 0;
-        if (a + n < b) {
-          const int64_t na = a + n;
-          const int64_t npage = na / BS;
-          const int noff = static_cast<int>(na - npage * BS);
-          int64_t m = BS - noff;
-          if (m > b - na) m = b - na;
-          if (m > kChunk) m = kChunk;
-          const int64_t nblock = table[npage];
-          nkp = kb + (nblock * job.k_sb + static_cast<int64_t>(noff) * tok_stride) * isz;
-          nvp = vb + (nblock * job.v_sb + static_cast<int64_t>(noff) * tok_stride) * isz;
-          nn = static_cast<int>(m);
-        }
+        ChunkRows& next = chunk_rows[1 - cur];
+        next.n = 0;
+        if (a + rows.n < b) fill_rows(next, a + rows.n, b);
         for (int kk = 0; kk < nkv; ++kk) {
           const int64_t hoff = static_cast<int64_t>(u.kvh_begin + kk) * D * isz;
           Prefetch pf;
-          if (nn) {
-            pf.k = nkp + hoff;
-            pf.v = nvp + hoff;
-            pf.n = nn;
-            pf.tok_bytes = tok_stride * isz;
-            pf.row_bytes = static_cast<int>(D * isz);
-          }
+          if (next.n) pf = Prefetch{&next, hoff, static_cast<int>(D * isz)};
           for (int g0 = 0; g0 < G; g0 += kMaxNQ) {
             const int cnt = G - g0 < kMaxNQ ? G - g0 : kMaxNQ;
             for (int j = 0; j < cnt; ++j) {
               const int i = r * NHU + kk * G + g0 + j;
               qs[j] = QState{qbuf + i * D, acc + i * D, mbuf + i, lbuf + i};
             }
-            attend_chunk_n<DT>(cnt, kp + hoff, vp + hoff, tok_stride, static_cast<int>(n), D, job.softcap, qs,
-                               g0 == 0 ? pf : Prefetch{});
+            attend_chunk_n<DT>(cnt, rows, hoff, D, job.softcap, qs, g0 == 0 ? pf : Prefetch{});
           }
         }
-        a += n;
+        a += rows.n;
+        cur = 1 - cur;
       }
     }
   }
