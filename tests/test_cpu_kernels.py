@@ -405,6 +405,9 @@ def test_randomized_against_oracle(data, dtype, geometry, block_size, split, isa
                      seed=data.draw(st.integers(0, 2**16), label="seed"))
     out = _native_run(case, partition_size=split, isa=isa)
     assert_close_to_oracle(out, case.oracle(), dtype, label="randomized")
+    if dtype == "float32":
+        err = np.abs(to_numpy(out).astype(np.float64) - np.asarray(case.oracle(), dtype=np.float64))
+        assert err.max() <= NATIVE_F32_ATOL, f"max error {err.max():.3g} over the native float32 bound"
 
 
 # -- reshape_and_cache ---------------------------------------------------------------------------
