@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import mlx.core as mx
@@ -97,15 +96,40 @@ def _check_tensors(q: mx.array, k_cache: mx.array, v_cache: mx.array, md: Attent
         )
 
 
-def _check_features(num_heads: int, scale: Any, sinks: Any, sliding_window: Any, softcap: Any) -> None:
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise InvalidInputError(f"scale={scale!r} (allowed: a finite number > 0, or None for head_size**-0.5)")
+#: What the kernels receive for ``scale`` and ``softcap``: a float32, so the value must be a normal
+#: float32 (1e-300 would become 0, which the kernels read as "no softcap"; 1e39 would become inf).
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
+#: The kernels take ``sliding_window`` as an int32.
+_INT32_MAX = 2**31 - 1
+_F32_RANGE = f"a finite number > 0 that float32 holds ({_F32_TINY:.4g} to {_F32_MAX:.4g})"
+
+
+def _positive_f32(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, (bool, np.bool_))
+        and _F32_TINY <= value <= _F32_MAX  # False for NaN
+    )
+
+
+def _check_features(
+    num_heads: int, scale: Any, sinks: Any, sliding_window: Any, softcap: Any, provider: Any = None
+) -> None:
+    if scale is not None and not _positive_f32(scale):
+        raise InvalidInputError(f"scale={scale!r} (allowed: {_F32_RANGE}, or None for head_size**-0.5)")
     if sliding_window is not None and not (
-        isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool) and sliding_window >= 1
+        isinstance(sliding_window, (int, np.integer))
+        and not isinstance(sliding_window, (bool, np.bool_))
+        and 1 <= sliding_window <= _INT32_MAX
     ):
-        raise InvalidInputError(f"sliding_window={sliding_window!r} (allowed: an int >= 1, or None)")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-        raise InvalidInputError(f"softcap={softcap!r} (allowed: a finite number > 0, or None)")
+        raise InvalidInputError(f"sliding_window={sliding_window!r} (allowed: an int from 1 to {_INT32_MAX}, or None)")
+    if softcap is not None and not _positive_f32(softcap):
+        raise InvalidInputError(f"softcap={softcap!r} (allowed: {_F32_RANGE}, or None)")
+    if provider is not None and not isinstance(provider, str):
+        raise InvalidInputError(
+            f"provider={provider!r} (allowed: a provider name as a str, or None for the registry's choice)"
+        )
     if sinks is not None:
         if not isinstance(sinks, mx.array):
             raise InvalidInputError(f"sinks must be an mx.array of shape [{num_heads}] (got {type(sinks).__name__})")
@@ -177,12 +201,12 @@ def paged_attention(
     )
     try:
         hit = md._selections.get(key)
-    except TypeError:  # an unhashable sliding_window or softcap: `_check_features` names it below
+    except TypeError:  # an unhashable sliding_window, softcap or provider: `_check_features` names it below
         hit = None
     if hit is None:
         _check_tensors(q, k_cache, v_cache, md)
     num_heads = q.shape[1]
-    _check_features(num_heads, scale, sinks, sliding_window, softcap)
+    _check_features(num_heads, scale, sinks, sliding_window, softcap, provider)
     if hit is None:
         hit = _select(md, q, k_cache, num_heads, sinks, sliding_window, softcap, provider)
         md._selections[key] = hit

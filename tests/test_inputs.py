@@ -93,18 +93,27 @@ BAD_ATTENTION = {
     "table-too-short": ({"seq_lens": np.array([17, 2], np.int32)},
                         ["block_tables row 0 has 2 entries but seq_lens[0]=17 with block_size=8 needs 3"]),
     # features
-    "scale-zero": ({"scale": 0.0}, ["scale=0.0 (allowed: a finite number > 0, or None for head_size**-0.5)"]),
+    "scale-zero": ({"scale": 0.0}, ["scale=0.0 (allowed: a finite number > 0 that float32 holds",
+                                    "(1.175e-38 to 3.403e+38), or None for head_size**-0.5)"]),
     "scale-negative": ({"scale": -1}, ["scale=-1 (allowed: a finite number > 0"]),
     "scale-nan": ({"scale": float("nan")}, ["scale=nan (allowed: a finite number > 0"]),
     "scale-inf": ({"scale": float("inf")}, ["scale=inf (allowed: a finite number > 0"]),
     "scale-string": ({"scale": "0.25"}, ["scale='0.25' (allowed: a finite number > 0"]),
-    "window-zero": ({"sliding_window": 0}, ["sliding_window=0 (allowed: an int >= 1, or None)"]),
-    "window-negative": ({"sliding_window": -4}, ["sliding_window=-4 (allowed: an int >= 1, or None)"]),
-    "window-float": ({"sliding_window": 2.5}, ["sliding_window=2.5 (allowed: an int >= 1, or None)"]),
-    "window-bool": ({"sliding_window": True}, ["sliding_window=True (allowed: an int >= 1, or None)"]),
-    "softcap-zero": ({"softcap": 0.0}, ["softcap=0.0 (allowed: a finite number > 0, or None)"]),
-    "softcap-negative": ({"softcap": -30.0}, ["softcap=-30.0 (allowed: a finite number > 0, or None)"]),
-    "softcap-inf": ({"softcap": float("inf")}, ["softcap=inf (allowed: a finite number > 0, or None)"]),
+    "window-zero": ({"sliding_window": 0}, ["sliding_window=0 (allowed: an int from 1 to 2147483647, or None)"]),
+    "window-negative": ({"sliding_window": -4}, ["sliding_window=-4 (allowed: an int from 1 to 2147483647, or None)"]),
+    "window-float": ({"sliding_window": 2.5}, ["sliding_window=2.5 (allowed: an int from 1 to 2147483647, or None)"]),
+    "window-bool": ({"sliding_window": True}, ["sliding_window=True (allowed: an int from 1 to 2147483647, or None)"]),
+    "window-past-int32": ({"sliding_window": 2**31},
+                          ["sliding_window=2147483648 (allowed: an int from 1 to 2147483647"]),
+    # float32 is what the kernels get: 1e-300 would be 0 ("no softcap"), 1e39 would be inf
+    "softcap-below-float32": ({"softcap": 1e-300}, ["softcap=1e-300 (allowed: a finite number > 0 that float32 holds"]),
+    "scale-above-float32": ({"scale": 1e39}, ["scale=1e+39 (allowed: a finite number > 0 that float32 holds"]),
+    "scale-bool": ({"scale": True}, ["scale=True (allowed: a finite number > 0"]),
+    "softcap-bool": ({"softcap": True}, ["softcap=True (allowed: a finite number > 0"]),
+    "provider-list": ({"provider": ["classic"]}, ["provider=['classic'] (allowed: a provider name as a str"]),
+    "softcap-zero": ({"softcap": 0.0}, ["softcap=0.0 (allowed: a finite number > 0 that float32 holds", "or None)"]),
+    "softcap-negative": ({"softcap": -30.0}, ["softcap=-30.0 (allowed: a finite number > 0 that float32", "or None)"]),
+    "softcap-inf": ({"softcap": float("inf")}, ["softcap=inf (allowed: a finite number > 0 that float32", "or None)"]),
     "sinks-shape": ({"sinks": mx.zeros((2,))}, ["sinks.shape=(2,) (allowed: [4], one logit per query head)"]),
     "sinks-numpy": ({"sinks": np.zeros(4, np.float32)}, ["sinks must be an mx.array of shape [4] (got ndarray)"]),
     "sinks-int": ({"sinks": mx.zeros((4,), dtype=mx.int32)}, ["sinks.dtype=int32 (allowed: a floating dtype"]),
@@ -136,6 +145,15 @@ def test_valid_baseline_call_runs() -> None:
     out = metal_attn.paged_attention(**_attention_args())
     mx.eval(out)
     assert out.shape == (3, 4, HEAD)
+
+
+def test_numpy_scalars_are_numbers() -> None:
+    """numpy floats and ints are accepted for scale, softcap and sliding_window, with the same result."""
+    args = _attention_args()
+    plain = metal_attn.paged_attention(**args, scale=0.25, softcap=30.0, sliding_window=3)
+    numpy = metal_attn.paged_attention(**args, scale=np.float32(0.25), softcap=np.float64(30.0),
+                                       sliding_window=np.int64(3))
+    np.testing.assert_array_equal(np.array(plain), np.array(numpy))
 
 
 def test_block_table_errors_name_the_callers_values_for_large_pages() -> None:
