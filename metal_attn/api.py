@@ -356,16 +356,9 @@ def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array
     return kernel_input(slot_mapping, host, mx.int64)
 
 
-def reshape_and_cache(
-    key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slot_mapping: Any
-) -> tuple[mx.array, mx.array]:
-    """Scatter new tokens' K/V into their pages: ``pool[slot] = kv``; negative slots are skipped.
-
-    ``key``/``value``: ``[num_tokens, num_kv_heads, head_size]`` in the pool dtype;
-    ``slot_mapping``: ``[num_tokens]`` ints, ``block_id * block_size + offset``.
-    Returns the updated ``(k_cache, v_cache)``: MLX arrays are values, so rebind
-    them (the write is in place when nothing else references the pools).
-    """
+def check_cache_write_tensors(key: Any, value: Any, k_cache: Any, v_cache: Any) -> None:
+    """The tensor checks of `reshape_and_cache` (ranks, shapes, dtypes; not the slots): raises
+    `InvalidInputError` naming the first argument that is wrong."""
     for name, x in (("key", key), ("value", value)):
         if not isinstance(x, mx.array) or x.ndim != 3:
             raise InvalidInputError(
@@ -396,6 +389,19 @@ def reshape_and_cache(
             )
     if k_cache.dtype not in DTYPE_NAMES:
         raise InvalidInputError(f"k_cache.dtype={dtype_name(k_cache.dtype)} (supported: float16, bfloat16, float32)")
+
+
+def reshape_and_cache(
+    key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array, slot_mapping: Any
+) -> tuple[mx.array, mx.array]:
+    """Scatter new tokens' K/V into their pages: ``pool[slot] = kv``; negative slots are skipped.
+
+    ``key``/``value``: ``[num_tokens, num_kv_heads, head_size]`` in the pool dtype;
+    ``slot_mapping``: ``[num_tokens]`` ints, ``block_id * block_size + offset``.
+    Returns the updated ``(k_cache, v_cache)``: MLX arrays are values, so rebind
+    them (the write is in place when nothing else references the pools).
+    """
+    check_cache_write_tensors(key, value, k_cache, v_cache)
     slots = _check_slots(slot_mapping, key.shape[0], k_cache.shape[0] * k_cache.shape[1])
     return write_checked(key, value, k_cache, v_cache, slots)
 

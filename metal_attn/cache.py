@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -27,8 +28,17 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from metal_attn.api import DTYPE_NAMES, MX_DTYPES, dtype_name, kernel_block_size, reshape_and_cache, write_checked
+from metal_attn.api import (
+    DTYPE_NAMES,
+    MX_DTYPES,
+    check_cache_write_tensors,
+    dtype_name,
+    kernel_block_size,
+    reshape_and_cache,
+    write_checked,
+)
 from metal_attn.constants import KERNEL_BLOCK_SIZES
+from metal_attn.device import current_device
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.host_arrays import device_array, padded_base
 from metal_attn.metadata import AttentionMetadata
@@ -344,12 +354,27 @@ class PagedKVCache:
             )
         self._kernel_block_size = kbs
         self.dtype = self._check_dtype(dtype)
-        self.allocator = BlockAllocator(self.num_blocks)
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        self._check_fits(shape)
+        self.allocator = BlockAllocator(self.num_blocks)
         self._k: list[mx.array | None] = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
         self._v: list[mx.array | None] = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
         mx.eval(self._k, self._v)
         self._seqs: dict[Hashable, _Sequence] = {}
+
+    def _check_fits(self, shape: tuple[int, ...]) -> None:
+        """Refuse pools larger than the device's memory before allocating them (MLX's CPU backend
+        crashes the process on an allocation the machine cannot back)."""
+        memory = current_device().memory_bytes
+        total = 2 * self.num_layers * math.prod(shape) * self.dtype.size
+        if memory and total > memory:
+            raise InvalidInputError(
+                f"the K/V pools need {total / 2**30:.2f} GiB (2 x num_layers={self.num_layers} x num_blocks="
+                f"{self.num_blocks} x block_size={self.block_size} x num_kv_heads={self.num_kv_heads} x head_size="
+                f"{self.head_size} x {self.dtype.size} bytes of {dtype_name(self.dtype)}), more than this "
+                f"{current_device().backend} device's {memory / 2**30:.2f} GiB (allowed: pools that fit it; "
+                f"fewer num_blocks)"
+            )
 
     @staticmethod
     def _check_dtype(dtype: Any) -> Any:
@@ -497,9 +522,14 @@ class PagedKVCache:
     def write_step(self, layer: int, key: mx.array, value: mx.array, plan: StepPlan) -> None:
         """`write` for a step this cache planned: ``plan.slot_mapping`` was built (and so checked) by
         `prepare_step`, so the per-call slot validation is skipped. ``key``/``value`` must have the
-        pools' ``[num_kv_heads, head_size]`` and dtype (the model adapter reads them off the model)."""
+        pools' ``[num_kv_heads, head_size]`` and dtype (the model adapter reads them off the model),
+        and one row per slot of the plan; anything else is refused before the write."""
         i = self._check_layer(layer)
         k, v = self._k[i], self._v[i]
+        want = (plan.slot_mapping.shape[0], self.num_kv_heads, self.head_size)
+        if not (type(key) is mx.array and type(value) is mx.array and key.shape == want and value.shape == want
+                and key.dtype == self.dtype and value.dtype == self.dtype):
+            self._refuse_step_write(key, value, k, v, want)
         self._k[i] = self._v[i] = None
         try:
             if plan.metadata.lengths_are_bounds:
@@ -510,6 +540,14 @@ class PagedKVCache:
                 k, v = write_checked(key, value, k, v, plan.slot_mapping)
         finally:
             self._k[i], self._v[i] = k, v
+
+    @staticmethod
+    def _refuse_step_write(key: Any, value: Any, k: Any, v: Any, want: tuple[int, ...]) -> None:
+        check_cache_write_tensors(key, value, k, v)  # raises naming the argument
+        raise InvalidInputError(
+            f"key has {key.shape[0]} rows but the step plan writes {want[0]} slots (allowed: one row per "
+            f"slot of plan.slot_mapping, shape {list(want)})"
+        )
 
     def take_pools(self) -> list[mx.array]:
         """Every layer's pools, ``[k0, v0, k1, v1, ...]``, handed over: the cache holds none until

@@ -459,6 +459,38 @@ def test_write_rebinds_pools_and_survives_bad_input():
     assert k2 is k and v2 is v
 
 
+@pytest.mark.parametrize("writer", ["native", "mlx"], ids=["classic-writer", "scatter-writer"])
+@pytest.mark.parametrize(("key", "message"), [
+    # one int32 row was broadcast and cast into every slot, head and element of the step
+    (mx.full((1, 1, 1), 7, dtype=mx.int32), r"key has \[num_kv_heads, head_size\]=\[1, 1\] but the pool has \[2, 4\]"),
+    (mx.ones((2, 2, 4), dtype=mx.float16), r"key.dtype=float16 differs from k_cache.dtype=float32"),
+    (mx.ones((3, 2, 4), dtype=mx.float32), r"key has 3 rows but the step plan writes 2 slots"),
+    (np.ones((2, 2, 4), dtype=np.float32), r"key must be an mx.array of rank 3 .* \(got ndarray"),
+])
+def test_write_step_refuses_what_does_not_match_the_plan(writer, key, message):
+    c = _cache()
+    c.add_sequence("a")
+    plan = c.prepare_step([("a", 2)])
+    before = [np.array(a) for a in c.pools(0)]
+    disabled = ("classic",) if writer == "mlx" else ()
+    with ma.override_settings(disabled_providers=disabled), pytest.raises(InvalidInputError, match=message):
+        c.write_step(0, key, key, plan)
+    after = c.pools(0)
+    assert all(x is not None for x in after), "the pools survive a refused write"
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(np.array(a), b)
+
+
+def test_pools_larger_than_the_device_are_refused_before_allocating():
+    # 64 GiB of float16 pools; MLX's CPU backend crashed the process on this allocation.
+    memory = ma.device.current_device().memory_bytes
+    if not memory:
+        pytest.skip("this device reports no memory size, so the cache has nothing to check against")
+    blocks = (memory // (2 * 16 * 8 * 128 * 2)) + 1
+    with pytest.raises(InvalidInputError, match=r"the K/V pools need .* GiB .* more than this \w+ device's"):
+        PagedKVCache(num_layers=1, num_blocks=blocks, block_size=16, num_kv_heads=8, head_size=128)
+
+
 # ---------------------------------------------------------------------------------------------
 # Property test: random add/fork/free/step/write against a Python model of the tokens
 # ---------------------------------------------------------------------------------------------
