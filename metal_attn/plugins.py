@@ -104,10 +104,15 @@ def build_registry(
         name = (names[i] if names else None) or getattr(plugin, "__name__", None) or f"plugin-{i}"
         _register(plugin, name, Origin(name))
     pm.check_pending()
-    for impl in pm.hook.metal_attn_register_providers.get_hookimpls():
+    # The built-in providers register first, whatever order pluggy's tryfirst/trylast give the
+    # hooks: a third-party provider that takes a built-in name is then the one refused.
+    impls = sorted(pm.hook.metal_attn_register_providers.get_hookimpls(), key=lambda i: i.plugin_name != BUILTIN_PLUGIN)
+    for impl in impls:
         origin = origins.get(impl.plugin_name, Origin(impl.plugin_name))
+        registrar = ProviderRegistrar(registry, origin)
         try:
-            impl.function(registrar=ProviderRegistrar(registry, origin))
+            impl.function(registrar=registrar)
+            registrar.commit()  # all of the plugin's providers, or none of them
         except Exception as exc:
             _failed("plugin_register_failed", impl.plugin_name, exc)
     return registry

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from metal_attn import _epoch
@@ -45,11 +45,16 @@ class ProviderEntry:
 
 
 class ProviderRegistrar:
-    """What a plugin's ``metal_attn_register_providers`` hook receives."""
+    """What a plugin's ``metal_attn_register_providers`` hook receives.
+
+    Its `add` calls are staged and reach the registry together, once the hook has returned
+    (`commit`): a hook that raises, or one of whose providers is refused, registers nothing.
+    """
 
     def __init__(self, registry: Registry, origin: Origin) -> None:
         self._registry = registry
         self._origin = origin
+        self._staged: list[Provider] = []
 
     def add(self, provider: Provider | type[Provider]) -> None:
         """Register one provider (an instance, or a class with a no-argument constructor)."""
@@ -57,7 +62,13 @@ class ProviderRegistrar:
             if not issubclass(provider, Provider):
                 raise RegistryError(f"{provider!r} is not a metal_attn.Provider subclass")
             provider = provider()
-        self._registry.add(provider, origin=self._origin)
+        self._registry.check_declaration(provider, [p.name for p in self._staged])  # raises here, as documented
+        self._staged.append(provider)
+
+    def commit(self) -> None:
+        """Add every staged provider, or none (`Registry.add_all`)."""
+        staged, self._staged = self._staged, []
+        self._registry.add_all(staged, origin=self._origin)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +161,14 @@ class Registry:
 
     def add(self, provider: Provider, *, origin: Origin | None = None) -> None:
         """Register ``provider``; raises `RegistryError` on a bad or duplicate declaration."""
+        with self._lock:
+            self.check_declaration(provider)
+            self._entries[provider.name] = ProviderEntry(provider, origin or Origin("direct"))
+            self._reorder()
+
+    def check_declaration(self, provider: Provider, staged: Sequence[str] = ()) -> None:
+        """Raise `RegistryError` if ``provider`` could not be added: not a Provider, a bad name,
+        priority or backends, or a name already registered (or among ``staged``, names about to be)."""
         if not isinstance(provider, Provider):
             raise RegistryError(f"{provider!r} is not a metal_attn.Provider")
         name = provider.name
@@ -170,16 +189,34 @@ class Registry:
                 f"provider {name!r}: backend_priority={bp!r} (allowed: a mapping from its backends "
                 f"{sorted(provider.backends)} to int priorities)"
             )
+        if name in self._entries:
+            prev = self._entries[name].origin.describe()
+            raise RegistryError(f"provider name={name!r} is already registered (by {prev})")
+        if name in staged:
+            raise RegistryError(f"provider name={name!r} is added twice by this plugin")
+
+    def _reorder(self) -> None:
+        """Rebuild the priority orders after the providers changed (the lock is held)."""
+        self._ordered = tuple(sorted(self._entries.values(), key=lambda e: (-e.provider.priority, e.provider.name)))
+        self._by_backend = {b: tuple(sorted(self._ordered, key=lambda e, b=b: (-e.provider.priority_on(b),
+                                                                            e.provider.name)))
+                            for b in BACKENDS}
+        self._invalidate()
+
+    def add_all(self, providers: Sequence[Provider], *, origin: Origin | None = None) -> None:
+        """`add` each of ``providers``, or none of them: on the first refusal the ones already added
+        are taken out again and the `RegistryError` is raised."""
         with self._lock:
-            if name in self._entries:
-                prev = self._entries[name].origin.describe()
-                raise RegistryError(f"provider name={name!r} is already registered (by {prev})")
-            self._entries[name] = ProviderEntry(provider, origin or Origin("direct"))
-            self._ordered = tuple(sorted(self._entries.values(), key=lambda e: (-e.provider.priority, e.provider.name)))
-            self._by_backend = {b: tuple(sorted(self._ordered, key=lambda e, b=b: (-e.provider.priority_on(b),
-                                                                                e.provider.name)))
-                                 for b in BACKENDS}
-            self._invalidate()
+            added: list[str] = []
+            try:
+                for provider in providers:
+                    self.add(provider, origin=origin)
+                    added.append(provider.name)
+            except Exception:
+                for name in added:
+                    del self._entries[name]
+                self._reorder()
+                raise
 
     def _invalidate(self) -> None:
         """Providers changed: drop cached answers and tell per-call caches (`metal_attn._epoch`)."""

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pluggy
 import pytest
+from metal_attn.providers.reference import ReferenceProvider
 
+import metal_attn as ma
 from metal_attn import hookspecs, plugins
 from metal_attn import settings as settings_mod
 from metal_attn.plugins import registry_from
@@ -186,13 +188,46 @@ def test_plugin_that_raises_at_import_is_isolated_and_logged(entry_points, log_r
 def test_plugin_whose_register_hook_raises_is_isolated(entry_points, log_records, builtin):
     entry_points(half="ma_test_register_error_plugin", good="ma_test_good_plugin")
     reg = plugins.build_registry()
-    # What the failing hook added before raising stays; the other plugins are untouched.
-    assert sorted(third_party(reg, builtin)) == ["half_registered", "third_party"]
+    # What the failing hook added before raising is left out too (it used to stay, at priority
+    # 30, above the built-ins); the other plugins are untouched.
+    assert third_party(reg, builtin) == ["third_party"]
     assert reg.load_errors["half"] == "RuntimeError: vendor SDK not found"
     assert "good" not in reg.load_errors
     [rec] = log_records("plugin_register_failed")
     assert (rec.plugin, rec.reason) == ("half", "vendor SDK not found")
     assert "RuntimeError: vendor SDK not found" in rec.traceback
+
+
+def test_a_plugin_cannot_take_a_builtin_name_by_running_first(builtin):
+    """trylast hooks run first in pluggy; the built-ins still register first, so the plugin that
+    reuses ``classic`` is the one refused (it used to push every built-in but reference out)."""
+    class Impostor(ReferenceProvider):
+        name = "classic"
+
+    class Hijack:
+        @ma.hookimpl(trylast=True)
+        def metal_attn_register_providers(self, registrar):
+            registrar.add(Impostor)
+
+    reg = registry_from([plugins._builtin_module(), Hijack()], names=["builtin", "hijack"])
+    assert [e.provider.name for e in reg.entries] == builtin
+    assert type(reg.get("classic")).__name__ == "ClassicProvider"
+    assert reg.load_errors == {"hijack": "RegistryError: provider name='classic' is already registered (by builtin)"}
+
+
+def test_a_refused_provider_leaves_out_the_whole_plugin(builtin):
+    class Fine(ReferenceProvider):
+        name = "fine_one"
+
+    class Twice:
+        @ma.hookimpl
+        def metal_attn_register_providers(self, registrar):
+            registrar.add(Fine)
+            registrar.add(Fine)  # a duplicate, raised at the add call
+
+    reg = registry_from([plugins._builtin_module(), Twice()], names=["builtin", "twice"])
+    assert "fine_one" not in [e.provider.name for e in reg.entries]
+    assert reg.load_errors == {"twice": "RegistryError: provider name='fine_one' is added twice by this plugin"}
 
 
 def test_deny_list_blocks_a_plugin_before_it_is_imported(entry_points, monkeypatch, builtin):

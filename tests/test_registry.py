@@ -321,6 +321,8 @@ def test_registrar_accepts_classes_and_rejects_non_providers():
     reg = Registry()
     registrar = ProviderRegistrar(reg, Origin("unit"))
     registrar.add(ByClass)
+    assert "by_class" not in [e.provider.name for e in reg.entries]  # staged until the hook returns
+    registrar.commit()
     assert isinstance(reg.get("by_class"), ByClass)
     assert reg.entries[0].origin.describe() == "unit"
     with pytest.raises(RegistryError, match=r"is not a metal_attn\.Provider subclass"):
