@@ -10,7 +10,7 @@ import numpy as np
 from metal_attn import _epoch, diagnostics
 from metal_attn.constants import DTYPES, KERNEL_BLOCK_SIZES
 from metal_attn.device import DeviceInfo, current_device
-from metal_attn.errors import InvalidInputError
+from metal_attn.errors import InvalidInputError, ProviderContractError
 from metal_attn.host_arrays import kernel_input
 from metal_attn.log import warn_once
 from metal_attn.metadata import AttentionMetadata
@@ -228,10 +228,20 @@ def paged_attention(
         float(softcap) if softcap is not None else None,
     )
     out = sel.provider.run(inputs, sel.plan)
+    if type(out) is not mx.array or out.shape != q.shape or out.dtype != q.dtype:
+        _refuse_output(sel.provider.name, out, q)
     if poison is not None:  # validate_metadata off and a table outside the pool: those rows are NaN
         out = mx.where(poison, mx.array(float("nan"), dtype=out.dtype), out)
     diagnostics.record(record)
     return out
+
+
+def _refuse_output(provider: str, out: Any, q: mx.array) -> None:
+    got = f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))} {dtype_name(getattr(out, 'dtype', None))}"
+    raise ProviderContractError(
+        f"provider {provider!r}: run() returned {got} (allowed: an mx.array of q's shape {tuple(q.shape)} and "
+        f"dtype {dtype_name(q.dtype)})"
+    )
 
 
 def _select(

@@ -28,6 +28,10 @@ class KernelCompileError(MetalAttnError, RuntimeError):
     """
 
 
+class ProviderContractError(MetalAttnError, RuntimeError):
+    """A provider broke its contract at run time (its ``run`` returned the wrong shape, dtype or type)."""
+
+
 class RegistryError(MetalAttnError, ValueError):
     """A provider could not be registered (duplicate name, bad priority, ...)."""
 

@@ -270,11 +270,30 @@ class Registry:
         except Exception as exc:
             return [f"admission check raised {type(exc).__name__}: {exc}"]
         if not reasons and self._failed:  # a plan only matters here if some specialization failed
-            plan = provider.plan(request, device, settings)
+            plan, failure = self._plan(provider, request, device, settings)
+            if failure is not None:
+                return [failure]
             failed = self._failed.get((provider.name, plan.specialization))
             if failed is not None:
                 reasons.append(f"kernel specialization {plan.specialization} failed to build: {failed}")
         return reasons
+
+    @staticmethod
+    def _plan(
+        provider: Provider, request: AttentionRequest, device: DeviceInfo, settings: Settings
+    ) -> tuple[Plan, None] | tuple[None, str]:
+        """``provider.plan(...)``, or the reason it gave no plan: an admitted provider whose plan
+        raises (or is not a `Plan`) is passed over like a refusing one, and logged once."""
+        try:
+            plan = provider.plan(request, device, settings)
+        except Exception as exc:
+            reason = f"plan() raised {type(exc).__name__}: {exc}"
+        else:
+            if isinstance(plan, Plan):
+                return plan, None
+            reason = f"plan() returned {type(plan).__name__}, not a metal_attn.Plan"
+        warn_once("provider_plan_failed", (provider.name, reason), provider=provider.name, reason=reason)
+        return None, reason
 
     def explain(
         self, request: AttentionRequest, device: DeviceInfo, settings: Settings, *, forced: str | None = None
@@ -290,7 +309,11 @@ class Registry:
         for e in entries:
             p = e.provider
             reasons = self._reasons(p, request, device, settings)
-            plan = p.plan(request, device, settings) if not reasons else None
+            plan = None
+            if not reasons:
+                plan, failure = self._plan(p, request, device, settings)
+                if failure is not None:
+                    reasons = [failure]
             chosen = not reasons and not chosen_done
             chosen_done = chosen_done or chosen
             rows.append(ExplainRow(p.name, p.priority_on(device.backend), e.origin.describe(), not reasons,
@@ -330,7 +353,9 @@ class Registry:
                     f"the forced provider {forced!r} refuses this request:\n"
                     + str(self.explain(request, device, settings, forced=forced))
                 )
-            plan = p.plan(request, device, settings)
+            plan, failure = self._plan(p, request, device, settings)
+            if failure is not None:
+                raise ProviderRefusedError(f"the forced provider {forced!r} gave no plan: {failure}")
             try:
                 self._prepare(p, plan, device)
             except KernelCompileError as exc:
@@ -347,7 +372,11 @@ class Registry:
             if reasons:
                 refused[p.name] = reasons
                 continue
-            plan = p.plan(request, device, settings)
+            plan, failure = self._plan(p, request, device, settings)
+            if failure is not None:
+                fallbacks.append((p.name, failure))
+                refused[p.name] = [failure]
+                continue
             try:
                 self._prepare(p, plan, device)
             except KernelCompileError as exc:
@@ -369,6 +398,10 @@ class Registry:
         except KernelCompileError as exc:
             self.mark_failed(p.name, plan.specialization, str(exc))
             raise
+        except Exception as exc:  # a provider's bug: its kernel is as unusable as one that failed to build
+            reason = f"prepare() raised {type(exc).__name__}: {exc}"
+            self.mark_failed(p.name, plan.specialization, reason)
+            raise KernelCompileError(reason) from exc
         self._prepared.add(key)
 
     def mark_failed(self, provider: str, specialization: tuple, reason: str) -> None:
@@ -399,7 +432,10 @@ class Registry:
         here: `metal_attn.api` keeps the answer per dispatch epoch)."""
         table = []
         for e in self.ordered(device.backend):
-            reasons = e.provider.cache_write_reasons(dtype, device, settings)
+            try:
+                reasons = list(e.provider.cache_write_reasons(dtype, device, settings))
+            except Exception as exc:
+                reasons = [f"cache_write_reasons() raised {type(exc).__name__}: {exc}"]
             if not reasons:
                 return e.provider
             table.append(f"  no {e.provider.name}: " + "; ".join(reasons))

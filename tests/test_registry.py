@@ -683,3 +683,73 @@ def test_a_provider_whose_admission_check_raises_is_refused_not_fatal():
     exp = reg.explain(decode_request(), CPU, settings_mod.get_settings())
     assert exp.rows[0].reasons == ("admission check raised ZeroDivisionError: bug in a third-party provider",)
     assert exp.chosen.name == "good"
+
+
+# -- a provider's bugs at plan, prepare, run and cache-write time -------------------------------------------------
+
+
+class PlanRaises(FakeProvider):
+    def plan(self, request, device, settings):
+        raise KeyError("geometry table has no row for this head size")
+
+
+class PlanReturnsNone(FakeProvider):
+    def plan(self, request, device, settings):
+        return None
+
+
+class PrepareRaises(FakeProvider):
+    def prepare(self, plan, device):
+        raise ValueError("vendor SDK returned -3")
+
+
+@pytest.mark.parametrize(("broken", "reason"), [
+    (PlanRaises, "plan() raised KeyError: 'geometry table has no row for this head size'"),
+    (PlanReturnsNone, "plan() returned NoneType, not a metal_attn.Plan"),
+    (PrepareRaises, "kernel specialization ('float32', 64) failed to build: prepare() raised ValueError: vendor SDK "
+                    "returned -3"),
+])
+def test_a_provider_whose_plan_or_prepare_fails_is_passed_over(install, broken, reason):
+    """They used to raise out of every paged_attention and explain call (no fallback)."""
+    install(registry_from([ProvidersPlugin(broken("broken", 100), FakeProvider("good", 1, fill=3.0))]))
+    q, k, v, md = decode_batch()
+    out = ma.paged_attention(q, k, v, metadata=md)
+    assert np.all(np.array(out) == 3.0)
+    rec = diagnostics.last_dispatch()
+    assert rec.provider == "good" and rec.fallbacks == (("broken", reason),)
+    exp = ma.explain(decode_request(), device=CPU)
+    assert exp.chosen.name == "good"
+    assert exp.rows[0].name == "broken" and not exp.rows[0].admitted
+    with pytest.raises(ProviderRefusedError, match="forced provider 'broken'"):
+        ma.paged_attention(q, k, v, metadata=md, provider="broken")
+
+
+class WrongShape(FakeProvider):
+    def run(self, inputs, plan):
+        return mx.zeros((1,), dtype=inputs.q.dtype)
+
+
+def test_a_run_that_returns_the_wrong_shape_is_refused(install):
+    install(registry_from([ProvidersPlugin(WrongShape("wrong", 100), FakeProvider("good", 1))]))
+    q, k, v, md = decode_batch()
+    with pytest.raises(ma.ProviderContractError,
+                       match=r"provider 'wrong': run\(\) returned array \(1,\) float32 \(allowed: an mx.array of "
+                             r"q's shape \(2, 8, 64\) and dtype float32\)"):
+        ma.paged_attention(q, k, v, metadata=md)
+
+
+def test_a_cache_writer_whose_check_raises_is_skipped():
+    class Broken(FakeProvider):
+        writes_cache = True
+
+        def cache_write_reasons(self, dtype, device, settings):
+            raise RuntimeError("bug")
+
+    class Writer(FakeProvider):
+        writes_cache = True
+
+        def cache_write_reasons(self, dtype, device, settings):
+            return []
+
+    reg = registry_from([ProvidersPlugin(Broken("broken", 100), Writer("writer", 1))])
+    assert reg.select_cache_writer("float32", CPU, settings_mod.get_settings()).name == "writer"
