@@ -38,7 +38,7 @@ from metal_attn.api import (
     write_checked,
 )
 from metal_attn.constants import KERNEL_BLOCK_SIZES
-from metal_attn.device import current_device
+from metal_attn.device import available_host_memory, current_device
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.host_arrays import device_array, padded_base
 from metal_attn.metadata import AttentionMetadata
@@ -363,17 +363,22 @@ class PagedKVCache:
         self._seqs: dict[Hashable, _Sequence] = {}
 
     def _check_fits(self, shape: tuple[int, ...]) -> None:
-        """Refuse pools larger than the device's memory before allocating them (MLX's CPU backend
-        crashes the process on an allocation the machine cannot back)."""
-        memory = current_device().memory_bytes
+        """Refuse pools larger than the memory there is before allocating them (MLX's CPU backend
+        crashes the process on an allocation the machine cannot back): the device's memory, and on
+        the CPU backend the host memory still available."""
+        device = current_device()
         total = 2 * self.num_layers * math.prod(shape) * self.dtype.size
-        if memory and total > memory:
+        limit, what = device.memory_bytes, f"this {device.backend} device's memory"
+        if device.backend == "cpu":
+            available = available_host_memory()
+            if available is not None and (limit is None or available < limit):
+                limit, what = available, "the host memory available now (MemAvailable)"
+        if limit and total > limit:
             raise InvalidInputError(
                 f"the K/V pools need {total / 2**30:.2f} GiB (2 x num_layers={self.num_layers} x num_blocks="
                 f"{self.num_blocks} x block_size={self.block_size} x num_kv_heads={self.num_kv_heads} x head_size="
-                f"{self.head_size} x {self.dtype.size} bytes of {dtype_name(self.dtype)}), more than this "
-                f"{current_device().backend} device's {memory / 2**30:.2f} GiB (allowed: pools that fit it; "
-                f"fewer num_blocks)"
+                f"{self.head_size} x {self.dtype.size} bytes of {dtype_name(self.dtype)}), more than {what}, "
+                f"{limit / 2**30:.2f} GiB (allowed: pools that fit; fewer num_blocks, or a smaller KV memory budget)"
             )
 
     @staticmethod

@@ -176,6 +176,19 @@ def _host_memory() -> int | None:
         return None
 
 
+def available_host_memory() -> int | None:
+    """Memory the kernel says it can still give this process without swapping (Linux
+    ``MemAvailable``), or ``None`` where unknown. Read at each call: it changes."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def probe() -> DeviceInfo:
     """Probe this machine (no setting overrides applied)."""
     import mlx.core as mx

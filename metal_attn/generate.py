@@ -157,7 +157,7 @@ def _pool_blocks(need_tokens: int, block: int, per_block: int, cfg: Any) -> tupl
 
 def _flagify(message: str) -> str:
     for field, flag in (("max_tokens=", "--max-tokens="), ("temperature=", "--temp="), ("top_p=", "--top-p="),
-                        ("model=", "--model="), ("seed=", "--seed=")):
+                        ("model=", "--model="), ("seed=", "--seed="), ("kv_cache_memory=", "--kv-cache-memory=")):
         message = message.replace(field, flag)
     return message
 

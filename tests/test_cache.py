@@ -487,8 +487,18 @@ def test_pools_larger_than_the_device_are_refused_before_allocating():
     if not memory:
         pytest.skip("this device reports no memory size, so the cache has nothing to check against")
     blocks = (memory // (2 * 16 * 8 * 128 * 2)) + 1
-    with pytest.raises(InvalidInputError, match=r"the K/V pools need .* GiB .* more than this \w+ device's"):
+    beyond = r"the K/V pools need .* GiB .* more than (this \w+ device's memory|the host memory available)"
+    with pytest.raises(InvalidInputError, match=beyond):
         PagedKVCache(num_layers=1, num_blocks=blocks, block_size=16, num_kv_heads=8, head_size=128)
+
+
+def test_pools_larger_than_the_available_host_memory_are_refused(monkeypatch):
+    if ma.device.current_device().backend != "cpu":
+        pytest.skip("the available-memory bound is the CPU backend's")
+    monkeypatch.setattr(ma.cache, "available_host_memory", lambda: 1 << 20)  # 1 MiB left
+    with pytest.raises(InvalidInputError, match=r"more than the host memory available now \(MemAvailable\), 0.00 GiB"):
+        _cache(num_blocks=1024, head_size=64)
+    _cache()  # 8 KiB of pools still fit
 
 
 # ---------------------------------------------------------------------------------------------

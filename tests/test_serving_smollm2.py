@@ -106,6 +106,9 @@ def test_default_generate_answers_the_built_in_prompt(smollm2):
         (["--prompt", " "], "is empty (allowed: a non-empty text)"),
         (["--max-tokens", "9000"], "exceeds the model's context of 8192 tokens"),
         (["--prompt", "x " * 600, "--kv-cache-memory", "2000000"], "can never fit the KV pool"),
+        # a budget past the device used to be capped at what the requests need (about all of this
+        # machine's memory at the default caps) and crash or be OOM-killed while allocating
+        (["--kv-cache-memory", str(10**20)], "--kv-cache-memory=100,000,000,000,000,000,000 bytes is more than"),
     ],
 )
 def test_bad_input_exits_2_naming_the_flag(flags, message, smollm2):

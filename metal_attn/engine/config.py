@@ -126,6 +126,11 @@ class EngineConfig:
         if self.num_blocks is not None:
             return self.num_blocks, f"num_blocks={self.num_blocks}"
         if self.kv_cache_memory is not None:
+            if device_memory and self.kv_cache_memory > device_memory:
+                raise InvalidInputError(
+                    f"kv_cache_memory={self.kv_cache_memory:,} bytes is more than this device's {device_memory:,} "
+                    f"(allowed: a budget the device holds, or kv_cache_fraction)"
+                )
             budget, source = self.kv_cache_memory, f"kv_cache_memory={self.kv_cache_memory:,} bytes"
         elif device_memory:
             budget = int(device_memory * self.kv_cache_fraction)
