@@ -367,6 +367,20 @@ def _smoke(device: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _unknown_provider_settings(settings: Any, registered: list[str]) -> list[str]:
+    """Provider names in METAL_ATTN_PROVIDER / METAL_ATTN_DISABLED_PROVIDERS that no provider has
+    (a typo there disables nothing, or fails every call only once one runs)."""
+    known = ", ".join(registered)
+    out = []
+    if settings.provider is not None and settings.provider not in registered:
+        out.append(f"METAL_ATTN_PROVIDER={settings.provider!r} is not a registered provider (registered: {known})")
+    for name in settings.disabled_providers:
+        if name not in registered:
+            out.append(f"METAL_ATTN_DISABLED_PROVIDERS names {name!r}, not a registered provider, so it disables "
+                       f"nothing (registered: {known})")
+    return out
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from metal_attn.api import providers
     from metal_attn.device import current_device, probe
@@ -396,6 +410,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         f"kernel {f['provider']} {tuple(f['specialization'])} failed to build: {f['reason']}" for f in failures
     ]
     problems += [f"smoke {s['phase']}: {s['error']}" for s in smoke if not s["ok"]]
+    problems += _unknown_provider_settings(settings, [e.provider.name for e in registry.entries])
     if not any(p["enabled"] and p["available"] for p in provs):
         problems.append("no provider is enabled and available on this device")
     report = {

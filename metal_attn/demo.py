@@ -64,6 +64,8 @@ class DemoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64:
+            raise InvalidInputError(f"seed={self.seed!r} (allowed: an int from 0 to 2**64 - 1, MLX's seed range)")
         if self.num_heads % self.num_kv_heads:
             raise InvalidInputError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} "

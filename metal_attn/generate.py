@@ -66,9 +66,12 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     prompts = list(args.prompt or [])
     if args.prompts_file is not None:
         try:
-            lines = args.prompts_file.read_text().splitlines()
+            lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
         except OSError as exc:
             parser.error(f"--prompts-file={str(args.prompts_file)!r} could not be read ({exc.strerror})")
+        except UnicodeDecodeError as exc:
+            parser.error(f"--prompts-file={str(args.prompts_file)!r} is not UTF-8 text (byte {exc.start}; "
+                         "allowed: a text file, one prompt per line)")
         prompts += [line for line in lines if line.strip()]
         if not lines or not any(line.strip() for line in lines):
             parser.error(f"--prompts-file={str(args.prompts_file)!r} holds no prompt (allowed: one per line)")

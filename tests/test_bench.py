@@ -479,6 +479,16 @@ def test_generate_suite_refuses_an_unknown_candidate_before_loading_a_model(caps
             "engine_no_chains, batch_generator, generate_step)") in err
 
 
+@pytest.mark.parametrize("value", ["0", "abc", "1.5", "nan", "1,,8", "-2", ""])
+def test_generate_suite_refuses_a_bad_concurrency_before_loading_a_model(capsys, monkeypatch, value):
+    """``0`` used to fail with an IndexError after the model loaded, ``''`` to run the defaults (25 min)."""
+    from metal_attn.bench import generate
+
+    monkeypatch.setattr(generate, "load_bench_model", lambda *a: pytest.fail("the model was loaded"))
+    assert cli.main(["--suite", "generate", "--concurrency", value]) == 2
+    assert f"--concurrency {value!r} (allowed: whole numbers >= 1, comma-separated" in capsys.readouterr().err
+
+
 def test_generate_rounds_alternate_the_order_and_report_the_median_ratio(monkeypatch):
     """``--repeat`` on the generate suite: every candidate once a round, the order reversed every other
     round, and each ratio the median of the rounds' own ratios (a drifting host weighs on both)."""

@@ -90,6 +90,7 @@ def test_pytest_benchmark_json_gets_peer_and_ceiling_ratios() -> None:
         (_baseline({"c": {"x_ratio": 0}}), "entries['c']['x_ratio']=0 (allowed: a finite number > 0)"),
         (_baseline({"c": {"x_ratio": 1.0}}, run={"iters": 0}), "run['iters']=0 (allowed: int >= 1)"),
         (_baseline({"c": {"x_ratio": 1.0}}, run={"speed": 1}), "run has the option 'speed'"),
+        (_baseline({"c": {"x_ratio": 1.0}}, created="abc"), "created='abc' (allowed: an object"),
     ],
 )
 def test_bad_baselines_say_what_is_wrong(tmp_path, data, message) -> None:
@@ -349,6 +350,10 @@ def test_saved_repeats_and_several_saved_runs_give_medians_over_every_repeat(tmp
         (["--write-baseline", "x.json", "--suite", "smoke"], "measures nothing, so --suite cannot apply"),
         (["--compare", "x.json", "--margin", "0.5"], "--ratios and --margin go with --write-baseline"),
         (["--write-baseline", "x.json", "--margin", "1.5"], "--margin=1.5 (allowed: a number >= 0 and < 1"),
+        # measuring options and outputs a saved run cannot use were dropped without a word
+        (["--compare", "x.json", "--json"], "so --json would be ignored"),
+        (["--compare", "x.json", "--markdown", "--iters", "3"], "so --markdown, --iters would be ignored"),
+        (["--write-baseline", "x.json", "--warmup", "0"], "so --warmup would be ignored"),
     ],
 )
 def test_saved_run_usage_errors_exit_2(tmp_path, capsys, extra, message) -> None:
@@ -437,3 +442,61 @@ def test_a_kernel_falling_to_the_reference_path_fails_the_comparison(tmp_path, c
     assert sum(r["status"] == "below" for r in auto) >= len(auto) // 2
     assert all(r["status"] == "missing" for r in rows if r["case"].endswith(" / classic"))
     assert "BELOW FLOOR" in out and f"margin {base.margin:g}" in out
+
+
+# -- bad files and paths -------------------------------------------------------------------------------
+
+
+def test_a_file_that_is_not_text_is_an_error(tmp_path) -> None:
+    path = tmp_path / "bin.json"
+    path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(BaselineError, match=r"bin.json: not a text file \(not UTF-8 at byte 0\); the baseline"):
+        baselines.load(path)
+    with pytest.raises(BaselineError, match=r"bin.json: not a text file .* the saved run is JSON"):
+        baselines.load_run(path)
+
+
+def _saved(candidate: dict) -> dict:
+    return {"machine": {"backend": "cpu"}, "suites": [{"name": "smoke", "results": [
+        {"shape": {"label": "decode"}, "candidates": [{"name": "auto", "kind": "provider", "status": "ok",
+                                                       **candidate}]}]}]}
+
+
+@pytest.mark.parametrize(("candidate", "message"), [
+    # a NaN ratio passed every comparison (NaN < floor is False) and made baselines their loader refused
+    ({"ratios": {"x_ratio": float("nan")}}, "candidate 'auto' has ratios['x_ratio']=nan (allowed: a finite number"),
+    ({"ratios": {"x_ratio": -3.0}}, "candidate 'auto' has ratios['x_ratio']=-3.0 (allowed: a finite number > 0)"),
+    ({"ratios": [1]}, "a candidate without name, kind, status, numeric ratios (an object) and reasons (a list)"),
+    ({"ratios": {}, "reasons": 5}, "a candidate without name, kind, status, numeric ratios (an object)"),
+])
+def test_bad_saved_runs_say_what_is_wrong(candidate, message) -> None:
+    with pytest.raises(BaselineError) as err:
+        baselines.parse_run(_saved(candidate), "run.json")
+    assert str(err.value).startswith("run.json: suites[0].results[0]: ") and message in str(err.value)
+
+
+def test_a_saved_run_whose_argv_is_not_a_command_line_has_none() -> None:
+    data = _saved({"ratios": {"x_ratio": 1.0}}) | {"argv": [1, 2]}
+    assert baselines.parse_run(data, "run.json").argv is None
+
+
+def test_output_paths_and_empty_names_are_refused_before_anything_runs(tmp_path, capsys) -> None:
+    """They used to fail after the whole run (a traceback, the results lost), or to pass silently:
+    an unset ``--compare "$BASE"`` skipped the comparison and exited 0."""
+    folder = str(tmp_path)
+    missing = str(tmp_path / "no" / "such" / "x.json")
+    for argv, message in [
+        (["--json", folder], f"--json {folder!r} is a folder"),
+        (["--json", missing], f"--json {missing!r} cannot be written (No such file or directory)"),
+        (["--json", ""], "--json '' is empty"),
+        (["--plot", missing], f"--plot {missing!r} cannot be written"),
+        (["--write-baseline", folder], f"--write-baseline {folder!r} is a folder"),
+        (["--compare", ""], "--compare '' names no file"),
+        (["--suite", ""], "--suite '' names nothing"),
+        (["--suite", ",", "--candidates", ""], "--suite ',' names nothing"),
+        (["--candidates", ""], "--candidates '' names nothing"),
+    ]:
+        rc, out, err = _cli(capsys, *(["--suite", "smoke"] if "--suite" not in argv else []), *argv)
+        assert (rc, out) == (2, ""), (argv, rc, err)
+        assert message in err, (argv, err)
+    assert not (tmp_path / "no").exists()

@@ -209,6 +209,8 @@ BAD_FLAGS = [
     (["demo", "--heads", "6", "--kv-heads", "4"], ["--heads=6", "--kv-heads=4"]),
     (["demo", "--dtype", "int8"], ["--dtype", "'int8'", "float16"]),
     (["demo", "--seed", "-3"], ["--seed", "'-3'", "integer >= 0"]),
+    # past MLX's seed range: a nanobind TypeError traceback
+    (["demo", "--seed", str(2**64)], ["seed=18446744073709551616", "0 to 2**64 - 1"]),
     (["providers", "--device", "tpu"], ["--device", "'tpu'", "m3-10core"]),
     (["frobnicate"], ["'frobnicate'", "providers", "explain", "doctor", "settings", "demo", "bench"]),
     (["settings", "--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
@@ -345,6 +347,18 @@ def test_doctor_reports_a_kernel_failure_as_a_problem(capsys):
     assert data["kernel_failures"] == [{"provider": "reference", "specialization": ["float16", 64],
                                         "reason": "planted: clang exited with status 1"}]
     assert any("planted: clang exited with status 1" in p for p in data["problems"])
+
+
+def test_doctor_reports_provider_settings_that_name_no_provider(capsys):
+    """A typo in METAL_ATTN_DISABLED_PROVIDERS disabled nothing and METAL_ATTN_PROVIDER=nosuch failed
+    only at the first call; doctor said "no problems found" for both."""
+    with override_settings(disabled_providers=("gqa-decode",), provider="nosuch"):
+        code, data = run_json(capsys, "doctor", "--no-smoke")
+    assert code == 1
+    assert any(p.startswith("METAL_ATTN_PROVIDER='nosuch' is not a registered provider (registered: ")
+               for p in data["problems"])
+    assert any(p.startswith("METAL_ATTN_DISABLED_PROVIDERS names 'gqa-decode', not a registered provider, so it "
+                            "disables nothing") for p in data["problems"])
 
 
 # -- demo ------------------------------------------------------------------------------------------
@@ -597,3 +611,18 @@ def test_bench_runs_the_real_benchmark_module_when_present(capsys):
     code, out, _ = run(capsys, "bench", "--list")
     assert code == 0
     assert out.strip()
+
+
+def test_a_prompts_file_that_is_not_text_is_refused_naming_the_flag(tmp_path, capsys):
+    """It raised UnicodeDecodeError with a traceback."""
+    import argparse
+
+    from metal_attn.generate import _read_prompts
+
+    path = tmp_path / "bin.txt"
+    path.write_bytes(b"\xff\xfe hello\n")
+    parser = argparse.ArgumentParser(prog="metal-attn generate")
+    with pytest.raises(SystemExit) as exc:
+        _read_prompts(argparse.Namespace(prompt=None, prompts_file=path), parser)
+    assert exc.value.code == 2
+    assert f"--prompts-file={str(path)!r} is not UTF-8 text (byte 0; allowed: a text file" in capsys.readouterr().err

@@ -185,11 +185,15 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
                 try:
                     name, kind, status = c["name"], c["kind"], c["status"]
                     ratios = {k: float(v) for k, v in (c.get("ratios") or {}).items()}
-                except (TypeError, KeyError, ValueError):
-                    raise bad(f"suites[{i}].results[{j}]: a candidate without name, kind, status and numeric "
-                              "ratios") from None
+                    reasons = tuple(str(x) for x in c.get("reasons") or ())
+                except (TypeError, KeyError, ValueError, AttributeError):
+                    raise bad(f"suites[{i}].results[{j}]: a candidate without name, kind, status, numeric "
+                              "ratios (an object) and reasons (a list)") from None
+                for k, v in ratios.items():
+                    if not _positive_ratio(v):
+                        raise bad(f"suites[{i}].results[{j}]: candidate {name!r} has ratios[{k!r}]={v!r} "
+                                  "(allowed: a finite number > 0)")
                 case = case_id(suite["name"], label, name)
-                reasons = tuple(str(x) for x in c.get("reasons") or ())
                 candidates.setdefault(case, (kind, []))[1].append(RunCase(status, reasons, ratios))
                 check = c.get("check")
                 if status == "error":
@@ -212,7 +216,9 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
     repeats = max(names.count(n) for n in distinct)
     if repeats > 1:
         run["repeat"] = repeats
-    return SavedRun(path, dict(machine), list(argv) if isinstance(argv, list) else None, distinct,
+    if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
+        argv = None  # not recorded, or not a command line: the baseline's note says so
+    return SavedRun(path, dict(machine), argv, distinct,
                     first.get("mode"), first.get("iters"), interrupted,
                     {c: (kind, tuple(rs)) for c, (kind, rs) in candidates.items()}, tuple(problems), run,
                     repeats=repeats)
@@ -221,9 +227,11 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
 def _read_json(path: str | Path, what: str) -> Any:
     """The decoded JSON of ``path`` (`BaselineError` with the path when it cannot be read or is not JSON)."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise BaselineError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise BaselineError(f"{path}: not a text file (not UTF-8 at byte {exc.start}); the {what} is JSON") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -358,8 +366,11 @@ def parse(data: Any, path: str = "<baseline>") -> Baseline:
             want = kind.__name__ + (f" >= {low}" if low is not None else "")
             raise bad(f"run[{k!r}]={v!r} (allowed: {want})")
     note = data.get("note", "")
+    created = data.get("created") or {}
+    if not isinstance(created, dict):
+        raise bad(f"created={created!r} (allowed: an object, what wrote the baseline and when)")
     return Baseline(path, mc, tuple(suites), margin, {c: dict(r) for c, r in entries.items()},
-                    note if isinstance(note, str) else str(note), dict(data.get("created") or {}), dict(run))
+                    note if isinstance(note, str) else str(note), dict(created), dict(run))
 
 
 def load(path: str | Path) -> Baseline:

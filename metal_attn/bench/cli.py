@@ -401,12 +401,59 @@ def _problems(results: Sequence[SuiteResult]) -> list[str]:
     return out
 
 
+def _cannot_write(path: str) -> str | None:
+    """Why ``path`` cannot be written, or ``None``: tried now (opened for appending, and removed
+    again if this made it), so a run never measures for minutes and then fails to save."""
+    if not path:
+        return "is empty"
+    p = Path(path)
+    if p.is_dir():
+        return "is a folder"
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc})"
+    if not existed:
+        p.unlink(missing_ok=True)
+    return None
+
+
+def _check_usage(args: argparse.Namespace, err: TextIO) -> int | None:
+    """Exit 2 naming the flag, before anything runs: an output path that cannot be written, or an
+    empty value where a file or a name is needed (an unset ``--compare "$BASE"`` must not pass)."""
+    for flag, attr in (("--json", "json"), ("--plot", "plot"), ("--write-baseline", "write_baseline")):
+        value = getattr(args, attr, None)
+        if value is None or (attr == "json" and value == "-"):
+            continue
+        why = _cannot_write(value)
+        if why:
+            print(f"metal-attn bench: error: {flag} {value!r} {why} (allowed: a file path in a writable folder)",
+                  file=err)
+            return 2
+    if getattr(args, "compare", None) == "":
+        print("metal-attn bench: error: --compare '' names no file (allowed: a baseline JSON file)", file=err)
+        return 2
+    for flag, attr in (("--suite", "suite"), ("--candidates", "candidates")):
+        values = getattr(args, attr, None)
+        values = [values] if isinstance(values, str) else values
+        if values and not [n for v in values for n in _csv(v)]:
+            print(f"metal-attn bench: error: {flag} {' '.join(map(repr, values))} names nothing (allowed: names, "
+                  "comma-separated; --list shows them)", file=err)
+            return 2
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the ``bench`` command; returns the exit code (0 ok, 1 a candidate failed or disagreed, 2 bad usage)."""
     err = sys.stderr
     if getattr(args, "list", False):
         list_suites(sys.stdout)
         return 0
+    early = _check_usage(args, err)
+    if early is not None:
+        return early
     if getattr(args, "from_json", None):
         return _from_saved_run(args, err)
     compare_to, early = _baseline_options(args, err)
@@ -499,10 +546,17 @@ def run(args: argparse.Namespace) -> int:
         if json_to_stdout:
             print(text)
         else:
-            Path(args.json).write_text(text + "\n")
-            print(f"wrote {args.json}", file=err)
+            try:
+                Path(args.json).write_text(text + "\n")
+                print(f"wrote {args.json}", file=err)
+            except OSError as exc:
+                print(f"metal-attn bench: error: --json {args.json!r}: not written ({exc.strerror or exc})", file=err)
+                return 1
     if args.plot:
-        msg = write_plot(results, args.plot)
+        try:
+            msg = write_plot(results, args.plot)
+        except OSError as exc:
+            msg = f"metal-attn bench: error: --plot {args.plot!r}: not written ({exc.strerror or exc})"
         print(msg or f"wrote {args.plot}", file=err)
     problems = _problems(results)
     for p in problems:
@@ -578,6 +632,14 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         print(f"metal-attn bench: error: --from-json {sources} measures nothing, so {', '.join(measuring)} "
               "cannot apply (the saved run's suites, shapes and candidates are used)", file=err)
         return 2
+    unused = [f for f, v in (("--json", args.json), ("--plot", args.plot), ("--markdown", args.markdown),
+                             ("--iters", args.iters), ("--warmup", args.warmup), ("--pipelined", args.pipelined))
+              if v is not None and v is not False]
+    if unused:
+        print(f"metal-attn bench: error: --from-json {sources} writes only a baseline or a comparison table, so "
+              f"{', '.join(unused)} would be ignored (allowed with --from-json: --compare or --write-baseline, "
+              "--ratios, --margin)", file=err)
+        return 2
     if compare and (args.ratios or args.margin is not None):
         print("metal-attn bench: error: --ratios and --margin go with --write-baseline", file=err)
         return 2
@@ -623,7 +685,11 @@ def _store_baseline(path: str, margin: float, why_not: str | None, build: Callab
     except baselines.BaselineError as exc:
         print(f"metal-attn bench: error: --write-baseline {path}: {exc}", file=err)
         return False
-    baselines.write(path, data)
+    try:
+        baselines.write(path, data)
+    except OSError as exc:
+        print(f"metal-attn bench: error: --write-baseline {path}: not written ({exc.strerror or exc})", file=err)
+        return False
     print(f"wrote baseline {path}: {len(data['entries'])} cases, machine class {data['machine_class']}, "
           f"margin {margin:g}", file=err)
     return True

@@ -354,6 +354,16 @@ HEADER = ("| workload | concurrency | candidate | prompt | generated each | gene
           "mean TTFT ms | peak GiB |\n|---|---|---|---|---|---|---|---|---|")
 
 
+def _concurrencies(text: str | None, backend: str) -> list[int] | None:
+    """``--concurrency`` as ints (the backend's default when not given), or ``None`` when malformed."""
+    if text is None:
+        text = "1,8,32,64" if backend != "cpu" else "1,8,32"
+    items = [x.strip() for x in text.split(",")]
+    if not items or not all(x.isdigit() and int(x) >= 1 for x in items):
+        return None
+    return [int(x) for x in items]
+
+
 def run(args: Any) -> int:
     """The ``--suite generate`` path of ``metal-attn bench``: prints each row as it completes."""
     import json
@@ -362,7 +372,11 @@ def run(args: Any) -> int:
 
     candidates = _candidates(args.candidates)  # a bad name is refused before the model loads
     backend = current_device().backend
-    concurrencies = [int(x) for x in (args.concurrency or ("1,8,32,64" if backend != "cpu" else "1,8,32")).split(",")]
+    concurrencies = _concurrencies(args.concurrency, backend)
+    if concurrencies is None:
+        print(f"metal-attn bench: error: --concurrency {args.concurrency!r} (allowed: whole numbers >= 1, "
+              "comma-separated, e.g. 1,8,32)", file=sys.stderr)
+        return 2
     prompt_len = args.prompt_len or (512 if backend != "cpu" else 32)
     gen = args.gen_tokens or (128 if backend != "cpu" else 32)
     model, label = load_bench_model(backend, getattr(args, "num_layers", None))
@@ -389,8 +403,13 @@ def run(args: Any) -> int:
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+            try:
+                with open(args.json, "w") as f:
+                    f.write(text + "\n")
+            except OSError as exc:
+                print(f"metal-attn bench: error: --json {args.json!r}: not written ({exc.strerror or exc})",
+                      file=sys.stderr)
+                return 1
     return 0
 
 
