@@ -450,6 +450,11 @@ def _device_arg(device: DeviceInfo | str | None) -> DeviceInfo:
         return current_device()
     if isinstance(device, str):
         return DeviceInfo.preset(device)
+    if not isinstance(device, DeviceInfo):
+        raise InvalidInputError(
+            f"device={device!r} (allowed: a metal_attn.DeviceInfo, a preset name such as 'h200' or 'm5-max', "
+            "or None for this machine)"
+        )
     return device
 
 
@@ -473,6 +478,12 @@ def explain(
         request = AttentionRequest.from_lengths(**request_fields)
     elif request_fields:
         raise InvalidInputError("pass either an AttentionRequest or its fields, not both")
+    elif not isinstance(request, AttentionRequest):
+        raise InvalidInputError(
+            f"request={request!r} (allowed: a metal_attn.AttentionRequest, or its fields as keywords)"
+        )
+    if provider is not None and not isinstance(provider, str):
+        raise InvalidInputError(f"provider={provider!r} (allowed: a provider name as a str, or None)")
     return get_registry().explain(request, dev, get_settings(), forced=provider)
 
 

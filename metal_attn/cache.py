@@ -567,9 +567,13 @@ class PagedKVCache:
     def put_pools(self, pools: Sequence[mx.array]) -> None:
         """Give the cache its pools back (`take_pools`' layout), e.g. a compiled step's new pools."""
         want = self.pool_shape
-        if len(pools) != 2 * self.num_layers or any(tuple(a.shape) != want or a.dtype != self.dtype for a in pools):
+        if len(pools) != 2 * self.num_layers or any(
+            type(a) is not mx.array or tuple(a.shape) != want or a.dtype != self.dtype for a in pools
+        ):
             raise InvalidInputError(
-                f"put_pools needs {2 * self.num_layers} pools of shape {want} and dtype {dtype_name(self.dtype)}"
+                f"put_pools needs {2 * self.num_layers} mx.array pools of shape {want} and dtype "
+                f"{dtype_name(self.dtype)} (got {len(pools)}: {', '.join(type(a).__name__ for a in pools[:4])}"
+                f"{', ...' if len(pools) > 4 else ''})"
             )
         self._k = list(pools[0::2])
         self._v = list(pools[1::2])

@@ -393,3 +393,19 @@ def test_unhashable_features_get_the_argument_error(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(InvalidInputError, match=name):
         metal_attn.paged_attention(q, k, k, metadata=md, **kwargs)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    # each raised AttributeError from deep inside (or explained 'str' has no 'backend' for every provider)
+    (lambda: metal_attn.explain("not a request"), "request='not a request' (allowed: a metal_attn.AttentionRequest"),
+    (lambda: metal_attn.explain(device=5), "device=5 (allowed: a metal_attn.DeviceInfo, a preset name"),
+    (lambda: metal_attn.providers(5), "device=5 (allowed: a metal_attn.DeviceInfo"),
+    (lambda: metal_attn.explain(q_lens=[1], seq_lens=[4], provider=["classic"]),
+     "provider=['classic'] (allowed: a provider name as a str"),
+    (lambda: metal_attn.PagedKVCache(1, 4, 16, 1, 16, dtype=mx.float32).put_pools([1, 2]),
+     "put_pools needs 2 mx.array pools of shape (4, 16, 1, 16) and dtype float32 (got 2: int, int)"),
+])
+def test_explain_providers_and_put_pools_name_a_wrong_argument(call, message) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        call()
+    assert message in str(info.value)
