@@ -475,6 +475,13 @@ static void attend_chunk_n(int nq, const ChunkRows& rows, int64_t head_bytes, in
   }
 }
 
+// A NaN or +inf sink makes its head's outputs NaN, as the float64 oracle's softmax does (+inf - +inf);
+// without this an infinite sink took all the weight and the output was a finite 0. A -inf sink is
+// no sink (exp(-inf) = 0), as in the oracle.
+static inline bool sink_poisons(const Job& job, int h) {
+  return job.sinks != nullptr && !(job.sinks[h] < INFINITY);
+}
+
 // ---- one work unit ---------------------------------------------------------------------
 
 template <int DT>
@@ -619,6 +626,10 @@ static void attend_unit_t(const Job& job, const Unit& u, float* work) {
         for (int d = 0; d < D; ++d) po[d] = a[d] * inv;
       } else {
         const int64_t ob = (t * job.H + h) * D;
+        if (sink_poisons(job, h)) {
+          for (int d = 0; d < D; ++d) store_scalar<DT>(job.out, ob + d, NAN);
+          continue;
+        }
         for (int d = 0; d < D; ++d) store_scalar<DT>(job.out, ob + d, a[d] * inv);
       }
     }
@@ -666,6 +677,10 @@ static void reduce_item_t(const Job& job, int item) {
   if (job.sinks != nullptr) total += std::exp2(sink_l2 - gmax);
   const float inv = 1.0f / (total + kEps);
   const int64_t ob = (t * job.H + h) * D;
+  if (sink_poisons(job, h)) {
+    for (int d = 0; d < D; ++d) store_scalar<DT>(job.out, ob + d, NAN);
+    return;
+  }
   for (int d = 0; d < D; ++d) store_scalar<DT>(job.out, ob + d, accum[d] * inv);
 }
 

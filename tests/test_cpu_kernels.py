@@ -7,6 +7,7 @@ directly, and the provider path through `metal_attn.paged_attention`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -612,3 +613,18 @@ def test_paged_cache_writes_in_place_through_the_api():
         assert float(k[0, 5 * i, 1, 7]) == i + 1 and float(v[0, 5 * i, 0, 0]) == -(i + 1)
         del k, v
     assert metal_attn.diagnostics.last_cache_write().provider == "classic"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the oracle's inf - inf
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("split", [0, constants.PARTITION_SIZE], ids=["ps0", "ps512"])
+def test_non_finite_sinks_follow_the_oracle(isa, split):
+    """A +inf or NaN sink makes its head NaN, as the oracle does; -inf is no sink. A +inf sink used to
+    take all the weight and give a finite 0."""
+    case = _case(q_lens=[1, 5], seq_lens=[700, 40], num_heads=4, num_kv_heads=2, sinks=True)
+    sinks = np.array([0.5, np.inf, np.nan, -np.inf], dtype=np.float32)
+    case = dataclasses.replace(case, sinks=mx.array(sinks), host={**case.host, "sinks": sinks})
+    out = _native_run(case, partition_size=split, isa=isa)
+    ref = case.oracle()
+    assert np.isnan(np.asarray(ref)[:, 1:3]).all() and np.isfinite(np.asarray(ref)[:, [0, 3]]).all()
+    assert_close_to_oracle(out, ref, "float32", label=f"sinks/{isa}/ps{split}")
