@@ -197,8 +197,9 @@ class AttentionMetadata:
             raise InvalidInputError(f"seq_lens.shape={tuple(seq_lens.shape)} (need ({n},), one length per table row)")
         block_tables = block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32)
         seq_lens = seq_lens if seq_lens.dtype == mx.int32 else seq_lens.astype(mx.int32)
-        if not 1 <= max_seq_len <= 2**31 - 1:
-            raise InvalidInputError(f"max_seq_len={max_seq_len} (allowed: 1..2^31-1)")
+        if not (isinstance(max_seq_len, (int, np.integer)) and not isinstance(max_seq_len, bool)
+                and 1 <= max_seq_len <= 2**31 - 1):
+            raise InvalidInputError(f"max_seq_len={max_seq_len!r} (allowed: an int in 1..2^31-1)")
         lens = (int(max_seq_len),) * n
         return cls(
             block_tables=block_tables,
@@ -242,10 +243,17 @@ class AttentionMetadata:
         if self.lengths_are_bounds:
             raise InvalidInputError("with_new_pages: decode_bounds metadata has no host copy of its table")
         n = self.num_seqs
-        for row, (col, block) in pages.items():
-            if not (0 <= row < n and col >= 0 and 0 <= block < 2**31):
-                raise InvalidInputError(f"with_new_pages: row {row}, column {col}, block {block} (allowed: a row in "
-                                        f"0..{n - 1}, a column >= 0, a block id in 0..2^31-1)")
+        if not isinstance(pages, Mapping):
+            raise InvalidInputError(f"with_new_pages: pages={pages!r} (allowed: a mapping row -> (column, block id))")
+
+        def whole(x: object) -> bool:
+            return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+        for row, entry in pages.items():
+            ok = isinstance(entry, (tuple, list)) and len(entry) == 2 and all(whole(x) for x in (row, *entry))
+            if not (ok and 0 <= row < n and entry[0] >= 0 and 0 <= entry[1] < 2**31):
+                raise InvalidInputError(f"with_new_pages: row {row!r} -> {entry!r} (allowed: a row in 0..{n - 1} "
+                                        "-> (a column >= 0, a block id in 0..2^31-1), whole numbers)")
         host = self._block_tables_host
         width = max([host.shape[1]] + [col + 1 for col, _ in pages.values()])
         widest = max([width, *self._padded_tables])
@@ -273,9 +281,11 @@ class AttentionMetadata:
         if len(lens) != n or any(b != a + 1 for a, b in zip(self.seq_lens_host, lens)):
             raise InvalidInputError(f"next_decode_step: seq_lens_host={lens[:8]} (allowed: each of "
                                     f"{self.seq_lens_host[:8]} plus one, {n} in all)")
-        if tuple(seq_lens.shape) != (n,) or seq_lens.dtype != mx.int32:
-            got = f"{str(seq_lens.dtype).removeprefix('mlx.core.')} {tuple(seq_lens.shape)}"
-            raise InvalidInputError(f"next_decode_step: seq_lens {got} (allowed: int32 ({n},))")
+        if type(seq_lens) is not mx.array or tuple(seq_lens.shape) != (n,) or seq_lens.dtype != mx.int32:
+            dtype = str(getattr(seq_lens, "dtype", "?")).removeprefix("mlx.core.")
+            got = f"{type(seq_lens).__name__} of {dtype} {tuple(getattr(seq_lens, 'shape', ()))}"
+            raise InvalidInputError(f"next_decode_step: seq_lens is an {got} (allowed: an int32 mx.array of shape "
+                                    f"({n},))")
         out = dataclasses.replace(self, seq_lens=seq_lens, seq_lens_host=lens,
                                   phase=classify_phase(self.q_lens_host, lens), length_plan=length_plan(lens))
         out._padded_tables.update(self._padded_tables)

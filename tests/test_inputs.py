@@ -409,3 +409,26 @@ def test_explain_providers_and_put_pools_name_a_wrong_argument(call, message) ->
     with pytest.raises(InvalidInputError) as info:
         call()
     assert message in str(info.value)
+
+
+def _md() -> AttentionMetadata:
+    return AttentionMetadata.build(np.array([[0, 1], [2, 3]], np.int32), np.array([3, 4], np.int32),
+                                   np.array([0, 1, 2], np.int32))
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    # IndexError, TypeError or AttributeError from inside, or a float accepted as a bound
+    (lambda: _md().with_new_pages({0: (1,)}), "with_new_pages: row 0 -> (1,) (allowed: a row in 0..1 -> (a column"),
+    (lambda: _md().with_new_pages({0: (0, 1.5)}), "with_new_pages: row 0 -> (0, 1.5)"),
+    (lambda: _md().with_new_pages([1, 2]), "with_new_pages: pages=[1, 2] (allowed: a mapping"),
+    (lambda: _md().next_decode_step(np.array([4, 5], np.int32), [4, 5]),
+     "next_decode_step: seq_lens is an ndarray of int32 (2,) (allowed: an int32 mx.array of shape (2,))"),
+    (lambda: AttentionMetadata.decode_bounds(mx.array([[0, 1]]), mx.array([3]), max_seq_len="10"),
+     "max_seq_len='10' (allowed: an int in 1..2^31-1)"),
+    (lambda: AttentionMetadata.decode_bounds(mx.array([[0, 1]]), mx.array([3]), max_seq_len=10.5),
+     "max_seq_len=10.5 (allowed: an int in 1..2^31-1)"),
+])
+def test_metadata_step_helpers_name_a_wrong_argument(call, message) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        call()
+    assert message in str(info.value)
