@@ -388,6 +388,21 @@ def _check_unknown_env(environ: dict[str, str]) -> list[str]:
     return messages
 
 
+def _check_alias_conflicts(environ: dict[str, str]) -> list[str]:
+    """A message for each setting whose names (ours, then upstream aliases) are set to different
+    values: the first is read, by design, and the others would be ignored without a word."""
+    by_field: dict[str, list[str]] = {}
+    for var, field in env_names().items():
+        if var in environ:
+            by_field.setdefault(field, []).append(var)
+    messages = []
+    for names in by_field.values():
+        if len({environ[n].strip() for n in names}) > 1:
+            ignored = ", ".join(f"{n}={environ[n]!r}" for n in names[1:])
+            messages.append(f"{names[0]}={environ[names[0]]!r} is used and {ignored} ignored (they disagree)")
+    return messages
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     names = env_names()
@@ -429,11 +444,14 @@ def _warn_reserved(settings: Settings, changed: Any = None) -> None:
 def load_settings(**overrides: Any) -> Settings:
     """Read the environment (and ``overrides``), warn about unknown names and reserved settings in
     use, validate."""
-    for msg in _check_unknown_env(dict(os.environ)):
-        warnings.warn(msg, UserWarning, stacklevel=3)
-        from metal_attn.log import get_logger
+    environ = dict(os.environ)
+    for event, messages in (("unknown_setting", _check_unknown_env(environ)),
+                            ("conflicting_setting", _check_alias_conflicts(environ))):
+        for msg in messages:
+            warnings.warn(msg, UserWarning, stacklevel=3)
+            from metal_attn.log import get_logger
 
-        get_logger().warning("unknown_setting", reason=msg)
+            get_logger().warning(event, reason=msg)
     try:
         loaded = Settings(**overrides)
     except ValidationError as err:

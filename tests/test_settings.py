@@ -118,8 +118,17 @@ def test_upstream_aliases(monkeypatch, alias, field):
 
 
 def test_our_name_wins_over_the_upstream_alias(monkeypatch):
-    s = load(monkeypatch, METAL_ATTN_DISABLE_NAX="0", VLLM_METAL_DISABLE_NAX="1")
+    with pytest.warns(UserWarning, match=r"METAL_ATTN_DISABLE_NAX='0' is used and VLLM_METAL_DISABLE_NAX='1' "
+                                         r"ignored \(they disagree\)"):
+        s = load(monkeypatch, METAL_ATTN_DISABLE_NAX="0", VLLM_METAL_DISABLE_NAX="1")
     assert s.disable_nax is False
+
+
+def test_an_ignored_alias_with_a_bad_value_is_warned_about(monkeypatch):
+    """It was ignored without a word: the alias value 'maybe' is not even a boolean."""
+    with pytest.warns(UserWarning, match=r"VLLM_METAL_DISABLE_NAX='maybe' ignored"):
+        s = load(monkeypatch, METAL_ATTN_DISABLE_NAX="1", VLLM_METAL_DISABLE_NAX="maybe")
+    assert s.disable_nax is True
 
 
 @pytest.mark.parametrize(
