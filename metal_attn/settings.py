@@ -355,7 +355,8 @@ def allowed_values(field: Any) -> str:
     elif ann is Path:
         text = "a folder path"
     else:
-        text = "text"
+        pattern = next((getattr(m, "pattern", None) for m in field.metadata if getattr(m, "pattern", None)), None)
+        text = f"text matching {pattern}" if pattern else "text"
     return text + (" (or unset)" if nullable else "")
 
 
