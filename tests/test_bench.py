@@ -590,3 +590,12 @@ def test_variant_names_parse() -> None:
     assert core.parse_variant("auto[cuda_chains=0; partition_size = 256]") == (
         "auto", {"cuda_chains": "0", "partition_size": "256"})
     assert core.parse_variant("auto") is None
+
+
+def test_a_gpu_suite_is_refused_on_the_cpu(capsys):
+    """It used to run for minutes, timing GPU-sized shapes on the CPU's reference paths."""
+    if core.current_device().backend != "cpu":
+        pytest.skip("the refusal is the CPU backend's")
+    assert cli.main(["--suite", "smoke,decode-gpu", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--suite decode-gpu needs a GPU backend (this is cpu; allowed here: " in err and "decode-cpu" in err

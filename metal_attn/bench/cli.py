@@ -477,6 +477,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"metal-attn bench: error: {exc}", file=err)
         return 2
+    backend = current_device().backend
+    misplaced = [s.name for s in suites if s.target == "gpu" and backend == "cpu"]
+    if misplaced:
+        # They used to run here for minutes, timing GPU-sized shapes on the CPU's reference paths.
+        print(f"metal-attn bench: error: --suite {','.join(misplaced)} needs a GPU backend (this is {backend}; "
+              f"allowed here: {', '.join(s.name for s in SUITES.values() if s.target != 'gpu')})", file=err)
+        return 2
     patterns = _csv(args.shapes) if args.shapes else None
     chosen = [(s, s.select(patterns)) for s in suites]
     for s, shapes in chosen:
