@@ -207,7 +207,8 @@ def paged_attention(
         _check_tensors(q, k_cache, v_cache, md)
     num_heads = q.shape[1]
     _check_features(num_heads, scale, sinks, sliding_window, softcap, provider)
-    if hit is None:
+    first = hit is None
+    if first:
         hit = _select(md, q, k_cache, num_heads, sinks, sliding_window, softcap, provider)
         md._selections[key] = hit
     sel, eff_md, ratio, record, poison = hit
@@ -228,7 +229,9 @@ def paged_attention(
         float(softcap) if softcap is not None else None,
     )
     out = sel.provider.run(inputs, sel.plan)
-    if type(out) is not mx.array or out.shape != q.shape or out.dtype != q.dtype:
+    # The provider's output contract, checked on a selection's first call (not on the hot path).
+    if first and (type(out) is not mx.array or out.shape != q.shape or out.dtype != q.dtype):
+        md._selections.pop(key, None)
         _refuse_output(sel.provider.name, out, q)
     if poison is not None:  # validate_metadata off and a table outside the pool: those rows are NaN
         out = mx.where(poison, mx.array(float("nan"), dtype=out.dtype), out)
