@@ -7,7 +7,8 @@
   geometries of the CUDA table;
 - ``classic``: geometry variants of the per-token kernel (lanes per token, unroll, heads
   per threadgroup and per simdgroup, direct or staged loads, the matrix path's launches and
-  row layouts), split and unsplit; ``matrix``: the matrix path's variants alone.
+  row layouts), split and unsplit; ``matrix``: the matrix paths' variants alone (heads as rows, and
+  keys as rows); ``matrix-auto``: those at the partition size the plan takes for each shape.
 
 Bare kernel launches (no dispatch), timed pipelined (calls queued with
 ``mx.async_eval``, one wait per sample), medians of 10 samples. Every variant's
@@ -68,6 +69,9 @@ CLASSIC_TUNINGS = (
     (G(8, 1, 4, 4, 32, 2, 1, 64, swizzle=1), 0), (G(8, 1, 4, 4, 16, 4, 1, 64, swizzle=1), 0),
     (G(8, 1, 4, 4, 16, 3, 1, 64, swizzle=1), 0), (G(8, 1, 8, 8, 32, 2, 1, 64, swizzle=1), 0),
     (G(8, 1, 8, 8, 16, 4, 1, 64, swizzle=1), 0), (G(8, 1, 8, 8, 16, 3, 1, 64, swizzle=1), 0),
+    # the keys-as-rows path (mma=2, METAL_ATTN_MMA_KEY_ROWS): 64 threads, chunks of 32, 2 or 3 in flight
+    (G(8, 1, 4, 4, 32, 2, 2, 64, swizzle=1), 0), (G(8, 1, 4, 4, 32, 3, 2, 64, swizzle=1), 0),
+    (G(8, 1, 8, 8, 32, 2, 2, 64, swizzle=1), 0), (G(8, 1, 8, 8, 32, 3, 2, 64, swizzle=1), 0),
 )
 
 
@@ -97,21 +101,28 @@ def sweep_gqa(backend: str) -> list[dict]:
     return rows
 
 
-def sweep_classic(backend: str, matrix_only: bool = False) -> list[dict]:
-    """The per-token kernel's variants on `CLASSIC_SHAPES` (``matrix_only``: its matrix path's alone)."""
+def sweep_classic(backend: str, matrix_only: bool = False, auto_partitions: bool = False) -> list[dict]:
+    """The per-token kernel's variants on `CLASSIC_SHAPES` (``matrix_only``: its matrix paths' alone;
+    ``auto_partitions``: at the route and partition size `paged_attention`'s plan takes for the shape,
+    not 512 or unsplit)."""
+    import metal_attn as ma
+
     rows = []
     for batch, h, kvh, d, n, split in CLASSIC_SHAPES:
         case = build_case(Shape(batch, h, kvh, d, n, "bfloat16"))
+        psize = 512 if split else 0
+        if auto_partitions:
+            mx.eval(ma.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata))
+            psize = ma.diagnostics.last_dispatch().partition_size
 
-        def launch(geo=None, prefetch=None, case=case, split=split):
+        def launch(geo=None, prefetch=None, case=case, psize=psize):
             return gc.launch_paged(case.q, case.k_pool, case.v_pool, case.metadata, scale=case.scale,
                                    sinks=None, sliding_window=None, softcap=None,
-                                   partition_size=512 if split else 0, backend=backend,
+                                   partition_size=psize, backend=backend,
                                    geometry_override=geo, prefetch=prefetch)
 
         ref = np.array(launch().astype(mx.float32))
-        shipped = (gc.launch_geometry(case.q, case.k_pool, case.metadata, partition_size=512 if split else 0,
-                                       backend=backend),
+        shipped = (gc.launch_geometry(case.q, case.k_pool, case.metadata, partition_size=psize, backend=backend),
                    gc.PREFETCH_NEXT.get(backend, 0))
         for g, pf in dict.fromkeys((*CLASSIC_TUNINGS, shipped)):
             if gc.geometry_problem(g, d, h // kvh, 2, backend) or (matrix_only and not g.mma):
@@ -119,7 +130,7 @@ def sweep_classic(backend: str, matrix_only: bool = False) -> list[dict]:
             err = rel_l2(launch(g, pf), ref)
             sec = pipelined_median_s(lambda g=g, pf=pf: launch(g, pf))
             row = {"kernel": "classic", "batch": batch, "heads": h, "kv_heads": kvh, "head": d, "context": n,
-                   "split": split, "geometry": list(dataclasses.astuple(g)), "prefetch": pf,
+                   "split": psize > 0, "partition": psize, "geometry": list(dataclasses.astuple(g)), "prefetch": pf,
                    "shipped": (g, pf) == shipped, "us": sec * 1e6,
                    "gbps": rates(case.shape, sec)[0], "rel_l2_vs_shipped": err}
             assert err <= 1e-2, row
@@ -136,6 +147,8 @@ def main(out_path: str, which: str = "all") -> None:
         rows += sweep_gqa(dev.backend)
     if which in ("all", "classic", "matrix"):
         rows += sweep_classic(dev.backend, matrix_only=which == "matrix")
+    if which == "matrix-auto":  # the matrix paths at the plan's own partitions
+        rows += sweep_classic(dev.backend, matrix_only=True, auto_partitions=True)
     with open(out_path, "w") as f:
         json.dump({"device": dev.describe(), "rows": rows}, f, indent=1)
 

@@ -32,6 +32,12 @@
 // as a high and a low 16-bit part, as in the tiled kernel (here the two 8-deep halves of one
 // 16-deep product on CUDA). The token simdgroups take the chunk's 8-token blocks in turn
 // (STEP = 8).
+// PA_MMA == 2 (CUDA only, MA_KEY_ROWS_MMA; staged and swizzled, 16-bit, HPW = HPS <= 8): the keys are
+// the rows of whole 16x8 tensor-core products and the group's heads their columns. Per 16 staged tokens
+// a simdgroup computes S^T = K Q^T (keys x heads) and O^T += V^T P^T, half the products of PA_MMA == 1
+// per token (whose 8x8 blocks fill half of each 16-row instruction); the online softmax runs per head
+// column (reduced over the eight lanes that hold a column) and P^T reaches the right operands through
+// an in-register transpose of each 8x8 block, as the same high and low 16-bit parts (STEP = 16).
 // Inputs : q [T, H, D], k_cache/v_cache [NB, BS, KVH, D], block_tables [S, MB] int32,
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32, sinks [H] float32,
 //          params int32 [num_seqs, num_heads, num_kv_heads, max_blocks, window, max_parts, use_sinks],
@@ -52,10 +58,12 @@ constexpr int NV = HEAD_SIZE / (4 * TPT);             // 4-element vectors per l
 constexpr int E = 4 * NV;                             // head elements per lane
 #endif
 constexpr int TPP = MA_SIMD_WIDTH / TPT;              // tokens per simdgroup pass
-constexpr int STEP = PA_MMA ? 8 : TPP * UNROLL;       // tokens per simdgroup iteration
+constexpr int STEP = PA_MMA == 2 ? 16 : PA_MMA ? 8 : TPP * UNROLL;  // tokens per simdgroup iteration
 static_assert(HPS % HPW == 0 && NUM_SG % SG_H == 0, "HPS/HPW simdgroups must divide the threadgroup");
 static_assert(!PA_MMA || (PA_STAGED && HPW == HPS && HPS <= 8 && HEAD_SIZE % 32 == 0 && sizeof(T) == 2),
               "the matrix path stages 16-bit K/V, with every head of the threadgroup in one 8-row block");
+static_assert(PA_MMA != 2 || (MA_KEY_ROWS_MMA && PA_SWIZZLE && HEAD_SIZE % 16 == 0),
+              "the keys-as-rows matrix path is CUDA's, on swizzled rows of whole 16-element tiles");
 static_assert(STAGE % (SG_T * STEP) == 0, "a staged chunk is whole iterations of every token simdgroup");
 #if !PA_STAGED
 // L2 prefetch (PREFETCH = 1): 128-byte lines per K (or V) row of one KV head.
@@ -172,7 +180,27 @@ const int t_begin = win_start;
 const int t_end = ctx;
 #endif
 
-#if PA_MMA
+#if PA_MMA == 2
+// Keys as fragment rows, heads as columns: this lane holds keys kg and kg + 8 of a 16-token block and
+// heads 2 * kq + j, j < 2 (columns >= HPS are zero: masked, never written).
+constexpr int D16 = HEAD_SIZE / 16;
+const int kg = lane >> 2;
+const int kq = lane & 3;
+// Q^T as right operands (dims x heads), in registers: dims 16 t + 2 kq + i, then those + 8, of head kg.
+ma_opnd<T> q_b[D16][2];
+ma_frag16 ofr[D16];
+for (int t = 0; t < D16; ++t) {
+  for (int j = 0; j < 2; ++j) {
+    const int64_t qa = (row_head0 + kg) * HEAD_SIZE + t * 16 + j * 8 + 2 * kq;
+    q_b[t][j] = ma_opnd_pack<T>(kg < HPS ? ma_to_float(q[qa]) : 0.0f, kg < HPS ? ma_to_float(q[qa + 1]) : 0.0f);
+  }
+  for (int i = 0; i < 4; ++i) {
+    ofr[t].v[i] = 0.0f;
+  }
+}
+float m_col[2] = {MA_NEG_FLT_MAX, MA_NEG_FLT_MAX};  // reference max of heads 2 kq + j (uniform over a column)
+float l_lane[2] = {0.0f, 0.0f};                     // this lane's share of their sums (reduced at the end)
+#elif PA_MMA
 // Heads as fragment rows: this lane's row fr (head head0 + fr; rows >= HPS are zero and
 // masked) and columns fc, fc + 1 of each 8-column block.
 constexpr int D8 = HEAD_SIZE / 8;
@@ -237,7 +265,9 @@ constexpr int ROW_COPIES = HEAD_SIZE / VEC16;          // copies per row
 static_assert(!PA_SWIZZLE || (PA_MMA && ROW_COPIES >= 8), "the swizzle is the matrix path's, on rows of 8+ pieces");
 constexpr int PITCH = HEAD_SIZE + STAGE_PAD / int(sizeof(T));
 constexpr int STAGE_ELEMS = 2 * STAGE * PITCH;
-constexpr int MERGE_ELEMS = (SG_T * HPS * HEAD_SIZE * 4 + int(sizeof(T)) - 1) / int(sizeof(T));
+// The merge's partial outputs, then its statistics (floats), once the stages are done.
+constexpr int MERGE_FLOATS = SG_T * HPS * HEAD_SIZE;
+constexpr int MERGE_ELEMS = ((MERGE_FLOATS + SG_T * HPS * 2) * 4 + int(sizeof(T)) - 1) / int(sizeof(T));
 threadgroup alignas(16) T kv_stage[STAGES * STAGE_ELEMS > MERGE_ELEMS ? STAGES * STAGE_ELEMS : MERGE_ELEMS];
 const int n_chunks = (t_end - t_begin + STAGE - 1) / STAGE;
 // Every thread copies some 16-byte pieces of the chunk's K and V rows (one address for both;
@@ -300,7 +330,73 @@ for (int u = 0; u < UNROLL; ++u) {
 {
   for (int base = t_begin + sgt * STEP; base < t_end; base += STRIDE) {
 #endif
-#if PA_MMA
+#if PA_MMA == 2
+    // This simdgroup's 16 tokens, if any is before the end (uniform over the simdgroup; those past it
+    // are zero-filled and masked).
+    if (base < t_end) {
+      const int row = (base - cb) * PITCH;
+      // S^T = K Q^T (keys x heads), the dims' tiles in two independent accumulations.
+      ma_frag16 s2[2];
+      for (int i = 0; i < 4; ++i) {
+        s2[0].v[i] = s2[1].v[i] = 0.0f;
+      }
+#pragma unroll
+      for (int t = 0; t < D16; ++t) {
+        ma_opnd<T> ka[4];
+        ma_load_a16_swz<PITCH>(kv_stage + k_tile + row, 2 * t, lane, ka);
+        ma_mma16<T>(s2[t & 1], ka, q_b[t][0], q_b[t][1]);
+      }
+      // Online softmax per head column in log2 space, with the lazy rescale (uniform branch).
+      float sc[4];
+      for (int i = 0; i < 4; ++i) {
+        const bool ok = 2 * kq + (i & 1) < HPS && base + kg + (i >> 1) * 8 < t_end;
+        sc[i] = ok ? ma_score(s2[0].v[i] + s2[1].v[i], score_scale, softcap) : MA_NEG_FLT_MAX;
+      }
+      float m_new[2];
+      bool grow = false;
+      for (int j = 0; j < 2; ++j) {
+        m_new[j] = metal::max(m_col[j], ma_frag_col_max(metal::max(sc[j], sc[j + 2])));
+        grow = grow || m_new[j] > m_col[j] + MA_RESCALE_SLACK;
+      }
+      if (simd_any(grow)) {
+        float alpha[2];
+        for (int j = 0; j < 2; ++j) {
+          alpha[j] = 1.0f;
+          if (m_new[j] > m_col[j] + MA_RESCALE_SLACK) {
+            alpha[j] = ma_rescale(m_col[j], m_new[j]);
+            m_col[j] = m_new[j];
+          }
+          l_lane[j] *= alpha[j];
+        }
+        for (int t = 0; t < D16; ++t) {
+          for (int i = 0; i < 4; ++i) {
+            ofr[t].v[i] *= alpha[i & 1];
+          }
+        }
+      }
+      float pr[4];
+      for (int i = 0; i < 4; ++i) {
+        // A masked score is exactly the sentinel: exp2 of it would be 1 when m_col is too.
+        pr[i] = sc[i] != MA_NEG_FLT_MAX ? metal::exp2(sc[i] - m_col[i & 1]) : 0.0f;
+        l_lane[i & 1] += pr[i];
+      }
+      // P^T as right operands (keys x heads): each 8x8 block (keys kg, then kg + 8) transposed in registers.
+      const ma_popnd<T> p_top = ma_popnd_pack<T>(pr[0], pr[1]);
+      const ma_popnd<T> p_bot = ma_popnd_pack<T>(pr[2], pr[3]);
+      const ma_opnd<T> b_hi0 = ma_transpose8<T>(p_top.hi);
+      const ma_opnd<T> b_hi1 = ma_transpose8<T>(p_bot.hi);
+      const ma_opnd<T> b_lo0 = ma_transpose8<T>(p_top.lo);
+      const ma_opnd<T> b_lo1 = ma_transpose8<T>(p_bot.lo);
+      // O^T += V^T P^T, one 16-dim tile of V^T per product pair.
+#pragma unroll
+      for (int t = 0; t < D16; ++t) {
+        ma_opnd<T> va[4];
+        ma_load_at16_swz<PITCH>(kv_stage + v_tile + row, 2 * t, lane, va);
+        ma_mma16<T>(ofr[t], va, b_hi0, b_hi1);
+        ma_mma16<T>(ofr[t], va, b_lo0, b_lo1);
+      }
+    }
+#elif PA_MMA
     // This simdgroup's 8 tokens, if any is before the end (uniform over the simdgroup; those past
     // it are zero-filled and masked).
     if (base < t_end) {
@@ -487,16 +583,35 @@ for (int u = 0; u < UNROLL; ++u) {
 #if PA_STAGED
 #undef MA_STAGE_CHUNK
 #undef MA_STAGE_PAGES
-// The merge reuses the stages: the last chunk's closing barrier has every thread done reading
-// them, and every copy group committed after that chunk's was empty (nothing in flight).
+// The merge (partial outputs, then statistics) reuses the stages: the last chunk's closing barrier
+// has every thread done reading them, and every copy group committed after that chunk's was empty
+// (nothing in flight).
 #define MA_MERGE_ACC(i) ma_tg_floats(kv_stage)[i]
+#define sg_stats (ma_tg_floats(kv_stage) + MERGE_FLOATS)
 #else
 threadgroup float sg_acc[SG_T * HPS * HEAD_SIZE];
 #define MA_MERGE_ACC(i) sg_acc[i]
+threadgroup float sg_stats[SG_T * HPS * 2];
 #endif
 
-threadgroup float sg_stats[SG_T * HPS * 2];
-#if PA_MMA
+#if PA_MMA == 2
+// Each token simdgroup's state: (max, sum) per head column, its O^T fragments.
+for (int j = 0; j < 2; ++j) {
+  const float l_col = ma_frag_col_sum(l_lane[j]);
+  const int h = 2 * kq + j;
+  if (h < HPS) {
+    const int slot = sgt * HPS + h;
+    if (kg == 0) {
+      sg_stats[slot * 2] = m_col[j];
+      sg_stats[slot * 2 + 1] = l_col;
+    }
+    for (int t = 0; t < D16; ++t) {
+      MA_MERGE_ACC(slot * HEAD_SIZE + t * 16 + kg) = ofr[t].v[j];
+      MA_MERGE_ACC(slot * HEAD_SIZE + t * 16 + kg + 8) = ofr[t].v[2 + j];
+    }
+  }
+}
+#elif PA_MMA
 // Each token simdgroup's state: (max, sum) per head row, its O fragments.
 const float l_row = ma_frag_row_sum(l_lane);
 if (head_ok) {
@@ -582,6 +697,9 @@ for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
 #endif
 }
 #undef MA_MERGE_ACC
+#if PA_STAGED
+#undef sg_stats
+#endif
 #if PA_FUSED
 MA_FUSED_REDUCE()
 #undef MA_FUSED_REDUCE

@@ -378,6 +378,58 @@ MA_FUNC void ma_mma_p(ma_frag8& d, ma_popnd<U> a, ma_opnd<U> b) {
   ma_mma_op<U>::mma(d.v[0], d.v[1], z0, z1, a.hi, 0u, a.lo, 0u, b.p, b.p);
 }
 
+// Keys as the rows of whole m16n8k16 products (the per-token kernel's PA_MMA == 2, CUDA only; Metal's
+// simdgroup matrices are 8x8, so the Metal prelude leaves MA_KEY_ROWS_MMA 0): 16 keys x 8 query heads per
+// product. Accumulators (ma_frag16) hold four floats a lane: v[i] at (row lane / 4, column 2 * (lane % 4)
+// + i), v[2 + i] at row lane / 4 + 8. Left operands are whole 16x16 tiles (four registers: rows 0..7 and
+// 8..15 of k 0..7, then of k 8..15); right operands two registers (k 2 * (lane % 4) + i, then + 8; column
+// lane / 4).
+#define MA_KEY_ROWS_MMA 1
+struct ma_frag16 {
+  float v[4];
+};
+template <typename U>
+MA_FUNC void ma_mma16(ma_frag16& d, const ma_opnd<U> (&a)[4], ma_opnd<U> b0, ma_opnd<U> b1) {
+  ma_mma_op<U>::mma(d.v[0], d.v[1], d.v[2], d.v[3], a[0].p, a[1].p, a[2].p, a[3].p, b0.p, b1.p);
+}
+// Reduce over the eight lanes that hold one accumulator column.
+MA_FUNC float ma_frag_col_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+MA_FUNC float ma_frag_col_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+// The transpose of an 8x8 block of 16-bit pairs held as an accumulator row's pair (row lane / 4,
+// columns 2 * (lane % 4) + i): the same lane then holds the block's column lane / 4 at rows 2 * (lane %
+// 4) + i, which is a right operand's layout (one register of k).
+template <typename U>
+MA_FUNC ma_opnd<U> ma_transpose8(unsigned x) {
+  unsigned y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return {y};
+}
+// A 16x16 left operand from 16 staged rows stored XOR-swizzled (row k's 16-byte piece c at piece c ^ (k %
+// 8), rows LD elements apart): rows are keys, columns the pieces piece, piece + 1 (K: keys x dims).
+template <int LD, typename U>
+MA_FUNC void ma_load_a16_swz(const U* rows, int piece, int lane, ma_opnd<U> (&r)[4]) {
+  const int row = (lane & 7) + (lane & 8);
+  ma_ldmatrix4<false>(rows + row * LD + (((piece + (lane >> 4)) ^ (lane & 7)) << 3), r);
+}
+// The transposed tile: rows are the dims of pieces piece, piece + 1 and columns the 16 keys (V^T).
+template <int LD, typename U>
+MA_FUNC void ma_load_at16_swz(const U* rows, int piece, int lane, ma_opnd<U> (&r)[4]) {
+  const int row = (lane & 7) + ((lane >> 1) & 8);
+  ma_ldmatrix4<true>(rows + row * LD + (((piece + ((lane >> 3) & 1)) ^ (lane & 7)) << 3), r);
+}
+// Whether any lane of the simdgroup holds true (every lane takes part).
+MA_FUNC bool simd_any(bool x) {
+  return __any_sync(0xffffffffu, x);
+}
+
 // A threadgroup array's memory seen as floats (a region reused once its first use is over).
 template <typename U>
 MA_FUNC float* ma_tg_floats(U* p) {

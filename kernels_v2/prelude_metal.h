@@ -109,6 +109,10 @@ MA_FUNC void ma_simd_sum4(thread float& a, thread float& b, thread float& c, thr
   d = simd_sum(d);
 }
 
+// The per-token kernel's keys-as-rows matrix path (PA_MMA == 2) is written for CUDA's 16x8 tensor-core
+// products; Apple's simdgroup matrices are 8x8, so Metal has none (the CUDA prelude defines it as 1).
+#define MA_KEY_ROWS_MMA 0
+
 // 8x8 matrices spread over a simdgroup (simdgroup_matrix<float, 8, 8>), kept as plain
 // floats between products so that the shared bodies can mask and rescale them: two
 // elements a lane, element i at (ma_frag_row, ma_frag_col + i) in every operand (Apple's

@@ -26,6 +26,7 @@ Usage: ``python -m metal_attn.cuda_check [--provider NAME ...] [--only REGEX] [-
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -90,7 +91,12 @@ def find_nvrtc() -> str | None:
 
 
 def _unit_path(src: CudaSource, workdir: str) -> str:
-    return os.path.join(workdir, re.sub(r"\W", "_", src.label) + ".cu")
+    """The unit's file: its label as a name, cut to 120 characters plus a hash of the whole label (nvcc's
+    intermediate files add their own prefix and suffix, and a long label overran the file-name limit)."""
+    name = re.sub(r"\W", "_", src.label)
+    if len(name) > 120:
+        name = f"{name[:120]}_{hashlib.sha1(src.label.encode()).hexdigest()[:12]}"
+    return os.path.join(workdir, name + ".cu")
 
 
 def compile_one(src: CudaSource, text: str, workdir: str, nvcc: str, resources: bool) -> tuple[CudaSource, int, str]:

@@ -180,6 +180,18 @@ class Settings(BaseSettings):
         ),
     )
 
+    mma_key_rows: bool = Field(
+        True,
+        validation_alias=_env("mma_key_rows"),
+        description=(
+            "Per-token kernel on CUDA (16-bit, GQA groups of 4 or more, head 128), on grids of fewer than 6 "
+            "threadgroups per GPU core whose threadgroups walk at most 2,048 KV tokens: the keys-as-rows matrix path "
+            "(kernels_v2/pagedattention.metal PA_MMA == 2: 16 keys x the group's heads per tensor-core product, half "
+            "the products per token of the heads-as-rows path; 64 threads, chunks of 32). 0: the heads as rows "
+            "everywhere (the A/B toggle)."
+        ),
+    )
+
     cuda_chains: bool = Field(
         True,
         validation_alias=_env("cuda_chains"),

@@ -3,6 +3,7 @@ admission reasons, the split gate arithmetic in ``explain``, and the CPU delegat
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -41,11 +42,12 @@ def test_full_grid_does_not_split():
     assert row.plan.route == "per_token_ps0" and row.plan.partition_size == 0
     assert "num_heads*total_q_tokens=8*40=320 >= 8*gpu_cores=8*40=320" in " ".join(row.plan.notes)
     assert row.plan.grid == (8 * 128, 40, 1)
-    # On the H200 the four query heads of a KV head share a threadgroup (staged loads, the heads
-    # as the rows of matrix products): 8 heads, 2 threadgroups.
+    # On the H200 (which splits: 2,048-token partitions, 2.4 KV items a core, a small grid) the four query
+    # heads of a KV head share a threadgroup (staged loads, the keys as the rows of matrix products, 64
+    # threads): 8 heads, 2 threadgroups.
     _, row = _classic_row(q_lens=[1] * 40, seq_lens=[8192] * 40, device="h200")
     notes = " ".join(row.plan.notes)
-    assert row.plan.grid[0] == 2 * 128 and "heads_per_threadgroup=4 as the rows of 8x8 matrix products" in notes
+    assert row.plan.grid[0] == 2 * 64 and "heads_per_threadgroup=4 as the columns of 16x8 matrix products" in notes
     assert "staged chunks of 32 tokens, 2 in flight" in notes
 
 
@@ -146,8 +148,13 @@ def test_lanes_per_token_geometry():
     # chunks of 32 tokens where two fit in 40 KiB (head 128), else 64 threads and chunks of 16; the
     # staged rows unpadded and swizzled (the last field; Metal pads them instead).
     assert geometry(128, "bfloat16", "cuda", group=4) == Geometry(8, 1, 4, 4, 32, 2, 1, 128, 16, 1)
-    assert geometry(128, "float16", "cuda", group=8, split=True, kv_items_per_core=1.0) == Geometry(
+    assert geometry(128, "float16", "cuda", group=8, split=True, kv_items_per_core=8.0) == Geometry(
         8, 1, 8, 8, 32, 2, 1, swizzle=1)
+    # on grids of fewer than 6 threadgroups a core, head 128, partitions of at most 2,048 tokens: the keys
+    # as rows (64 threads, chunks of 32)
+    assert geometry(128, "float16", "cuda", group=8, split=True, kv_items_per_core=1.0, kv_tokens=2048) == Geometry(
+        8, 1, 8, 8, 32, 2, 2, 64, swizzle=1)
+    assert geometry(128, "float16", "cuda", group=8, split=True, kv_items_per_core=1.0, kv_tokens=4096).mma == 1
     assert geometry(256, "bfloat16", "cuda", group=6, split=True) == Geometry(16, 1, 6, 6, 16, 2, 1, 64, swizzle=1)
     assert geometry(128, "float16", "cuda", group=16) == Geometry(8, 1, 8, 8, 32, 2, 1, swizzle=1)  # divisor <= 8
     # float32 stages per-token loads: two heads a simdgroup (unroll 2) unless a split grid is
@@ -249,10 +256,14 @@ def test_matrix_path_geometries_are_valid_where_the_rule_gives_them():
     for dtype in ("float16", "bfloat16"):
         for head in (128, 256):
             for group in (4, 6, 8, 16):
-                geo = gc.geometry(head, dtype, "cuda", group, split=True, kv_items_per_core=4.0)
-                assert geo.mma == 1 and geo.hps == geo.hpw == max(d for d in range(1, 9) if group % d == 0)
-                assert gc.geometry_problem(geo, head, group, 2, "cuda") is None
-                assert geo.stage % geo.tokens_per_pass == 0
+                for items in (4.0, 8.0):  # the keys as rows at head 128 on the small grid
+                    geo = gc.geometry(head, dtype, "cuda", group, split=True, kv_items_per_core=items,
+                                      kv_tokens=512)
+                    hps = max(d for d in range(1, 9) if group % d == 0)
+                    assert geo.mma == (2 if head == 128 and items * group / hps < 6 else 1)
+                    assert geo.hps == geo.hpw == hps
+                    assert gc.geometry_problem(geo, head, group, 2, "cuda") is None
+                    assert geo.stage % geo.tokens_per_pass == 0
 
 
 def test_plan_specialization_reaches_the_launch(monkeypatch):
@@ -300,7 +311,7 @@ def test_plan_specialization_reaches_the_launch(monkeypatch):
     (name, template, grid, threadgroup), (reduce_name, _, reduce_grid, reduce_threadgroup) = calls
     geo = gc.plan_geometry(plan.specialization)
     assert name == "paged split=1" and reduce_name == "reduce"
-    assert kernel_geometries == [geo] and geo.mma == 1 and geo.stage > 0  # the matrix path, staged
+    assert kernel_geometries == [geo] and geo.mma == 2 and geo.stage > 0  # the keys as rows (a small grid), staged
     assert grid == plan.grid and reduce_grid == (heads * gc.NUM_THREADS, batch, 1)
     assert threadgroup == plan.threadgroup == (geo.threads, 1, 1) and reduce_threadgroup == (gc.NUM_THREADS, 1, 1)
     assert (template["TPT"], template["UNROLL"], template["HPS"], template["HPW"], template["STAGE"],
@@ -469,3 +480,50 @@ def test_the_matrix_paths_rows_are_swizzled_on_cuda_by_default():
     for geo, head, backend in ((swz, 128, "metal"), (scalar, 128, "cuda"), (swz, 32, "cuda")):
         problem = gc.geometry_problem(geo, head, 4, 2, backend)
         assert problem and problem.startswith("swizzle=1 (allowed: 0, or 1 on the matrix path"), problem
+
+
+def test_the_key_rows_matrix_path_is_a_cuda_toggle():
+    """``METAL_ATTN_MMA_KEY_ROWS`` (on by default): on CUDA, on grids of fewer than 6 threadgroups a GPU
+    core, 16-bit heads of 128 with groups of 4 to 8 take the keys-as-rows path (64 threads, chunks of 32 =
+    two simdgroups of 16 keys, swizzled rows, Q in registers: no Q operands in threadgroup memory), through
+    the plan, the kernel's defines and explain's note. Where it cannot apply the heads-as-rows path runs:
+    larger grids, head 256 (its two chunks of 32 would take 64 KiB), float32, groups under 4, padded rows
+    (``METAL_ATTN_MMA_STAGE_SWIZZLE=0``), Metal (the geometry says why)."""
+    from metal_attn.providers import gpu_common as gc
+
+    assert Settings.model_fields["mma_key_rows"].default is True
+    assert inspect.signature(gc.geometry).parameters["mma_key_rows"].default is True
+    def geo(items=4.0, tokens=512, **kw):
+        return gc.geometry(128, kw.pop("dtype", "bfloat16"), kw.pop("backend", "cuda"), kw.pop("group", 4),
+                           kw.pop("split", True), items, kv_tokens=tokens, **kw)
+
+    assert geo(mma_key_rows=False).mma == 1  # the toggle off
+    assert geo(items=8.0).mma == 1  # a large grid: heads as rows
+    assert geo(items=None).mma == 1  # cores unknown: taken as large
+    assert geo(tokens=4096).mma == 1 and geo(tokens=None).mma == 1  # long (or unknown) partitions
+    assert geo(split=False, tokens=8192).mma == 1  # an unsplit row walks all its tokens
+    assert geo(mma_stage_swizzle=False).mma == 1  # padded rows
+    key_rows = geo(tokens=2048)
+    assert key_rows == gc.Geometry(8, 1, 4, 4, 32, 2, 2, 64, 16, 1)
+    assert key_rows.tokens_per_pass == 32 and key_rows.token_simdgroups == 2
+    assert geo(items=0.5, dtype="float16", group=8, split=False, tokens=1000).mma == 2
+    assert geo(items=0.5, dtype="float16", group=6, split=False, tokens=1000).hps == 6
+    assert gc.geometry(256, "bfloat16", "cuda", 4, True, 4.0, kv_tokens=512).mma == 1
+    assert geo(dtype="float32").mma == 0 and geo(group=2).mma == 0 and geo(backend="metal").mma == 0
+    # Q stays in registers and the merge reuses the stages: the threadgroup memory is the stages alone,
+    # so three chunks of 32 fit CUDA's 48 KiB (the matrix path's 40 KiB stage budget does not bind here)
+    assert key_rows.threadgroup_bytes(128, 2, "cuda") == key_rows.stage_bytes(128, 2) == 32 * 1024
+    three = dataclasses.replace(key_rows, stages=3)
+    assert three.threadgroup_bytes(128, 2, "cuda") == 48 * 1024
+    assert gc.geometry_problem(three, 128, 4, 2, "cuda") is None
+    assert "bytes of threadgroup memory on cuda (allowed: <= 40960)" in gc.geometry_problem(
+        dataclasses.replace(three, mma=1, swizzle=1, threads=128), 128, 4, 2, "cuda")
+    assert "allowed on cuda (backend=metal) with swizzled rows" in gc.geometry_problem(
+        dataclasses.replace(key_rows, swizzle=0), 128, 4, 2, "metal")
+    assert "swizzled rows (swizzle=0) only" in gc.geometry_problem(dataclasses.replace(key_rows, swizzle=0), 128, 4,
+                                                                   2, "cuda")
+    with override_settings(mma_key_rows=True):
+        plan = _cuda_plan([1] * 8, [4096] * 8)
+    assert gc.plan_geometry(plan.specialization).mma == 2
+    assert dict(gc.paged_defines(True, gc.plan_geometry(plan.specialization)))["PA_MMA"] == 2
+    assert any("with the keys as rows" in n for n in plan.notes), plan.notes

@@ -158,8 +158,11 @@ def cuda_sources() -> list[CudaSource]:
                                                     (False, True), (2, 4, 8)):
         for cores_items in (1.0, None):  # a small split grid and a large one (the staging rule's choice)
             table = gc.geometry(head, dt, "cuda", group, split, cores_items if split else None)
-            # The matrix path's A/B layouts too (METAL_ATTN_MMA_STAGE_SWIZZLE=0: rows padded by 16, or by 32).
-            for geo in (table, *(_mma_layouts(table, head, group) if table.mma else ())):
+            # The matrix path's A/B layouts too (METAL_ATTN_MMA_STAGE_SWIZZLE=0: rows padded by 16, or by 32),
+            # and the keys-as-rows path where it applies (METAL_ATTN_MMA_KEY_ROWS=1).
+            key_rows = gc.geometry(head, dt, "cuda", group, split, cores_items, mma_key_rows=True, kv_tokens=512)
+            for geo in (table, *(_mma_layouts(table, head, group) if table.mma else ()),
+                        *((key_rows,) if key_rows.mma == 2 else ())):
                 ins = gc.per_token_signature(dt)
                 outs = ((("out", dt),) if not split else tuple((n, "float32") for n in gc.PA_OUTPUTS[1]))
                 template = tuple(gc.paged_template(dt, head, 16, PARTITION_SIZE if split else 0, geo,

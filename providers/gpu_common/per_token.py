@@ -207,7 +207,8 @@ def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo,
     parts = request.partitions(psize) if split else 1
     items = kv_items_per_core(request.num_kv_heads, request.total_q_tokens, parts, device.gpu_cores)
     geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads,
-                   split, items, settings.mma_stage_pad, settings.mma_stage_swizzle)
+                   split, items, settings.mma_stage_pad, settings.mma_stage_swizzle, settings.mma_key_rows,
+                   psize if split else request.max_seq_len)
     return Plan(
         provider=provider,
         route=per_token_route(psize),
@@ -276,13 +277,17 @@ def launch_geometry(q: mx.array, k_cache: mx.array, md: AttentionMetadata, *, pa
                               current_device().gpu_cores)
     s = get_settings()
     return geometry(head, dtype_name(q.dtype), backend, num_heads // num_kv_heads, partition_size > 0, items,
-                    s.mma_stage_pad, s.mma_stage_swizzle)
+                    s.mma_stage_pad, s.mma_stage_swizzle, s.mma_key_rows,
+                    partition_size or _longest_row(md, rows))
+
+
+def _longest_row(md: AttentionMetadata, rows: int | None) -> int:
+    # The decode rows of a mixed batch: the longest decode row only.
+    return md.max_decode_seq_len if rows is not None and rows == md.num_decode_seqs else md.max_seq_len
 
 
 def _max_parts(md: AttentionMetadata, partition_size: int, rows: int | None) -> int:
-    # The decode rows of a mixed batch need partitions for the longest decode row only.
-    longest = md.max_decode_seq_len if rows is not None and rows == md.num_decode_seqs else md.max_seq_len
-    return -(-longest // partition_size) if partition_size else 1
+    return -(-_longest_row(md, rows) // partition_size) if partition_size else 1
 
 
 def launch_paged(

@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # pragma: no cover
 THREAD_CHOICES = (64, 128, 256)
 #: Tokens a simdgroup takes per step on the matrix path (the columns of one 8x8 block).
 MMA_TOKENS = 8
+#: Tokens a simdgroup takes per step on the keys-as-rows matrix path (``Geometry.mma == 2``: the rows
+#: of one 16x8 tensor-core product).
+KEY_ROWS_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +75,15 @@ class StagingRule:
     - ``chunk`` tokens per staged chunk (halved until the chunks fit the threadgroup-memory
       limit), ``stages`` chunks in flight;
     - the matrix path (``Geometry.mma``: the heads as rows of 8x8 products) for 16-bit dtypes at
-      the ``mma_head_sizes``: the first of ``mma_launches`` (threads, chunk) whose chunks fit.
+      the ``mma_head_sizes``: the first of ``mma_launches`` (threads, chunk) whose chunks fit;
+    - on a grid of fewer than ``key_rows_max_per_core`` threadgroups per GPU core whose threadgroups
+      each walk at most ``key_rows_max_tokens`` KV tokens (the partition, or the row when unsplit), with
+      ``METAL_ATTN_MMA_KEY_ROWS`` and ``METAL_ATTN_MMA_STAGE_SWIZZLE`` on (the defaults), first the
+      keys-as-rows matrix path
+      (``Geometry.mma == 2``, CUDA: 16 keys x the heads per tensor-core product, swizzled rows) at the
+      first of ``key_rows_launches`` (threads, chunk, stages) whose chunks fit, else the matrix path
+      above. (Its threadgroups have half the simdgroups: on larger grids, where threadgroup memory
+      bounds the threadgroups an SM holds, that halves the resident warps.)
     """
 
     min_group: int
@@ -87,6 +98,9 @@ class StagingRule:
     stages: int
     mma_head_sizes: tuple[int, ...] = ()
     mma_launches: tuple[tuple[int, int], ...] = ()
+    key_rows_launches: tuple[tuple[int, int, int], ...] = ()
+    key_rows_max_per_core: float = 0.0
+    key_rows_max_tokens: int = 0
 
 
 #: CUDA: the H200 sweep (docs/bench-h200-classic.md, `benchmarks/sweep_gpu_tuning.py classic`).
@@ -94,11 +108,13 @@ class StagingRule:
 STAGING_RULES: dict[str, StagingRule] = {
     "cuda": StagingRule(min_group=4, head_sizes=(128, 256), max_heads=8, hpw=2, hpw_small_grid=1,
                         small_grid_per_core=6.0, unroll_one_head=4, unroll_more_heads=2, chunk=32, stages=2,
-                        mma_head_sizes=(128, 256), mma_launches=((128, 32), (64, 16))),
+                        mma_head_sizes=(128, 256), mma_launches=((128, 32), (64, 16)),
+                        key_rows_launches=((64, 32, 2),), key_rows_max_per_core=6.0, key_rows_max_tokens=2048),
 }
 #: Threadgroup memory the staged chunks may take, per backend (the rule's budget: the rest of
-#: `THREADGROUP_BYTES_LIMIT` holds Q's matrix operands and the merge statistics; the merge's
-#: partial outputs reuse the stages).
+#: `THREADGROUP_BYTES_LIMIT` holds the matrix path's Q operands; the merge's partial outputs and
+#: statistics reuse the stages). The keys-as-rows path keeps Q in registers: its chunks may take
+#: all of `THREADGROUP_BYTES_LIMIT`.
 STAGE_BYTES_LIMIT = {"metal": 24 * 1024, "cuda": 40 * 1024}
 #: All of the per-token kernel's threadgroup memory, per backend: CUDA's static limit is 48 KiB
 #: a threadgroup, Apple GPUs have 32 KiB.
@@ -127,7 +143,9 @@ class Geometry:
     hpw: int = 0  # query heads per simdgroup (0: all ``hps``, the simdgroups split the tokens)
     stage: int = 0  # tokens per chunk staged through threadgroup memory (0: direct loads)
     stages: int = 2  # staged chunks in flight
-    mma: int = 0  # 1: the heads as rows of 8x8 matrix products (staged, 16-bit; lanes/unroll unused)
+    #: 1: the heads as rows of 8x8 matrix products; 2 (CUDA): the keys as rows of 16x8 products, the heads
+    #: as their columns (both staged and 16-bit; lanes/unroll unused)
+    mma: int = 0
     threads: int = NUM_THREADS  # threads per threadgroup
     #: Bytes of padding after each staged row (0: the path's default, `STAGE_PAD`: 64 for the
     #: scalar path, 16 for the matrix path's fragment reads).
@@ -167,7 +185,8 @@ class Geometry:
     @property
     def tokens_per_pass(self) -> int:
         """Tokens the simdgroups that split the tokens take per iteration (a staged chunk is whole passes)."""
-        per_simdgroup = MMA_TOKENS if self.mma else (SIMD_WIDTH // self.lanes) * self.unroll
+        per_simdgroup = (KEY_ROWS_TOKENS if self.mma == 2 else MMA_TOKENS if self.mma
+                         else (SIMD_WIDTH // self.lanes) * self.unroll)
         return self.token_simdgroups * per_simdgroup
 
     def stage_bytes(self, head_size: int, itemsize: int) -> int:
@@ -176,27 +195,29 @@ class Geometry:
         return self.stages * 2 * self.stage * (head_size * itemsize + self.row_pad) if self.stage else 0
 
     def threadgroup_bytes(self, head_size: int, itemsize: int, backend: str) -> int:
-        """All the threadgroup memory the kernel declares for this geometry: the stages (or, with
-        direct loads, the merge's partial outputs; staged, those reuse the stages), the merge
-        statistics and, on the matrix path, Q's packed operands (a 32-bit register each on CUDA,
-        two floats on Metal)."""
-        merge = self.token_simdgroups * self.hps * head_size * 4
-        main = max(self.stage_bytes(head_size, itemsize), merge)
-        stats = self.token_simdgroups * self.hps * 2 * 4
-        q_ops = (head_size // 8) * SIMD_WIDTH * (4 if backend == "cuda" else 8) if self.mma else 0
-        return main + stats + q_ops
+        """All the threadgroup memory the kernel declares for this geometry: the stages, which the
+        merge's partial outputs and statistics reuse (with direct loads, those two), and on the matrix
+        path Q's packed operands (a 32-bit register each on CUDA, two floats on Metal; the keys-as-rows
+        path keeps them in registers)."""
+        merge = self.token_simdgroups * self.hps * (head_size + 2) * 4
+        main = max(self.stage_bytes(head_size, itemsize), merge) if self.stage else merge
+        q_ops = (head_size // 8) * SIMD_WIDTH * (4 if backend == "cuda" else 8) if self.mma == 1 else 0
+        return main + q_ops
 
 
 def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: int = 1,
              split: bool = False, kv_items_per_core: float | None = None, mma_stage_pad: int = 0,
-             mma_stage_swizzle: bool = True) -> Geometry:
+             mma_stage_swizzle: bool = True, mma_key_rows: bool = True, kv_tokens: int | None = None) -> Geometry:
     """The kernel geometry for ``head_size`` on ``backend``, GQA ``group`` query heads per KV head, route ``split``.
 
     ``kv_items_per_core``: (KV heads x query rows x partitions) / GPU cores of the launch, for
     the staging rule's small-grid choice (None: treated as a large grid). ``mma_stage_pad``: the
     matrix path's row padding (``METAL_ATTN_MMA_STAGE_PAD``; 0: `STAGE_PAD`'s); ``mma_stage_swizzle``: its
     rows unpadded and swizzled instead (``METAL_ATTN_MMA_STAGE_SWIZZLE``, the default; where
-    `geometry_problem` refuses the swizzle, as on Metal, the padded rows).
+    `geometry_problem` refuses the swizzle, as on Metal, the padded rows); ``mma_key_rows``: the
+    keys-as-rows matrix path where `StagingRule.key_rows_launches` fit (``METAL_ATTN_MMA_KEY_ROWS``) and the
+    rule's grid and ``kv_tokens`` (KV tokens one threadgroup walks: the partition size, or the longest row
+    when unsplit; None, unknown: the rule does not take the path) allow it.
     """
     vecs = head_size // 4
     if head_size % 4 or vecs == 0:
@@ -206,7 +227,7 @@ def geometry(head_size: int, dtype: str | None, backend: str = "metal", group: i
                  if t <= rule.max_lanes and vecs % t == 0 and (head_size // t >= rule.min_elements or t == 1))
     itemsize = 4 if dtype in (None, "float32") else 2  # unknown dtype: size the chunks for the widest
     mma = _mma_geometry(STAGING_RULES.get(backend), backend, head_size, dtype, lanes, group, mma_stage_pad,
-                        mma_stage_swizzle)
+                        mma_stage_swizzle, mma_key_rows, kv_items_per_core, kv_tokens)
     if mma is not None:
         return mma
     staged = _staged_geometry(STAGING_RULES.get(backend), backend, head_size, itemsize, lanes, group, split,
@@ -225,13 +246,24 @@ def _group_heads(rule: StagingRule, group: int) -> int:
 
 
 def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype: str | None, lanes: int,
-                  group: int, pad: int, swizzle: bool) -> Geometry | None:
-    """The matrix-path geometry `StagingRule` gives, or None where it does not apply (the same for
-    both routes and any grid: the sweep found no split or small-grid variant worth a rule)."""
+                  group: int, pad: int, swizzle: bool, key_rows: bool = False,
+                  kv_items_per_core: float | None = None, kv_tokens: int | None = None) -> Geometry | None:
+    """The matrix-path geometry `StagingRule` gives, or None where it does not apply: the keys as rows
+    on small grids (``kv_items_per_core`` x group / heads per threadgroup under
+    ``key_rows_max_per_core``; None, cores unknown: a large grid) of threadgroups that walk at most
+    ``key_rows_max_tokens`` (``kv_tokens``; None: unknown, not taken), else the heads as rows (the same
+    for both routes and any grid: the sweep found no split or small-grid variant worth a rule)."""
     if (rule is None or dtype not in ("float16", "bfloat16") or group < rule.min_group
             or head_size not in rule.mma_head_sizes):
         return None
     hps = _group_heads(rule, group)
+    small = (kv_items_per_core is not None and kv_items_per_core * group / hps < rule.key_rows_max_per_core
+             and kv_tokens is not None and kv_tokens <= rule.key_rows_max_tokens)
+    if key_rows and swizzle and small:  # the keys-as-rows path reads swizzled rows only
+        for threads, chunk, stages in rule.key_rows_launches:
+            geo = Geometry(lanes, 1, hps, hps, chunk, stages, mma=2, threads=threads, swizzle=1)
+            if geometry_problem(geo, head_size, group, 2, backend) is None:
+                return geo
     for threads, chunk in rule.mma_launches:
         geo = Geometry(lanes, 1, hps, hps, chunk, rule.stages, mma=1, threads=threads, stage_pad=pad)
         if geometry_problem(geo, head_size, group, 2, backend) is None:
@@ -309,17 +341,21 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
                 f"(backend={backend}) with rows of at least eight 16-byte pieces (head_size={head_size}, "
                 f"itemsize={itemsize}))")
     if geo.mma:
-        if geo.mma != 1 or not geo.stage or itemsize != 2 or geo.hpw != geo.hps or geo.hps > 8 or head_size % 32:
-            return (f"mma={geo.mma} (allowed: 0, or 1 with staged chunks, a 16-bit dtype (itemsize={itemsize}), "
+        if (geo.mma not in (1, 2) or not geo.stage or itemsize != 2 or geo.hpw != geo.hps or geo.hps > 8
+                or head_size % 32):
+            return (f"mma={geo.mma} (allowed: 0, or 1 or 2 with staged chunks, a 16-bit dtype (itemsize={itemsize}), "
                     f"hpw == hps <= 8 (hps={geo.hps}, hpw={geo.hpw}) and head_size a multiple of 32 "
                     f"(head_size={head_size}))")
+        if geo.mma == 2 and (backend != "cuda" or not geo.swizzle):
+            return (f"mma=2 (the keys-as-rows path: allowed on cuda (backend={backend}) with swizzled rows "
+                    f"(swizzle={geo.swizzle}) only)")
     if geo.stage:
         if geo.stage < 0 or geo.stage % geo.tokens_per_pass:
             return (f"stage={geo.stage} (allowed: 0, or a multiple of the {geo.tokens_per_pass} tokens the token "
                     f"simdgroups take per iteration)")
         if geo.stages < 2:
             return f"stages={geo.stages} (allowed: >= 2)"
-        limit = _bytes_limit(STAGE_BYTES_LIMIT, backend)
+        limit = _bytes_limit(THREADGROUP_BYTES_LIMIT if geo.mma == 2 else STAGE_BYTES_LIMIT, backend)
         if geo.stage_bytes(head_size, itemsize) > limit:
             return (f"stage={geo.stage} stages={geo.stages}: {geo.stage_bytes(head_size, itemsize)} bytes of "
                     f"threadgroup memory on {backend} (allowed: <= {limit})")
@@ -339,6 +375,9 @@ def describe_geometry(geo: Geometry, kv_items_per_core: float | None) -> str:
     elif geo.stage and geo.stage_pad != STAGE_PAD["mma" if geo.mma else "scalar"]:
         loads += f", rows padded by {geo.stage_pad} bytes"
     grid = "" if kv_items_per_core is None else f" (kv_items_per_core={kv_items_per_core:.1f})"
+    if geo.mma == 2:
+        return (f"heads_per_threadgroup={geo.hps} as the columns of 16x8 matrix products with the keys as rows, "
+                f"{KEY_ROWS_TOKENS} tokens a simdgroup step, {loads}{grid}")
     if geo.mma:
         return (f"heads_per_threadgroup={geo.hps} as the rows of 8x8 matrix products, {MMA_TOKENS} tokens a "
                 f"simdgroup step, {loads}{grid}")

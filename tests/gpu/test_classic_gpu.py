@@ -89,7 +89,11 @@ _TUNINGS = [((8, 1, 2), 1), ((8, 2, 2), 1), ((8, 1, 2), 0), ((16, 1, 2), 1), ((1
             ((8, 1, 4, 4, 32, 2, 1, 128, 32), 0), ((8, 1, 4, 4, 16, 2, 1, 64, 48), 0),
             # its rows unpadded and swizzled (METAL_ATTN_MMA_STAGE_SWIZZLE, CUDA's default)
             ((8, 1, 4, 4, 32, 2, 1, 128, 16, 1), 0), ((8, 1, 2, 2, 32, 2, 1, 128, 16, 1), 0),
-            ((8, 1, 4, 4, 16, 2, 1, 64, 16, 1), 0)]
+            ((8, 1, 4, 4, 16, 2, 1, 64, 16, 1), 0),
+            # the keys as rows (METAL_ATTN_MMA_KEY_ROWS, CUDA only): chunks of 32 on 64 threads, 2 and 3 in
+            # flight, the group's 4 heads or 2 of them
+            ((8, 1, 4, 4, 32, 2, 2, 64, 16, 1), 0), ((8, 1, 4, 4, 32, 3, 2, 64, 16, 1), 0),
+            ((8, 1, 2, 2, 32, 2, 2, 64, 16, 1), 0)]
 
 
 def _tuning_id(t) -> str:
@@ -134,11 +138,39 @@ def test_matrix_row_layouts_match_oracle(dtype, head, group, route, swizzle):
                      head_size=head, block_size=16, dtype=dtype, seed=head + group, sinks=True, sliding_window=600,
                      label=f"{'swizzled' if swizzle else 'padded'} {dtype} h{head} g{group}")
     backend = metal_attn.current_device().backend
-    with override_settings(mma_stage_swizzle=swizzle):
+    with override_settings(mma_stage_swizzle=swizzle, mma_key_rows=False):  # the heads-as-rows path's layouts
         _check(case, route)
         psize = diagnostics.last_dispatch().partition_size
         geo = gc.launch_geometry(case.q, case.k_cache, case.metadata(), partition_size=psize, backend=backend)
     assert (geo.mma, geo.swizzle) == (1, int(swizzle)) if backend == "cuda" else geo.swizzle == 0, geo
+
+
+@pytest.mark.parametrize("features", ("plain", "sinks+window", "softcap"))
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("dtype", "group"), [("bfloat16", 4), ("float16", 4), ("bfloat16", 6), ("float16", 8),
+                                              ("bfloat16", 8)])
+def test_key_rows_path_matches_oracle(dtype, group, route, features):
+    """``METAL_ATTN_MMA_KEY_ROWS=1`` (the keys as the rows of 16x8 tensor-core products, CUDA) through the
+    public call at head 128, groups of 4, 6 (two masked head columns) and 8: rows shorter than one
+    simdgroup step and than the first chunk, rows ending inside a 16-key block, a chunk of 7 query rows,
+    with sinks and a window or a softcap. The batch is a small grid on the H200 at every forced route
+    (under 6 threadgroups a core), so on CUDA the launch must take the path; elsewhere the geometry
+    refuses it and the test checks the fallback's output."""
+    from metal_attn.providers import gpu_common as gc
+
+    from metal_attn.settings import override_settings
+
+    sinks = features == "sinks+window"
+    case = make_case(q_lens=[1, 1, 1, 1, 1, 7], seq_lens=[1, 9, 40, 1100, 1500, 530], num_heads=2 * group,
+                     num_kv_heads=2, head_size=128, block_size=16, dtype=dtype, seed=group * 7 + len(features),
+                     sinks=sinks, sliding_window=600 if sinks else None,
+                     softcap=30.0 if features == "softcap" else None, label=f"key rows {dtype} g{group} {features}")
+    backend = metal_attn.current_device().backend
+    with override_settings(mma_key_rows=True):
+        _check(case, route)
+        psize = diagnostics.last_dispatch().partition_size
+        geo = gc.launch_geometry(case.q, case.k_cache, case.metadata(), partition_size=psize, backend=backend)
+    assert geo.mma == 2 if backend == "cuda" else geo.mma != 2, geo
 
 
 @pytest.mark.parametrize("partition_size", (1024, 2048, 4096))
