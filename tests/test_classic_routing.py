@@ -527,3 +527,27 @@ def test_the_key_rows_matrix_path_is_a_cuda_toggle():
     assert gc.plan_geometry(plan.specialization).mma == 2
     assert dict(gc.paged_defines(True, gc.plan_geometry(plan.specialization)))["PA_MMA"] == 2
     assert any("with the keys as rows" in n for n in plan.notes), plan.notes
+
+
+def test_the_plan_says_why_the_keys_as_rows_were_taken_or_not():
+    """explain's notes give the keys-as-rows rule's arithmetic and verdict wherever the matrix path runs: taken
+    on a small grid of short partitions; not taken outside the rule (long partitions, large grids), with the
+    toggle off, or where no launch fits (head 256); no such note off the matrix path (float32, Metal)."""
+    def note(**kw):
+        _, row = _classic_row(device=kw.pop("device", "h200"), **kw)
+        return [n for n in row.plan.notes if n.startswith("keys as rows:")]
+
+    b8 = dict(q_lens=[1] * 8, num_heads=32, num_kv_heads=8)
+    assert note(seq_lens=[4096] * 8, **b8) == [
+        "keys as rows: threadgroups per core 3.9 < key_rows_max_per_core=6, KV tokens a threadgroup walks 512 "
+        "<= key_rows_max_tokens=2048 -> taken"]
+    assert note(seq_lens=[32768] * 8, **b8)[0].endswith("4096 > key_rows_max_tokens=2048 -> not taken: outside "
+                                                          "the rule")
+    assert "7.8 >= key_rows_max_per_core=6" in note(q_lens=[1] * 64, seq_lens=[8192] * 64, num_heads=32,
+                                                   num_kv_heads=8)[0]
+    with override_settings(mma_key_rows=False):
+        assert note(seq_lens=[4096] * 8, **b8)[0].endswith("-> not taken: METAL_ATTN_MMA_KEY_ROWS=0")
+    assert note(q_lens=[1], seq_lens=[65536], num_heads=24, num_kv_heads=4, head_size=256)[0].endswith(
+        "not taken: no launch of key_rows_launches=[(64, 32, 2)] fits head_size=256")
+    assert note(seq_lens=[4096] * 8, dtype="float32", **b8) == []
+    assert note(seq_lens=[4096] * 8, device="m5-max", **b8) == []

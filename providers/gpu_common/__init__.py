@@ -14,7 +14,7 @@ concept, and all of them are re-exported here:
   `NUM_THREADS` and the source-check entries `reducer_msl_specialization` and `reducer_cuda_source`.
 - `per_token_geometry`: how the per-token kernel (``kernels_v2/pagedattention.metal``) lays a launch
   out: `GEOMETRY_RULES`, `STAGING_RULES` and the threadgroup-memory limits (data), `Geometry`,
-  `geometry`, `geometry_problem`.
+  `geometry`, `geometry_problem`, `key_rows_rule` (when the matrix path takes the keys as rows).
 - `per_token`: the per-token kernel that ``classic`` runs for every batch: the occupancy gate
   (`split_decision`), the partition size (`PARTITION_RULES`, `partition_choice`), `plan_per_token`,
   and its launches (`launch_paged`, `run_per_token`, `prepare_per_token`; on CUDA with
@@ -90,6 +90,7 @@ from metal_attn.providers.gpu_common.per_token import (
 )
 from metal_attn.providers.gpu_common.per_token_geometry import (
     GEOMETRY_RULES,
+    KEY_ROWS_TOKENS,
     MMA_TOKENS,
     PREFETCH_NEXT,
     STAGE_BYTES_LIMIT,
@@ -103,6 +104,7 @@ from metal_attn.providers.gpu_common.per_token_geometry import (
     describe_geometry,
     geometry,
     geometry_problem,
+    key_rows_rule,
     kv_items_per_core,
     plan_geometry,
     source_check_launches,
@@ -125,6 +127,7 @@ from metal_attn.providers.gpu_common.reducer import (
 __all__ = [
     "DECODE_ROWS_PROVIDER",
     "GEOMETRY_RULES",
+    "KEY_ROWS_TOKENS",
     "MAX_LAUNCHES_PER_METADATA",
     "MMA_TOKENS",
     "NUM_THREADS",
@@ -168,6 +171,7 @@ __all__ = [
     "geometry",
     "geometry_problem",
     "kernel_launch",
+    "key_rows_rule",
     "kv_items_per_core",
     "launch_geometry",
     "launch_paged",

@@ -33,10 +33,13 @@ from metal_attn.providers.gpu_common.launches import (
 )
 from metal_attn.providers.gpu_common.per_token_geometry import (
     PREFETCH_NEXT,
+    STAGING_RULES,
     Geometry,
+    StagingRule,
     describe_geometry,
     geometry,
     geometry_problem,
+    key_rows_rule,
     kv_items_per_core,
     plan_geometry,
 )
@@ -206,9 +209,14 @@ def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo,
         notes = (*notes, note)
     parts = request.partitions(psize) if split else 1
     items = kv_items_per_core(request.num_kv_heads, request.total_q_tokens, parts, device.gpu_cores)
-    geo = geometry(request.head_size, request.dtype, device.backend, request.num_heads // request.num_kv_heads,
-                   split, items, settings.mma_stage_pad, settings.mma_stage_swizzle, settings.mma_key_rows,
-                   psize if split else request.max_seq_len)
+    group = request.num_heads // request.num_kv_heads
+    kv_tokens = psize if split else request.max_seq_len
+    geo = geometry(request.head_size, request.dtype, device.backend, group, split, items, settings.mma_stage_pad,
+                   settings.mma_stage_swizzle, settings.mma_key_rows, kv_tokens)
+    rule = STAGING_RULES.get(device.backend)
+    if geo.mma and rule is not None and rule.key_rows_launches:  # the matrix path: which of its two, and why
+        within, note = key_rows_rule(rule, group, items, kv_tokens)
+        notes = (*notes, f"{note} -> {_key_rows_verdict(geo, within, settings, rule, request.head_size)}")
     return Plan(
         provider=provider,
         route=per_token_route(psize),
@@ -219,6 +227,19 @@ def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo,
                         *dataclasses.astuple(geo)),
         notes=(*notes, describe_geometry(geo, items)),
     )
+
+
+def _key_rows_verdict(geo: Geometry, within: bool, settings: Settings, rule: StagingRule, head_size: int) -> str:
+    """Whether a matrix-path plan took the keys as rows, and what kept it from them (explain's note)."""
+    if geo.mma == 2:
+        return "taken"
+    if not within:
+        return "not taken: outside the rule"
+    if not settings.mma_key_rows:
+        return "not taken: METAL_ATTN_MMA_KEY_ROWS=0"
+    if not settings.mma_stage_swizzle:
+        return "not taken: METAL_ATTN_MMA_STAGE_SWIZZLE=0 (the path needs that row layout)"
+    return f"not taken: no launch of key_rows_launches={list(rule.key_rows_launches)} fits head_size={head_size}"
 
 
 # -- the per-token kernel: launching ------------------------------------------------------------

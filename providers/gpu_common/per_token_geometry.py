@@ -257,9 +257,7 @@ def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype:
             or head_size not in rule.mma_head_sizes):
         return None
     hps = _group_heads(rule, group)
-    small = (kv_items_per_core is not None and kv_items_per_core * group / hps < rule.key_rows_max_per_core
-             and kv_tokens is not None and kv_tokens <= rule.key_rows_max_tokens)
-    if key_rows and swizzle and small:  # the keys-as-rows path reads swizzled rows only
+    if key_rows and swizzle and key_rows_rule(rule, group, kv_items_per_core, kv_tokens)[0]:
         for threads, chunk, stages in rule.key_rows_launches:
             geo = Geometry(lanes, 1, hps, hps, chunk, stages, mma=2, threads=threads, swizzle=1)
             if geometry_problem(geo, head_size, group, 2, backend) is None:
@@ -270,6 +268,23 @@ def _mma_geometry(rule: StagingRule | None, backend: str, head_size: int, dtype:
             swizzled = dataclasses.replace(geo, swizzle=1)
             return swizzled if swizzle and geometry_problem(swizzled, head_size, group, 2, backend) is None else geo
     return None
+
+
+def key_rows_rule(rule: StagingRule, group: int, kv_items_per_core: float | None,
+                  kv_tokens: int | None) -> tuple[bool, str]:
+    """Whether `StagingRule`'s grid and length bounds let a matrix-path launch take the keys as rows, and
+    their arithmetic as a diagnostics note (the setting, the swizzle and the launches' fit come on top:
+    `per_token.plan_per_token` adds the verdict)."""
+    hps = _group_heads(rule, group)
+    if kv_items_per_core is None or kv_tokens is None:
+        return False, "keys as rows: not taken (GPU cores or KV tokens a threadgroup walks unknown)"
+    per_core = kv_items_per_core * group / hps
+    grid_ok = per_core < rule.key_rows_max_per_core
+    tokens_ok = kv_tokens <= rule.key_rows_max_tokens
+    return grid_ok and tokens_ok, (
+        f"keys as rows: threadgroups per core {per_core:.1f} {'<' if grid_ok else '>='} "
+        f"key_rows_max_per_core={rule.key_rows_max_per_core:g}, KV tokens a threadgroup walks {kv_tokens} "
+        f"{'<=' if tokens_ok else '>'} key_rows_max_tokens={rule.key_rows_max_tokens}")
 
 
 def _staged_geometry(rule: StagingRule | None, backend: str, head_size: int, itemsize: int, lanes: int,

@@ -13,6 +13,8 @@ conformance suite, forced on each provider that admits them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import pytest
 
@@ -93,6 +95,37 @@ def test_classic_code_paths(dtype, head, group, route):
                      label=f"classic {dtype} h{head} g{group}")
     with forced_per_token_route(route):
         _check(case, "classic", route)
+
+
+_SINK_ROUTES = [("classic", r) for r in PER_TOKEN_TEST_ROUTES] + [("gqa_decode", None), ("tiled_prefill", None),
+                                                                   ("sdpa_prefill", None)]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the oracle's inf - inf
+@pytest.mark.parametrize(("provider", "route"), _SINK_ROUTES, ids=[f"{p}-{r}" if r else p for p, r in _SINK_ROUTES])
+def test_non_finite_sinks_follow_the_oracle(provider, route):
+    """A +inf or NaN sink makes its head NaN, as the oracle does; -inf is no sink (a finite head). On every
+    GPU provider that takes sinks: classic on each route, gqa_decode on decode rows, the prefill providers
+    on a chunk after context (where their rules admit it)."""
+    import numpy as np
+
+    prefill = provider in ("tiled_prefill", "sdpa_prefill")
+    q_lens, seq_lens = ([40, 9], [300, 1030]) if prefill else ([1, 1, 1], [700, 40, 1100])
+    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype="bfloat16", sinks=True, seed=11, label=f"non-finite sinks {provider}")
+    sinks = np.array([0.5, np.inf, np.nan, -np.inf, 2.0, np.nan, np.inf, -1.0], dtype=np.float32)
+    case = dataclasses.replace(case, sinks=mx.array(sinks), host={**case.host, "sinks": sinks})
+    ref = np.asarray(case.oracle())
+    assert np.isnan(ref[:, [1, 2, 5, 6]]).all() and np.isfinite(ref[:, [0, 3, 4, 7]]).all()
+    with rule_opened_for(provider):
+        reasons = admission_reasons(case, provider)
+    if reasons:
+        pytest.skip(f"{provider} does not admit the batch: " + "; ".join(reasons))
+    if route is None:
+        _check(case, provider)
+    else:
+        with forced_per_token_route(route):
+            _check(case, provider, expected_route(route, case.seq_lens))
 
 
 @pytest.mark.parametrize("partition_size", (256, 512))
