@@ -8,7 +8,8 @@
 # Phases (each writes its logs and JSON under $OUT/PHASE/, OUT defaulting to ./device-out):
 #   tests    tests/gpu but the fuzz (pytest-xdist when the machine has it: 280 s with -n 14 in the
 #            thirteenth session)
-#   decode   decode-gpu with the fused-reducer A/B, the decode-step suite three times, the matrix sweep
+#   decode   decode-gpu with the fused-reducer and keys-as-rows A/Bs, the decode-step suite three times, the
+#            matrix paths' sweep at the plans' own partitions
 #            (issue #17)
 #   prefill  the mixed batches three times, and where a mixed batch's time goes (issue #18)
 #   engine   the generate suite at 1, 8, 32 and 64 requests (issue #15)
@@ -68,10 +69,11 @@ run_phase() {
       step fuzz "$STEP_LIMIT" python3 -m pytest -q -rfEx tests/gpu/test_fuzz_gpu.py ;;
     decode)
       step decode-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
-        --candidates "auto,auto[cuda_fused_reduce=1],torch_sdpa,mlx_sdpa,ceiling" --json "$dir/decode-gpu.json"
+        --candidates "auto,auto[cuda_fused_reduce=1],auto[mma_key_rows=0],torch_sdpa,mlx_sdpa,ceiling" \
+        --json "$dir/decode-gpu.json"
       step decode-step "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --repeat 3 --quiet --markdown \
         --candidates "auto,torch_sdpa,mlx_sdpa,ceiling" --json "$dir/decode-step.json"
-      step sweep-matrix "$STEP_LIMIT" python3 benchmarks/sweep_gpu_tuning.py "$dir/sweep-matrix.json" matrix ;;
+      step sweep-matrix "$STEP_LIMIT" python3 benchmarks/sweep_gpu_tuning.py "$dir/sweep-matrix.json" matrix-auto ;;
     prefill)
       step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
         --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"
