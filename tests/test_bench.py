@@ -489,6 +489,31 @@ def test_generate_suite_refuses_a_bad_concurrency_before_loading_a_model(capsys,
     assert f"--concurrency {value!r} (allowed: whole numbers >= 1, comma-separated" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "expect"), [
+    (["--prompt-len", "100000"], "--prompt-len 100000 + --gen-tokens 32 = 100032 tokens a request, over the bench "
+                                 "model's context of 8192 (allowed: at most 8192 in all)"),
+    (["--prompt-len", "64", "--shared-prefix", "8190"],
+     "--shared-prefix 8190 + --prompt-len 64 // 8 + --gen-tokens 32 = 8230 tokens a shared-prefix request, over "
+     "the bench model's context of 8192 (allowed: at most 8192 in all; --shared-prefix 0 leaves that workload out)"),
+])
+def test_generate_suite_refuses_requests_longer_than_the_models_context_before_any_run(capsys, monkeypatch, argv,
+                                                                                      expect):
+    """A prompt over the model's context used to end in the engine's traceback from the warm-up; now the suite
+    says which arguments overran the context, and nothing runs."""
+    from metal_attn.bench import generate
+
+    class Args:  # what a model's args declare
+        max_position_embeddings = 8192
+
+    class Model:
+        args = Args()
+
+    monkeypatch.setattr(generate, "load_bench_model", lambda *a: (Model(), "a model of 8192 tokens"))
+    monkeypatch.setattr(generate, "bench_generate", lambda *a, **k: pytest.fail("the suite ran"))
+    assert cli.main(["--suite", "generate", "--concurrency", "1", *argv]) == 2
+    assert f"metal-attn bench: error: {expect}" in capsys.readouterr().err
+
+
 def test_generate_rounds_alternate_the_order_and_report_the_median_ratio(monkeypatch):
     """``--repeat`` on the generate suite: every candidate once a round, the order reversed every other
     round, and each ratio the median of the rounds' own ratios (a drifting host weighs on both)."""

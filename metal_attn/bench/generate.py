@@ -280,12 +280,13 @@ def bench_generate(
     # for the one after it).
     n_warm = 2 if current_device().backend == "cpu" else max(2, 4096 // prompt_len + 2)
     warm_prompts = _prompts(n_warm, prompt_len, vocab, seed + 99)
+    warm_gen = min(4, gen_tokens)  # never longer than the timed requests (the context check covers those)
     for name in candidates if warm else ():
         if progress:
             progress(f"warm-up {name} ...")
         if name != "generate_step":
-            RUNNERS[name](model, warm_prompts, 4)
-        RUNNERS[name](model, warm_prompts[:1], 4)
+            RUNNERS[name](model, warm_prompts, warm_gen)
+        RUNNERS[name](model, warm_prompts[:1], warm_gen)
     if shared_prefix and warm:
         # The shared-prefix workload's prefill chunks sit on long cached contexts, kernel variants the
         # random prompts never take (H200, eighth session: its first timed run paid them, 5.3 s of
@@ -294,7 +295,7 @@ def bench_generate(
             progress("warm-up shared-prefix ...")
         warm_shared = _prompts(4, max(1, prompt_len // 8), vocab, seed + 98, shared=shared_prefix)
         for caching in (True, False):
-            RUNNERS["engine"](model, warm_shared, 4, prefix_caching=caching)
+            RUNNERS["engine"](model, warm_shared, warm_gen, prefix_caching=caching)
     for c in concurrencies:
         prompts = _prompts(c, prompt_len, vocab, seed + c)
         for rnd in range(rounds):
@@ -364,6 +365,24 @@ def _concurrencies(text: str | None, backend: str) -> list[int] | None:
     return [int(x) for x in items]
 
 
+def _too_long(model: Any, prompt_len: int, gen: int, shared_prefix: int) -> str | None:
+    """Why the suite's longest request would not fit ``model``'s context (None when every one fits): the
+    random-prompt requests (``prompt_len + gen``) and, with a shared prefix, the shared-prefix workload's
+    (``shared_prefix + prompt_len // 8 + gen``)."""
+    from metal_attn.engine.engine import model_max_len
+
+    context = model_max_len(model) or 8192  # the engine's own default
+    if prompt_len + gen > context:
+        return (f"--prompt-len {prompt_len} + --gen-tokens {gen} = {prompt_len + gen} tokens a request, over the "
+                f"bench model's context of {context} (allowed: at most {context} in all)")
+    if shared_prefix and shared_prefix + max(1, prompt_len // 8) + gen > context:
+        total = shared_prefix + max(1, prompt_len // 8) + gen
+        return (f"--shared-prefix {shared_prefix} + --prompt-len {prompt_len} // 8 + --gen-tokens {gen} = {total} "
+                f"tokens a shared-prefix request, over the bench model's context of {context} (allowed: at most "
+                f"{context} in all; --shared-prefix 0 leaves that workload out)")
+    return None
+
+
 def run(args: Any) -> int:
     """The ``--suite generate`` path of ``metal-attn bench``: prints each row as it completes."""
     import json
@@ -379,14 +398,19 @@ def run(args: Any) -> int:
         return 2
     prompt_len = args.prompt_len or (512 if backend != "cpu" else 32)
     gen = args.gen_tokens or (128 if backend != "cpu" else 32)
+    shared = args.shared_prefix if args.shared_prefix is not None else (2048 if backend != "cpu" else 0)
     model, label = load_bench_model(backend, getattr(args, "num_layers", None))
+    problem = _too_long(model, prompt_len, gen, shared)
+    if problem:  # before any warm-up: the engine would refuse the first request
+        print(f"metal-attn bench: error: {problem}", file=sys.stderr)
+        return 2
     err = sys.stderr
     print(f"generate suite on {backend}: {label}; prompts of {prompt_len} tokens, {gen} generated each", file=err)
     print(HEADER)
     results = bench_generate(
         model, concurrencies=concurrencies, prompt_len=prompt_len, gen_tokens=gen,
         candidates=candidates, rounds=getattr(args, "repeat", None) or 1,
-        shared_prefix=args.shared_prefix if args.shared_prefix is not None else (2048 if backend != "cpu" else 0),
+        shared_prefix=shared,
         progress=None if args.quiet else (lambda m: print(m, file=err, flush=True)),
         on_result=lambda r: print(format_row(r), flush=True),
     )

@@ -69,7 +69,8 @@ class Completion:
         return out
 
 
-def _model_max_len(model: nn.Module) -> int | None:
+def model_max_len(model: nn.Module) -> int | None:
+    """The context length an mlx-lm model declares (its args' ``max_position_embeddings``), or None."""
     for obj in (getattr(model, "args", None), getattr(getattr(model, "language_model", None), "args", None)):
         n = getattr(obj, "max_position_embeddings", None)
         if isinstance(n, int) and n > 0:
@@ -84,7 +85,7 @@ class Engine:
         self.config = (config or EngineConfig.from_settings()).validate()
         self.tokenizer = tokenizer
         cfg = self.config
-        self.max_model_len = cfg.max_model_len or _model_max_len(model) or 8192
+        self.max_model_len = cfg.max_model_len or model_max_len(model) or 8192
         shape = inspect_model(model)
         block_bytes = shape.block_bytes(cfg.block_size)
         num_blocks, self.pool_source = cfg.pool_blocks(block_bytes, current_device().memory_bytes, self.max_model_len)
