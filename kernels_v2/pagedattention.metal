@@ -114,6 +114,7 @@ constexpr bool FUSED_HEADS = NUM_THREADS % HPS == 0 && ((NUM_THREADS / HPS) & (N
               max_logits, exp_sums, tmp_out, out + rh * HEAD_SIZE, rh * max_parts, n_parts,       \
               use_sinks != 0, use_sinks ? sinks[head0 + h] * MA_LOG2E : MA_NEG_FLT_MAX, red_sg,   \
               red_w, tid);                                                                        \
+          threadgroup_barrier(mem_flags::mem_threadgroup); /* the next head reuses red_sg, red_w */ \
         }                                                                                         \
       }                                                                                           \
     }                                                                                             \
@@ -262,7 +263,8 @@ const int bt_row = seq * max_blocks;
 // fragment read still touches 8 bank groups. Once the loop is done, the stages hold the simdgroup merge.
 constexpr int VEC16 = 16 / int(sizeof(T));             // elements per 16-byte copy
 constexpr int ROW_COPIES = HEAD_SIZE / VEC16;          // copies per row
-static_assert(!PA_SWIZZLE || (PA_MMA && ROW_COPIES >= 8), "the swizzle is the matrix path's, on rows of 8+ pieces");
+static_assert(!PA_SWIZZLE || (PA_MMA && ROW_COPIES % 8 == 0),
+              "the swizzle is the matrix path's, on rows of whole groups of 8 pieces (XOR by row % 8 stays in the row)");
 constexpr int PITCH = HEAD_SIZE + STAGE_PAD / int(sizeof(T));
 constexpr int STAGE_ELEMS = 2 * STAGE * PITCH;
 // The merge's partial outputs, then its statistics (floats), once the stages are done.

@@ -413,7 +413,9 @@ MA_FUNC ma_opnd<U> ma_transpose8(unsigned x) {
   return {y};
 }
 // A 16x16 left operand from 16 staged rows stored XOR-swizzled (row k's 16-byte piece c at piece c ^ (k %
-// 8), rows LD elements apart): rows are keys, columns the pieces piece, piece + 1 (K: keys x dims).
+// 8), rows LD elements apart): rows are keys, columns the pieces piece, piece + 1 (K: keys x dims). `rows`
+// must be a staged row whose index is a multiple of 8 (the swizzle's phase is then lane % 8; the kernel's
+// 16-key blocks start at multiples of 16 within a chunk).
 template <int LD, typename U>
 MA_FUNC void ma_load_a16_swz(const U* rows, int piece, int lane, ma_opnd<U> (&r)[4]) {
   const int row = (lane & 7) + (lane & 8);

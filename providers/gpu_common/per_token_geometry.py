@@ -112,9 +112,8 @@ STAGING_RULES: dict[str, StagingRule] = {
                         key_rows_launches=((64, 32, 2),), key_rows_max_per_core=6.0, key_rows_max_tokens=2048),
 }
 #: Threadgroup memory the staged chunks may take, per backend (the rule's budget: the rest of
-#: `THREADGROUP_BYTES_LIMIT` holds the matrix path's Q operands; the merge's partial outputs and
-#: statistics reuse the stages). The keys-as-rows path keeps Q in registers: its chunks may take
-#: all of `THREADGROUP_BYTES_LIMIT`.
+#: `THREADGROUP_BYTES_LIMIT` holds the matrix path's Q operands and the fused reducer's scratch; the
+#: merge's partial outputs and statistics reuse the stages).
 STAGE_BYTES_LIMIT = {"metal": 24 * 1024, "cuda": 40 * 1024}
 #: All of the per-token kernel's threadgroup memory, per backend: CUDA's static limit is 48 KiB
 #: a threadgroup, Apple GPUs have 32 KiB.
@@ -277,12 +276,12 @@ def key_rows_rule(rule: StagingRule, group: int, kv_items_per_core: float | None
     `per_token.plan_per_token` adds the verdict)."""
     hps = _group_heads(rule, group)
     if kv_items_per_core is None or kv_tokens is None:
-        return False, "keys as rows: not taken (GPU cores or KV tokens a threadgroup walks unknown)"
+        return False, "keys as rows: GPU cores or the KV tokens a threadgroup walks unknown"
     per_core = kv_items_per_core * group / hps
     grid_ok = per_core < rule.key_rows_max_per_core
     tokens_ok = kv_tokens <= rule.key_rows_max_tokens
     return grid_ok and tokens_ok, (
-        f"keys as rows: threadgroups per core {per_core:.1f} {'<' if grid_ok else '>='} "
+        f"keys as rows: threadgroups per core {per_core:.2f} {'<' if grid_ok else '>='} "
         f"key_rows_max_per_core={rule.key_rows_max_per_core:g}, KV tokens a threadgroup walks {kv_tokens} "
         f"{'<=' if tokens_ok else '>'} key_rows_max_tokens={rule.key_rows_max_tokens}")
 
@@ -351,9 +350,9 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
                 f"simdgroups)")
     if geo.stage_pad < 16 or geo.stage_pad % 16:
         return f"stage_pad={geo.stage_pad} (allowed: a positive multiple of 16 bytes, the staged copies' size)"
-    if geo.swizzle and (geo.swizzle != 1 or not geo.mma or backend != "cuda" or head_size * itemsize < 128):
+    if geo.swizzle and (geo.swizzle != 1 or not geo.mma or backend != "cuda" or head_size * itemsize % 128):
         return (f"swizzle={geo.swizzle} (allowed: 0, or 1 on the matrix path (mma={geo.mma}) on cuda "
-                f"(backend={backend}) with rows of at least eight 16-byte pieces (head_size={head_size}, "
+                f"(backend={backend}) with rows of whole groups of eight 16-byte pieces (head_size={head_size}, "
                 f"itemsize={itemsize}))")
     if geo.mma:
         if (geo.mma not in (1, 2) or not geo.stage or itemsize != 2 or geo.hpw != geo.hps or geo.hps > 8
@@ -370,7 +369,7 @@ def geometry_problem(geo: Geometry, head_size: int, group: int, itemsize: int, b
                     f"simdgroups take per iteration)")
         if geo.stages < 2:
             return f"stages={geo.stages} (allowed: >= 2)"
-        limit = _bytes_limit(THREADGROUP_BYTES_LIMIT if geo.mma == 2 else STAGE_BYTES_LIMIT, backend)
+        limit = _bytes_limit(STAGE_BYTES_LIMIT, backend)
         if geo.stage_bytes(head_size, itemsize) > limit:
             return (f"stage={geo.stage} stages={geo.stages}: {geo.stage_bytes(head_size, itemsize)} bytes of "
                     f"threadgroup memory on {backend} (allowed: <= {limit})")

@@ -90,10 +90,9 @@ _TUNINGS = [((8, 1, 2), 1), ((8, 2, 2), 1), ((8, 1, 2), 0), ((16, 1, 2), 1), ((1
             # its rows unpadded and swizzled (METAL_ATTN_MMA_STAGE_SWIZZLE, CUDA's default)
             ((8, 1, 4, 4, 32, 2, 1, 128, 16, 1), 0), ((8, 1, 2, 2, 32, 2, 1, 128, 16, 1), 0),
             ((8, 1, 4, 4, 16, 2, 1, 64, 16, 1), 0),
-            # the keys as rows (METAL_ATTN_MMA_KEY_ROWS, CUDA only): chunks of 32 on 64 threads, 2 and 3 in
-            # flight, the group's 4 heads or 2 of them
-            ((8, 1, 4, 4, 32, 2, 2, 64, 16, 1), 0), ((8, 1, 4, 4, 32, 3, 2, 64, 16, 1), 0),
-            ((8, 1, 2, 2, 32, 2, 2, 64, 16, 1), 0)]
+            # the keys as rows (METAL_ATTN_MMA_KEY_ROWS, CUDA only): chunks of 32 on 64 threads, the group's 4
+            # heads or 2 of them
+            ((8, 1, 4, 4, 32, 2, 2, 64, 16, 1), 0), ((8, 1, 2, 2, 32, 2, 2, 64, 16, 1), 0)]
 
 
 def _tuning_id(t) -> str:
