@@ -17,11 +17,12 @@ import os
 import platform
 import sys
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from metal_attn.constants import DTYPES
-from metal_attn.errors import MetalAttnError, SettingsError
+from metal_attn.errors import MetalAttnError, SettingsError, SettingsWarning
 
 #: Distributions whose exact versions ``metal-attn providers --versions`` prints.
 VERSION_DISTRIBUTIONS: tuple[str, ...] = (
@@ -771,6 +772,12 @@ def _configure_logging(verbose: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``metal-attn`` console script; returns the exit code."""
+    with warnings.catch_warnings():  # a settings warning is also a log event: the command line shows that one
+        warnings.simplefilter("ignore", SettingsWarning)
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "command", None) == "bench":

@@ -40,6 +40,12 @@ class SettingsError(MetalAttnError, ValueError):
     """A ``METAL_ATTN_*`` variable or a settings override has a bad value."""
 
 
+class SettingsWarning(UserWarning):
+    """A ``METAL_ATTN_*`` variable that is ignored, conflicts with another or has no effect. Each is also a
+    log event (``unknown_setting``, ``conflicting_setting``, ``reserved_setting``), so the command line
+    shows the event only."""
+
+
 class CacheExhaustedError(MetalAttnError, RuntimeError):
     """The block allocator has fewer free blocks than a request needs."""
 

@@ -26,7 +26,7 @@ from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from metal_attn import _epoch
-from metal_attn.errors import SettingsError
+from metal_attn.errors import SettingsError, SettingsWarning
 
 PREFIX = "METAL_ATTN_"
 
@@ -448,7 +448,7 @@ def _warn_reserved(settings: Settings, changed: Any = None) -> None:
     for field, why in RESERVED_SETTINGS.items():
         if getattr(settings, field) and (changed is None or field in changed):
             msg = f"METAL_ATTN_{field.upper()} is set but has no effect: {why}"
-            warnings.warn(msg, UserWarning, stacklevel=4)
+            warnings.warn(msg, SettingsWarning, stacklevel=4)
             from metal_attn.log import get_logger
 
             get_logger().warning("reserved_setting", setting=f"METAL_ATTN_{field.upper()}", reason=why)
@@ -461,7 +461,7 @@ def load_settings(**overrides: Any) -> Settings:
     for event, messages in (("unknown_setting", _check_unknown_env(environ)),
                             ("conflicting_setting", _check_alias_conflicts(environ))):
         for msg in messages:
-            warnings.warn(msg, UserWarning, stacklevel=3)
+            warnings.warn(msg, SettingsWarning, stacklevel=3)
             from metal_attn.log import get_logger
 
             get_logger().warning(event, reason=msg)

@@ -406,3 +406,19 @@ def test_nax_toggle_disables_the_shipped_provider_without_a_warning(monkeypatch)
         assert s.is_disabled("nax_prefill") == "disabled by METAL_ATTN_DISABLE_NAX=1"
         with override_settings(disable_nax=True) as o:
             assert o.is_disabled("nax_prefill") == "disabled by METAL_ATTN_DISABLE_NAX=1"
+
+
+def test_the_command_line_reports_an_unknown_setting_once(monkeypatch, recwarn, log_records):
+    """On the command line an unknown variable is one log event, not also a Python warning (it printed
+    twice); programs that load the settings still get the warning (a `SettingsWarning`, a UserWarning)."""
+    from metal_attn import cli
+    from metal_attn.errors import SettingsWarning
+
+    monkeypatch.setenv("METAL_ATTN_ZZZZZZZZZZ", "1")
+    monkeypatch.setattr(settings_mod, "_current", None)  # the command loads the settings afresh
+    assert cli.main(["settings"]) == 0
+    assert [w for w in recwarn if issubclass(w.category, SettingsWarning)] == []
+    assert [r.reason for r in log_records("unknown_setting")] == [
+        "METAL_ATTN_ZZZZZZZZZZ is not a metal-attn setting and is ignored"]
+    with pytest.warns(SettingsWarning, match="METAL_ATTN_ZZZZZZZZZZ is not a metal-attn setting"):
+        settings_mod.reload_settings()

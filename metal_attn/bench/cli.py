@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,6 +28,7 @@ from metal_attn.bench.core import (
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
 from metal_attn.cli import int_at_least
 from metal_attn.device import current_device
+from metal_attn.errors import SettingsWarning
 
 SCHEMA = "metal-attn-bench/1"
 
@@ -759,7 +761,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    return run(args)
+    with warnings.catch_warnings():  # a settings warning is also a log event: the command line shows that one
+        warnings.simplefilter("ignore", SettingsWarning)
+        return run(args)
 
 
 if __name__ == "__main__":
