@@ -106,10 +106,12 @@ _F32_RANGE = f"a finite number > 0 that float32 holds ({_F32_TINY:.4g} to {_F32_
 
 
 def _positive_f32(value: Any) -> bool:
+    # Compared as a Python float: a NumPy float16 would cast the bounds to float16 (FLT_MIN to 0, so 0
+    # passed) under NumPy 2's rules.
     return (
         isinstance(value, (int, float, np.integer, np.floating))
         and not isinstance(value, (bool, np.bool_))
-        and _F32_TINY <= value <= _F32_MAX  # False for NaN
+        and _F32_TINY <= float(value) <= _F32_MAX  # False for NaN
     )
 
 

@@ -69,6 +69,8 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int) -> None:
         self._num_blocks = _check_positive_int("num_blocks", num_blocks)
+        if self._num_blocks >= 2**31:  # the kernels read block ids as int32
+            raise InvalidInputError(f"num_blocks={num_blocks!r} (allowed: an int in 1..2^31-1; block ids are int32)")
         self._refcounts = [0] * self._num_blocks
         # A stack: pop() hands out 0, 1, 2, ... first; freed blocks are reused first.
         self._free = list(range(self._num_blocks - 1, -1, -1))
@@ -117,7 +119,7 @@ class BlockAllocator:
 
     def share(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each listed block (each must be allocated)."""
-        ids = [self._check_id(b) for b in block_ids]
+        ids = [self._check_id(b) for b in _id_list("block_ids", block_ids)]
         for b in ids:
             if self._refcounts[b] == 0:
                 raise InvalidInputError(f"block {b} is free: only allocated blocks can be shared")
@@ -126,7 +128,7 @@ class BlockAllocator:
 
     def fork(self, block_ids: Iterable[int]) -> list[int]:
         """Share every listed block and return them as a new list (the child's block table)."""
-        ids = list(block_ids)
+        ids = _id_list("block_ids", block_ids)
         self.share(ids)
         return ids
 
@@ -136,7 +138,7 @@ class BlockAllocator:
         Freeing a block more often than it is referenced (a double free) or an id
         outside the pool raises `InvalidInputError` naming the id; nothing changes then.
         """
-        counts = Counter(self._check_id(b) for b in block_ids)
+        counts = Counter(self._check_id(b) for b in _id_list("block_ids", block_ids))
         for b, c in counts.items():
             held = self._refcounts[b]
             if c > held:
@@ -174,6 +176,13 @@ class BlockAllocator:
                 f"block id {block_id!r} is unknown (allowed: an int in 0..{self._num_blocks - 1})"
             )
         return int(block_id)
+
+
+def _id_list(name: str, value: Any) -> list[Any]:
+    """``value`` as a list of (unchecked) ids; `InvalidInputError` when it is not an iterable of them."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidInputError(f"{name}={value!r} (allowed: an iterable of block ids, e.g. a list)")
+    return list(value)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -422,9 +431,13 @@ class PagedKVCache:
 
     def pools(self, layer: int) -> tuple[mx.array, mx.array]:
         """The current ``(k_pool, v_pool)`` of ``layer``. Use them now; do not keep them across writes."""
-        i = self._check_layer(layer)
+        return self._held_pools(self._check_layer(layer), "pools")
+
+    def _held_pools(self, i: int, op: str) -> tuple[mx.array, mx.array]:
+        """Layer ``i``'s pools, or `InvalidInputError` when `take_pools` has them."""
         k, v = self._k[i], self._v[i]
-        assert k is not None and v is not None
+        if k is None or v is None:
+            raise InvalidInputError(f"{op}: the pools were taken by take_pools (put_pools gives them back)")
         return k, v
 
     # -- sequences -----------------------------------------------------------------------------
@@ -517,7 +530,7 @@ class PagedKVCache:
         unless the caller still holds one of them.
         """
         i = self._check_layer(layer)
-        k, v = self._k[i], self._v[i]
+        k, v = self._held_pools(i, "write")
         self._k[i] = self._v[i] = None
         try:
             k, v = reshape_and_cache(key, value, k, v, slot_mapping)
@@ -528,9 +541,14 @@ class PagedKVCache:
         """`write` for a step this cache planned: ``plan.slot_mapping`` was built (and so checked) by
         `prepare_step`, so the per-call slot validation is skipped. ``key``/``value`` must have the
         pools' ``[num_kv_heads, head_size]`` and dtype (the model adapter reads them off the model),
-        and one row per slot of the plan; anything else is refused before the write."""
+        and one row per slot of the plan; anything else is refused before the write. A plan whose
+        tables name blocks past this pool (another cache's) is refused too: its metadata's pool check
+        (`AttentionMetadata.pool_guard`, once per plan) runs against this pool."""
         i = self._check_layer(layer)
-        k, v = self._k[i], self._v[i]
+        if not isinstance(plan, StepPlan):
+            raise InvalidInputError(f"plan={plan!r} (allowed: a StepPlan from prepare_step)")
+        plan.metadata.pool_guard(self.num_blocks, self.block_size)
+        k, v = self._held_pools(i, "write_step")
         want = (plan.slot_mapping.shape[0], self.num_kv_heads, self.head_size)
         if not (type(key) is mx.array and type(value) is mx.array and key.shape == want and value.shape == want
                 and key.dtype == self.dtype and value.dtype == self.dtype):
@@ -658,6 +676,8 @@ class PagedKVCache:
             if (not isinstance(pair, (tuple, list)) or len(pair) != 2
                     or not all(_is_int(b) and 0 <= b <= last for b in pair)):
                 raise InvalidInputError(f"pairs[{k}]={pair!r} (allowed: (old page, new page), page ids in 0..{last})")
+        if pairs and any(a is None for a in (*self._k, *self._v)):
+            raise InvalidInputError("copy_pages: the pools were taken by take_pools (put_pools gives them back)")
         src = device_array([o for o, _ in pairs], np.int32)
         dst = device_array([n for _, n in pairs], np.int32)
         all_pools = (self._k, self._v)

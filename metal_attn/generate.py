@@ -66,7 +66,8 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     prompts = list(args.prompt or [])
     if args.prompts_file is not None:
         try:
-            lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
+            # lines end at \n (and \r\n) only: str.splitlines would also split a prompt at U+2028, \x0c and the like
+            lines = [line.removesuffix("\r") for line in args.prompts_file.read_text(encoding="utf-8").split("\n")]
         except OSError as exc:
             parser.error(f"--prompts-file={str(args.prompts_file)!r} could not be read ({exc.strerror})")
         except UnicodeDecodeError as exc:
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             block = 16
             per_block = inspect_model(model).block_bytes(block)
             overrides["num_blocks"], pool_source = _pool_blocks(need_tokens, block, per_block,
-                                                                EngineConfig.from_settings(**overrides))
+                                                                EngineConfig.from_settings(**overrides), len(ids))
         engine = Engine(model, tokenizer, EngineConfig.from_settings(**overrides))
         if not args.kv_cache_memory:
             engine.pool_source = pool_source
@@ -147,12 +148,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0 if all(c.error is None for c in completions) else 1
 
 
-def _pool_blocks(need_tokens: int, block: int, per_block: int, cfg: Any) -> tuple[int, str]:
-    """What the prompts need (plus a page per running request), at most the configured memory budget."""
+def _pool_blocks(need_tokens: int, block: int, per_block: int, cfg: Any, num_prompts: int) -> tuple[int, str]:
+    """What the prompts need (plus a page per request that can run at once: no more than there are
+    prompts), at most the configured memory budget."""
     from metal_attn.device import current_device
 
     budget, source = cfg.pool_blocks(per_block, current_device().memory_bytes, 1 << 30)
-    need = -(-need_tokens // block) + cfg.max_num_seqs
+    need = -(-need_tokens // block) + min(cfg.max_num_seqs, num_prompts)
     if need <= budget:
         return need, f"what the prompts need: {need_tokens} tokens; budget {source}"
     return budget, f"{source}; the prompts would need {need} blocks"

@@ -36,7 +36,12 @@ def _to_host_int(name: str, value: Any, ndim: int) -> np.ndarray:
         raise InvalidInputError(f"{name} must have rank {ndim} (got shape {tuple(arr.shape)})")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise InvalidInputError(f"{name} must hold integers (got dtype {arr.dtype})")
-    return arr.astype(np.int64, copy=False)
+    return np.array(arr, dtype=np.int64)  # a copy: the caller may change its own array afterwards
+
+
+def _own(value: Any) -> Any:
+    """A new handle on an MLX array (the caller's in-place updates rebind theirs, not ours); else ``value``."""
+    return mx.array(value) if isinstance(value, mx.array) else value
 
 
 @dataclasses.dataclass(eq=False)
@@ -159,9 +164,11 @@ class AttentionMetadata:
         s_list = tuple(int(x) for x in sl)
         n_dec = leading_decode_rows(q_list)
         return cls(
-            block_tables=kernel_input(block_tables, bt, mx.int32),
-            seq_lens=kernel_input(seq_lens, sl, mx.int32),
-            cu_seqlens_q=kernel_input(cu_seqlens_q, cu, mx.int32),
+            # The caller's MLX arrays through handles of our own (no data copy): an in-place update of
+            # theirs (``bt[0, 0] = x``) then leaves this metadata, checked above, as it was.
+            block_tables=kernel_input(_own(block_tables), bt, mx.int32),
+            seq_lens=kernel_input(_own(seq_lens), sl, mx.int32),
+            cu_seqlens_q=kernel_input(_own(cu_seqlens_q), cu, mx.int32),
             seq_lens_host=s_list,
             q_lens_host=q_list,
             phase=classify_phase(q_list, s_list),

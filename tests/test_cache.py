@@ -768,3 +768,43 @@ def test_slot_mapping_is_a_bijection_onto_fresh_slots(page_tokens, block_size):
         assert [x // block_size for x in slots[start : start + n]] == [table[p // block_size] for p in range(n)]
         assert [x % block_size for x in slots[start : start + n]] == [p % block_size for p in range(n)]
         start += n
+
+
+def test_allocator_refuses_non_iterables_and_pools_past_int32():
+    """free(1), share(1) and fork(None) raised raw TypeErrors; BlockAllocator(10**12) a bare MemoryError."""
+    a = BlockAllocator(4)
+    (b,) = a.allocate(1)
+    for call in (a.free, a.share, a.fork):
+        for bad in (b, None, "01"):
+            with pytest.raises(InvalidInputError, match=r"block_ids=.* \(allowed: an iterable of block ids"):
+                call(bad)
+    assert a.refcount(b) == 1 and a.num_free == 3
+    with pytest.raises(InvalidInputError, match=r"num_blocks=1000000000000 \(allowed: an int in 1..2\^31-1"):
+        BlockAllocator(10**12)
+
+
+def test_a_cache_without_its_pools_says_so_and_a_foreign_plan_is_refused():
+    """After take_pools, pools() raised a bare AssertionError and write_step/write/copy_pages raw errors; a
+    plan from a larger cache wrote nothing (its slots past the pool) without a word; plan=None an
+    AttributeError."""
+    small, big = _cache(num_blocks=4), _cache(num_blocks=64)
+    for c in (small, big):
+        for i in range(5):
+            c.add_sequence(i)
+    big.prepare_step([(i, 40) for i in range(5)])  # 15 blocks: ids past the small pool's 4
+    plan = big.prepare_step([(4, 1)])
+    kv = mx.ones((1, 2, 4), dtype=mx.float32)
+    before = [np.array(a) for a in small.pools(0)]
+    with pytest.raises(InvalidInputError, match="block_tables"):
+        small.write_step(0, kv, kv, plan)
+    with pytest.raises(InvalidInputError, match=r"plan=None \(allowed: a StepPlan from prepare_step\)"):
+        small.write_step(0, kv, kv, None)
+    assert all(np.array_equal(a, b) for a, b in zip(small.pools(0), before))
+    pools = small.take_pools()
+    for call in (lambda: small.pools(0), lambda: small.write(0, kv, kv, mx.array([0])),
+                 lambda: small.write_step(0, kv, kv, small.prepare_step([(0, 1)])),
+                 lambda: small.copy_pages([(0, 1)])):
+        with pytest.raises(InvalidInputError, match="the pools were taken by take_pools"):
+            call()
+    small.put_pools(pools)
+    assert small.pools(0)[0].shape == pools[0].shape

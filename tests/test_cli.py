@@ -626,3 +626,29 @@ def test_a_prompts_file_that_is_not_text_is_refused_naming_the_flag(tmp_path, ca
         _read_prompts(argparse.Namespace(prompt=None, prompts_file=path), parser)
     assert exc.value.code == 2
     assert f"--prompts-file={str(path)!r} is not UTF-8 text (byte 0; allowed: a text file" in capsys.readouterr().err
+
+
+def test_a_prompts_file_splits_only_at_line_ends(tmp_path):
+    """One prompt a line, lines ending at \\n or \\r\\n: str.splitlines also split a prompt at U+2028, \\x0c, \\x1c
+    and the like."""
+    import argparse
+
+    from metal_attn.generate import _read_prompts
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("hello\u2028world\r\nform\x0cfeed\n\nthird\x1cone", encoding="utf-8", newline="")
+    prompts = _read_prompts(argparse.Namespace(prompt=None, prompts_file=path), argparse.ArgumentParser())
+    assert prompts == ["hello\u2028world", "form\x0cfeed", "third\x1cone"]
+
+
+def test_generate_sizes_its_pool_for_the_requests_there_are(monkeypatch):
+    """--concurrency 100000 with one prompt allocated a page for each of the 100,000 requests that could run
+    (5 GB for a 2-token prompt): the pool now adds a page per request that can run, at most the prompts."""
+    from metal_attn.engine import EngineConfig
+    from metal_attn.generate import _pool_blocks
+
+    cfg = EngineConfig(max_num_seqs=100_000, kv_cache_memory=1 << 30)
+    blocks, source = _pool_blocks(need_tokens=34, block=16, per_block=1024, cfg=cfg, num_prompts=1)
+    assert blocks == 3 + 1 and "what the prompts need: 34 tokens" in source
+    assert _pool_blocks(need_tokens=34, block=16, per_block=1024, cfg=EngineConfig(max_num_seqs=2,
+                        kv_cache_memory=1 << 30), num_prompts=5)[0] == 3 + 2

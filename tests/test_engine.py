@@ -202,6 +202,17 @@ def test_a_request_that_cannot_be_admitted_into_an_idle_pool_raises_instead_of_s
         ({"prompt": [1, 2.5]}, r"prompt=\[1, 2.5\] \(allowed: a text or a list of int token ids\)"),  # never rounded
         ({"prompt": [True, 2]}, r"prompt=\[True, 2\]"),
         ({"prompt": mx.array([1.0, 2.0])}, "allowed: a text or a list of int token ids"),
+        # logit_bias: an id past the vocabulary crashed the process (mlx-lm's processor indexes with it)
+        ({"prompt": [1], "sampling": SamplingParams(logit_bias={256: 5.0})},
+         r"logit_bias token id 256 is out of range \(allowed: 0..255\)"),
+        ({"prompt": [1], "sampling": SamplingParams(logit_bias={-1: 5.0})}, r"logit_bias entry -1: 5.0"),
+        ({"prompt": [1], "sampling": SamplingParams(logit_bias={1: float("nan")})}, r"logit_bias entry 1: nan"),
+        ({"prompt": [1], "sampling": SamplingParams(logit_bias=[1, 2])}, r"logit_bias=\[1, 2\] \(allowed: a mapping"),
+        # 1 / temperature overflows float32 below ~2.9e-39: such a request sampled uniformly at random
+        ({"prompt": [1], "sampling": SamplingParams(temperature=1e-40)}, r"temperature=1e-40 \(allowed: 0 \(greedy\)"),
+        ({"prompt": [1], "sampling": SamplingParams(top_k=256)}, r"top_k=256 \(allowed: 0..255"),
+        ({"prompt": [1], "sampling": SamplingParams(logits_processors=5)}, r"logits_processors=5 \(allowed"),
+        ({"prompt": [1], "sampling": SamplingParams(logits_processors=[5])}, r"logits_processors=\[5\]"),
     ],
 )
 def test_bad_requests_are_named(llama, kwargs, message):
@@ -210,6 +221,38 @@ def test_bad_requests_are_named(llama, kwargs, message):
     with pytest.raises(InvalidInputError, match=message):
         eng.add_request(prompt, **kwargs)
     assert not eng.requests
+
+
+def test_a_refused_prompt_in_a_batch_queues_none_of_them(llama):
+    """generate()/stream() check every prompt before queueing any: a refused batch used to leave its earlier
+    prompts queued, and the next generate() ran them too (holding blocks afterwards)."""
+    eng = _engine(llama)
+    for bad in ([[1, 2, 3], []], [[1, 2, 3], [1, 999]]):
+        with pytest.raises(InvalidInputError, match="prompt 1"):
+            eng.generate(bad, max_tokens=2)
+    with pytest.raises(InvalidInputError, match=r"sampling=0.5 \(allowed: a SamplingParams"):
+        eng.generate([[1, 2]], [0.5])
+    for prompts in (None, 5, b"ab", {1: 2}):
+        with pytest.raises(InvalidInputError, match=r"prompts=.* \(allowed: a text, or a list"):
+            eng.generate(prompts)
+    with pytest.raises(InvalidInputError, match=r"request_ids=5 \(allowed: an iterable"):
+        list(eng.stream_ids(5))
+    assert not eng.requests and not eng.has_unfinished()
+    (out,) = eng.generate([[4, 5, 6]], max_tokens=2)
+    assert len(out.token_ids) == 2 and eng.blocks.num_used == 0
+
+
+def test_engine_config_refuses_non_bool_switches_and_bool_numbers(llama):
+    """pipeline="false" turned pipelining on; enable_prefix_caching took any truthy text; True read as a
+    fraction of 1.0; a dict config failed with an AttributeError."""
+    for kw, message in (({"pipeline": "false"}, r"pipeline='false' \(allowed: True or False\)"),
+                        ({"enable_prefix_caching": None}, "enable_prefix_caching=None"),
+                        ({"kv_cache_fraction": True}, "kv_cache_fraction=True"),
+                        ({"watermark": False}, "watermark=False")):
+        with pytest.raises(InvalidInputError, match=message):
+            EngineConfig(**kw).validate()
+    with pytest.raises(InvalidInputError, match=r"config=\{'num_blocks': 8\} \(allowed: an EngineConfig"):
+        Engine(llama, WordTokenizer(), {"num_blocks": 8})
 
 
 def test_token_ids_may_be_numpy_or_mlx_integers(llama):
@@ -224,6 +267,9 @@ def test_abort_unknown_id_and_running_request(llama):
     with pytest.raises(InvalidInputError, match="request_id=17 is unknown"):
         eng.abort(17)
     a = eng.add_request([1, 2, 3], max_tokens=50)
+    for not_an_id in (True, float(a)):  # equal to the id as dict keys: abort(True) aborted request 1
+        with pytest.raises(InvalidInputError, match=f"request_id={not_an_id!r} is unknown"):
+            eng.abort(not_an_id)
     b = eng.add_request([4, 5, 6], max_tokens=5)
     eng.step()
     eng.abort(a)

@@ -432,3 +432,37 @@ def test_metadata_step_helpers_name_a_wrong_argument(call, message) -> None:
     with pytest.raises(InvalidInputError) as info:
         call()
     assert message in str(info.value)
+
+
+def test_metadata_keeps_its_own_view_of_the_callers_arrays():
+    """`AttentionMetadata.build` kept the caller's arrays: an in-place update after the checks (an MLX
+    ``bt[0, 0] = 2**30`` or a NumPy table edited in place) reached the kernels unchecked (NaN from classic,
+    a segmentation fault from the reference provider)."""
+    case = make_case(q_lens=[1, 1], seq_lens=[40, 70], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype="float32", seed=1)
+    host = np.array(case.metadata().block_tables)
+    bt, sl, cu = mx.array(host), mx.array([40, 70], dtype=mx.int32), mx.array([0, 1, 2], dtype=mx.int32)
+    md = AttentionMetadata.build(bt, sl, cu)
+    np_table = host.astype(np.int64)
+    md_np = AttentionMetadata.build(np_table, [40, 70], [0, 1, 2])
+    want = np.array(metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md))
+    bt[0, 0] = 2**30
+    sl[0] = 10**6
+    np_table[0, 0] = 10**6
+    assert md.block_tables is not bt and int(md.block_tables[0, 0]) == int(host[0, 0])
+    assert not np.shares_memory(np_table, md_np._block_tables_host)
+    for provider in ("classic", "reference"):
+        got = np.array(metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md, provider=provider))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert int(md_np.with_new_pages({1: (0, 0)}).block_tables[0, 0]) == int(host[0, 0])
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+@pytest.mark.parametrize("value", [np.float16(0), np.float16(-0.0), np.float16("nan")])
+def test_float16_scalars_are_checked_as_numbers(name, value):
+    """np.float16(0) passed the float32 range check (NumPy 2 cast the bound to float16's 0): a softcap of 0
+    was silently no softcap, a scale of 0 failed inside the provider."""
+    case = make_case(q_lens=[1], seq_lens=[20], num_heads=2, num_kv_heads=1, head_size=64, block_size=16,
+                     dtype="float32", seed=2)
+    with pytest.raises(InvalidInputError, match=f"{name}="):
+        metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=case.metadata(), **{name: value})

@@ -108,10 +108,13 @@ class EngineConfig:
                 _int_at_least(name, getattr(self, name))
         if self.block_size % 8:
             raise InvalidInputError(f"block_size={self.block_size} (allowed: a multiple of 8, e.g. 8, 16, 32)")
-        if not (isinstance(self.kv_cache_fraction, (int, float)) and 0 < self.kv_cache_fraction <= 1):
+        if not (_number(self.kv_cache_fraction) and 0 < self.kv_cache_fraction <= 1):
             raise InvalidInputError(f"kv_cache_fraction={self.kv_cache_fraction!r} (allowed: a number in (0, 1])")
-        if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
+        if not (_number(self.watermark) and 0 <= self.watermark < 1):
             raise InvalidInputError(f"watermark={self.watermark!r} (allowed: a number in [0, 1))")
+        for name in ("enable_prefix_caching", "pipeline"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name}={getattr(self, name)!r} (allowed: True or False)")
         if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
             raise InvalidInputError(f"compile_decode={self.compile_decode!r} (allowed: True, False or None)")
         if self.preemption_order not in PREEMPTION_ORDERS:
@@ -147,6 +150,11 @@ class EngineConfig:
         if blocks > need:
             return need, f"{source}, capped at {need} pages ({self.max_num_seqs} x {max_model_len} tokens)"
         return blocks, source
+
+
+def _number(value: object) -> bool:
+    """An int or float, not a bool (True would read as 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _int_at_least(name: str, value: object, low: int = 1) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import numbers
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -82,6 +82,9 @@ class Engine:
     """Serve requests on ``model`` (an mlx-lm model) with ``tokenizer`` (mlx-lm's `TokenizerWrapper`)."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: EngineConfig | None = None) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise InvalidInputError(f"config={config!r} (allowed: an EngineConfig, or None for the settings' "
+                                    "defaults)")
         self.config = (config or EngineConfig.from_settings()).validate()
         self.tokenizer = tokenizer
         cfg = self.config
@@ -130,6 +133,12 @@ class Engine:
         is what `Completion.prompt` reports (default: the prompt when it is text).
         """
         ids, sampling, stops = self.check_request(prompt, sampling, max_tokens=max_tokens, stop=stop)
+        return self._queue(ids, sampling, stops, max_tokens,
+                           prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None))
+
+    def _queue(self, ids: list[int], sampling: SamplingParams, stops: tuple[str, ...], max_tokens: int,
+               prompt_text: str | None) -> int:
+        """Queue a request `check_request` has passed; return its id."""
         req = Request(
             id=self._next_id,
             prompt_ids=ids,
@@ -137,7 +146,7 @@ class Engine:
             max_tokens=max_tokens,
             stop_strings=stops,
             stop_token_ids=self._eos,
-            prompt_text=prompt_text if prompt_text is not None else (prompt if isinstance(prompt, str) else None),
+            prompt_text=prompt_text,
         )
         req.detokenizer = self.tokenizer.detokenizer
         init_sampling_state(req)
@@ -161,6 +170,13 @@ class Engine:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise InvalidInputError(f"sampling={sampling!r} (allowed: a SamplingParams, or None for greedy)")
         sampling = (sampling or SamplingParams()).validate()
+        vocab = self.model.vocab_size
+        if sampling.top_k >= vocab:
+            raise InvalidInputError(f"top_k={sampling.top_k} (allowed: 0..{vocab - 1}, below the vocabulary of "
+                                    f"{vocab}; 0 disables it)")
+        far = [t for t in (sampling.logit_bias or {}) if t >= vocab]
+        if far:
+            raise InvalidInputError(f"logit_bias token id {far[0]} is out of range (allowed: 0..{vocab - 1})")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InvalidInputError(f"max_tokens={max_tokens!r} (allowed: an int >= 1)")
         if stop is not None and not isinstance(stop, (str, Iterable)):
@@ -168,7 +184,7 @@ class Engine:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidInputError(f"stop={stop!r} (allowed: non-empty strings)")
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids(prompt, label)
         total = len(ids) + max_tokens
         if total > self.max_model_len:
             raise InvalidInputError(
@@ -185,23 +201,23 @@ class Engine:
             )
         return ids, sampling, stops
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | Sequence[int], label: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidInputError("prompt='' (allowed: a non-empty text or a non-empty list of token ids)")
+                raise InvalidInputError(f"{label}='' (allowed: a non-empty text or a non-empty list of token ids)")
             bos = getattr(self.tokenizer, "bos_token", None)
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
         else:
             try:
                 ids = [_token_id(t) for t in prompt]
             except (TypeError, ValueError):
-                raise InvalidInputError(f"prompt={prompt!r} (allowed: a text or a list of int token ids)") from None
+                raise InvalidInputError(f"{label}={prompt!r} (allowed: a text or a list of int token ids)") from None
         if not ids:
-            raise InvalidInputError("prompt has no tokens (allowed: a non-empty text or list of token ids)")
+            raise InvalidInputError(f"{label} has no tokens (allowed: a non-empty text or list of token ids)")
         vocab = self.model.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidInputError(f"prompt token id {bad[0]} is out of range (allowed: 0..{vocab - 1})")
+            raise InvalidInputError(f"{label} token id {bad[0]} is out of range (allowed: 0..{vocab - 1})")
         return ids
 
     def abort(self, request_id: int) -> None:
@@ -213,6 +229,8 @@ class Engine:
 
     def _get(self, request_id: int) -> Request:
         try:
+            if not isinstance(request_id, int) or isinstance(request_id, bool):  # True == 1, 0.0 == 0 as dict keys
+                raise TypeError
             return self.requests[request_id]
         except (KeyError, TypeError):
             known = ", ".join(map(str, list(self.requests)[:8])) or "none"
@@ -349,6 +367,8 @@ class Engine:
         Each request's last output has ``finished`` set, whatever ended it: a request aborted
         meanwhile (by the consumer between two outputs, say) gets one with ``finish_reason``
         ``"abort"`` and no tokens, and the stream stops stepping for it at once."""
+        if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+            raise InvalidInputError(f"request_ids={request_ids!r} (allowed: an iterable of request ids)")
         pending = {self._get(i).id for i in request_ids}
         pending -= {i for i in pending if self.requests[i].finished}
         while pending:
@@ -387,15 +407,23 @@ class Engine:
         return [self.completion(i) for i in ids]
 
     def _add_all(self, prompts, sampling, max_tokens, stop) -> list[int]:
-        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        """Check every prompt, then queue them all: a refused prompt queues none of them."""
+        if isinstance(prompts, str):
+            items = [prompts]
+        elif isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, Mapping)):
+            items = list(prompts)
+        else:
+            raise InvalidInputError(f"prompts={prompts!r} (allowed: a text, or a list of texts or token-id lists)")
         if not items:
             raise InvalidInputError("prompts is empty (allowed: one or more prompts)")
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(items)
         if len(params) != len(items):
             raise InvalidInputError(f"{len(params)} sampling parameter sets for {len(items)} prompts (need one each)")
-        for p in params:
-            (p or SamplingParams()).validate()
-        return [self.add_request(p, s, max_tokens=max_tokens, stop=stop) for p, s in zip(items, params)]
+        checked = [self.check_request(p, s, max_tokens=max_tokens, stop=stop,
+                                      label="prompt" if len(items) == 1 else f"prompt {i}")
+                   for i, (p, s) in enumerate(zip(items, params))]
+        return [self._queue(ids, sp, stops, max_tokens, p if isinstance(p, str) else None)
+                for p, (ids, sp, stops) in zip(items, checked)]
 
     def completion(self, request_id: int) -> Completion:
         """The result of a finished request."""

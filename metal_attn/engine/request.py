@@ -57,8 +57,9 @@ class SamplingParams:
 
     def validate(self) -> SamplingParams:
         """Return ``self``; raise `InvalidInputError` naming the first bad value and what is allowed."""
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise InvalidInputError(f"temperature={self.temperature!r} (allowed: a number >= 0; 0 is greedy)")
+        if not _finite(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidInputError(f"temperature={self.temperature!r} (allowed: 0 (greedy), or a number >= "
+                                    f"{MIN_TEMPERATURE:g}: the logits are divided by it in float32)")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidInputError(f"top_p={self.top_p!r} (allowed: a number in (0, 1]; 1 disables it)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
@@ -71,11 +72,28 @@ class SamplingParams:
         if self.repetition_penalty is not None and (not _finite(self.repetition_penalty)
                                                     or self.repetition_penalty <= 0):
             raise InvalidInputError(f"repetition_penalty={self.repetition_penalty!r} (allowed: a number > 0, or None)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise InvalidInputError(f"logit_bias={self.logit_bias!r} (allowed: a mapping of token id to bias, "
+                                        "or None)")
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or not _finite(bias):
+                    raise InvalidInputError(f"logit_bias entry {tok!r}: {bias!r} (allowed: int token ids >= 0 "
+                                            "mapped to finite numbers)")
+        if not isinstance(self.logits_processors, (list, tuple)) or not all(
+                callable(f) for f in self.logits_processors):
+            raise InvalidInputError(f"logits_processors={self.logits_processors!r} (allowed: a list or tuple of "
+                                    "callables (tokens, logits) -> logits)")
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+#: The smallest positive temperature: sampled logits are multiplied by 1 / temperature in float32, which
+#: overflows below about 2.9e-39 (the request then samples uniformly at random).
+MIN_TEMPERATURE = 1e-30
 
 
 def _finite(x: Any) -> bool:
