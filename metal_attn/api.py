@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import mlx.core as mx
@@ -17,7 +18,7 @@ from metal_attn.metadata import AttentionMetadata
 from metal_attn.plugins import get_registry
 from metal_attn.provider import AttentionInputs
 from metal_attn.registry import Explanation
-from metal_attn.request import AttentionRequest
+from metal_attn.request import AttentionRequest, check_feature_values
 from metal_attn.settings import get_settings
 
 #: The supported dtypes by name, and back.
@@ -96,38 +97,10 @@ def _check_tensors(q: mx.array, k_cache: mx.array, v_cache: mx.array, md: Attent
         )
 
 
-#: What the kernels receive for ``scale`` and ``softcap``: a float32, so the value must be a normal
-#: float32 (1e-300 would become 0, which the kernels read as "no softcap"; 1e39 would become inf).
-_F32_TINY = float(np.finfo(np.float32).tiny)
-_F32_MAX = float(np.finfo(np.float32).max)
-#: The kernels take ``sliding_window`` as an int32.
-_INT32_MAX = 2**31 - 1
-_F32_RANGE = f"a finite number > 0 that float32 holds ({_F32_TINY:.4g} to {_F32_MAX:.4g})"
-
-
-def _positive_f32(value: Any) -> bool:
-    # Compared as a Python float: a NumPy float16 would cast the bounds to float16 (FLT_MIN to 0, so 0
-    # passed) under NumPy 2's rules.
-    return (
-        isinstance(value, (int, float, np.integer, np.floating))
-        and not isinstance(value, (bool, np.bool_))
-        and _F32_TINY <= float(value) <= _F32_MAX  # False for NaN
-    )
-
-
 def _check_features(
     num_heads: int, scale: Any, sinks: Any, sliding_window: Any, softcap: Any, provider: Any = None
 ) -> None:
-    if scale is not None and not _positive_f32(scale):
-        raise InvalidInputError(f"scale={scale!r} (allowed: {_F32_RANGE}, or None for head_size**-0.5)")
-    if sliding_window is not None and not (
-        isinstance(sliding_window, (int, np.integer))
-        and not isinstance(sliding_window, (bool, np.bool_))
-        and 1 <= sliding_window <= _INT32_MAX
-    ):
-        raise InvalidInputError(f"sliding_window={sliding_window!r} (allowed: an int from 1 to {_INT32_MAX}, or None)")
-    if softcap is not None and not _positive_f32(softcap):
-        raise InvalidInputError(f"softcap={softcap!r} (allowed: {_F32_RANGE}, or None)")
+    check_feature_values(scale=scale, sliding_window=sliding_window, softcap=softcap)
     if provider is not None and not isinstance(provider, str):
         raise InvalidInputError(
             f"provider={provider!r} (allowed: a provider name as a str, or None for the registry's choice)"
@@ -479,6 +452,12 @@ def explain(
     """
     dev = _device_arg(device)
     if request is None:
+        known = inspect.signature(AttentionRequest.from_lengths).parameters
+        unknown = sorted(set(request_fields) - set(known))
+        if unknown:
+            raise InvalidInputError(f"explain: unknown field(s) {', '.join(unknown)} (allowed: {', '.join(known)})")
+        if "q_lens" not in request_fields or "seq_lens" not in request_fields:
+            raise InvalidInputError("explain: q_lens and seq_lens are required (or pass an AttentionRequest)")
         request_fields.setdefault("backend", dev.backend)
         request = AttentionRequest.from_lengths(**request_fields)
     elif request_fields:

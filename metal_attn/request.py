@@ -11,9 +11,46 @@ import dataclasses
 import numbers
 from collections.abc import Iterable, Sequence
 from enum import Enum
+from typing import Any
 
-from metal_attn.constants import GQA_PARTITION_SIZES, PARTITION_SIZE
+import numpy as np
+
+from metal_attn.constants import DTYPES, GQA_PARTITION_SIZES, PARTITION_SIZE
 from metal_attn.errors import InvalidInputError
+
+#: What the kernels receive for ``scale`` and ``softcap``: a float32, so the value must be a normal
+#: float32 (1e-300 would become 0, which the kernels read as "no softcap"; 1e39 would become inf).
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
+#: The kernels take ``sliding_window`` as an int32.
+_INT32_MAX = 2**31 - 1
+_F32_RANGE = f"a finite number > 0 that float32 holds ({_F32_TINY:.4g} to {_F32_MAX:.4g})"
+
+
+def _positive_f32(value: Any) -> bool:
+    # Compared as a Python float: a NumPy float16 would cast the bounds to float16 (FLT_MIN to 0, so 0
+    # passed) under NumPy 2's rules.
+    return (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, (bool, np.bool_))
+        and _F32_TINY <= float(value) <= _F32_MAX  # False for NaN
+    )
+
+
+def check_feature_values(*, scale: Any = None, sliding_window: Any = None, softcap: Any = None) -> None:
+    """Raise `InvalidInputError` naming the first of ``scale``, ``sliding_window`` and ``softcap`` the
+    kernels cannot take (None: not given): the float ones as normal positive float32 values, the window
+    as an int32 of at least 1. `paged_attention` and `AttentionRequest.from_lengths` (explain) share it."""
+    if scale is not None and not _positive_f32(scale):
+        raise InvalidInputError(f"scale={scale!r} (allowed: {_F32_RANGE}, or None for head_size**-0.5)")
+    if sliding_window is not None and not (
+        isinstance(sliding_window, (int, np.integer))
+        and not isinstance(sliding_window, (bool, np.bool_))
+        and 1 <= sliding_window <= _INT32_MAX
+    ):
+        raise InvalidInputError(f"sliding_window={sliding_window!r} (allowed: an int from 1 to {_INT32_MAX}, or None)")
+    if softcap is not None and not _positive_f32(softcap):
+        raise InvalidInputError(f"softcap={softcap!r} (allowed: {_F32_RANGE}, or None)")
 
 
 class Phase(str, Enum):
@@ -179,8 +216,8 @@ class AttentionRequest:
         """Build a request from per-sequence lengths (handy for `explain` and tests). A batch no call
         could make (a sequence with fewer KV tokens than query rows, heads that do not group) raises
         `InvalidInputError` naming the value."""
-        q_lens = [int(x) for x in q_lens]
-        seq_lens = [int(x) for x in seq_lens]
+        q_lens = _whole_numbers("q_lens", q_lens)
+        seq_lens = _whole_numbers("seq_lens", seq_lens)
         if len(q_lens) != len(seq_lens) or not q_lens:
             raise InvalidInputError(
                 f"q_lens and seq_lens must be non-empty and of equal length (got {len(q_lens)} and {len(seq_lens)})"
@@ -194,6 +231,12 @@ class AttentionRequest:
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")
         num_heads, num_kv_heads, head_size, block_size = map(int, (num_heads, num_kv_heads, head_size, block_size))
+        for name, value in (("dtype", dtype), ("cache_dtype", cache_dtype or dtype)):
+            if value not in DTYPES:
+                raise InvalidInputError(f"{name}={value!r} (allowed: {', '.join(DTYPES)})")
+        if not isinstance(sinks, bool):
+            raise InvalidInputError(f"sinks={sinks!r} (allowed: True or False, whether the call passes sinks)")
+        check_feature_values(sliding_window=sliding_window, softcap=softcap)
         if num_heads % num_kv_heads:
             raise InvalidInputError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads} "
                                     "(GQA needs whole groups)")
@@ -218,3 +261,14 @@ class AttentionRequest:
             sliding_window=sliding_window,
             softcap=softcap,
         )
+
+
+def _whole_numbers(name: str, values: Any) -> list[int]:
+    """``values`` as a list of ints: whole numbers only (a float length was truncated before)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidInputError(f"{name}={values!r} (allowed: a sequence of ints)")
+    out = list(values)
+    bad = next((v for v in out if not isinstance(v, numbers.Integral) or isinstance(v, bool)), None)
+    if bad is not None:
+        raise InvalidInputError(f"{name} holds {bad!r} (allowed: ints)")
+    return [int(v) for v in out]

@@ -466,3 +466,22 @@ def test_float16_scalars_are_checked_as_numbers(name, value):
                      dtype="float32", seed=2)
     with pytest.raises(InvalidInputError, match=f"{name}="):
         metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=case.metadata(), **{name: value})
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"sliding_window": -5}, r"sliding_window=-5 \(allowed: an int from 1"),
+    ({"softcap": float("nan")}, r"softcap=nan \(allowed: a finite number > 0"),
+    ({"softcap": 0}, r"softcap=0 \(allowed"),
+    ({"softcap": "x"}, r"softcap='x' \(allowed"),
+    ({"sinks": "no"}, r"sinks='no' \(allowed: True or False"),
+    ({"dtype": "int8"}, r"dtype='int8' \(allowed: float16, bfloat16, float32\)"),
+    ({"q_lens": [1.7], "seq_lens": [1.2]}, r"q_lens holds 1.7 \(allowed: ints\)"),
+    ({"q_lens": None}, r"q_lens=None \(allowed: a sequence of ints\)"),
+    ({"seq_len": [4]}, r"explain: unknown field\(s\) seq_len \(allowed: q_lens, seq_lens"),
+])
+def test_explain_refuses_what_paged_attention_refuses(fields, message):
+    """explain() accepted values paged_attention refuses and still reported a choice (sliding_window=-5,
+    softcap=nan or 0, sinks='no', dtype='int8'), truncated float lengths, and crashed printing softcap='x'."""
+    kw = {"q_lens": [1], "seq_lens": [4], "num_heads": 4, "num_kv_heads": 2, "head_size": 64} | fields
+    with pytest.raises(InvalidInputError, match=message):
+        metal_attn.explain(**kw)
