@@ -39,6 +39,11 @@ def _to_host_int(name: str, value: Any, ndim: int) -> np.ndarray:
     return np.array(arr, dtype=np.int64)  # a copy: the caller may change its own array afterwards
 
 
+#: The widest block table `padded_block_tables` makes: 2^28 pages of the smallest block (8 tokens)
+#: already address 2^31 tokens, past what the kernels' int32 positions hold.
+MAX_TABLE_WIDTH = 2**28
+
+
 def _own(value: Any) -> Any:
     """A new handle on an MLX array (the caller's in-place updates rebind theirs, not ours); else ``value``."""
     return mx.array(value) if isinstance(value, mx.array) else value
@@ -121,6 +126,8 @@ class AttentionMetadata:
             from metal_attn.settings import get_settings
 
             validate = get_settings().validate_metadata
+        elif not isinstance(validate, bool):  # "no" would read as on
+            raise InvalidInputError(f"validate={validate!r} (allowed: True, False, or None for the setting)")
         bt = _to_host_int("block_tables", block_tables, 2)
         sl = _to_host_int("seq_lens", seq_lens, 1)
         cu = _to_host_int("cu_seqlens_q", cu_seqlens_q, 1)
@@ -230,8 +237,11 @@ class AttentionMetadata:
             raise InvalidInputError("padded_block_tables: decode_bounds metadata has no host copy of its table "
                                     "to pad (pad the device table before building it)")
         have = self.max_blocks_per_seq
-        if width < have:
-            raise ValueError(f"width={width} (allowed: >= the table's {have} columns)")
+        if not (isinstance(width, (int, np.integer)) and not isinstance(width, (bool, np.bool_))
+                and have <= width <= MAX_TABLE_WIDTH):
+            raise InvalidInputError(f"width={width!r} (allowed: an int from the table's {have} columns to "
+                                    f"{MAX_TABLE_WIDTH})")
+        width = int(width)
         if width == have:
             return self.block_tables
         got = self._padded_tables.get(width)
@@ -242,7 +252,8 @@ class AttentionMetadata:
 
     def with_new_pages(self, pages: Mapping[int, tuple[int, int]]) -> AttentionMetadata:
         """This metadata with block-table entries set: ``pages`` maps a row to ``(column, block
-        id)``, a column past the table's width widening it (zeros between, as `build` pads). One
+        id)``, a column at most one past the table's last widening it (a sequence starts one page a
+        step; `next_decode_plan`'s page starts). One
         host array is made, the widest of the padded tables this metadata had handed out
         (`padded_block_tables`), the others and ``block_tables`` views of it: column slices, not
         row-contiguous, which the kernels copy on read (`kernels.load_kernel` keeps MLX's
@@ -256,12 +267,13 @@ class AttentionMetadata:
         def whole(x: object) -> bool:
             return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
+        host = self._block_tables_host
+        last = host.shape[1]
         for row, entry in pages.items():
             ok = isinstance(entry, (tuple, list)) and len(entry) == 2 and all(whole(x) for x in (row, *entry))
-            if not (ok and 0 <= row < n and entry[0] >= 0 and 0 <= entry[1] < 2**31):
+            if not (ok and 0 <= row < n and 0 <= entry[0] <= last and 0 <= entry[1] < 2**31):
                 raise InvalidInputError(f"with_new_pages: row {row!r} -> {entry!r} (allowed: a row in 0..{n - 1} "
-                                        "-> (a column >= 0, a block id in 0..2^31-1), whole numbers)")
-        host = self._block_tables_host
+                                        f"-> (a column in 0..{last}, a block id in 0..2^31-1), whole numbers)")
         width = max([host.shape[1]] + [col + 1 for col, _ in pages.values()])
         widest = max([width, *self._padded_tables])
         table = np.zeros((n, widest), dtype=host.dtype)
@@ -281,6 +293,10 @@ class AttentionMetadata:
         before. Every sequence must stay within the pages its table row already names (the pool
         checks of `pool_guard` run again on first use)."""
         n = self.num_seqs
+        if isinstance(seq_lens_host, (str, bytes)) or not all(
+                isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in seq_lens_host):
+            raise InvalidInputError(f"next_decode_step: seq_lens_host={seq_lens_host!r} (allowed: ints, each of "
+                                    f"{self.seq_lens_host[:8]} plus one)")
         lens = tuple(int(x) for x in seq_lens_host)
         if self.lengths_are_bounds or self.q_lens_host != (1,) * n:
             raise InvalidInputError("next_decode_step: needs a decode batch with host lengths (one query row per "

@@ -407,6 +407,13 @@ def test_rows_that_start_pages_are_derived_with_their_new_blocks(widths, monkeyp
     assert next_decode_plan(plan, 16, {0: 9}) is None  # row 1 starts a page too, and has no block
     with pytest.raises(InvalidInputError, match=r"with_new_pages: row 5 -> \(1, 9\)"):
         plan.metadata.with_new_pages({5: (1, 9)})
+    # a column more than one past the table: 10**7 built a table that wide (and 2**31 ran out of memory)
+    width = plan.metadata.max_blocks_per_seq
+    with pytest.raises(InvalidInputError, match=rf"a column in 0..{width}, "):
+        plan.metadata.with_new_pages({0: (10**7, 9)})
+    for bad in (2**40, 2.5, "3", True, width - 1):
+        with pytest.raises(InvalidInputError, match=r"width=.* \(allowed: an int from the table's"):
+            plan.metadata.padded_block_tables(bad)
 
 
 def test_steady_compiled_decode_builds_a_plan_only_when_the_batch_changes(monkeypatch):

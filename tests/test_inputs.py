@@ -485,3 +485,30 @@ def test_explain_refuses_what_paged_attention_refuses(fields, message):
     kw = {"q_lens": [1], "seq_lens": [4], "num_heads": 4, "num_kv_heads": 2, "head_size": 64} | fields
     with pytest.raises(InvalidInputError, match=message):
         metal_attn.explain(**kw)
+
+
+def test_metadata_switches_and_host_lengths_are_checked():
+    """build(validate="no") read as on; next_decode_step truncated float host lengths (6.9 -> 6)."""
+    with pytest.raises(InvalidInputError, match=r"validate='no' \(allowed: True, False, or None"):
+        AttentionMetadata.build([[0]], [5], [0, 1], validate="no")
+    md = AttentionMetadata.build([[0]], [5], [0, 1])
+    with pytest.raises(InvalidInputError, match=r"next_decode_step: seq_lens_host=\[5.9\] \(allowed: ints"):
+        md.next_decode_step(mx.array([6], dtype=mx.int32), [5.9])
+    assert md.next_decode_step(mx.array([6], dtype=mx.int32), [6]).seq_lens_host == (6,)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"num_kv_heads": 0}, r"num_kv_heads=0 \(allowed: an int >= 1\)"),
+    ({"head_size": -4}, r"head_size=-4 \(allowed: an int >= 1\)"),
+    ({"block_size": 0}, r"block_size=0"),
+    ({"num_heads": 0}, r"num_heads=0"),
+    ({"shared_prefix_blocks": -1}, r"shared_prefix_blocks=-1 \(allowed: an int >= 0\)"),
+    ({"scale": float("nan")}, r"scale=nan \(allowed: a finite number > 0"),
+    ({"q_lens": [1.5, 3], "seq_lens": [4, 4]}, r"q_lens=\[1.5, 3\] \(allowed: ints"),
+])
+def test_make_case_names_a_bad_argument(kw, message):
+    """make_case (the conformance suite's case builder, for provider authors too) raised ZeroDivisionError,
+    a complex-number TypeError or a broadcast error, or accepted num_heads=0, scale=nan and float lengths."""
+    args = {"q_lens": [1], "seq_lens": [4], "num_heads": 2, "num_kv_heads": 1, "head_size": 8, "block_size": 16} | kw
+    with pytest.raises(ValueError, match=message):
+        make_case(**args)

@@ -11,6 +11,7 @@ past ``seq_len`` produces visibly wrong output instead of a lucky match.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -148,6 +149,9 @@ class AttentionCase:
 
 
 def _check_lengths(q_lens: Sequence[int], seq_lens: Sequence[int]) -> tuple[list[int], list[int]]:
+    for name, values in (("q_lens", q_lens), ("seq_lens", seq_lens)):
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in values):
+            raise ValueError(f"{name}={list(values)!r} (allowed: ints; 1.5 is not a length)")
     ql = [int(x) for x in q_lens]
     sl = [int(x) for x in seq_lens]
     if not ql or len(ql) != len(sl):
@@ -228,6 +232,14 @@ def make_case(
     """
     name = dtype_name(dtype)
     ql, sl = _check_lengths(q_lens, seq_lens)
+    for arg, value, low in (("num_heads", num_heads, 1), ("num_kv_heads", num_kv_heads, 1),
+                            ("head_size", head_size, 1), ("block_size", block_size, 1),
+                            ("shared_prefix_blocks", shared_prefix_blocks, 0)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < low:
+            raise ValueError(f"{arg}={value!r} (allowed: an int >= {low})")
+    if scale is not None and not (isinstance(scale, (int, float, np.integer, np.floating))
+                                  and not isinstance(scale, (bool, np.bool_)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r} (allowed: a finite number > 0, or None for head_size**-0.5)")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     rng = np.random.default_rng(seed)
