@@ -11,7 +11,7 @@ import numpy as np
 from metal_attn import _epoch, diagnostics
 from metal_attn.constants import DTYPES, KERNEL_BLOCK_SIZES
 from metal_attn.device import DeviceInfo, current_device
-from metal_attn.errors import InvalidInputError, ProviderContractError
+from metal_attn.errors import InvalidInputError, MetalAttnError, ProviderContractError
 from metal_attn.host_arrays import kernel_input
 from metal_attn.log import warn_once
 from metal_attn.metadata import AttentionMetadata
@@ -399,9 +399,30 @@ def write_checked(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx
     """`reshape_and_cache` after its checks: for callers whose tensors and int64 ``slots`` are
     valid by construction (`PagedKVCache.write_step` writes the slots its own step plan built)."""
     writer, device, record = _cache_writer(k_cache.dtype)
-    out = writer.write_cache(key, value, k_cache, v_cache, slots, device)
+    try:
+        out = writer.write_cache(key, value, k_cache, v_cache, slots, device)
+    except MetalAttnError:
+        raise
+    except Exception as exc:  # a plugin's bug, named as such
+        raise ProviderContractError(f"provider {writer.name!r}: write_cache() raised {type(exc).__name__}: "
+                                    f"{exc}") from exc
+    # The writer's output contract (two type and shape comparisons: cheap enough for every layer).
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(
+            type(a) is mx.array and a.shape == k_cache.shape and a.dtype == k_cache.dtype for a in out)):
+        raise ProviderContractError(
+            f"provider {writer.name!r}: write_cache() returned {_describe_output(out)} (allowed: a (k_cache, "
+            f"v_cache) pair of mx.arrays of the pools' shape {tuple(k_cache.shape)} and dtype "
+            f"{dtype_name(k_cache.dtype)})")
     diagnostics.record(record)
-    return out
+    return out[0], out[1]
+
+
+def _describe_output(out: Any) -> str:
+    if isinstance(out, (tuple, list)):
+        return f"{type(out).__name__} of " + ", ".join(
+            f"{type(a).__name__} {tuple(getattr(a, 'shape', ()))} {dtype_name(getattr(a, 'dtype', None))}"
+            for a in out[:3])
+    return type(out).__name__
 
 
 #: (pool dtype, dispatch epoch) -> (writer, device, dispatch record): every layer of every step

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import threading
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pluggy
@@ -103,7 +103,7 @@ def build_registry(
     for i, plugin in enumerate(extra_plugins):
         name = (names[i] if names else None) or getattr(plugin, "__name__", None) or f"plugin-{i}"
         _register(plugin, name, Origin(name))
-    pm.check_pending()
+    _drop_invalid_plugins(pm, _failed)
     # The built-in providers register first, whatever order pluggy's tryfirst/trylast give the
     # hooks: a third-party provider that takes a built-in name is then the one refused.
     impls = sorted(pm.hook.metal_attn_register_providers.get_hookimpls(), key=lambda i: i.plugin_name != BUILTIN_PLUGIN)
@@ -116,6 +116,20 @@ def build_registry(
         except Exception as exc:
             _failed("plugin_register_failed", impl.plugin_name, exc)
     return registry
+
+
+def _drop_invalid_plugins(pm: Any, failed: Callable[[str, str, Exception], None]) -> None:
+    """pluggy's ``check_pending``, one plugin at a time: a plugin with a hook no spec declares (a
+    misspelled ``metal_attn_register_provider``) is unregistered and reported, and the others load."""
+    while True:
+        try:
+            pm.check_pending()
+            return
+        except pluggy.PluginValidationError as exc:
+            name = pm.get_name(exc.plugin) or repr(exc.plugin)
+            pm.unregister(exc.plugin)
+            failed("plugin_load_failed", name, RuntimeError(
+                f"{exc} (the plugin is left out; METAL_ATTN_PLUGINS_DENY={name} silences this)"))
 
 
 def registry_from(plugins: Iterable[object] | None = None, *, names: Sequence[str] | None = None) -> Registry:

@@ -39,6 +39,28 @@ class Plan:
     #: Human-readable facts behind the decision (gate arithmetic, tile sizes...).
     notes: tuple[str, ...] = ()
 
+    def problem(self) -> str | None:
+        """Why the registry cannot use this plan (None when it can): its fields' types, which a
+        provider's ``plan()`` fills in."""
+        if not isinstance(self.route, str) or not self.route:
+            return f"route={self.route!r} (allowed: a non-empty str)"
+        if not isinstance(self.partition_size, int) or isinstance(self.partition_size, bool) or self.partition_size < 0:
+            return f"partition_size={self.partition_size!r} (allowed: an int >= 0)"
+        for name in ("grid", "threadgroup"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, tuple) and all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in value)):
+                return f"{name}={value!r} (allowed: a tuple of ints, or None)"
+        if not isinstance(self.specialization, tuple):
+            return f"specialization={self.specialization!r} (allowed: a hashable tuple)"
+        try:
+            hash(self.specialization)
+        except TypeError:
+            return f"specialization={self.specialization!r} (allowed: a hashable tuple)"
+        if not isinstance(self.notes, tuple) or not all(isinstance(n, str) for n in self.notes):
+            return f"notes={self.notes!r} (allowed: a tuple of str)"
+        return None
+
     def describe(self) -> str:
         parts = [f"route={self.route}"]
         if self.partition_size:
@@ -159,7 +181,11 @@ class Provider:
         if request.lengths_are_bounds and not self.reads_lengths_on_device:
             reasons.append("lengths_are_bounds (a compiled decode step's metadata, AttentionMetadata.decode_bounds): "
                            "this provider reads per-sequence lengths on the host (supported: exact host lengths)")
-        reasons.extend(self.extra_reasons(request, device, settings))
+        extra = self.extra_reasons(request, device, settings)
+        if isinstance(extra, (str, bytes)) or not all(isinstance(r, str) for r in extra):
+            # a bare "too long" would read as eight one-letter reasons
+            raise TypeError(f"extra_reasons() returned {extra!r} (allowed: a list of str, empty to admit)")
+        reasons.extend(extra)
         return reasons
 
     def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:

@@ -14,11 +14,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from metal_attn import _epoch
+from metal_attn.constants import DTYPES
 from metal_attn.device import BACKENDS, DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
 from metal_attn.log import get_logger, warn_once
 from metal_attn.provider import Plan, Provider
-from metal_attn.request import AttentionRequest
+from metal_attn.request import AttentionRequest, Phase
 from metal_attn.settings import Settings
 
 _log = get_logger()
@@ -140,6 +141,41 @@ class Selection:
     fallbacks: tuple[tuple[str, str], ...] = ()
 
 
+#: What a provider's declaration may hold (`Provider`'s class attributes), besides name, priority and backends.
+_FEATURES = frozenset({"sinks", "sliding_window", "softcap"})
+
+
+def _declaration_problem(provider: Provider) -> str | None:
+    """Why ``provider``'s declared phases, dtypes, head and block sizes, features or flags cannot be read
+    (None when they can): each a set of the allowed values (``None`` for any, where that is allowed)."""
+    phases = {ph.value for ph in Phase}
+
+    def a_set(value: Any, allowed: Any = None, ints: bool = False) -> bool:
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (set, frozenset, tuple, list)):
+            return False
+        if ints:
+            return all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value)
+        return all(isinstance(x, str) and (allowed is None or x in allowed) for x in value)
+
+    checks = (
+        ("phases", provider.phases, a_set(provider.phases, phases), f"a set of {sorted(phases)}"),
+        ("dtypes", provider.dtypes, provider.dtypes is None or a_set(provider.dtypes, DTYPES),
+         f"a set of dtype names from {list(DTYPES)}, or None for any"),
+        ("head_sizes", provider.head_sizes, provider.head_sizes is None or a_set(provider.head_sizes, ints=True),
+         "a set of positive ints, or None for any"),
+        ("block_sizes", provider.block_sizes, provider.block_sizes is None or a_set(provider.block_sizes, ints=True),
+         "a set of positive ints, or None for any"),
+        ("features", provider.features, a_set(provider.features, _FEATURES), f"a set of {sorted(_FEATURES)}"),
+    )
+    for attr, value, ok, allowed in checks:
+        if not ok:
+            return f"{attr}={value!r} (allowed: {allowed})"
+    for flag in ("mixed_dtypes", "writes_cache", "reads_lengths_on_device"):
+        if not isinstance(getattr(provider, flag), bool):
+            return f"{flag}={getattr(provider, flag)!r} (allowed: True or False)"
+    return None
+
+
 class Registry:
     """Providers in priority order, with admission, selection and explanation."""
 
@@ -189,6 +225,13 @@ class Registry:
                 f"provider {name!r}: backend_priority={bp!r} (allowed: a mapping from its backends "
                 f"{sorted(provider.backends)} to int priorities)"
             )
+        problem = _declaration_problem(provider)
+        if problem:
+            raise RegistryError(f"provider {name!r}: {problem}")
+        clash = next((n for n in self._entries if n.casefold() == name.casefold() and n != name), None)
+        if clash is not None:
+            raise RegistryError(f"provider name={name!r} differs from the registered {clash!r} only by case "
+                                "(names must be told apart in settings and on the command line)")
         if name in self._entries:
             prev = self._entries[name].origin.describe()
             raise RegistryError(f"provider name={name!r} is already registered (by {prev})")
@@ -289,9 +332,12 @@ class Registry:
         except Exception as exc:
             reason = f"plan() raised {type(exc).__name__}: {exc}"
         else:
-            if isinstance(plan, Plan):
+            if not isinstance(plan, Plan):
+                reason = f"plan() returned {type(plan).__name__}, not a metal_attn.Plan"
+            elif (problem := plan.problem()) is not None:
+                reason = f"plan() returned a Plan with {problem}"
+            else:
                 return plan, None
-            reason = f"plan() returned {type(plan).__name__}, not a metal_attn.Plan"
         warn_once("provider_plan_failed", (provider.name, reason), provider=provider.name, reason=reason)
         return None, reason
 
@@ -422,8 +468,15 @@ class Registry:
         return dict(self._failed)
 
     def _notify(self, request: AttentionRequest, p: Provider, plan: Plan, refused: dict[str, list[str]]) -> None:
-        if self._on_selected is not None:
+        """Tell the ``metal_attn_provider_selected`` observers; one that raises is logged (once per
+        error) and the call goes on: an observer's bug must not fail attention."""
+        if self._on_selected is None:
+            return
+        try:
             self._on_selected(request=request, provider=p.name, route=plan.route, reasons=refused)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            warn_once("provider_selected_observer_failed", (reason,), provider=p.name, reason=reason)
 
     # -- cache writers ---------------------------------------------------------------------------
 

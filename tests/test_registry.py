@@ -753,3 +753,104 @@ def test_a_cache_writer_whose_check_raises_is_skipped():
 
     reg = registry_from([ProvidersPlugin(Broken("broken", 100), Writer("writer", 1))])
     assert reg.select_cache_writer("float32", CPU, settings_mod.get_settings()).name == "writer"
+
+
+# -- a misbehaving provider or observer (probed by a helper, twenty-second session) ----------------
+
+
+class _OddPlan(FakeProvider):
+    def __init__(self, name, priority, **fields):
+        super().__init__(name, priority)
+        self.fields = fields
+
+    def plan(self, request, device, settings) -> Plan:
+        return dataclasses.replace(super().plan(request, device, settings), **self.fields)
+
+
+@pytest.mark.parametrize(("fields", "problem"), [
+    ({"specialization": [1, 2]}, "specialization=[1, 2] (allowed: a hashable tuple)"),
+    ({"grid": 5}, "grid=5 (allowed: a tuple of ints, or None)"),
+    ({"notes": "one note"}, "notes='one note' (allowed: a tuple of str)"),
+    ({"route": ""}, "route='' (allowed: a non-empty str)"),
+])
+def test_a_plan_with_unusable_fields_passes_the_provider_over(install, fields, problem):
+    """An unhashable specialization failed every call (outside the pass-over logic); grid=5 crashed explain."""
+    install(registry_from([ProvidersPlugin(_OddPlan("odd", 50, **fields), FakeProvider("good", 1, fill=3.0))]))
+    q, k, v, md = decode_batch()
+    out = ma.paged_attention(q, k, v, metadata=md)
+    assert float(out.flatten()[0]) == 3.0 and diagnostics.last_dispatch().provider == "good"
+    row = next(r for r in ma.explain(q_lens=[1], seq_lens=[5], num_heads=8, num_kv_heads=2, head_size=64,
+                                     dtype="float32").rows if r.name == "odd")
+    assert not row.admitted and row.reasons == (f"plan() returned a Plan with {problem}",)
+
+
+def test_a_raising_selection_observer_does_not_fail_the_call(install, log_records):
+    class Broken:
+        @hookimpl
+        def metal_attn_provider_selected(self, request, provider, route, reasons) -> None:
+            raise RuntimeError("observer bug")
+
+    install(registry_from([ProvidersPlugin(FakeProvider("good", 1, fill=2.0)), Broken()]))
+    q, k, v, md = decode_batch()
+    for _ in range(2):
+        out = ma.paged_attention(q, k, v, metadata=md)
+        assert float(out.flatten()[0]) == 2.0
+    [rec] = log_records("provider_selected_observer_failed")
+    assert rec.reason == "RuntimeError: observer bug"
+
+
+@pytest.mark.parametrize(("attr", "value", "message"), [
+    ("head_sizes", 64, "head_sizes=64 (allowed: a set of positive ints, or None for any)"),
+    ("dtypes", frozenset({mx.float16}), "dtypes=frozenset({mlx.core.float16}) (allowed: a set of dtype names"),
+    ("features", frozenset({"sink"}), "features=frozenset({'sink'}) (allowed: a set of ['sinks',"),
+    ("phases", frozenset({"decoding"}), "phases=frozenset({'decoding'}) (allowed: a set of"),
+    ("mixed_dtypes", "no", "mixed_dtypes='no' (allowed: True or False)"),
+])
+def test_declarations_are_checked_when_added(attr, value, message):
+    """providers/doctor crashed on head_sizes=64 or dtypes of mx dtypes; a 'sink' typo or mixed_dtypes='no'
+    (truthy) were taken silently."""
+    p = FakeProvider("odd", 1)
+    setattr(p, attr, value)
+    with pytest.raises(RegistryError) as err:
+        Registry().add(p)
+    assert message in str(err.value)
+
+
+def test_names_that_differ_only_by_case_are_refused():
+    reg = Registry()
+    reg.add(FakeProvider("classic_like", 1))
+    with pytest.raises(RegistryError, match="differs from the registered 'classic_like' only by case"):
+        reg.add(FakeProvider("Classic_Like", 2))
+
+
+def test_extra_reasons_as_a_bare_string_passes_the_provider_over():
+    class Sloppy(FakeProvider):
+        def extra_reasons(self, request, device, settings):
+            return "too long"
+
+    reg = registry_from([ProvidersPlugin(Sloppy("sloppy", 50), FakeProvider("good", 1))])
+    row = next(r for r in reg.explain(AttentionRequest.from_lengths(q_lens=[1], seq_lens=[5]),
+                                       DeviceInfo.preset("cpu-2core"), settings_mod.get_settings()).rows
+               if r.name == "sloppy")
+    assert row.reasons == ("admission check raised TypeError: extra_reasons() returned 'too long' (allowed: a "
+                           "list of str, empty to admit)",)
+
+
+@pytest.mark.parametrize("bad", ["none", "shape", "raises"])
+def test_a_cache_writer_that_breaks_its_contract_is_named(install, bad):
+    """write_cache's output went back to the caller unchecked (None, or pools of another shape and dtype);
+    one that raised surfaced as the plugin's raw exception."""
+    class Writer(FakeProvider):
+        writes_cache = True
+
+        def write_cache(self, key, value, k_cache, v_cache, slot_mapping, device):
+            if bad == "raises":
+                raise RuntimeError("writer bug")
+            return None if bad == "none" else (k_cache[:1], v_cache.astype(mx.int32))
+
+    install(registry_from([plugins._builtin_module(), ProvidersPlugin(Writer("writer", 10_000))],
+                          names=["builtin", "fakes"]))
+    _, k, v, _ = decode_batch()
+    kv = mx.ones((1, k.shape[2], k.shape[3]), dtype=k.dtype)
+    with pytest.raises(ma.ProviderContractError, match=r"provider 'writer': write_cache\(\) (returned|raised)"):
+        ma.reshape_and_cache(kv, kv, k, v, mx.array([0]))
