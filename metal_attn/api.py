@@ -101,7 +101,7 @@ def _check_features(
     num_heads: int, scale: Any, sinks: Any, sliding_window: Any, softcap: Any, provider: Any = None
 ) -> None:
     check_feature_values(scale=scale, sliding_window=sliding_window, softcap=softcap)
-    if provider is not None and not isinstance(provider, str):
+    if provider is not None and (not isinstance(provider, str) or not provider):  # "" read as None before
         raise InvalidInputError(
             f"provider={provider!r} (allowed: a provider name as a str, or None for the registry's choice)"
         )
@@ -487,7 +487,7 @@ def explain(
         raise InvalidInputError(
             f"request={request!r} (allowed: a metal_attn.AttentionRequest, or its fields as keywords)"
         )
-    if provider is not None and not isinstance(provider, str):
+    if provider is not None and (not isinstance(provider, str) or not provider):
         raise InvalidInputError(f"provider={provider!r} (allowed: a provider name as a str, or None)")
     return get_registry().explain(request, dev, get_settings(), forced=provider)
 

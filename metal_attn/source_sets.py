@@ -36,7 +36,11 @@ def provider_sets(kind: str, providers: Sequence[str] | None = None,
     out: list[Any] = []
     owner: dict[str, str] = {}
     for provider in sorted(chosen, key=lambda p: p.name):
-        for entry in getattr(provider, kind)():
+        entries = getattr(provider, kind)()
+        if not isinstance(entries, (list, tuple)):
+            raise ValueError(f"{kind}() of provider {provider.name!r} returned {entries!r} (allowed: a list of "
+                             "entries, empty for none)")
+        for entry in entries:
             if entry.label in owner:
                 raise ValueError(f"{kind}: label={entry.label!r} of provider {provider.name!r} is already "
                                  f"declared by provider {owner[entry.label]!r} (labels must be unique)")

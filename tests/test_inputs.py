@@ -512,3 +512,13 @@ def test_make_case_names_a_bad_argument(kw, message):
     args = {"q_lens": [1], "seq_lens": [4], "num_heads": 2, "num_kv_heads": 1, "head_size": 8, "block_size": 16} | kw
     with pytest.raises(ValueError, match=message):
         make_case(**args)
+
+
+def test_an_empty_provider_name_is_refused():
+    """provider="" was read as None (the registry's choice)."""
+    case = make_case(q_lens=[1], seq_lens=[20], num_heads=2, num_kv_heads=1, head_size=64, block_size=16,
+                     dtype="float32", seed=3)
+    with pytest.raises(InvalidInputError, match=r"provider='' \(allowed: a provider name as a str"):
+        metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=case.metadata(), provider="")
+    with pytest.raises(InvalidInputError, match=r"provider='' \(allowed: a provider name as a str"):
+        metal_attn.explain(q_lens=[1], seq_lens=[4], provider="")

@@ -165,3 +165,23 @@ def test_set_option_still_names_a_function(needs_clang):
     result = msl_check.check("metal_attn.msl_check:registered_specializations",
                              only=r"^paged_attention_v2_reduce \(gqa\) float16 head=128 P256$")
     assert result.ok and result.count == 1, result.summary()
+
+
+def test_a_provider_whose_source_list_is_none_is_named():
+    """It raised a bare TypeError ('NoneType' object is not iterable) from the loop."""
+    from metal_attn.provider import Provider
+    from metal_attn.registry import Registry
+    from metal_attn.source_sets import provider_sets
+
+    class NoList(Provider):
+        name = "no_list"
+        backends = frozenset({"cpu"})
+
+        def msl_specializations(self):
+            return None
+
+    reg = Registry()
+    reg.add(NoList())
+    with pytest.raises(ValueError, match=r"msl_specializations\(\) of provider 'no_list' returned None \(allowed: a "
+                                         r"list of entries"):
+        provider_sets("msl_specializations", registry=reg)
