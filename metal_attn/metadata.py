@@ -44,6 +44,11 @@ def _to_host_int(name: str, value: Any, ndim: int) -> np.ndarray:
 MAX_TABLE_WIDTH = 2**28
 
 
+def _whole(x: object) -> bool:
+    """An int (Python or NumPy), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _own(value: Any) -> Any:
     """A new handle on an MLX array (the caller's in-place updates rebind theirs, not ours); else ``value``."""
     return mx.array(value) if isinstance(value, mx.array) else value
@@ -237,8 +242,7 @@ class AttentionMetadata:
             raise InvalidInputError("padded_block_tables: decode_bounds metadata has no host copy of its table "
                                     "to pad (pad the device table before building it)")
         have = self.max_blocks_per_seq
-        if not (isinstance(width, (int, np.integer)) and not isinstance(width, (bool, np.bool_))
-                and have <= width <= MAX_TABLE_WIDTH):
+        if not (_whole(width) and have <= width <= MAX_TABLE_WIDTH):
             raise InvalidInputError(f"width={width!r} (allowed: an int from the table's {have} columns to "
                                     f"{MAX_TABLE_WIDTH})")
         width = int(width)
@@ -264,13 +268,10 @@ class AttentionMetadata:
         if not isinstance(pages, Mapping):
             raise InvalidInputError(f"with_new_pages: pages={pages!r} (allowed: a mapping row -> (column, block id))")
 
-        def whole(x: object) -> bool:
-            return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
         host = self._block_tables_host
         last = host.shape[1]
         for row, entry in pages.items():
-            ok = isinstance(entry, (tuple, list)) and len(entry) == 2 and all(whole(x) for x in (row, *entry))
+            ok = isinstance(entry, (tuple, list)) and len(entry) == 2 and all(_whole(x) for x in (row, *entry))
             if not (ok and 0 <= row < n and 0 <= entry[0] <= last and 0 <= entry[1] < 2**31):
                 raise InvalidInputError(f"with_new_pages: row {row!r} -> {entry!r} (allowed: a row in 0..{n - 1} "
                                         f"-> (a column in 0..{last}, a block id in 0..2^31-1), whole numbers)")
@@ -293,8 +294,7 @@ class AttentionMetadata:
         before. Every sequence must stay within the pages its table row already names (the pool
         checks of `pool_guard` run again on first use)."""
         n = self.num_seqs
-        if isinstance(seq_lens_host, (str, bytes)) or not all(
-                isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in seq_lens_host):
+        if isinstance(seq_lens_host, (str, bytes)) or not all(_whole(x) for x in seq_lens_host):
             raise InvalidInputError(f"next_decode_step: seq_lens_host={seq_lens_host!r} (allowed: ints, each of "
                                     f"{self.seq_lens_host[:8]} plus one)")
         lens = tuple(int(x) for x in seq_lens_host)
