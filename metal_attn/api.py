@@ -203,7 +203,13 @@ def paged_attention(
         sliding_window,
         float(softcap) if softcap is not None else None,
     )
-    out = sel.provider.run(inputs, sel.plan)
+    try:
+        out = sel.provider.run(inputs, sel.plan)
+    except (MetalAttnError, MemoryError):
+        raise
+    except Exception as exc:  # a provider's bug, named as such (its admission let in a call it cannot run)
+        raise ProviderContractError(f"provider {sel.provider.name!r} (route {sel.plan.route!r}): run() raised "
+                                    f"{type(exc).__name__}: {exc}") from exc
     # The provider's output contract, checked on a selection's first call (not on the hot path).
     if first and (type(out) is not mx.array or out.shape != q.shape or out.dtype != q.dtype):
         md._selections.pop(key, None)
@@ -401,7 +407,7 @@ def write_checked(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx
     writer, device, record = _cache_writer(k_cache.dtype)
     try:
         out = writer.write_cache(key, value, k_cache, v_cache, slots, device)
-    except MetalAttnError:
+    except (MetalAttnError, MemoryError):
         raise
     except Exception as exc:  # a plugin's bug, named as such
         raise ProviderContractError(f"provider {writer.name!r}: write_cache() raised {type(exc).__name__}: "

@@ -37,6 +37,7 @@ from metal_attn.api import (
     reshape_and_cache,
     write_checked,
 )
+from metal_attn.checks import is_integer
 from metal_attn.constants import KERNEL_BLOCK_SIZES
 from metal_attn.device import available_host_memory, current_device
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
@@ -47,12 +48,8 @@ from metal_attn.provider import scatter_slots
 __all__ = ["BlockAllocator", "PagedKVCache", "StepPlan", "build_step_plan", "next_decode_plan"]
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def _check_positive_int(name: str, value: Any) -> int:
-    if not _is_int(value) or value < 1:
+    if not is_integer(value) or value < 1:
         raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")
     return int(value)
 
@@ -106,7 +103,7 @@ class BlockAllocator:
 
         Raises `CacheExhaustedError` (allocator unchanged) when fewer than ``n`` are free.
         """
-        if not _is_int(n) or n < 0:
+        if not is_integer(n) or n < 0:
             raise InvalidInputError(f"n={n!r} (allowed: an int >= 0, the number of blocks to allocate)")
         if n > len(self._free):
             raise CacheExhaustedError(
@@ -171,7 +168,7 @@ class BlockAllocator:
         return b, new
 
     def _check_id(self, block_id: Any) -> int:
-        if not _is_int(block_id) or not 0 <= block_id < self._num_blocks:
+        if not is_integer(block_id) or not 0 <= block_id < self._num_blocks:
             raise InvalidInputError(
                 f"block id {block_id!r} is unknown (allowed: an int in 0..{self._num_blocks - 1})"
             )
@@ -615,7 +612,7 @@ class PagedKVCache:
             raise InvalidInputError(f"{name}={seq_id!r} is already in the cache (ids must be unique)")
 
     def _check_layer(self, layer: Any) -> int:
-        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+        if not is_integer(layer) or not 0 <= layer < self.num_layers:
             raise InvalidInputError(f"layer={layer!r} (allowed: an int in 0..{self.num_layers - 1})")
         return int(layer)
 
@@ -636,7 +633,7 @@ class PagedKVCache:
             if seq_id in seen:
                 raise InvalidInputError(f"batch[{i}]: seq_id={seq_id!r} appears more than once in the batch")
             seen.add(seq_id)
-            if not _is_int(n) or n < 1:
+            if not is_integer(n) or n < 1:
                 raise InvalidInputError(
                     f"batch[{i}]: num_new_tokens={n!r} for seq_id={seq_id!r} (allowed: an int >= 1)"
                 )
@@ -674,7 +671,7 @@ class PagedKVCache:
         last = self.num_blocks - 1
         for k, pair in enumerate(pairs):
             if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-                    or not all(_is_int(b) and 0 <= b <= last for b in pair)):
+                    or not all(is_integer(b) and 0 <= b <= last for b in pair)):
                 raise InvalidInputError(f"pairs[{k}]={pair!r} (allowed: (old page, new page), page ids in 0..{last})")
         if pairs and any(a is None for a in (*self._k, *self._v)):
             raise InvalidInputError("copy_pages: the pools were taken by take_pools (put_pools gives them back)")

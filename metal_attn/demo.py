@@ -24,6 +24,7 @@ import numpy as np
 from metal_attn import diagnostics
 from metal_attn.api import MX_DTYPES, paged_attention
 from metal_attn.cache import PagedKVCache
+from metal_attn.checks import is_int
 from metal_attn.device import current_device
 from metal_attn.errors import InvalidInputError
 from metal_attn.metadata import AttentionMetadata
@@ -62,9 +63,9 @@ class DemoConfig:
             raise InvalidInputError(f"dtype={self.dtype!r} (allowed: {', '.join(MX_DTYPES)})")
         for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "num_layers", "repeats", "chunk_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64:
+        if not is_int(self.seed) or not 0 <= self.seed < 2**64:
             raise InvalidInputError(f"seed={self.seed!r} (allowed: an int from 0 to 2**64 - 1, MLX's seed range)")
         if self.num_heads % self.num_kv_heads:
             raise InvalidInputError(

@@ -101,6 +101,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from metal_attn.mlx_lm import inspect_model, load
 
     prompts = _read_prompts(args, parser)
+    last_seed = args.seed + len(prompts) - 1
+    if last_seed >= 2**63:  # before the model loads: the sampler's seed range
+        parser.error(f"--seed {args.seed} with {len(prompts)} prompts gives the last prompt seed {last_seed} "
+                     f"(allowed: --seed + prompts - 1 < 2**63, so --seed <= {2**63 - len(prompts)} here)")
     try:
         t0 = time.perf_counter()
         model, tokenizer = load(args.model)

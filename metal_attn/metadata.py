@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from metal_attn.checks import is_integer
 from metal_attn.errors import InvalidInputError
 from metal_attn.host_arrays import device_array, kernel_input
 from metal_attn.request import Phase, classify_phase, leading_decode_rows, length_plan
@@ -42,11 +43,6 @@ def _to_host_int(name: str, value: Any, ndim: int) -> np.ndarray:
 #: The widest block table `padded_block_tables` makes: 2^28 pages of the smallest block (8 tokens)
 #: already address 2^31 tokens, past what the kernels' int32 positions hold.
 MAX_TABLE_WIDTH = 2**28
-
-
-def _whole(x: object) -> bool:
-    """An int (Python or NumPy), not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _own(value: Any) -> Any:
@@ -216,8 +212,7 @@ class AttentionMetadata:
             raise InvalidInputError(f"seq_lens.shape={tuple(seq_lens.shape)} (need ({n},), one length per table row)")
         block_tables = block_tables if block_tables.dtype == mx.int32 else block_tables.astype(mx.int32)
         seq_lens = seq_lens if seq_lens.dtype == mx.int32 else seq_lens.astype(mx.int32)
-        if not (isinstance(max_seq_len, (int, np.integer)) and not isinstance(max_seq_len, bool)
-                and 1 <= max_seq_len <= 2**31 - 1):
+        if not (is_integer(max_seq_len) and 1 <= max_seq_len <= 2**31 - 1):
             raise InvalidInputError(f"max_seq_len={max_seq_len!r} (allowed: an int in 1..2^31-1)")
         lens = (int(max_seq_len),) * n
         return cls(
@@ -242,7 +237,7 @@ class AttentionMetadata:
             raise InvalidInputError("padded_block_tables: decode_bounds metadata has no host copy of its table "
                                     "to pad (pad the device table before building it)")
         have = self.max_blocks_per_seq
-        if not (_whole(width) and have <= width <= MAX_TABLE_WIDTH):
+        if not (is_integer(width) and have <= width <= MAX_TABLE_WIDTH):
             raise InvalidInputError(f"width={width!r} (allowed: an int from the table's {have} columns to "
                                     f"{MAX_TABLE_WIDTH})")
         width = int(width)
@@ -271,7 +266,7 @@ class AttentionMetadata:
         host = self._block_tables_host
         last = host.shape[1]
         for row, entry in pages.items():
-            ok = isinstance(entry, (tuple, list)) and len(entry) == 2 and all(_whole(x) for x in (row, *entry))
+            ok = isinstance(entry, (tuple, list)) and len(entry) == 2 and all(is_integer(x) for x in (row, *entry))
             if not (ok and 0 <= row < n and 0 <= entry[0] <= last and 0 <= entry[1] < 2**31):
                 raise InvalidInputError(f"with_new_pages: row {row!r} -> {entry!r} (allowed: a row in 0..{n - 1} "
                                         f"-> (a column in 0..{last}, a block id in 0..2^31-1), whole numbers)")
@@ -294,7 +289,7 @@ class AttentionMetadata:
         before. Every sequence must stay within the pages its table row already names (the pool
         checks of `pool_guard` run again on first use)."""
         n = self.num_seqs
-        if isinstance(seq_lens_host, (str, bytes)) or not all(_whole(x) for x in seq_lens_host):
+        if isinstance(seq_lens_host, (str, bytes)) or not all(is_integer(x) for x in seq_lens_host):
             raise InvalidInputError(f"next_decode_step: seq_lens_host={seq_lens_host!r} (allowed: ints, each of "
                                     f"{self.seq_lens_host[:8]} plus one)")
         lens = tuple(int(x) for x in seq_lens_host)

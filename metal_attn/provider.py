@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from metal_attn.checks import is_int
+
 if TYPE_CHECKING:  # pragma: no cover
     import mlx.core as mx
 
@@ -44,12 +46,11 @@ class Plan:
         provider's ``plan()`` fills in."""
         if not isinstance(self.route, str) or not self.route:
             return f"route={self.route!r} (allowed: a non-empty str)"
-        if not isinstance(self.partition_size, int) or isinstance(self.partition_size, bool) or self.partition_size < 0:
+        if not is_int(self.partition_size) or self.partition_size < 0:
             return f"partition_size={self.partition_size!r} (allowed: an int >= 0)"
         for name in ("grid", "threadgroup"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, tuple) and all(
-                    isinstance(x, int) and not isinstance(x, bool) for x in value)):
+            if value is not None and not (isinstance(value, tuple) and all(is_int(x) for x in value)):
                 return f"{name}={value!r} (allowed: a tuple of ints, or None)"
         if not isinstance(self.specialization, tuple):
             return f"specialization={self.specialization!r} (allowed: a hashable tuple)"

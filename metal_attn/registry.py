@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from metal_attn import _epoch
+from metal_attn.checks import is_int
 from metal_attn.constants import DTYPES
 from metal_attn.device import BACKENDS, DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
@@ -154,7 +155,7 @@ def _declaration_problem(provider: Provider) -> str | None:
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (set, frozenset, tuple, list)):
             return False
         if ints:
-            return all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value)
+            return all(is_int(x) and x > 0 for x in value)
         return all(isinstance(x, str) and (allowed is None or x in allowed) for x in value)
 
     checks = (

@@ -8,13 +8,13 @@ nothing that lives on the GPU.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
 
 import numpy as np
 
+from metal_attn.checks import is_integer, is_real_scalar, ordered_ints
 from metal_attn.constants import DTYPES, GQA_PARTITION_SIZES, PARTITION_SIZE
 from metal_attn.errors import InvalidInputError
 
@@ -31,8 +31,7 @@ def _positive_f32(value: Any) -> bool:
     # Compared as a Python float: a NumPy float16 would cast the bounds to float16 (FLT_MIN to 0, so 0
     # passed) under NumPy 2's rules.
     return (
-        isinstance(value, (int, float, np.integer, np.floating))
-        and not isinstance(value, (bool, np.bool_))
+        is_real_scalar(value)
         and _F32_TINY <= float(value) <= _F32_MAX  # False for NaN
     )
 
@@ -44,8 +43,7 @@ def check_feature_values(*, scale: Any = None, sliding_window: Any = None, softc
     if scale is not None and not _positive_f32(scale):
         raise InvalidInputError(f"scale={scale!r} (allowed: {_F32_RANGE}, or None for head_size**-0.5)")
     if sliding_window is not None and not (
-        isinstance(sliding_window, (int, np.integer))
-        and not isinstance(sliding_window, (bool, np.bool_))
+        is_integer(sliding_window)
         and 1 <= sliding_window <= _INT32_MAX
     ):
         raise InvalidInputError(f"sliding_window={sliding_window!r} (allowed: an int from 1 to {_INT32_MAX}, or None)")
@@ -216,8 +214,8 @@ class AttentionRequest:
         """Build a request from per-sequence lengths (handy for `explain` and tests). A batch no call
         could make (a sequence with fewer KV tokens than query rows, heads that do not group) raises
         `InvalidInputError` naming the value."""
-        q_lens = _whole_numbers("q_lens", q_lens)
-        seq_lens = _whole_numbers("seq_lens", seq_lens)
+        q_lens = ordered_ints("q_lens", q_lens)
+        seq_lens = ordered_ints("seq_lens", seq_lens)
         if len(q_lens) != len(seq_lens) or not q_lens:
             raise InvalidInputError(
                 f"q_lens and seq_lens must be non-empty and of equal length (got {len(q_lens)} and {len(seq_lens)})"
@@ -228,7 +226,7 @@ class AttentionRequest:
                                         "seq_len counts this step's tokens)")
         for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_size", head_size),
                             ("block_size", block_size)):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise InvalidInputError(f"{name}={value!r} (allowed: an int >= 1)")
         num_heads, num_kv_heads, head_size, block_size = map(int, (num_heads, num_kv_heads, head_size, block_size))
         for name, value in (("dtype", dtype), ("cache_dtype", cache_dtype or dtype)):
@@ -261,14 +259,3 @@ class AttentionRequest:
             sliding_window=sliding_window,
             softcap=softcap,
         )
-
-
-def _whole_numbers(name: str, values: Any) -> list[int]:
-    """``values`` as a list of ints: whole numbers only (a float length was truncated before)."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidInputError(f"{name}={values!r} (allowed: a sequence of ints)")
-    out = list(values)
-    bad = next((v for v in out if not isinstance(v, numbers.Integral) or isinstance(v, bool)), None)
-    if bad is not None:
-        raise InvalidInputError(f"{name} holds {bad!r} (allowed: ints)")
-    return [int(v) for v in out]

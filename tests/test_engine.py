@@ -199,9 +199,15 @@ def test_a_request_that_cannot_be_admitted_into_an_idle_pool_raises_instead_of_s
         ({"prompt": [1], "stop": 123}, r"stop=123 \(allowed: a non-empty string, an iterable of them, or None\)"),
         ({"prompt": [1], "sampling": {"temperature": 0.5}},
          r"sampling=\{'temperature': 0.5\} \(allowed: a SamplingParams"),
-        ({"prompt": [1, 2.5]}, r"prompt=\[1, 2.5\] \(allowed: a text or a list of int token ids\)"),  # never rounded
-        ({"prompt": [True, 2]}, r"prompt=\[True, 2\]"),
-        ({"prompt": mx.array([1.0, 2.0])}, "allowed: a text or a list of int token ids"),
+        ({"prompt": [1, 2.5]}, r"prompt holds 2.5 \(allowed: a text, or a list or 1-D array of int token ids\)"),
+        ({"prompt": [True, 2]}, r"prompt holds True"),  # never rounded, never a 1
+        ({"prompt": mx.array([1.0, 2.0])}, "prompt holds 1.0"),
+        # bytes read as their byte values, a set or a dict's keys in no stated order, a 2-D array row by row
+        ({"prompt": b"ab"}, r"prompt=b'ab' \(allowed: a text, or a list"),
+        ({"prompt": {3, 1, 2}}, r"prompt=\{1, 2, 3\} \(allowed"),
+        ({"prompt": {1: "a"}}, r"prompt=\{1: 'a'\} \(allowed"),
+        ({"prompt": iter([1, 2])}, r"prompt=<list_iterator"),
+        ({"prompt": mx.array([[1, 2]])}, r"prompt has shape \(1, 2\)"),
         # logit_bias: an id past the vocabulary crashed the process (mlx-lm's processor indexes with it)
         ({"prompt": [1], "sampling": SamplingParams(logit_bias={256: 5.0})},
          r"logit_bias token id 256 is out of range \(allowed: 0..255\)"),
@@ -221,6 +227,17 @@ def test_bad_requests_are_named(llama, kwargs, message):
     with pytest.raises(InvalidInputError, match=message):
         eng.add_request(prompt, **kwargs)
     assert not eng.requests
+
+
+@pytest.mark.parametrize("prompt", [
+    [5, 6, 7], (5, 6, 7), range(5, 8), np.array([5, 6, 7], dtype=np.int64), mx.array([5, 6, 7]),
+    list(mx.array([5, 6, 7])), [np.int32(5), 6, np.uint8(7)],
+], ids=["list", "tuple", "range", "numpy", "mlx", "mlx-scalars", "numpy-scalars"])
+def test_token_ids_in_any_ordered_integer_form_are_the_same_prompt(llama, prompt):
+    eng = _engine(llama)
+    rid = eng.add_request(prompt, max_tokens=1)
+    assert eng.requests[rid].prompt_ids == [5, 6, 7]
+    assert all(type(t) is int for t in eng.requests[rid].prompt_ids)
 
 
 def test_a_refused_prompt_in_a_batch_queues_none_of_them(llama):

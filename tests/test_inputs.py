@@ -475,8 +475,9 @@ def test_float16_scalars_are_checked_as_numbers(name, value):
     ({"softcap": "x"}, r"softcap='x' \(allowed"),
     ({"sinks": "no"}, r"sinks='no' \(allowed: True or False"),
     ({"dtype": "int8"}, r"dtype='int8' \(allowed: float16, bfloat16, float32\)"),
-    ({"q_lens": [1.7], "seq_lens": [1.2]}, r"q_lens holds 1.7 \(allowed: ints\)"),
-    ({"q_lens": None}, r"q_lens=None \(allowed: a sequence of ints\)"),
+    ({"q_lens": [1.7], "seq_lens": [1.2]}, r"q_lens holds 1.7 \(allowed: a list, tuple or 1-D array of ints"),
+    ({"q_lens": None}, r"q_lens=None \(allowed: a list, tuple or 1-D array of ints, in order\)"),
+    ({"q_lens": [1, 1], "seq_lens": {4, 9}}, r"seq_lens=\{9, 4\} \(allowed"),  # paired with q_lens in no order
     ({"seq_len": [4]}, r"explain: unknown field\(s\) seq_len \(allowed: q_lens, seq_lens"),
 ])
 def test_explain_refuses_what_paged_attention_refuses(fields, message):

@@ -738,6 +738,23 @@ def test_a_run_that_returns_the_wrong_shape_is_refused(install):
         ma.paged_attention(q, k, v, metadata=md)
 
 
+@pytest.mark.parametrize(("error", "expected", "message"), [
+    (IndexError("list index out of range"), ma.ProviderContractError,
+     r"provider 'raiser' \(route 'raiser'\): run\(\) raised IndexError: list index out of range"),
+    (ma.InvalidInputError("scale=3 (allowed: 1)"), ma.InvalidInputError, r"^scale=3 \(allowed: 1\)$"),
+])
+def test_a_run_that_raises_is_named_unless_it_raised_on_purpose(install, error, expected, message):
+    """run()'s own exceptions reached the caller raw, naming no provider; this library's errors stay as raised."""
+    class Raiser(FakeProvider):
+        def run(self, inputs, plan):
+            raise error
+
+    install(registry_from([ProvidersPlugin(Raiser("raiser", 100), FakeProvider("good", 1))]))
+    q, k, v, md = decode_batch()
+    with pytest.raises(expected, match=message):
+        ma.paged_attention(q, k, v, metadata=md)
+
+
 def test_a_cache_writer_whose_check_raises_is_skipped():
     class Broken(FakeProvider):
         writes_cache = True

@@ -109,6 +109,9 @@ def test_default_generate_answers_the_built_in_prompt(smollm2):
         # a budget past the device used to be capped at what the requests need (about all of this
         # machine's memory at the default caps) and crash or be OOM-killed while allocating
         (["--kv-cache-memory", str(10**20)], "--kv-cache-memory=100,000,000,000,000,000,000 bytes is more than"),
+        # prompt i samples with seed + i: the error named the last prompt's seed as if it were --seed
+        (["--prompt", "a", "--prompt", "b", "--seed", str(2**63 - 1)],
+         f"--seed {2**63 - 1} with 2 prompts gives the last prompt seed {2**63}"),
     ],
 )
 def test_bad_input_exits_2_naming_the_flag(flags, message, smollm2):

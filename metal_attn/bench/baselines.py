@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-import math
 import re
 import statistics
 from collections.abc import Mapping, Sequence
@@ -39,6 +38,7 @@ from typing import Any, TextIO
 
 from metal_attn.bench.core import SuiteResult
 from metal_attn.bench.ratios import SUFFIX
+from metal_attn.checks import is_finite_real, is_real
 
 SCHEMA = "metal-attn-baseline/1"
 
@@ -315,14 +315,14 @@ class Baseline:
 
 def check_margin(margin: Any, where: str = "margin") -> float:
     """``margin`` as a float in ``[0, 1)``, else `BaselineError` naming it."""
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+    if not is_real(margin) or not 0 <= margin < 1:
         raise BaselineError(f"{where}={margin!r} (allowed: a number >= 0 and < 1, the fraction a ratio may fall "
                             "below its baseline)")
     return float(margin)
 
 
 def _positive_ratio(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+    return is_finite_real(v) and v > 0
 
 
 def parse(data: Any, path: str = "<baseline>") -> Baseline:

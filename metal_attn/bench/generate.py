@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
+from metal_attn.checks import is_int
+
 if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.engine import EngineConfig
 
@@ -250,7 +252,7 @@ def bench_generate(
     ``rounds`` runs each concurrency's candidates (and the shared-prefix pair) that many times, back
     to back, the order reversed every other round, so that a host whose speed drifts during the run
     weighs on every candidate alike; `ratios` then takes each round's ratio and their median."""
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+    if not is_int(rounds) or rounds < 1:
         raise ValueError(f"rounds={rounds!r} (allowed: an int >= 1)")
     vocab = int(model.model.embed_tokens.weight.shape[0]) if hasattr(model, "model") else 32000
     results: list[GenerateResult] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from metal_attn.checks import int_at_least, is_real
 from metal_attn.errors import InvalidInputError
 
 __all__ = ["COMPILE_DECODE_BY_BACKEND", "PREEMPTION_ORDERS", "EngineConfig"]
@@ -101,16 +102,16 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         """Return ``self``; raise `InvalidInputError` naming the first bad field, its value and what is allowed."""
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "compile_trace_after"):
-            _int_at_least(name, getattr(self, name))
-        _int_at_least("compile_shrink_after", self.compile_shrink_after, low=0)
+            int_at_least(name, getattr(self, name))
+        int_at_least("compile_shrink_after", self.compile_shrink_after, low=0)
         for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
-                _int_at_least(name, getattr(self, name))
+                int_at_least(name, getattr(self, name))
         if self.block_size % 8:
             raise InvalidInputError(f"block_size={self.block_size} (allowed: a multiple of 8, e.g. 8, 16, 32)")
-        if not (_number(self.kv_cache_fraction) and 0 < self.kv_cache_fraction <= 1):
+        if not (is_real(self.kv_cache_fraction) and 0 < self.kv_cache_fraction <= 1):
             raise InvalidInputError(f"kv_cache_fraction={self.kv_cache_fraction!r} (allowed: a number in (0, 1])")
-        if not (_number(self.watermark) and 0 <= self.watermark < 1):
+        if not (is_real(self.watermark) and 0 <= self.watermark < 1):
             raise InvalidInputError(f"watermark={self.watermark!r} (allowed: a number in [0, 1))")
         for name in ("enable_prefix_caching", "pipeline"):
             if not isinstance(getattr(self, name), bool):
@@ -150,14 +151,3 @@ class EngineConfig:
         if blocks > need:
             return need, f"{source}, capped at {need} pages ({self.max_num_seqs} x {max_model_len} tokens)"
         return blocks, source
-
-
-def _number(value: object) -> bool:
-    """An int or float, not a bool (True would read as 1)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int_at_least(name: str, value: object, low: int = 1) -> None:
-    """Raise `InvalidInputError` unless ``value`` is an int (not a bool) of at least ``low``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InvalidInputError(f"{name}={value!r} (allowed: an int >= {low})")

@@ -9,7 +9,6 @@ stop conditions. One forward per call; the host's work overlaps the device's.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -18,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from metal_attn.checks import int_at_least, is_int, ordered_ints
 from metal_attn.device import current_device
 from metal_attn.engine.block_manager import BlockManager
 from metal_attn.engine.config import EngineConfig
@@ -177,8 +177,7 @@ class Engine:
         far = [t for t in (sampling.logit_bias or {}) if t >= vocab]
         if far:
             raise InvalidInputError(f"logit_bias token id {far[0]} is out of range (allowed: 0..{vocab - 1})")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise InvalidInputError(f"max_tokens={max_tokens!r} (allowed: an int >= 1)")
+        int_at_least("max_tokens", max_tokens)
         if stop is not None and not isinstance(stop, (str, Iterable)):
             raise InvalidInputError(f"stop={stop!r} (allowed: a non-empty string, an iterable of them, or None)")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -208,10 +207,7 @@ class Engine:
             bos = getattr(self.tokenizer, "bos_token", None)
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
         else:
-            try:
-                ids = [_token_id(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise InvalidInputError(f"{label}={prompt!r} (allowed: a text or a list of int token ids)") from None
+            ids = ordered_ints(label, prompt, allowed="a text, or a list or 1-D array of int token ids")
         if not ids:
             raise InvalidInputError(f"{label} has no tokens (allowed: a non-empty text or list of token ids)")
         vocab = self.model.vocab_size
@@ -229,7 +225,7 @@ class Engine:
 
     def _get(self, request_id: int) -> Request:
         try:
-            if not isinstance(request_id, int) or isinstance(request_id, bool):  # True == 1, 0.0 == 0 as dict keys
+            if not is_int(request_id):  # True == 1, 0.0 == 0 as dict keys
                 raise TypeError
             return self.requests[request_id]
         except (KeyError, TypeError):
@@ -455,16 +451,6 @@ class Engine:
         while self._inflight:
             self._complete(self._inflight.popleft())
         mx.synchronize()
-
-
-def _token_id(t: Any) -> int:
-    """``t`` as a token id: a Python or numpy int, or an MLX integer scalar. A float or a bool raises
-    ``ValueError`` (``int(1.5)`` would silently be 1)."""
-    integral = isinstance(t, numbers.Integral) or (isinstance(t, mx.array) and t.ndim == 0
-                                                   and mx.issubdtype(t.dtype, mx.integer))
-    if isinstance(t, bool) or not integral:
-        raise ValueError(f"token id {t!r} is not an integer")
-    return int(t)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from metal_attn.checks import is_finite_real, is_int
 from metal_attn.errors import InvalidInputError
 
 __all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams"]
@@ -57,19 +57,18 @@ class SamplingParams:
 
     def validate(self) -> SamplingParams:
         """Return ``self``; raise `InvalidInputError` naming the first bad value and what is allowed."""
-        if not _finite(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+        if not is_finite_real(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
             raise InvalidInputError(f"temperature={self.temperature!r} (allowed: 0 (greedy), or a number >= "
                                     f"{MIN_TEMPERATURE:g}: the logits are divided by it in float32)")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_finite_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidInputError(f"top_p={self.top_p!r} (allowed: a number in (0, 1]; 1 disables it)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidInputError(f"top_k={self.top_k!r} (allowed: an int >= 0; 0 disables it)")
-        if not _finite(self.min_p) or not 0 <= self.min_p < 1:
+        if not is_finite_real(self.min_p) or not 0 <= self.min_p < 1:
             raise InvalidInputError(f"min_p={self.min_p!r} (allowed: a number in [0, 1); 0 disables it)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise InvalidInputError(f"seed={self.seed!r} (allowed: an int in [0, 2**63), or None)")
-        if self.repetition_penalty is not None and (not _finite(self.repetition_penalty)
+        if self.repetition_penalty is not None and (not is_finite_real(self.repetition_penalty)
                                                     or self.repetition_penalty <= 0):
             raise InvalidInputError(f"repetition_penalty={self.repetition_penalty!r} (allowed: a number > 0, or None)")
         if self.logit_bias is not None:
@@ -77,7 +76,7 @@ class SamplingParams:
                 raise InvalidInputError(f"logit_bias={self.logit_bias!r} (allowed: a mapping of token id to bias, "
                                         "or None)")
             for tok, bias in self.logit_bias.items():
-                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or not _finite(bias):
+                if not is_int(tok) or tok < 0 or not is_finite_real(bias):
                     raise InvalidInputError(f"logit_bias entry {tok!r}: {bias!r} (allowed: int token ids >= 0 "
                                             "mapped to finite numbers)")
         if not isinstance(self.logits_processors, (list, tuple)) or not all(
@@ -94,10 +93,6 @@ class SamplingParams:
 #: The smallest positive temperature: sampled logits are multiplied by 1 / temperature in float32, which
 #: overflows below about 2.9e-39 (the request then samples uniformly at random).
 MIN_TEMPERATURE = 1e-30
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclasses.dataclass(eq=False)

@@ -41,6 +41,7 @@ import mlx.core as mx
 from metal_attn import _epoch
 from metal_attn.api import kernel_block_size
 from metal_attn.cache import StepPlan
+from metal_attn.checks import int_at_least
 from metal_attn.log import get_logger
 from metal_attn.metadata import AttentionMetadata
 
@@ -78,8 +79,7 @@ class CompiledDecode:
     def __init__(self, model: Any, pad_block: int | None = None, *, trace_after: int = 1,
                  shrink_after: int = 16) -> None:
         for name, value, low in (("trace_after", trace_after, 1), ("shrink_after", shrink_after, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name}={value!r} (allowed: an int >= {low})")
+            int_at_least(name, value, low)
         self.model = model
         self.pad_block = pad_block
         self.trace_after = trace_after

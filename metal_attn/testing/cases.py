@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_attn.api import MX_DTYPES
+from metal_attn.checks import is_integer, is_real_scalar
 from metal_attn.testing.oracle import attention_oracle
 
 #: Key value written into garbage slots: large enough to dominate any softmax it leaks into,
@@ -150,7 +151,7 @@ class AttentionCase:
 
 def _check_lengths(q_lens: Sequence[int], seq_lens: Sequence[int]) -> tuple[list[int], list[int]]:
     for name, values in (("q_lens", q_lens), ("seq_lens", seq_lens)):
-        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in values):
+        if not all(is_integer(x) for x in values):
             raise ValueError(f"{name}={list(values)!r} (allowed: ints; 1.5 is not a length)")
     ql = [int(x) for x in q_lens]
     sl = [int(x) for x in seq_lens]
@@ -235,10 +236,9 @@ def make_case(
     for arg, value, low in (("num_heads", num_heads, 1), ("num_kv_heads", num_kv_heads, 1),
                             ("head_size", head_size, 1), ("block_size", block_size, 1),
                             ("shared_prefix_blocks", shared_prefix_blocks, 0)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < low:
+        if not is_integer(value) or value < low:
             raise ValueError(f"{arg}={value!r} (allowed: an int >= {low})")
-    if scale is not None and not (isinstance(scale, (int, float, np.integer, np.floating))
-                                  and not isinstance(scale, (bool, np.bool_)) and math.isfinite(scale) and scale > 0):
+    if scale is not None and not (is_real_scalar(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale!r} (allowed: a finite number > 0, or None for head_size**-0.5)")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
