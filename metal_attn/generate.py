@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Any, non_negative_in
                         "or a local mlx-lm / Hugging Face model folder")
     p.add_argument("--prompt", action="append", default=None,
                    help=f"a prompt (repeatable; default: {DEFAULT_PROMPT!r})")
-    p.add_argument("--prompts-file", type=Path, default=None, help="a text file with one prompt per line")
+    p.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens to generate per prompt (default 128)")
     p.add_argument("--temp", type=_temperature, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling threshold (default 1: off)")
@@ -62,26 +62,34 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Any, non_negative_in
                         "METAL_ATTN_KV_CACHE_FRACTION of the device's memory)")
 
 
-def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """The prompts, and for each where it came from (``--prompt 2``, ``--prompts-file line 7``), for messages."""
     prompts = list(args.prompt or [])
-    if args.prompts_file is not None:
-        try:
-            # lines end at \n (and \r\n) only: str.splitlines would also split a prompt at U+2028, \x0c and the like
-            lines = [line.removesuffix("\r") for line in args.prompts_file.read_text(encoding="utf-8").split("\n")]
-        except OSError as exc:
-            parser.error(f"--prompts-file={str(args.prompts_file)!r} could not be read ({exc.strerror})")
-        except UnicodeDecodeError as exc:
-            parser.error(f"--prompts-file={str(args.prompts_file)!r} is not UTF-8 text (byte {exc.start}; "
-                         "allowed: a text file, one prompt per line)")
-        prompts += [line for line in lines if line.strip()]
-        if not lines or not any(line.strip() for line in lines):
-            parser.error(f"--prompts-file={str(args.prompts_file)!r} holds no prompt (allowed: one per line)")
-    if not prompts:
-        prompts = [DEFAULT_PROMPT]
+    labels = [f"--prompt {i}" for i in range(len(prompts))]
     for i, p in enumerate(prompts):
         if not p.strip():
             parser.error(f"--prompt={p!r} (prompt {i}) is empty (allowed: a non-empty text)")
-    return prompts
+    if args.prompts_file is not None:
+        if not args.prompts_file:
+            parser.error("--prompts-file='' (allowed: the path of a text file, one prompt per line)")
+        path = Path(args.prompts_file)
+        try:
+            # utf-8-sig: a byte-order mark is not part of the first prompt. Lines end at \n (and \r\n) only:
+            # str.splitlines would also split a prompt at U+2028, \x0c and the like.
+            lines = [line.removesuffix("\r") for line in path.read_text(encoding="utf-8-sig").split("\n")]
+        except OSError as exc:
+            parser.error(f"--prompts-file={args.prompts_file!r} could not be read ({exc.strerror})")
+        except UnicodeDecodeError as exc:
+            parser.error(f"--prompts-file={args.prompts_file!r} is not UTF-8 text (byte {exc.start}; "
+                         "allowed: a text file, one prompt per line)")
+        kept = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+        if not kept:
+            parser.error(f"--prompts-file={args.prompts_file!r} holds no prompt (allowed: one per line)")
+        prompts += [line for _, line in kept]
+        labels += [f"--prompts-file line {n}" for n, _ in kept]
+    if not prompts:
+        prompts, labels = [DEFAULT_PROMPT], ["the built-in prompt"]
+    return prompts, labels
 
 
 def _encode(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from metal_attn.errors import InvalidInputError, ModelError
     from metal_attn.mlx_lm import inspect_model, load
 
-    prompts = _read_prompts(args, parser)
+    prompts, labels = _read_prompts(args, parser)
     last_seed = args.seed + len(prompts) - 1
     if last_seed >= 2**63:  # before the model loads: the sampler's seed range
         parser.error(f"--seed {args.seed} with {len(prompts)} prompts gives the last prompt seed {last_seed} "
@@ -126,10 +134,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             engine.pool_source = pool_source
         sampling = [SamplingParams(temperature=args.temp, top_p=args.top_p, seed=args.seed + i)
                     for i in range(len(prompts))]
-        for i, (p, s) in enumerate(zip(ids, sampling)):  # every check before any generation
-            engine.check_request(p, s, max_tokens=args.max_tokens, label=f"--prompt {i}")
+        for p, s, label in zip(ids, sampling, labels):  # every check before any generation
+            engine.check_request(p, s, max_tokens=args.max_tokens, label=label)
     except (InvalidInputError, ModelError) as exc:
-        parser.error(_flagify(str(exc)))
+        parser.error(_flagify(str(exc), kv_flag=args.kv_cache_memory is not None))
     err = _stderr_console()
     if not args.json:
         err.print(f"model {args.model} ({engine.model.resolved.model_type}, loaded in {load_s:.2f} s); KV pool "
@@ -164,9 +172,13 @@ def _pool_blocks(need_tokens: int, block: int, per_block: int, cfg: Any, num_pro
     return budget, f"{source}; the prompts would need {need} blocks"
 
 
-def _flagify(message: str) -> str:
+def _flagify(message: str, kv_flag: bool) -> str:
+    """``message`` in the command line's terms: a field named as the flag that set it (the pool budget
+    as its setting when no flag gave it)."""
+    kv = "--kv-cache-memory=" if kv_flag else "METAL_ATTN_KV_CACHE_MEMORY="
     for field, flag in (("max_tokens=", "--max-tokens="), ("temperature=", "--temp="), ("top_p=", "--top-p="),
-                        ("model=", "--model="), ("seed=", "--seed="), ("kv_cache_memory=", "--kv-cache-memory=")):
+                        ("model=", "--model="), ("model path=", "--model="), ("seed=", "--seed="),
+                        ("kv_cache_memory=", kv)):
         message = message.replace(field, flag)
     return message
 
@@ -189,8 +201,10 @@ def _stream_one(engine: Any, prompt: str, ids: list[int], sampling: Any, max_tok
 
     started = time.perf_counter()
     n = 0
-    live = Live(Text(""), console=err, transient=True, refresh_per_second=8,
-                redirect_stdout=sys.stdout.isatty(), redirect_stderr=False) if err.is_terminal else None
+    # The status line only where the answer is not on the same screen: a live display redraws its lines,
+    # and stdout written beside it (or through its redirection, a line per flush) breaks the text apart.
+    live = Live(Text(""), console=err, transient=True, refresh_per_second=8, redirect_stdout=False,
+                redirect_stderr=False) if err.is_terminal and not sys.stdout.isatty() else None
     if live is not None:
         live.start()
     try:

@@ -520,3 +520,31 @@ def test_a_smaller_bucket_runs_padded_until_its_trace_after_th_step():
     assert [run([3, 4, 5, 6]) is None for _ in range(3)] == [True, True, False]  # eager, eager, traced
     assert [run([4, 5]) is not None for _ in range(3)] == [True, True, True]
     assert (compiled.traces, compiled.shrunk_steps, compiled.early_steps) == (2, 2, 2)
+
+
+def test_compiled_steps_decode_with_weights_updated_in_place():
+    """The weights were captured at the trace: after ``model.update`` the prefill ran with the new
+    weights and the compiled decode steps with the old ones."""
+    from mlx.utils import tree_map
+
+    model = tiny_model("llama")
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=64, compile_decode=True))
+    prompt = [1, 2, 3]
+    eng.generate([prompt], max_tokens=8)
+    assert eng.runner.compiled.steps > 0
+    model.update(tree_map(lambda w: w * 1.3 if w.ndim >= 2 else w, model.parameters()))
+    mx.eval(model.parameters())
+    out = eng.generate([prompt], max_tokens=8)[0].token_ids
+    assert_same_greedy(out, reference_greedy(model, prompt, 8, WordTokenizer.eos_token_ids), 1e-4, "updated weights")
+    assert eng.runner.compiled.steps > 7  # the second request's steps ran compiled too
+
+
+def test_a_failed_trace_leaves_the_model_s_weights_in_place():
+    """MLX puts tracers in the model's tree while tracing and leaves them there if the trace raises."""
+    model = tiny_model("llama")
+    before = model.lm_head.weight
+    with override_settings(provider="reference"):  # refuses bounds metadata: the trace fails
+        eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=32, compile_decode=True))
+        eng.generate([[5, 6, 7]], max_tokens=4)
+    assert eng.runner.compiled.disabled and model.lm_head.weight is before
+    mx.eval(model(mx.array([[1, 2]])))

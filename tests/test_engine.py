@@ -311,12 +311,15 @@ def test_a_stream_ends_an_aborted_request_with_a_final_output_at_once(llama):
             eng.abort(ids[0])
             eng.abort(waiting)
     finals = [o for o in outs if o.finished]
-    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in finals] == [
-        (ids[0], "abort", ()), (waiting, "abort", ())]
-    assert outs[-2:] == finals
+    assert sorted((o.request_id, o.finish_reason) for o in finals) == [(ids[0], "abort"), (waiting, "abort")]
+    assert outs[-2:] == finals  # nothing after the aborts: the stream stopped stepping
+    for rid in (ids[0], waiting):  # a request's outputs add up to its completion
+        assert [t for o in outs if o.request_id == rid for t in o.new_token_ids] == eng.completion(rid).token_ids
     others = [eng.requests[i] for i in ids[1:]]
     assert all(not r.finished and len(r.output_ids) < 10 for r in others), [len(r.output_ids) for r in others]
-    assert list(eng.stream_ids([ids[0]])) == []  # finished before the stream starts: nothing to say
+    # finished before the stream starts: one final output with everything it generated
+    (late,) = eng.stream_ids([ids[0]])
+    assert late.finished and late.new_token_ids == tuple(eng.completion(ids[0]).token_ids)
     while eng.has_unfinished():
         eng.step()
     assert eng.blocks.num_used == 0
@@ -338,6 +341,139 @@ def test_a_failing_sampler_ends_only_its_request(llama, workload):
     for rid, ref in zip(good, refs):
         assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, f"neighbour {rid}")
     assert eng.blocks.num_used == 0
+
+
+def test_an_interrupt_while_waiting_for_a_step_loses_no_token(llama, monkeypatch):
+    """Ctrl-C while a step's tokens came back used to drop that step (its token lost, the request's
+    pending count never back to zero) and the engine then stepped forever."""
+    from metal_attn.engine.runner import InFlight
+
+    ref = reference_greedy(llama, [1, 2, 3], 8, EOS)
+    eng = _engine(llama)
+    real, calls = InFlight.tokens, []
+
+    def flaky(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(InFlight, "tokens", flaky)
+    rid = eng.add_request([1, 2, 3], max_tokens=8)
+    with pytest.raises(KeyboardInterrupt):
+        while eng.has_unfinished():
+            eng.step()
+    for _ in range(40):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert not eng.has_unfinished()
+    assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, "after an interrupt")
+    assert eng.blocks.num_used == 0
+
+
+def test_a_step_that_fails_on_the_device_ends_its_requests_and_drops_what_it_cached(llama, monkeypatch):
+    from metal_attn.engine.runner import InFlight
+
+    eng = _engine(llama)
+    prompt = list(range(1, 40))
+    first = eng.add_request(prompt, max_tokens=6)
+    real = InFlight.tokens
+    monkeypatch.setattr(InFlight, "tokens", lambda self: (_ for _ in ()).throw(RuntimeError("device lost")))
+    outs = eng.step()
+    monkeypatch.setattr(InFlight, "tokens", real)
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(first, "error")]
+    assert "the step failed on the device: RuntimeError: device lost" in eng.completion(first).error
+    assert not eng.has_unfinished() and eng.blocks.num_used == 0 and eng.blocks.num_cached == 0
+    eng.blocks.check_invariants()
+    again = eng.generate([prompt], max_tokens=6)[0]  # recomputed, not served from what the failed step wrote
+    assert again.stats.cached_prompt_tokens == 0
+    assert_same_greedy(again.token_ids, reference_greedy(llama, prompt, 6, EOS), TOL, "after a device failure")
+
+
+@pytest.mark.parametrize("processor", [
+    lambda tokens, logits: mx.concatenate([logits, logits]),  # two rows
+    lambda tokens, logits: logits[:, :10],  # another vocabulary
+    lambda tokens, logits: None,
+], ids=["two-rows", "narrower", "none"])
+def test_a_processor_returning_other_logits_ends_only_its_request(llama, processor):
+    """One returning two rows raised out of every later step: the request stayed running, and every
+    other request after it failed with the same reshape error."""
+    eng = _engine(llama)
+    bad, good = eng.generate([[1, 2, 3], [4, 5, 6]], [SamplingParams(logits_processors=[processor]), None],
+                             max_tokens=4)
+    assert bad.finish_reason == "error" and "logits of the shape it was given, (1, 256)" in bad.error
+    assert_same_greedy(good.token_ids, reference_greedy(llama, [4, 5, 6], 4, EOS), TOL, "neighbour")
+    assert eng.generate([[7, 8, 9]], max_tokens=3)[0].finish_reason in ("length", "stop")
+    assert eng.blocks.num_used == 0 and not eng.has_unfinished()
+
+
+def test_closing_a_stream_early_aborts_its_requests(llama):
+    eng = _engine(llama)
+    for i, _ in enumerate(eng.stream([[1, 2, 3], [4, 5]], max_tokens=20)):
+        if i == 2:
+            break
+    assert sorted(r.finish_reason.value for r in eng.requests.values()) == ["abort", "abort"]
+    assert eng.blocks.num_used == 0  # their pages are back at once
+    assert eng.step() == [] and not eng.has_unfinished()  # the step still in flight drops their tokens
+
+
+def test_streamed_text_never_shows_what_a_stop_string_cuts(llama):
+    """The text of a stop string's first tokens was streamed, then cut from the final text."""
+    base = _engine(llama).generate([[1, 2, 3]], max_tokens=8)[0]
+    text = base.text
+    for stop in (text[4:12], text[2:9], text[5:6], text[3:] + "zz", "<" + text[1:5]):
+        eng = _engine(llama)
+        outs = list(eng.stream([[1, 2, 3]], max_tokens=8, stop=stop))
+        final = eng.completion(outs[-1].request_id)
+        assert "".join(o.new_text for o in outs) == final.text, stop
+        assert [t for o in outs for t in o.new_token_ids] == final.token_ids
+
+
+def test_every_stream_sees_every_token_of_its_requests(llama):
+    """A generate() inside a stream's loop, or a second stream, ran steps whose outputs the first stream
+    never saw."""
+    eng = _engine(llama)
+    outs = []
+    for i, o in enumerate(eng.stream([[1, 2, 3]], max_tokens=6)):
+        outs.append(o)
+        if i == 0:
+            eng.generate([[9, 9, 9]], max_tokens=3)
+    final = eng.completion(outs[-1].request_id)
+    assert [t for o in outs for t in o.new_token_ids] == final.token_ids and len(final.token_ids) == 6
+    assert "".join(o.new_text for o in outs) == final.text
+    a, b = eng.stream([[1, 2, 3]], max_tokens=6), eng.stream([[4, 5, 6]], max_tokens=6)
+    seen: dict[int, list[int]] = {}
+    for x, y in zip(a, b):  # interleaved: each runs steps the other's requests take part in
+        for o in (x, y):
+            seen.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for o in list(a) + list(b):
+        seen.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert {rid: eng.completion(rid).token_ids for rid in seen} == seen
+
+
+def test_a_one_pass_stop_iterable_applies_to_every_prompt(llama):
+    base = _engine(llama).generate([[1, 2, 3]], max_tokens=8)[0]
+    stop = WordTokenizer().decode(base.token_ids[1:2])
+    outs = _engine(llama).generate([[1, 2, 3], [1, 2, 3]], max_tokens=8, stop=(s for s in [stop]))
+    assert [c.finish_reason for c in outs] == ["stop", "stop"]
+
+
+def test_generate_releases_its_requests_and_release_forgets_one(llama):
+    eng = _engine(llama)
+    eng.generate([[1, 2, 3]] * 3, max_tokens=2)
+    assert not eng.requests
+    rid = eng.add_request([4, 5], max_tokens=2)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.release(rid).token_ids and rid not in eng.requests
+    with pytest.raises(InvalidInputError, match=f"request_id={rid} is unknown"):
+        eng.completion(rid)
+
+
+def test_a_tokenizer_without_the_wrapper_api_is_named(llama):
+    with pytest.raises(InvalidInputError, match=r"tokenizer=object has no encode or detokenizer .*TokenizerWrapper"):
+        Engine(llama, object(), EngineConfig(num_blocks=16))
 
 
 # -- properties (hypothesis) ----------------------------------------------------------------------

@@ -202,6 +202,17 @@ def test_forward_without_the_hook_is_refused():
         hook.install(["mlx_lm.models.llama"])
 
 
+@pytest.mark.parametrize(("modules", "message"), [
+    ("mlx_lm.models.llama", r"modules='mlx_lm.models.llama' \(allowed: a list of module names"),  # read per letter
+    (["llama"], r"modules holds 'llama', which no served architecture runs"),  # ModuleNotFoundError
+    (["mlx_lm.models.mamba"], r"modules holds 'mlx_lm.models.mamba'"),  # "installed" with nothing hooked
+])
+def test_hook_modules_outside_the_served_ones_are_refused(modules, message):
+    for call in (hook.install, hook.uninstall, hook.is_installed):
+        with pytest.raises(InvalidInputError, match=message):
+            call(modules)
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 

@@ -96,6 +96,34 @@ def test_default_generate_answers_the_built_in_prompt(smollm2):
     assert "generation:" in done.stderr and "routes: paged_attention: classic/" in done.stderr
 
 
+def test_the_streamed_answer_on_a_terminal_is_the_answer(smollm2):
+    """With stdout and stderr on one terminal, the status display's stdout redirection printed each
+    flushed token on a line of its own."""
+    import os
+    import pty
+    import re
+
+    flags = [sys.executable, "-m", "metal_attn", "generate", "--max-tokens", "12", "--prompt", "Say hello"]
+    answer = json.loads(subprocess.run([*flags, "--json"], capture_output=True, text=True, timeout=600,
+                                       check=True).stdout)["completions"][0]["text"]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(flags, stdout=follower, stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(timeout=600) == 0
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "", b"".join(chunks).decode("utf-8", "replace"))
+    assert answer.strip() and answer in screen, (answer, screen)
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -120,6 +148,33 @@ def test_bad_input_exits_2_naming_the_flag(flags, message, smollm2):
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert message in done.stderr
     assert done.stdout == ""
+
+
+def test_messages_name_where_a_value_came_from(tmp_path, smollm2):
+    """A prompt from --prompts-file was named '--prompt 0', a pool budget from METAL_ATTN_KV_CACHE_MEMORY was
+    blamed on --kv-cache-memory (not given), and --prompts-file '' read the current folder."""
+    def run(*flags, env=None):
+        return subprocess.run([sys.executable, "-m", "metal_attn", "generate", "--max-tokens", "2", *flags],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("short one\n\n" + "word " * 9000 + "\n")
+    done = run("--prompt", "first", "--prompts-file", str(prompts))
+    assert done.returncode == 2 and "--prompts-file line 3 of" in done.stderr, done.stderr
+    done = run("--prompt", "hi", env=dict(os.environ, METAL_ATTN_KV_CACHE_MEMORY="1"))
+    assert done.returncode == 2 and "METAL_ATTN_KV_CACHE_MEMORY=1 bytes holds no page" in done.stderr, done.stderr
+    assert "--kv-cache-memory=" not in done.stderr
+    done = run("--prompts-file", "")
+    assert done.returncode == 2 and "--prompts-file='' (allowed: the path of a text file" in done.stderr
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path, smollm2):
+    prompts = tmp_path / "bom.txt"
+    prompts.write_bytes("\ufeffhi\nyo\n".encode())
+    done = subprocess.run([sys.executable, "-m", "metal_attn", "generate", "--max-tokens", "2", "--json",
+                           "--prompts-file", str(prompts)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [c["prompt"] for c in json.loads(done.stdout)["completions"]] == ["hi", "yo"]
 
 
 def test_a_failed_fetch_says_what_to_run_instead(tmp_path):
@@ -163,6 +218,34 @@ def test_an_unsupported_folder_is_refused_before_any_weight_is_read(tmp_path):
         load(tmp_path)
     with pytest.raises(ModelError, match="does not exist"):
         load(tmp_path / "missing")
+
+
+def test_a_broken_or_half_downloaded_folder_is_a_model_error(tmp_path):
+    """A config that is not an object, a model_type that is not a string, a folder without weights, and
+    weights without a tokenizer ended in AttributeError, TypeError, FileNotFoundError or ValueError
+    tracebacks."""
+    from mlx.utils import tree_flatten
+
+    from metal_attn.errors import ModelError
+    from metal_attn.mlx_lm import load
+    from metal_attn.testing.models import TINY_CONFIGS, tiny_model
+
+    config = tmp_path / "config.json"
+    config.write_text("[1, 2]")
+    with pytest.raises(ModelError, match=r"config.json holds a list \(allowed: a JSON object"):
+        load(tmp_path)
+    config.write_text(json.dumps({"model_type": ["llama"]}))
+    with pytest.raises(ModelError, match=r"model_type=\['llama'\], which the paged path does not serve"):
+        load(tmp_path)
+    config.write_text(json.dumps(dict(TINY_CONFIGS["llama"])))
+    with pytest.raises(ModelError, match=r"has no \*.safetensors weights"):
+        load(tmp_path)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(tiny_model("llama").parameters())))
+    with pytest.raises(ModelError, match=r"could not be loaded by mlx-lm"):
+        load(tmp_path)
+    for bad in (None, "", 5):
+        with pytest.raises(ModelError, match=r"model=.* \(allowed: 'smollm2', a .gguf file or a local model folder\)"):
+            load(bad)
 
 
 def test_engine_workload_on_smollm2_matches_stock(smollm2):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from metal_attn.cache import BlockAllocator
 
@@ -181,6 +181,19 @@ class BlockManager:
             self._cached[h] = b
             self._hash_of[b] = h
             self.allocator.share([b])  # the cache's own reference
+
+    def uncache(self, req_ids: Iterable[object]) -> None:
+        """Take the blocks of ``req_ids`` and every evictable block out of the prefix cache: a step
+        writing some of them failed, so their K/V cannot be trusted (a request that finished while
+        that step ran has given its blocks back already; they are among the evictable ones). The
+        requests keep their own references until `free`."""
+        suspect = [b for r in req_ids for b in self._tables.get(r, ())] + list(self._evictable)
+        for b in suspect:
+            h = self._hash_of.pop(b, None)
+            if h is not None:
+                del self._cached[h]
+                self._evictable.pop(b, None)
+                self.allocator.free([b])  # the cache's own reference
 
     def free(self, req_id: object) -> None:
         """Drop the request's references; its cached blocks stay in the cache (evictable when unshared)."""

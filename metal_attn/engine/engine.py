@@ -86,6 +86,12 @@ class Engine:
             raise InvalidInputError(f"config={config!r} (allowed: an EngineConfig, or None for the settings' "
                                     "defaults)")
         self.config = (config or EngineConfig.from_settings()).validate()
+        missing = [a for a in ("encode", "detokenizer") if not hasattr(tokenizer, a)]
+        if missing:
+            raise InvalidInputError(
+                f"tokenizer={type(tokenizer).__name__} has no {' or '.join(missing)} (allowed: mlx-lm's "
+                "TokenizerWrapper, as mlx_lm.load returns it; wrap a Hugging Face tokenizer with "
+                "mlx_lm.tokenizer_utils.TokenizerWrapper(tokenizer))")
         self.tokenizer = tokenizer
         cfg = self.config
         self.max_model_len = cfg.max_model_len or model_max_len(model) or 8192
@@ -233,7 +239,7 @@ class Engine:
             raise InvalidInputError(f"request_id={request_id!r} is unknown (known: {known})") from None
 
     def has_unfinished(self) -> bool:
-        return bool(self._inflight) or any(not r.finished for r in self.requests.values())
+        return bool(self._inflight) or bool(self.scheduler.waiting) or bool(self.scheduler.running)
 
     @property
     def in_flight(self) -> tuple[InFlight, ...]:
@@ -258,7 +264,7 @@ class Engine:
         if not self._inflight:
             self._check_not_stuck()
             return []
-        return self._complete(self._inflight.popleft())
+        return self._complete_oldest()
 
     def _check_not_stuck(self) -> None:
         """Nothing ran and nothing is in flight: with requests waiting and none running, the pool is
@@ -292,23 +298,62 @@ class Engine:
         self.stats.record_launch(out, flight.build_seconds)
         self._inflight.append(flight)
 
-    def _complete(self, flight: InFlight) -> list[RequestOutput]:
-        tokens = flight.tokens()
+    def _complete_oldest(self) -> list[RequestOutput]:
+        """Finish the oldest step in flight: its tokens to the host, each request's token accepted.
+
+        The step leaves the queue only once its tokens are on the host: an interrupt while waiting
+        (Ctrl-C) leaves it queued and the next call finishes it, so no token is lost. If the wait
+        fails with an error (the device's), every step in flight is lost with it (each one's input
+        is the one before's samples): their requests end with ``finish_reason`` ``"error"``."""
+        flight = self._inflight[0]
+        try:
+            tokens = flight.tokens()
+        except Exception as exc:
+            return self._fail_in_flight(f"the step failed on the device: {type(exc).__name__}: {exc}")
+        self._inflight.popleft()
         now = time.perf_counter()
         self.stats.record_complete(flight, now)
+        rows = list(zip(flight.sampling_rows, tokens))
+        for row, _ in rows:
+            row.request.pending -= 1
         outputs = []
-        for row, tok in zip(flight.sampling_rows, tokens):
+        for row, tok in rows:
             req = row.request
-            req.pending -= 1
             if req.finished:
                 continue  # stopped or aborted while this step ran: its token is dropped
             error = flight.errors.get(req.id)
-            if error is not None:
+            if error is None:
+                try:
+                    outputs.append(self._accept(req, int(tok), now))
+                    continue
+                except Exception as exc:  # the tokenizer's detokenizer, on this request's token
+                    error = f"{type(exc).__name__}: {exc}"
+            if not req.finished:
                 self._finish(req, FinishReason.ERROR, error)
-                outputs.append(RequestOutput(req.id, (), "", True, FinishReason.ERROR.value, error))
-                continue
-            outputs.append(self._accept(req, int(tok), now))
+            outputs.append(self._output(req, ()))
         return outputs
+
+    def _fail_in_flight(self, error: str) -> list[RequestOutput]:
+        """End every request of every step in flight with ``error``; empty the queue."""
+        flights, outputs = list(self._inflight), []
+        self._inflight.clear()
+        for flight in flights:
+            for row in flight.sampling_rows:
+                row.request.pending -= 1
+        failed = list(dict.fromkeys(row.request for flight in flights for row in flight.output.rows))
+        self.blocks.uncache(r.id for r in failed)  # what those steps were writing is not K/V anyone may reuse
+        for req in failed:
+            if not req.finished:
+                self._finish(req, FinishReason.ERROR, error)
+                outputs.append(self._output(req, ()))
+        return outputs
+
+    def _output(self, req: Request, tokens: tuple[int, ...]) -> RequestOutput:
+        """What `step` returns for ``req``: its ``tokens`` and the text that became final since its last output."""
+        end = req.text_ready()
+        text, req.delivered = req.text[req.delivered:end], max(req.delivered, end)
+        return RequestOutput(req.id, tokens, text, req.finished,
+                             req.finish_reason.value if req.finish_reason else None, req.error)
 
     def _accept(self, req: Request, tok: int, now: float) -> RequestOutput:
         """Append a sampled token, detokenize it, and finish the request if a stop condition holds."""
@@ -336,8 +381,7 @@ class Engine:
                 reason = FinishReason.STOP
         if reason is not None:
             self._finish(req, reason)
-        return RequestOutput(req.id, (tok,), req.text[before:], req.finished,
-                             req.finish_reason.value if req.finish_reason else None)
+        return self._output(req, (tok,))
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         req.move_to(RequestStatus.FINISHED, reason, error)
@@ -354,39 +398,51 @@ class Engine:
         max_tokens: int = 256,
         stop: Iterable[str] | str | None = None,
     ) -> Iterator[RequestOutput]:
-        """Add ``prompts`` and yield every request's new tokens as steps produce them."""
-        yield from self.stream_ids(self._add_all(prompts, sampling, max_tokens, stop))
+        """Add ``prompts`` and yield every request's new tokens as steps produce them.
+
+        Closing the iterator early (``break``, or an exception in the loop) aborts the requests it
+        added that have not finished, so their pages go back at once."""
+        ids = self._add_all(prompts, sampling, max_tokens, stop)
+        try:
+            yield from self.stream_ids(ids)
+        finally:
+            self._abort_unfinished(ids)
 
     def stream_ids(self, request_ids: Iterable[int]) -> Iterator[RequestOutput]:
         """Step until the given (already added) requests finish, yielding their new tokens.
 
-        Each request's last output has ``finished`` set, whatever ended it: a request aborted
-        meanwhile (by the consumer between two outputs, say) gets one with ``finish_reason``
-        ``"abort"`` and no tokens, and the stream stops stepping for it at once."""
+        Outputs are read from the requests, not from the steps this stream runs: tokens that steps
+        run elsewhere produced (another stream, `step`, `generate`) come in the next output, so a
+        request's outputs here add up to its completion, from its first token. Each request's last
+        output has ``finished`` set, whatever ended it (an abort by the consumer between two
+        outputs included). Closing the iterator early leaves the requests running (abort them to
+        free their pages)."""
         if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
             raise InvalidInputError(f"request_ids={request_ids!r} (allowed: an iterable of request ids)")
-        pending = {self._get(i).id for i in request_ids}
-        pending -= {i for i in pending if self.requests[i].finished}
-        while pending:
-            yield from self._ended_outside_a_step(pending)
-            if not pending:
+        seen = {self._get(i).id: [0, 0] for i in request_ids}  # request id -> [tokens, characters] yielded
+        while seen:
+            for rid in list(seen):
+                out = self._unread(self.requests[rid], seen[rid])
+                if out is not None:
+                    yield out
+                    if out.finished:
+                        del seen[rid]
+            if not seen:
                 break
-            outs = self.step()
-            if not outs and not self._inflight and not self.scheduler.has_work():
+            if not self.step() and not self._inflight and not self.scheduler.has_work():
                 break
-            for o in outs:
-                if o.request_id in pending:
-                    yield o
-                    if o.finished:
-                        pending.discard(o.request_id)
 
-    def _ended_outside_a_step(self, pending: set[int]) -> Iterator[RequestOutput]:
-        """The final outputs of the ``pending`` requests that finished without a step saying so
-        (aborted), removed from ``pending``."""
-        for rid in sorted(i for i in pending if self.requests[i].finished):
-            req = self.requests[rid]
-            pending.discard(rid)
-            yield RequestOutput(rid, (), "", True, req.finish_reason.value, req.error)
+    @staticmethod
+    def _unread(req: Request, seen: list[int]) -> RequestOutput | None:
+        """What ``req`` produced past ``seen`` (tokens and final text already yielded; advanced), or
+        None when nothing is new and it has not finished."""
+        tokens, chars = seen
+        end = req.text_ready()
+        if len(req.output_ids) == tokens and end == chars and not req.finished:
+            return None
+        seen[:] = [len(req.output_ids), max(chars, end)]
+        return RequestOutput(req.id, tuple(req.output_ids[tokens:]), req.text[chars:end], req.finished,
+                             req.finish_reason.value if req.finish_reason else None, req.error)
 
     def generate(
         self,
@@ -396,11 +452,21 @@ class Engine:
         max_tokens: int = 256,
         stop: Iterable[str] | str | None = None,
     ) -> list[Completion]:
-        """Run ``prompts`` to completion; one `Completion` per prompt, in input order."""
+        """Run ``prompts`` to completion; one `Completion` per prompt, in input order. The requests
+        are released when it returns (`release`); if it raises, the unfinished ones are aborted."""
         ids = self._add_all(prompts, sampling, max_tokens, stop)
-        for _ in self.stream_ids(ids):
-            pass
-        return [self.completion(i) for i in ids]
+        try:
+            for _ in self.stream_ids(ids):
+                pass
+        finally:
+            self._abort_unfinished(ids)
+        return [self.release(i) for i in ids]
+
+    def _abort_unfinished(self, ids: Iterable[int]) -> None:
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.finished:
+                self._finish(req, FinishReason.ABORT)
 
     def _add_all(self, prompts, sampling, max_tokens, stop) -> list[int]:
         """Check every prompt, then queue them all: a refused prompt queues none of them."""
@@ -412,6 +478,8 @@ class Engine:
             raise InvalidInputError(f"prompts={prompts!r} (allowed: a text, or a list of texts or token-id lists)")
         if not items:
             raise InvalidInputError("prompts is empty (allowed: one or more prompts)")
+        if stop is not None and not isinstance(stop, str) and isinstance(stop, Iterable):
+            stop = tuple(stop)  # one pass: a generator would serve the first prompt only
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(items)
         if len(params) != len(items):
             raise InvalidInputError(f"{len(params)} sampling parameter sets for {len(items)} prompts (need one each)")
@@ -420,6 +488,14 @@ class Engine:
                    for i, (p, s) in enumerate(zip(items, params))]
         return [self._queue(ids, sp, stops, max_tokens, p if isinstance(p, str) else None)
                 for p, (ids, sp, stops) in zip(items, checked)]
+
+    def release(self, request_id: int) -> Completion:
+        """The result of a finished request, which the engine then forgets (its id becomes unknown).
+        A long-running server releases each request it is done with: the engine keeps every other
+        one, with its tokens, text and timings, for `completion`."""
+        out = self.completion(request_id)
+        del self.requests[request_id]
+        return out
 
     def completion(self, request_id: int) -> Completion:
         """The result of a finished request."""
@@ -449,7 +525,7 @@ class Engine:
     def synchronize(self) -> None:
         """Finish every step in flight (their tokens are processed as usual)."""
         while self._inflight:
-            self._complete(self._inflight.popleft())
+            self._complete_oldest()
         mx.synchronize()
 
 

@@ -124,6 +124,8 @@ class Request:
     #: The prompt as text, when it was given as text.
     prompt_text: str | None = None
     text: str = ""
+    #: Characters of ``text`` that `Engine.step`'s outputs have handed out (`text_ready` bounds it).
+    delivered: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -148,6 +150,21 @@ class Request:
     def wants_more(self) -> bool:
         """Whether another token should be sampled (max_tokens not yet reached, counting in-flight ones)."""
         return not self.finished and len(self.output_ids) + self.pending < self.max_tokens
+
+    def text_ready(self) -> int:
+        """How much of ``text`` is final: all of it once finished; while running, all but a tail that
+        could be the start of a stop string (a stop string found later cuts the text there, and a
+        stream must never have shown what is cut)."""
+        text = self.text
+        if self.finished or not self.stop_strings:
+            return len(text)
+        hold = 0
+        for stop in self.stop_strings:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return len(text) - hold
 
     def known_ids(self) -> list[int]:
         """Prompt plus generated tokens known on the host (not the in-flight ones): the live list,

@@ -37,8 +37,12 @@ def _processors(sp: SamplingParams) -> list[Any]:
 
 def _sample_one(req: Request, logits: mx.array, history: mx.array | None) -> mx.array:
     sp = req.sampling
+    shape = logits.shape
     for proc in req.processors:
         logits = proc(history, logits)
+        if not isinstance(logits, mx.array) or logits.shape != shape:
+            raise ValueError(f"logits processor {proc!r} returned {_describe(logits)} (allowed: logits of the shape "
+                             f"it was given, {tuple(shape)})")
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if sp.greedy:
         return mx.argmax(logprobs, axis=-1)
@@ -63,8 +67,13 @@ def sample(
     for i, (req, hist) in enumerate(zip(requests, histories)):
         try:
             tok = _sample_one(req, logits[i : i + 1], hist)
+            tok = tok.reshape(1)
         except Exception as exc:  # a user's processor or sampler: fail that request only
             errors[req.id] = f"{type(exc).__name__}: {exc}"
             tok = mx.zeros((1,), dtype=mx.int32)
-        parts.append(tok.reshape(1).astype(mx.int32))
+        parts.append(tok.astype(mx.int32))
     return mx.concatenate(parts), errors
+
+
+def _describe(x: object) -> str:
+    return f"an array of shape {tuple(x.shape)}" if isinstance(x, mx.array) else f"a {type(x).__name__}"

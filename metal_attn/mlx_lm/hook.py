@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from metal_attn.errors import InvalidInputError
 from metal_attn.mlx_lm.architectures import ARCHITECTURES, attention_modules
 from metal_attn.mlx_lm.layer_cache import HookedCache
 
@@ -73,10 +74,20 @@ def _targets(module_name: str) -> list[tuple[Any, str, Callable[[Callable[..., A
 
 
 def _served_modules(modules: Iterable[str] | None) -> list[str]:
-    """``modules``, or every module whose attention a served architecture runs."""
+    """``modules``, or every module whose attention a served architecture runs; anything else is refused
+    (a module no served architecture runs would be "installed" with nothing hooked)."""
+    served = list(dict.fromkeys(m for name in ARCHITECTURES for m in attention_modules(name)))
     if modules is None:
-        modules = [m for name, a in ARCHITECTURES.items() for m in attention_modules(name)]
-    return list(dict.fromkeys(modules))
+        return served
+    if isinstance(modules, (str, bytes)) or not isinstance(modules, Iterable):
+        raise InvalidInputError(f"modules={modules!r} (allowed: a list of module names such as "
+                                f"[{served[0]!r}], or None for every served one)")
+    names = list(dict.fromkeys(modules))
+    unknown = [m for m in names if m not in served]
+    if unknown:
+        raise InvalidInputError(f"modules holds {unknown[0]!r}, which no served architecture runs (allowed: "
+                                f"{', '.join(served)})")
+    return names
 
 
 def install(modules: Iterable[str] | None = None) -> None:

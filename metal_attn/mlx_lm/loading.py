@@ -28,17 +28,25 @@ def _check_folder(path: Path) -> None:
             "a .gguf file, or 'smollm2')"
         )
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        config_data = json.loads(config.read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(f"model={str(path)!r}: config.json could not be read ({exc})") from None
+    if not isinstance(config_data, dict):
+        raise ModelError(f"model={str(path)!r}: config.json holds a {type(config_data).__name__} (allowed: a JSON "
+                         "object with a model_type)")
+    model_type = config_data.get("model_type")
     from mlx_lm.utils import MODEL_REMAPPING
 
     supported = supported_model_types()
-    if model_type not in supported and MODEL_REMAPPING.get(model_type) not in supported:
+    if not isinstance(model_type, str) or (model_type not in supported
+                                           and MODEL_REMAPPING.get(model_type) not in supported):
         raise ModelError(
             f"model={str(path)!r} has model_type={model_type!r}, which the paged path does not serve "
             f"(supported model types: {', '.join(supported)})"
         )
+    if not any(path.glob("*.safetensors")):
+        raise ModelError(f"model={str(path)!r} has no *.safetensors weights (allowed: a complete mlx-lm or Hugging "
+                         "Face model folder: config.json, the weights and the tokenizer files)")
 
 
 def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[Any, Any]:
@@ -46,6 +54,8 @@ def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[An
     or a local mlx-lm / Hugging Face model folder (extra keywords go to ``mlx_lm.utils.load``)."""
     from metal_attn.mlx_lm.default_model import DEFAULT_MODEL, load_default
 
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise ModelError(f"model={model!r} (allowed: {DEFAULT_MODEL!r}, a .gguf file or a local model folder)")
     if str(model) == DEFAULT_MODEL:
         return load_default()
     path = Path(model).expanduser()
@@ -63,4 +73,7 @@ def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[An
     _check_folder(path)
     from mlx_lm.utils import load as mlx_lm_load
 
-    return mlx_lm_load(str(path), **mlx_lm_kwargs)
+    try:
+        return mlx_lm_load(str(path), **mlx_lm_kwargs)
+    except (OSError, ValueError, KeyError) as exc:  # a folder half downloaded: no tokenizer, weights that do not fit
+        raise ModelError(f"model={str(path)!r} could not be loaded by mlx-lm ({type(exc).__name__}: {exc})") from exc
