@@ -87,9 +87,9 @@ def _device_preset_names() -> list[str]:
 # -- output helpers --------------------------------------------------------------------------------
 
 def _console() -> Any:
-    from rich.console import Console
+    from metal_attn.terminal import console
 
-    con = Console(highlight=False, soft_wrap=False)
+    con = console(highlight=False, soft_wrap=False)
     if not con.is_terminal and "COLUMNS" not in os.environ:
         con.width = 160  # piped or captured: room for the reasons column
     return con
@@ -772,31 +772,43 @@ def _configure_logging(verbose: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``metal-attn`` console script; returns the exit code."""
-    with warnings.catch_warnings():  # a settings warning is also a log event: the command line shows that one
-        warnings.simplefilter("ignore", SettingsWarning)
-        return _main(argv)
-
-
-def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "command", None) == "bench":
         args.argv = _bench_argv(sys.argv[1:] if argv is None else argv)
+    func: Callable[[argparse.Namespace, argparse.ArgumentParser], int] = args.func
+    return guarded(f"metal-attn {args.command}", lambda: func(args, args._parser), getattr(args, "verbose", 0) or 0)
+
+
+def guarded(command: str, body: Callable[[], int], verbose: int = 0) -> int:
+    """Run a command's ``body`` as every command line here does: logging configured from the settings, a
+    settings warning shown as its log event only, and an error as a line on stderr with the exit code
+    (2 bad settings, 1 another metal-attn error, 0 a closed pipe, 130 Ctrl-C), never a traceback."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SettingsWarning)
+        try:
+            _configure_logging(verbose)
+            return body()
+        except SettingsError as exc:
+            print(f"metal-attn: error: {exc}", file=sys.stderr)
+            return 2
+        except MetalAttnError as exc:
+            print(f"{command}: error: {exc}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:  # `metal-attn providers | head`
+            _quiet_stdout()
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C: what was printed stays; no traceback
+            print(f"\n{command}: interrupted", file=sys.stderr)
+            return 130
+
+
+def _quiet_stdout() -> None:
+    """stdout to /dev/null after its reader went away, so the interpreter's last flush does not fail again."""
     try:
-        _configure_logging(getattr(args, "verbose", 0) or 0)
-        func: Callable[[argparse.Namespace, argparse.ArgumentParser], int] = args.func
-        return func(args, args._parser)
-    except SettingsError as exc:
-        print(f"metal-attn: error: {exc}", file=sys.stderr)
-        return 2
-    except MetalAttnError as exc:
-        print(f"metal-attn {args.command}: error: {exc}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # `metal-attn providers | head`
-        return 0
-    except KeyboardInterrupt:  # Ctrl-C: what was printed stays; no traceback
-        print(f"\nmetal-attn {args.command}: interrupted", file=sys.stderr)
-        return 130
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # captured: no file descriptor
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -184,9 +184,9 @@ def _flagify(message: str, kv_flag: bool) -> str:
 
 
 def _stderr_console() -> Any:
-    from rich.console import Console
+    from metal_attn.terminal import console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _status(engine: Any, tokens: int, started: float) -> str:

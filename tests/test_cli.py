@@ -623,7 +623,7 @@ def test_a_prompts_file_that_is_not_text_is_refused_naming_the_flag(tmp_path, ca
     path.write_bytes(b"\xff\xfe hello\n")
     parser = argparse.ArgumentParser(prog="metal-attn generate")
     with pytest.raises(SystemExit) as exc:
-        _read_prompts(argparse.Namespace(prompt=None, prompts_file=path), parser)
+        _read_prompts(argparse.Namespace(prompt=None, prompts_file=str(path)), parser)
     assert exc.value.code == 2
     assert f"--prompts-file={str(path)!r} is not UTF-8 text (byte 0; allowed: a text file" in capsys.readouterr().err
 
@@ -637,8 +637,9 @@ def test_a_prompts_file_splits_only_at_line_ends(tmp_path):
 
     path = tmp_path / "prompts.txt"
     path.write_text("hello\u2028world\r\nform\x0cfeed\n\nthird\x1cone", encoding="utf-8", newline="")
-    prompts = _read_prompts(argparse.Namespace(prompt=None, prompts_file=path), argparse.ArgumentParser())
+    prompts, labels = _read_prompts(argparse.Namespace(prompt=None, prompts_file=str(path)), argparse.ArgumentParser())
     assert prompts == ["hello\u2028world", "form\x0cfeed", "third\x1cone"]
+    assert labels == ["--prompts-file line 1", "--prompts-file line 2", "--prompts-file line 4"]
 
 
 def test_generate_sizes_its_pool_for_the_requests_there_are(monkeypatch):
@@ -652,3 +653,34 @@ def test_generate_sizes_its_pool_for_the_requests_there_are(monkeypatch):
     assert blocks == 3 + 1 and "what the prompts need: 34 tokens" in source
     assert _pool_blocks(need_tokens=34, block=16, per_block=1024, cfg=EngineConfig(max_num_seqs=2,
                         kv_cache_memory=1 << 30), num_prompts=5)[0] == 3 + 2
+
+
+# -- a closed pipe and the standalone bench command (probed by a helper, twenty-third session) ----------
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "metal_attn", "explain"],
+    ["-m", "metal_attn", "providers", "--versions"],
+    ["-m", "metal_attn", "demo", "--repeats", "1", "--layers", "1", "--steps", "2"],
+    ["-m", "metal_attn.bench.cli", "--suite", "smoke", "--quiet", "--json", "-", "--shapes", "decode b3"],
+], ids=["explain", "providers", "demo", "bench-standalone"])
+def test_a_reader_that_goes_away_is_exit_0(argv, tmp_path):
+    """rich's console answered a closed pipe with SystemExit(1) (`metal-attn explain | head -1` failed under
+    pipefail); the standalone bench printed a BrokenPipeError traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METAL_ATTN_")} | {"METAL_ATTN_PLUGIN_AUTOLOAD": "0"}
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line: every write meets a closed pipe
+    try:
+        done = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=600)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_the_standalone_bench_command_names_bad_settings(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METAL_ATTN_")} | {"METAL_ATTN_GPU_CORES": "abc"}
+    done = subprocess.run([sys.executable, "-m", "metal_attn.bench.cli", "--suite", "smoke", "--quiet"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "METAL_ATTN_GPU_CORES='abc'" in done.stderr and "Traceback" not in done.stderr

@@ -514,10 +514,11 @@ _STATUS = {"ok": ("ok", None), "above": ("above (faster)", "green"), "below": ("
 def render(comp: Comparison, file: TextIO) -> None:
     """A rich table of every ratio against its baseline and floor, then the verdict."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file, width=max(160, Console(file=file).width), highlight=False)
+    from metal_attn.terminal import console as make_console
+
+    console = make_console(file=file, min_width=160, highlight=False)
     b = comp.baseline
     table = Table(title=f"ratios against {b.path} (machine class {b.machine_class}, margin {b.margin:g}: "
                         f"floor = baseline * {1 - b.margin:g})",

@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,7 +27,6 @@ from metal_attn.bench.core import (
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
 from metal_attn.cli import int_at_least
 from metal_attn.device import current_device
-from metal_attn.errors import SettingsWarning
 
 SCHEMA = "metal-attn-bench/1"
 
@@ -185,10 +183,10 @@ class TableStream:
 
     def __init__(self, name: str, description: str, shapes: Sequence[Any], candidates: Sequence[str],
                  file: TextIO) -> None:
-        from rich.console import Console
+        from metal_attn.terminal import console
 
         self.file = file
-        self.console = Console(file=file, width=max(self.WIDTH, Console(file=file).width), highlight=False)
+        self.console = console(file=file, min_width=self.WIDTH, highlight=False)
         self.gbps, self.tflops, self.ceiling, self.speed = _planned_columns(shapes, candidates)
         cand = max([len(c) for c in candidates] + [9])
         self.widths = ([32, cand, 7] + [8] * (self.gbps + self.tflops) + [6] * self.ceiling
@@ -731,12 +729,13 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if not self.quiet and self.file.isatty():
-            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            from metal_attn.terminal import console
 
             self._bar = Progress(TextColumn("{task.description}", justify="left"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(),
-                                 console=Console(file=self.file), transient=True)
+                                 console=console(file=self.file), transient=True)
             self._bar.start()
             self._task = self._bar.add_task("bench", total=self.total)
         return self
@@ -761,9 +760,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    with warnings.catch_warnings():  # a settings warning is also a log event: the command line shows that one
-        warnings.simplefilter("ignore", SettingsWarning)
-        return run(args)
+    from metal_attn.cli import guarded
+
+    return guarded("python -m metal_attn.bench.cli", lambda: run(args))
 
 
 if __name__ == "__main__":
