@@ -18,6 +18,7 @@ from metal_attn.bench import baselines
 from metal_attn.bench.core import (
     SPEEDUP_PEERS,
     CandidateResult,
+    ProviderCandidate,
     ShapeResult,
     SuiteResult,
     machine_info,
@@ -39,7 +40,15 @@ STATUS_SHORT = {"refused": "refused", "not registered": "n/r", "unavailable": "n
 
 
 def _csv(value: str) -> list[str]:
-    return [x.strip() for x in value.split(",") if x.strip()]
+    """Comma-separated names; a comma between brackets belongs to a variant (``auto[a=1,b=2]``)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(value):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth <= 0:
+            out.append(value[start:i].strip())
+            start = i + 1
+    out.append(value[start:].strip())  # the last name, brackets closed or not (a variant check names it)
+    return [x for x in out if x]
 
 
 
@@ -445,6 +454,36 @@ def _check_usage(args: argparse.Namespace, err: TextIO) -> int | None:
     return None
 
 
+def _provider_names() -> list[str]:
+    from metal_attn.plugins import get_registry
+
+    return [e.provider.name for e in get_registry().entries]
+
+
+def _unknown_providers(cands: Sequence[Any]) -> list[str]:
+    """The names among ``cands`` that force a provider no plugin registered (``auto`` and peers pass)."""
+    known = set(_provider_names())
+    return [c.name for c in cands
+            if isinstance(getattr(c, "base", c), ProviderCandidate)
+            and getattr(c, "base", c).name not in known | {"auto"}]
+
+
+#: Flags only the kernel suites read, and flags only the generate suite reads (argparse attribute names).
+_KERNEL_SUITE_FLAGS = ("shapes", "markdown", "plot", "iters", "warmup", "pipelined")
+_GENERATE_SUITE_FLAGS = ("concurrency", "prompt_len", "gen_tokens", "shared_prefix", "num_layers")
+
+
+def _unused_flags(args: argparse.Namespace, names: Sequence[str], suites: str, err: TextIO) -> int | None:
+    """Exit 2 naming the given flags that ``suites`` would ignore (they were silently dropped)."""
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) not in (None, False)]
+    if given:
+        whose = "the kernel suites" if names is _KERNEL_SUITE_FLAGS else "--suite generate"
+        print(f"metal-attn bench: error: {suites} does not read {', '.join(given)} (they are flags of {whose})",
+              file=err)
+        return 2
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the ``bench`` command; returns the exit code (0 ok, 1 a candidate failed or disagreed, 2 bad usage)."""
     err = sys.stderr
@@ -469,6 +508,9 @@ def run(args: argparse.Namespace) -> int:
         if len(names) > 1:
             print("metal-attn bench: error: --suite generate runs alone (it loads a model)", file=err)
             return 2
+        early = _unused_flags(args, _KERNEL_SUITE_FLAGS, "--suite generate", err)
+        if early is not None:
+            return early
         from metal_attn.bench import generate
 
         return generate.run(args)
@@ -477,6 +519,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"metal-attn bench: error: {exc}", file=err)
         return 2
+    early = _unused_flags(args, _GENERATE_SUITE_FLAGS, f"--suite {','.join(names)}", err)
+    if early is not None:
+        return early
     backend = current_device().backend
     misplaced = [s.name for s in suites if s.target == "gpu" and backend == "cpu"]
     if misplaced:
@@ -511,6 +556,13 @@ def run(args: argparse.Namespace) -> int:
             cands = with_variants(s.resolve)(cand_names)
         except ValueError as exc:
             print(f"metal-attn bench: error: --candidates: {exc}", file=err)
+            return 2
+        unknown = _unknown_providers(cands) if args.candidates else []
+        if unknown:  # a typo measured nothing and exited 0
+            print(f"metal-attn bench: error: --candidates {unknown[0]!r} is neither a registered provider nor a "
+                  f"candidate of suite {s.name!r} (allowed: auto, {', '.join(_provider_names())}, or the suite's "
+                  f"peers: {', '.join(n for n in s.candidates if n not in _provider_names() and n != 'auto')})",
+                  file=err)
             return 2
         plan.append((s, shapes, cands))
     repeat = getattr(args, "repeat", None) or 1

@@ -621,13 +621,16 @@ class SettingsVariant:
 
 
 def parse_variant(name: str) -> tuple[str, dict[str, str]] | None:
-    """``("auto", {"cuda_chains": "0"})`` for ``"auto[cuda_chains=0]"``; ``None`` for a plain name.
-    Raises ValueError naming the candidate when a change is not ``setting=value``."""
+    """``("auto", {"cuda_chains": "0"})`` for ``"auto[cuda_chains=0]"``; ``None`` for a plain name. Changes
+    are separated by ``;`` or ``,``. Raises ValueError naming the candidate when a change is not
+    ``setting=value`` or the brackets do not close."""
     m = _VARIANT.match(name.strip())
     if m is None:
+        if "[" in name or "]" in name:
+            raise ValueError(f"candidate {name!r} is not NAME[setting=value;...] (e.g. auto[cuda_chains=0])")
         return None
     changes: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in m.group("changes").split(";"))):
+    for part in filter(None, (p.strip() for p in re.split(r"[;,]", m.group("changes")))):
         key, eq, value = part.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"candidate {name!r}: {part!r} is not setting=value (e.g. auto[cuda_chains=0])")

@@ -407,14 +407,15 @@ def run(args: Any) -> int:
         print(f"metal-attn bench: error: {problem}", file=sys.stderr)
         return 2
     err = sys.stderr
+    out = err if args.json == "-" else sys.stdout  # stdout holds the JSON alone then
     print(f"generate suite on {backend}: {label}; prompts of {prompt_len} tokens, {gen} generated each", file=err)
-    print(HEADER)
+    print(HEADER, file=out)
     results = bench_generate(
         model, concurrencies=concurrencies, prompt_len=prompt_len, gen_tokens=gen,
         candidates=candidates, rounds=getattr(args, "repeat", None) or 1,
         shared_prefix=shared,
         progress=None if args.quiet else (lambda m: print(m, file=err, flush=True)),
-        on_result=lambda r: print(format_row(r), flush=True),
+        on_result=lambda r: print(format_row(r), file=out, flush=True),
     )
     rows = ratios(results)
     for row in rows:
@@ -422,7 +423,7 @@ def run(args: Any) -> int:
               f"{_x(row['generation_ratio'])}, end-to-end {_x(row['e2e_ratio'])}, TTFT {_x(row['ttft_ratio'])} "
               f"(peer/engine), peak memory {_x(row['peak_memory_ratio'])}"
               + (f"; generation by round {', '.join(_x(e['generation_ratio']) for e in row['per_round'])}"
-                 if len(row["per_round"]) > 1 else ""))
+                 if len(row["per_round"]) > 1 else ""), file=out)
     if args.json:
         text = json.dumps({"schema": "metal-attn-bench-generate/1", "model": label, "backend": backend,
                            "results": [r.to_dict() for r in results], "ratios": rows}, indent=1)
