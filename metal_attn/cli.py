@@ -15,6 +15,7 @@ import importlib.metadata as md
 import json
 import os
 import platform
+import re
 import sys
 import types
 import warnings
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metal_attn.constants import DTYPES
-from metal_attn.errors import MetalAttnError, SettingsError, SettingsWarning
+from metal_attn.errors import InvalidInputError, MetalAttnError, SettingsError, SettingsWarning
 
 #: Distributions whose exact versions ``metal-attn providers --versions`` prints.
 VERSION_DISTRIBUTIONS: tuple[str, ...] = (
@@ -68,7 +69,7 @@ def _positive_float(text: str) -> float:
 
 def _int_list(text: str) -> list[int]:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",")]  # an empty item ("1,,1") is an error, not a skipped one
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
@@ -289,12 +290,16 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         parser.error(f"--heads={args.heads} is not a multiple of --kv-heads={args.kv_heads} (GQA needs whole groups)")
     q_lens, seq_lens = _explain_lengths(args, parser)
     device = _explain_device(args)
-    request = AttentionRequest.from_lengths(
-        q_lens=q_lens, seq_lens=seq_lens, backend=device.backend, dtype=args.dtype,
-        cache_dtype=args.cache_dtype, num_heads=args.heads, num_kv_heads=args.kv_heads, head_size=args.head_size,
-        block_size=kernel_block_size(args.block_size) or args.block_size, sinks=args.sinks,
-        sliding_window=args.sliding_window, softcap=args.softcap,
-    )
+    _check_provider_flag(parser, args.provider)
+    try:
+        request = AttentionRequest.from_lengths(
+            q_lens=q_lens, seq_lens=seq_lens, backend=device.backend, dtype=args.dtype,
+            cache_dtype=args.cache_dtype, num_heads=args.heads, num_kv_heads=args.kv_heads,
+            head_size=args.head_size, block_size=kernel_block_size(args.block_size) or args.block_size,
+            sinks=args.sinks, sliding_window=args.sliding_window, softcap=args.softcap,
+        )
+    except InvalidInputError as exc:
+        parser.error(_flagify(str(exc)))
     exp = explain(request, device=device, provider=args.provider)
     if args.json:
         _print_json(exp.to_dict())
@@ -552,6 +557,7 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg.validate()
     except MetalAttnError as exc:
         parser.error(_flagify(str(exc)))
+    _check_provider_flag(parser, args.provider)
     con = None if args.json else _console()
     if con is not None:
         con.print(f"metal-attn demo: {len(cfg.prompt_lens)} sequences (prompts {list(cfg.prompt_lens)}, chunk "
@@ -583,13 +589,29 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+#: Fields of the API and the flags of `metal-attn demo` and `explain` that set them.
+_FLAGS = {"num_heads": "--heads", "num_kv_heads": "--kv-heads", "head_size": "--head-size",
+          "block_size": "--block-size", "num_layers": "--layers", "steps": "--steps", "repeats": "--repeats",
+          "dtype": "--dtype", "cache_dtype": "--cache-dtype", "seed": "--seed", "provider": "--provider",
+          "sliding_window": "--sliding-window", "softcap": "--softcap", "q_lens": "--q-lens",
+          "seq_lens": "--seq-lens"}
+
+
 def _flagify(message: str) -> str:
-    """Rename demo config fields to the flags that set them."""
-    for field, flag in (("num_heads", "--heads"), ("num_kv_heads", "--kv-heads"), ("head_size", "--head-size"),
-                        ("block_size", "--block-size"), ("num_layers", "--layers"), ("steps", "--steps"),
-                        ("repeats", "--repeats"), ("dtype", "--dtype")):
-        message = message.replace(f"{field}=", f"{flag}=")
-    return message
+    """``message`` with each ``field=`` of `_FLAGS` named as the flag that set it (whole names only:
+    ``seq_lens=`` is not ``q_lens=``)."""
+    return re.sub(r"(?<![\w-])(\w+)=", lambda m: f"{_FLAGS.get(m.group(1), m.group(1))}=", message)
+
+
+def _check_provider_flag(parser: argparse.ArgumentParser, name: str | None) -> None:
+    """Exit 2 for a ``--provider`` no plugin registered (explain printed it on stdout and exited 1)."""
+    if name is None:
+        return
+    from metal_attn.plugins import get_registry
+
+    known = [e.provider.name for e in get_registry().entries]
+    if name not in known:
+        parser.error(f"--provider {name!r} is not registered (allowed: {', '.join(known)})")
 
 
 # -- bench -------------------------------------------------------------------------------------------

@@ -176,15 +176,15 @@ def test_explain_forced_provider(capsys):
     code, data = run_json(capsys, "explain", "--provider", "reference")
     assert code == 0
     assert data["forced"] == "reference" and [r["name"] for r in data["providers"]] == ["reference"]
-    code, data = run_json(capsys, "explain", "--provider", "no_such_provider")
-    assert code == 1
-    assert data["chosen"] is None
+    # the API names an unregistered provider in its decision table; the command line refuses the flag
+    exp = metal_attn.explain(metal_attn.AttentionRequest.from_lengths(q_lens=[1], seq_lens=[64]),
+                             provider="no_such_provider")
     registered = ", ".join(p["name"] for p in metal_attn.providers())
-    assert data["providers"][-1]["reasons"] == [f"provider='no_such_provider' is not registered (registered: "
-                                                f"{registered})"]
-    code, out, _ = run(capsys, "explain", "--provider", "no_such_provider")
-    assert code == 1
-    assert out.splitlines()[-1] == f"provider='no_such_provider' is not registered (registered: {registered})"
+    assert exp.chosen is None
+    assert exp.rows[-1].reasons == (f"provider='no_such_provider' is not registered (registered: {registered})",)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["explain", "--provider", "no_such_provider", "--json"])
+    assert exc.value.code == 2 and capsys.readouterr().out == ""
 
 
 # -- bad flags -------------------------------------------------------------------------------------
@@ -210,7 +210,13 @@ BAD_FLAGS = [
     (["demo", "--dtype", "int8"], ["--dtype", "'int8'", "float16"]),
     (["demo", "--seed", "-3"], ["--seed", "'-3'", "integer >= 0"]),
     # past MLX's seed range: a nanobind TypeError traceback
-    (["demo", "--seed", str(2**64)], ["seed=18446744073709551616", "0 to 2**64 - 1"]),
+    (["demo", "--seed", str(2**64)], ["--seed=18446744073709551616", "0 to 2**64 - 1"]),
+    # the request's own checks exited 1 naming API fields (sliding_window=, softcap=, provider=)
+    (["explain", "--sliding-window", str(10**20)], ["--sliding-window=100000000000000000000", "2147483647"]),
+    (["explain", "--softcap", "1e-300"], ["--softcap=1e-300", "float32 holds"]),
+    (["explain", "--provider", "nope"], ["--provider 'nope' is not registered", "classic", "reference"]),
+    (["demo", "--provider", ""], ["--provider '' is not registered"]),
+    (["explain", "--q-lens", "1,,1", "--seq-lens", "5,,5"], ["--q-lens", "'1,,1'"]),  # read as two sequences
     (["providers", "--device", "tpu"], ["--device", "'tpu'", "m3-10core"]),
     (["frobnicate"], ["'frobnicate'", "providers", "explain", "doctor", "settings", "demo", "bench"]),
     (["settings", "--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
@@ -459,9 +465,13 @@ def test_demo_fails_loudly_on_a_mismatch(capsys, broken_provider_installed):
 
 
 def test_demo_forced_provider_refusal_is_an_error_not_a_crash(capsys):
-    code, _, err = run(capsys, "demo", "--provider", "no_such_provider", "--steps", "2", "--layers", "1")
-    assert code == 1
-    assert "provider='no_such_provider' is not registered" in err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--provider", "no_such_provider", "--steps", "2", "--layers", "1"])
+    assert exc.value.code == 2
+    assert "--provider 'no_such_provider' is not registered (allowed: " in capsys.readouterr().err
+    with override_settings(disabled_providers=("reference",)):  # registered, refusing: a run-time error
+        code, _, err = run(capsys, "demo", "--provider", "reference", "--steps", "2", "--layers", "1")
+    assert code == 1 and "reference" in err
 
 
 # -- bench -----------------------------------------------------------------------------------------
