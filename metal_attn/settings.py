@@ -277,6 +277,7 @@ class Settings(BaseSettings):
         0.2,
         gt=0,
         le=1,
+        allow_inf_nan=False,
         validation_alias=_env("kv_cache_fraction"),
         description="Engine: share of the device's memory for the KV pool when no byte budget is set.",
     )
@@ -307,10 +308,19 @@ class Settings(BaseSettings):
     def _digits_are_numbers(cls, v: Any) -> Any:
         return int(v) if isinstance(v, str) and v.strip().lstrip("-").isdigit() else v
 
-    @field_validator("provider", "gpu_architecture", "gpu_name", "macos_version", "cache_dir", mode="before")
+    @field_validator("provider", "gpu_architecture", "gpu_name", "macos_version", "cache_dir", "backend_override",
+                     "gpu_cores", "max_threadgroup_memory", "cpu_threads", "kv_cache_memory", "compile_decode",
+                     mode="before")
     @classmethod
     def _blank_is_none(cls, v: Any) -> Any:
+        """A blank value of a setting that may be unset is unset (``METAL_ATTN_GPU_CORES=`` in a shell script).
+        Not for ``plugins_allow``, where empty means no plugin."""
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("log_level", "log_format", "backend_override", mode="before")
+    @classmethod
+    def _any_case(cls, v: Any) -> Any:
+        return v.strip().lower() if isinstance(v, str) else v
 
     def is_disabled(self, provider_name: str) -> str | None:
         """The reason ``provider_name`` is disabled by a toggle, or ``None``."""

@@ -79,6 +79,20 @@ def test_empty_allow_list_is_empty_not_unset(monkeypatch):
     assert load(monkeypatch, METAL_ATTN_PLUGINS_ALLOW="").plugins_allow == ()
 
 
+@pytest.mark.parametrize("name", ["GPU_CORES", "BACKEND_OVERRIDE", "COMPILE_DECODE", "KV_CACHE_MEMORY", "CPU_THREADS",
+                                  "MAX_THREADGROUP_MEMORY"])
+def test_a_blank_optional_setting_is_unset(monkeypatch, name):
+    """``METAL_ATTN_GPU_CORES=`` (a shell script's unset) was refused as 'not a valid integer'."""
+    assert getattr(load(monkeypatch, **{f"METAL_ATTN_{name}": ""}), name.lower()) is None
+
+
+def test_log_names_in_any_case_and_a_nan_fraction_named_as_such(monkeypatch):
+    s = load(monkeypatch, METAL_ATTN_LOG_LEVEL="DEBUG", METAL_ATTN_LOG_FORMAT="Json", METAL_ATTN_BACKEND_OVERRIDE="CPU")
+    assert (s.log_level, s.log_format, s.backend_override) == ("debug", "json", "cpu")
+    with pytest.raises(SettingsError, match=r"METAL_ATTN_KV_CACHE_FRACTION='nan': Input should be a finite number"):
+        load(monkeypatch, METAL_ATTN_KV_CACHE_FRACTION="nan")
+
+
 def test_names_are_case_insensitive_and_blank_provider_is_none(monkeypatch):
     s = load(monkeypatch, metal_attn_gpu_cores="12", METAL_ATTN_PROVIDER="   ")
     assert s.gpu_cores == 12
