@@ -668,3 +668,21 @@ def test_a_provider_no_plugin_registered_is_reported_not_measured() -> None:
         core.ProviderCandidate("no_such_provider").admit(SMOKE.shapes[0])
     assert exc.value.status == "not registered"
     assert "provider='no_such_provider' is not registered (registered: " in exc.value.reasons[0]
+
+
+def test_the_progress_bar_is_off_the_terminal_while_a_table_prints_there() -> None:
+    """On one terminal the bar's redraws landed between a table's rows."""
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Tty()
+    with cli._Progress(4, quiet=False, file=term) as bar:
+        assert bar._bar.live.is_started
+        with bar.hidden(Tty()):
+            assert not bar._bar.live.is_started
+        assert bar._bar.live.is_started
+        with bar.hidden(io.StringIO()):  # a table going to a file or a pipe leaves the bar alone
+            assert bar._bar.live.is_started

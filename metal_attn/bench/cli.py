@@ -7,10 +7,11 @@ runnable alone: ``python -m metal_attn.bench.cli --suite smoke``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -572,18 +573,26 @@ def run(args: argparse.Namespace) -> int:
         for i in range(repeat):
             runs.append(this_run := [])
             if repeat > 1:
-                print(f"run {i + 1} of {repeat} (--repeat {repeat})", file=out)
+                with bar.hidden(out):
+                    print(f"run {i + 1} of {repeat} (--repeat {repeat})", file=out)
             for s, shapes, cands in plan:
-                stream = TableStream(s.name, s.description, shapes, [c.name for c in cands], out)
+                with bar.hidden(out):
+                    stream = TableStream(s.name, s.description, shapes, [c.name for c in cands], out)
+
+                def on_shape(sr: ShapeResult, _stream: TableStream = stream) -> None:
+                    with bar.hidden(out):
+                        _stream.shape(sr)
+
                 suite = run_suite(
                     s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
                     iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
                     pipelined=getattr(args, "pipelined", False), progress=lambda msg, _s=s: bar.step(_s.name, msg),
-                    on_shape=stream.shape, rotate=i,
+                    on_shape=on_shape, rotate=i,
                 )
                 this_run.append(suite)
                 results.append(suite)
-                stream.close(suite, machine)
+                with bar.hidden(out):
+                    stream.close(suite, machine)
                 if suite.interrupted:
                     print(f"metal-attn bench: interrupted: {len(suite.results)} of {len(shapes)} shapes of "
                           f"{s.name} completed (their rows are above)", file=err)
@@ -800,6 +809,19 @@ class _Progress:
         else:
             print(f"[{suite} {self.done + 1}/{self.total}] {msg}", file=self.file, flush=True)
         self.done += 1
+
+    @contextlib.contextmanager
+    def hidden(self, file: TextIO) -> Iterator[None]:
+        """The bar off its terminal while the block prints to ``file`` there too (its redraws landed
+        between a table's rows); as it was after."""
+        if self._bar is None or not file.isatty():
+            yield
+            return
+        self._bar.stop()
+        try:
+            yield
+        finally:
+            self._bar.start()
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
