@@ -285,6 +285,8 @@ def run_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     """``metal-attn models fetch|path``: the default model's file."""
     from metal_attn.mlx_lm import default_model as dm
 
+    if args.force and args.action != "fetch":
+        parser.error(f"--force goes with fetch (it fetches again); {args.action} reads what is there")
     if args.action == "fetch":
         path = dm.fetch_default(force=args.force)
     else:

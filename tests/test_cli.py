@@ -217,6 +217,7 @@ BAD_FLAGS = [
     (["explain", "--provider", "nope"], ["--provider 'nope' is not registered", "classic", "reference"]),
     (["demo", "--provider", ""], ["--provider '' is not registered"]),
     (["explain", "--q-lens", "1,,1", "--seq-lens", "5,,5"], ["--q-lens", "'1,,1'"]),  # read as two sequences
+    (["models", "path", "--force"], ["--force goes with fetch"]),  # silently ignored
     (["providers", "--device", "tpu"], ["--device", "'tpu'", "m3-10core"]),
     (["frobnicate"], ["'frobnicate'", "providers", "explain", "doctor", "settings", "demo", "bench"]),
     (["settings", "--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
