@@ -104,8 +104,8 @@ class CompiledDecode:
         self.disabled: str | None = self._static_reasons()
         # The weights are read at every call (``inputs``), not captured at the trace: a model updated
         # in place (``model.update``, ``load_weights``, an adapter swap) decodes with its new weights.
-        # MLX flattens the parameter tree on each call: 39 us for a 32-layer llama's 291 arrays on the
-        # 2-core CPU (docs/serving.md, "Compiled steps and updated weights").
+        # MLX flattens the tree on each call: about 37 us for a 32-layer llama (323 arrays) on the 2-core
+        # CPU (benchmarks/host_cost_compiled_inputs.py; docs/serving.md, "Compiled steps and updated weights").
         self._fn = mx.compile(self._forward, inputs=self.model.model.state)
         self._traced = set()
 
