@@ -12,7 +12,8 @@
 #            matrix paths' sweep at the plans' own partitions
 #            (issue #17)
 #   prefill  the mixed batches three times, and where a mixed batch's time goes (issue #18)
-#   engine   the generate suite at 1, 8, 32 and 64 requests (issue #15)
+#   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
+#            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
 #   fuzz     the GPU fuzz (250 seeds)
 #   ncu      ncu (speed of light, occupancy, warp stalls, memory) of our decode call and torch SDPA's on the
@@ -79,7 +80,8 @@ run_phase() {
         --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"
       step profile-mixed "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile-mixed.json" ;;
     engine)
-      step generate "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet --markdown \
+      step compiled-inputs 60 python3 benchmarks/host_cost_compiled_inputs.py
+      step generate "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet \
         --candidates engine,batch_generator --concurrency 1,8,32,64 --json "$dir/generate.json" ;;
     baseline)
       step decode-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --quiet \
