@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import re
+import select
 import sys
 import types
 import warnings
@@ -817,12 +818,24 @@ def guarded(command: str, body: Callable[[], int], verbose: int = 0) -> int:
         except MetalAttnError as exc:
             print(f"{command}: error: {exc}", file=sys.stderr)
             return 1
-        except BrokenPipeError:  # `metal-attn providers | head`
+        except BrokenPipeError:  # `metal-attn providers | head`: done; stderr's reader gone: stopped short
+            if not _stdout_gone():
+                return 1
             _quiet_stdout()
             return 0
         except KeyboardInterrupt:  # Ctrl-C: what was printed stays; no traceback
             print(f"\n{command}: interrupted", file=sys.stderr)
             return 130
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout's reader went away (its pipe reports an error); True where that cannot be told."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or a stdout with no descriptor
+        return True
 
 
 def _quiet_stdout() -> None:

@@ -2,13 +2,12 @@
 
 rich's `Console` answers a closed stdout (``metal-attn explain | head -1``) with ``SystemExit(1)``,
 which a pipeline under ``set -o pipefail`` reads as a failure. Ours raise `BrokenPipeError` instead,
-which the command lines turn into exit 0, as for a plain ``print``.
+which the command lines (`metal_attn.cli.guarded`) turn into exit 0 when stdout's reader went away, as
+for a plain ``print``, and 1 when stderr's did (the run stopped short).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 from rich.console import Console
@@ -18,13 +17,7 @@ __all__ = ["console"]
 
 class _Console(Console):
     def on_broken_pipe(self) -> None:
-        # What rich does first: stdout to /dev/null, so the interpreter's last flush cannot fail again.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError):  # no real stdout (captured)
-            pass
-        raise BrokenPipeError("the reader of this command's output went away")
+        raise BrokenPipeError(f"the reader of this command's {'stderr' if self.stderr else 'output'} went away")
 
 
 def console(*, min_width: int | None = None, **kwargs: Any) -> Console:

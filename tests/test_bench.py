@@ -297,6 +297,7 @@ def test_wrong_outputs_and_crashes_fail_the_run(tmp_path, capsys, monkeypatch) -
         (["--suite", "smoke", "--concurrency", "3"], "--suite smoke does not read --concurrency"),
         (["--suite", "generate", "--shapes", "x", "--pipelined"],
          "--suite generate does not read --shapes, --pipelined (they are flags of the kernel suites)"),
+        (["--suite", "generate", "--warmup", "0"], "--suite generate does not read --warmup"),  # 0 read as unset
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], message: str, capsys) -> None:

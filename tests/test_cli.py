@@ -695,3 +695,17 @@ def test_the_standalone_bench_command_names_bad_settings(tmp_path):
     done = subprocess.run([sys.executable, "-m", "metal_attn.bench.cli", "--suite", "smoke", "--quiet"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "METAL_ATTN_GPU_CORES='abc'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_reader_of_stderr_that_goes_away_is_not_success(tmp_path):
+    """The run stops short there (a --json file unwritten): exit 1, where a closed stdout is exit 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METAL_ATTN_")} | {"METAL_ATTN_PLUGIN_AUTOLOAD": "0"}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "metal_attn", "bench", "--suite", "smoke", "--shapes", "decode b3",
+                               "--iters", "1", "--warmup", "0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=write_end, timeout=600)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1

@@ -548,3 +548,24 @@ def test_a_failed_trace_leaves_the_model_s_weights_in_place():
         eng.generate([[5, 6, 7]], max_tokens=4)
     assert eng.runner.compiled.disabled and model.lm_head.weight is before
     mx.eval(model(mx.array([[1, 2]])))
+
+
+def test_an_interrupt_while_tracing_puts_the_pools_and_the_weights_back(monkeypatch):
+    """Ctrl-C (not an Exception) skipped the handler: the pools stayed taken (every later step raised
+    'the pools were already taken') and the weights stayed tracers."""
+    model = tiny_model("llama")
+    pm = PagedModel(model, num_blocks=16)
+    compiled = CompiledDecode(pm)
+    before = model.lm_head.weight
+    real = PagedModel.forward
+
+    def interrupted(self, plan, tokens):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PagedModel, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        compiled.run(build_step_plan([0], [4], [1], [[1]], 16), mx.array([3], dtype=mx.int32))
+    monkeypatch.setattr(PagedModel, "forward", real)
+    assert model.lm_head.weight is before
+    pm.kv.put_pools(pm.kv.take_pools())  # not taken any more
+    mx.eval(model(mx.array([[1, 2]])))

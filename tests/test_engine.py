@@ -351,6 +351,11 @@ def test_an_interrupt_while_waiting_for_a_step_loses_no_token(llama, monkeypatch
     ref = reference_greedy(llama, [1, 2, 3], 8, EOS)
     eng = _engine(llama)
     real, calls = InFlight.tokens, []
+    histories: list[int] = []
+
+    def record(tokens, logits):  # what a logits processor is shown: every token before the one it samples
+        histories.append(tokens.size)
+        return logits
 
     def flaky(self):
         calls.append(1)
@@ -359,17 +364,31 @@ def test_an_interrupt_while_waiting_for_a_step_loses_no_token(llama, monkeypatch
         return real(self)
 
     monkeypatch.setattr(InFlight, "tokens", flaky)
-    rid = eng.add_request([1, 2, 3], max_tokens=8)
+    rid = eng.add_request([1, 2, 3], SamplingParams(logits_processors=[record]), max_tokens=8)
     with pytest.raises(KeyboardInterrupt):
         while eng.has_unfinished():
             eng.step()
+    depth = []
     for _ in range(40):
         if not eng.has_unfinished():
             break
         eng.step()
-    assert not eng.has_unfinished()
+        depth.append(len(eng.in_flight))
+    assert not eng.has_unfinished() and max(depth) <= 2
     assert_same_greedy(eng.completion(rid).token_ids, ref, TOL, "after an interrupt")
+    assert histories == list(range(3, 11))  # a third step in flight ran a token ahead of the history
     assert eng.blocks.num_used == 0
+
+
+def test_releasing_a_request_its_stream_still_reads_is_named(llama):
+    eng = _engine(llama)
+    a, b = eng.add_request([1, 2, 3], max_tokens=8), eng.add_request([4, 5, 6], max_tokens=8)
+    stream = eng.stream_ids([a, b])
+    next(stream)
+    eng.abort(b)
+    eng.release(b)
+    with pytest.raises(InvalidInputError, match=f"request {b} was released while streamed"):
+        list(stream)
 
 
 def test_a_step_that_fails_on_the_device_ends_its_requests_and_drops_what_it_cached(llama, monkeypatch):

@@ -476,7 +476,8 @@ _GENERATE_SUITE_FLAGS = ("concurrency", "prompt_len", "gen_tokens", "shared_pref
 
 def _unused_flags(args: argparse.Namespace, names: Sequence[str], suites: str, err: TextIO) -> int | None:
     """Exit 2 naming the given flags that ``suites`` would ignore (they were silently dropped)."""
-    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) not in (None, False)]
+    given = [f"--{n.replace('_', '-')}" for n in names
+             if getattr(args, n, None) is not None and getattr(args, n) is not False]  # 0 is given, False is not
     if given:
         whose = "the kernel suites" if names is _KERNEL_SUITE_FLAGS else "--suite generate"
         print(f"metal-attn bench: error: {suites} does not read {', '.join(given)} (they are flags of {whose})",

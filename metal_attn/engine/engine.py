@@ -259,7 +259,9 @@ class Engine:
         """
         if not self._inflight:
             self._launch()
-        if self.config.pipeline:
+        # Two steps in flight at most: after a Ctrl-C left a step queued, a third would run one token ahead
+        # of what the logits processors' histories know.
+        if self.config.pipeline and len(self._inflight) == 1:
             self._launch()
         if not self._inflight:
             self._check_not_stuck()
@@ -422,7 +424,11 @@ class Engine:
         seen = {self._get(i).id: [0, 0] for i in request_ids}  # request id -> [tokens, characters] yielded
         while seen:
             for rid in list(seen):
-                out = self._unread(self.requests[rid], seen[rid])
+                req = self.requests.get(rid)
+                if req is None:
+                    raise InvalidInputError(f"request {rid} was released while streamed (allowed: release a "
+                                            "request once its stream has ended)")
+                out = self._unread(req, seen[rid])
                 if out is not None:
                     yield out
                     if out.finished:

@@ -160,15 +160,17 @@ class CompiledDecode:
         weights = None if shape in self._traced else _array_slots(self.model.model.state)
         try:
             out = self._fn(*inputs, *pools)
-        except Exception as exc:
+        except BaseException as exc:  # Ctrl-C included: the pools and the weights go back first
             kv.put_pools(pools)
-            if self.traces == traces:  # not a trace failure: the caller's to see
+            traced = self.traces != traces
+            if traced and weights is not None:
+                for node, key, value in weights:
+                    node[key] = value
+            if not traced or not isinstance(exc, Exception):  # not a trace failure: the caller's to see
                 raise
             if weights is None:
                 raise RuntimeError(f"a compiled decode step retraced unexpectedly and failed ({type(exc).__name__}: "
                                    f"{exc}); the model's weights were left as tracers by mx.compile") from exc
-            for node, key, value in weights:
-                node[key] = value
             # Refused or failed while tracing (a provider that reads host lengths, an op that reads
             # a tracer on the host, ...): the eager path takes over until the dispatch epoch moves.
             self.disabled = f"{type(exc).__name__}: {exc}"
