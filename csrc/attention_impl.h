@@ -309,12 +309,22 @@ static inline vf exp2v(vf x) {
   return bits_to_f((f_to_bits(r) & ~nan_lanes) | (0x7fc00000u & nan_lanes));
 }
 
-// c * tanh(s / c) * log2(e), with tanh(y) = 1 - 2 / (exp(2y) + 1).
+// c * tanh(s / c) * log2(e). Where |s / c| >= 1/4, tanh(y) = 1 - 2 / (exp(2y) + 1); below, that
+// cancels (at c >= 1e8 every score became 0), so c * tanh(y) = s * (1 - y^2/3 + 2y^4/15 - 17y^6/315 +
+// 62y^8/2835), whose next term is under 1e-9 of it there. Multiplying by c last keeps c * log2(e)
+// from overflowing for c near FLT_MAX.
 static inline vf softcap_log2(vf s, float c) {
   vf y = s * splat(1.0f / c);
   vf e = exp2v(y * splat(2.0f * kLog2e));
-  vf t = splat(1.0f) - splat(2.0f) / (e + splat(1.0f));
-  return t * splat(c * kLog2e);
+  vf large = (splat(1.0f) - splat(2.0f) / (e + splat(1.0f))) * splat(c);
+  vf u = y * y;
+  vf poly = splat(62.0f / 2835.0f);
+  poly = poly * u - splat(17.0f / 315.0f);
+  poly = poly * u + splat(2.0f / 15.0f);
+  poly = poly * u - splat(1.0f / 3.0f);
+  poly = poly * u + splat(1.0f);
+  vf small = s * poly;
+  return (u < splat(1.0f / 16.0f) ? small : large) * splat(kLog2e);
 }
 
 // ---- micro-kernel: NQ query vectors x up to kChunk tokens of one sequence --------------
@@ -482,6 +492,14 @@ static inline bool sink_poisons(const Job& job, int h) {
   return job.sinks != nullptr && !(job.sinks[h] < INFINITY);
 }
 
+// A sink's logit in log2 space: a finite sink past FLT_MAX / log2(e) (about 2.36e38) overflowed to +inf
+// there and the split reducer's +inf - +inf made the head NaN; it becomes FLT_MAX, which outweighs every
+// score as the sink itself does. (The kernels' text has the same rule: ma_sink_log2 in paged_common.h.)
+static inline float sink_log2(float sink) {
+  const float l2 = sink * kLog2e;
+  return (sink <= FLT_MAX && l2 > FLT_MAX) ? FLT_MAX : l2;
+}
+
 // ---- one work unit ---------------------------------------------------------------------
 
 template <int DT>
@@ -517,7 +535,7 @@ static void attend_unit_t(const Job& job, const Unit& u, float* work) {
       float* a = acc + i * D;
       for (int d = 0; d < D; ++d) a[d] = 0.0f;
       if (job.sinks != nullptr && !split) {
-        mbuf[i] = job.sinks[h] * kLog2e;
+        mbuf[i] = sink_log2(job.sinks[h]);
         lbuf[i] = 1.0f;
       } else {
         mbuf[i] = kNegMax;
@@ -660,7 +678,7 @@ static void reduce_item_t(const Job& job, int item) {
   for (int z = 0; z < nparts; ++z) gmax = job.part_m[base + z] > gmax ? job.part_m[base + z] : gmax;
   float sink_l2 = kNegMax;
   if (job.sinks != nullptr) {
-    sink_l2 = job.sinks[h] * kLog2e;
+    sink_l2 = sink_log2(job.sinks[h]);
     gmax = sink_l2 > gmax ? sink_l2 : gmax;
   }
   alignas(64) float accum[kMaxHeadSize];

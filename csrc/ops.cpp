@@ -490,8 +490,12 @@ void ReshapeAndCache::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   const mx::array& pool = inputs[1];
   mx::array& out = outputs[0];
   // In place when the pool is the sole owner of its buffer (as MLX's own
-  // scatter does); otherwise the write goes into a fresh dense copy.
-  const bool donated = pool.is_donatable() && pool_inner_dense(pool);
+  // scatter does) and its blocks do not overlap; otherwise the write goes into a
+  // fresh dense copy. (A pool made by broadcasting one block has block stride 0:
+  // written in place, one token landed in every block.)
+  const int64_t block_elems = static_cast<int64_t>(pool.shape(1)) * pool.shape(2) * pool.shape(3);
+  const bool blocks_apart = pool.shape(0) == 1 || pool.strides()[0] >= block_elems;
+  const bool donated = pool.is_donatable() && pool_inner_dense(pool) && blocks_apart;
   if (donated) {
     out.copy_shared_buffer(pool);
   } else {

@@ -87,7 +87,7 @@ for (int r = 0; r < 2; ++r) {
   my_lo[r] = window > 0 ? metal::max(my_end[r] - window, 0) : 0;
   q_off[r] = (int64_t(q_start + row) * num_heads + head) * HEAD_SIZE;
   // Sinks initialise the state: the sink's logit is the first maximum, its weight 1.
-  m[r] = use_sinks ? sinks[head] * MA_LOG2E : MA_NEG_FLT_MAX;
+  m[r] = use_sinks ? ma_sink_log2(sinks[head]) : MA_NEG_FLT_MAX;
   l[r] = use_sinks ? 1.0f : 0.0f;
 }
 float o[DN][16];  // O as destination elements, 32 output dims per chunk

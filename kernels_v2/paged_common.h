@@ -15,6 +15,14 @@ MA_FUNC float ma_score(float dot, float scale, float softcap) {
   return s;
 }
 
+// A sink's logit in log2 space. A finite sink past FLT_MAX / log2(e) (about 2.36e38) would overflow to
+// +inf there, and +inf - +inf is NaN in the softmax: it becomes FLT_MAX, which outweighs every score as
+// the sink itself does. +inf and NaN stay as they are (their heads turn NaN, as in the float64 oracle).
+MA_FUNC float ma_sink_log2(float sink) {
+  const float l2 = sink * MA_LOG2E;
+  return (sink <= -MA_NEG_FLT_MAX && l2 > -MA_NEG_FLT_MAX) ? -MA_NEG_FLT_MAX : l2;
+}
+
 // Weight of a softmax state with max `m` relative to a larger max `m_new`
 // (both in log2 space). An empty state (m == -FLT_MAX) weighs 0 unless the
 // new max is the sentinel too, in which case its sums are 0 anyway.

@@ -112,7 +112,7 @@ constexpr bool FUSED_HEADS = NUM_THREADS % HPS == 0 && ((NUM_THREADS / HPS) & (N
           const int64_t rh = row_head0 + h;                                                       \
           ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, true, 8>(                                 \
               max_logits, exp_sums, tmp_out, out + rh * HEAD_SIZE, rh * max_parts, n_parts,       \
-              use_sinks != 0, use_sinks ? sinks[head0 + h] * MA_LOG2E : MA_NEG_FLT_MAX, red_sg,   \
+              use_sinks != 0, use_sinks ? ma_sink_log2(sinks[head0 + h]) : MA_NEG_FLT_MAX, red_sg,   \
               red_w, tid);                                                                        \
           threadgroup_barrier(mem_flags::mem_threadgroup); /* the next head reuses red_sg, red_w */ \
         }                                                                                         \
@@ -690,7 +690,7 @@ for (int i = tid; i < HPS * HEAD_SIZE; i += NUM_THREADS) {
   // Sinks are folded once per row, here (no value row).
   float fold = 1.0f;
   if (use_sinks) {
-    const float sink = sinks[head0 + h] * MA_LOG2E;
+    const float sink = ma_sink_log2(sinks[head0 + h]);
     const float m_s = metal::max(g_max, sink);
     fold = ma_rescale(g_max, m_s);
     total = total * fold + metal::exp2(sink - m_s);
@@ -743,4 +743,4 @@ threadgroup float w_block[NUM_THREADS];
 constexpr int REDUCE_UNROLL = 16;
 ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, false, REDUCE_UNROLL>(
     max_logits, exp_sums, tmp_out, out + (int64_t(qtok) * num_heads + head) * HEAD_SIZE, base, n_parts, use_sinks != 0,
-    use_sinks ? sinks[head] * MA_LOG2E : MA_NEG_FLT_MAX, sg_part, w_block, tid);
+    use_sinks ? ma_sink_log2(sinks[head]) : MA_NEG_FLT_MAX, sg_part, w_block, tid);

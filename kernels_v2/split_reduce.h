@@ -156,7 +156,7 @@ MA_FUNC void ma_reduce_partials_heads(PF max_logits, PF exp_sums, PT tmp_out, PO
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // red_sg is reused below
   }
-  const float sink = use_sinks ? sinks[h1] * MA_LOG2E : MA_NEG_FLT_MAX;
+  const float sink = use_sinks ? ma_sink_log2(sinks[h1]) : MA_NEG_FLT_MAX;
   if (use_sinks) {
     g_max = metal::max(g_max, sink);
   }

@@ -126,7 +126,7 @@ for (int b = 0; b < RB; ++b) {
   q_off[b] = (int64_t(q_start + row) * num_heads + head) * HEAD_SIZE;
   // Sinks initialise the state (the NAX kernel's order): the sink's logit is the first maximum,
   // its weight 1, and it counts once per row (each row's state lives in one simdgroup).
-  m[b] = use_sinks ? sinks[head] * MA_LOG2E : MA_NEG_FLT_MAX;
+  m[b] = use_sinks ? ma_sink_log2(sinks[head]) : MA_NEG_FLT_MAX;
   l[b] = use_sinks ? 1.0f : 0.0f;
 #pragma unroll
   for (int d = 0; d < D8; ++d) {

@@ -71,6 +71,9 @@ class BlockAllocator:
         self._refcounts = [0] * self._num_blocks
         # A stack: pop() hands out 0, 1, 2, ... first; freed blocks are reused first.
         self._free = list(range(self._num_blocks - 1, -1, -1))
+        #: Blocks returned to the free list so far, and the count when each last was (`released_since`).
+        self.releases = 0
+        self._released_at = [0] * self._num_blocks
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self._num_blocks}, free={self.num_free})"
@@ -147,7 +150,13 @@ class BlockAllocator:
             if self._refcounts[b] == 0:
                 self._free.append(b)
                 released.append(b)
+                self.releases += 1
+                self._released_at[b] = self.releases
         return released
+
+    def released_since(self, block_ids: Iterable[int], mark: int) -> int | None:
+        """A block of ``block_ids`` returned to the free list after `releases` read ``mark``, or None."""
+        return next((b for b in block_ids if self._released_at[b] > mark), None)
 
     def copy_on_write(self, block_id: int) -> tuple[int, int]:
         """Make ``block_id`` safe to append to for one of its holders.
@@ -182,6 +191,16 @@ def _id_list(name: str, value: Any) -> list[Any]:
     return list(value)
 
 
+@dataclasses.dataclass(eq=False)
+class _Issued:
+    """The allocator a `StepPlan` was planned on, its release count then (moved on once checked), and
+    the pages the plan's tables name."""
+
+    allocator: BlockAllocator
+    mark: int
+    blocks: frozenset[int]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepPlan:
     """What one scheduler step needs: where the new tokens go and the attention metadata.
@@ -205,11 +224,25 @@ class StepPlan:
     #: The `padded_base` buffers ``positions`` and ``slot_mapping`` are the leading elements of
     #: (``None``: not known), from which `next_decode_plan` derives the next step's on the device.
     bases: tuple[mx.array, mx.array] | None = dataclasses.field(default=None, repr=False)
+    #: Where `PagedKVCache.prepare_step` issued it (``None`` for plans built elsewhere): `write_step`
+    #: refuses the plan once a page it names has been freed.
+    issued: _Issued | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         """Total new tokens in the step (rows of ``q`` and of the K/V to write)."""
         return sum(self.q_lens)
+
+
+def _check_not_stale(issued: _Issued) -> None:
+    """Pages were freed since the plan was issued (one int compare said so): refuse the plan if one of them
+    was its own (its write would land in a page another sequence may hold now); else remember the check."""
+    stale = issued.allocator.released_since(issued.blocks, issued.mark)
+    if stale is not None:
+        raise InvalidInputError(f"plan is stale: page {stale} it names was freed after prepare_step planned it "
+                                "(a free_sequence since; allowed: a plan prepared after the last free of its "
+                                "sequences)")
+    issued.mark = issued.allocator.releases
 
 
 def build_step_plan(
@@ -220,6 +253,7 @@ def build_step_plan(
     block_size: int,
     *,
     copies: Sequence[tuple[int, int]] = (),
+    issued: _Issued | None = None,
 ) -> StepPlan:
     """The `StepPlan` of a step whose row ``i`` appends ``q_lens[i]`` tokens at positions
     ``starts[i] ..`` of a sequence stored in pages ``tables[i]`` (which must already cover them).
@@ -257,6 +291,7 @@ def build_step_plan(
         metadata=metadata,
         copies=tuple(copies),
         bases=(pos_base, slot_base),
+        issued=issued,
     )
 
 
@@ -517,7 +552,9 @@ class PagedKVCache:
             tables.append(seq.blocks)
         if copies:
             self.copy_pages(copies)
-        return build_step_plan([s for s, _ in rows], starts, [n for _, n in rows], tables, bs, copies=copies)
+        issued = _Issued(self.allocator, self.allocator.releases, frozenset(b for t in tables for b in t))
+        return build_step_plan([s for s, _ in rows], starts, [n for _, n in rows], tables, bs, copies=copies,
+                               issued=issued)
 
     def write(self, layer: int, key: mx.array, value: mx.array, slot_mapping: Any) -> None:
         """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into ``layer``'s pools.
@@ -545,6 +582,8 @@ class PagedKVCache:
         if not isinstance(plan, StepPlan):
             raise InvalidInputError(f"plan={plan!r} (allowed: a StepPlan from prepare_step)")
         plan.metadata.pool_guard(self.num_blocks, self.block_size)
+        if plan.issued is not None and plan.issued.mark != plan.issued.allocator.releases:
+            _check_not_stale(plan.issued)
         k, v = self._held_pools(i, "write_step")
         want = (plan.slot_mapping.shape[0], self.num_kv_heads, self.head_size)
         if not (type(key) is mx.array and type(value) is mx.array and key.shape == want and value.shape == want

@@ -15,16 +15,19 @@ from typing import Any
 import numpy as np
 
 from metal_attn.checks import is_integer, is_real_scalar, ordered_ints
-from metal_attn.constants import DTYPES, GQA_PARTITION_SIZES, PARTITION_SIZE
+from metal_attn.constants import DTYPES, GQA_PARTITION_SIZES, LOG2E, PARTITION_SIZE
 from metal_attn.errors import InvalidInputError
 
 #: What the kernels receive for ``scale`` and ``softcap``: a float32, so the value must be a normal
-#: float32 (1e-300 would become 0, which the kernels read as "no softcap"; 1e39 would become inf).
+#: float32 (1e-300 would become 0, which the kernels read as "no softcap"; 1e39 would become inf), and
+#: one that stays finite times log2(e), since scores are kept in log2 space (a scale of 3e38 made
+#: every output NaN).
 _F32_TINY = float(np.finfo(np.float32).tiny)
-_F32_MAX = float(np.finfo(np.float32).max)
+_F32_MAX = float(np.finfo(np.float32).max) / LOG2E
 #: The kernels take ``sliding_window`` as an int32.
 _INT32_MAX = 2**31 - 1
-_F32_RANGE = f"a finite number > 0 that float32 holds ({_F32_TINY:.4g} to {_F32_MAX:.4g})"
+_F32_RANGE = (f"a finite number > 0 that float32 holds, times log2(e) too ({_F32_TINY:.4g} to "
+              f"{_F32_MAX:.4g})")
 
 
 def _positive_f32(value: Any) -> bool:

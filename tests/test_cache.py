@@ -808,3 +808,23 @@ def test_a_cache_without_its_pools_says_so_and_a_foreign_plan_is_refused():
             call()
     small.put_pools(pools)
     assert small.pools(0)[0].shape == pools[0].shape
+
+
+def test_a_plan_whose_pages_were_freed_since_is_refused_and_an_unrelated_free_is_not():
+    """A stale plan of a freed sequence wrote over the page its successor now held."""
+    cache = PagedKVCache(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=1, head_size=16, dtype=mx.float32)
+    cache.add_sequence("a")
+    cache.add_sequence("c")
+    plan_a = cache.prepare_step([("a", 4)])
+    plan_c = cache.prepare_step([("c", 4)])
+    rows = lambda x: mx.full((4, 1, 16), x)  # noqa: E731
+    cache.free_sequence("a")
+    cache.add_sequence("b")
+    plan_b = cache.prepare_step([("b", 4)])  # takes a's page
+    cache.write_step(0, rows(2.0), rows(2.0), plan_b)
+    cache.write_step(0, rows(5.0), rows(5.0), plan_c)  # a free of another sequence's page: still valid
+    with pytest.raises(InvalidInputError, match=r"plan is stale: page \d+ it names was freed after prepare_step"):
+        cache.write_step(0, rows(-1.0), rows(-1.0), plan_a)
+    k, _ = cache.pools(0)
+    assert float(k[cache.block_table("b")[0], 0, 0, 0]) == 2.0
+    assert float(k[cache.block_table("c")[0], 0, 0, 0]) == 5.0

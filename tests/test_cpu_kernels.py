@@ -162,6 +162,38 @@ def test_sink_is_counted_once_across_partitions():
         assert_close_to_oracle(_native_run(case, partition_size=split), ref, "float32", label=f"sink ps{split}")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("softcap", [1e3, 1e4, 1e6, 1e8, 2.3e38])
+@pytest.mark.parametrize("split", [0, constants.PARTITION_SIZE], ids=["ps0", "ps512"])
+def test_a_large_softcap_is_no_cap(isa, softcap, split):
+    """tanh(s / c) as 1 - 2 / (exp(2s/c) + 1) cancelled: 6e-4 off at c = 1e4, uniform attention at 1e8, and
+    c * log2(e) overflowed to NaN past 2.36e38 (a helper's probe, twenty-third session)."""
+    case = _case(q_lens=[1, 5], seq_lens=[700, 600], softcap=softcap, seed=5)
+    out = to_numpy(_native_run(case, partition_size=split, isa=isa)).astype(np.float64)
+    err = np.abs(out - np.asarray(case.oracle(), dtype=np.float64))
+    assert err.max() <= NATIVE_F32_ATOL, f"softcap {softcap:g}/{isa}/ps{split}: max error {err.max():.3g}"
+
+
+@pytest.mark.parametrize("split", [0, constants.PARTITION_SIZE], ids=["ps0", "ps512"])
+def test_a_sink_past_float32_s_log2_range_outweighs_every_score(split):
+    """3e38 * log2(e) overflowed to +inf, and the split reducer's inf - inf made the head NaN."""
+    case = _case(q_lens=[1, 5], seq_lens=[1500, 1200], sinks=True, seed=1)
+    sinks = np.array([3e38, 0.0, 1.0, 0.0, -3e38, 2.0, 0.5, 0.0], dtype=np.float32)
+    case.sinks, case.host["sinks"] = mx.array(sinks), sinks
+    assert_close_to_oracle(_native_run(case, partition_size=split), case.oracle(), "float32", label=f"ps{split}")
+
+
+def test_a_write_into_a_broadcast_pool_lands_in_its_block_only():
+    """A pool broadcast from one block has block stride 0: written in place, a token reached every block."""
+    k_pool = mx.broadcast_to(mx.zeros((1, 8, 1, 16)), (4, 8, 1, 16))
+    v_pool = mx.broadcast_to(mx.zeros((1, 8, 1, 16)), (4, 8, 1, 16))
+    k_pool, v_pool = metal_attn.reshape_and_cache(mx.ones((1, 1, 16)), mx.ones((1, 1, 16)), k_pool, v_pool,
+                                                  mx.array([2 * 8 + 3]))
+    written = np.argwhere(to_numpy(k_pool).sum(axis=(2, 3)) != 0).tolist()
+    assert written == [[2, 3]]
+    assert metal_attn.diagnostics.last_cache_write().provider == "classic"
+
+
 def test_partition_outside_window_is_neutral():
     # In-window scores sit far below zero: a partial that wrote max=0 would attenuate them.
     case = _case(q_lens=[1], seq_lens=[2000], sliding_window=64, score_bias=-120.0, seed=3)

@@ -108,6 +108,9 @@ BAD_ATTENTION = {
     # float32 is what the kernels get: 1e-300 would be 0 ("no softcap"), 1e39 would be inf
     "softcap-below-float32": ({"softcap": 1e-300}, ["softcap=1e-300 (allowed: a finite number > 0 that float32 holds"]),
     "scale-above-float32": ({"scale": 1e39}, ["scale=1e+39 (allowed: a finite number > 0 that float32 holds"]),
+    # 3e38 * log2(e) overflows float32: every output was NaN
+    "scale-above-float32-log2": ({"scale": 3e38}, ["scale=3e+38 (allowed: a finite number > 0 that float32 holds, "
+                                                   "times log2(e) too (1.175e-38 to 2.359e+38)"]),
     "scale-bool": ({"scale": True}, ["scale=True (allowed: a finite number > 0"]),
     "softcap-bool": ({"softcap": True}, ["softcap=True (allowed: a finite number > 0"]),
     "provider-list": ({"provider": ["classic"]}, ["provider=['classic'] (allowed: a provider name as a str"]),
