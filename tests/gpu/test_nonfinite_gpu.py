@@ -128,6 +128,30 @@ def test_non_finite_sinks_follow_the_oracle(provider, route):
             _check(case, provider, expected_route(route, case.seq_lens))
 
 
+@pytest.mark.parametrize(("provider", "route"), _SINK_ROUTES, ids=[f"{p}-{r}" if r else p for p, r in _SINK_ROUTES])
+def test_sinks_past_float32_s_log2_range_outweigh_every_score(provider, route):
+    """A finite sink past FLT_MAX / log2(e) overflowed to +inf in log2 space (ma_sink_log2 keeps it at FLT_MAX):
+    on the CPU kernels the split rows turned NaN (twenty-third session; this GPU test is written, not yet run)."""
+    import numpy as np
+
+    prefill = provider in ("tiled_prefill", "sdpa_prefill")
+    q_lens, seq_lens = ([40, 9], [300, 1030]) if prefill else ([1, 1, 1], [700, 40, 1100])
+    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype="bfloat16", sinks=True, seed=12, label=f"huge sinks {provider}")
+    sinks = np.array([3e38, 0.5, -3e38, 2.0, 3.4e38, -1.0, 1e38, 0.0], dtype=np.float32)
+    case = dataclasses.replace(case, sinks=mx.array(sinks), host={**case.host, "sinks": sinks})
+    assert np.isfinite(np.asarray(case.oracle())).all()
+    with rule_opened_for(provider):
+        reasons = admission_reasons(case, provider)
+    if reasons:
+        pytest.skip(f"{provider} does not admit the batch: " + "; ".join(reasons))
+    if route is None:
+        _check(case, provider)
+    else:
+        with forced_per_token_route(route):
+            _check(case, provider, expected_route(route, case.seq_lens))
+
+
 @pytest.mark.parametrize("partition_size", (256, 512))
 @pytest.mark.parametrize("geom", TABLE, ids=[gq._fmt_geom(g) for g in TABLE])
 def test_gqa_decode_every_geometry(geom, partition_size):
