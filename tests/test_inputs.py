@@ -94,7 +94,7 @@ BAD_ATTENTION = {
                         ["block_tables row 0 has 2 entries but seq_lens[0]=17 with block_size=8 needs 3"]),
     # features
     "scale-zero": ({"scale": 0.0}, ["scale=0.0 (allowed: a finite number > 0 that float32 holds",
-                                    "(1.175e-38 to 3.403e+38), or None for head_size**-0.5)"]),
+                                    "(1.175e-38 to 2.359e+38), or None for head_size**-0.5)"]),
     "scale-negative": ({"scale": -1}, ["scale=-1 (allowed: a finite number > 0"]),
     "scale-nan": ({"scale": float("nan")}, ["scale=nan (allowed: a finite number > 0"]),
     "scale-inf": ({"scale": float("inf")}, ["scale=inf (allowed: a finite number > 0"]),
