@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_attn import _epoch, diagnostics
+from metal_attn.checks import is_integer
 from metal_attn.constants import DTYPES, KERNEL_BLOCK_SIZES
 from metal_attn.device import DeviceInfo, current_device
 from metal_attn.errors import InvalidInputError, MetalAttnError, ProviderContractError
@@ -473,7 +474,9 @@ def explain(
     """The decision table for a request: every provider in priority order, with reasons and plan.
 
     Pass an `AttentionRequest`, or its fields as keywords for
-    `AttentionRequest.from_lengths` (``q_lens``, ``seq_lens``, ``num_heads``, ...).
+    `AttentionRequest.from_lengths` (``q_lens``, ``seq_lens``, ``num_heads``, ...). There
+    ``block_size`` is the pool's page size, re-expressed as a real call does: a page of 64
+    is read as two kernel blocks of 32 (`kernel_block_size`), as ``metal-attn explain`` does.
     ``device`` may be a `DeviceInfo` or a preset name (``"m5-max"``, ``"h200"``,
     ``"m3-10core"``) to inspect routing on a machine you do not have.
     """
@@ -486,6 +489,9 @@ def explain(
         if "q_lens" not in request_fields or "seq_lens" not in request_fields:
             raise InvalidInputError("explain: q_lens and seq_lens are required (or pass an AttentionRequest)")
         request_fields.setdefault("backend", dev.backend)
+        page = request_fields.get("block_size")
+        if is_integer(page) and page >= 1:  # the pool's page, as a real call re-expresses it (64 -> 32)
+            request_fields["block_size"] = kernel_block_size(int(page)) or int(page)
         request = AttentionRequest.from_lengths(**request_fields)
     elif request_fields:
         raise InvalidInputError("pass either an AttentionRequest or its fields, not both")

@@ -18,7 +18,7 @@ from typing import Any
 import pluggy
 
 from metal_attn import _epoch, hookspecs
-from metal_attn.log import get_logger
+from metal_attn.log import get_logger, warn_once
 from metal_attn.registry import Origin, ProviderRegistrar, Registry
 from metal_attn.settings import Settings, get_settings
 
@@ -37,6 +37,22 @@ def new_plugin_manager() -> pluggy.PluginManager:
 
 def _entry_points() -> list[md.EntryPoint]:
     return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name != BUILTIN_PLUGIN, ep.name))
+
+
+def plugin_names() -> list[str]:
+    """The names METAL_ATTN_PLUGINS_ALLOW / _DENY match: the installed plugins' entry-point names (the
+    built-in one included, also in a source checkout without metadata)."""
+    return list(dict.fromkeys([BUILTIN_PLUGIN, *(ep.name for ep in _entry_points())]))
+
+
+def _warn_unknown_plugin_names(settings: Settings, known: Sequence[str]) -> None:
+    """Log the names in METAL_ATTN_PLUGINS_ALLOW / _DENY that no plugin has (a provider's name where a
+    plugin's belongs, say: the allow-list then drops every third-party plugin, the deny-list denies nothing)."""
+    lists = (("METAL_ATTN_PLUGINS_ALLOW", settings.plugins_allow or ()),
+             ("METAL_ATTN_PLUGINS_DENY", settings.plugins_deny))
+    for var, listed in lists:
+        for name in sorted(set(listed) - set(known)):
+            warn_once("unknown_plugin_name", (var, name), setting=var, plugin=name, plugins=", ".join(known))
 
 
 def _builtin_module() -> Any:
@@ -100,9 +116,13 @@ def build_registry(
         if not seen_builtin and BUILTIN_PLUGIN not in deny:
             # Running from a source checkout without installed metadata (the GPU machine).
             _register(_builtin_module(), BUILTIN_PLUGIN, Origin(BUILTIN_PLUGIN, "metal-attn", "source checkout"))
+    extra_names = []
     for i, plugin in enumerate(extra_plugins):
         name = (names[i] if names else None) or getattr(plugin, "__name__", None) or f"plugin-{i}"
+        extra_names.append(name)
         _register(plugin, name, Origin(name))
+    if load_entry_points:
+        _warn_unknown_plugin_names(settings, [*plugin_names(), *extra_names])
     _drop_invalid_plugins(pm, _failed)
     # The built-in providers register first, whatever order pluggy's tryfirst/trylast give the
     # hooks: a third-party provider that takes a built-in name is then the one refused.

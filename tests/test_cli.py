@@ -368,6 +368,17 @@ def test_doctor_reports_provider_settings_that_name_no_provider(capsys):
                             "disables nothing") for p in data["problems"])
 
 
+def test_doctor_reports_plugin_lists_that_name_no_plugin(capsys):
+    """METAL_ATTN_PLUGINS_ALLOW / _DENY take entry-point names; a provider's name there (classic) matched nothing,
+    silently: the allow-list then dropped every third-party plugin, the deny-list denied nothing."""
+    with override_settings(plugins_allow=("classic",), plugins_deny=("nosuch",)):
+        code, data = run_json(capsys, "doctor", "--no-smoke")
+    assert code == 1
+    for var, name in (("METAL_ATTN_PLUGINS_ALLOW", "classic"), ("METAL_ATTN_PLUGINS_DENY", "nosuch")):
+        assert any(p.startswith(f"{var} names {name!r}, which no installed plugin is called (plugins are named by "
+                                "their entry point: builtin") for p in data["problems"]), data["problems"]
+
+
 # -- demo ------------------------------------------------------------------------------------------
 
 

@@ -143,6 +143,14 @@ def test_specs_cover_the_promised_matrix() -> None:
     assert any(s.get("sliding_window") for _, _, s in planted) and any(s.get("sinks") for _, _, s in planted)
     assert any(s.get("softcap") for _, _, s in planted) and any(max(s["q_lens"]) > 1 for _, _, s in planted)
     assert len(set(conformance_ids())) == len(specs)
+    assert any(s.get("scale") is not None and abs(s["scale"] - s["head_size"] ** -0.5) > 1e-3 for s in specs)
+
+
+def test_an_unregistered_provider_is_an_error_not_a_skipped_suite() -> None:
+    """admission_reasons gave "not registered" as a refusal reason, so a suite that skips on them skipped every
+    case of a misspelled or missing provider and passed having checked nothing."""
+    with pytest.raises(metal_attn.InvalidInputError, match=r"provider='no_such' is not registered \(registered: "):
+        admission_reasons(CONFORMANCE_SPECS[0], "no_such")
 
 
 # -- the checker fails wrong providers ------------------------------------------------------------
@@ -170,6 +178,9 @@ class _Mutant(Provider):
         window = inputs.sliding_window
         if self.mutation == "zeros":
             return mx.zeros(inputs.q.shape, dtype=inputs.q.dtype)
+        scale = inputs.scale
+        if self.mutation == "default_scale":  # ignores inputs.scale
+            scale = q.shape[2] ** -0.5
         if self.mutation == "sink_twice":
             sinks = sinks + math.log(2.0)
         elif self.mutation == "window_plus_one":
@@ -197,7 +208,7 @@ class _Mutant(Provider):
             out = _pinned_max_attention(q, kc, vc, tables, md, inputs.scale, window)
             return mx.array(out.astype(np.float32)).astype(inputs.q.dtype)
         out = attention_oracle(q, kc, vc, tables, np.array(md.seq_lens), np.array(md.cu_seqlens_q),
-                               scale=inputs.scale, sinks=sinks, sliding_window=window, softcap=inputs.softcap)
+                               scale=scale, sinks=sinks, sliding_window=window, softcap=inputs.softcap)
         return mx.array(out.astype(np.float32)).astype(inputs.q.dtype)
 
 
@@ -234,6 +245,8 @@ def _pinned_max_attention(q, kc, vc, tables, md, scale, window):
         ("hides_nonfinite", "nonfinite-k-softcap"),
         ("masked_nan_leaks", "nonfinite-masked-causal"),
         ("masked_nan_leaks", "nonfinite-masked-window"),
+        ("default_scale", "scale-decode"),  # no spec set a scale: such a provider passed everything
+        ("default_scale", "scale-mixed-softcap"),
     ],
 )
 def test_checker_rejects_a_wrong_provider(mutation: str, label: str) -> None:

@@ -526,3 +526,15 @@ def test_an_empty_provider_name_is_refused():
         metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=case.metadata(), provider="")
     with pytest.raises(InvalidInputError, match=r"provider='' \(allowed: a provider name as a str"):
         metal_attn.explain(q_lens=[1], seq_lens=[4], provider="")
+
+
+def test_explain_reads_block_size_as_the_pool_s_page_as_a_real_call_does():
+    """explain(block_size=64) judged a block size no call uses: a call on 64-token pages runs kernel blocks of 32."""
+    assert metal_attn.explain(q_lens=[1], seq_lens=[100], block_size=64).request.block_size == 32
+    assert metal_attn.explain(q_lens=[1], seq_lens=[100], block_size=24).request.block_size == 8
+    case = make_case(q_lens=[1], seq_lens=[100], num_heads=4, num_kv_heads=2, head_size=64, block_size=64,
+                     dtype="float32", seed=4)
+    metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=case.metadata())
+    chosen = metal_attn.explain(q_lens=[1], seq_lens=[100], num_heads=4, num_kv_heads=2, head_size=64, block_size=64,
+                                dtype="float32").chosen
+    assert chosen.name == metal_attn.diagnostics.last_dispatch().provider

@@ -352,3 +352,13 @@ def test_every_hookspec_is_prefixed_and_documented():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "providers.md").read_text()
     for name, _ in specs:
         assert f"`{name}(" in docs, f"{name} is not documented in docs/providers.md (Hooks)"
+
+
+def test_a_plugin_list_naming_no_plugin_is_logged(entry_points, log_records, builtin):
+    """A provider's name in METAL_ATTN_PLUGINS_ALLOW dropped every third-party plugin without a word."""
+    entry_points(good="ma_test_good_plugin")
+    with override_settings(plugins_allow=("third_party",)):
+        reg = plugins.build_registry()
+    assert third_party(reg, builtin) == []
+    [rec] = log_records("unknown_plugin_name")
+    assert (rec.setting, rec.plugin) == ("METAL_ATTN_PLUGINS_ALLOW", "third_party") and "good" in rec.plugins

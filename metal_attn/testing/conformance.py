@@ -203,9 +203,20 @@ def request_kwargs(spec: Mapping[str, Any] | AttentionCase) -> dict[str, Any]:
 
 
 def admission_reasons(spec: Mapping[str, Any] | AttentionCase, provider: str, device: Any = None) -> list[str]:
-    """Why ``provider`` refuses a spec's request on ``device`` (empty when it admits it)."""
-    import metal_attn
+    """Why ``provider`` refuses a spec's request on ``device`` (empty when it admits it).
 
+    A provider no plugin registered raises `InvalidInputError`: a conformance run that skips on these
+    reasons would otherwise skip every case and pass having checked nothing (a misspelled name, a plugin
+    that failed to import, autoloading off)."""
+    import metal_attn
+    from metal_attn.errors import InvalidInputError
+    from metal_attn.plugins import get_registry
+
+    registered = [e.provider.name for e in get_registry().entries]
+    if provider not in registered:
+        raise InvalidInputError(f"provider={provider!r} is not registered (registered: {', '.join(registered)}; "
+                                "is its plugin installed, importable and not denied, and METAL_ATTN_PLUGIN_AUTOLOAD "
+                                "on?)")
     table = metal_attn.explain(device=device, provider=provider, **request_kwargs(spec))
     row = next((r for r in table.rows if r.name == provider), None)
     if row is None:  # pragma: no cover - explain always lists the forced provider
@@ -332,6 +343,9 @@ CONFORMANCE_SPECS: list[dict[str, Any]] = [
     *_DTYPE_VARIANTS[5:6],
     _spec("all-features-mixed", [1, 1, 25], [600, 30, 80], sinks=True, sliding_window=50, softcap=3.0,
           num_heads=8, num_kv_heads=2),
+    # -- a scale other than head_size ** -0.5 (a provider that ignored inputs.scale passed every case) --
+    _spec("scale-decode", [1, 1, 1], [40, 513, 100], scale=0.3),
+    _spec("scale-mixed-softcap", [1, 20, 9], [300, 20, 40], scale=0.02, softcap=3.0, num_heads=8, num_kv_heads=2),
     # -- a window whose partitions left of it must contribute a neutral partial ---------------
     *_DTYPE_VARIANTS[6:7],
     # -- shared prefix blocks and simple tables ------------------------------------------------
