@@ -214,18 +214,18 @@ def paged_attention(
     # The provider's output contract, checked on a selection's first call (not on the hot path).
     if first and (type(out) is not mx.array or out.shape != q.shape or out.dtype != q.dtype):
         md._selections.pop(key, None)
-        _refuse_output(sel.provider.name, out, q)
+        _refuse_output(sel.provider.name, sel.plan.route, out, q)
     if poison is not None:  # validate_metadata off and a table outside the pool: those rows are NaN
         out = mx.where(poison, mx.array(float("nan"), dtype=out.dtype), out)
     diagnostics.record(record)
     return out
 
 
-def _refuse_output(provider: str, out: Any, q: mx.array) -> None:
+def _refuse_output(provider: str, route: str, out: Any, q: mx.array) -> None:
     got = f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))} {dtype_name(getattr(out, 'dtype', None))}"
     raise ProviderContractError(
-        f"provider {provider!r}: run() returned {got} (allowed: an mx.array of q's shape {tuple(q.shape)} and "
-        f"dtype {dtype_name(q.dtype)})"
+        f"provider {provider!r} (route {route!r}): run() returned {got} (allowed: an mx.array of q's shape "
+        f"{tuple(q.shape)} and dtype {dtype_name(q.dtype)})"
     )
 
 

@@ -10,7 +10,7 @@ reason names the observed value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -183,10 +183,12 @@ class Provider:
             reasons.append("lengths_are_bounds (a compiled decode step's metadata, AttentionMetadata.decode_bounds): "
                            "this provider reads per-sequence lengths on the host (supported: exact host lengths)")
         extra = self.extra_reasons(request, device, settings)
-        if isinstance(extra, (str, bytes)) or not all(isinstance(r, str) for r in extra):
-            # a bare "too long" would read as eight one-letter reasons
+        # A bare "too long" would read as eight one-letter reasons; None is a forgotten return; a
+        # generator is read once.
+        listed = list(extra) if isinstance(extra, Iterable) and not isinstance(extra, (str, bytes)) else None
+        if listed is None or not all(isinstance(r, str) for r in listed):
             raise TypeError(f"extra_reasons() returned {extra!r} (allowed: a list of str, empty to admit)")
-        reasons.extend(extra)
+        reasons.extend(listed)
         return reasons
 
     def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:

@@ -733,8 +733,8 @@ def test_a_run_that_returns_the_wrong_shape_is_refused(install):
     install(registry_from([ProvidersPlugin(WrongShape("wrong", 100), FakeProvider("good", 1))]))
     q, k, v, md = decode_batch()
     with pytest.raises(ma.ProviderContractError,
-                       match=r"provider 'wrong': run\(\) returned array \(1,\) float32 \(allowed: an mx.array of "
-                             r"q's shape \(2, 8, 64\) and dtype float32\)"):
+                       match=r"provider 'wrong' \(route 'wrong'\): run\(\) returned array \(1,\) float32 \(allowed: "
+                             r"an mx.array of q's shape \(2, 8, 64\) and dtype float32\)"):
         ma.paged_attention(q, k, v, metadata=md)
 
 
@@ -838,6 +838,23 @@ def test_names_that_differ_only_by_case_are_refused():
     reg.add(FakeProvider("classic_like", 1))
     with pytest.raises(RegistryError, match="differs from the registered 'classic_like' only by case"):
         reg.add(FakeProvider("Classic_Like", 2))
+
+
+@pytest.mark.parametrize(("returned", "reasons"), [
+    (None, ("admission check raised TypeError: extra_reasons() returned None (allowed: a list of str, empty to "
+            "admit)",)),  # a forgotten return: 'NoneType' object is not iterable, naming no hook
+    ((r for r in ["too long"]), ("too long",)),  # a generator was read by the check and then found empty
+])
+def test_extra_reasons_that_return_none_or_a_generator(returned, reasons):
+    class Sloppy(FakeProvider):
+        def extra_reasons(self, request, device, settings):
+            return returned
+
+    reg = registry_from([ProvidersPlugin(Sloppy("sloppy", 50), FakeProvider("good", 1))])
+    row = next(r for r in reg.explain(AttentionRequest.from_lengths(q_lens=[1], seq_lens=[5]),
+                                       DeviceInfo.preset("cpu-2core"), settings_mod.get_settings()).rows
+               if r.name == "sloppy")
+    assert row.reasons == reasons
 
 
 def test_extra_reasons_as_a_bare_string_passes_the_provider_over():
