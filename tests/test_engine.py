@@ -471,6 +471,34 @@ def test_every_stream_sees_every_token_of_its_requests(llama):
     assert {rid: eng.completion(rid).token_ids for rid in seen} == seen
 
 
+def test_a_stream_whose_requests_finished_elsewhere_still_gives_their_final_outputs(llama):
+    """A stream ended as soon as nothing was left to run, without reading what had finished its requests:
+    steps run by another stream or by step(), or the consumer's abort (a helper's stateful fuzz)."""
+    def check(outs, eng):
+        c = eng.completion(outs[0].request_id)
+        assert outs[-1].finished and outs[-1].finish_reason == c.finish_reason
+        assert [t for o in outs for t in o.new_token_ids] == c.token_ids
+
+    eng = _engine(llama)
+    a, b = eng.stream([[1, 2, 3]], max_tokens=8), eng.stream([[4, 5, 6]], max_tokens=4)
+    outs = [next(b)]
+    list(a)  # runs b's request to its end too
+    check(outs + list(b), eng)
+    eng = _engine(llama)
+    rid = eng.add_request([1, 2, 3], max_tokens=8)
+    stream = eng.stream_ids([rid])
+    outs = [next(stream)]
+    while eng.has_unfinished():
+        eng.step()
+    check(outs + list(stream), eng)
+    eng, outs = _engine(llama), []
+    for out in eng.stream([[1, 2, 3]], max_tokens=8):
+        outs.append(out)
+        if len(outs) == 1:
+            eng.abort(out.request_id)
+    check(outs, eng)
+
+
 def test_a_one_pass_stop_iterable_applies_to_every_prompt(llama):
     base = _engine(llama).generate([[1, 2, 3]], max_tokens=8)[0]
     stop = WordTokenizer().decode(base.token_ids[1:2])

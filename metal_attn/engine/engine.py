@@ -422,6 +422,7 @@ class Engine:
         if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
             raise InvalidInputError(f"request_ids={request_ids!r} (allowed: an iterable of request ids)")
         seen = {self._get(i).id: [0, 0] for i in request_ids}  # request id -> [tokens, characters] yielded
+        idle = False
         while seen:
             for rid in list(seen):
                 req = self.requests.get(rid)
@@ -433,10 +434,11 @@ class Engine:
                     yield out
                     if out.finished:
                         del seen[rid]
-            if not seen:
+            if not seen or idle:
                 break
-            if not self.step() and not self._inflight and not self.scheduler.has_work():
-                break
+            # Nothing left to run: one more read (what finished the requests may have come from steps run
+            # elsewhere, or an abort), then the stream ends.
+            idle = not self.step() and not self._inflight and not self.scheduler.has_work()
 
     @staticmethod
     def _unread(req: Request, seen: list[int]) -> RequestOutput | None:
