@@ -31,6 +31,8 @@ EOS = WordTokenizer.eos_token_ids
 SHARED = [17, 200, 3, 99, 41, 5, 250, 8, 64, 77, 12, 140, 33, 9, 180, 21, 6]  # a prefix some prompts share
 _REFERENCE: dict[tuple[int, ...], list[int]] = {}
 
+#: Stop strings over WordTokenizer's text ("<84><210>..."): some end requests mid-token-run, some never match.
+stops = st.sampled_from([None, "<1", "2><", "<5", "0><2", "zz"])
 prompts = st.one_of(
     st.lists(st.integers(1, 255), min_size=1, max_size=40),
     st.lists(st.integers(1, 255), min_size=0, max_size=12).map(lambda tail: SHARED + tail),
@@ -60,10 +62,10 @@ class EngineMachine(RuleBasedStateMachine):
     def _fits(self, prompt: list[int], max_tokens: int) -> bool:
         return len(prompt) + max_tokens <= min(64, self.eng.pool_tokens)
 
-    @rule(prompt=prompts, max_tokens=st.integers(1, 12))
-    def add(self, prompt, max_tokens):
+    @rule(prompt=prompts, max_tokens=st.integers(1, 12), stop=stops)
+    def add(self, prompt, max_tokens, stop):
         if self._fits(prompt, max_tokens):
-            self.prompt[self.eng.add_request(prompt, max_tokens=max_tokens)] = prompt
+            self.prompt[self.eng.add_request(prompt, max_tokens=max_tokens, stop=stop)] = prompt
 
     @rule()
     def step(self):
@@ -91,12 +93,12 @@ class EngineMachine(RuleBasedStateMachine):
             self.released.add(rid)
 
     @precondition(lambda self: len(self.streams) < 3)
-    @rule(batch=st.lists(prompts, min_size=1, max_size=2), max_tokens=st.integers(1, 10))
-    def open_stream(self, batch, max_tokens):
+    @rule(batch=st.lists(prompts, min_size=1, max_size=2), max_tokens=st.integers(1, 10), stop=stops)
+    def open_stream(self, batch, max_tokens, stop):
         if not all(self._fits(p, max_tokens) for p in batch):
             return
         before = self.eng._next_id
-        it = self.eng.stream(batch, max_tokens=max_tokens)
+        it = self.eng.stream(batch, max_tokens=max_tokens, stop=stop)
         outs: dict[int, list] = {}
         first = next(it, None)  # the generator adds its requests when first read
         for i, p in enumerate(batch):
@@ -145,11 +147,14 @@ class EngineMachine(RuleBasedStateMachine):
             assert "".join(o.new_text for o in got) == c.text
 
     def _check(self, rid, c):
-        """Stock mlx-lm's tokens, cut where the request ended (an abort may cut anywhere)."""
+        """Stock mlx-lm's tokens, cut where the request ended (a stop string or an abort may cut anywhere),
+        and the text those tokens spell, cut at the stop string when one ended it."""
         want = reference(self.prompt[rid], len(c.token_ids))
         assert c.token_ids == want, (rid, c.finish_reason, c.token_ids, want)
-        if c.finish_reason == "length":
-            assert len(c.token_ids) == len(want)
+        full = WordTokenizer().decode([t for t in c.token_ids if t not in EOS])
+        stop = self.eng.requests[rid].stop_strings if rid in self.eng.requests else ()
+        assert full.startswith(c.text) and (c.text == full or c.finish_reason == "stop"), (c.text, full)
+        assert not any(s in c.text for s in stop)
 
     @invariant()
     def pages_add_up(self):
