@@ -24,6 +24,7 @@ from metal_attn.device import current_device
 from metal_attn.settings import override_settings
 from metal_attn.testing import (
     NONFINITE_SPECS,
+    AttentionCase,
     admission_reasons,
     assert_close_to_oracle,
     forced_mixed_threshold,
@@ -101,6 +102,33 @@ _SINK_ROUTES = [("classic", r) for r in PER_TOKEN_TEST_ROUTES] + [("gqa_decode",
                                                                    ("sdpa_prefill", None)]
 
 
+def _sinks_case(provider: str, sinks: list[float], seed: int, label: str) -> AttentionCase:
+    """A batch the provider's phase takes (a chunk after context for the prefill providers, decode rows
+    otherwise), 8 query heads on 2 KV heads, with ``sinks`` as its sinks."""
+    import numpy as np
+
+    prefill = provider in ("tiled_prefill", "sdpa_prefill")
+    q_lens, seq_lens = ([40, 9], [300, 1030]) if prefill else ([1, 1, 1], [700, 40, 1100])
+    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype="bfloat16", sinks=True, seed=seed, label=f"{label} {provider}")
+    host = np.array(sinks, dtype=np.float32)
+    return dataclasses.replace(case, sinks=mx.array(host), host={**case.host, "sinks": host})
+
+
+def _check_on_route(case: AttentionCase, provider: str, route: str | None) -> None:
+    """`_check` on ``route`` of the per-token kernel (None: the provider's own choice), or skip where the
+    provider does not admit the batch."""
+    with rule_opened_for(provider):
+        reasons = admission_reasons(case, provider)
+    if reasons:
+        pytest.skip(f"{provider} does not admit the batch: " + "; ".join(reasons))
+    if route is None:
+        _check(case, provider)
+    else:
+        with forced_per_token_route(route):
+            _check(case, provider, expected_route(route, case.seq_lens))
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the oracle's inf - inf
 @pytest.mark.parametrize(("provider", "route"), _SINK_ROUTES, ids=[f"{p}-{r}" if r else p for p, r in _SINK_ROUTES])
 def test_non_finite_sinks_follow_the_oracle(provider, route):
@@ -109,23 +137,11 @@ def test_non_finite_sinks_follow_the_oracle(provider, route):
     on a chunk after context (where their rules admit it)."""
     import numpy as np
 
-    prefill = provider in ("tiled_prefill", "sdpa_prefill")
-    q_lens, seq_lens = ([40, 9], [300, 1030]) if prefill else ([1, 1, 1], [700, 40, 1100])
-    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                     dtype="bfloat16", sinks=True, seed=11, label=f"non-finite sinks {provider}")
-    sinks = np.array([0.5, np.inf, np.nan, -np.inf, 2.0, np.nan, np.inf, -1.0], dtype=np.float32)
-    case = dataclasses.replace(case, sinks=mx.array(sinks), host={**case.host, "sinks": sinks})
+    inf, nan = float("inf"), float("nan")
+    case = _sinks_case(provider, [0.5, inf, nan, -inf, 2.0, nan, inf, -1.0], 11, "non-finite sinks")
     ref = np.asarray(case.oracle())
     assert np.isnan(ref[:, [1, 2, 5, 6]]).all() and np.isfinite(ref[:, [0, 3, 4, 7]]).all()
-    with rule_opened_for(provider):
-        reasons = admission_reasons(case, provider)
-    if reasons:
-        pytest.skip(f"{provider} does not admit the batch: " + "; ".join(reasons))
-    if route is None:
-        _check(case, provider)
-    else:
-        with forced_per_token_route(route):
-            _check(case, provider, expected_route(route, case.seq_lens))
+    _check_on_route(case, provider, route)
 
 
 @pytest.mark.parametrize(("provider", "route"), _SINK_ROUTES, ids=[f"{p}-{r}" if r else p for p, r in _SINK_ROUTES])
@@ -134,22 +150,9 @@ def test_sinks_past_float32_s_log2_range_outweigh_every_score(provider, route):
     on the CPU kernels the split rows turned NaN (twenty-third session; this GPU test is written, not yet run)."""
     import numpy as np
 
-    prefill = provider in ("tiled_prefill", "sdpa_prefill")
-    q_lens, seq_lens = ([40, 9], [300, 1030]) if prefill else ([1, 1, 1], [700, 40, 1100])
-    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                     dtype="bfloat16", sinks=True, seed=12, label=f"huge sinks {provider}")
-    sinks = np.array([3e38, 0.5, -3e38, 2.0, 3.4e38, -1.0, 1e38, 0.0], dtype=np.float32)
-    case = dataclasses.replace(case, sinks=mx.array(sinks), host={**case.host, "sinks": sinks})
+    case = _sinks_case(provider, [3e38, 0.5, -3e38, 2.0, 3.4e38, -1.0, 1e38, 0.0], 12, "huge sinks")
     assert np.isfinite(np.asarray(case.oracle())).all()
-    with rule_opened_for(provider):
-        reasons = admission_reasons(case, provider)
-    if reasons:
-        pytest.skip(f"{provider} does not admit the batch: " + "; ".join(reasons))
-    if route is None:
-        _check(case, provider)
-    else:
-        with forced_per_token_route(route):
-            _check(case, provider, expected_route(route, case.seq_lens))
+    _check_on_route(case, provider, route)
 
 
 @pytest.mark.parametrize("partition_size", (256, 512))
