@@ -20,7 +20,7 @@ import select
 import sys
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from metal_attn.constants import DTYPES
@@ -300,7 +300,7 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             sinks=args.sinks, sliding_window=args.sliding_window, softcap=args.softcap,
         )
     except InvalidInputError as exc:
-        parser.error(_flagify(str(exc)))
+        parser.error(flagify(str(exc)))
     exp = explain(request, device=device, provider=args.provider)
     if args.json:
         _print_json(exp.to_dict())
@@ -426,7 +426,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         f"kernel {f['provider']} {tuple(f['specialization'])} failed to build: {f['reason']}" for f in failures
     ]
     problems += [f"smoke {s['phase']}: {s['error']}" for s in smoke if not s["ok"]]
-    problems += _unknown_provider_settings(settings, [e.provider.name for e in registry.entries])
+    problems += _unknown_provider_settings(settings, registry.names)
     if not any(p["enabled"] and p["available"] for p in provs):
         problems.append("no provider is enabled and available on this device")
     report = {
@@ -566,7 +566,7 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         cfg.validate()
     except MetalAttnError as exc:
-        parser.error(_flagify(str(exc)))
+        parser.error(flagify(str(exc)))
     _check_provider_flag(parser, args.provider)
     con = None if args.json else _console()
     if con is not None:
@@ -607,10 +607,10 @@ _FLAGS = {"num_heads": "--heads", "num_kv_heads": "--kv-heads", "head_size": "--
           "seq_lens": "--seq-lens"}
 
 
-def _flagify(message: str) -> str:
-    """``message`` with each ``field=`` of `_FLAGS` named as the flag that set it (whole names only:
-    ``seq_lens=`` is not ``q_lens=``)."""
-    return re.sub(r"(?<![\w-])(\w+)=", lambda m: f"{_FLAGS.get(m.group(1), m.group(1))}=", message)
+def flagify(message: str, flags: Mapping[str, str] = _FLAGS) -> str:
+    """``message`` with each ``field=`` that ``flags`` maps named as the flag (or variable) that set it
+    (whole names only: ``seq_lens=`` is not ``q_lens=``)."""
+    return re.sub(r"(?<![\w-])(\w+)=", lambda m: f"{flags.get(m.group(1), m.group(1))}=", message)
 
 
 def _check_provider_flag(parser: argparse.ArgumentParser, name: str | None) -> None:
@@ -619,7 +619,7 @@ def _check_provider_flag(parser: argparse.ArgumentParser, name: str | None) -> N
         return
     from metal_attn.plugins import get_registry
 
-    known = [e.provider.name for e in get_registry().entries]
+    known = get_registry().names
     if name not in known:
         parser.error(f"--provider {name!r} is not registered (allowed: {', '.join(known)})")
 

@@ -172,15 +172,18 @@ def _pool_blocks(need_tokens: int, block: int, per_block: int, cfg: Any, num_pro
     return budget, f"{source}; the prompts would need {need} blocks"
 
 
+#: Engine and loader fields and the flags of `metal-attn generate` that set them.
+_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "model": "--model",
+          "seed": "--seed"}
+
+
 def _flagify(message: str, kv_flag: bool) -> str:
     """``message`` in the command line's terms: a field named as the flag that set it (the pool budget
     as its setting when no flag gave it)."""
-    kv = "--kv-cache-memory=" if kv_flag else "METAL_ATTN_KV_CACHE_MEMORY="
-    for field, flag in (("max_tokens=", "--max-tokens="), ("temperature=", "--temp="), ("top_p=", "--top-p="),
-                        ("model=", "--model="), ("model path=", "--model="), ("seed=", "--seed="),
-                        ("kv_cache_memory=", kv)):
-        message = message.replace(field, flag)
-    return message
+    from metal_attn.cli import flagify
+
+    kv = "--kv-cache-memory" if kv_flag else "METAL_ATTN_KV_CACHE_MEMORY"
+    return flagify(message, {**_FLAGS, "kv_cache_memory": kv})
 
 
 def _stderr_console() -> Any:

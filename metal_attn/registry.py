@@ -279,6 +279,11 @@ class Registry:
         """Providers in declared priority order (highest first)."""
         return self._ordered
 
+    @property
+    def names(self) -> list[str]:
+        """The registered providers' names, in declared priority order (what "registered: ..." lists)."""
+        return [e.provider.name for e in self._ordered]
+
     def ordered(self, backend: str) -> tuple[ProviderEntry, ...]:
         """Providers in their priority order on ``backend`` (`Provider.priority_on`, highest first):
         the order `explain` and selection ask them in."""
@@ -290,7 +295,7 @@ class Registry:
         except KeyError:
             raise ProviderRefusedError(
                 f"provider={name!r} is not registered "
-                f"(registered: {', '.join(e.provider.name for e in self._ordered) or 'none'})"
+                f"(registered: {', '.join(self.names) or 'none'})"
             ) from None
 
     # -- admission -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from metal_attn.bench.core import (
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
 from metal_attn.cli import int_at_least
 from metal_attn.device import current_device
+from metal_attn.plugins import get_registry
 
 SCHEMA = "metal-attn-bench/1"
 
@@ -455,18 +456,11 @@ def _check_usage(args: argparse.Namespace, err: TextIO) -> int | None:
     return None
 
 
-def _provider_names() -> list[str]:
-    from metal_attn.plugins import get_registry
-
-    return [e.provider.name for e in get_registry().entries]
-
-
-def _unknown_providers(cands: Sequence[Any]) -> list[str]:
+def _unknown_providers(cands: Sequence[Any], registered: Sequence[str]) -> list[str]:
     """The names among ``cands`` that force a provider no plugin registered (``auto`` and peers pass)."""
-    known = set(_provider_names())
+    known = {*registered, "auto"}
     return [c.name for c in cands
-            if isinstance(getattr(c, "base", c), ProviderCandidate)
-            and getattr(c, "base", c).name not in known | {"auto"}]
+            if isinstance(getattr(c, "base", c), ProviderCandidate) and getattr(c, "base", c).name not in known]
 
 
 #: Flags only the kernel suites read, and flags only the generate suite reads (argparse attribute names).
@@ -559,12 +553,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"metal-attn bench: error: --candidates: {exc}", file=err)
             return 2
-        unknown = _unknown_providers(cands) if args.candidates else []
+        registered = get_registry().names
+        unknown = _unknown_providers(cands, registered) if args.candidates else []
         if unknown:  # a typo measured nothing and exited 0
+            peers = [n for n in s.candidates if n not in registered and n != "auto"]
             print(f"metal-attn bench: error: --candidates {unknown[0]!r} is neither a registered provider nor a "
-                  f"candidate of suite {s.name!r} (allowed: auto, {', '.join(_provider_names())}, or the suite's "
-                  f"peers: {', '.join(n for n in s.candidates if n not in _provider_names() and n != 'auto')})",
-                  file=err)
+                  f"candidate of suite {s.name!r} (allowed: auto, {', '.join(registered)}, or the suite's "
+                  f"peers: {', '.join(peers)})", file=err)
             return 2
         plan.append((s, shapes, cands))
     repeat = getattr(args, "repeat", None) or 1

@@ -682,7 +682,7 @@ class ProviderCandidate(TimedCandidate):
         from metal_attn.plugins import get_registry
 
         forced = None if self.name == "auto" else self.name
-        registered = [e.provider.name for e in get_registry().entries]
+        registered = get_registry().names
         if forced is not None and forced not in registered:
             raise Skip("not registered",
                        [f"provider={forced!r} is not registered (registered: {', '.join(registered) or 'none'})"])

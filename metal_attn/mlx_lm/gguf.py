@@ -68,12 +68,12 @@ def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, mx.array], dict[s
     if not p.is_file():
         what = "is a directory" if p.is_dir() else "does not exist"
         raise ModelError(
-            f"model path={str(path)!r} {what}; expected a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)"
+            f"model={str(path)!r} {what}; expected a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)"
         )
     try:
         weights, metadata = mx.load(str(p), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError, OSError) as err:
-        raise ModelError(f"model path={str(path)!r} is not a readable GGUF file ({err}); expected a GGUF file") from err
+        raise ModelError(f"model={str(path)!r} is not a readable GGUF file ({err}); expected a GGUF file") from err
     return dict(weights), dict(metadata)
 
 

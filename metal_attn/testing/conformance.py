@@ -212,7 +212,7 @@ def admission_reasons(spec: Mapping[str, Any] | AttentionCase, provider: str, de
     from metal_attn.errors import InvalidInputError
     from metal_attn.plugins import get_registry
 
-    registered = [e.provider.name for e in get_registry().entries]
+    registered = get_registry().names
     if provider not in registered:
         raise InvalidInputError(f"provider={provider!r} is not registered (registered: {', '.join(registered)}; "
                                 "is its plugin installed, importable and not denied, and METAL_ATTN_PLUGIN_AUTOLOAD "
