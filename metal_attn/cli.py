@@ -39,8 +39,8 @@ BACKEND_CHOICES = ("metal", "cuda", "cpu")
 
 # -- argument types: each error names the value and what is allowed -----------------------------
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer ``>= minimum``."""
+def int_flag(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= minimum`` (`metal_attn.checks.int_at_least` checks values in code)."""
 
     def parse(text: str) -> int:
         try:
@@ -54,8 +54,8 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-_positive_int = int_at_least(1)
-_non_negative_int = int_at_least(0)
+_positive_int = int_flag(1)
+_non_negative_int = int_flag(0)
 
 
 def _positive_float(text: str) -> float:

@@ -27,7 +27,7 @@ from metal_attn.bench.core import (
     with_variants,
 )
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
-from metal_attn.cli import int_at_least
+from metal_attn.cli import int_flag
 from metal_attn.device import current_device
 from metal_attn.plugins import get_registry
 
@@ -70,16 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torch_sdpa, ceiling); default: the suite's")
     parser.add_argument("--shapes", metavar="PATTERN,...",
                         help="only shapes whose label contains a pattern (or matches a glob), case-insensitive")
-    parser.add_argument("--warmup", type=int_at_least(0), metavar="N",
+    parser.add_argument("--warmup", type=int_flag(0), metavar="N",
                         help="untimed calls before timing (the first compiles and gives the checked output); "
                              "default: the suite's")
-    parser.add_argument("--iters", type=int_at_least(1), metavar="N",
+    parser.add_argument("--iters", type=int_flag(1), metavar="N",
                         help="timed samples, each a synchronized loop lasting >= 1 ms; the median is reported; "
                              "default: the suite's")
     parser.add_argument("--pipelined", action="store_true",
                         help="queue the timed calls (mx.async_eval, torch without a sync per call) and wait once "
                              "per sample: kernel throughput; default: every call waits for its result (mx.eval)")
-    parser.add_argument("--seed", type=int_at_least(0), default=0, metavar="N", help="random seed of the inputs (0)")
+    parser.add_argument("--seed", type=int_flag(0), default=0, metavar="N", help="random seed of the inputs (0)")
     parser.add_argument("--json", metavar="PATH", nargs="?", const="-",
                         help="every raw median and machine info as JSON: on stdout (tables then go to stderr), "
                              "or into PATH")
@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --write-baseline or --compare: take the results of a run saved with --json instead "
                         "of measuring (its machine class is the run's); several runs of one machine class and "
                         "suites count as one whose repeats are all of theirs (each ratio its median over them)")
-    b.add_argument("--repeat", type=int_at_least(1), metavar="N",
+    b.add_argument("--repeat", type=int_flag(1), metavar="N",
                    help="run the suites N times (default 1); --compare and --write-baseline take each ratio's "
                         "median over the runs; --suite generate runs each concurrency's candidates N times in "
                         "alternating order and reports the median of the rounds' ratios")
@@ -112,13 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("--suite generate (model generation throughput against mlx-lm)")
     g.add_argument("--concurrency", metavar="N,...", help="requests at once (default 1,8,32,64 on GPUs, 1,8,32 on "
                                                           "the CPU)")
-    g.add_argument("--prompt-len", type=int_at_least(1), metavar="N", help="prompt tokens (default 512; CPU 32)")
-    g.add_argument("--gen-tokens", type=int_at_least(1), metavar="N", help="tokens generated per request "
+    g.add_argument("--prompt-len", type=int_flag(1), metavar="N", help="prompt tokens (default 512; CPU 32)")
+    g.add_argument("--gen-tokens", type=int_flag(1), metavar="N", help="tokens generated per request "
                                                                             "(default 128; CPU 32)")
-    g.add_argument("--shared-prefix", type=int_at_least(0), metavar="N",
+    g.add_argument("--shared-prefix", type=int_flag(0), metavar="N",
                    help="tokens of the shared system prompt of the prefix-caching workload (default 2048 on GPUs, "
                         "0 = off on the CPU)")
-    g.add_argument("--num-layers", type=int_at_least(1), metavar="N", help="layers of the GPU model (default 32)")
+    g.add_argument("--num-layers", type=int_flag(1), metavar="N", help="layers of the GPU model (default 32)")
 
 
 # -- formatting -------------------------------------------------------------------------------------
