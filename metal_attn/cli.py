@@ -385,15 +385,12 @@ def _unknown_provider_settings(settings: Any, registered: list[str]) -> list[str
         if name not in registered:
             out.append(f"METAL_ATTN_DISABLED_PROVIDERS names {name!r}, not a registered provider, so it disables "
                        f"nothing (registered: {known})")
-    from metal_attn.plugins import plugin_names
+    from metal_attn.plugins import plugin_names, unknown_plugin_names
 
     plugins = plugin_names()
-    for var, names in (("METAL_ATTN_PLUGINS_ALLOW", settings.plugins_allow or ()),
-                       ("METAL_ATTN_PLUGINS_DENY", settings.plugins_deny)):
-        for name in names:
-            if name not in plugins:
-                out.append(f"{var} names {name!r}, which no installed plugin is called (plugins are named by their "
-                           f"entry point: {', '.join(plugins)}; provider names go in METAL_ATTN_DISABLED_PROVIDERS)")
+    for var, name in unknown_plugin_names(settings, plugins):
+        out.append(f"{var} names {name!r}, which no installed plugin is called (plugins are named by their "
+                   f"entry point: {', '.join(plugins)}; provider names go in METAL_ATTN_DISABLED_PROVIDERS)")
     return out
 
 

@@ -45,14 +45,13 @@ def plugin_names() -> list[str]:
     return list(dict.fromkeys([BUILTIN_PLUGIN, *(ep.name for ep in _entry_points())]))
 
 
-def _warn_unknown_plugin_names(settings: Settings, known: Sequence[str]) -> None:
-    """Log the names in METAL_ATTN_PLUGINS_ALLOW / _DENY that no plugin has (a provider's name where a
-    plugin's belongs, say: the allow-list then drops every third-party plugin, the deny-list denies nothing)."""
+def unknown_plugin_names(settings: Settings, known: Sequence[str]) -> list[tuple[str, str]]:
+    """``(variable, name)`` for each name in METAL_ATTN_PLUGINS_ALLOW / _DENY that no plugin in ``known`` has
+    (a provider's name where a plugin's belongs, say: the allow-list then drops every third-party plugin,
+    the deny-list denies nothing). Logged when a registry is built; `metal-attn doctor` reports them."""
     lists = (("METAL_ATTN_PLUGINS_ALLOW", settings.plugins_allow or ()),
              ("METAL_ATTN_PLUGINS_DENY", settings.plugins_deny))
-    for var, listed in lists:
-        for name in sorted(set(listed) - set(known)):
-            warn_once("unknown_plugin_name", (var, name), setting=var, plugin=name, plugins=", ".join(known))
+    return [(var, name) for var, listed in lists for name in sorted(set(listed) - set(known))]
 
 
 def _builtin_module() -> Any:
@@ -122,7 +121,9 @@ def build_registry(
         extra_names.append(name)
         _register(plugin, name, Origin(name))
     if load_entry_points:
-        _warn_unknown_plugin_names(settings, [*plugin_names(), *extra_names])
+        known = [*plugin_names(), *extra_names]
+        for var, name in unknown_plugin_names(settings, known):
+            warn_once("unknown_plugin_name", (var, name), setting=var, plugin=name, plugins=", ".join(known))
     _drop_invalid_plugins(pm, _failed)
     # The built-in providers register first, whatever order pluggy's tryfirst/trylast give the
     # hooks: a third-party provider that takes a built-in name is then the one refused.
