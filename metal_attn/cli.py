@@ -2,8 +2,8 @@
 
 Human output is `rich` tables; every command takes ``--json`` for machine-readable
 output on stdout (logs go to stderr). Bad flags exit with code 2 and a message
-naming the flag, the value and the allowed values. This is the only place that
-configures logging (`metal_attn.log.configure_cli_logging`).
+naming the flag, the value and the allowed values. Logging is configured in one place,
+`metal_attn.cli_common.guarded`, which runs every command.
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ import importlib.metadata as md
 import json
 import os
 import platform
-import re
-import select
 import sys
 import types
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from metal_attn.cli_common import flagify, guarded, int_flag
 from metal_attn.constants import DTYPES
-from metal_attn.errors import InvalidInputError, MetalAttnError, SettingsError, SettingsWarning
+from metal_attn.errors import InvalidInputError, MetalAttnError
 
 #: Distributions whose exact versions ``metal-attn providers --versions`` prints.
 VERSION_DISTRIBUTIONS: tuple[str, ...] = (
@@ -38,21 +36,6 @@ BACKEND_CHOICES = ("metal", "cuda", "cpu")
 
 
 # -- argument types: each error names the value and what is allowed -----------------------------
-
-def int_flag(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer ``>= minimum`` (`metal_attn.checks.int_at_least` checks values in code)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r} (allowed: an integer >= {minimum})")
-        return value
-
-    return parse
-
 
 _positive_int = int_flag(1)
 _non_negative_int = int_flag(0)
@@ -300,7 +283,7 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             sinks=args.sinks, sliding_window=args.sliding_window, softcap=args.softcap,
         )
     except InvalidInputError as exc:
-        parser.error(flagify(str(exc)))
+        parser.error(flagify(str(exc), _FLAGS))
     exp = explain(request, device=device, provider=args.provider)
     if args.json:
         _print_json(exp.to_dict())
@@ -563,7 +546,7 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         cfg.validate()
     except MetalAttnError as exc:
-        parser.error(flagify(str(exc)))
+        parser.error(flagify(str(exc), _FLAGS))
     _check_provider_flag(parser, args.provider)
     con = None if args.json else _console()
     if con is not None:
@@ -602,12 +585,6 @@ _FLAGS = {"num_heads": "--heads", "num_kv_heads": "--kv-heads", "head_size": "--
           "dtype": "--dtype", "cache_dtype": "--cache-dtype", "seed": "--seed", "provider": "--provider",
           "sliding_window": "--sliding-window", "softcap": "--softcap", "q_lens": "--q-lens",
           "seq_lens": "--seq-lens"}
-
-
-def flagify(message: str, flags: Mapping[str, str] = _FLAGS) -> str:
-    """``message`` with each ``field=`` that ``flags`` maps named as the flag (or variable) that set it
-    (whole names only: ``seq_lens=`` is not ``q_lens=``)."""
-    return re.sub(r"(?<![\w-])(\w+)=", lambda m: f"{flags.get(m.group(1), m.group(1))}=", message)
 
 
 def _check_provider_flag(parser: argparse.ArgumentParser, name: str | None) -> None:
@@ -787,18 +764,6 @@ def _requested_command(argv: Sequence[str] | None) -> str | None:
     return next((a for a in args if not a.startswith("-")), None)
 
 
-def _configure_logging(verbose: int) -> None:
-    from metal_attn.log import configure_cli_logging
-    from metal_attn.settings import get_settings
-
-    s = get_settings()
-    level = s.log_level
-    if verbose:
-        order = ["error", "warning", "info", "debug"]
-        level = order[min(len(order) - 1, max(order.index(level), 1 + verbose))]
-    configure_cli_logging(level, s.log_format)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``metal-attn`` console script; returns the exit code."""
     parser = build_parser(argv)
@@ -807,49 +772,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = _bench_argv(sys.argv[1:] if argv is None else argv)
     func: Callable[[argparse.Namespace, argparse.ArgumentParser], int] = args.func
     return guarded(f"metal-attn {args.command}", lambda: func(args, args._parser), getattr(args, "verbose", 0) or 0)
-
-
-def guarded(command: str, body: Callable[[], int], verbose: int = 0) -> int:
-    """Run a command's ``body`` as every command line here does: logging configured from the settings, a
-    settings warning shown as its log event only, and an error as a line on stderr with the exit code
-    (2 bad settings, 1 another metal-attn error, 0 a closed pipe, 130 Ctrl-C), never a traceback."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SettingsWarning)
-        try:
-            _configure_logging(verbose)
-            return body()
-        except SettingsError as exc:
-            print(f"metal-attn: error: {exc}", file=sys.stderr)
-            return 2
-        except MetalAttnError as exc:
-            print(f"{command}: error: {exc}", file=sys.stderr)
-            return 1
-        except BrokenPipeError:  # `metal-attn providers | head`: done; stderr's reader gone: stopped short
-            if not _stdout_gone():
-                return 1
-            _quiet_stdout()
-            return 0
-        except KeyboardInterrupt:  # Ctrl-C: what was printed stays; no traceback
-            print(f"\n{command}: interrupted", file=sys.stderr)
-            return 130
-
-
-def _stdout_gone() -> bool:
-    """Whether stdout's reader went away (its pipe reports an error); True where that cannot be told."""
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
-    except (AttributeError, OSError, ValueError):  # no poll (Windows), or a stdout with no descriptor
-        return True
-
-
-def _quiet_stdout() -> None:
-    """stdout to /dev/null after its reader went away, so the interpreter's last flush does not fail again."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # captured: no file descriptor
-        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,6 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from metal_attn.cli_common import flagify
+
 #: The prompt `metal-attn generate` answers when none is given.
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -180,8 +182,6 @@ _FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top
 def _flagify(message: str, kv_flag: bool) -> str:
     """``message`` in the command line's terms: a field named as the flag that set it (the pool budget
     as its setting when no flag gave it)."""
-    from metal_attn.cli import flagify
-
     kv = "--kv-cache-memory" if kv_flag else "METAL_ATTN_KV_CACHE_MEMORY"
     return flagify(message, {**_FLAGS, "kv_cache_memory": kv})
 

@@ -2,7 +2,7 @@
 
 rich's `Console` answers a closed stdout (``metal-attn explain | head -1``) with ``SystemExit(1)``,
 which a pipeline under ``set -o pipefail`` reads as a failure. Ours raise `BrokenPipeError` instead,
-which the command lines (`metal_attn.cli.guarded`) turn into exit 0 when stdout's reader went away, as
+which the command lines (`metal_attn.cli_common.guarded`) turn into exit 0 when stdout's reader went away, as
 for a plain ``print``, and 1 when stderr's did (the run stopped short).
 """
 

@@ -687,3 +687,62 @@ def test_the_progress_bar_is_off_the_terminal_while_a_table_prints_there() -> No
         assert bar._bar.live.is_started
         with bar.hidden(io.StringIO()):  # a table going to a file or a pipe leaves the bar alone
             assert bar._bar.live.is_started
+
+
+# -- --dry-run: a plan checked before device time is spent on it --------------------------------------------------
+
+
+def test_a_dry_run_of_a_gpu_suite_lists_its_plan_on_the_cpu_and_times_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run_suite", lambda *a, **k: pytest.fail("a dry run timed something"))
+    out = tmp_path / "run.json"
+    rc = cli.main(["--suite", "decode-gpu", "--shapes", "b8 h32/8 d128 L4096", "--candidates",
+                   "auto,auto[mma_key_rows=0],torch_sdpa,ceiling", "--json", str(out), "--dry-run"])
+    got = capsys.readouterr()
+    assert rc == 0, got.err
+    assert "would run decode-gpu: 1 shapes x 4 candidates, 1 time(s); needs a GPU backend (this is cpu)" in got.out
+    assert "candidates: auto, auto[mma_key_rows=0], torch_sdpa, ceiling" in got.out
+    assert "  - decode b8 h32/8 d128 L4096 bf16" in got.out
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--suite", "decode-gpu", "--candidates", "auto,torch_sdpaa"], "--candidates 'torch_sdpaa' is neither"),
+    (["--suite", "decode-gpu", "--candidates", "auto[mma_key_rows="], "--candidates:"),
+    (["--suite", "decode-gpu", "--shapes", "b3x"], "--shapes 'b3x' matches no shape"),
+    (["--suite", "decode-step", "--concurrency", "8"], "does not read --concurrency"),
+    (["--suite", "decode-gpuu"], "decode-gpuu"),
+    (["--from-json", "run.json"], "--from-json measures nothing"),
+])
+def test_a_dry_run_refuses_what_the_run_would_refuse(capsys, argv, message):
+    assert cli.main([*argv, "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_dry_run_admits_the_decode_steps_compiled_candidate(capsys):
+    """``auto_compiled`` is a peer of the decode-step suite; the unknown-provider check refused it (the
+    baseline phase of benchmarks/device/session.sh would have failed on the GPU)."""
+    assert cli.main(["--suite", "decode-step", "--candidates", "auto,auto_compiled,torch_sdpa,ceiling",
+                     "--dry-run"]) == 0
+    assert "candidates: auto, auto_compiled, torch_sdpa, ceiling" in capsys.readouterr().out
+
+
+def test_a_dry_run_of_a_comparison_goes_on_past_another_machine_class(capsys):
+    rc = cli.main(["--suite", "decode-step", "--compare", "benchmarks/baselines/cuda-nvidia-h200-decode-step.json",
+                   "--dry-run"])
+    got = capsys.readouterr()
+    assert rc == 0, got.err
+    assert "machine class differs" in got.err and "a run here would stop with exit 1" in got.err
+    assert "would compare against benchmarks/baselines/cuda-nvidia-h200-decode-step.json (cuda-nvidia-h200" in got.out
+
+
+def test_a_dry_run_of_the_generate_suite_loads_no_model(capsys, monkeypatch):
+    from metal_attn.bench import generate
+
+    monkeypatch.setattr(generate, "load_bench_model", lambda *a: pytest.fail("the model was loaded"))
+    rc = cli.main(["--suite", "generate", "--candidates", "engine,batch_generator", "--concurrency", "1,8",
+                   "--shared-prefix", "64", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert ("would run generate on cpu: candidates engine, batch_generator against their peers at concurrency 1, 8, "
+            "prompts of 32 tokens, 32 generated each, 1 round(s), and the shared-prefix workload (64 tokens shared)"
+            ) in out

@@ -69,3 +69,33 @@ def test_the_profiler_driver_runs_our_side_on_any_backend(tmp_path):
     bad = subprocess.run([sys.executable, driver, "ours", "2", "8", "3", "64", "40"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "HEADS a multiple of KV_HEADS" in bad.stderr
+
+
+def _dry_run(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    phases = ("tests", "decode", "prefill", "engine", "baseline", "fuzz", "ncu")
+    return subprocess.run(["bash", str(script), *phases], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OUT": str(tmp_path / "out"), "DRY_RUN": "1",
+                               "METAL_ATTN_PLUGIN_AUTOLOAD": "0"})
+
+
+def test_a_dry_run_checks_every_step_of_every_phase(tmp_path):
+    """Every bench command's flags and names, the GPU tests' collection and every script's imports, here on
+    the CPU, so a device call does not find a typo after its machine started."""
+    got = _dry_run(SCRIPT, tmp_path)
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
+    checked = [line for line in got.stdout.splitlines() if "[dry run: " in line]
+    assert len(checked) == 17  # 1 + 3 + 2 + 2 + 2 + 1 + 6 steps
+    assert not [line for line in checked if "nothing here knows" in line]
+    assert got.stdout.count(": ok") == len(checked)
+    assert "dry run: every step checked (nothing measured)" in got.stdout
+
+
+def test_a_dry_run_finds_a_misspelled_candidate(tmp_path):
+    broken = tmp_path / "session.sh"
+    text = SCRIPT.read_text()
+    assert '"auto,torch_sdpa,mlx_sdpa,ceiling"' in text
+    broken.write_text(text.replace('"auto,torch_sdpa,mlx_sdpa,ceiling"', '"auto,torch_sdpa,mlx_sdpaa,ceiling"'))
+    got = _dry_run(broken, tmp_path)
+    assert got.returncode == 1
+    assert "decode/decode-step: FAILED" in got.stdout and "'mlx_sdpaa' is neither" in got.stdout
+    assert "failed: decode/decode-step" in got.stdout.splitlines()[-1]

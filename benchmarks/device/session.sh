@@ -25,10 +25,16 @@
 # slow step leaves the others their time and the command ends before the device tool's limit; a step
 # with under 30 s left is skipped. A progress line with the elapsed seconds goes before and after each.
 # Steps that fail or are skipped are listed at the end and the script exits 1; the others' files are there.
+#
+# DRY_RUN=1 checks every step on any machine, in seconds, before device time is spent on it: the bench
+# commands run with --dry-run (every flag, suite, shape and candidate name checked), pytest collects
+# only, and a script is imported without running its main (its imports and names resolve).
+# tests/test_device_session.py runs every phase so in CI.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 STEP_LIMIT=${STEP_LIMIT:-300}
 BUDGET=${BUDGET:-570}
+DRY_RUN=${DRY_RUN:-0}
 BENCH=(python3 -m metal_attn.bench.cli)
 PHASES=(tests decode prefill engine baseline fuzz ncu)
 start=$(date +%s)
@@ -36,10 +42,38 @@ failed=()
 
 say() { echo "==> [$(($(date +%s) - start))s] $*"; }
 
+# A script imported as `python3 SCRIPT` would run it (its folder first on sys.path), but not as __main__.
+DRY_IMPORT='import importlib.util as u, os, sys; sys.path.insert(0, os.path.dirname(sys.argv[1])); '\
+'s = u.spec_from_file_location("dry_run", sys.argv[1]); s.loader.exec_module(u.module_from_spec(s))'
+
+# dry_check COMMAND...: what DRY_RUN=1 runs instead of COMMAND (into the array `check`; `how` says it).
+dry_check() {
+  local all="$*"
+  if [ "${all#"${BENCH[*]} "}" != "$all" ]; then
+    check=("$@" --dry-run) how="--dry-run"
+  elif [ "${all#python3 -m pytest }" != "$all" ]; then
+    check=("$@" --collect-only -q) how="collected only"
+  else  # a script, under ncu or not: imported, its main not run
+    local a
+    for a in "$@"; do
+      case $a in
+        *.py) check=(python3 -c "$DRY_IMPORT" "$a") how="$a imported, not run"; return ;;
+      esac
+    done
+    check=(false) how="nothing here knows how to check it"
+  fi
+}
+
 # step NAME LIMIT COMMAND...: run COMMAND with its output in $dir/NAME.log (its tail on failure).
 step() {
   local name=$1 limit=$2
   shift 2
+  local shown="$*"
+  if [ "$DRY_RUN" = 1 ]; then
+    dry_check "$@"
+    set -- "${check[@]}"
+    shown="$shown  [dry run: $how]"
+  fi
   local left=$((BUDGET - ($(date +%s) - start)))
   if [ "$left" -lt 30 ]; then
     say "$phase/$name: skipped (${left}s of BUDGET=${BUDGET}s left)"
@@ -47,7 +81,7 @@ step() {
     return
   fi
   [ "$limit" -le "$left" ] || limit=$left
-  say "$phase/$name: $*"
+  say "$phase/$name: $shown"
   timeout --signal=INT --kill-after=20 "$limit" "$@" >"$dir/$name.log" 2>&1
   local rc=$?
   if [ "$rc" -eq 0 ]; then
@@ -90,6 +124,7 @@ run_phase() {
         --candidates auto,auto_compiled,torch_sdpa,ceiling --json "$dir/decode-step.json" ;;
     ncu)
       local ncu=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)}
+      [ "$DRY_RUN" != 1 ] || ncu=${ncu:-ncu}  # a dry run checks the profiled script only
       if [ -z "$ncu" ]; then
         say "ncu: no ncu on PATH or under /usr/local/cuda*/bin (set NCU=...)"
         failed+=("ncu (no ncu)")
@@ -129,4 +164,8 @@ if [ ${#failed[@]} -gt 0 ]; then
   say "failed: ${failed[*]}"
   exit 1
 fi
-say "all steps passed"
+if [ "$DRY_RUN" = 1 ]; then
+  say "dry run: every step checked (nothing measured)"
+else
+  say "all steps passed"
+fi

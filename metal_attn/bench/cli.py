@@ -27,7 +27,7 @@ from metal_attn.bench.core import (
     with_variants,
 )
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
-from metal_attn.cli import int_flag
+from metal_attn.cli_common import guarded, int_flag
 from metal_attn.device import current_device
 from metal_attn.plugins import get_registry
 
@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables to paste into docs")
     parser.add_argument("--list", action="store_true", help="list the suites, their shapes and candidates, and exit")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or progress lines on stderr")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check every flag and name, print what would run (suites, shapes, candidates; the "
+                             "generate suite's workloads) and exit 0, timing nothing and loading no model; a GPU "
+                             "suite is checked on any backend (a plan for a device call, checked before it)")
     b = parser.add_argument_group("regression tracking by ratios (benchmarks/baselines/, benchmarks/README.md)")
     b.add_argument("--compare", metavar="BASELINE.json",
                    help="print every ratio of the baseline against this run (default suites: the baseline's); "
@@ -396,6 +400,22 @@ def list_suites(file: TextIO) -> None:
             print(f"  - {sh.label}", file=file)
 
 
+def print_plan(plan: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]], repeat: int, backend: str,
+               needs_gpu: Sequence[str], compare_to: baselines.Baseline | None, file: TextIO) -> None:
+    """What a ``--dry-run`` would have measured: each suite's shapes and candidates, in run order."""
+    for s, shapes, cands in plan:
+        where = f"; needs a GPU backend (this is {backend})" if s.name in needs_gpu else ""
+        print(f"would run {s.name}: {len(shapes)} shapes x {len(cands)} candidates, {repeat} time(s){where}",
+              file=file)
+        print(f"  candidates: {', '.join(c.name for c in cands)}", file=file)
+        for sh in shapes:
+            print(f"  - {sh.label}", file=file)
+    if compare_to is not None:
+        print(f"would compare against {compare_to.path} ({compare_to.machine_class}, {len(compare_to.entries)} "
+              f"cases, margin {compare_to.margin:g})", file=file)
+    print("dry run: every flag and name checked; nothing timed", file=file)
+
+
 # -- the command -------------------------------------------------------------------------------------
 
 
@@ -457,10 +477,12 @@ def _check_usage(args: argparse.Namespace, err: TextIO) -> int | None:
 
 
 def _unknown_providers(cands: Sequence[Any], registered: Sequence[str]) -> list[str]:
-    """The names among ``cands`` that force a provider no plugin registered (``auto`` and peers pass)."""
+    """The names among ``cands`` that force a provider no plugin registered (``auto``, peers and the decode
+    step's ``auto_compiled``, a provider candidate of another kind, pass)."""
     known = {*registered, "auto"}
-    return [c.name for c in cands
-            if isinstance(getattr(c, "base", c), ProviderCandidate) and getattr(c, "base", c).name not in known]
+    forcing = [getattr(c, "base", c) for c in cands]
+    return [c.name for c, base in zip(cands, forcing, strict=True)
+            if isinstance(base, ProviderCandidate) and base.kind == "provider" and base.name not in known]
 
 
 #: Flags only the kernel suites read, and flags only the generate suite reads (argparse attribute names).
@@ -489,7 +511,12 @@ def run(args: argparse.Namespace) -> int:
     early = _check_usage(args, err)
     if early is not None:
         return early
+    dry_run = getattr(args, "dry_run", False)
     if getattr(args, "from_json", None):
+        if dry_run:
+            print("metal-attn bench: error: --dry-run checks a measuring run; --from-json measures nothing "
+                  "(run it without --dry-run)", file=err)
+            return 2
         return _from_saved_run(args, err)
     compare_to, early = _baseline_options(args, err)
     if early is not None:
@@ -520,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
         return early
     backend = current_device().backend
     misplaced = [s.name for s in suites if s.target == "gpu" and backend == "cpu"]
-    if misplaced:
+    if misplaced and not dry_run:
         # They used to run here for minutes, timing GPU-sized shapes on the CPU's reference paths.
         print(f"metal-attn bench: error: --suite {','.join(misplaced)} needs a GPU backend (this is {backend}; "
               f"allowed here: {', '.join(s.name for s in SUITES.values() if s.target != 'gpu')})", file=err)
@@ -563,6 +590,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         plan.append((s, shapes, cands))
     repeat = getattr(args, "repeat", None) or 1
+    if dry_run:
+        print_plan(plan, repeat, backend, misplaced, compare_to, sys.stdout)
+        return 0
     runs: list[list[SuiteResult]] = []
     total = repeat * sum(len(shapes) * len(c) for _, shapes, c in plan)
     with _Progress(total, quiet=args.quiet, file=err) as bar:
@@ -676,7 +706,9 @@ def _baseline_options(args: argparse.Namespace, err: TextIO) -> tuple[baselines.
     here = baselines.machine_class(machine_info())
     if here != base.machine_class:
         print(f"metal-attn bench: compare: {baselines.machine_mismatch_message(base, here)}", file=err)
-        return base, 1
+        if not getattr(args, "dry_run", False):
+            return base, 1
+        print("metal-attn bench: compare: --dry-run goes on (a run here would stop with exit 1)", file=err)
     _apply_baseline_run(args, base, err)
     return base, None
 
@@ -830,7 +862,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    from metal_attn.cli import guarded
 
     return guarded("python -m metal_attn.bench.cli", lambda: run(args))
 

@@ -401,6 +401,14 @@ def run(args: Any) -> int:
     prompt_len = args.prompt_len or (512 if backend != "cpu" else 32)
     gen = args.gen_tokens or (128 if backend != "cpu" else 32)
     shared = args.shared_prefix if args.shared_prefix is not None else (2048 if backend != "cpu" else 0)
+    if getattr(args, "dry_run", False):
+        print(f"would run generate on {backend}: candidates {', '.join(candidates)} against their peers at "
+              f"concurrency {', '.join(map(str, concurrencies))}, prompts of {prompt_len} tokens, {gen} generated "
+              f"each, {getattr(args, 'repeat', None) or 1} round(s)"
+              + (f", and the shared-prefix workload ({shared} tokens shared)" if shared else ""))
+        print("dry run: flags and names checked; not checked: the requests' lengths against the model's "
+              "context (that needs the model, which a dry run does not load)")
+        return 0
     model, label = load_bench_model(backend, getattr(args, "num_layers", None))
     problem = _too_long(model, prompt_len, gen, shared)
     if problem:  # before any warm-up: the engine would refuse the first request
