@@ -254,6 +254,8 @@ def test_a_refused_prompt_in_a_batch_queues_none_of_them(llama):
             eng.generate(prompts)
     with pytest.raises(InvalidInputError, match=r"request_ids=5 \(allowed: an iterable"):
         list(eng.stream_ids(5))
+    with pytest.raises(InvalidInputError, match="prompt 1"):
+        eng.stream([[1, 2, 3], []], max_tokens=2)  # at the call, not at the first read
     assert not eng.requests and not eng.has_unfinished()
     (out,) = eng.generate([[4, 5, 6]], max_tokens=2)
     assert len(out.token_ids) == 2 and eng.blocks.num_used == 0

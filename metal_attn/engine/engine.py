@@ -402,9 +402,14 @@ class Engine:
     ) -> Iterator[RequestOutput]:
         """Add ``prompts`` and yield every request's new tokens as steps produce them.
 
-        Closing the iterator early (``break``, or an exception in the loop) aborts the requests it
-        added that have not finished, so their pages go back at once."""
-        ids = self._add_all(prompts, sampling, max_tokens, stop)
+        The prompts are checked when this is called (a refused one raises here, and none is
+        queued); the requests are added when the iterator is first read, as a generator's body
+        runs. Closing the iterator early (``break``, or an exception in the loop) aborts the
+        requests it added that have not finished, so their pages go back at once."""
+        return self._stream(self._check_all(prompts, sampling, max_tokens, stop))
+
+    def _stream(self, checked: list[tuple[Any, ...]]) -> Iterator[RequestOutput]:
+        ids = self._queue_all(checked)
         try:
             yield from self.stream_ids(ids)
         finally:
@@ -478,6 +483,10 @@ class Engine:
 
     def _add_all(self, prompts, sampling, max_tokens, stop) -> list[int]:
         """Check every prompt, then queue them all: a refused prompt queues none of them."""
+        return self._queue_all(self._check_all(prompts, sampling, max_tokens, stop))
+
+    def _check_all(self, prompts, sampling, max_tokens, stop) -> list[tuple[Any, ...]]:
+        """Every prompt checked, with what `_queue_all` needs to queue it (raises for the first refused)."""
         if isinstance(prompts, str):
             items = [prompts]
         elif isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, Mapping)):
@@ -494,8 +503,11 @@ class Engine:
         checked = [self.check_request(p, s, max_tokens=max_tokens, stop=stop,
                                       label="prompt" if len(items) == 1 else f"prompt {i}")
                    for i, (p, s) in enumerate(zip(items, params))]
-        return [self._queue(ids, sp, stops, max_tokens, p if isinstance(p, str) else None)
+        return [(ids, sp, stops, max_tokens, p if isinstance(p, str) else None)
                 for p, (ids, sp, stops) in zip(items, checked)]
+
+    def _queue_all(self, checked: list[tuple[Any, ...]]) -> list[int]:
+        return [self._queue(*c) for c in checked]
 
     def release(self, request_id: int) -> Completion:
         """The result of a finished request, which the engine then forgets (its id becomes unknown).
