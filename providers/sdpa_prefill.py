@@ -32,6 +32,10 @@ sequence's length gives NaN rows; nothing crashes.
 
 Semantics MLX fixes: sink logits are rounded to the query dtype (MLX requires the sinks'
 dtype to promote to the output's), and the softmax runs in float32 inside the fused kernel.
+MLX scales a sink by log2(e) in float32 with no clamp, so a finite sink past what the query
+dtype holds, or past FLT_MAX / log2(e), would turn its head NaN: finite sinks are kept within
+`SINK_LIMITS` (`sinks_for_mlx`), where they outweigh every score as the unclamped sink does
+(the float64 oracle; our kernels keep the log2 value at FLT_MAX, ``ma_sink_log2``).
 """
 
 from __future__ import annotations
@@ -471,6 +475,24 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
                        tuple(p for r in runs for p in (r.gather_params, r.first_params)))
 
 
+#: The largest finite sink MLX SDPA is given, by query dtype: what the dtype holds and MLX's float32
+#: ``sink * log2(e)`` does not overflow (FLT_MAX / log2(e) = 2.3587e38; 2.3e38 rounds within it in
+#: bfloat16). A sink that size outweighs any score a finite query and key of the dtype give but for
+#: float16, where scores past 65504 are possible (float32 dot products) and a sink past it is taken as
+#: 65504 (MLX would round it to inf, a NaN head).
+SINK_LIMITS: Mapping[str, float] = MappingProxyType({"float32": 2.3e38, "bfloat16": 2.3e38, "float16": 65504.0})
+
+
+def sinks_for_mlx(sinks: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``sinks`` in ``dtype`` as MLX SDPA takes them: finite ones clipped to ``SINK_LIMITS``; -inf (no
+    sink), +inf and NaN as they are (the NaN contract: +inf and NaN make their heads NaN)."""
+    import mlx.core as mx
+
+    limit = SINK_LIMITS[str(dtype).removeprefix("mlx.core.")]
+    finite = mx.isfinite(sinks)
+    return mx.where(finite, mx.clip(sinks, -limit, limit), sinks).astype(dtype)
+
+
 def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: int = 0, backend: str | None = None,
                  force_fused: bool = True, lead: mx.array | None = None) -> list[mx.array]:
     """Outputs of sequences ``first_seq..`` in batch order: one ``[rows, H, D]`` array per run of
@@ -490,7 +512,7 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
 
     q, kc, vc = inputs.q, inputs.k_cache, inputs.v_cache
     num_heads, head = q.shape[1], kc.shape[3]
-    sinks = inputs.sinks.astype(q.dtype) if inputs.sinks is not None else None
+    sinks = sinks_for_mlx(inputs.sinks, q.dtype) if inputs.sinks is not None else None
     gpu = backend in ("cuda", "metal")
     lead_rows = 0 if lead is None else lead.shape[0]
     key = (_epoch.current(), ROUTE, backend if gpu else None, first_seq, q.shape, kc.shape, q.dtype, kc.dtype,

@@ -5,6 +5,8 @@ route's numerics run in tests/gpu/test_sdpa_prefill_gpu.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -312,3 +314,33 @@ def test_the_rule_can_be_opened_for_measurements():
     with opened_sdpa_prefill_rule():
         assert admitted()
     assert not admitted()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sinks_past_what_the_dtype_or_float32_s_log2_range_holds_outweigh_every_score(dtype):
+    """MLX SDPA takes the sinks in the query's dtype and scales them by log2(e) in float32: 3.4e38 rounded
+    to +inf in bfloat16 (70000 in float16) and 3e38 * log2(e) overflowed, and those heads turned NaN (a
+    review of the GPU tests found it; MLX's CPU SDPA does the same). Finite sinks are kept finite at the
+    largest value both hold, which outweighs every score as the unclamped sink does (the oracle)."""
+    import numpy as np
+
+    big = 3.4e38 if dtype == "bfloat16" else 7e4
+    case = make_case(q_lens=[40, 9], seq_lens=[300, 1030], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype=dtype, sinks=True, seed=12, label=f"huge sinks {dtype}")
+    host = np.array([big, 0.5, -big, 2.0, 3e38, -1.0, 1e38, 0.0], dtype=np.float32)
+    case = dataclasses.replace(case, sinks=mx.array(host), host={**case.host, "sinks": host})
+    ref = np.asarray(case.oracle())
+    assert np.isfinite(ref).all() and np.abs(ref[:, [0, 4, 6]]).max() < 1e-30
+    md = case.metadata()
+    inputs = AttentionInputs(case.q, case.k_cache, case.v_cache, md, case.scale, sinks=case.sinks)
+    out = mx.concatenate(sp.prefill_rows(inputs, md, force_fused=False), axis=0)
+    assert_close_to_oracle(out, case.oracle(), dtype, label=case.label)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_non_finite_sinks_pass_to_mlx_unclamped(dtype):
+    import numpy as np
+
+    inf, nan = float("inf"), float("nan")
+    got = np.array(sp.sinks_for_mlx(mx.array([inf, -inf, nan, 1.5, -2.0]), getattr(mx, dtype)).astype(mx.float32))
+    assert got[0] == inf and got[1] == -inf and np.isnan(got[2]) and got[3] == 1.5 and got[4] == -2.0

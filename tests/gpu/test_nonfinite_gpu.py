@@ -98,8 +98,15 @@ def test_classic_code_paths(dtype, head, group, route):
         _check(case, "classic", route)
 
 
-_SINK_ROUTES = [("classic", r) for r in PER_TOKEN_TEST_ROUTES] + [("gqa_decode", None), ("tiled_prefill", None),
-                                                                   ("sdpa_prefill", None)]
+#: (provider, per-token route or None for the provider's choice, settings) for the sink tests: every GPU
+#: path that folds a sink. classic's split routes with the CUDA fused reducer too (off by default), the
+#: tiled kernel unsplit (it starts a row's softmax from the sink) besides its own choice (split on CUDA:
+#: the reducer folds the sink). gqa_decode takes no sinks; NAX prefill runs on M5 GPUs only.
+_SINK_ROUTES = ([("classic", r, {}) for r in PER_TOKEN_TEST_ROUTES]
+                + [("classic", r, {"cuda_fused_reduce": True}) for r in PER_TOKEN_TEST_ROUTES if r != "per_token_ps0"]
+                + [("tiled_prefill", None, {}), ("tiled_prefill", None, {"tiled_partition_size": -1}),
+                   ("sdpa_prefill", None, {})])
+_SINK_IDS = [f"{p}-{r or 'own'}" + "".join(f"-{k}={v}" for k, v in o.items()) for p, r, o in _SINK_ROUTES]
 
 
 def _sinks_case(provider: str, sinks: list[float], seed: int, label: str) -> AttentionCase:
@@ -115,25 +122,26 @@ def _sinks_case(provider: str, sinks: list[float], seed: int, label: str) -> Att
     return dataclasses.replace(case, sinks=mx.array(host), host={**case.host, "sinks": host})
 
 
-def _check_on_route(case: AttentionCase, provider: str, route: str | None) -> None:
-    """`_check` on ``route`` of the per-token kernel (None: the provider's own choice), or skip where the
-    provider does not admit the batch."""
-    with rule_opened_for(provider):
-        reasons = admission_reasons(case, provider)
-    if reasons:
-        pytest.skip(f"{provider} does not admit the batch: " + "; ".join(reasons))
-    if route is None:
-        _check(case, provider)
-    else:
-        with forced_per_token_route(route):
-            _check(case, provider, expected_route(route, case.seq_lens))
+def _check_on_route(case: AttentionCase, provider: str, route: str | None, settings: dict | None = None) -> None:
+    """`_check` on ``route`` of the per-token kernel (None: the provider's own choice) under ``settings``,
+    or skip where the provider does not admit the batch."""
+    with override_settings(**(settings or {})):
+        with rule_opened_for(provider):
+            reasons = admission_reasons(case, provider)
+        if reasons:
+            pytest.skip(f"{provider} does not admit the batch: " + "; ".join(reasons))
+        if route is None:
+            _check(case, provider)
+        else:
+            with forced_per_token_route(route):
+                _check(case, provider, expected_route(route, case.seq_lens))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the oracle's inf - inf
-@pytest.mark.parametrize(("provider", "route"), _SINK_ROUTES, ids=[f"{p}-{r}" if r else p for p, r in _SINK_ROUTES])
-def test_non_finite_sinks_follow_the_oracle(provider, route):
+@pytest.mark.parametrize(("provider", "route", "settings"), _SINK_ROUTES, ids=_SINK_IDS)
+def test_non_finite_sinks_follow_the_oracle(provider, route, settings):
     """A +inf or NaN sink makes its head NaN, as the oracle does; -inf is no sink (a finite head). On every
-    GPU provider that takes sinks: classic on each route, gqa_decode on decode rows, the prefill providers
+    GPU path that folds sinks (`_SINK_ROUTES`): classic's decode rows on each route, the prefill providers
     on a chunk after context (where their rules admit it)."""
     import numpy as np
 
@@ -141,18 +149,19 @@ def test_non_finite_sinks_follow_the_oracle(provider, route):
     case = _sinks_case(provider, [0.5, inf, nan, -inf, 2.0, nan, inf, -1.0], 11, "non-finite sinks")
     ref = np.asarray(case.oracle())
     assert np.isnan(ref[:, [1, 2, 5, 6]]).all() and np.isfinite(ref[:, [0, 3, 4, 7]]).all()
-    _check_on_route(case, provider, route)
+    _check_on_route(case, provider, route, settings)
 
 
-@pytest.mark.parametrize(("provider", "route"), _SINK_ROUTES, ids=[f"{p}-{r}" if r else p for p, r in _SINK_ROUTES])
-def test_sinks_past_float32_s_log2_range_outweigh_every_score(provider, route):
+@pytest.mark.parametrize(("provider", "route", "settings"), _SINK_ROUTES, ids=_SINK_IDS)
+def test_sinks_past_float32_s_log2_range_outweigh_every_score(provider, route, settings):
     """A finite sink past FLT_MAX / log2(e) overflowed to +inf in log2 space (ma_sink_log2 keeps it at FLT_MAX):
-    on the CPU kernels the split rows turned NaN (twenty-third session; this GPU test is written, not yet run)."""
+    on the CPU kernels the split rows turned NaN (twenty-third session; this GPU test is written, not yet run).
+    sdpa_prefill keeps finite sinks within what MLX SDPA takes (`SINK_LIMITS`): 3.4e38 is +inf in bfloat16."""
     import numpy as np
 
     case = _sinks_case(provider, [3e38, 0.5, -3e38, 2.0, 3.4e38, -1.0, 1e38, 0.0], 12, "huge sinks")
     assert np.isfinite(np.asarray(case.oracle())).all()
-    _check_on_route(case, provider, route)
+    _check_on_route(case, provider, route, settings)
 
 
 @pytest.mark.parametrize("partition_size", (256, 512))
