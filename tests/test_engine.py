@@ -684,3 +684,57 @@ def test_steady_decode_feeds_the_samples_back_as_they_are(llama, workload, monke
     assert seen[0] is False  # the prefill step
     assert any(seen), "steady decode steps should reuse the samples"
     assert not all(seen)
+
+
+# -- statistics ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [16, 32, 512])
+def test_computed_token_counts_add_up_to_the_rows_the_steps_ran(llama, budget):
+    """Every position a step computes is counted once per computation: a prompt position in
+    ``prompt_tokens``, a generated token computed again after a preemption in ``recomputed_tokens``,
+    and the rest are the decode rows, one per generated token but the last. Before, a recompute chunk
+    counted as prompt only when it began inside the prompt, so the count moved with the budget."""
+    eng = _engine(llama, num_blocks=10, max_num_batched_tokens=budget)
+    rows: list[tuple[int, int]] = []
+    schedule = eng.scheduler.schedule
+
+    def logged():
+        out = schedule()
+        rows.extend((r.start, r.num_tokens) for r in out.rows)
+        return out
+
+    eng.scheduler.schedule = logged
+    prompts = [[(9 + 7 * i + j) % 250 + 1 for j in range(20)] for i in range(4)]
+    done = eng.generate(prompts, max_tokens=60)
+    s = eng.stats.as_dict(eng.blocks)
+    assert s["preemptions"] > 0, "the small pool must force preemptions"
+    decode = sum(len(c.token_ids) - 1 for c in done)  # a request's last token is sampled, never computed
+    assert sum(n for _, n in rows) == s["prompt_tokens"] + s["recomputed_tokens"] + decode
+    assert s["recomputed_tokens"] > 0
+    assert s["prompt_tokens"] >= sum(len(p) for p in prompts) - sum(c.stats.cached_prompt_tokens for c in done)
+    assert all(c.stats.cached_prompt_tokens <= c.stats.prompt_tokens for c in done)
+
+
+def test_without_preemptions_nothing_is_recomputed_and_cache_hits_are_not_prompt_work(llama):
+    eng = _engine(llama)
+    shared = [(5 + j) % 250 + 1 for j in range(48)]
+    first = eng.generate([[*shared, 7, 8]], max_tokens=4)
+    second = eng.generate([[*shared, 9, 10, 11]], max_tokens=4)
+    s = eng.stats.as_dict(eng.blocks)
+    assert s["preemptions"] == 0 and s["recomputed_tokens"] == 0
+    assert second[0].stats.cached_prompt_tokens == 48
+    assert s["prompt_tokens"] == 50 + 3
+    assert first[0].stats.cached_prompt_tokens == 0
+
+
+def test_a_prefix_loses_its_tail_before_its_head_when_the_pool_evicts(llama):
+    """A finished request's blocks become evictable last block first: one eviction used to take the
+    prefix's first block, and every later cached block became unreachable (a repeat got no hit)."""
+    eng = _engine(llama, num_blocks=8)
+    prompt = [(7 + j) % 250 + 1 for j in range(65)]  # 4 full blocks and one token
+    eng.generate([prompt], max_tokens=1)
+    eng.generate([[(100 + j) % 250 + 1 for j in range(79)]], max_tokens=1)  # 5 pages: evicts one cached
+    assert eng.blocks.evictions == 1
+    (again,) = eng.generate([prompt], max_tokens=1)
+    assert again.stats.cached_prompt_tokens == 48  # the first 3 blocks; was 0

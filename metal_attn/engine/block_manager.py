@@ -49,8 +49,10 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         #: Pages held for the engine's own use (not a request's, never cached), with what for.
         self.reserved: dict[int, str] = {}
-        self.prefix_queries = 0  # prompt tokens looked up in the cache
-        self.prefix_hits = 0  # of them, served from cached blocks
+        #: Tokens looked up in the cache at admissions, and of them those served from cached blocks
+        #: (a preempted request's readmission looks up its generated tokens too).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self.evictions = 0
 
     # -- accounting ------------------------------------------------------------------------------
@@ -196,11 +198,15 @@ class BlockManager:
                 self.allocator.free([b])  # the cache's own reference
 
     def free(self, req_id: object) -> None:
-        """Drop the request's references; its cached blocks stay in the cache (evictable when unshared)."""
+        """Drop the request's references; its cached blocks stay in the cache (evictable when unshared).
+
+        They become evictable last block first, so a prefix loses its tail before its head: a block
+        is reachable only through the blocks before it, and evicting a first block would strand
+        every cached block after it."""
         table = self._tables.pop(req_id)
         self._hashes.pop(req_id, None)
         self.allocator.free(table)
-        for b in table:
+        for b in reversed(table):
             if b in self._hash_of and self.allocator.refcount(b) == 1:
                 self._evictable[b] = None
                 self._evictable.move_to_end(b)

@@ -290,14 +290,15 @@ class Engine:
         previous = self._inflight[-1] if self._inflight else None
         flight = self.runner.launch(out, previous)
         flight.timings["schedule"] = scheduled
+        self.stats.record_launch(out, flight.build_seconds)  # before the counts below move
         for row in out.rows:
             req = row.request
             req.num_computed = row.start + row.num_tokens
+            req.num_computed_ever = max(req.num_computed_ever, req.num_computed)
             if row.samples:
                 req.pending += 1
             # Full blocks this step writes become shareable from the next step on (never while being written).
             self.blocks.register(req.id, req.known_ids(), req.num_computed)
-        self.stats.record_launch(out, flight.build_seconds)
         self._inflight.append(flight)
 
     def _complete_oldest(self) -> list[RequestOutput]:

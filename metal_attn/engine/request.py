@@ -119,8 +119,11 @@ class Request:
     #: Position in admission order (for preemption); set when it starts running.
     admitted: int = -1
     num_preemptions: int = 0
-    #: Prompt tokens served from the prefix cache at the last admission.
+    #: Prompt tokens served from the prefix cache at the last admission (at most the prompt).
     num_cached_tokens: int = 0
+    #: The most tokens whose K/V were ever written or queued: after a preemption, what is computed
+    #: again below it is recomputation (`EngineStats.recomputed_tokens`).
+    num_computed_ever: int = 0
     #: The prompt as text, when it was given as text.
     prompt_text: str | None = None
     text: str = ""

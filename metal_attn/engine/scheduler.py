@@ -120,7 +120,7 @@ class Scheduler:
             n = min(len(ids) - got, budget)
             self.waiting.popleft()
             req.num_computed = got
-            req.num_cached_tokens = got
+            req.num_cached_tokens = min(got, len(req.prompt_ids))
             req.admitted = self._admissions
             self._admissions += 1
             req.move_to(RequestStatus.RUNNING)

@@ -48,7 +48,10 @@ class EngineStats:
 
     started: float = dataclasses.field(default_factory=time.perf_counter)
     steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded, recomputation included)
+    #: Prompt positions computed: cache hits excluded, a preempted request's prompt computed again included.
+    prompt_tokens: int = 0
+    #: Generated tokens computed again after a preemption (their K/V were written before).
+    recomputed_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
@@ -67,17 +70,20 @@ class EngineStats:
         self.build_seconds += build_seconds
         if self.first_launch is None:
             self.first_launch = time.perf_counter() - build_seconds
-        self.prompt_tokens += sum(r.num_tokens for r in out.rows if r.start < len(r.request.prompt_ids))
+        for r in out.rows:  # the requests' counts are those before this step
+            end, prompt = r.start + r.num_tokens, len(r.request.prompt_ids)
+            self.prompt_tokens += max(0, min(end, prompt) - r.start)
+            self.recomputed_tokens += max(0, min(end, r.request.num_computed_ever) - max(r.start, prompt))
 
     def record_complete(self, flight: InFlight, now: float) -> None:
         self.last_complete = now
-        prompt = any(r.start < len(r.request.prompt_ids) for r in flight.output.rows)
-        self.completions.append((now, prompt))
+        self.completions.append((now, any(_prefills(r) for r in flight.output.rows)))
         self.step_timings.append(dict(flight.timings))
 
     def prompt_seconds(self, since: float) -> float:
-        """Wall time, from ``since``, between step completions whose step computed prompt tokens
-        (mlx-lm's ``BatchStats.prompt_time`` counts the same)."""
+        """Wall time, from ``since``, between step completions whose step prefilled (computed prompt
+        tokens, or recomputed a preempted request's; mlx-lm's ``BatchStats.prompt_time`` counts the
+        prompt steps)."""
         total, last = 0.0, since
         for t, prompt in self.completions:
             if t >= since:
@@ -98,15 +104,25 @@ class EngineStats:
             self.itls.append(s.mean_inter_token_latency)
 
     def as_dict(self, blocks: Any = None) -> dict[str, Any]:
+        """The totals with rates over ``elapsed_s`` (first launch to last completion): ``prompt_tokens``
+        (prompt positions computed; prefix-cache hits excluded, a preempted prompt computed again
+        included), ``recomputed_tokens`` (generated tokens computed again after a preemption),
+        ``computed_tokens_per_s`` (all of those and the generated tokens, per second) and
+        ``generated_tokens_per_s`` (generated tokens over the whole run, prefill time included; not
+        mlx-lm's generation rate, which `metal-attn generate --json` gives at its top level). With
+        ``blocks`` (the `BlockManager`), the pool's state and ``prefix_cache_hit_rate``: tokens
+        served from cached blocks over tokens looked up at admissions, readmissions included."""
         span = (self.last_complete - self.first_launch) if self.first_launch and self.last_complete else 0.0
+        computed = self.prompt_tokens + self.recomputed_tokens + self.generated_tokens
         out: dict[str, Any] = {
             "steps": self.steps,
             "requests_finished": self.finished,
             "prompt_tokens": self.prompt_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
             "generated_tokens": self.generated_tokens,
             "elapsed_s": span,
-            "tokens_per_s": (self.prompt_tokens + self.generated_tokens) / span if span else None,
-            "generation_tokens_per_s": self.generated_tokens / span if span else None,
+            "computed_tokens_per_s": computed / span if span else None,
+            "generated_tokens_per_s": self.generated_tokens / span if span else None,
             "mean_ttft_s": statistics.fmean(self.ttfts) if self.ttfts else None,
             "mean_itl_s": statistics.fmean(self.itls) if self.itls else None,
             "host_build_s": self.build_seconds,
@@ -123,3 +139,9 @@ class EngineStats:
                 "evictions": blocks.evictions,
             }
         return out
+
+
+def _prefills(row: Any) -> bool:
+    """Whether a scheduled row prefills: prompt positions, or a chunk of several tokens (a preempted
+    request's recomputation); a decode row is one token past the prompt."""
+    return row.start < len(row.request.prompt_ids) or row.num_tokens > 1
