@@ -360,16 +360,15 @@ def _smoke(device: Any) -> list[dict[str, Any]]:
 def _unknown_provider_settings(settings: Any, registered: list[str]) -> list[str]:
     """Provider names in METAL_ATTN_PROVIDER / METAL_ATTN_DISABLED_PROVIDERS that no provider has
     (a typo there disables nothing, or fails every call only once one runs)."""
+    from metal_attn.plugins import plugin_names, unknown_plugin_names, unknown_provider_names
+
     known = ", ".join(registered)
     out = []
     if settings.provider is not None and settings.provider not in registered:
         out.append(f"METAL_ATTN_PROVIDER={settings.provider!r} is not a registered provider (registered: {known})")
-    for name in settings.disabled_providers:
-        if name not in registered:
-            out.append(f"METAL_ATTN_DISABLED_PROVIDERS names {name!r}, not a registered provider, so it disables "
-                       f"nothing (registered: {known})")
-    from metal_attn.plugins import plugin_names, unknown_plugin_names
-
+    for name in unknown_provider_names(settings.disabled_providers, registered):
+        out.append(f"METAL_ATTN_DISABLED_PROVIDERS names {name!r}, not a registered provider, so it disables "
+                   f"nothing (registered: {known})")
     plugins = plugin_names()
     for var, name in unknown_plugin_names(settings, plugins):
         out.append(f"{var} names {name!r}, which no installed plugin is called (plugins are named by their "

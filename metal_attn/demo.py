@@ -273,6 +273,14 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[StepResult], None] | None = 
                 refs.append(dense_attention(q[row : row + n], k_seq, v_seq, scale))
                 row += n
             ref = mx.concatenate(refs, axis=0)
+            if out.shape != ref.shape:  # checked by the contract on a selection's first call only
+                rec = records[-1]
+                failures.append(f"step {step} layer {layer}: {rec.provider}/{rec.route} returned shape "
+                                f"{tuple(out.shape)} (expected {tuple(ref.shape)})" if rec is not None else
+                                f"step {step} layer {layer}: output shape {tuple(out.shape)} "
+                                f"(expected {tuple(ref.shape)})")
+                samples.append(_median_ms(call, cfg.repeats))
+                continue
             err, rel, within = compare(out, ref, cfg.dtype)
             max_err, rel_err = max(max_err, err), max(rel_err, rel)
             if not within:

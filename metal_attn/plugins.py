@@ -136,7 +136,18 @@ def build_registry(
             registrar.commit()  # all of the plugin's providers, or none of them
         except Exception as exc:
             _failed("plugin_register_failed", impl.plugin_name, exc)
+            pm.unregister(impl.plugin)  # reported as not loaded: none of its hooks run (its observers included)
+    for name in unknown_provider_names(settings.disabled_providers, registry.names):
+        warn_once("unknown_disabled_provider", (name,), setting="METAL_ATTN_DISABLED_PROVIDERS", provider=name,
+                  reason="no registered provider has this name, so it disables nothing",
+                  providers=", ".join(registry.names))
     return registry
+
+
+def unknown_provider_names(names: Iterable[str], registered: Sequence[str]) -> list[str]:
+    """The names in ``names`` (METAL_ATTN_DISABLED_PROVIDERS) that no provider in ``registered`` has: a typo
+    or another case there disables nothing. Logged when a registry is built; `metal-attn doctor` reports them."""
+    return [n for n in dict.fromkeys(names) if n not in registered]
 
 
 def _drop_invalid_plugins(pm: Any, failed: Callable[[str, str, Exception], None]) -> None:

@@ -18,11 +18,11 @@ import threading
 import types
 import typing
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from metal_attn import _epoch
@@ -37,6 +37,9 @@ RENAMED_VARIABLES: dict[str, str] = {
 }
 
 _CommaList = Annotated[tuple[str, ...], NoDecode]
+#: An optional comma list: NoDecode must wrap the whole union, or pydantic-settings reads the value as JSON
+#: (``null`` was "unset", ``["a","b"]`` a list, ``1`` an error about a tuple).
+_OptionalCommaList = Annotated[tuple[str, ...] | None, NoDecode]
 
 
 def _env(name: str, *aliases: str) -> Any:
@@ -92,7 +95,7 @@ class Settings(BaseSettings):
         validation_alias=_env("plugin_autoload"),
         description="Load third-party providers from the 'metal_attn.providers' entry points.",
     )
-    plugins_allow: _CommaList | None = Field(
+    plugins_allow: _OptionalCommaList = Field(
         None,
         validation_alias=_env("plugins_allow"),
         description="Only these third-party plugins (entry-point names); empty means none.",
@@ -294,6 +297,13 @@ class Settings(BaseSettings):
         "Metal (not measured) and the CPU (metal_attn.engine.config.COMPILE_DECODE_BY_BACKEND).",
     )
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strip(cls, v: Any) -> Any:
+        """Spaces around a value are not part of it (``METAL_ATTN_CACHE_DIR=" /tmp/x "`` was a folder
+        named with spaces, and a boolean ``" 1 "`` was refused)."""
+        return v.strip() if isinstance(v, str) else v
+
     @field_validator("disabled_providers", "plugins_deny", "plugins_allow", mode="before")
     @classmethod
     def _split_commas(cls, v: Any) -> Any:
@@ -327,6 +337,9 @@ class Settings(BaseSettings):
         if provider_name in PROVIDER_TOGGLES:
             field, var = PROVIDER_TOGGLES[provider_name]
             if getattr(self, field):
+                name = set_by(field)  # the variable the user set (ours or an upstream alias), when it says so
+                if name is not None and _parses_true(os.environ.get(name, "")):
+                    return f"disabled by {name}={os.environ[name].strip()}"
                 return f"disabled by {var}"
         if provider_name in self.disabled_providers:
             return f"disabled by METAL_ATTN_DISABLED_PROVIDERS={','.join(self.disabled_providers)}"
@@ -394,6 +407,22 @@ def env_names() -> dict[str, str]:
     return out
 
 
+def set_by(field: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The environment variable that sets ``field`` (ours first, then the upstream aliases, as they are
+    read), as it is spelled in the environment; ``None`` when none is set."""
+    env = os.environ if environ is None else environ
+    spelled = {k.upper(): k for k in env}
+    names = [PREFIX + field.upper(), *(n for n, f in env_names().items() if f == field and n != PREFIX + field.upper())]
+    return next((spelled[n] for n in names if n in spelled), None)
+
+
+def _parses_true(text: str) -> bool:
+    try:
+        return TypeAdapter(bool).validate_python(text.strip())
+    except ValidationError:
+        return False
+
+
 def _check_unknown_env(environ: dict[str, str]) -> list[str]:
     known = env_names()
     messages = []
@@ -419,11 +448,23 @@ def _check_alias_conflicts(environ: dict[str, str]) -> list[str]:
         if var in environ:
             by_field.setdefault(field, []).append(var)
     messages = []
-    for names in by_field.values():
-        if len({environ[n].strip() for n in names}) > 1:
+    for field, names in by_field.items():
+        if len({_comparable(field, environ[n]) for n in names}) > 1:
             ignored = ", ".join(f"{n}={environ[n]!r}" for n in names[1:])
             messages.append(f"{names[0]}={environ[names[0]]!r} is used and {ignored} ignored (they disagree)")
     return messages
+
+
+def _comparable(field: str, text: str) -> Any:
+    """``text`` as the setting ``field`` reads it, where that can be told without the rest of the
+    environment (``1`` and ``true`` are one boolean), else the text without its spaces."""
+    annotation = Settings.model_fields[field].annotation
+    if annotation is bool:
+        try:
+            return TypeAdapter(bool).validate_python(text.strip())
+        except ValidationError:
+            pass
+    return text.strip()
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
@@ -434,9 +475,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         field = names.get(loc.upper(), loc)
         env = field
         if source == "environment":
-            # Name the variable the user actually set (ours or an upstream alias).
-            set_names = [n for n, f in names.items() if f == field and n in os.environ]
-            env = set_names[0] if set_names else f"{PREFIX}{field.upper()}"
+            env = set_by(field) or f"{PREFIX}{field.upper()}"  # the variable the user set (ours or an alias)
         desc = Settings.model_fields.get(field)
         if e.get("type") == "bool_parsing":
             allowed = "expected a boolean: 1/0, true/false, yes/no, on/off"

@@ -312,6 +312,10 @@ def test_list_names_every_suite(capsys) -> None:
         assert s.name in out
         for shape in s.shapes:
             assert shape.label in out
+    from metal_attn.bench import generate
+
+    assert "\ngenerate (any; a model against mlx-lm" in out  # the suite of another kind is listed too
+    assert all(name in out for name in generate.RUNNERS)
 
 
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch) -> None:

@@ -476,6 +476,43 @@ def test_demo_fails_loudly_on_a_mismatch(capsys, broken_provider_installed):
     assert "MISMATCH" in out and "demo FAILED: 2 of 2 checks" in out
 
 
+class _ShortAfterItsFirstCall(_OffByALittle):
+    """Right on the first call of each batch shape (a selection's first call, which the provider contract
+    checks), a column short on the calls after it."""
+
+    name = "short_after_first_call"
+    seen: set = set()
+
+    def run(self, inputs, plan):
+        from metal_attn.providers.reference import ReferenceProvider
+
+        out = ReferenceProvider().run(inputs, Plan("reference", "reference"))
+        first = inputs.q.shape not in self.seen
+        self.seen.add(inputs.q.shape)
+        return out if first else out[..., :-1]
+
+
+def test_demo_reports_a_wrong_shape_past_the_contract_check_as_a_failed_check(capsys, monkeypatch):
+    """The output is checked against the contract on a selection's first call only; a later wrong shape
+    ended `metal-attn demo` with numpy's broadcast error and no provider named."""
+    from metal_attn._layout import import_builtin_providers
+    from metal_attn.plugins import registry_from
+
+    class Plugin:
+        @metal_attn.hookimpl
+        def metal_attn_register_providers(self, registrar):
+            registrar.add(_ShortAfterItsFirstCall)
+
+    reg = registry_from([import_builtin_providers(), Plugin()], names=["builtin", "short"])
+    monkeypatch.setattr(plugins, "get_registry", lambda: reg)
+    monkeypatch.setattr(metal_attn.api, "get_registry", lambda: reg)
+    code, data = run_json(capsys, "demo", "--steps", "2", "--layers", "2", "--repeats", "1")
+    assert code == 1 and data["ok"] is False
+    assert data["checks"] == {"total": 4, "passed": 2, "failed": 2}
+    assert all(" layer 1: short_after_first_call/off_by_a_little returned shape (" in f and "63) (expected (" in f
+               for f in data["failures"])
+
+
 def test_demo_forced_provider_refusal_is_an_error_not_a_crash(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["demo", "--provider", "no_such_provider", "--steps", "2", "--layers", "1"])

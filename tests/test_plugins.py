@@ -66,10 +66,16 @@ MODULES = {
             priority = 30
             backends = frozenset({"cpu"})
 
+        SEEN = []
+
         @ma.hookimpl
         def metal_attn_register_providers(registrar):
             registrar.add(Half)
             raise RuntimeError("vendor SDK not found")
+
+        @ma.hookimpl
+        def metal_attn_provider_selected(request, provider, route, reasons):
+            SEEN.append(provider)
     """,
     "ma_test_misspelled_plugin": """
         import metal_attn as ma
@@ -195,6 +201,26 @@ def test_plugin_whose_register_hook_raises_is_isolated(entry_points, log_records
     [rec] = log_records("plugin_register_failed")
     assert (rec.plugin, rec.reason) == ("half", "vendor SDK not found")
     assert "RuntimeError: vendor SDK not found" in rec.traceback
+    # Reported as not loaded, so none of its hooks run: its observer used to see every selection.
+    import ma_test_register_error_plugin as half
+
+    from metal_attn.device import current_device
+    from metal_attn.settings import get_settings
+
+    request = ma.AttentionRequest.from_lengths(q_lens=[1], seq_lens=[8], dtype="float32", num_heads=4,
+                                               num_kv_heads=4, head_size=64)
+    assert reg.select(request, current_device(), get_settings()).provider is not None
+    assert half.SEEN == []
+
+
+def test_a_disabled_provider_name_no_provider_has_is_logged(entry_points, log_records, builtin):
+    """A typo or another case in METAL_ATTN_DISABLED_PROVIDERS disabled nothing without a word."""
+    entry_points()
+    with override_settings(disabled_providers=("GQA_DECODE", "reference")):
+        plugins.build_registry()
+    [rec] = log_records("unknown_disabled_provider")
+    assert (rec.setting, rec.provider) == ("METAL_ATTN_DISABLED_PROVIDERS", "GQA_DECODE")
+    assert "disables nothing" in rec.reason and "gqa_decode" in rec.providers
 
 
 def test_a_plugin_cannot_take_a_builtin_name_by_running_first(builtin):

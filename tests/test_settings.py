@@ -138,6 +138,42 @@ def test_our_name_wins_over_the_upstream_alias(monkeypatch):
     assert s.disable_nax is False
 
 
+def test_names_that_agree_in_another_spelling_do_not_warn(monkeypatch):
+    """``1`` and ``true`` are one boolean: they were compared as text and said to disagree."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = load(monkeypatch, METAL_ATTN_DISABLE_GQA_DECODE="1", VLLM_METAL_DISABLE_GQA_DECODE=" True")
+    assert s.disable_gqa_decode is True
+    assert s.is_disabled("gqa_decode") == "disabled by METAL_ATTN_DISABLE_GQA_DECODE=1"
+
+
+def test_a_provider_disabled_through_the_alias_names_the_alias(monkeypatch):
+    s = load(monkeypatch, VLLM_METAL_DISABLE_GQA_DECODE="yes")
+    assert s.is_disabled("gqa_decode") == "disabled by VLLM_METAL_DISABLE_GQA_DECODE=yes"
+
+
+@pytest.mark.parametrize("value", ["null", '["good"]', "1", "true"])
+def test_the_plugin_allow_list_is_a_comma_list_not_json(monkeypatch, value):
+    """``null`` read as unset (every plugin loaded), ``["a","b"]`` as a list, ``1`` refused as 'a valid tuple':
+    the allow-list is the names as written, like the deny-list."""
+    s = load(monkeypatch, METAL_ATTN_PLUGINS_ALLOW=value, METAL_ATTN_PLUGINS_DENY=value)
+    assert s.plugins_allow == s.plugins_deny == (value,)
+
+
+@pytest.mark.parametrize(("var", "value", "field", "expected"), [
+    ("METAL_ATTN_DISABLE_NAX", " 1 ", "disable_nax", True),
+    ("METAL_ATTN_CACHE_DIR", " /tmp/ma-cache ", "cache_dir", "/tmp/ma-cache"),
+    ("METAL_ATTN_PROVIDER", " classic", "provider", "classic"),
+    ("METAL_ATTN_GPU_CORES", " 8 ", "gpu_cores", 8),
+    ("METAL_ATTN_DISABLED_PROVIDERS", " gqa_decode , classic ", "disabled_providers", ("gqa_decode", "classic")),
+])
+def test_spaces_around_a_value_are_not_part_of_it(monkeypatch, var, value, field, expected):
+    got = getattr(load(monkeypatch, **{var: value}), field)
+    assert (str(got) if field == "cache_dir" else got) == expected
+
+
 def test_an_ignored_alias_with_a_bad_value_is_warned_about(monkeypatch):
     """It was ignored without a word: the alias value 'maybe' is not even a boolean."""
     with pytest.warns(UserWarning, match=r"VLLM_METAL_DISABLE_NAX='maybe' ignored"):
@@ -417,7 +453,8 @@ def test_nax_toggle_disables_the_shipped_provider_without_a_warning(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         s = load(monkeypatch, VLLM_METAL_DISABLE_NAX="1")
-        assert s.is_disabled("nax_prefill") == "disabled by METAL_ATTN_DISABLE_NAX=1"
+        assert s.is_disabled("nax_prefill") == "disabled by VLLM_METAL_DISABLE_NAX=1"  # the variable the user set
+        monkeypatch.delenv("VLLM_METAL_DISABLE_NAX")
         with override_settings(disable_nax=True) as o:
             assert o.is_disabled("nax_prefill") == "disabled by METAL_ATTN_DISABLE_NAX=1"
 

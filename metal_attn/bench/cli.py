@@ -55,15 +55,18 @@ def _csv(value: str) -> list[str]:
 
 
 
+#: How long ``--suite generate`` takes (its own module loads mlx-lm, so it is described here).
+GENERATE_RUNTIME = "a model against mlx-lm: about 3 minutes on an H200, 25 minutes on a 2-core CPU with its defaults"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` flags to ``parser``."""
     parser.add_argument("--suite", action="append", metavar="NAME",
                         help="suite(s) to run, repeatable or comma-separated; default: decode-cpu on the CPU, "
                              "decode-gpu on GPUs. How long each takes: "
                              + "; ".join(f"{s.name} ({s.runtime})" for s in SUITES.values())
-                             + "; generate (a model against mlx-lm: about 3 minutes on an H200, 25 minutes "
-                               "on a 2-core CPU with its defaults; --candidates engine_eager,engine_compiled,... adds "
-                               "the engine with compiled decode steps forced off / on). Each shape's rows are "
+                             + f"; generate ({GENERATE_RUNTIME}; --candidates engine_eager,engine_compiled,... "
+                               "adds the engine with compiled decode steps forced off / on). Each shape's rows are "
                                "printed as it completes")
     parser.add_argument("--candidates", metavar="A,B,...",
                         help="providers by name (auto = the registry's choice) and peers (gather_sdpa, mlx_sdpa, "
@@ -398,6 +401,14 @@ def list_suites(file: TextIO) -> None:
         print(f"  candidates: {', '.join(s.candidates)}", file=file)
         for sh in s.shapes:
             print(f"  - {sh.label}", file=file)
+    from metal_attn.bench import generate
+
+    print(f"generate (any; {GENERATE_RUNTIME}): the engine against mlx-lm's BatchGenerator and generate_step on "
+          "one model (SmolLM2 on the CPU, an 8B-shaped random llama on GPUs)", file=file)
+    print(f"  candidates: {', '.join(generate.DEFAULT_CANDIDATES)} (also: "
+          f"{', '.join(n for n in generate.RUNNERS if n not in generate.DEFAULT_CANDIDATES)})", file=file)
+    print("  - --concurrency 1,8,32,64 (CPU 1,8,32), --prompt-len 512 (CPU 32), --gen-tokens 128 (CPU 32), "
+          "--shared-prefix 2048 (CPU 0: off)", file=file)
 
 
 def print_plan(plan: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]], repeat: int, backend: str,

@@ -118,8 +118,8 @@ SUITES: dict[str, Suite] = {
     for s in (
         Suite(
             "decode-gpu",
-            "bf16 decode: the 8 shapes of KERNELS.md's peer table, plus two mixed batches (decode rows and "
-            "prefill chunks)",
+            "bf16 decode: the 8 shapes of the peer table (benchmarks/README.md), plus two mixed batches (decode rows "
+            "and prefill chunks)",
             "gpu",
             PEER_TABLE_SHAPES + _MIXED,
             ("auto", "classic", "gqa_decode", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling"),
@@ -129,8 +129,8 @@ SUITES: dict[str, Suite] = {
         ),
         Suite(
             "prefill-gpu",
-            "bf16 causal prefill: KERNELS.md's three prefill peer shapes, 8K and 32K prompts, 8 prompts of 2,048, "
-            "chunks after 2K, 7K and 32K of context, the two mixed batches and one with a 2,048-row chunk",
+            "bf16 causal prefill: the three prefill peer shapes (benchmarks/README.md), 8K and 32K prompts, 8 prompts "
+            "of 2,048, chunks after 2K, 7K and 32K of context, the two mixed batches and one with a 2,048-row chunk",
             "gpu",
             _PREFILL + _MIXED + (Shape.mix((Rows(8, 1, 4096), Rows(1, 2048, 4096)), 32, 8, 128),),
             ("auto", "sdpa_prefill", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa"),
