@@ -738,3 +738,19 @@ def test_a_prefix_loses_its_tail_before_its_head_when_the_pool_evicts(llama):
     assert eng.blocks.evictions == 1
     (again,) = eng.generate([prompt], max_tokens=1)
     assert again.stats.cached_prompt_tokens == 48  # the first 3 blocks; was 0
+
+
+def test_the_engine_keeps_no_per_request_or_unbounded_per_step_history(llama, monkeypatch):
+    """A long-running engine: the means come from sums (no list per request), and the step history a
+    benchmark reads is bounded (it grew by one entry per step)."""
+    from metal_attn.engine import stats as stats_mod
+
+    monkeypatch.setattr(stats_mod, "HISTORY", 5)
+    eng = _engine(llama)
+    done = eng.generate([[1, 2, 3], [4, 5, 6, 7], [8, 9]], max_tokens=6)
+    s = eng.stats.as_dict()
+    assert s["mean_ttft_s"] == pytest.approx(np.mean([c.stats.time_to_first_token for c in done]))
+    itls = [c.stats.mean_inter_token_latency for c in done if c.stats.mean_inter_token_latency is not None]
+    assert s["mean_itl_s"] == pytest.approx(np.mean(itls))
+    assert eng.stats.steps > 5 and len(eng.stats.completions) == 5
+    assert not [k for k, v in vars(eng.stats).items() if isinstance(v, list)]

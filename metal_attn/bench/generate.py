@@ -141,7 +141,7 @@ def _run_engine(model: Any, prompts: list[list[int]], gen: int, *, prefix_cachin
     prompt_s = eng.stats.prompt_seconds(t0)
     ttft = [eng.requests[i].first_token_time - t0 for i in ids]
     generated = sum(len(eng.requests[i].output_ids) for i in ids)
-    gaps = [b - a for (a, pa), (b, pb) in zip(eng.stats.completions, eng.stats.completions[1:]) if not pb and not pa]
+    gaps = [b - a for (a, pa), (b, pb) in itertools.pairwise(eng.stats.completions) if not pb and not pa]
     extra = {"steps": eng.stats.steps, "host_build_s": eng.stats.build_seconds,
              "decode_step_ms": statistics.median(gaps) * 1e3 if gaps else None,
              "prefix_hit_rate": eng.blocks.prefix_hits / max(eng.blocks.prefix_queries, 1),

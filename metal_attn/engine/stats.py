@@ -13,7 +13,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.engine.runner import InFlight
     from metal_attn.engine.scheduler import SchedulerOutput
 
-__all__ = ["EngineStats", "RequestStats"]
+__all__ = ["HISTORY", "EngineStats", "RequestStats"]
+
+#: Steps whose completion times `EngineStats` keeps: the history a benchmark reads, bounded so a
+#: long-running engine does not grow a list per step.
+HISTORY = 1 << 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +62,16 @@ class EngineStats:
     build_seconds: float = 0.0  # host time spent building and queueing steps
     first_launch: float | None = None
     last_complete: float | None = None
-    ttfts: list[float] = dataclasses.field(default_factory=list)
-    #: (time a step's tokens came back, whether the step computed prompt tokens), in order.
-    completions: list[tuple[float, bool]] = dataclasses.field(default_factory=list)
+    #: Sums and counts of the finished requests' time to first token and mean inter-token latency (a
+    #: long-running engine keeps no per-request list).
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    itl_sum: float = 0.0
+    itl_count: int = 0
+    #: (time a step's tokens came back, whether the step prefilled) of the last `HISTORY` steps, in order.
+    completions: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     #: The host-time phases (`InFlight.timings`) of the last steps completed.
     step_timings: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1024))
-    itls: list[float] = dataclasses.field(default_factory=list)
 
     def record_launch(self, out: SchedulerOutput, build_seconds: float) -> None:
         self.steps += 1
@@ -83,7 +91,7 @@ class EngineStats:
     def prompt_seconds(self, since: float) -> float:
         """Wall time, from ``since``, between step completions whose step prefilled (computed prompt
         tokens, or recomputed a preempted request's; mlx-lm's ``BatchStats.prompt_time`` counts the
-        prompt steps)."""
+        prompt steps), over the last `HISTORY` steps (a benchmark's run)."""
         total, last = 0.0, since
         for t, prompt in self.completions:
             if t >= since:
@@ -99,9 +107,11 @@ class EngineStats:
         self.finished += 1
         s = RequestStats.of(req)
         if s.time_to_first_token is not None:
-            self.ttfts.append(s.time_to_first_token)
+            self.ttft_sum += s.time_to_first_token
+            self.ttft_count += 1
         if s.mean_inter_token_latency is not None:
-            self.itls.append(s.mean_inter_token_latency)
+            self.itl_sum += s.mean_inter_token_latency
+            self.itl_count += 1
 
     def as_dict(self, blocks: Any = None) -> dict[str, Any]:
         """The totals with rates over ``elapsed_s`` (first launch to last completion): ``prompt_tokens``
@@ -123,8 +133,8 @@ class EngineStats:
             "elapsed_s": span,
             "computed_tokens_per_s": computed / span if span else None,
             "generated_tokens_per_s": self.generated_tokens / span if span else None,
-            "mean_ttft_s": statistics.fmean(self.ttfts) if self.ttfts else None,
-            "mean_itl_s": statistics.fmean(self.itls) if self.itls else None,
+            "mean_ttft_s": self.ttft_sum / self.ttft_count if self.ttft_count else None,
+            "mean_itl_s": self.itl_sum / self.itl_count if self.itl_count else None,
             "host_build_s": self.build_seconds,
             "preemptions": self.preemptions,
         }
