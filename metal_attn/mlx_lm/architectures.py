@@ -143,6 +143,9 @@ def _layer_specs(model: nn.Module, model_type: str, module: str) -> tuple[LayerS
         if type(c) is KVCache:
             specs.append(LayerSpec())
         elif type(c) is RotatingKVCache and c.keep == 0:
+            if not isinstance(c.max_size, int) or c.max_size < 1:
+                raise _unsupported(model_type, module, f"layer {i} is a sliding layer whose window is "
+                                   f"{c.max_size!r} (its config names a sliding layer without a sliding_window?)")
             specs.append(LayerSpec(sliding_window=int(c.max_size)))
         else:
             detail = f"keep={c.keep}" if isinstance(c, RotatingKVCache) else "not a KVCache or RotatingKVCache"

@@ -53,6 +53,22 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 WORD_TOKENIZER_VOCAB = 256
 
 
+def _gemma2_varied(model: nn.Module) -> None:
+    """gemma2 scales its embeddings by sqrt(hidden) and ties its head, and its zero-initialised post-norms
+    (weight 1 + w) pass the residual through: the random model echoed its last prompt token forever, so
+    a test of its tokens could not fail. Smaller embeddings and random post-norms give varied tokens."""
+    inner = model.model
+    inner.embed_tokens.weight = inner.embed_tokens.weight / 16
+    for layer in model.layers:
+        for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
+            norm.weight = mx.random.normal(norm.weight.shape) * 3.0
+
+
+#: Models whose random weights greedily repeat one token, and what makes their tokens vary
+#: (`tests/test_mlx_lm_adapter.py` checks that every tiny model's tokens vary).
+_ECHOES = {"gemma2": _gemma2_varied}
+
+
 def tiny_model(name: str, *, dtype: Any = mx.float32, seed: int = 0, weight_scale: float = 3.0) -> nn.Module:
     """A small random-weight instance of ``mlx_lm.models.<name>`` (see `TINY_CONFIGS`).
 
@@ -70,6 +86,8 @@ def tiny_model(name: str, *, dtype: Any = mx.float32, seed: int = 0, weight_scal
         attn = getattr(layer, "self_attn", None)
         if attn is not None and "sinks" in attn:
             attn.sinks = mx.random.normal(attn.sinks.shape) * 2.0
+    if name in _ECHOES:
+        _ECHOES[name](model)
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
