@@ -97,13 +97,15 @@ class EngineMachine(RuleBasedStateMachine):
     def open_stream(self, batch, max_tokens, stop):
         if not all(self._fits(p, max_tokens) for p in batch):
             return
-        before = self.eng._next_id
+        before = set(self.eng.requests)
         it = self.eng.stream(batch, max_tokens=max_tokens, stop=stop)
         outs: dict[int, list] = {}
         first = next(it, None)  # the generator adds its requests when first read
-        for i, p in enumerate(batch):
-            self.prompt[before + i] = p
-            outs[before + i] = []
+        added = sorted(set(self.eng.requests) - before)  # ids grow in the order of the prompts
+        assert [self.eng.requests[rid].prompt_ids for rid in added] == batch
+        for rid, p in zip(added, batch, strict=True):
+            self.prompt[rid] = p
+            outs[rid] = []
         if first is not None:
             outs[first.request_id].append(first)
         self.streams.append((it, outs))
@@ -132,11 +134,9 @@ class EngineMachine(RuleBasedStateMachine):
     def generate(self, batch, max_tokens):
         if not all(self._fits(p, max_tokens) for p in batch):
             return
-        before = self.eng._next_id
-        for i, (p, c) in enumerate(zip(batch, self.eng.generate(batch, max_tokens=max_tokens))):
-            self.prompt[before + i] = p
-            self.released.add(before + i)  # generate releases its requests
-            self._check(before + i, c)
+        for p, c in zip(batch, self.eng.generate(batch, max_tokens=max_tokens), strict=True):
+            assert c.prompt_token_ids == p
+            self._check(None, c)  # generate releases its requests: no id to check afterwards
 
     def _stream_ended(self, i):
         _, outs = self.streams.pop(i)
@@ -149,7 +149,7 @@ class EngineMachine(RuleBasedStateMachine):
     def _check(self, rid, c):
         """Stock mlx-lm's tokens, cut where the request ended (a stop string or an abort may cut anywhere),
         and the text those tokens spell, cut at the stop string when one ended it."""
-        want = reference(self.prompt[rid], len(c.token_ids))
+        want = reference(c.prompt_token_ids, len(c.token_ids))
         assert c.token_ids == want, (rid, c.finish_reason, c.token_ids, want)
         full = WordTokenizer().decode([t for t in c.token_ids if t not in EOS])
         stop = self.eng.requests[rid].stop_strings if rid in self.eng.requests else ()
