@@ -731,12 +731,14 @@ def test_a_dry_run_admits_the_decode_steps_compiled_candidate(capsys):
 
 
 def test_a_dry_run_of_a_comparison_goes_on_past_another_machine_class(capsys):
-    rc = cli.main(["--suite", "decode-step", "--compare", "benchmarks/baselines/cuda-nvidia-h200-decode-step.json",
-                   "--dry-run"])
+    from pathlib import Path
+
+    base = Path(__file__).resolve().parents[1] / "benchmarks" / "baselines" / "cuda-nvidia-h200-decode-step.json"
+    rc = cli.main(["--suite", "decode-step", "--compare", str(base), "--dry-run"])
     got = capsys.readouterr()
     assert rc == 0, got.err
     assert "machine class differs" in got.err and "a run here would stop with exit 1" in got.err
-    assert "would compare against benchmarks/baselines/cuda-nvidia-h200-decode-step.json (cuda-nvidia-h200" in got.out
+    assert f"would compare against {base} (cuda-nvidia-h200" in got.out
 
 
 def test_a_dry_run_of_the_generate_suite_loads_no_model(capsys, monkeypatch):

@@ -72,9 +72,13 @@ def test_the_profiler_driver_runs_our_side_on_any_backend(tmp_path):
 
 
 def _dry_run(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    import sys
+
     phases = ("tests", "decode", "prefill", "engine", "baseline", "fuzz", "ncu")
+    # The script runs `python3`: this interpreter's (a venv's bin/ has one), as on the GPU machine's setup.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     return subprocess.run(["bash", str(script), *phases], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OUT": str(tmp_path / "out"), "DRY_RUN": "1",
+                          env={**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "DRY_RUN": "1",
                                "METAL_ATTN_PLUGIN_AUTOLOAD": "0"})
 
 

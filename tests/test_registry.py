@@ -512,10 +512,11 @@ TOGGLED = ("gqa_decode", "nax_prefill", "tiled_prefill")
     ("var", "value", "disabled", "reason"),
     [
         ("METAL_ATTN_DISABLE_GQA_DECODE", "1", "gqa_decode", "disabled by METAL_ATTN_DISABLE_GQA_DECODE=1"),
-        ("VLLM_METAL_DISABLE_GQA_DECODE", "1", "gqa_decode", "disabled by METAL_ATTN_DISABLE_GQA_DECODE=1"),
-        ("METAL_ATTN_DISABLE_NAX", "true", "nax_prefill", "disabled by METAL_ATTN_DISABLE_NAX=1"),
-        ("VLLM_METAL_DISABLE_NAX", "1", "nax_prefill", "disabled by METAL_ATTN_DISABLE_NAX=1"),
-        ("METAL_ATTN_DISABLE_TILED_PREFILL", "yes", "tiled_prefill", "disabled by METAL_ATTN_DISABLE_TILED_PREFILL=1"),
+        ("VLLM_METAL_DISABLE_GQA_DECODE", "1", "gqa_decode", "disabled by VLLM_METAL_DISABLE_GQA_DECODE=1"),
+        ("METAL_ATTN_DISABLE_NAX", "true", "nax_prefill", "disabled by METAL_ATTN_DISABLE_NAX=true"),
+        ("VLLM_METAL_DISABLE_NAX", "1", "nax_prefill", "disabled by VLLM_METAL_DISABLE_NAX=1"),
+        ("METAL_ATTN_DISABLE_TILED_PREFILL", "yes", "tiled_prefill",
+         "disabled by METAL_ATTN_DISABLE_TILED_PREFILL=yes"),
         (
             "METAL_ATTN_DISABLED_PROVIDERS",
             "other, nax_prefill",
