@@ -9,6 +9,8 @@ stop conditions. One forward per call; the host's work overlaps the device's.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -30,6 +32,17 @@ from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.mlx_lm.runner import PagedModel, inspect_model
 
 __all__ = ["Completion", "Engine", "RequestOutput"]
+
+
+def _serialized(method: Any) -> Any:
+    """One thread at a time inside the engine (see `Engine`): the method runs under its lock."""
+
+    @functools.wraps(method)
+    def locked(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +92,15 @@ def model_max_len(model: nn.Module) -> int | None:
 
 
 class Engine:
-    """Serve requests on ``model`` (an mlx-lm model) with ``tokenizer`` (mlx-lm's `TokenizerWrapper`)."""
+    """Serve requests on ``model`` (an mlx-lm model) with ``tokenizer`` (mlx-lm's `TokenizerWrapper`).
+
+    Threads: one engine may be used from several threads (a server's engine thread stepping while
+    request threads add, abort and release): its methods take turns under one lock, so a step is
+    never seen half done. A stream or `generate` steps the engine itself, between other threads'
+    calls. Several engines may share one model (their graphs are built under the model's lock,
+    `metal_attn.mlx_lm.runner.model_lock`). MLX arrays made on one thread are evaluated on that
+    thread's stream (docs/design.md, "Threads").
+    """
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: EngineConfig | None = None) -> None:
         if config is not None and not isinstance(config, EngineConfig):
@@ -107,6 +128,7 @@ class Engine:
         self.runner = StepRunner(self.model, self.blocks, compile_decode=compile_decode,
                                  trace_after=cfg.compile_trace_after, shrink_after=cfg.compile_shrink_after)
         self.requests: dict[int, Request] = {}
+        self._lock = threading.RLock()
         self._inflight: deque[InFlight] = deque()
         self._next_id = 0
         self.stats = EngineStats()
@@ -124,6 +146,7 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
 
+    @_serialized
     def add_request(
         self,
         prompt: str | Sequence[int],
@@ -222,6 +245,7 @@ class Engine:
             raise InvalidInputError(f"{label} token id {bad[0]} is out of range (allowed: 0..{vocab - 1})")
         return ids
 
+    @_serialized
     def abort(self, request_id: int) -> None:
         """Stop a request now; its pages go back (an unknown id is an error)."""
         req = self._get(request_id)
@@ -238,10 +262,12 @@ class Engine:
             known = ", ".join(map(str, list(self.requests)[:8])) or "none"
             raise InvalidInputError(f"request_id={request_id!r} is unknown (known: {known})") from None
 
+    @_serialized
     def has_unfinished(self) -> bool:
         return bool(self._inflight) or bool(self.scheduler.waiting) or bool(self.scheduler.running)
 
     @property
+    @_serialized
     def in_flight(self) -> tuple[InFlight, ...]:
         """The steps launched and not yet completed, oldest first: each one's scheduled rows
         (``output``), step plan and host timings. With pipelining on, the newest is the step the
@@ -250,6 +276,7 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------------
 
+    @_serialized
     def step(self) -> list[RequestOutput]:
         """Run one forward for the batch the scheduler picks; return each request's new tokens.
 
@@ -431,11 +458,12 @@ class Engine:
         idle = False
         while seen:
             for rid in list(seen):
-                req = self.requests.get(rid)
-                if req is None:
-                    raise InvalidInputError(f"request {rid} was released while streamed (allowed: release a "
-                                            "request once its stream has ended)")
-                out = self._unread(req, seen[rid])
+                with self._lock:  # not across the yield: the consumer may call the engine
+                    req = self.requests.get(rid)
+                    if req is None:
+                        raise InvalidInputError(f"request {rid} was released while streamed (allowed: release a "
+                                                "request once its stream has ended)")
+                    out = self._unread(req, seen[rid])
                 if out is not None:
                     yield out
                     if out.finished:
@@ -476,6 +504,7 @@ class Engine:
             self._abort_unfinished(ids)
         return [self.release(i) for i in ids]
 
+    @_serialized
     def _abort_unfinished(self, ids: Iterable[int]) -> None:
         for rid in ids:
             req = self.requests.get(rid)
@@ -507,9 +536,11 @@ class Engine:
         return [(ids, sp, stops, max_tokens, p if isinstance(p, str) else None)
                 for p, (ids, sp, stops) in zip(items, checked)]
 
+    @_serialized
     def _queue_all(self, checked: list[tuple[Any, ...]]) -> list[int]:
         return [self._queue(*c) for c in checked]
 
+    @_serialized
     def release(self, request_id: int) -> Completion:
         """The result of a finished request, which the engine then forgets (its id becomes unknown).
         A long-running server releases each request it is done with: the engine keeps every other
@@ -518,6 +549,7 @@ class Engine:
         del self.requests[request_id]
         return out
 
+    @_serialized
     def completion(self, request_id: int) -> Completion:
         """The result of a finished request."""
         req = self._get(request_id)
@@ -533,6 +565,7 @@ class Engine:
             stats=RequestStats.of(req),
         )
 
+    @_serialized
     def kv_usage(self) -> dict[str, int]:
         """Pages used by requests, free, cached (evictable) and reserved by the engine, and the pool size."""
         return {
@@ -543,6 +576,7 @@ class Engine:
             "reserved": len(self.blocks.reserved),
         }
 
+    @_serialized
     def synchronize(self) -> None:
         """Finish every step in flight (their tokens are processed as usual)."""
         while self._inflight:

@@ -26,6 +26,7 @@ def init_sampling_state(request: Request) -> None:
     if not sp.greedy:
         seed = sp.seed if sp.seed is not None else int(mx.random.randint(0, 2**31 - 1).item())
         request.key = mx.random.key(seed)
+        mx.eval(request.key)  # made on the adding thread's stream; the stepping thread may be another
     request.processors = list(_processors(sp))
 
 

@@ -44,6 +44,7 @@ from metal_attn.cache import StepPlan
 from metal_attn.checks import int_at_least
 from metal_attn.log import get_logger
 from metal_attn.metadata import AttentionMetadata
+from metal_attn.mlx_lm.runner import model_lock
 
 __all__ = ["CompiledDecode", "row_bucket", "table_width"]
 
@@ -157,25 +158,29 @@ class CompiledDecode:
         traces = self.traces
         # While tracing, MLX puts tracers in place of the weights in the model's own tree and does not
         # put them back if the trace raises: keep the weights to restore them (traces only: cheap).
-        weights = None if shape in self._traced else _array_slots(self.model.model.state)
-        try:
-            out = self._fn(*inputs, *pools)
-        except BaseException as exc:  # Ctrl-C included: the pools and the weights go back first
-            kv.put_pools(pools)
-            traced = self.traces != traces
-            if traced and weights is not None:
-                for node, key, value in weights:
-                    node[key] = value
-            if not traced or not isinstance(exc, Exception):  # not a trace failure: the caller's to see
-                raise
-            if weights is None:
-                raise RuntimeError(f"a compiled decode step retraced unexpectedly and failed ({type(exc).__name__}: "
-                                   f"{exc}); the model's weights were left as tracers by mx.compile") from exc
-            # Refused or failed while tracing (a provider that reads host lengths, an op that reads
-            # a tracer on the host, ...): the eager path takes over until the dispatch epoch moves.
-            self.disabled = f"{type(exc).__name__}: {exc}"
-            log.info("compiled_decode_off", reason=self.disabled)
-            return None
+        # A trace swaps the weights for tracers: other threads building graphs on this model wait, until
+        # the weights are back (`model_lock`).
+        with model_lock(self.model.model):
+            weights = None if shape in self._traced else _array_slots(self.model.model.state)
+            try:
+                out = self._fn(*inputs, *pools)
+            except BaseException as exc:  # Ctrl-C included: the pools and the weights go back first
+                kv.put_pools(pools)
+                traced = self.traces != traces
+                if traced and weights is not None:
+                    for node, key, value in weights:
+                        node[key] = value
+                if not traced or not isinstance(exc, Exception):  # not a trace failure: the caller's to see
+                    raise
+                if weights is None:
+                    raise RuntimeError(f"a compiled decode step retraced unexpectedly and failed "
+                                       f"({type(exc).__name__}: {exc}); the model's weights were left as tracers "
+                                       "by mx.compile") from exc
+                # Refused or failed while tracing (a provider that reads host lengths, an op that reads
+                # a tracer on the host, ...): the eager path takes over until the dispatch epoch moves.
+                self.disabled = f"{type(exc).__name__}: {exc}"
+                log.info("compiled_decode_off", reason=self.disabled)
+                return None
         del pools  # the graph holds the old pools alone, so the scatters write in place
         kv.put_pools(out[1:])
         self._traced.add(shape)

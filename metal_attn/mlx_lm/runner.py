@@ -9,6 +9,8 @@ metadata, and the LM head only on the rows whose logits are sampled.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -23,7 +25,7 @@ from metal_attn.mlx_lm import hook
 from metal_attn.mlx_lm.architectures import ResolvedModel, resolve
 from metal_attn.mlx_lm.layer_cache import LayerGeometry, PagedLayerCache, ProbeCache
 
-__all__ = ["ModelShape", "PagedModel", "inspect_model", "probe_geometry"]
+__all__ = ["ModelShape", "PagedModel", "inspect_model", "model_lock", "probe_geometry"]
 
 
 def probe_geometry(model: nn.Module, resolved: ResolvedModel | None = None) -> list[LayerGeometry]:
@@ -154,6 +156,12 @@ class PagedModel:
                 "the attention hook is not installed for this model's modules "
                 f"{', '.join(self.resolved.attention_modules)}: call metal_attn.mlx_lm.install()"
             )
+        with model_lock(self.model):  # another thread's compiled trace may hold tracers in its weights
+            hidden = self._forward_layers(plan, tokens)
+        logits = self._head(self._text, hidden[logit_rows])
+        return logits.reshape(logit_rows.shape[0], -1)
+
+    def _forward_layers(self, plan: StepPlan, tokens: mx.array) -> mx.array:
         for c in self.caches:
             c.begin(plan)
         before = [(c.writes, c.attends) for c in self.caches]
@@ -164,8 +172,31 @@ class PagedModel:
                     f"layer {i}: the step wrote K/V {c.writes - w} time(s) and reached the attention hook "
                     f"{c.attends - a} time(s) (need 1 and 1): is the hook installed (metal_attn.mlx_lm.install())?"
                 )
-        logits = self._head(self._text, hidden[logit_rows])
-        return logits.reshape(logit_rows.shape[0], -1)
+        return hidden
+
+
+_locks_guard = threading.Lock()
+#: id(model) -> (a weak reference to it, its lock).
+_model_locks: dict[int, tuple[weakref.ref, threading.RLock]] = {}
+
+
+def model_lock(model: nn.Module) -> threading.RLock:
+    """The lock every graph built on ``model`` by metal-attn is built under (one per model object).
+
+    While ``mx.compile`` traces a forward, MLX puts placeholders in place of the model's weights in
+    its own tree; another thread building a graph on the same model then read them ("Attempting to
+    eval an array without a primitive"). Engines on several threads may share one model: their
+    forwards and traces (`PagedModel.forward`, `CompiledDecode.run`) take turns building graphs;
+    the device work still overlaps. Code outside metal-attn that runs the same model concurrently
+    must not do so while an engine traces (its first compiled step of each shape)."""
+    key = id(model)
+    with _locks_guard:
+        hit = _model_locks.get(key)
+        if hit is not None and hit[0]() is model:
+            return hit[1]
+        lock = threading.RLock()
+        _model_locks[key] = (weakref.ref(model, lambda _r, k=key: _model_locks.pop(k, None)), lock)
+        return lock
 
 
 def _check_rows(rows: Sequence[int], num_tokens: int) -> None:
