@@ -15,6 +15,7 @@ interleaved (GPT-J) layout, so the rows are kept as stored and the model uses
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
 from metal_attn.errors import ModelError
+from metal_attn.mlx_lm.gguf_header import check_gguf
 
 #: The quantization group size of every quantized tensor `mx.load` returns from a GGUF.
 GGUF_GROUP_SIZE = 32
@@ -63,17 +65,26 @@ _PARAM_SUFFIXES = ("weight", "scales", "biases", "bias")
 
 
 def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """The tensors and metadata of a GGUF file; `ModelError` if it is missing or unreadable."""
+    """The tensors and metadata of a GGUF file; `ModelError` if it is missing, unreadable or damaged
+    (its header is checked in Python first, `check_gguf`: MLX's reader trusts it)."""
     p = Path(path).expanduser()
     if not p.is_file():
-        what = "is a directory" if p.is_dir() else "does not exist"
+        what = ("is a directory" if p.is_dir() else "is not a regular file" if p.exists() else "does not exist")
         raise ModelError(
             f"model={str(path)!r} {what}; expected a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)"
         )
+    header = check_gguf(p)
     try:
         weights, metadata = mx.load(str(p), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError, OSError) as err:
         raise ModelError(f"model={str(path)!r} is not a readable GGUF file ({err}); expected a GGUF file") from err
+    expected = {t.name.rpartition(".")[0] + s if t.quantized else t.name
+                for t in header.tensors for s in (".weight", ".scales", ".biases")}
+    if set(weights) != expected:
+        missing = sorted(expected - set(weights))
+        raise ModelError(f"model={str(path)!r}: MLX read {len(weights)} arrays where the header lists "
+                         f"{len(header.tensors)} tensors ({len(expected)} arrays); missing: "
+                         f"{', '.join(missing[:4]) or 'none'}{'...' if len(missing) > 4 else ''}")
     return dict(weights), dict(metadata)
 
 
@@ -106,18 +117,64 @@ def architecture(metadata: Mapping[str, Any]) -> str:
 # -- model -------------------------------------------------------------------------------------
 
 
+def _whole(key: str, value: Any, minimum: int = 1) -> int:
+    """A metadata count: an integer >= ``minimum`` (not a bool, a string or a float)."""
+    if type(value) is not int or value < minimum:
+        raise ModelError(f"GGUF {key}={value!r} (allowed: an integer >= {minimum})")
+    return value
+
+
+def _positive(key: str, value: Any) -> float:
+    """A metadata real: finite and > 0 (an epsilon, a RoPE base, a scaling factor)."""
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise ModelError(f"GGUF {key}={value!r} (allowed: a finite number > 0)")
+    return float(value)
+
+
+def _in_out(weights: Mapping[str, mx.array], stem: str) -> tuple[int, int] | None:
+    """``(out_features, in_features)`` of the matrix ``stem`` (packed when quantized), or None if absent."""
+    w = weights.get(f"{stem}.weight")
+    if w is None or w.ndim != 2:
+        return None
+    scales = weights.get(f"{stem}.scales")
+    return int(w.shape[0]), int(scales.shape[-1] * GGUF_GROUP_SIZE if scales is not None else w.shape[1])
+
+
+def _check_against_tensors(arch: str, args: ModelArgs, weights: Mapping[str, mx.array]) -> None:
+    """The metadata's sizes against the tensors' own, before a model of that size is built (a feed-forward
+    length of 2**31 would allocate its matrices)."""
+    kv_dim = args.num_key_value_heads * args.head_dim
+    checks = (("token_embd", (args.vocab_size, args.hidden_size), "vocab_size, embedding_length"),
+              ("blk.0.attn_q", (args.num_attention_heads * args.head_dim, args.hidden_size),
+               "attention.head_count x key_length, embedding_length"),
+              ("blk.0.attn_k", (kv_dim, args.hidden_size), "attention.head_count_kv x key_length, embedding_length"),
+              ("blk.0.ffn_gate", (args.intermediate_size, args.hidden_size), "feed_forward_length, embedding_length"))
+    for stem, want, keys in checks:
+        got = _in_out(weights, stem)
+        if got is not None and got != want:
+            raise ModelError(f"GGUF tensor {stem}.weight is {got[0]} x {got[1]} but the metadata ({arch}.{keys}) "
+                             f"says {want[0]} x {want[1]}")
+
+
 def model_args(metadata: Mapping[str, Any], weights: Mapping[str, mx.array]) -> ModelArgs:
-    """mlx-lm `ModelArgs` from the GGUF metadata (llama defaults only for optional keys)."""
+    """mlx-lm `ModelArgs` from the GGUF metadata (llama defaults only for optional keys), each value
+    checked for its type and range and the sizes against the tensors' own."""
     arch = architecture(metadata)
 
     def get(key: str, default: Any = None) -> Any:
         full = f"{arch}.{key}"
         return meta_value(metadata[full]) if full in metadata else default
 
-    hidden = int(_require(metadata, f"{arch}.embedding_length"))
-    heads = int(_require(metadata, f"{arch}.attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    rope_dims = int(get("rope.dimension_count", head_dim))
+    hidden = _whole(f"{arch}.embedding_length", _require(metadata, f"{arch}.embedding_length"))
+    heads = _whole(f"{arch}.attention.head_count", _require(metadata, f"{arch}.attention.head_count"))
+    kv_heads = _whole(f"{arch}.attention.head_count_kv", get("attention.head_count_kv", heads))
+    if heads % kv_heads:
+        raise ModelError(f"GGUF {arch}.attention.head_count={heads} is not a multiple of head_count_kv={kv_heads}")
+    if get("attention.key_length") is None and hidden % heads:
+        raise ModelError(f"GGUF {arch}.embedding_length={hidden} is not a multiple of attention.head_count={heads} "
+                         "and no attention.key_length gives the head size")
+    head_dim = _whole(f"{arch}.attention.key_length", get("attention.key_length", hidden // heads))
+    rope_dims = _whole(f"{arch}.rope.dimension_count", get("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ModelError(
             f"GGUF {arch}.rope.dimension_count={rope_dims} differs from the head size {head_dim}; "
@@ -132,29 +189,39 @@ def model_args(metadata: Mapping[str, Any], weights: Mapping[str, mx.array]) -> 
             raise ModelError(
                 f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; allowed: none, linear"
             )
-        rope_scaling = {"type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+        rope_scaling = {"type": "linear",
+                        "factor": _positive(f"{arch}.rope.scaling.factor", get("rope.scaling.factor", 1.0))}
     tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab = get("vocab_size", len(tokens) if tokens is not None else None)
+    vocab = get("vocab_size", len(tokens) if isinstance(tokens, (list, tuple)) else None)
     if vocab is None:
         raise ModelError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens; one is needed")
-    return ModelArgs(
+    context = get("context_length")
+    blocks = _whole(f"{arch}.block_count", _require(metadata, f"{arch}.block_count"))
+    layers = {int(n.split(".")[1]) for n in weights if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if len(layers) != blocks or max(layers) != blocks - 1:  # 0..blocks-1; checked before ModelArgs (a list per layer)
+        raise ModelError(f"GGUF {arch}.block_count={blocks} but the file has tensors of {len(layers)} blocks "
+                         f"(blk.0 to blk.{max(layers, default=-1)})")
+    args = ModelArgs(
         model_type="llama",
         hidden_size=hidden,
-        num_hidden_layers=int(_require(metadata, f"{arch}.block_count")),
-        intermediate_size=int(_require(metadata, f"{arch}.feed_forward_length")),
+        num_hidden_layers=blocks,
+        intermediate_size=_whole(f"{arch}.feed_forward_length", _require(metadata, f"{arch}.feed_forward_length")),
         num_attention_heads=heads,
-        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(_require(metadata, f"{arch}.attention.layer_norm_rms_epsilon")),
-        vocab_size=int(vocab),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=_positive(f"{arch}.attention.layer_norm_rms_epsilon",
+                               _require(metadata, f"{arch}.attention.layer_norm_rms_epsilon")),
+        vocab_size=_whole(f"{arch}.vocab_size", vocab),
+        rope_theta=_positive(f"{arch}.rope.freq_base", get("rope.freq_base", 10000.0)),
         rope_traditional=True,
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(get("context_length")) if get("context_length") is not None else None,
+        max_position_embeddings=_whole(f"{arch}.context_length", context) if context is not None else None,
         attention_bias="blk.0.attn_q.bias" in weights,
         mlp_bias="blk.0.ffn_gate.bias" in weights,
         tie_word_embeddings="output.weight" not in weights,
     )
+    _check_against_tensors(arch, args, weights)
+    return args
 
 
 def mlx_name(gguf_name: str) -> str:
@@ -244,14 +311,60 @@ def _pre_tokenizer(pre: str) -> Any:
     )
 
 
+def _token_id(metadata: Mapping[str, Any], key: str, vocab: int) -> int | None:
+    """A ``tokenizer.ggml.*_token_id``: None when absent, else an id of the vocabulary."""
+    if key not in metadata:
+        return None
+    value = meta_value(metadata[key])
+    if type(value) is not int or not 0 <= value < vocab:
+        raise ModelError(f"GGUF {key}={value!r} (allowed: a token id in 0..{vocab - 1})")
+    return value
+
+
+def _string_list(metadata: Mapping[str, Any], key: str) -> list[str]:
+    value = _require(metadata, key)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ModelError(f"GGUF {key} is {_describe(value)} (allowed: an array of strings)")
+    return value
+
+
+def _token_types(metadata: Mapping[str, Any], n: int) -> list[int]:
+    types = meta_value(metadata.get("tokenizer.ggml.token_type", [1] * n))
+    if not isinstance(types, list) or len(types) != n or not all(type(t) is int for t in types):
+        raise ModelError(f"GGUF tokenizer.ggml.token_type is {_describe(types)} (allowed: one integer per token, "
+                         f"{n} of them)")
+    return types
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value[:64]})
+        return f"an array of {len(value)} {'/'.join(kinds) or 'values'}"
+    return f"{value!r:.60}"
+
+
+def chat_template(metadata: Mapping[str, Any]) -> str | None:
+    """``tokenizer.chat_template``: None when absent or empty, else a Jinja template that compiles."""
+    value = meta_value(metadata.get("tokenizer.chat_template"))
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ModelError(f"GGUF tokenizer.chat_template is {_describe(value)} (allowed: a Jinja template string)")
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # as transformers compiles it for apply_chat_template
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(value)
+    except TemplateError as exc:
+        raise ModelError(f"GGUF tokenizer.chat_template does not compile as a Jinja template: {exc}") from None
+    return value
+
+
 def eos_token_ids(metadata: Mapping[str, Any]) -> set[int]:
     """Ids that end a generation: the eos/eot/eom ids of the metadata and end-marker control tokens."""
-    ids = {
-        int(meta_value(metadata[k]))
-        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        if k in metadata
-    }
     tokens: Sequence[str] = meta_value(metadata.get("tokenizer.ggml.tokens", []))
+    ids = {i for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+           if (i := _token_id(metadata, k, len(tokens))) is not None}
     types = meta_value(metadata.get("tokenizer.ggml.token_type", []))
     for i, (text, kind) in enumerate(zip(tokens, types)):
         if kind == TOKEN_TYPE_CONTROL and text in END_OF_GENERATION_TEXTS:
@@ -267,27 +380,36 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> TokenizerWrapper:
     kind = meta_value(metadata.get("tokenizer.ggml.model"))
     if kind != "gpt2":
         raise ModelError(f"GGUF tokenizer.ggml.model={kind!r} is not supported; allowed: 'gpt2' (byte-level BPE)")
-    tokens: list[str] = list(_require(metadata, "tokenizer.ggml.tokens"))
+    tokens = _string_list(metadata, "tokenizer.ggml.tokens")
+    if len(set(tokens)) != len(tokens):
+        raise ModelError(f"GGUF tokenizer.ggml.tokens holds {len(tokens) - len(set(tokens))} repeated tokens "
+                         "(allowed: each token once)")
     merges: list[tuple[str, str]] = []
-    for m in _require(metadata, "tokenizer.ggml.merges"):
-        pair = str(m).split(" ")
+    for m in _string_list(metadata, "tokenizer.ggml.merges"):
+        pair = m.split(" ")
         if len(pair) != 2:
             raise ModelError(f"GGUF tokenizer.ggml.merges entry {m!r} is not two tokens separated by one space")
         merges.append((pair[0], pair[1]))
-    tok = Tokenizer(
-        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False)
-    )
+    try:
+        tok = Tokenizer(
+            models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False)
+        )
+    except Exception as exc:  # the tokenizers library raises plain Exceptions (a merge of an unknown token)
+        raise ModelError(f"GGUF tokenizer.ggml.tokens/merges do not make a BPE tokenizer: {exc}") from None
     tok.pre_tokenizer = _pre_tokenizer(str(meta_value(metadata.get("tokenizer.ggml.pre", "gpt2"))))
     tok.decoder = decoders.ByteLevel()
-    types = meta_value(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    types = _token_types(metadata, len(tokens))
     control = [tokens[i] for i, kind in enumerate(types) if kind == TOKEN_TYPE_CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
 
     def token(key: str) -> str | None:
-        value = meta_value(metadata.get(f"tokenizer.ggml.{key}_token_id"))
-        return tokens[int(value)] if value is not None and 0 <= int(value) < len(tokens) else None
+        i = _token_id(metadata, f"tokenizer.ggml.{key}_token_id", len(tokens))
+        return None if i is None else tokens[i]
 
-    if bool(meta_value(metadata.get("tokenizer.ggml.add_bos_token", False))) and token("bos") is not None:
+    add_bos = meta_value(metadata.get("tokenizer.ggml.add_bos_token", False))
+    if type(add_bos) is not bool:  # the string 'false' was true
+        raise ModelError(f"GGUF tokenizer.ggml.add_bos_token={add_bos!r} (allowed: a boolean)")
+    if add_bos and token("bos") is not None:
         from tokenizers import processors
 
         bos = token("bos")
@@ -300,7 +422,7 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> TokenizerWrapper:
         eos_token=token("eos"),
         unk_token=token("unknown"),
         pad_token=token("padding"),
-        chat_template=meta_value(metadata.get("tokenizer.chat_template")),
+        chat_template=chat_template(metadata),
         additional_special_tokens=control,
     )
     stop = sorted(eos_token_ids(metadata))

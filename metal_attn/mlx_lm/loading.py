@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,13 @@ __all__ = ["load"]
 
 
 def _check_folder(path: Path) -> None:
+    try:
+        _check_folder_files(path)
+    except OSError as exc:  # a folder or file the user may not read
+        raise ModelError(f"model={str(path)!r} could not be read ({exc.strerror or exc}: {exc.filename})") from None
+
+
+def _check_folder_files(path: Path) -> None:
     config = path / "config.json"
     if not config.is_file():
         raise ModelError(
@@ -47,6 +55,47 @@ def _check_folder(path: Path) -> None:
     if not any(path.glob("*.safetensors")):
         raise ModelError(f"model={str(path)!r} has no *.safetensors weights (allowed: a complete mlx-lm or Hugging "
                          "Face model folder: config.json, the weights and the tokenizer files)")
+    _check_layer_count(path, config_data)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_layer_count(path: Path, config: dict[str, Any]) -> None:
+    """``num_hidden_layers`` against the layers the weights hold (their names, from the safetensors
+    headers): mlx-lm builds the model before it reads a weight, and a count of 2**31 allocated layers
+    until memory ran out."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    layers = text.get("num_hidden_layers", config.get("num_hidden_layers"))
+    if layers is None:
+        return
+    if type(layers) is not int or layers < 1:
+        raise ModelError(f"model={str(path)!r}: config.json has num_hidden_layers={layers!r} (allowed: an integer "
+                         ">= 1)")
+    found = {int(m.group(1)) for name in _weight_names(path) if (m := _LAYER.search(name))}
+    if found and layers > max(found) + 1:  # fewer is mlx-lm's to refuse (unused weights), after a small build
+        raise ModelError(f"model={str(path)!r}: config.json has num_hidden_layers={layers} but the weights hold "
+                         f"layers 0 to {max(found)} only")
+
+
+def _weight_names(path: Path) -> list[str]:
+    """Tensor names of the folder's safetensors files, read from their headers (no tensor data)."""
+    names: list[str] = []
+    for f in sorted(path.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            raw = fh.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 0 < n <= min(f.stat().st_size - 8, 100 << 20):
+                raise ModelError(f"model={str(path)!r}: {f.name} is not a readable safetensors file (its header "
+                                 f"length is {n})")
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError as exc:
+                raise ModelError(f"model={str(path)!r}: {f.name} has an unreadable safetensors header "
+                                 f"({exc})") from None
+        if isinstance(header, dict):
+            names.extend(k for k in header if k != "__metadata__")
+    return names
 
 
 def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[Any, Any]:
@@ -64,6 +113,9 @@ def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[An
             f"model={str(model)!r} does not exist (allowed: {DEFAULT_MODEL!r}, a .gguf file or a local model "
             "folder; nothing is downloaded from a model hub)"
         )
+    if not path.is_file() and not path.is_dir():
+        raise ModelError(f"model={str(model)!r} is neither a regular file nor a folder (allowed: {DEFAULT_MODEL!r}, a "
+                         ".gguf file or a local model folder)")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelError(f"model={str(model)!r} is a file but not a .gguf (allowed: a .gguf file or a folder)")
@@ -75,5 +127,5 @@ def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[An
 
     try:
         return mlx_lm_load(str(path), **mlx_lm_kwargs)
-    except (OSError, ValueError, KeyError) as exc:  # a folder half downloaded: no tokenizer, weights that do not fit
+    except Exception as exc:  # a folder half downloaded, a config mlx-lm cannot build, weights that do not fit
         raise ModelError(f"model={str(path)!r} could not be loaded by mlx-lm ({type(exc).__name__}: {exc})") from exc

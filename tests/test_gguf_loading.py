@@ -1,0 +1,239 @@
+"""Damaged and hostile model files: a clear `ModelError` before MLX reads them, never a crash or a wrong model.
+
+MLX's GGUF reader trusts the header: a count off by one, a key length past the file or an
+alignment of 0 crashed the process (segmentation fault, floating-point exception), an unknown
+tensor type ended the tensor list early, and a block count of 2**31 built layers until memory ran
+out. The files here are written byte by byte (`_gguf`), small, in the layout of the GGUF
+specification; the metadata checks run on the values as MLX returns them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+import mlx.core as mx
+import pytest
+
+from metal_attn.errors import ModelError
+from metal_attn.mlx_lm import gguf, load
+from metal_attn.mlx_lm.gguf_header import check_gguf
+
+U8, I32, U32, F32, BOOL, STRING, ARRAY, U64 = 0, 5, 4, 6, 7, 8, 9, 10
+
+
+def _string(s: str | bytes) -> bytes:
+    raw = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _value(kind: int, value) -> bytes:
+    if kind == STRING:
+        return _string(value)
+    if kind == ARRAY:
+        item, values = value
+        body = b"".join(_value(item, v) for v in values)
+        return struct.pack("<IQ", item, len(values)) + body
+    fmt = {U8: "<B", I32: "<i", U32: "<I", F32: "<f", BOOL: "<?", U64: "<Q"}.get(kind, "<I")  # others: 4 bytes
+    return struct.pack(fmt, value)
+
+
+def _gguf(kv=(("general.architecture", STRING, "llama"),), tensors=(("a.weight", (32, 2), 0, 0),), *,
+          version=3, n_tensors=None, n_kv=None, data: int | None = None) -> bytes:
+    """A GGUF file: ``kv`` as (key, type, value), ``tensors`` as (name, dims, type, offset), then ``data``
+    bytes of tensor data (enough for the tensors when None)."""
+    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors,
+                                len(kv) if n_kv is None else n_kv)
+    for key, kind, value in kv:
+        out += _string(key) + struct.pack("<I", kind) + _value(kind, value)
+    for name, dims, kind, offset in tensors:
+        out += _string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+        out += struct.pack("<IQ", kind, offset)
+    out += b"\0" * (-len(out) % 32)
+    return out + b"\0" * (256 if data is None else data)
+
+
+@pytest.fixture
+def write(tmp_path):
+    def _write(content: bytes, name: str = "m.gguf"):
+        path = tmp_path / name
+        path.write_bytes(content)
+        return path
+    return _write
+
+
+def test_a_well_formed_header_is_read(write):
+    header = check_gguf(write(_gguf(kv=(("general.architecture", STRING, "llama"), ("n", U32, 7),
+                                        ("toks", ARRAY, (STRING, ["a", "bc"]))))))
+    assert header.version == 3 and header.metadata["n"] == 7 and header.metadata["toks"].length == 2
+    assert [(t.name, t.dims, t.nbytes) for t in header.tensors] == [("a.weight", (32, 2), 256)]
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (_gguf(version=4), "GGUF version 4 (allowed: 2, 3)"),
+    (_gguf(version=1), "GGUF version 1"),
+    (_gguf(n_tensors=2), "tensor '' has 0 dimensions"),  # a count off by one: a segmentation fault in MLX
+    (_gguf(n_tensors=2**40), "the tensor count=1099511627776 items"),
+    (_gguf(n_kv=2**63), "the metadata count="),
+    (_gguf(n_kv=2), "(at byte"),  # the tensor entry read as a key: whatever follows fails
+    (_gguf(kv=(("general.alignment", U32, 0),)), "general.alignment=0 (allowed: a power of two"),
+    (_gguf(kv=(("general.alignment", U32, 24),)), "general.alignment=24"),
+    (_gguf(kv=(("general.alignment", STRING, "32"),)), "general.alignment='32'"),
+    (_gguf(kv=(("k", 99, 0),)), "metadata 'k' has value type 99"),
+    (_gguf(kv=(("k", ARRAY, (ARRAY, [(U8, [1])])),)), "metadata 'k' is an array of arrays"),
+    (_gguf(kv=(("k", STRING, "x"), ("k", STRING, "y"))), "metadata key 'k' appears twice"),
+    (_gguf(kv=(("k", STRING, b"\xff\xfe"),)), "metadata 'k' is not UTF-8"),
+    (_gguf(tensors=(("a.weight", (32, 2), 99, 0),)), "type 99 (unknown), which this loader does not read"),
+    (_gguf(tensors=(("a.weight", (32, 2), 30, 0),)), "type 30 (BF16)"),
+    (_gguf(tensors=(("a.weight", (32, 2), 26, 0),)), "type 26 (I32)"),  # an integer norm weight
+    (_gguf(tensors=(("a.weight", (32, 2), 0, 0), ("a.weight", (32, 2), 0, 256))), "'a.weight' appears twice"),
+    (_gguf(tensors=(("a.weight", (32, 2), 0, 1 << 40),)), "lies outside the 256 bytes of tensor data"),
+    (_gguf(tensors=(("a.weight", (32, 2), 0, 8),)), "off its 32-byte alignment"),
+    (_gguf(tensors=(("a.weight", (32, 2), 0, 0),), data=100), "lies outside the 100 bytes"),
+    (_gguf(tensors=(("a.weight", (2**31, 2), 0, 0),)), "has dimensions [2147483648, 2]"),
+    (_gguf(tensors=(("a.weight", (1, 1, 1, 1, 1), 0, 0),)), "has 5 dimensions"),
+    (_gguf(tensors=(("a.weight", (30, 2), 2, 0),)), "rows of 30 elements (allowed: a multiple of its block of 32)"),
+    (b"GGUX" + _gguf()[4:], "it does not start with the GGUF magic"),
+])
+def test_a_damaged_header_is_refused_before_mlx_reads_it(write, content, message):
+    path = write(content)
+    with pytest.raises(ModelError, match="is not a readable GGUF file") as exc:
+        gguf.read_gguf(path)  # the header check runs first: MLX never sees the file
+    assert message in str(exc.value) and str(path) in str(exc.value)
+
+
+def test_every_truncation_of_a_file_is_refused(write):
+    whole = _gguf(kv=(("general.architecture", STRING, "llama"), ("toks", ARRAY, (STRING, ["a", "bc"]))))
+    header_end = len(whole) - 256
+    for cut in range(header_end + 255):
+        if cut in range(header_end - (header_end % 32), header_end):  # the padding before the data: a shorter file
+            continue
+        with pytest.raises(ModelError, match="is not a readable GGUF file"):
+            check_gguf(write(whole[:cut]))
+
+
+# -- the metadata, as MLX returns it ----------------------------------------------------------------------
+
+
+def _meta(**overrides) -> dict:
+    base = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+            "llama.attention.head_count_kv": 2, "llama.block_count": 2, "llama.feed_forward_length": 96,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 32, "llama.rope.freq_base": 1e4,
+            "llama.context_length": 128}
+    return {k: (mx.array(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+            for k, v in (base | overrides).items() if v is not None}
+
+
+def _weights(layers: int = 2, ffn: int = 96) -> dict:
+    w = {"token_embd.weight": mx.zeros((32, 64)), "output_norm.weight": mx.zeros((64,))}
+    for i in range(layers):
+        w |= {f"blk.{i}.attn_q.weight": mx.zeros((64, 64)), f"blk.{i}.attn_k.weight": mx.zeros((32, 64)),
+              f"blk.{i}.ffn_gate.weight": mx.zeros((ffn, 64))}
+    return w
+
+
+def test_well_formed_metadata_gives_the_model_args():
+    args = gguf.model_args(_meta(), _weights())
+    assert (args.hidden_size, args.num_hidden_layers, args.num_key_value_heads, args.head_dim) == (64, 2, 2, 16)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"llama.block_count": "thirty"}, "llama.block_count='thirty' (allowed: an integer >= 1)"),
+    ({"llama.block_count": 2**31}, "llama.block_count=2147483648 but the file has tensors of 2 blocks"),
+    ({"llama.block_count": -1}, "llama.block_count=-1 (allowed: an integer >= 1)"),
+    ({"llama.attention.head_count": 0}, "llama.attention.head_count=0"),
+    ({"llama.attention.head_count_kv": 3}, "head_count=4 is not a multiple of head_count_kv=3"),
+    ({"llama.embedding_length": [64, 64]}, "llama.embedding_length=[64, 64]"),
+    ({"llama.feed_forward_length": 2**31}, "blk.0.ffn_gate.weight is 96 x 64 but the metadata"),
+    ({"llama.vocab_size": 33}, "token_embd.weight is 32 x 64"),
+    ({"llama.attention.layer_norm_rms_epsilon": math.nan}, "layer_norm_rms_epsilon=nan (allowed: a finite"),
+    ({"llama.attention.layer_norm_rms_epsilon": -1e-5}, "layer_norm_rms_epsilon=-9.99"),
+    ({"llama.rope.freq_base": 0.0}, "llama.rope.freq_base=0.0"),
+    ({"llama.rope.freq_base": True}, "llama.rope.freq_base=True"),
+    ({"llama.rope.freq_base": math.inf}, "llama.rope.freq_base=inf"),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, "rope.scaling.factor=0.0"),
+    ({"llama.context_length": "8k"}, "llama.context_length='8k'"),
+])
+def test_bad_metadata_is_refused_before_a_model_is_built(overrides, message):
+    with pytest.raises(ModelError) as exc:
+        gguf.model_args(_meta(**overrides), _weights())
+    assert message in str(exc.value)
+
+
+def _tok_meta(**overrides) -> dict:
+    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<|end|>"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": mx.array([1, 1, 1, 3]),
+            "tokenizer.ggml.eos_token_id": mx.array(3), "tokenizer.ggml.pre": "gpt2"}
+    return {k: v for k, v in (base | overrides).items() if v is not None}
+
+
+def test_a_well_formed_tokenizer_is_built():
+    tok = gguf.build_tokenizer(_tok_meta(**{"tokenizer.chat_template": "{{ messages[0]['content'] }}"}))
+    assert tok.encode("ab", add_special_tokens=False) == [2] and 3 in tok.eos_token_ids
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"tokenizer.ggml.tokens": mx.array([1, 2])}, "tokenizer.ggml.tokens is an array of 2 int"),
+    ({"tokenizer.ggml.tokens": "ab"}, "tokenizer.ggml.tokens is 'ab'"),
+    ({"tokenizer.ggml.tokens": ["a", "a", "ab", "x"]}, "holds 1 repeated tokens"),
+    ({"tokenizer.ggml.merges": ["a zz"]}, "do not make a BPE tokenizer"),
+    ({"tokenizer.ggml.token_type": mx.array(1)}, "tokenizer.ggml.token_type is 1"),
+    ({"tokenizer.ggml.token_type": mx.array([1, 1])}, "one integer per token, 4 of them"),
+    ({"tokenizer.ggml.eos_token_id": "2"}, "tokenizer.ggml.eos_token_id='2' (allowed: a token id in 0..3)"),
+    ({"tokenizer.ggml.bos_token_id": mx.array(9)}, "tokenizer.ggml.bos_token_id=9"),
+    ({"tokenizer.chat_template": mx.array(5)}, "tokenizer.chat_template is 5"),
+    ({"tokenizer.ggml.add_bos_token": "false"}, "tokenizer.ggml.add_bos_token='false' (allowed: a boolean)"),
+    ({"tokenizer.chat_template": "{% if %}"}, "does not compile as a Jinja template"),
+])
+def test_bad_tokenizer_metadata_is_refused(overrides, message):
+    with pytest.raises(ModelError) as exc:
+        gguf.build_tokenizer(_tok_meta(**overrides))
+    assert message in str(exc.value)
+
+
+def test_an_empty_chat_template_is_no_template():
+    assert gguf.build_tokenizer(_tok_meta(**{"tokenizer.chat_template": ""})).has_chat_template is False
+
+
+# -- model folders and paths ------------------------------------------------------------------------------
+
+
+def _folder(tmp_path, config: dict, layers: int = 2):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        {f"model.layers.{i}.mlp.up_proj.weight": mx.zeros((2, 2)) for i in range(layers)})
+    return folder
+
+
+def test_a_folder_whose_config_claims_more_layers_than_its_weights_is_refused_before_a_build(tmp_path):
+    """2**31 layers allocated until memory ran out: the weights' own names bound the count."""
+    folder = _folder(tmp_path, {"model_type": "llama", "num_hidden_layers": 2**31})
+    with pytest.raises(ModelError, match=r"num_hidden_layers=2147483648 but the weights hold layers 0 to 1 only"):
+        load(folder)
+
+
+def test_a_folder_config_mlx_lm_cannot_build_is_a_model_error(tmp_path):
+    folder = _folder(tmp_path, {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+                                "num_attention_heads": 0, "intermediate_size": 8, "rms_norm_eps": 1e-5,
+                                "vocab_size": 8})
+    with pytest.raises(ModelError, match=r"could not be loaded by mlx-lm \(ZeroDivisionError"):
+        load(folder)
+
+
+def test_a_damaged_safetensors_file_is_a_model_error(tmp_path):
+    folder = _folder(tmp_path, {"model_type": "llama", "num_hidden_layers": 2})
+    (folder / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ModelError, match=r"model\.safetensors is not a readable safetensors file"):
+        load(folder)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_a_path_that_is_neither_a_file_nor_a_folder_is_refused(tmp_path):
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelError, match="is neither a regular file nor a folder"):
+        load(fifo)
