@@ -828,3 +828,13 @@ def test_a_plan_whose_pages_were_freed_since_is_refused_and_an_unrelated_free_is
     k, _ = cache.pools(0)
     assert float(k[cache.block_table("b")[0], 0, 0, 0]) == 2.0
     assert float(k[cache.block_table("c")[0], 0, 0, 0]) == 5.0
+
+
+def test_padded_block_tables_pad_with_block_zero():
+    """Kernels read whole table rows: a padding column must name a page of the pool (block 0), not -1."""
+    from metal_attn.metadata import AttentionMetadata
+
+    md = AttentionMetadata.build(mx.array([[3, 5], [7, 0]], dtype=mx.int32), mx.array([20, 9], dtype=mx.int32),
+                                 mx.array([0, 1, 2], dtype=mx.int32))
+    assert np.array(md.padded_block_tables(5)).tolist() == [[3, 5, 0, 0, 0], [7, 0, 0, 0, 0]]
+    assert md.padded_block_tables(2) is md.block_tables

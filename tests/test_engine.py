@@ -51,7 +51,10 @@ def _run_arrivals(eng: Engine, prompts, n_tokens, seed: int, check=None) -> list
     """Requests arrive over time (a few per step) until all are queued; then run to the end."""
     rng = random.Random(seed)
     ids, i = [], 0
+    bound = 4 * (len(prompts) + sum(len(p) for p in prompts) + sum(n_tokens))  # a request that never ends fails
     while i < len(prompts) or eng.has_unfinished():
+        bound -= 1
+        assert bound > 0, "the requests did not finish within a step per token (max_tokens not applied?)"
         for _ in range(rng.randrange(0, 4) if i < len(prompts) else 0):
             if i < len(prompts):
                 ids.append(eng.add_request(prompts[i], max_tokens=n_tokens[i]))
@@ -754,3 +757,93 @@ def test_the_engine_keeps_no_per_request_or_unbounded_per_step_history(llama, mo
     assert s["mean_itl_s"] == pytest.approx(np.mean(itls))
     assert eng.stats.steps > 5 and len(eng.stats.completions) == 5
     assert not [k for k, v in vars(eng.stats).items() if isinstance(v, list)]
+
+
+
+# -- the scheduler's policies, one by one (tokens do not depend on them, so token checks cannot see them) --------
+
+
+def _step_engine(llama, **cfg) -> Engine:
+    return _engine(llama, **({"pipeline": False, "compile_decode": False} | cfg))
+
+
+def test_a_decode_row_goes_before_an_older_requests_prefill_chunk(llama):
+    """A prompt still prefilling (admitted first) and a one-token row admitted after it: the row goes first."""
+    eng = _step_engine(llama, max_num_batched_tokens=32)
+    eng.add_request([3] * 50, max_tokens=4)
+    eng.add_request([5], max_tokens=4)
+    eng.step()  # the first 32 tokens of the long prompt fill the budget
+    rows = eng.scheduler.schedule().rows
+    assert [r.num_tokens for r in rows] == [1, 18]
+    mx.synchronize()
+
+
+def test_the_token_budget_holds_exactly(llama):
+    eng = _step_engine(llama, max_num_batched_tokens=16)
+    eng.add_request(list(range(1, 41)), max_tokens=2)
+    assert eng.scheduler.schedule().num_tokens == 16
+
+
+@pytest.mark.parametrize(("order", "victim"), [("newest", "c"), ("largest", "b")])
+def test_preemption_picks_its_victim_by_the_configured_order(llama, order, victim):
+    """a (1 page), b (2 pages), c (1 page) admitted in that order; one spare page. On the first decode step
+    a takes the spare and b needs a page: `newest` gives back c's, `largest` b's own (it holds the most)."""
+    eng = _step_engine(llama, num_blocks=5, preemption_order=order, watermark=0.0)
+    ids = {"a": eng.add_request([7] * 16, max_tokens=3), "b": eng.add_request([8] * 32, max_tokens=3),
+           "c": eng.add_request([9] * 16, max_tokens=3)}
+    preempted = []
+    schedule = eng.scheduler.schedule
+
+    def logged():
+        out = schedule()
+        preempted.extend(r.id for r in out.preempted)
+        return out
+
+    eng.scheduler.schedule = logged
+    eng.step()  # all three prefilled: 4 pages
+    eng.step()  # the first decode step
+    assert preempted[:1] == [ids[victim]]
+    while eng.has_unfinished():
+        eng.step()
+    assert all(eng.completion(i).finish_reason in ("length", "stop") for i in ids.values())
+
+
+@pytest.mark.parametrize(("watermark", "admitted"), [(0.25, False), (0.0, True)])
+def test_admission_leaves_the_watermark_free_while_others_run(llama, watermark, admitted):
+    """16 pages, a quarter of them the watermark: with a request running on 9, one needing 5 more waits."""
+    eng = _step_engine(llama, num_blocks=16, watermark=watermark)
+    eng.add_request([4] * 128, max_tokens=8)  # 8 pages, 9 once its first token is computed
+    eng.step()
+    b = eng.add_request([6] * 80, max_tokens=1)  # 5 pages: 7 are free, 4 of them the watermark
+    rows = eng.scheduler.schedule().rows
+    assert (b in [r.request.id for r in rows]) is admitted
+    mx.synchronize()
+
+
+def test_a_cached_block_is_found_only_through_the_blocks_before_it(llama):
+    """[A, B, x], [C, D, y], then [A, D, z]: D after A is not the D after C (its K/V depend on what came before),
+    so only A is served from the cache; a hash of a block's own tokens would have served D too."""
+    bs = 16
+    a, b, c, d = ([t] * bs for t in (11, 12, 13, 14))
+    eng = _engine(llama)
+    eng.generate([[*a, *b, 21], [*c, *d, 22]], max_tokens=2)
+    (z,) = eng.generate([[*a, *d, 23]], max_tokens=6)
+    assert z.stats.cached_prompt_tokens == bs
+    assert_same_greedy(z.token_ids, reference_greedy(llama, [*a, *d, 23], 6, EOS), TOL, "A D z")
+
+
+def test_a_tiny_top_p_keeps_only_the_most_likely_token(llama):
+    """top_p=0.01 at a high temperature samples the greedy tokens (the other candidates are cut first)."""
+    prompt = [5, 6, 7, 8]
+    greedy = _engine(llama).generate([prompt], max_tokens=8)[0].token_ids
+    (hot,) = _engine(llama).generate([prompt], SamplingParams(temperature=5.0, top_p=0.01, seed=3), max_tokens=8)
+    (wide,) = _engine(llama).generate([prompt], SamplingParams(temperature=5.0, top_p=1.0, seed=3), max_tokens=8)
+    assert hot.token_ids == greedy
+    assert wide.token_ids != greedy  # the temperature does flatten the choice: the test can tell
+
+
+def test_a_length_finish_has_exactly_max_tokens(llama):
+    eng = _engine(llama)
+    outs = eng.generate([[1, 2, 3], [4, 5], [6]], [SamplingParams(logit_bias={t: -1e9 for t in EOS})] * 3,
+                        max_tokens=7)
+    assert [(o.finish_reason, len(o.token_ids)) for o in outs] == [("length", 7)] * 3
