@@ -500,3 +500,22 @@ def test_output_paths_and_empty_names_are_refused_before_anything_runs(tmp_path,
         assert (rc, out) == (2, ""), (argv, rc, err)
         assert message in err, (argv, err)
     assert not (tmp_path / "no").exists()
+
+
+def test_a_ratio_exactly_on_its_floor_passes() -> None:
+    """The floor is the lowest a ratio may read: with margin 0 a run equal to its baseline must pass."""
+    run = {"smoke / s / auto": RunCase("ok", (), {"speedup_vs_mlx_sdpa_ratio": 1.0, "ceiling_fraction_ratio": 0.2})}
+    comp = baselines.compare(_loaded(ENTRIES, 0.5), run, "cpu-2core")  # floors 1.0 and 0.2
+    assert not comp.failed and [r.status for r in comp.rows] == ["ok", "ok"]
+    same = {"smoke / s / auto": RunCase("ok", (), dict(ENTRIES["smoke / s / auto"]))}
+    assert not baselines.compare(_loaded(ENTRIES, 0.0), same, "cpu-2core").failed
+
+
+def test_saved_runs_of_two_cpu_classes_are_not_merged() -> None:
+    """A 2-core and a 4-core run share a backend but not a machine class: one baseline cannot hold both."""
+    def run(threads: int):
+        return baselines.parse_run({"machine": {"backend": "cpu", "cpu_threads": threads},
+                                    "suites": [{"name": "smoke", "results": []}]}, f"cpu{threads}.json")
+
+    with pytest.raises(BaselineError, match="machine class 'cpu-4core'"):
+        baselines.merge_runs([run(2), run(4)])

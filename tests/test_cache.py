@@ -838,3 +838,11 @@ def test_padded_block_tables_pad_with_block_zero():
                                  mx.array([0, 1, 2], dtype=mx.int32))
     assert np.array(md.padded_block_tables(5)).tolist() == [[3, 5, 0, 0, 0], [7, 0, 0, 0, 0]]
     assert md.padded_block_tables(2) is md.block_tables
+
+
+def test_freeing_a_shared_block_twice_in_one_call_drops_both_references():
+    a = BlockAllocator(4)
+    (b,) = a.allocate(1)
+    a.share([b])
+    assert a.free([b, b]) == [b]
+    assert a.refcount(b) == 0 and a.num_free == 4

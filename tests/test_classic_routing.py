@@ -552,3 +552,9 @@ def test_the_plan_says_why_the_keys_as_rows_were_taken_or_not():
         "not taken: no launch of key_rows_launches=[(64, 32, 2)] fits head_size=256")
     assert note(seq_lens=[4096] * 8, dtype="float32", **b8) == []
     assert note(seq_lens=[4096] * 8, device="m5-max", **b8) == []
+
+
+def test_a_grid_exactly_at_the_core_count_takes_the_larger_partition():
+    """4 KV heads x 1 row x 33 partitions of 512 = 132 work items, the H200's 132 cores: enough for 512."""
+    _, row = _classic_row(q_lens=[1], seq_lens=[16500], num_heads=16, num_kv_heads=4, device="h200")
+    assert row.plan.partition_size == 512

@@ -419,3 +419,18 @@ def test_split_defines_and_template():
     assert tp.kernel_template("bfloat16", 128, 16, cfg, 256)[-1] == ("PARTITION_SIZE", 256)
     assert all(name != "PARTITION_SIZE" for name, _ in tp.kernel_template("bfloat16", 128, 16, cfg))
     assert all(p % 32 == 0 for p in tp.TILED_PARTITION_SIZES)  # whole KV tiles of every table's BKV
+
+
+def test_the_selection_cache_tells_settings_and_devices_apart():
+    """A selection is cached per (request, device, settings): another setting, or another device of the same
+    backend, must not get the cached answer."""
+    from metal_attn.plugins import get_registry
+    from metal_attn.settings import get_settings
+
+    decode = _explain(H200, [1], [8192]).request
+    default = get_registry().select(decode, H200, get_settings()).plan.partition_size
+    with override_settings(partition_size=64):
+        assert get_registry().select(decode, H200, get_settings()).plan.partition_size == 64 != default
+    few_cores = get_registry().select(decode, dataclasses.replace(H200, gpu_cores=8), get_settings())
+    assert few_cores.plan.partition_size != default
+    assert get_registry().select(decode, H200, get_settings()).plan.partition_size == default
