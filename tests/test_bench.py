@@ -752,3 +752,18 @@ def test_a_dry_run_of_the_generate_suite_loads_no_model(capsys, monkeypatch):
     assert ("would run generate on cpu: candidates engine, batch_generator against their peers at concurrency 1, 8, "
             "prompts of 32 tokens, 32 generated each, 1 round(s), and the shared-prefix workload (64 tokens shared)"
             ) in out
+
+
+def test_the_generate_suites_id_only_tokenizer_is_one_the_engine_takes():
+    """The GPU model has no vocabulary: the suite's tokenizer passes the engine's tokenizer check (it lacked
+    `encode` and the suite failed on the H100 before generating) and refuses text by name."""
+    from metal_attn.bench.generate import _NoStopTokenizer
+    from metal_attn.engine import Engine, EngineConfig
+    from metal_attn.errors import InvalidInputError
+    from metal_attn.testing.models import tiny_model
+
+    eng = Engine(tiny_model("llama"), _NoStopTokenizer(), EngineConfig(num_blocks=16, block_size=16))
+    (out,) = eng.generate([[1, 2, 3]], max_tokens=4)
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    with pytest.raises(InvalidInputError, match="has no vocabulary"):
+        eng.add_request("text")

@@ -79,6 +79,13 @@ class _NoStopTokenizer:
     eos_token_ids: frozenset[int] = frozenset()
     bos_token = None
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The suite's prompts are token ids; a text prompt is refused (the engine checks a tokenizer has this)."""
+        from metal_attn.errors import InvalidInputError
+
+        raise InvalidInputError(f"prompt={text[:40]!r}: the generate suite's model has no vocabulary (allowed: token "
+                                "ids)")
+
     @property
     def detokenizer(self) -> Any:
         return _NullDetokenizer()
