@@ -15,7 +15,8 @@
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
-#   fuzz     the GPU fuzz (250 seeds)
+#   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
+#            without xdist on an H100)
 #   ncu      ncu (speed of light, occupancy, warp stalls, memory) of our decode call and torch SDPA's on the
 #            three shapes issue #17 still misses, the last of four calls each (benchmarks/ncu_decode_pair.py;
 #            not run yet)
@@ -94,6 +95,7 @@ step() {
 }
 
 xdist() { python3 -c 'import xdist' 2>/dev/null && echo "-n 14" || true; }
+xdist_groups() { python3 -c 'import xdist' 2>/dev/null && echo "--dist loadgroup" || true; }  # the fuzz's compile groups
 
 run_phase() {
   case "$phase" in
@@ -101,7 +103,8 @@ run_phase() {
       # shellcheck disable=SC2046
       step pytest 420 python3 -m pytest -q -rfEx $(xdist) tests/gpu --ignore=tests/gpu/test_fuzz_gpu.py ;;
     fuzz)
-      step fuzz "$STEP_LIMIT" python3 -m pytest -q -rfEx tests/gpu/test_fuzz_gpu.py ;;
+      # shellcheck disable=SC2046
+      step fuzz "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) $(xdist_groups) tests/gpu/test_fuzz_gpu.py ;;
     decode)
       step decode-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
         --candidates "auto,auto[cuda_fused_reduce=1],auto[mma_key_rows=0],torch_sdpa,mlx_sdpa,ceiling" \
