@@ -338,7 +338,7 @@ class Settings(BaseSettings):
             field, var = PROVIDER_TOGGLES[provider_name]
             if getattr(self, field):
                 name = set_by(field)  # the variable the user set (ours or an upstream alias), when it says so
-                if name is not None and _parses_true(os.environ.get(name, "")):
+                if name is not None and _as_bool(os.environ.get(name, "")):
                     return f"disabled by {name}={os.environ[name].strip()}"
                 return f"disabled by {var}"
         if provider_name in self.disabled_providers:
@@ -416,11 +416,12 @@ def set_by(field: str, environ: Mapping[str, str] | None = None) -> str | None:
     return next((spelled[n] for n in names if n in spelled), None)
 
 
-def _parses_true(text: str) -> bool:
+def _as_bool(text: str) -> bool | None:
+    """``text`` read as a boolean setting reads it (``1``, ``true``, ``on``, ...), or None when it is not one."""
     try:
         return TypeAdapter(bool).validate_python(text.strip())
     except ValidationError:
-        return False
+        return None
 
 
 def _check_unknown_env(environ: dict[str, str]) -> list[str]:
@@ -458,13 +459,8 @@ def _check_alias_conflicts(environ: dict[str, str]) -> list[str]:
 def _comparable(field: str, text: str) -> Any:
     """``text`` as the setting ``field`` reads it, where that can be told without the rest of the
     environment (``1`` and ``true`` are one boolean), else the text without its spaces."""
-    annotation = Settings.model_fields[field].annotation
-    if annotation is bool:
-        try:
-            return TypeAdapter(bool).validate_python(text.strip())
-        except ValidationError:
-            pass
-    return text.strip()
+    parsed = _as_bool(text) if Settings.model_fields[field].annotation is bool else None
+    return text.strip() if parsed is None else parsed
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

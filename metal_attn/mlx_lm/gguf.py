@@ -15,7 +15,6 @@ interleaved (GPT-J) layout, so the rows are kept as stored and the model uses
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
+from metal_attn.checks import is_finite_real, is_int
 from metal_attn.errors import ModelError
 from metal_attn.mlx_lm.gguf_header import check_gguf
 
@@ -119,14 +119,14 @@ def architecture(metadata: Mapping[str, Any]) -> str:
 
 def _whole(key: str, value: Any, minimum: int = 1) -> int:
     """A metadata count: an integer >= ``minimum`` (not a bool, a string or a float)."""
-    if type(value) is not int or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ModelError(f"GGUF {key}={value!r} (allowed: an integer >= {minimum})")
     return value
 
 
 def _positive(key: str, value: Any) -> float:
     """A metadata real: finite and > 0 (an epsilon, a RoPE base, a scaling factor)."""
-    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+    if not is_finite_real(value) or value <= 0:
         raise ModelError(f"GGUF {key}={value!r} (allowed: a finite number > 0)")
     return float(value)
 
@@ -316,7 +316,7 @@ def _token_id(metadata: Mapping[str, Any], key: str, vocab: int) -> int | None:
     if key not in metadata:
         return None
     value = meta_value(metadata[key])
-    if type(value) is not int or not 0 <= value < vocab:
+    if not is_int(value) or not 0 <= value < vocab:
         raise ModelError(f"GGUF {key}={value!r} (allowed: a token id in 0..{vocab - 1})")
     return value
 
@@ -330,7 +330,7 @@ def _string_list(metadata: Mapping[str, Any], key: str) -> list[str]:
 
 def _token_types(metadata: Mapping[str, Any], n: int) -> list[int]:
     types = meta_value(metadata.get("tokenizer.ggml.token_type", [1] * n))
-    if not isinstance(types, list) or len(types) != n or not all(type(t) is int for t in types):
+    if not isinstance(types, list) or len(types) != n or not all(is_int(t) for t in types):
         raise ModelError(f"GGUF tokenizer.ggml.token_type is {_describe(types)} (allowed: one integer per token, "
                          f"{n} of them)")
     return types

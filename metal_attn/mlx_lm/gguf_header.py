@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from metal_attn.checks import is_int
 from metal_attn.errors import ModelError
 
 __all__ = ["SUPPORTED_TENSOR_TYPES", "GGUFHeader", "TensorInfo", "check_gguf"]
@@ -201,7 +202,7 @@ def check_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
                 raise r.fail(f"metadata key {key!r} appears twice")
             metadata[key] = _value(r, r.u32(f"the value type of metadata {key!r}"), key)
         alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if type(alignment) is not int or alignment < 8 or alignment % 8 or alignment & (alignment - 1):
+        if not is_int(alignment) or alignment < 8 or alignment % 8 or alignment & (alignment - 1):
             raise r.fail(f"general.alignment={alignment!r} (allowed: a power of two, a multiple of 8)")
         tensors = []
         seen: set[str] = set()

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from metal_attn.checks import is_int
 from metal_attn.errors import ModelError
 from metal_attn.mlx_lm.architectures import supported_model_types
 
@@ -69,7 +70,7 @@ def _check_layer_count(path: Path, config: dict[str, Any]) -> None:
     layers = text.get("num_hidden_layers", config.get("num_hidden_layers"))
     if layers is None:
         return
-    if type(layers) is not int or layers < 1:
+    if not is_int(layers) or layers < 1:
         raise ModelError(f"model={str(path)!r}: config.json has num_hidden_layers={layers!r} (allowed: an integer "
                          ">= 1)")
     found = {int(m.group(1)) for name in _weight_names(path) if (m := _LAYER.search(name))}
