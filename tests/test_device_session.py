@@ -88,7 +88,10 @@ def test_a_dry_run_checks_every_step_of_every_phase(tmp_path):
     got = _dry_run(SCRIPT, tmp_path)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
     checked = [line for line in got.stdout.splitlines() if "[dry run: " in line]
-    assert len(checked) == 17  # 1 + 3 + 2 + 2 + 2 + 1 + 6 steps
+    assert len(checked) == 20  # 1 + 3 + 5 + 2 + 2 + 1 + 6 steps
+    # A step run under `env NAME=VALUE` is checked too (its command after the variables, with --dry-run).
+    assert any("env MLX_CUDA_GRAPH_CACHE_SIZE=1000 python3 -m metal_attn.bench.cli" in line
+               and line.endswith("[dry run: --dry-run]") for line in checked)
     assert not [line for line in checked if "nothing here knows" in line]
     assert got.stdout.count(": ok") == len(checked)
     assert "dry run: every step checked (nothing measured)" in got.stdout
@@ -103,3 +106,16 @@ def test_a_dry_run_finds_a_misspelled_candidate(tmp_path):
     assert got.returncode == 1
     assert "decode/decode-step: FAILED" in got.stdout and "'mlx_sdpaa' is neither" in got.stdout
     assert "failed: decode/decode-step" in got.stdout.splitlines()[-1]
+
+
+def test_a_dry_run_checks_the_command_after_env_variables(tmp_path):
+    """A step run as `env NAME=VALUE COMMAND` has COMMAND checked: a misspelled candidate there fails."""
+    broken = tmp_path / "session.sh"
+    text = SCRIPT.read_text()
+    step = ('env MLX_CUDA_GRAPH_CACHE_SIZE=1000 "${BENCH[@]}" --suite decode-gpu \\\n'
+            '        --pipelined --quiet --markdown --candidates auto,torch_sdpa,')
+    assert step in text
+    broken.write_text(text.replace(step, step.replace("auto,torch_sdpa,", "auto,torch_sdpaa,")))
+    got = _dry_run(broken, tmp_path)
+    assert got.returncode == 1
+    assert "prefill/mixed-graph-cache: FAILED" in got.stdout and "'torch_sdpaa' is neither" in got.stdout

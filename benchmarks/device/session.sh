@@ -11,7 +11,8 @@
 #   decode   decode-gpu with the fused-reducer and keys-as-rows A/Bs, the decode-step suite three times, the
 #            matrix paths' sweep at the plans' own partitions
 #            (issue #17)
-#   prefill  the mixed batches three times, and where a mixed batch's time goes (issue #18)
+#   prefill  the mixed batches three times, where a mixed batch's time goes, and the mixed batches in a
+#            process of their own against after every decode shape (issue #18)
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
@@ -21,7 +22,7 @@
 #            three shapes issue #17 still misses, the last of four calls each (benchmarks/ncu_decode_pair.py;
 #            not run yet)
 #
-# Each step runs under its own time limit (STEP_LIMIT seconds, default 300; the GPU tests 420), cut to
+# Each step runs under its own time limit (STEP_LIMIT seconds, default 300; the GPU tests and decode-step 420), cut to
 # what is left of BUDGET (seconds for the whole command, default 570: a device call holds 600), so a
 # slow step leaves the others their time and the command ends before the device tool's limit; a step
 # with under 30 s left is skipped. A progress line with the elapsed seconds goes before and after each.
@@ -49,6 +50,14 @@ DRY_IMPORT='import importlib.util as u, os, sys; sys.path.insert(0, os.path.dirn
 
 # dry_check COMMAND...: what DRY_RUN=1 runs instead of COMMAND (into the array `check`; `how` says it).
 dry_check() {
+  if [ "$1" = env ]; then  # env NAME=VALUE... COMMAND: check COMMAND, keeping the variables
+    local vars=()
+    shift
+    while [ $# -gt 0 ] && [ "${1#*=}" != "$1" ]; do vars+=("$1"); shift; done
+    dry_check "$@"
+    check=(env "${vars[@]}" "${check[@]}")
+    return
+  fi
   local all="$*"
   if [ "${all#"${BENCH[*]} "}" != "$all" ]; then
     check=("$@" --dry-run) how="--dry-run"
@@ -109,13 +118,24 @@ run_phase() {
       step decode-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
         --candidates "auto,auto[cuda_fused_reduce=1],auto[mma_key_rows=0],torch_sdpa,mlx_sdpa,ceiling" \
         --json "$dir/decode-gpu.json"
-      step decode-step "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --repeat 3 --quiet --markdown \
+      step decode-step 420 "${BENCH[@]}" --suite decode-step --repeat 3 --quiet --markdown \
         --candidates "auto,torch_sdpa,mlx_sdpa,ceiling" --json "$dir/decode-step.json"
       step sweep-matrix "$STEP_LIMIT" python3 benchmarks/sweep_gpu_tuning.py "$dir/sweep-matrix.json" matrix-auto ;;
     prefill)
       step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
         --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"
-      step profile-mixed "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile-mixed.json" ;;
+      step profile-mixed "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile-mixed.json"
+      # The same mixed batches read 0.56-0.59x MLX SDPA at the end of a whole decode-gpu run and 0.77-1.41x
+      # in a process of their own (twenty-fifth session): the process's history, not the suite's code
+      # (docs/bench-h200-prefill.md). Alone; after every decode shape with torch; and so with a larger
+      # MLX CUDA graph cache (MLX_CUDA_GRAPH_CACHE_SIZE: upstream MLX reads it; not checked against 0.32.4).
+      step mixed-alone "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --shapes mixed --repeat 3 --quiet \
+        --markdown --candidates auto,mlx_sdpa --json "$dir/mixed-alone.json"
+      step mixed-after-decode "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
+        --candidates auto,torch_sdpa,mlx_sdpa,ceiling --json "$dir/mixed-after-decode.json"
+      step mixed-graph-cache "$STEP_LIMIT" env MLX_CUDA_GRAPH_CACHE_SIZE=1000 "${BENCH[@]}" --suite decode-gpu \
+        --pipelined --quiet --markdown --candidates auto,torch_sdpa,mlx_sdpa,ceiling \
+        --json "$dir/mixed-graph-cache.json" ;;
     engine)
       step compiled-inputs 60 python3 benchmarks/host_cost_compiled_inputs.py
       step generate "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet \
