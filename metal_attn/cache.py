@@ -39,7 +39,7 @@ from metal_attn.api import (
 )
 from metal_attn.checks import is_integer
 from metal_attn.constants import KERNEL_BLOCK_SIZES
-from metal_attn.device import available_host_memory, current_device
+from metal_attn.device import current_device, memory_limit
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.host_arrays import device_array, padded_base
 from metal_attn.metadata import AttentionMetadata
@@ -407,13 +407,8 @@ class PagedKVCache:
         """Refuse pools larger than the memory there is before allocating them (MLX's CPU backend
         crashes the process on an allocation the machine cannot back): the device's memory, and on
         the CPU backend the host memory still available."""
-        device = current_device()
         total = 2 * self.num_layers * math.prod(shape) * self.dtype.size
-        limit, what = device.memory_bytes, f"this {device.backend} device's memory"
-        if device.backend == "cpu":
-            available = available_host_memory()
-            if available is not None and (limit is None or available < limit):
-                limit, what = available, "the host memory available now (MemAvailable)"
+        limit, what = memory_limit(current_device())
         if limit and total > limit:
             raise InvalidInputError(
                 f"the K/V pools need {total / 2**30:.2f} GiB (2 x num_layers={self.num_layers} x num_blocks="

@@ -16,7 +16,17 @@ import numpy as np
 
 from metal_attn.errors import InvalidInputError
 
-__all__ = ["int_at_least", "is_finite_real", "is_int", "is_integer", "is_real", "is_real_scalar", "ordered_ints"]
+__all__ = [
+    "int_at_least",
+    "is_decimal",
+    "is_finite_real",
+    "is_int",
+    "is_integer",
+    "is_real",
+    "is_real_scalar",
+    "not_unicode_at",
+    "ordered_ints",
+]
 
 
 def is_int(x: object) -> bool:
@@ -42,6 +52,23 @@ def is_real_scalar(x: object) -> bool:
 def is_finite_real(x: object) -> bool:
     """A Python ``int`` or ``float``, not a bool, neither NaN nor infinite."""
     return is_real(x) and math.isfinite(x)
+
+
+def is_decimal(text: str) -> bool:
+    """``text`` is one or more ASCII digits: what ``int(text)`` reads as a count. ``str.isdigit`` also takes
+    '²' (which ``int`` refuses) and other scripts' digits ('١٢', which it reads as 12)."""
+    return text.isascii() and text.isdigit()
+
+
+def not_unicode_at(text: str) -> int | None:
+    """The index of the first character of ``text`` that is no Unicode text (a lone surrogate: what Python
+    makes of bytes in ``sys.argv`` or a file name that are not UTF-8), or ``None``. Tokenizers refuse such
+    strings with errors that do not name the argument."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 def int_at_least(name: str, value: object, low: int = 1) -> int:

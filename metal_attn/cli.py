@@ -547,6 +547,10 @@ def _cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except MetalAttnError as exc:
         parser.error(flagify(str(exc), _FLAGS))
     _check_provider_flag(parser, args.provider)
+    if args.provider is None:
+        from metal_attn.plugins import check_provider_setting
+
+        check_provider_setting()
     con = None if args.json else _console()
     if con is not None:
         con.print(f"metal-attn demo: {len(cfg.prompt_lens)} sequences (prompts {list(cfg.prompt_lens)}, chunk "

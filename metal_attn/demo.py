@@ -25,7 +25,7 @@ from metal_attn import diagnostics
 from metal_attn.api import MX_DTYPES, paged_attention
 from metal_attn.cache import PagedKVCache
 from metal_attn.checks import is_int
-from metal_attn.device import current_device
+from metal_attn.device import current_device, memory_limit
 from metal_attn.errors import InvalidInputError
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.testing.conformance import rel_l2
@@ -84,6 +84,7 @@ class DemoConfig:
                 f"chunk_size={self.chunk_size} must be below the longest prompt ({max(self.prompt_lens)}) "
                 "so that one prompt needs a continuation chunk"
             )
+        _check_working_set(self, schedule(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +176,37 @@ def schedule(cfg: DemoConfig) -> list[list[tuple[int, int]]]:
                 done[i] += take
         steps.append(decodes + chunks)
     return steps
+
+
+def working_set_bytes(cfg: DemoConfig, batches: list[list[tuple[int, int]]]) -> int:
+    """The most memory one step of the demo holds besides the pools, estimated from above: the step's
+    new K/V, queries and outputs in ``cfg.dtype`` plus their float32 copies for the dense check, and the
+    dense check's float32 scores and mask for its largest sequence (MLX's CPU SDPA materialises them)."""
+    item = MX_DTYPES[cfg.dtype].size
+    lens = [0] * len(cfg.prompt_lens)
+    most = 0
+    for batch in batches:
+        n_tok = sum(n for _, n in batch)
+        rows = n_tok * cfg.head_size * (2 * cfg.num_kv_heads * item + cfg.num_heads * (2 * item + 8))
+        scores = 0
+        for seq, n in batch:
+            lens[seq] += n
+            scores = max(scores, n * lens[seq] * (cfg.num_heads * 8 + 1))
+        most = max(most, rows + scores)
+    return most
+
+
+def _check_working_set(cfg: DemoConfig, batches: list[list[tuple[int, int]]]) -> None:
+    """Refuse a demo whose steps need more memory than there is, before allocating anything (MLX's CPU
+    backend crashes the process on an allocation the machine cannot back)."""
+    need = working_set_bytes(cfg, batches)
+    limit, what = memory_limit(current_device())
+    if limit and need > limit:
+        raise InvalidInputError(
+            f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, head_size={cfg.head_size} with "
+            f"prompt_lens={list(cfg.prompt_lens)}: one step of the demo needs about {need / 2**30:.2f} GiB (queries, "
+            f"outputs and the dense check's scores), more than {what}, {limit / 2**30:.2f} GiB "
+            "(allowed: fewer heads, a smaller head size or shorter prompts)")
 
 
 def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:

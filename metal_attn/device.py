@@ -189,6 +189,18 @@ def available_host_memory() -> int | None:
     return None
 
 
+def memory_limit(device: DeviceInfo) -> tuple[int | None, str]:
+    """The most bytes work on ``device`` may take, and what that limit is: the device's memory, and on the
+    CPU backend the host memory still available if that is less (MLX's CPU backend crashes the process
+    on an allocation the machine cannot back). ``(None, ...)`` where neither is known."""
+    limit, what = device.memory_bytes, f"this {device.backend} device's memory"
+    if device.backend == "cpu":
+        available = available_host_memory()
+        if available is not None and (limit is None or available < limit):
+            limit, what = available, "the host memory available now (MemAvailable)"
+    return limit, what
+
+
 def probe() -> DeviceInfo:
     """Probe this machine (no setting overrides applied)."""
     import mlx.core as mx

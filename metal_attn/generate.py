@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from metal_attn.checks import not_unicode_at
 from metal_attn.cli_common import flagify
 
 #: The prompt `metal-attn generate` answers when none is given.
@@ -71,6 +72,10 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     for i, p in enumerate(prompts):
         if not p.strip():
             parser.error(f"--prompt={p!r} (prompt {i}) is empty (allowed: a non-empty text)")
+        at = not_unicode_at(p)
+        if at is not None:
+            parser.error(f"--prompt={p[:60]!r} (prompt {i}): character {at} is no Unicode text, bytes that are not "
+                         "UTF-8 (allowed: UTF-8 text)")
     if args.prompts_file is not None:
         if not args.prompts_file:
             parser.error("--prompts-file='' (allowed: the path of a text file, one prompt per line)")
@@ -107,10 +112,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from metal_attn import diagnostics
     from metal_attn.engine import Engine, EngineConfig, SamplingParams
+    from metal_attn.engine.engine import context_len
     from metal_attn.errors import InvalidInputError, ModelError
     from metal_attn.mlx_lm import inspect_model, load
+    from metal_attn.plugins import check_provider_setting
 
     prompts, labels = _read_prompts(args, parser)
+    check_provider_setting()  # a forced provider that is not registered: before the model loads
     last_seed = args.seed + len(prompts) - 1
     if last_seed >= 2**63:  # before the model loads: the sampler's seed range
         parser.error(f"--seed {args.seed} with {len(prompts)} prompts gives the last prompt seed {last_seed} "
@@ -126,11 +134,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.kv_cache_memory:
             overrides["kv_cache_memory"] = args.kv_cache_memory
         else:
-            need_tokens = sum(len(i) + args.max_tokens for i in ids)
+            cfg = EngineConfig.from_settings(**overrides)
+            # A request past the context is refused below: it sizes no pool (--max-tokens 10**20 made a pool of
+            # 0.2 of memory, seconds and gigabytes, before its error).
+            limit = context_len(model, cfg)
+            need_tokens = sum(min(len(i) + args.max_tokens, limit) for i in ids)
             block = 16
             per_block = inspect_model(model).block_bytes(block)
-            overrides["num_blocks"], pool_source = _pool_blocks(need_tokens, block, per_block,
-                                                                EngineConfig.from_settings(**overrides), len(ids))
+            overrides["num_blocks"], pool_source = _pool_blocks(need_tokens, block, per_block, cfg, len(ids))
         engine = Engine(model, tokenizer, EngineConfig.from_settings(**overrides))
         if not args.kv_cache_memory:
             engine.pool_source = pool_source

@@ -18,6 +18,7 @@ from typing import Any
 import pluggy
 
 from metal_attn import _epoch, hookspecs
+from metal_attn.errors import SettingsError
 from metal_attn.log import get_logger, warn_once
 from metal_attn.registry import Origin, ProviderRegistrar, Registry
 from metal_attn.settings import Settings, get_settings
@@ -192,6 +193,21 @@ def get_registry() -> Registry:
             reg = _registries[key] = build_registry(s)
             _epoch.bump()
         return reg
+
+
+def check_provider_setting() -> None:
+    """Raise `SettingsError` when ``METAL_ATTN_PROVIDER`` (or its alias) names no registered provider: every
+    call would then fail, so commands check it before loading a model or timing anything."""
+    from metal_attn.settings import set_by
+
+    forced = get_settings().provider
+    if not forced:
+        return
+    registered = get_registry().names
+    if forced not in registered:
+        var = set_by("provider") or "METAL_ATTN_PROVIDER"
+        raise SettingsError(f"{var}={forced!r} names no registered provider (allowed: "
+                            f"{', '.join(registered) or 'none'}, or unset for the registry's choice)")
 
 
 def reset_registry() -> None:

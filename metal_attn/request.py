@@ -227,6 +227,12 @@ class AttentionRequest:
             if not 1 <= q <= s:
                 raise InvalidInputError(f"sequence {i}: q_len={q}, seq_len={s} (allowed: 1 <= q_len <= seq_len; "
                                         "seq_len counts this step's tokens)")
+            if s > _INT32_MAX:
+                raise InvalidInputError(f"sequence {i}: seq_len={s} (allowed: at most {_INT32_MAX}: the metadata and "
+                                        "the kernels hold positions in int32)")
+        if sum(q_lens) > _INT32_MAX:
+            raise InvalidInputError(f"q_lens sum to {sum(q_lens)} query rows (allowed: at most {_INT32_MAX}: the "
+                                    "metadata's cu_seqlens_q is int32)")
         for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_size", head_size),
                             ("block_size", block_size)):
             if not is_integer(value) or value < 1:

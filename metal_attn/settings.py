@@ -26,6 +26,7 @@ from pydantic import AliasChoices, Field, TypeAdapter, ValidationError, field_va
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from metal_attn import _epoch
+from metal_attn.checks import is_decimal
 from metal_attn.errors import SettingsError, SettingsWarning
 
 PREFIX = "METAL_ATTN_"
@@ -220,7 +221,8 @@ class Settings(BaseSettings):
     backend_override: Literal["metal", "cuda", "cpu"] | None = Field(
         None,
         validation_alias=_env("backend_override"),
-        description="Pretend to run on this backend (routing inspection only).",
+        description=("Pretend to run on this backend (routing inspection only; `metal-attn bench` refuses another "
+                     "backend than the real one)."),
     )
     gpu_cores: int | None = Field(
         None, ge=1, le=4096, validation_alias=_env("gpu_cores"), description="Override the GPU core count."
@@ -316,7 +318,7 @@ class Settings(BaseSettings):
     @field_validator("partition_size", "tiled_partition_size", "mma_stage_pad", mode="before")
     @classmethod
     def _digits_are_numbers(cls, v: Any) -> Any:
-        return int(v) if isinstance(v, str) and v.strip().lstrip("-").isdigit() else v
+        return int(v) if isinstance(v, str) and is_decimal(v.strip().removeprefix("-")) else v
 
     @field_validator("provider", "gpu_architecture", "gpu_name", "macos_version", "cache_dir", "backend_override",
                      "gpu_cores", "max_threadgroup_memory", "cpu_threads", "kv_cache_memory", "compile_decode",

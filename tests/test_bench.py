@@ -286,6 +286,9 @@ def test_wrong_outputs_and_crashes_fail_the_run(tmp_path, capsys, monkeypatch) -
          "suite='nope' is unknown (known: decode-gpu, prefill-gpu, gqa-gpu, decode-cpu, prefill-cpu, decode-step, "
          "decode-step-cpu, smoke)"),
         (["--suite", "smoke", "--shapes", "zzz"], "--shapes 'zzz' matches no shape of suite 'smoke'"),
+        # ',' and ' ' selected every shape without a word
+        (["--suite", "smoke", "--shapes", ","], "--shapes ',' holds no pattern"),
+        (["--suite", "smoke", "--shapes", " "], "--shapes ' ' holds no pattern"),
         # a typo or a half-written variant measured nothing, shape after shape, and exited 0
         (["--suite", "smoke", "--candidates", "bogus"],
          "--candidates 'bogus' is neither a registered provider nor a candidate of suite 'smoke'"),
@@ -316,6 +319,17 @@ def test_list_names_every_suite(capsys) -> None:
 
     assert "\ngenerate (any; a model against mlx-lm" in out  # the suite of another kind is listed too
     assert all(name in out for name in generate.RUNNERS)
+
+
+def test_list_with_suites_lists_those_and_refuses_an_unknown_one(capsys) -> None:
+    """``--list --suite nope`` listed every suite and exited 0."""
+    assert cli.main(["--list", "--suite", "smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("smoke (") and "decode-gpu" not in out and "\ngenerate (" not in out
+    assert cli.main(["--list", "--suite", "generate"]) == 0
+    assert capsys.readouterr().out.startswith("generate (any;")
+    assert cli.main(["--list", "--suite", "nope"]) == 2
+    assert "--list --suite 'nope': no such suite (known: decode-gpu," in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch) -> None:
@@ -492,14 +506,16 @@ def test_generate_suite_refuses_an_unknown_candidate_before_loading_a_model(caps
             "engine_no_chains, batch_generator, generate_step)") in err
 
 
-@pytest.mark.parametrize("value", ["0", "abc", "1.5", "nan", "1,,8", "-2", ""])
+@pytest.mark.parametrize("value", ["0", "abc", "1.5", "nan", "1,,8", "-2", "", "\u00b2", "\u0661\u0662", "4097",
+                                   "99999999999"])
 def test_generate_suite_refuses_a_bad_concurrency_before_loading_a_model(capsys, monkeypatch, value):
-    """``0`` used to fail with an IndexError after the model loaded, ``''`` to run the defaults (25 min)."""
+    """``0`` used to fail with an IndexError after the model loaded, ``''`` to run the defaults (25 min); '²'
+    raised a ValueError traceback, Arabic-Indic '١٢' ran as 12, 99,999,999,999 built prompts past 5 GB."""
     from metal_attn.bench import generate
 
     monkeypatch.setattr(generate, "load_bench_model", lambda *a: pytest.fail("the model was loaded"))
     assert cli.main(["--suite", "generate", "--concurrency", value]) == 2
-    assert f"--concurrency {value!r} (allowed: whole numbers >= 1, comma-separated" in capsys.readouterr().err
+    assert f"--concurrency {value!r} (allowed: whole numbers from 1 to 4096, comma-separated" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "expect"), [
@@ -767,3 +783,20 @@ def test_the_generate_suites_id_only_tokenizer_is_one_the_engine_takes():
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
     with pytest.raises(InvalidInputError, match="has no vocabulary"):
         eng.add_request("text")
+
+
+def test_bench_refuses_a_backend_override_it_would_not_time(capsys, tmp_path):
+    """METAL_ATTN_BACKEND_OVERRIDE=cuda on this CPU ran the GPU suite here for minutes, and --write-baseline
+    wrote a baseline of machine class 'cuda-cpu' from CPU timings. A dry run still checks a GPU plan."""
+    from metal_attn.device import detect_backend
+
+    other = "cuda" if detect_backend() != "cuda" else "metal"
+    out = tmp_path / "b.json"
+    with override_settings(backend_override=other):
+        assert cli.main(["--suite", "smoke", "--quiet", "--write-baseline", str(out)]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"METAL_ATTN_BACKEND_OVERRIDE='{other}', but bench times the backend MLX computes on here" in err
+        assert not out.exists()
+        assert cli.main(["--suite", "smoke", "--dry-run"]) == 0
+    with override_settings(backend_override=detect_backend()):  # naming the real backend changes nothing
+        assert cli.main(["--suite", "smoke", "--dry-run"]) == 0

@@ -495,7 +495,7 @@ def test_pools_larger_than_the_device_are_refused_before_allocating():
 def test_pools_larger_than_the_available_host_memory_are_refused(monkeypatch):
     if ma.device.current_device().backend != "cpu":
         pytest.skip("the available-memory bound is the CPU backend's")
-    monkeypatch.setattr(ma.cache, "available_host_memory", lambda: 1 << 20)  # 1 MiB left
+    monkeypatch.setattr(ma.device, "available_host_memory", lambda: 1 << 20)  # 1 MiB left
     with pytest.raises(InvalidInputError, match=r"more than the host memory available now \(MemAvailable\), 0.00 GiB"):
         _cache(num_blocks=1024, head_size=64)
     _cache()  # 8 KiB of pools still fit

@@ -9,6 +9,7 @@ temporary directory, so that an installed package is the one imported.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata as md
 import importlib.util
@@ -523,6 +524,31 @@ def test_demo_forced_provider_refusal_is_an_error_not_a_crash(capsys):
     assert code == 1 and "reference" in err
 
 
+def test_demo_too_large_for_memory_is_refused_before_any_allocation(capsys):
+    """A million query heads: about 228 GiB a step. MLX's CPU backend crashed the process (exit 139, no
+    message) allocating the queries; now the flags are named first."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--heads", "1000000", "--kv-heads", "1", "--layers", "1", "--steps", "2"])
+    assert exc.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--heads=1000000, --kv-heads=1, --head-size=64" in err and "one step of the demo needs about" in err
+    assert "(allowed: fewer heads, a smaller head size or shorter prompts)" in err
+
+
+def test_the_demo_s_working_set_estimate_bounds_its_largest_step():
+    """The estimate grows with the heads and the prompts, and is a bound on what a step holds: the
+    float32 scores of the longest prompt's last chunk alone (heads x rows x keys x 4 bytes) fit within it."""
+    from metal_attn.demo import DemoConfig, schedule, working_set_bytes
+
+    base = DemoConfig()
+    ws = working_set_bytes(base, schedule(base))
+    assert ws >= base.num_heads * (150 - 96) * 150 * 4
+    wider = dataclasses.replace(base, num_heads=16)
+    assert working_set_bytes(wider, schedule(wider)) > ws
+    longer = dataclasses.replace(base, prompt_lens=(37, 90, 300))
+    assert working_set_bytes(longer, schedule(longer)) > ws
+
+
 # -- bench -----------------------------------------------------------------------------------------
 
 
@@ -672,6 +698,21 @@ def test_bench_runs_the_real_benchmark_module_when_present(capsys):
     assert out.strip()
 
 
+def test_a_prompt_that_is_not_utf8_is_refused_before_the_model_loads(capsys):
+    """``--prompt $'caf\\xe9'``: Python keeps the byte as a lone surrogate, which the tokenizer refused with a
+    TypeError and a traceback after the model had loaded."""
+    import argparse
+
+    from metal_attn.generate import _read_prompts
+
+    parser = argparse.ArgumentParser(prog="metal-attn generate")
+    with pytest.raises(SystemExit) as exc:
+        _read_prompts(argparse.Namespace(prompt=["ok", "caf\udce9"], prompts_file=None), parser)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--prompt='caf\\udce9' (prompt 1): character 3 is no Unicode text" in err and "(allowed: UTF-8 text)" in err
+
+
 def test_a_prompts_file_that_is_not_text_is_refused_naming_the_flag(tmp_path, capsys):
     """It raised UnicodeDecodeError with a traceback."""
     import argparse
@@ -757,3 +798,22 @@ def test_a_reader_of_stderr_that_goes_away_is_not_success(tmp_path):
     finally:
         os.close(write_end)
     assert done.returncode == 1
+
+
+@pytest.mark.parametrize("argv", [["generate", "--max-tokens", "2"], ["bench", "--suite", "smoke", "--quiet"],
+                                  ["bench", "--suite", "smoke", "--dry-run"], ["demo", "--steps", "2"]])
+def test_a_forced_provider_that_is_not_registered_is_refused_before_any_work(capsys, monkeypatch, argv):
+    """METAL_ATTN_PROVIDER=nope: generate loaded the model then exited 1 naming `provider=`, bench smoke
+    exited 0 with every `auto` refused, and its dry run said every name was checked."""
+    import metal_attn.mlx_lm as mlx_lm_pkg
+
+    monkeypatch.setattr(mlx_lm_pkg, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setenv("METAL_ATTN_PROVIDER", "nope")
+    reload_settings()
+    try:
+        code, _, err = run(capsys, *argv)
+    finally:
+        monkeypatch.delenv("METAL_ATTN_PROVIDER")
+        reload_settings()
+    assert code == 2
+    assert "METAL_ATTN_PROVIDER='nope' names no registered provider (allowed: " in " ".join(err.split())

@@ -196,7 +196,12 @@ def test_a_request_that_cannot_be_admitted_into_an_idle_pool_raises_instead_of_s
         ({"prompt": [1, 999]}, r"prompt token id 999 is out of range \(allowed: 0..255\)"),
         ({"prompt": [1], "max_tokens": 0}, r"max_tokens=0 \(allowed: an int >= 1\)"),
         ({"prompt": [1], "sampling": SamplingParams(temperature=-1)}, "temperature=-1"),
-        ({"prompt": [1], "sampling": SamplingParams(top_p=0)}, r"top_p=0 \(allowed: a number in \(0, 1\]"),
+        ({"prompt": [1], "sampling": SamplingParams(top_p=0)}, r"top_p=0 \(allowed: a number in \[1e-30, 1\]"),
+        # 1e-46 is 0 in float32: the request sampled from the whole vocabulary (garbage text, no error)
+        ({"prompt": [1], "sampling": SamplingParams(top_p=1e-46)}, r"top_p=1e-46 \(allowed: a number in \[1e-30"),
+        # a lone surrogate (argv bytes that were not UTF-8): the tokenizer raised a TypeError naming nothing
+        ({"prompt": "caf\udce9"}, r"prompt='caf\\udce9': character 3 \('\\udce9'\) is no Unicode text"),
+        ({"prompt": [1], "stop": ["\udce9"]}, r"allowed: non-empty strings of Unicode text"),
         ({"prompt": [1], "sampling": SamplingParams(seed=-3)}, "seed=-3"),
         ({"prompt": [1], "stop": [""]}, "stop="),
         ({"prompt": [1], "stop": 123}, r"stop=123 \(allowed: a non-empty string, an iterable of them, or None\)"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 
 import mlx.core as mx
@@ -214,6 +215,26 @@ def test_a_folder_whose_config_claims_more_layers_than_its_weights_is_refused_be
     folder = _folder(tmp_path, {"model_type": "llama", "num_hidden_layers": 2**31})
     with pytest.raises(ModelError, match=r"num_hidden_layers=2147483648 but the weights hold layers 0 to 1 only"):
         load(folder)
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), [
+    ("rope_theta", float("nan"), "rope_theta=nan"), ("rope_theta", -1.0, "rope_theta=-1.0"),
+    ("rms_norm_eps", 0, "rms_norm_eps=0"), ("rope_theta", "1e4", "rope_theta='1e4'"),
+    ("rope_theta", True, "rope_theta=True")])
+def test_a_folder_config_with_a_rope_base_or_norm_epsilon_that_is_not_positive_is_refused(tmp_path, field, value,
+                                                                                          shown):
+    """A tiny llama with rope_theta NaN or -1 loaded without a word and generated "[UNK]" from then on."""
+    config = {"model_type": "llama", "num_hidden_layers": 2, "rope_theta": 10000.0, field: value}
+    folder = _folder(tmp_path, config)
+    with pytest.raises(ModelError, match=rf"config.json has {re.escape(shown)} \(allowed: a finite number > 0\)"):
+        load(folder)
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    folder.rename(nested / "model")
+    config = {"model_type": "llama", "num_hidden_layers": 2, "text_config": {field: value}}
+    (nested / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=rf"text_config\.{re.escape(shown)}"):
+        load(nested / "model")
 
 
 def test_a_folder_config_mlx_lm_cannot_build_is_a_model_error(tmp_path):

@@ -56,6 +56,9 @@ def test_decode_prefix_is_counted():
     ({"q_lens": [], "seq_lens": []}, "non-empty"),
     ({"q_lens": [1, 4], "seq_lens": [5, 3]}, r"sequence 1: q_len=4, seq_len=3 \(allowed: 1 <= q_len <= seq_len"),
     ({"q_lens": [0], "seq_lens": [5]}, r"sequence 0: q_len=0, seq_len=5"),
+    # explain chose classic for 10**20 tokens, which no metadata (int32 positions) can hold
+    ({"q_lens": [1, 1], "seq_lens": [5, 2**31]}, r"sequence 1: seq_len=2147483648 \(allowed: at most 2147483647"),
+    ({"q_lens": [2**30, 2**30], "seq_lens": [2**30, 2**30]}, r"q_lens sum to 2147483648 query rows"),
     ({"q_lens": [1], "seq_lens": [5], "num_heads": 6, "num_kv_heads": 4},
      r"num_heads=6 is not a multiple of num_kv_heads=4"),
     ({"q_lens": [1], "seq_lens": [5], "head_size": 0}, r"head_size=0 \(allowed: an int >= 1\)"),

@@ -29,7 +29,7 @@ from metal_attn.bench.core import (
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
 from metal_attn.cli_common import guarded, int_flag
 from metal_attn.device import current_device
-from metal_attn.plugins import get_registry
+from metal_attn.plugins import check_provider_setting, get_registry
 
 SCHEMA = "metal-attn-bench/1"
 
@@ -395,12 +395,17 @@ def to_json(suites: Sequence[SuiteResult], machine: dict[str, Any], argv: Sequen
     return out
 
 
-def list_suites(file: TextIO) -> None:
+def list_suites(file: TextIO, names: Sequence[str] | None = None) -> None:
+    """The suites (``names`` only, when given), their candidates and shapes."""
     for s in SUITES.values():
+        if names is not None and s.name not in names:
+            continue
         print(f"{s.name} ({s.target}; warmup {s.warmup}, iters {s.iters}; {s.runtime}): {s.description}", file=file)
         print(f"  candidates: {', '.join(s.candidates)}", file=file)
         for sh in s.shapes:
             print(f"  - {sh.label}", file=file)
+    if names is not None and "generate" not in names:
+        return
     from metal_attn.bench import generate
 
     print(f"generate (any; {GENERATE_RUNTIME}): the engine against mlx-lm's BatchGenerator and generate_step on "
@@ -517,7 +522,13 @@ def run(args: argparse.Namespace) -> int:
     """Run the ``bench`` command; returns the exit code (0 ok, 1 a candidate failed or disagreed, 2 bad usage)."""
     err = sys.stderr
     if getattr(args, "list", False):
-        list_suites(sys.stdout)
+        names = [n for v in args.suite for n in _csv(v)] if args.suite else None
+        unknown = [n for n in names or () if n not in SUITES and n != "generate"]
+        if unknown or names == []:
+            print(f"metal-attn bench: error: --list --suite {unknown[0] if unknown else ''!r}: no such suite (known: "
+                  f"{', '.join([*SUITES, 'generate'])})", file=err)
+            return 2
+        list_suites(sys.stdout, names)
         return 0
     early = _check_usage(args, err)
     if early is not None:
@@ -529,6 +540,11 @@ def run(args: argparse.Namespace) -> int:
                   "(run it without --dry-run)", file=err)
             return 2
         return _from_saved_run(args, err)
+    if not dry_run:
+        early = _check_backend_override(err)
+        if early is not None:
+            return early
+    check_provider_setting()  # METAL_ATTN_PROVIDER naming no provider: every candidate would be refused
     compare_to, early = _baseline_options(args, err)
     if early is not None:
         return early
@@ -563,7 +579,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"metal-attn bench: error: --suite {','.join(misplaced)} needs a GPU backend (this is {backend}; "
               f"allowed here: {', '.join(s.name for s in SUITES.values() if s.target != 'gpu')})", file=err)
         return 2
-    patterns = _csv(args.shapes) if args.shapes else None
+    patterns = _csv(args.shapes) if args.shapes is not None else None
+    if patterns is not None and not any(patterns):  # ',' or ' ' used to select every shape
+        print(f"metal-attn bench: error: --shapes {args.shapes!r} holds no pattern (allowed: labels or globs, "
+              "comma-separated, e.g. decode,b8)", file=err)
+        return 2
+    patterns = [p for p in patterns if p] if patterns is not None else None
     chosen = [(s, s.select(patterns)) for s in suites]
     for s, shapes in chosen:
         if not shapes:
@@ -865,6 +886,22 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def _check_backend_override(err: TextIO) -> int | None:
+    """Exit code 2 when ``METAL_ATTN_BACKEND_OVERRIDE`` names another backend than the one MLX computes on:
+    the override is for routing inspection; a bench run under it timed the CPU under a GPU's suites and wrote
+    baselines of a ``cuda-cpu`` machine class."""
+    from metal_attn.device import detect_backend
+    from metal_attn.settings import get_settings
+
+    override, real = get_settings().backend_override, detect_backend()
+    if override is None or override == real:
+        return None
+    print(f"metal-attn bench: error: METAL_ATTN_BACKEND_OVERRIDE={override!r}, but bench times the backend MLX "
+          f"computes on here, {real!r} (allowed: the variable unset or {real!r}; the override is for routing "
+          "inspection: metal-attn explain --device, or --dry-run)", file=err)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

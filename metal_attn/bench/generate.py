@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
-from metal_attn.checks import is_int
+from metal_attn.checks import is_decimal, is_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.engine import EngineConfig
@@ -233,7 +233,7 @@ def _candidates(spec: str | None) -> list[str]:
     names = [c.strip() for c in spec.split(",") if c.strip()] if spec else list(DEFAULT_CANDIDATES)
     unknown = [c for c in names if c not in RUNNERS]
     if unknown:
-        print(f"metal-attn bench: --candidates {spec!r}: {', '.join(unknown)} unknown for the generate suite "
+        print(f"metal-attn bench: error: --candidates {spec!r}: {', '.join(unknown)} unknown for the generate suite "
               f"(allowed: {', '.join(RUNNERS)})", file=sys.stderr)
         raise SystemExit(2)
     return names
@@ -360,6 +360,11 @@ def format_row(r: GenerateResult) -> str:
             f"{r.generation_tps:,.1f} | {r.e2e_tps:,.1f} | {ttft} | {r.peak_memory_bytes / 2**30:.2f} |")
 
 
+#: The most requests one ``--concurrency`` entry may run: the suite builds every request's prompt up front
+#: (99,999,999,999 grew past 5 GB before failing), and the peers batch them all at once.
+MAX_CONCURRENCY = 4096
+
+
 HEADER = ("| workload | concurrency | candidate | prompt | generated each | generation tok/s | end-to-end tok/s | "
           "mean TTFT ms | peak GiB |\n|---|---|---|---|---|---|---|---|---|")
 
@@ -369,7 +374,7 @@ def _concurrencies(text: str | None, backend: str) -> list[int] | None:
     if text is None:
         text = "1,8,32,64" if backend != "cpu" else "1,8,32"
     items = [x.strip() for x in text.split(",")]
-    if not items or not all(x.isdigit() and int(x) >= 1 for x in items):
+    if not items or not all(is_decimal(x) and 1 <= int(x) <= MAX_CONCURRENCY for x in items):
         return None
     return [int(x) for x in items]
 
@@ -402,8 +407,8 @@ def run(args: Any) -> int:
     backend = current_device().backend
     concurrencies = _concurrencies(args.concurrency, backend)
     if concurrencies is None:
-        print(f"metal-attn bench: error: --concurrency {args.concurrency!r} (allowed: whole numbers >= 1, "
-              "comma-separated, e.g. 1,8,32)", file=sys.stderr)
+        print(f"metal-attn bench: error: --concurrency {args.concurrency!r} (allowed: whole numbers from 1 to "
+              f"{MAX_CONCURRENCY}, comma-separated, e.g. 1,8,32)", file=sys.stderr)
         return 2
     prompt_len = args.prompt_len or (512 if backend != "cpu" else 32)
     gen = args.gen_tokens or (128 if backend != "cpu" else 32)

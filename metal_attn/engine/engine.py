@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from metal_attn.checks import int_at_least, is_int, ordered_ints
+from metal_attn.checks import int_at_least, is_int, not_unicode_at, ordered_ints
 from metal_attn.device import current_device
 from metal_attn.engine.block_manager import BlockManager
 from metal_attn.engine.config import EngineConfig
@@ -91,6 +91,12 @@ def model_max_len(model: nn.Module) -> int | None:
     return None
 
 
+def context_len(model: nn.Module, config: EngineConfig) -> int:
+    """The most tokens (prompt and generated) one request may hold: ``config.max_model_len``, else what
+    the model declares, else 8,192."""
+    return config.max_model_len or model_max_len(model) or 8192
+
+
 class Engine:
     """Serve requests on ``model`` (an mlx-lm model) with ``tokenizer`` (mlx-lm's `TokenizerWrapper`).
 
@@ -115,7 +121,7 @@ class Engine:
                 "mlx_lm.tokenizer_utils.TokenizerWrapper(tokenizer))")
         self.tokenizer = tokenizer
         cfg = self.config
-        self.max_model_len = cfg.max_model_len or model_max_len(model) or 8192
+        self.max_model_len = context_len(model, cfg)
         shape = inspect_model(model)
         block_bytes = shape.block_bytes(cfg.block_size)
         num_blocks, self.pool_source = cfg.pool_blocks(block_bytes, current_device().memory_bytes, self.max_model_len)
@@ -210,8 +216,8 @@ class Engine:
         if stop is not None and not isinstance(stop, (str, Iterable)):
             raise InvalidInputError(f"stop={stop!r} (allowed: a non-empty string, an iterable of them, or None)")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise InvalidInputError(f"stop={stop!r} (allowed: non-empty strings)")
+        if any(not isinstance(s, str) or not s or not_unicode_at(s) is not None for s in stops):
+            raise InvalidInputError(f"stop={stop!r} (allowed: non-empty strings of Unicode text)")
         ids = self._prompt_ids(prompt, label)
         total = len(ids) + max_tokens
         if total > self.max_model_len:
@@ -233,6 +239,11 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidInputError(f"{label}='' (allowed: a non-empty text or a non-empty list of token ids)")
+            at = not_unicode_at(prompt)
+            if at is not None:
+                raise InvalidInputError(
+                    f"{label}={prompt[:60]!r}: character {at} ({prompt[at]!r}) is no Unicode text (bytes that were not "
+                    "UTF-8?) (allowed: Unicode text, or a list of token ids)")
             bos = getattr(self.tokenizer, "bos_token", None)
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
         else:

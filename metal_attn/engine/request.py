@@ -60,8 +60,9 @@ class SamplingParams:
         if not is_finite_real(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
             raise InvalidInputError(f"temperature={self.temperature!r} (allowed: 0 (greedy), or a number >= "
                                     f"{MIN_TEMPERATURE:g}: the logits are divided by it in float32)")
-        if not is_finite_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidInputError(f"top_p={self.top_p!r} (allowed: a number in (0, 1]; 1 disables it)")
+        if not is_finite_real(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
+            raise InvalidInputError(f"top_p={self.top_p!r} (allowed: a number in [{MIN_TOP_P:g}, 1]; 1 disables it; "
+                                    "it is compared in float32)")
         if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidInputError(f"top_k={self.top_k!r} (allowed: an int >= 0; 0 disables it)")
         if not is_finite_real(self.min_p) or not 0 <= self.min_p < 1:
@@ -93,6 +94,11 @@ class SamplingParams:
 #: The smallest positive temperature: sampled logits are multiplied by 1 / temperature in float32, which
 #: overflows below about 2.9e-39 (the request then samples uniformly at random).
 MIN_TEMPERATURE = 1e-30
+
+#: The smallest top-p: the sampler compares it in float32, where values below about 1.4e-45 are 0 and a
+#: request with top-p 0 sampled from the whole vocabulary (mlx-lm's ``apply_top_p``); 1e-30 keeps it far
+#: from that edge, and below it every value keeps the one most likely token.
+MIN_TOP_P = 1e-30
 
 
 @dataclasses.dataclass(eq=False)

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
-from metal_attn.checks import is_finite_real, is_int
+from metal_attn.checks import is_decimal, is_finite_real, is_int
 from metal_attn.errors import ModelError
 from metal_attn.mlx_lm.gguf_header import check_gguf
 
@@ -197,7 +197,7 @@ def model_args(metadata: Mapping[str, Any], weights: Mapping[str, mx.array]) -> 
         raise ModelError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens; one is needed")
     context = get("context_length")
     blocks = _whole(f"{arch}.block_count", _require(metadata, f"{arch}.block_count"))
-    layers = {int(n.split(".")[1]) for n in weights if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    layers = {int(n.split(".")[1]) for n in weights if n.startswith("blk.") and is_decimal(n.split(".")[1])}
     if len(layers) != blocks or max(layers) != blocks - 1:  # 0..blocks-1; checked before ModelArgs (a list per layer)
         raise ModelError(f"GGUF {arch}.block_count={blocks} but the file has tensors of {len(layers)} blocks "
                          f"(blk.0 to blk.{max(layers, default=-1)})")
@@ -235,7 +235,7 @@ def mlx_name(gguf_name: str) -> str:
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
+    if len(parts) == 3 and parts[0] == "blk" and is_decimal(parts[1]) and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
     raise ModelError(
         f"GGUF tensor {gguf_name!r} has no llama counterpart; allowed: {', '.join(_TOP_LEVEL_NAMES)} and "

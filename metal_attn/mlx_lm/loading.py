@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from metal_attn.checks import is_int
+from metal_attn.checks import is_finite_real, is_int
 from metal_attn.errors import ModelError
 from metal_attn.mlx_lm.architectures import supported_model_types
 
@@ -57,6 +57,23 @@ def _check_folder_files(path: Path) -> None:
         raise ModelError(f"model={str(path)!r} has no *.safetensors weights (allowed: a complete mlx-lm or Hugging "
                          "Face model folder: config.json, the weights and the tokenizer files)")
     _check_layer_count(path, config_data)
+    _check_positive_reals(path, config_data)
+
+
+#: config.json fields the attention and norms divide or exponentiate by: where present, each must be a
+#: finite number > 0. ``rope_theta`` NaN or -1 loaded without a word and generated "[UNK]" from then on.
+POSITIVE_REALS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+
+
+def _check_positive_reals(path: Path, config: dict[str, Any]) -> None:
+    for part, fields in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(fields, dict):
+            continue
+        for name in POSITIVE_REALS:
+            value = fields.get(name)
+            if value is not None and not (is_finite_real(value) and value > 0):
+                raise ModelError(f"model={str(path)!r}: config.json has {part}{name}={value!r} (allowed: a finite "
+                                 "number > 0)")
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
