@@ -39,7 +39,7 @@ from metal_attn.api import (
 )
 from metal_attn.checks import is_integer
 from metal_attn.constants import KERNEL_BLOCK_SIZES
-from metal_attn.device import current_device, memory_limit
+from metal_attn.device import memory_shortfall
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
 from metal_attn.host_arrays import device_array, padded_base
 from metal_attn.metadata import AttentionMetadata
@@ -408,13 +408,13 @@ class PagedKVCache:
         crashes the process on an allocation the machine cannot back): the device's memory, and on
         the CPU backend the host memory still available."""
         total = 2 * self.num_layers * math.prod(shape) * self.dtype.size
-        limit, what = memory_limit(current_device())
-        if limit and total > limit:
+        short = memory_shortfall(total)
+        if short:
             raise InvalidInputError(
                 f"the K/V pools need {total / 2**30:.2f} GiB (2 x num_layers={self.num_layers} x num_blocks="
                 f"{self.num_blocks} x block_size={self.block_size} x num_kv_heads={self.num_kv_heads} x head_size="
-                f"{self.head_size} x {self.dtype.size} bytes of {dtype_name(self.dtype)}), more than {what}, "
-                f"{limit / 2**30:.2f} GiB (allowed: pools that fit; fewer num_blocks, or a smaller KV memory budget)"
+                f"{self.head_size} x {self.dtype.size} bytes of {dtype_name(self.dtype)}), {short} (allowed: pools "
+                "that fit; fewer num_blocks, or a smaller KV memory budget)"
             )
 
     @staticmethod

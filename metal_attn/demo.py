@@ -25,7 +25,7 @@ from metal_attn import diagnostics
 from metal_attn.api import MX_DTYPES, paged_attention
 from metal_attn.cache import PagedKVCache
 from metal_attn.checks import is_int
-from metal_attn.device import current_device, memory_limit
+from metal_attn.device import current_device, memory_shortfall
 from metal_attn.errors import InvalidInputError
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.testing.conformance import rel_l2
@@ -200,13 +200,13 @@ def _check_working_set(cfg: DemoConfig, batches: list[list[tuple[int, int]]]) ->
     """Refuse a demo whose steps need more memory than there is, before allocating anything (MLX's CPU
     backend crashes the process on an allocation the machine cannot back)."""
     need = working_set_bytes(cfg, batches)
-    limit, what = memory_limit(current_device())
-    if limit and need > limit:
+    short = memory_shortfall(need)
+    if short:
         raise InvalidInputError(
             f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, head_size={cfg.head_size} with "
             f"prompt_lens={list(cfg.prompt_lens)}: one step of the demo needs about {need / 2**30:.2f} GiB (queries, "
-            f"outputs and the dense check's scores), more than {what}, {limit / 2**30:.2f} GiB "
-            "(allowed: fewer heads, a smaller head size or shorter prompts)")
+            f"outputs and the dense check's scores), {short} (allowed: fewer heads, a smaller head size or shorter "
+            "prompts)")
 
 
 def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:

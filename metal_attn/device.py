@@ -201,6 +201,15 @@ def memory_limit(device: DeviceInfo) -> tuple[int | None, str]:
     return limit, what
 
 
+def memory_shortfall(need: int, device: DeviceInfo | None = None) -> str | None:
+    """``"more than <what the limit is>, <limit> GiB"`` when ``need`` bytes exceed `memory_limit` of
+    ``device`` (the current one by default), for an error message; ``None`` when they fit or no limit is known."""
+    limit, what = memory_limit(device or current_device())
+    if limit and need > limit:
+        return f"more than {what}, {limit / 2**30:.2f} GiB"
+    return None
+
+
 def probe() -> DeviceInfo:
     """Probe this machine (no setting overrides applied)."""
     import mlx.core as mx
