@@ -83,7 +83,8 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         try:
             # utf-8-sig: a byte-order mark is not part of the first prompt. Lines end at \n (and \r\n) only:
             # str.splitlines would also split a prompt at U+2028, \x0c and the like.
-            lines = [line.removesuffix("\r") for line in path.read_text(encoding="utf-8-sig").split("\n")]
+            # Bytes, then decoded: read_text's universal newlines split "a\rb" into two prompts.
+            lines = [line.removesuffix("\r") for line in path.read_bytes().decode("utf-8-sig").split("\n")]
         except OSError as exc:
             parser.error(f"--prompts-file={args.prompts_file!r} could not be read ({exc.strerror})")
         except UnicodeDecodeError as exc:

@@ -730,15 +730,15 @@ def test_a_prompts_file_that_is_not_text_is_refused_naming_the_flag(tmp_path, ca
 
 def test_a_prompts_file_splits_only_at_line_ends(tmp_path):
     """One prompt a line, lines ending at \\n or \\r\\n: str.splitlines also split a prompt at U+2028, \\x0c, \\x1c
-    and the like."""
+    and the like, and read_text's universal newlines at a lone \\r."""
     import argparse
 
     from metal_attn.generate import _read_prompts
 
     path = tmp_path / "prompts.txt"
-    path.write_text("hello\u2028world\r\nform\x0cfeed\n\nthird\x1cone", encoding="utf-8", newline="")
+    path.write_text("hello\u2028world\r\nform\x0cfeed\n\nthird\x1cone\rstill", encoding="utf-8", newline="")
     prompts, labels = _read_prompts(argparse.Namespace(prompt=None, prompts_file=str(path)), argparse.ArgumentParser())
-    assert prompts == ["hello\u2028world", "form\x0cfeed", "third\x1cone"]
+    assert prompts == ["hello\u2028world", "form\x0cfeed", "third\x1cone\rstill"]
     assert labels == ["--prompts-file line 1", "--prompts-file line 2", "--prompts-file line 4"]
 
 
@@ -817,3 +817,137 @@ def test_a_forced_provider_that_is_not_registered_is_refused_before_any_work(cap
         reload_settings()
     assert code == 2
     assert "METAL_ATTN_PROVIDER='nope' names no registered provider (allowed: " in " ".join(err.split())
+
+
+# -- edges mutation testing found unguarded (twenty-fifth session) --------------------------------------
+
+
+def test_generate_s_number_flags_take_their_bounds():
+    import argparse
+
+    from metal_attn.generate import _temperature, _top_p
+
+    assert _top_p("1") == 1.0 and _temperature("0") == 0.0  # the closed ends are allowed
+    for bad in ("0", "-0.1", "1.0001", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"allowed: a number in \(0, 1\]"):
+            _top_p(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        _temperature("-1e-9")
+
+
+@pytest.mark.parametrize(("prompt", "prompts_file", "message"), [
+    (["\udce9x"], None, "--prompt='\\udce9x' (prompt 0): character 0 is no Unicode text"),
+    (None, "\n \n\t\n", "holds no prompt (allowed: one per line)"),
+])
+def test_read_prompts_refuses_what_no_request_could_take(tmp_path, capsys, prompt, prompts_file, message):
+    import argparse
+
+    from metal_attn.generate import _read_prompts
+
+    path = None
+    if prompts_file is not None:
+        path = tmp_path / "p.txt"
+        path.write_text(prompts_file)
+    with pytest.raises(SystemExit) as exc:
+        _read_prompts(argparse.Namespace(prompt=prompt, prompts_file=None if path is None else str(path)),
+                      argparse.ArgumentParser())
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_pool_budget_exactly_the_need_is_what_the_prompts_need():
+    from metal_attn.engine import EngineConfig
+    from metal_attn.generate import _pool_blocks
+
+    cfg = EngineConfig(max_num_seqs=1, num_blocks=4)  # a budget of exactly 3 + 1 blocks
+    blocks, source = _pool_blocks(need_tokens=34, block=16, per_block=1024, cfg=cfg, num_prompts=1)
+    assert blocks == 4 and source.startswith("what the prompts need: 34 tokens")
+
+
+def test_generate_sizes_no_pool_past_what_a_request_can_hold(monkeypatch, capsys):
+    """--max-tokens 10**20 sized the pool from 10**20 tokens (the memory budget, 5 GB) before its error."""
+    from metal_attn import generate
+    from metal_attn.testing.models import tiny_model
+
+    model = tiny_model("llama")
+    seen = []
+    real = generate._pool_blocks
+
+    def spy(need_tokens, *a, **k):
+        seen.append(need_tokens)
+        return real(need_tokens, *a, **k)
+
+    import metal_attn.mlx_lm as mlx_lm_pkg
+    from metal_attn.testing.models import WordTokenizer
+
+    monkeypatch.setattr(mlx_lm_pkg, "load", lambda *a, **k: (model, WordTokenizer()))
+    monkeypatch.setattr(generate, "_pool_blocks", spy)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--prompt", "a", "--prompt", "b", "--max-tokens", str(10**20)])
+    assert exc.value.code == 2 and "exceeds the model's context" in capsys.readouterr().err
+    from metal_attn.engine.engine import model_max_len
+
+    assert seen and seen[0] <= 2 * (model_max_len(model) or 8192)
+
+
+def test_bench_with_the_real_backend_named_in_the_override_times_as_usual():
+    import io
+
+    from metal_attn.bench.cli import _check_backend_override
+    from metal_attn.device import detect_backend
+
+    with override_settings(backend_override=detect_backend()):
+        assert _check_backend_override(io.StringIO()) is None
+    with override_settings(backend_override=None):
+        assert _check_backend_override(io.StringIO()) is None
+
+
+def test_list_with_an_empty_suite_name_is_refused(capsys):
+    from metal_attn.bench import cli as bench_cli
+
+    assert bench_cli.main(["--list", "--suite", ","]) == 2
+    assert "no such suite" in capsys.readouterr().err
+
+
+def test_the_generate_suite_s_bounds_are_inclusive():
+    from types import SimpleNamespace
+
+    from metal_attn.bench.generate import MAX_CONCURRENCY, _concurrencies, _too_long
+
+    assert _concurrencies(str(MAX_CONCURRENCY), "cpu") == [MAX_CONCURRENCY]
+    m = SimpleNamespace(args=SimpleNamespace(max_position_embeddings=8192))
+    assert _too_long(m, 8160, 32, 0) is None  # exactly the context
+    assert _too_long(m, 8161, 32, 0) is not None
+    assert _too_long(m, 7, 32, 8160) is not None  # a prompt of 7 rows still adds one (7 // 8 is 0)
+    assert _too_long(m, 8, 32, 8159) is None
+
+
+def test_a_forced_provider_error_names_the_variable_as_it_is_spelled(monkeypatch):
+    from metal_attn.errors import SettingsError
+    from metal_attn.plugins import check_provider_setting
+
+    monkeypatch.setenv("metal_attn_provider", "nope")
+    reload_settings()
+    try:
+        with pytest.raises(SettingsError, match=r"^metal_attn_provider='nope' names no registered provider"):
+            check_provider_setting()
+    finally:
+        monkeypatch.delenv("metal_attn_provider")
+        reload_settings()
+
+
+def test_the_demo_s_working_set_is_its_arithmetic_and_its_config_checks_the_api_too():
+    from metal_attn.demo import DemoConfig, schedule, working_set_bytes
+    from metal_attn.errors import InvalidInputError
+
+    cfg = DemoConfig(dtype="float16", num_heads=4, num_kv_heads=2, head_size=8, prompt_lens=(5, 10), chunk_size=6,
+                     steps=2)
+    # step 0: 5 + 6 rows; step 1: the first decodes (seq 6), the second's last 4 rows (seq 10)
+    rows0 = 11 * 8 * (2 * 2 * 2 + 4 * (2 * 2 + 8))
+    scores0 = max(5 * 5, 6 * 6) * (4 * 8 + 1)
+    rows1 = 5 * 8 * (2 * 2 * 2 + 4 * (2 * 2 + 8))
+    scores1 = max(1 * 6, 4 * 10) * (4 * 8 + 1)
+    assert working_set_bytes(cfg, schedule(cfg)) == max(rows0 + scores0, rows1 + scores1)
+    with pytest.raises(InvalidInputError, match=r"chunk_size=96 must be below the longest prompt \(96\)"):
+        DemoConfig(prompt_lens=(96,), chunk_size=96).validate()
+    with pytest.raises(InvalidInputError, match=r"repeats=0 \(allowed: an int >= 1\)"):
+        DemoConfig(repeats=0).validate()
