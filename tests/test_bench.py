@@ -800,3 +800,20 @@ def test_bench_refuses_a_backend_override_it_would_not_time(capsys, tmp_path):
         assert cli.main(["--suite", "smoke", "--dry-run"]) == 0
     with override_settings(backend_override=detect_backend()):  # naming the real backend changes nothing
         assert cli.main(["--suite", "smoke", "--dry-run"]) == 0
+
+
+@pytest.mark.parametrize("argv", [["--list"], ["--list", "--suite", "smoke"], ["--suite", "smoke", "--dry-run"],
+                                  ["--suite", "generate", "--dry-run"]])
+def test_json_on_stdout_is_json_for_a_listing_and_a_dry_run(capsys, argv) -> None:
+    """`--json` gives JSON on stdout (the docs); --list and --dry-run printed their text there instead."""
+    assert cli.main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    if "--list" in argv:
+        names = [s["name"] for s in out["suites"]]
+        assert names == ["smoke"] if "smoke" in argv else ("generate" in names and "decode-gpu" in names)
+    elif "generate" in argv:
+        assert out["dry_run"] is True and out["suite"] == "generate" and out["concurrency"]
+    else:
+        (smoke,) = out["suites"]
+        assert out["dry_run"] is True and smoke["name"] == "smoke"
+        assert smoke["shapes"] == [s.label for s in suites.get_suite("smoke").shapes]

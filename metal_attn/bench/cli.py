@@ -416,6 +416,22 @@ def list_suites(file: TextIO, names: Sequence[str] | None = None) -> None:
           "--shared-prefix 2048 (CPU 0: off)", file=file)
 
 
+def suites_as_dict(names: Sequence[str] | None = None) -> dict[str, Any]:
+    """What ``--list --json`` prints: each suite (``names`` only, when given) with its target, candidates
+    and shape labels; the generate suite with its candidates."""
+    out: dict[str, Any] = {"suites": [
+        {"name": s.name, "target": s.target, "runtime": s.runtime, "description": s.description,
+         "candidates": list(s.candidates), "shapes": [sh.label for sh in s.shapes]}
+        for s in SUITES.values() if names is None or s.name in names]}
+    if names is None or "generate" in names:
+        from metal_attn.bench import generate
+
+        out["suites"].append({"name": "generate", "target": "any", "runtime": GENERATE_RUNTIME,
+                              "candidates": list(generate.RUNNERS), "default_candidates": list(
+                                  generate.DEFAULT_CANDIDATES)})
+    return out
+
+
 def print_plan(plan: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]], repeat: int, backend: str,
                needs_gpu: Sequence[str], compare_to: baselines.Baseline | None, file: TextIO) -> None:
     """What a ``--dry-run`` would have measured: each suite's shapes and candidates, in run order."""
@@ -528,7 +544,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"metal-attn bench: error: --list --suite {unknown[0] if unknown else ''!r}: no such suite (known: "
                   f"{', '.join([*SUITES, 'generate'])})", file=err)
             return 2
-        list_suites(sys.stdout, names)
+        if args.json == "-":
+            print(json.dumps(suites_as_dict(names)))
+        else:
+            list_suites(sys.stdout, names)
         return 0
     early = _check_usage(args, err)
     if early is not None:
@@ -623,7 +642,12 @@ def run(args: argparse.Namespace) -> int:
         plan.append((s, shapes, cands))
     repeat = getattr(args, "repeat", None) or 1
     if dry_run:
-        print_plan(plan, repeat, backend, misplaced, compare_to, sys.stdout)
+        # --json on stdout: the plan as JSON there, its text on stderr (as a measuring run's tables go).
+        print_plan(plan, repeat, backend, misplaced, compare_to, err if json_to_stdout else sys.stdout)
+        if json_to_stdout:
+            print(json.dumps({"dry_run": True, "repeat": repeat, "backend": backend, "suites": [
+                {"name": s.name, "needs_gpu": s.name in misplaced, "candidates": [c.name for c in cands],
+                 "shapes": [sh.label for sh in shapes]} for s, shapes, cands in plan]}))
         return 0
     runs: list[list[SuiteResult]] = []
     total = repeat * sum(len(shapes) * len(c) for _, shapes, c in plan)

@@ -414,12 +414,19 @@ def run(args: Any) -> int:
     gen = args.gen_tokens or (128 if backend != "cpu" else 32)
     shared = args.shared_prefix if args.shared_prefix is not None else (2048 if backend != "cpu" else 0)
     if getattr(args, "dry_run", False):
+        rounds = getattr(args, "repeat", None) or 1
+        to_stdout = getattr(args, "json", None) == "-"  # the plan as JSON there, its text on stderr
+        text = sys.stderr if to_stdout else sys.stdout
         print(f"would run generate on {backend}: candidates {', '.join(candidates)} against their peers at "
               f"concurrency {', '.join(map(str, concurrencies))}, prompts of {prompt_len} tokens, {gen} generated "
-              f"each, {getattr(args, 'repeat', None) or 1} round(s)"
-              + (f", and the shared-prefix workload ({shared} tokens shared)" if shared else ""))
+              f"each, {rounds} round(s)"
+              + (f", and the shared-prefix workload ({shared} tokens shared)" if shared else ""), file=text)
         print("dry run: flags and names checked; not checked: the requests' lengths against the model's "
-              "context (that needs the model, which a dry run does not load)")
+              "context (that needs the model, which a dry run does not load)", file=text)
+        if to_stdout:
+            print(json.dumps({"dry_run": True, "suite": "generate", "backend": backend, "candidates": candidates,
+                              "concurrency": concurrencies, "prompt_len": prompt_len, "gen_tokens": gen,
+                              "shared_prefix": shared, "rounds": rounds}))
         return 0
     model, label = load_bench_model(backend, getattr(args, "num_layers", None))
     problem = _too_long(model, prompt_len, gen, shared)
