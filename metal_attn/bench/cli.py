@@ -395,41 +395,45 @@ def to_json(suites: Sequence[SuiteResult], machine: dict[str, Any], argv: Sequen
     return out
 
 
-def list_suites(file: TextIO, names: Sequence[str] | None = None) -> None:
-    """The suites (``names`` only, when given), their candidates and shapes."""
-    for s in SUITES.values():
-        if names is not None and s.name not in names:
-            continue
-        print(f"{s.name} ({s.target}; warmup {s.warmup}, iters {s.iters}; {s.runtime}): {s.description}", file=file)
-        print(f"  candidates: {', '.join(s.candidates)}", file=file)
-        for sh in s.shapes:
-            print(f"  - {sh.label}", file=file)
-    if names is not None and "generate" not in names:
-        return
-    from metal_attn.bench import generate
-
-    print(f"generate (any; {GENERATE_RUNTIME}): the engine against mlx-lm's BatchGenerator and generate_step on "
-          "one model (SmolLM2 on the CPU, an 8B-shaped random llama on GPUs)", file=file)
-    print(f"  candidates: {', '.join(generate.DEFAULT_CANDIDATES)} (also: "
-          f"{', '.join(n for n in generate.RUNNERS if n not in generate.DEFAULT_CANDIDATES)})", file=file)
-    print("  - --concurrency 1,8,32,64 (CPU 1,8,32), --prompt-len 512 (CPU 32), --gen-tokens 128 (CPU 32), "
-          "--shared-prefix 2048 (CPU 0: off)", file=file)
+#: The generate suite's entry in a listing (its workload is flags, not shapes).
+GENERATE_DESCRIPTION = ("the engine against mlx-lm's BatchGenerator and generate_step on one model (SmolLM2 on the "
+                        "CPU, an 8B-shaped random llama on GPUs)")
+GENERATE_WORKLOAD = ("--concurrency 1,8,32,64 (CPU 1,8,32), --prompt-len 512 (CPU 32), --gen-tokens 128 (CPU 32), "
+                     "--shared-prefix 2048 (CPU 0: off)")
 
 
 def suites_as_dict(names: Sequence[str] | None = None) -> dict[str, Any]:
-    """What ``--list --json`` prints: each suite (``names`` only, when given) with its target, candidates
-    and shape labels; the generate suite with its candidates."""
+    """The suites (``names`` only, when given): what ``--list --json`` prints and ``--list`` shows as text.
+    Each kernel suite with its target, timing, candidates and shape labels; the generate suite with its
+    candidates (the default ones first) and its workload flags."""
     out: dict[str, Any] = {"suites": [
-        {"name": s.name, "target": s.target, "runtime": s.runtime, "description": s.description,
-         "candidates": list(s.candidates), "shapes": [sh.label for sh in s.shapes]}
+        {"name": s.name, "target": s.target, "warmup": s.warmup, "iters": s.iters, "runtime": s.runtime,
+         "description": s.description, "candidates": list(s.candidates), "shapes": [sh.label for sh in s.shapes]}
         for s in SUITES.values() if names is None or s.name in names]}
     if names is None or "generate" in names:
         from metal_attn.bench import generate
 
         out["suites"].append({"name": "generate", "target": "any", "runtime": GENERATE_RUNTIME,
-                              "candidates": list(generate.RUNNERS), "default_candidates": list(
-                                  generate.DEFAULT_CANDIDATES)})
+                              "description": GENERATE_DESCRIPTION, "candidates": list(generate.RUNNERS),
+                              "default_candidates": list(generate.DEFAULT_CANDIDATES), "workload": GENERATE_WORKLOAD})
     return out
+
+
+def list_suites(file: TextIO, names: Sequence[str] | None = None) -> None:
+    """`suites_as_dict` as text: each suite's header, candidates and shapes."""
+    for s in suites_as_dict(names)["suites"]:
+        if "shapes" in s:
+            print(f"{s['name']} ({s['target']}; warmup {s['warmup']}, iters {s['iters']}; {s['runtime']}): "
+                  f"{s['description']}", file=file)
+            print(f"  candidates: {', '.join(s['candidates'])}", file=file)
+            for label in s["shapes"]:
+                print(f"  - {label}", file=file)
+            continue
+        defaults = s["default_candidates"]
+        print(f"{s['name']} ({s['target']}; {s['runtime']}): {s['description']}", file=file)
+        print(f"  candidates: {', '.join(defaults)} (also: "
+              f"{', '.join(n for n in s['candidates'] if n not in defaults)})", file=file)
+        print(f"  - {s['workload']}", file=file)
 
 
 def print_plan(plan: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]], repeat: int, backend: str,
