@@ -28,8 +28,9 @@ from metal_attn.bench.core import (
 )
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
 from metal_attn.cli_common import guarded, int_flag
-from metal_attn.device import current_device
+from metal_attn.device import current_device, detect_backend
 from metal_attn.plugins import check_provider_setting, get_registry
+from metal_attn.settings import get_settings
 
 SCHEMA = "metal-attn-bench/1"
 
@@ -920,9 +921,6 @@ def _check_backend_override(err: TextIO) -> int | None:
     """Exit code 2 when ``METAL_ATTN_BACKEND_OVERRIDE`` names another backend than the one MLX computes on:
     the override is for routing inspection; a bench run under it timed the CPU under a GPU's suites and wrote
     baselines of a ``cuda-cpu`` machine class."""
-    from metal_attn.device import detect_backend
-    from metal_attn.settings import get_settings
-
     override, real = get_settings().backend_override, detect_backend()
     if override is None or override == real:
         return None
