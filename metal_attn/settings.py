@@ -132,7 +132,7 @@ class Settings(BaseSettings):
     )
 
     # -- kernel choices for A/B runs -----------------------------------------------------------
-    partition_size: Literal[0, 64, 128, 256, 512, 1024, 2048, 4096] = Field(
+    partition_size: Literal[0, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096] = Field(
         0,
         validation_alias=_env("partition_size"),
         description=(

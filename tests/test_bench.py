@@ -817,3 +817,87 @@ def test_json_on_stdout_is_json_for_a_listing_and_a_dry_run(capsys, argv) -> Non
         (smoke,) = out["suites"]
         assert out["dry_run"] is True and smoke["name"] == "smoke"
         assert smoke["shapes"] == [s.label for s in suites.get_suite("smoke").shapes]
+
+
+class _Logged(core.TimedCandidate):
+    """A timed candidate whose calls append ``(name, the forced partition size)`` to ``log``; it raises
+    on its ``fail_at``-th call, and counts its closes."""
+
+    kind = "peer"
+
+    def __init__(self, name: str, log: list, fail_at: int | None = None) -> None:
+        self.name, self.log, self.fail_at, self.closed = name, log, fail_at, 0
+
+    def prepare(self, case):
+        from metal_attn.settings import get_settings
+
+        def run():
+            if self.fail_at is not None and sum(n == self.name for n, _ in self.log) == self.fail_at:
+                raise RuntimeError(f"{self.name} broke")
+            self.log.append((self.name, get_settings().partition_size))
+            return mx.zeros((1,))
+
+        def close():
+            self.closed += 1
+
+        return core.Prepared(run=run, close=close, route=f"{self.name} route")
+
+
+def test_interleaved_candidates_take_their_samples_in_turn():
+    """``run_suite(interleave=True)``: every timed candidate is opened and calibrated first, then each
+    round takes one sample of each in turn, so the timed calls alternate in blocks of each one's
+    ``inner``; a settings variant's calls keep its settings, the others' do not; every prepared
+    call is closed; the ceiling is measured on its own."""
+    log: list[tuple[str, int]] = []
+    a, b = _Logged("a", log), _Logged("b", log)
+    resolve = core.with_variants(lambda names: [{"a": a, "b": b}[n] for n in names])
+    cands = resolve(["a", "b[partition_size=384]"])
+    shape = Shape(1, 4, 2, 32, 64, "float32")
+    iters = 4
+    result = core.run_suite("t", [shape], cands, warmup=1, iters=iters, interleave=True)
+    assert result.interleaved and result.to_dict()["interleaved"] is True
+    res_a, res_b = result.results[0].candidates
+    assert (res_a.name, res_b.name) == ("a", "b[partition_size=384]") and res_a.ok and res_b.ok
+    assert (res_a.route, res_b.route) == ("a route", "b route")
+    assert len(res_a.timing.samples_s) == len(res_b.timing.samples_s) == iters
+    assert a.closed == b.closed == 1
+    assert {p for n, p in log if n == "a"} == {0} and {p for n, p in log if n == "b"} == {384}
+    # The samples: the last iters * (inner_a + inner_b) calls, in rounds of a's block then b's.
+    ia, ib = res_a.timing.inner, res_b.timing.inner
+    timed = [n for n, _ in log[-iters * (ia + ib):]]
+    assert timed == (["a"] * ia + ["b"] * ib) * iters
+    # Without interleave the same candidates take their samples one after the other.
+    log.clear()
+    result = core.run_suite("t", [shape], cands, warmup=1, iters=iters)
+    assert not result.interleaved
+    names = [n for n, _ in log]
+    assert names == sorted(names)  # every a call before every b call
+
+
+def test_an_interleaved_candidate_that_fails_is_an_error_and_the_others_finish():
+    log: list[tuple[str, int]] = []
+    good, bad = _Logged("good", log), _Logged("bad", log, fail_at=6)
+    case = Shape(1, 4, 2, 32, 64, "float32").build(seed=0)
+    try:
+        res_good, res_bad = core.measure_interleaved([good, bad], case, warmup=1, iters=5)
+    finally:
+        case.release()
+    assert res_good.ok and len(res_good.timing.samples_s) == 5
+    assert res_bad.status == "error" and res_bad.reasons == ("RuntimeError: bad broke",)
+    assert good.closed == bad.closed == 1
+
+
+def test_the_interleave_flag_is_recorded_and_refused_where_nothing_reads_it(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    code = cli.main(["--suite", "smoke", "--shapes", "decode b3", "--candidates", "auto,mlx_sdpa",
+                     "--interleave", "--iters", "2", "--quiet", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert "interleaved: a sample of each timed candidate per round" in " ".join(capsys.readouterr().out.split())
+    data = json.loads(out.read_text())
+    assert {s["interleaved"] for s in data["suites"]} == {True}
+    from metal_attn.bench import baselines
+
+    assert baselines.load_run(out).run["interleave"] is True
+    code = cli.main(["--suite", "generate", "--interleave", "--dry-run"])
+    assert code == 2
+    assert "--suite generate does not read --interleave" in capsys.readouterr().err

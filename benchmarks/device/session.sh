@@ -11,16 +11,18 @@
 #   decode   decode-gpu with the fused-reducer and keys-as-rows A/Bs, the decode-step suite three times, the
 #            matrix paths' sweep at the plans' own partitions
 #            (issue #17)
-#   prefill  the mixed batches three times, where a mixed batch's time goes, and the mixed batches in a
-#            process of their own against after every decode shape (issue #18)
+#   prefill  the mixed batches three times, where a mixed batch's time goes, cuDNN's time by the query's
+#            layout, and the mixed batches in a process of their own against after every decode shape
+#            (issue #18)
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100)
+#   partition the per-token kernel at forced partition sizes, powers of two and the sizes between them,
+#            on the shapes issue #17 misses or nearly misses (single calls, pipelined, torch in the run)
 #   ncu      ncu (speed of light, occupancy, warp stalls, memory) of our decode call and torch SDPA's on the
-#            three shapes issue #17 still misses, the last of four calls each (benchmarks/ncu_decode_pair.py;
-#            not run yet)
+#            four shapes issue #17 still misses, the last of four calls each (benchmarks/ncu_decode_pair.py)
 #
 # Each step runs under its own time limit (STEP_LIMIT seconds, default 300; the GPU tests and decode-step 420), cut to
 # what is left of BUDGET (seconds for the whole command, default 570: a device call holds 600), so a
@@ -38,7 +40,7 @@ STEP_LIMIT=${STEP_LIMIT:-300}
 BUDGET=${BUDGET:-570}
 DRY_RUN=${DRY_RUN:-0}
 BENCH=(python3 -m metal_attn.bench.cli)
-PHASES=(tests decode prefill engine baseline fuzz ncu)
+PHASES=(tests decode prefill engine baseline fuzz ncu partition)
 start=$(date +%s)
 failed=()
 
@@ -125,10 +127,12 @@ run_phase() {
       step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
         --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"
       step profile-mixed "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile-mixed.json"
+      step sdpa-layout 120 python3 benchmarks/probe_sdpa_layout.py "$dir/sdpa-layout.json"
       # The same mixed batches read 0.56-0.59x MLX SDPA at the end of a whole decode-gpu run and 0.77-1.41x
       # in a process of their own (twenty-fifth session): the process's history, not the suite's code
       # (docs/bench-h200-prefill.md). Alone; after every decode shape with torch; and so with a larger
-      # MLX CUDA graph cache (MLX_CUDA_GRAPH_CACHE_SIZE: upstream MLX reads it; not checked against 0.32.4).
+      # MLX CUDA graph cache (MLX_CUDA_GRAPH_CACHE_SIZE: 0.32.4's libmlx.so holds the name; upstream's default
+      # is 400 graphs, keyed by topology).
       step mixed-alone "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --shapes mixed --repeat 3 --quiet \
         --markdown --candidates auto,mlx_sdpa --json "$dir/mixed-alone.json"
       step mixed-after-decode "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
@@ -145,6 +149,12 @@ run_phase() {
         --candidates auto,classic,torch_sdpa,gather_sdpa,ceiling --json "$dir/decode-gpu.json"
       step decode-step "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --quiet \
         --candidates auto,auto_compiled,torch_sdpa,ceiling --json "$dir/decode-step.json" ;;
+    partition)
+      local p cands=auto
+      for p in 192 256 384 512 768 1024 1536 2048 3072 4096; do cands+=",auto[partition_size=$p]"; done
+      step sizes "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
+        --shapes "b1 h32/8 d128 L32768,b8 h32/8 d128 L4096,b8 h32/8 d128 L32768,b1 h24,b16" \
+        --candidates "$cands,torch_sdpa,ceiling" --json "$dir/sizes.json" ;;
     ncu)
       local ncu=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)}
       [ "$DRY_RUN" != 1 ] || ncu=${ncu:-ncu}  # a dry run checks the profiled script only
@@ -154,7 +164,7 @@ run_phase() {
         return
       fi
       local shape side tag
-      for shape in "8 32 8 128 4096" "16 16 2 128 16384" "1 24 4 256 65536"; do
+      for shape in "8 32 8 128 4096" "16 16 2 128 16384" "1 24 4 256 65536" "8 32 8 128 32768"; do
         tag=b$(echo "$shape" | tr ' ' x)
         for side in ours torch; do  # 4 calls of 2 kernels: the last call's two
           step "$side-$tag" "$STEP_LIMIT" "$ncu" --csv --log-file "$dir/$side-$tag.csv" --clock-control none \
@@ -163,7 +173,8 @@ run_phase() {
             --kernel-name "regex:paged_attention|flash|fmha|sdpa|lean_reduction" --launch-skip 6 --launch-count 2 \
             python3 benchmarks/ncu_decode_pair.py "$side" $shape
         done
-      done ;;
+      done
+      [ "$DRY_RUN" = 1 ] || python3 benchmarks/ncu_summary.py "$dir"/*.csv ;;
   esac
 }
 

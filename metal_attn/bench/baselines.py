@@ -51,7 +51,8 @@ DIGITS = 4
 
 #: Measurement options a baseline records and a comparison reuses: name -> (type, lowest value).
 RUN_OPTIONS: dict[str, tuple[type, int | None]] = {"candidates": (str, None), "warmup": (int, 0), "iters": (int, 1),
-                                                   "repeat": (int, 1), "pipelined": (bool, None)}
+                                                   "repeat": (int, 1), "pipelined": (bool, None),
+                                                   "interleave": (bool, None)}
 
 
 class BaselineError(ValueError):
@@ -204,7 +205,8 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
     argv = data.get("argv")
     options = {"candidates": lambda x: ",".join(x["candidates"]) if isinstance(x.get("candidates"), list) else None,
                "warmup": lambda x: x.get("warmup"), "iters": lambda x: x.get("iters"),
-               "pipelined": lambda x: True if x.get("mode") == "pipelined" else None}
+               "pipelined": lambda x: True if x.get("mode") == "pipelined" else None,
+               "interleave": lambda x: True if x.get("interleaved") is True else None}
     run = {}
     for key, get in options.items():
         values = {repr(get(x)) for x in data["suites"]}

@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipelined", action="store_true",
                         help="queue the timed calls (mx.async_eval, torch without a sync per call) and wait once "
                              "per sample: kernel throughput; default: every call waits for its result (mx.eval)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="take the timed candidates' samples in turn, one of each per round, so a drift of the "
+                             "machine lands on all alike; default: each candidate's samples in a row")
     parser.add_argument("--seed", type=int_flag(0), default=0, metavar="N", help="random seed of the inputs (0)")
     parser.add_argument("--json", metavar="PATH", nargs="?", const="-",
                         help="every raw median and machine info as JSON: on stdout (tables then go to stderr), "
@@ -273,6 +276,8 @@ def render_rich(suite: SuiteResult, machine: dict[str, Any], file: TextIO) -> No
 def _caption(suite: SuiteResult, machine: dict[str, Any]) -> str:
     mode = ("pipelined: queued calls, one wait per sample" if suite.mode == "pipelined"
             else "blocking: every timed call waits for its result")
+    if suite.interleaved:
+        mode += "; interleaved: a sample of each timed candidate per round"
     lines = [_machine_line(machine) + f"; warmup {suite.warmup}, iters {suite.iters}; {mode}"]
     c = suite.ceiling
     if c:
@@ -523,7 +528,7 @@ def _unknown_providers(cands: Sequence[Any], registered: Sequence[str]) -> list[
 
 
 #: Flags only the kernel suites read, and flags only the generate suite reads (argparse attribute names).
-_KERNEL_SUITE_FLAGS = ("shapes", "markdown", "plot", "iters", "warmup", "pipelined")
+_KERNEL_SUITE_FLAGS = ("shapes", "markdown", "plot", "iters", "warmup", "pipelined", "interleave")
 _GENERATE_SUITE_FLAGS = ("concurrency", "prompt_len", "gen_tokens", "shared_prefix", "num_layers")
 
 
@@ -674,7 +679,7 @@ def run(args: argparse.Namespace) -> int:
                     s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
                     iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
                     pipelined=getattr(args, "pipelined", False), progress=lambda msg, _s=s: bar.step(_s.name, msg),
-                    on_shape=on_shape, rotate=i,
+                    on_shape=on_shape, rotate=i, interleave=getattr(args, "interleave", False),
                 )
                 this_run.append(suite)
                 results.append(suite)
@@ -728,7 +733,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_options(args: argparse.Namespace) -> dict[str, Any]:
     """The measurement options of `baselines.RUN_OPTIONS` given on this command line (None: not given)."""
     return {"candidates": args.candidates, "warmup": args.warmup, "iters": args.iters,
-            "repeat": getattr(args, "repeat", None), "pipelined": True if getattr(args, "pipelined", False) else None}
+            "repeat": getattr(args, "repeat", None), "pipelined": True if getattr(args, "pipelined", False) else None,
+            "interleave": True if getattr(args, "interleave", False) else None}
 
 
 def _apply_baseline_run(args: argparse.Namespace, base: baselines.Baseline, err: TextIO) -> None:
@@ -790,7 +796,8 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
               "cannot apply (the saved run's suites, shapes and candidates are used)", file=err)
         return 2
     unused = [f for f, v in (("--json", args.json), ("--plot", args.plot), ("--markdown", args.markdown),
-                             ("--iters", args.iters), ("--warmup", args.warmup), ("--pipelined", args.pipelined))
+                             ("--iters", args.iters), ("--warmup", args.warmup), ("--pipelined", args.pipelined),
+                             ("--interleave", args.interleave))
               if v is not None and v is not False]
     if unused:
         print(f"metal-attn bench: error: --from-json {sources} writes only a baseline or a comparison table, so "

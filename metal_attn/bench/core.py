@@ -412,22 +412,39 @@ def time_fn(
     sizes the samples from the call's latency rather than its rate, so a loop holds at
     least four calls unless one call alone fills a sample.
     """
+    _check_timing_args(warmup, iters, max_inner)
+    inner = warm_up(fn, sync, warmup, min_sample_s, max_inner)
+    return timing_of([one_sample(fn, sync, inner) for _ in range(iters)], inner)
+
+
+def _check_timing_args(warmup: int, iters: int, max_inner: int) -> None:
     _positive("iters", iters)
     _positive("max_inner", max_inner)
     if type(warmup) is not int or warmup < 0:
         raise ValueError(f"warmup={warmup!r} (allowed: an int >= 0)")
+
+
+def warm_up(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, min_sample_s: float,
+            max_inner: int) -> int:
+    """`time_fn`'s warm-up and calibration of ``fn``: the calls per sample (``inner``)."""
     for _ in range(max(warmup - 1, 0)):
         fn()
     per_call = min(_calibrate(fn, sync, min_sample_s, max_inner) for _ in range(2))
-    inner = max(1, min(max_inner, math.ceil(min_sample_s / per_call) if per_call > 0 else max_inner))
-    samples = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / inner)
+    return max(1, min(max_inner, math.ceil(min_sample_s / per_call) if per_call > 0 else max_inner))
+
+
+def one_sample(fn: Callable[[], Any], sync: Callable[[], None], inner: int) -> float:
+    """Seconds per call of one sample: ``sync(); t0; inner calls; sync(); t1``, divided by ``inner``."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / inner
+
+
+def timing_of(samples: Sequence[float], inner: int) -> Timing:
+    """The `Timing` of per-call ``samples`` of ``inner`` calls each."""
     return Timing(
         median_s=statistics.median(samples), min_s=min(samples), mean_s=statistics.fmean(samples),
         stdev_s=statistics.stdev(samples) if len(samples) > 1 else 0.0, samples_s=tuple(samples), inner=inner,
@@ -520,6 +537,49 @@ class CandidateResult:
         }
 
 
+@dataclasses.dataclass
+class Opened:
+    """A `TimedCandidate` prepared on one case and called once, between its preparation and its
+    result: what the runner times, one candidate after another (`TimedCandidate.measure`) or a
+    sample of each in turn (`measure_interleaved`)."""
+
+    prep: Prepared
+    #: The call a sample repeats: the prepared call, or its queued form in pipelined mode.
+    fn: Callable[[], Any]
+    #: The first call's output as float32 rows, for the check against the reference.
+    rows: np.ndarray | None
+    #: Entered around every call of this candidate (a settings variant's overrides).
+    scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    inner: int = 0
+    route: str | None = None
+    samples: list[float] = dataclasses.field(default_factory=list)
+
+    def warm_up(self, warmup: int, min_sample_s: float = 5e-3, max_inner: int = 1000) -> None:
+        """`time_fn`'s warm-up (the first call already made) and calibration: sets ``inner``."""
+        self.inner = warm_up(self.fn, self.prep.sync, max(warmup - 1, 1), min_sample_s, max_inner)
+
+    def sample(self) -> None:
+        """One more sample, under this candidate's scope."""
+        with self.scope():
+            self.samples.append(one_sample(self.fn, self.prep.sync, self.inner))
+
+    @contextlib.contextmanager
+    def closing(self) -> Iterator[Opened]:
+        """Close the prepared call (its ``close``) on leaving, whatever happened."""
+        try:
+            yield self
+        finally:
+            if self.prep.close:
+                self.prep.close()
+
+    def result(self, candidate: Any, shape: Shape) -> CandidateResult:
+        """``candidate``'s result from the samples taken."""
+        res = CandidateResult(candidate.name, candidate.kind, "ok", timing=timing_of(self.samples, self.inner),
+                              route=self.route, details=dict(self.prep.details), output=self.rows)
+        apply_metrics(res, shape)
+        return res
+
+
 class Candidate(Protocol):
     """Anything the runner can measure on a case."""
 
@@ -558,27 +618,40 @@ class TimedCandidate:
         raise NotImplementedError
 
     def measure(self, case: Case, *, warmup: int, iters: int, pipelined: bool = False) -> CandidateResult:
+        opened = self.open(case, pipelined=pipelined)
+        if isinstance(opened, CandidateResult):
+            return opened
+        with opened.closing():
+            try:
+                opened.warm_up(warmup)
+                opened.route = self.route_after(opened.prep)
+                opened.samples = [one_sample(opened.fn, opened.prep.sync, opened.inner) for _ in range(iters)]
+            except NoProviderError as exc:  # e.g. a forced provider whose kernel failed to build
+                return CandidateResult(self.name, self.kind, "refused", (str(exc),))
+            return opened.result(self, case.shape)
+
+    def open(self, case: Case, *, pipelined: bool = False) -> Opened | CandidateResult:
+        """This candidate prepared on ``case`` and called once (the call compiles; its output is kept for
+        the check), ready for samples; or the result that says why it cannot run here. The caller
+        closes what it opened (`Opened.closing`)."""
         try:
             prep = self.prepare(case)
         except Skip as skip:
             return CandidateResult(self.name, self.kind, skip.status, skip.reasons)
         try:
-            first = prep.run()  # the first call compiles; its output is kept for the check
+            first = prep.run()
             prep.sync()
             rows = prep.to_rows(first) if prep.to_rows else None
             del first
-            fn = prep.launch if pipelined and prep.launch is not None else prep.run
-            timing = time_fn(fn, warmup=max(warmup - 1, 1), iters=iters, sync=prep.sync)
-            route = self.route_after(prep)
-        except NoProviderError as exc:  # e.g. a forced provider whose kernel failed to build
-            return CandidateResult(self.name, self.kind, "refused", (str(exc),))
-        finally:
+        except NoProviderError as exc:
             if prep.close:
                 prep.close()
-        res = CandidateResult(self.name, self.kind, "ok", timing=timing, route=route, details=dict(prep.details),
-                              output=rows)
-        apply_metrics(res, case.shape)
-        return res
+            return CandidateResult(self.name, self.kind, "refused", (str(exc),))
+        except BaseException:
+            if prep.close:
+                prep.close()
+            raise
+        return Opened(prep, prep.launch if pipelined and prep.launch is not None else prep.run, rows)
 
     def route_after(self, prep: Prepared) -> str | None:
         return prep.route
@@ -612,12 +685,30 @@ class SettingsVariant:
         self.name, self.base, self.changes = name, base, changes
 
     def measure(self, case: Case, **kwargs: Any) -> CandidateResult:
-        from metal_attn.settings import override_settings
-
-        with override_settings(**self.changes):
+        with self.scope():
             res = self.base.measure(case, **kwargs)
         res.name, res.kind = self.name, self.kind
         return res
+
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
+        """The variant's settings, for a block."""
+        from metal_attn.settings import override_settings
+
+        return override_settings(**self.changes)
+
+    def open(self, case: Case, **kwargs: Any) -> Opened | CandidateResult:
+        """The base candidate opened under the variant's settings; its calls keep them (`Opened.scope`)."""
+        with self.scope():
+            opened = self.base.open(case, **kwargs)
+        if isinstance(opened, CandidateResult):
+            opened.name, opened.kind = self.name, self.kind
+            return opened
+        opened.scope = self.scope
+        return opened
+
+    def route_after(self, prep: Prepared) -> str | None:
+        with self.scope():
+            return self.base.route_after(prep)
 
 
 def parse_variant(name: str) -> tuple[str, dict[str, str]] | None:
@@ -747,11 +838,14 @@ class SuiteResult:
     mode: str = "blocking"  # blocking: each timed call waits for its result; pipelined: queued calls
     #: The run was interrupted (Ctrl-C): ``results`` holds the shapes that completed.
     interrupted: bool = False
+    #: The timed candidates took their samples in turn (`measure_interleaved`).
+    interleaved: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "candidates": list(self.candidates),
-                "warmup": self.warmup, "iters": self.iters, "mode": self.mode, "ceiling": self.ceiling,
-                "interrupted": self.interrupted, "results": [r.to_dict() for r in self.results]}
+                "warmup": self.warmup, "iters": self.iters, "mode": self.mode, "interleaved": self.interleaved,
+                "ceiling": self.ceiling, "interrupted": self.interrupted,
+                "results": [r.to_dict() for r in self.results]}
 
 
 def is_gpu() -> bool:
@@ -877,6 +971,7 @@ def run_suite(
     progress: Callable[[str], None] | None = None,
     on_shape: Callable[[ShapeResult], None] | None = None,
     rotate: int = 0,
+    interleave: bool = False,
 ) -> SuiteResult:
     """Measure every candidate on every shape (one case built per shape), in one process and run.
 
@@ -889,6 +984,9 @@ def run_suite(
     so no candidate holds the same place in every run and an order effect (a first-use cost, the
     GPU's clocks) spreads over them. On the H200 two measurements of one route in one run have read
     1.19-1.71x apart, measured first or last (docs/bench-h200-prefill.md, thirteenth session).
+    ``interleave``: the timed candidates (providers, peers and their variants) take their samples in
+    turn, a sample of each per round (`measure_interleaved`); the ceiling and other candidates are
+    measured on their own as before.
     """
     say = progress or (lambda _msg: None)
     out: list[ShapeResult] = []
@@ -896,16 +994,18 @@ def run_suite(
     interrupted = False
     with cpu_cache_limit():
         try:
-            _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out, rotate)
+            _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out, rotate,
+                        interleave)
         except KeyboardInterrupt:
             interrupted = True
     ceiling = next((getattr(c, "summary", None) for c in candidates if c.kind == "ceiling"), None)
     return SuiteResult(name, description, tuple(c.name for c in candidates), warmup, iters, out,
                        ceiling() if callable(ceiling) else None, "pipelined" if pipelined else "blocking",
-                       interrupted)
+                       interrupted, interleave)
 
 
-def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out, rotate) -> None:
+def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shape, mem, out, rotate,
+                interleave) -> None:
     """`run_suite`'s loop: appends each completed `ShapeResult` to ``out`` (and hands it to ``on_shape``)."""
     first = rotate % len(candidates) if candidates else 0
     order = [*range(first, len(candidates)), *range(first)]
@@ -921,15 +1021,21 @@ def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shap
             continue
         case = shape.build(seed=seed)
         results: list[CandidateResult | None] = [None] * len(candidates)
+        together = [i for i in order if interleave and can_interleave(candidates[i])]
         for i in order:
+            if i in together:
+                continue
             cand = candidates[i]
             say(f"{shape.label}: {cand.name}")
             try:
-                res = cand.measure(case, warmup=warmup, iters=iters, pipelined=pipelined)
+                results[i] = cand.measure(case, warmup=warmup, iters=iters, pipelined=pipelined)
             except Exception as exc:
-                res = CandidateResult(cand.name, getattr(cand, "kind", "peer"), "error",
-                                      (f"{type(exc).__name__}: {exc}",))
-            results[i] = res
+                results[i] = failed_result(cand, exc)
+        if together:
+            say(f"{shape.label}: {', '.join(candidates[i].name for i in together)} (interleaved)")
+            for i, res in zip(together, measure_interleaved([candidates[i] for i in together], case, warmup=warmup,
+                                                            iters=iters, pipelined=pipelined)):
+                results[i] = res
         sr = ShapeResult(shape, results)
         finish_shape(sr)
         out.append(sr)
@@ -939,6 +1045,55 @@ def _run_shapes(shapes, candidates, warmup, iters, seed, pipelined, say, on_shap
         del case
         gc.collect()
         mx.clear_cache()
+
+
+def failed_result(cand: Any, exc: Exception) -> CandidateResult:
+    """The result of a candidate whose measurement raised ``exc``: refused when no provider could run it,
+    else an error naming the exception."""
+    if isinstance(exc, NoProviderError):
+        return CandidateResult(cand.name, getattr(cand, "kind", "peer"), "refused", (str(exc),))
+    return CandidateResult(cand.name, getattr(cand, "kind", "peer"), "error", (f"{type(exc).__name__}: {exc}",))
+
+
+def can_interleave(cand: Any) -> bool:
+    """Whether ``cand`` can be timed a sample at a time next to others (`measure_interleaved`): a
+    `TimedCandidate`, or a settings variant of one."""
+    return isinstance(cand, TimedCandidate) or (isinstance(cand, SettingsVariant) and can_interleave(cand.base))
+
+
+def measure_interleaved(cands: Sequence[Any], case: Case, *, warmup: int, iters: int,
+                        pipelined: bool = False) -> list[CandidateResult]:
+    """Results of ``cands`` (each `can_interleave`) on ``case``, their samples taken in turn: every
+    candidate is opened, warmed up and calibrated first, then each of ``iters`` rounds takes one
+    sample of each, in the list's order. A drift of the machine over the run (the GPU's clocks, the
+    host's state) then lands on every candidate alike, where one candidate's samples after
+    another's would put it between them. Every candidate's prepared state is held at once."""
+    results: list[CandidateResult | None] = [None] * len(cands)
+    live: dict[int, Opened] = {}
+    with contextlib.ExitStack() as stack:
+        for i, cand in enumerate(cands):
+            try:
+                opened = cand.open(case, pipelined=pipelined)
+                if isinstance(opened, CandidateResult):
+                    results[i] = opened
+                    continue
+                stack.enter_context(opened.closing())
+                with opened.scope():
+                    opened.warm_up(warmup)
+                opened.route = cand.route_after(opened.prep)
+                live[i] = opened
+            except Exception as exc:
+                results[i] = failed_result(cand, exc)
+        for _ in range(iters):
+            for i in list(live):
+                try:
+                    live[i].sample()
+                except Exception as exc:
+                    results[i] = failed_result(cands[i], exc)
+                    del live[i]
+        for i, opened in live.items():
+            results[i] = opened.result(cands[i], case.shape)
+    return results
 
 
 # -- machine info -----------------------------------------------------------------------------------

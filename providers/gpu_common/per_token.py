@@ -138,8 +138,12 @@ class PartitionRule:
 
 #: The partition sizes the per-token kernel's text takes (multiples of its 32-token staged chunks
 #: and of every kernel block size); `METAL_ATTN_PARTITION_SIZE` may force any of them. The sizes
-#: above 512 are for long contexts, where fewer and longer threadgroups stream the same bytes.
-PER_TOKEN_PARTITION_SIZES = (4096, 2048, 1024, 512, 256, 128, 64)
+#: above 512 are for long contexts, where fewer and longer threadgroups stream the same bytes. The
+#: sizes of three times a power of two are for A/B runs only: on the H200 (twenty-sixth session,
+#: `session.sh partition`) each read below both its power-of-two neighbours on all five shapes
+#: issue #17 misses (e.g. b8 L32768: 72% of the copy ceiling at 3,072 against 92% at 2,048 and 93%
+#: at 4,096), so no rule takes them (docs/bench-h200-decode-step.md).
+PER_TOKEN_PARTITION_SIZES = (4096, 3072, 2048, 1536, 1024, 768, 512, 384, 256, 192, 128, 64)
 
 #: One rule per backend (data, like the split gate; ``explain`` prints the arithmetic). CUDA takes
 #: the largest size above 512 whose KV work items reach twice the core count, else the largest of

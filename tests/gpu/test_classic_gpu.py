@@ -172,10 +172,10 @@ def test_key_rows_path_matches_oracle(dtype, group, route, features):
     assert geo.mma == 2 if backend == "cuda" else geo.mma != 2, geo
 
 
-@pytest.mark.parametrize("partition_size", (1024, 2048, 4096))
+@pytest.mark.parametrize("partition_size", (192, 384, 768, 1024, 1536, 2048, 3072, 4096))
 @pytest.mark.parametrize("features", ("plain", "sinks+window"))
 def test_long_partitions_match_oracle(partition_size, features):
-    """The partition sizes above 512 (forced only: `PARTITION_RULES` does not pick them yet) against
+    """The partition sizes above 512 and those between powers of two, forced, against
     the oracle: rows ending inside, at and one past a partition's edge, a row shorter than one
     partition, a chunk, and windows that leave whole partitions out."""
     from metal_attn.providers import gpu_common as gc
