@@ -88,9 +88,9 @@ def test_a_dry_run_checks_every_step_of_every_phase(tmp_path):
     got = _dry_run(SCRIPT, tmp_path)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
     checked = [line for line in got.stdout.splitlines() if "[dry run: " in line]
-    assert len(checked) == 24  # 1 + 3 + 6 + 2 + 2 + 1 + 8 + 1 steps
+    assert len(checked) == 22  # 1 + 3 + 4 + 2 + 2 + 1 + 8 + 1 steps
     # A step run under `env NAME=VALUE` is checked too (its command after the variables, with --dry-run).
-    assert any("env MLX_CUDA_GRAPH_CACHE_SIZE=1000 python3 -m metal_attn.bench.cli" in line
+    assert any("env MLX_USE_CUDA_GRAPHS=0 python3 -m metal_attn.bench.cli" in line
                and line.endswith("[dry run: --dry-run]") for line in checked)
     assert not [line for line in checked if "nothing here knows" in line]
     assert got.stdout.count(": ok") == len(checked)
@@ -112,10 +112,10 @@ def test_a_dry_run_checks_the_command_after_env_variables(tmp_path):
     """A step run as `env NAME=VALUE COMMAND` has COMMAND checked: a misspelled candidate there fails."""
     broken = tmp_path / "session.sh"
     text = SCRIPT.read_text()
-    step = ('env MLX_CUDA_GRAPH_CACHE_SIZE=1000 "${BENCH[@]}" --suite decode-gpu \\\n'
-            '        --pipelined --quiet --markdown --candidates auto,torch_sdpa,')
+    step = ('env MLX_USE_CUDA_GRAPHS=0 "${BENCH[@]}" --suite decode-gpu --pipelined \\\n'
+            '        --shapes mixed --repeat 3 --quiet --markdown --candidates auto,mlx_sdpa ')
     assert step in text
-    broken.write_text(text.replace(step, step.replace("auto,torch_sdpa,", "auto,torch_sdpaa,")))
+    broken.write_text(text.replace(step, step.replace("auto,mlx_sdpa ", "auto,mlx_sdpaa ")))
     got = _dry_run(broken, tmp_path)
     assert got.returncode == 1
-    assert "prefill/mixed-graph-cache: FAILED" in got.stdout and "'torch_sdpaa' is neither" in got.stdout
+    assert "prefill/mixed-no-graphs: FAILED" in got.stdout and "'mlx_sdpaa' is neither" in got.stdout

@@ -11,9 +11,8 @@
 #   decode   decode-gpu with the fused-reducer and keys-as-rows A/Bs, the decode-step suite three times, the
 #            matrix paths' sweep at the plans' own partitions
 #            (issue #17)
-#   prefill  the mixed batches three times, where a mixed batch's time goes, cuDNN's time by the query's
-#            layout, and the mixed batches in a process of their own against after every decode shape
-#            (issue #18)
+#   prefill  the mixed batches three times, where a mixed batch's GPU time goes and its host time, and
+#            the mixed batches without MLX's CUDA graphs (issue #18)
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
@@ -127,19 +126,11 @@ run_phase() {
       step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
         --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"
       step profile-mixed "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile-mixed.json"
-      step sdpa-layout 120 python3 benchmarks/probe_sdpa_layout.py "$dir/sdpa-layout.json"
-      # The same mixed batches read 0.56-0.59x MLX SDPA at the end of a whole decode-gpu run and 0.77-1.41x
-      # in a process of their own (twenty-fifth session): the process's history, not the suite's code
-      # (docs/bench-h200-prefill.md). Alone; after every decode shape with torch; and so with a larger
-      # MLX CUDA graph cache (MLX_CUDA_GRAPH_CACHE_SIZE: 0.32.4's libmlx.so holds the name; upstream's default
-      # is 400 graphs, keyed by topology).
-      step mixed-alone "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --shapes mixed --repeat 3 --quiet \
-        --markdown --candidates auto,mlx_sdpa --json "$dir/mixed-alone.json"
-      step mixed-after-decode "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
-        --candidates auto,torch_sdpa,mlx_sdpa,ceiling --json "$dir/mixed-after-decode.json"
-      step mixed-graph-cache "$STEP_LIMIT" env MLX_CUDA_GRAPH_CACHE_SIZE=1000 "${BENCH[@]}" --suite decode-gpu \
-        --pipelined --quiet --markdown --candidates auto,torch_sdpa,mlx_sdpa,ceiling \
-        --json "$dir/mixed-graph-cache.json" ;;
+      step mixed-host "$STEP_LIMIT" python3 benchmarks/probe_mixed_host.py "$dir/mixed-host.json"
+      # MLX without its CUDA graphs: the kernels in series, each launched alone (twenty-sixth session: both sides
+      # slower, the peer most; docs/bench-h200-prefill.md).
+      step mixed-no-graphs "$STEP_LIMIT" env MLX_USE_CUDA_GRAPHS=0 "${BENCH[@]}" --suite decode-gpu --pipelined \
+        --shapes mixed --repeat 3 --quiet --markdown --candidates auto,mlx_sdpa --json "$dir/mixed-no-graphs.json" ;;
     engine)
       step compiled-inputs 60 python3 benchmarks/host_cost_compiled_inputs.py
       step generate "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet \
