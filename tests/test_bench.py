@@ -901,3 +901,16 @@ def test_the_interleave_flag_is_recorded_and_refused_where_nothing_reads_it(tmp_
     code = cli.main(["--suite", "generate", "--interleave", "--dry-run"])
     assert code == 2
     assert "--suite generate does not read --interleave" in capsys.readouterr().err
+
+
+def test_only_candidates_that_measure_as_timed_candidates_do_are_interleaved():
+    class OwnMeasure(_Logged):
+        def measure(self, case, **kwargs):  # e.g. a candidate timing something other than its prepared call
+            return core.CandidateResult(self.name, self.kind, "skipped", ("own",))
+
+    log: list = []
+    assert core.can_interleave(_Logged("a", log))
+    assert not core.can_interleave(OwnMeasure("b", log))
+    assert not core.can_interleave(peers.Ceiling())
+    assert core.can_interleave(core.SettingsVariant("a[x=1]", _Logged("a", log), {"x": "1"}))
+    assert not core.can_interleave(core.SettingsVariant("b[x=1]", OwnMeasure("b", log), {"x": "1"}))

@@ -1057,8 +1057,11 @@ def failed_result(cand: Any, exc: Exception) -> CandidateResult:
 
 def can_interleave(cand: Any) -> bool:
     """Whether ``cand`` can be timed a sample at a time next to others (`measure_interleaved`): a
-    `TimedCandidate`, or a settings variant of one."""
-    return isinstance(cand, TimedCandidate) or (isinstance(cand, SettingsVariant) and can_interleave(cand.base))
+    `TimedCandidate` that measures as the base class does (one with a ``measure`` of its own is
+    measured on its own), or a settings variant of one."""
+    if isinstance(cand, SettingsVariant):
+        return can_interleave(cand.base)
+    return isinstance(cand, TimedCandidate) and type(cand).measure is TimedCandidate.measure
 
 
 def measure_interleaved(cands: Sequence[Any], case: Case, *, warmup: int, iters: int,
