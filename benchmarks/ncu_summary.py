@@ -50,4 +50,8 @@ def main(paths: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except BrokenPipeError:  # piped into head: the reader has what it wanted
+        sys.stderr.close()
+        sys.exit(0)
