@@ -110,7 +110,7 @@ def build_ms(fn: Callable[[], Any], calls: int = 50) -> float:
 
 def profile_call(fn: Callable[[], Any], kv_bytes: int, *, builds: bool = True, calls: int = 5) -> dict:
     """One variant of a profile script: the median wall time of a blocking call of ``fn``
-    (`metal_attn.bench.core.time_fn`), the host time of building its graph (`build_ms`; ``None`` when
+    (`metal_attn.bench.timing.time_fn`), the host time of building its graph (`build_ms`; ``None`` when
     ``builds`` is false: ``fn`` evaluates its own result, so its call is no graph building) and
     `summarise` of ``calls`` traced calls."""
     from metal_attn.bench.core import time_fn

@@ -59,7 +59,7 @@ PIPELINED = False
 
 
 def _median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
-    """Median ms per call (`metal_attn.bench.core.time_fn`): every call waited for, or with
+    """Median ms per call (`metal_attn.bench.timing.time_fn`): every call waited for, or with
     `PIPELINED` every call queued and each sample waited for once (calls overlap the host's next build)."""
     from metal_attn.bench.core import time_fn
 

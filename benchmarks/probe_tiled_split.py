@@ -5,7 +5,7 @@ The measurements behind ``providers/tiled_prefill.py``'s ``TILED_SPLIT_RULES`` a
 bf16, block 16, one sequence unless marked) through ``paged_attention(provider="tiled_prefill")``
 unsplit, split at each partition size and at the rule's choice, and through ``sdpa_prefill`` with
 its rule opened to every chunk. Per variant: the median wall time of a blocking call (the
-``prefill-gpu`` suite's blocking measure, `metal_attn.bench.core.time_fn`; ``--pipelined``: of a
+``prefill-gpu`` suite's blocking measure, `metal_attn.bench.timing.time_fn`; ``--pipelined``: of a
 queued call, one wait per sample, as a step's layers run) and the GPU busy time of five traced calls
 (CUPTI through torch, `kernel_trace`; skipped without torch).
 

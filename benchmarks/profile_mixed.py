@@ -3,7 +3,7 @@
     python3 benchmarks/profile_mixed.py OUT.json [--shapes PATTERN ...]
 
 For each mixed shape of the ``prefill-gpu`` suite (or those matching ``--shapes``), in one process:
-the wall time of a blocking call (`metal_attn.bench.core.time_fn`), the host time of building its
+the wall time of a blocking call (`metal_attn.bench.timing.time_fn`), the host time of building its
 graph, and the GPU time of every kernel it launches (CUPTI, `kernel_trace`), for
 
 - ``auto``: ``paged_attention`` with the registry's choice (the suite's ``auto``);

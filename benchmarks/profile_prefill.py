@@ -3,7 +3,7 @@
     python3 benchmarks/profile_prefill.py OUT.json [--shapes PATTERN ...]
 
 For each prefill shape of the ``prefill-gpu`` suite (or those matching ``--shapes``), in one
-process: the wall time of a blocking call (`metal_attn.bench.core.time_fn`) and the GPU time of
+process: the wall time of a blocking call (`metal_attn.bench.timing.time_fn`) and the GPU time of
 every kernel it launches (CUPTI, `kernel_trace`), and the host time of building its graph, for
 
 - ``route``: ``paged_attention(..., provider="sdpa_prefill")``, the whole public path;

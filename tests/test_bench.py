@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_attn.bench import cli, core, peers, suites
+from metal_attn.bench import cli, core, peers, suites, timing
 from metal_attn.bench.core import Rows, Shape, Timing
 from metal_attn.settings import override_settings
 from metal_attn.testing.oracle import attention_oracle
@@ -169,7 +169,7 @@ def test_time_fn_calibrates_over_several_calls_unless_one_fills_a_sample() -> No
     # Samples of 50 ms. A 12 ms call passes a fifth of a sample alone, but a lone call and its wait
     # time the latency, so each loop goes on from one call to four (5 calls); a 60 ms call fills a
     # sample alone (1 call). Sleeps only overrun: the 12 ms one may overrun 4x on a loaded host.
-    for pause, loop in ((0.012, 1 + core.MIN_CALIBRATION_CALLS), (0.06, 1)):
+    for pause, loop in ((0.012, 1 + timing.MIN_CALIBRATION_CALLS), (0.06, 1)):
         calls = []
 
         def fn(p=pause, c=calls) -> None:

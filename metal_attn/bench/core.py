@@ -1,4 +1,4 @@
-"""Benchmark core: shapes, inputs, timing, metrics and the suite runner.
+"""Benchmark core: shapes, inputs, candidates, metrics and the suite runner (timing: `metal_attn.bench.timing`).
 
 A `Shape` describes one batch (decode rows, a causal prefill, or a mixed
 batch of both); `build_case` makes its inputs once (random query, paged
@@ -31,13 +31,10 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import math
 import os
 import platform
 import re
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -47,6 +44,8 @@ import numpy as np
 import metal_attn
 from metal_attn.api import kernel_block_size
 from metal_attn.bench.ratios import SPEEDUP_PEERS, ratios_of
+from metal_attn.bench.timing import Timing, mlx_sync, one_sample, time_fn, timing_of, warm_up
+from metal_attn.checks import int_at_least
 from metal_attn.device import current_device
 from metal_attn.errors import NoProviderError
 from metal_attn.metadata import AttentionMetadata
@@ -69,10 +68,6 @@ CHECK_TOLERANCE: dict[str, float] = {"float32": 2e-3, "float16": 5e-3, "bfloat16
 _RANDOM_PERIOD_ELEMENTS = 1 << 24
 
 
-def _positive(name: str, value: Any) -> None:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"{name}={value!r} (allowed: an int >= 1)")
-
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
@@ -84,7 +79,7 @@ class Rows:
 
     def __post_init__(self) -> None:
         for name in ("count", "q_len", "context"):
-            _positive(f"Rows.{name}", getattr(self, name))
+            int_at_least(f"Rows.{name}", getattr(self, name))
         if self.q_len > self.context:
             raise ValueError(f"Rows.q_len={self.q_len} > context={self.context} (context counts the new rows too)")
 
@@ -112,7 +107,7 @@ class Shape:
 
     def __post_init__(self) -> None:
         for name in ("batch", "num_heads", "num_kv_heads", "head_size", "context", "block_size", "q_len"):
-            _positive(f"Shape.{name}", getattr(self, name))
+            int_at_least(f"Shape.{name}", getattr(self, name))
         if self.dtype not in DTYPES:
             raise ValueError(f"Shape.dtype={self.dtype!r} (allowed: {', '.join(DTYPES)})")
         if self.num_heads % self.num_kv_heads:
@@ -358,120 +353,6 @@ def build_case(shape: Shape, *, seed: int = 0) -> Case:
     cu = np.concatenate([[0], np.cumsum(s.q_lens)]).astype(np.int32)
     md = AttentionMetadata.build(mx.array(tables), mx.array(np.array(s.seq_lens, dtype=np.int32)), mx.array(cu))
     return Case(s, q, k_pool, v_pool, tables, md, s.head_size**-0.5)
-
-
-# -- timing -----------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    """Per-call seconds: one sample is a synchronized loop of ``inner`` calls, divided by ``inner``."""
-
-    median_s: float
-    min_s: float
-    mean_s: float
-    stdev_s: float
-    samples_s: tuple[float, ...]
-    inner: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"samples_s": list(self.samples_s)}
-
-
-def mlx_sync() -> None:
-    """Wait for MLX's default stream (a no-op in effect on the CPU backend)."""
-    mx.synchronize()
-
-
-def time_fn(
-    fn: Callable[[], Any],
-    *,
-    warmup: int = 2,
-    iters: int = 10,
-    sync: Callable[[], None] = mlx_sync,
-    min_sample_s: float = 5e-3,
-    max_inner: int = 1000,
-) -> Timing:
-    """Median per-call time of ``fn`` (``mx.eval`` inside for MLX, so the call's work is done).
-
-    ``warmup`` calls first (at least one: MLX compiles each kernel on its first
-    call); the last of them is two calibration loops (`_calibrate`), each growing until
-    it lasts a fifth of ``min_sample_s`` over at least `MIN_CALIBRATION_CALLS` calls.
-    Then ``iters`` samples; each is ``sync(); t0;
-    inner calls; sync(); t1`` divided by ``inner``, with ``inner`` chosen so a
-    sample lasts at least ``min_sample_s``: on GPUs a lone call is dominated by
-    launch and synchronization latency (measured on the H200: one blocking MLX
-    SDPA call per sample reads 0.32 ms, twenty per sample 0.13 ms each).
-
-    ``inner`` comes from the faster of the two loops' per-call times: one slow call (a
-    kernel variant or a plan built on first use) ends a loop early, and sized from it
-    the samples would hold two or three calls, so a pipelined sample would time the
-    wait more than the queue. On the H200 (prefill-gpu --pipelined, the 1,024-row chunk
-    after 7K), ``auto``, measured first, sampled 2-3 calls and read 288-378 TFLOP/s; the
-    same route measured right after it sampled 4-7 and read 368-454. A loop of one call
-    sizes the samples from the call's latency rather than its rate, so a loop holds at
-    least four calls unless one call alone fills a sample.
-    """
-    _check_timing_args(warmup, iters, max_inner)
-    inner = warm_up(fn, sync, warmup, min_sample_s, max_inner)
-    return timing_of([one_sample(fn, sync, inner) for _ in range(iters)], inner)
-
-
-def _check_timing_args(warmup: int, iters: int, max_inner: int) -> None:
-    _positive("iters", iters)
-    _positive("max_inner", max_inner)
-    if type(warmup) is not int or warmup < 0:
-        raise ValueError(f"warmup={warmup!r} (allowed: an int >= 0)")
-
-
-def warm_up(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, min_sample_s: float,
-            max_inner: int) -> int:
-    """`time_fn`'s warm-up and calibration of ``fn``: the calls per sample (``inner``)."""
-    for _ in range(max(warmup - 1, 0)):
-        fn()
-    per_call = min(_calibrate(fn, sync, min_sample_s, max_inner) for _ in range(2))
-    return max(1, min(max_inner, math.ceil(min_sample_s / per_call) if per_call > 0 else max_inner))
-
-
-def one_sample(fn: Callable[[], Any], sync: Callable[[], None], inner: int) -> float:
-    """Seconds per call of one sample: ``sync(); t0; inner calls; sync(); t1``, divided by ``inner``."""
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / inner
-
-
-def timing_of(samples: Sequence[float], inner: int) -> Timing:
-    """The `Timing` of per-call ``samples`` of ``inner`` calls each."""
-    return Timing(
-        median_s=statistics.median(samples), min_s=min(samples), mean_s=statistics.fmean(samples),
-        stdev_s=statistics.stdev(samples) if len(samples) > 1 else 0.0, samples_s=tuple(samples), inner=inner,
-    )
-
-
-#: Fewest calls a calibration loop times unless one call alone lasts a whole sample: a lone call
-#: and its wait time a queued call's latency, not its rate.
-MIN_CALIBRATION_CALLS = 4
-
-
-def _calibrate(fn: Callable[[], Any], sync: Callable[[], None], min_sample_s: float, max_inner: int) -> float:
-    """Seconds per call of ``fn`` over a loop of 1, 4, 16 ... calls grown until it lasts a fifth of
-    ``min_sample_s`` with at least `MIN_CALIBRATION_CALLS` calls (or one call lasts ``min_sample_s``,
-    or the loop reaches ``max_inner`` calls)."""
-    n = 1
-    while True:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        elapsed = time.perf_counter() - t0
-        long_enough = elapsed >= min_sample_s / 5 and (n >= MIN_CALIBRATION_CALLS or elapsed >= min_sample_s)
-        if long_enough or n >= max_inner:
-            return elapsed / n
-        n = min(n * 4, max_inner)
 
 
 # -- candidates -------------------------------------------------------------------------------------

@@ -44,10 +44,10 @@ from metal_attn.bench.core import (
     Shape,
     Skip,
     TimedCandidate,
-    _positive,
     build_case,
     mlx_prepared,
 )
+from metal_attn.checks import int_at_least
 from metal_attn.metadata import AttentionMetadata
 
 
@@ -62,7 +62,7 @@ class StepShape(Shape):
     layers: int = 32
 
     def __post_init__(self) -> None:
-        _positive("StepShape.layers", self.layers)
+        int_at_least("StepShape.layers", self.layers)
         if self.q_len != 1 or self.mixed is not None:
             raise ValueError(f"StepShape: q_len={self.q_len}, mixed={self.mixed!r} (allowed: decode rows only, "
                              "q_len=1 and mixed=None)")
