@@ -435,9 +435,9 @@ class Opened:
     route: str | None = None
     samples: list[float] = dataclasses.field(default_factory=list)
 
-    def warm_up(self, warmup: int, min_sample_s: float = 5e-3, max_inner: int = 1000) -> None:
+    def warm_up(self, warmup: int) -> None:
         """`time_fn`'s warm-up (the first call already made) and calibration: sets ``inner``."""
-        self.inner = warm_up(self.fn, self.prep.sync, max(warmup - 1, 1), min_sample_s, max_inner)
+        self.inner = warm_up(self.fn, self.prep.sync, max(warmup - 1, 1))
 
     def sample(self) -> None:
         """One more sample, under this candidate's scope."""

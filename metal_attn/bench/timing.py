@@ -40,14 +40,19 @@ def mlx_sync() -> None:
     mx.synchronize()
 
 
+#: The shortest sample `time_fn` takes (seconds), and the most calls one sample holds.
+MIN_SAMPLE_S = 5e-3
+MAX_INNER = 1000
+
+
 def time_fn(
     fn: Callable[[], Any],
     *,
     warmup: int = 2,
     iters: int = 10,
     sync: Callable[[], None] = mlx_sync,
-    min_sample_s: float = 5e-3,
-    max_inner: int = 1000,
+    min_sample_s: float = MIN_SAMPLE_S,
+    max_inner: int = MAX_INNER,
 ) -> Timing:
     """Median per-call time of ``fn`` (``mx.eval`` inside for MLX, so the call's work is done).
 
@@ -81,8 +86,8 @@ def _check_timing_args(warmup: int, iters: int, max_inner: int) -> None:
         raise ValueError(f"warmup={warmup!r} (allowed: an int >= 0)")
 
 
-def warm_up(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, min_sample_s: float,
-            max_inner: int) -> int:
+def warm_up(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, min_sample_s: float = MIN_SAMPLE_S,
+            max_inner: int = MAX_INNER) -> int:
     """`time_fn`'s warm-up and calibration of ``fn``: the calls per sample (``inner``)."""
     for _ in range(max(warmup - 1, 0)):
         fn()
