@@ -6,6 +6,7 @@ import datetime
 import json
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -347,6 +348,37 @@ def test_plot_is_written_with_matplotlib(tmp_path, capsys) -> None:
                            "--plot", str(png))
     assert rc == 0 and f"wrote {png}" in err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_writes_the_path_asked_for_in_the_format_its_name_says(tmp_path, capsys) -> None:
+    """Without an extension matplotlib wrote ``NAME.png`` while the bench said it wrote ``NAME``."""
+    pytest.importorskip("matplotlib")
+    bare, svg = tmp_path / "plot", tmp_path / "plot.SVG"
+    for path in (bare, svg):
+        rc, _, _, err = _bench(tmp_path, capsys, "--shapes", "decode b3", "--candidates", "reference",
+                               "--plot", str(path))
+        assert rc == 0 and f"wrote {path}" in err
+    assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plot.png").exists()
+    assert b"<svg" in svg.read_bytes()[:2000]
+
+
+def test_a_plot_format_matplotlib_would_refuse_is_refused_before_the_run(tmp_path, capsys) -> None:
+    """``--plot out.xyz`` measured the whole run, then ended in matplotlib's ValueError traceback."""
+    rc = cli.main(["--suite", "smoke", "--plot", str(tmp_path / "out.xyz")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"--plot {str(tmp_path / 'out.xyz')!r} names a .xyz file (allowed: a file name ending in .png, .pdf, " \
+           ".svg, or without an extension: PNG)" in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system (a device whose writes fail)")
+def test_a_plot_that_cannot_be_written_is_an_error(tmp_path, capsys) -> None:
+    """``--plot /dev/full`` said it wrote the plot and exited 0."""
+    pytest.importorskip("matplotlib")
+    rc, _, _, err = _bench(tmp_path, capsys, "--shapes", "decode b3", "--candidates", "reference",
+                           "--plot", "/dev/full")
+    assert rc == 1
+    assert "--plot '/dev/full': not written (No space left on device)" in err and "wrote /dev/full" not in err
 
 
 # -- the suites as data -----------------------------------------------------------------------------------

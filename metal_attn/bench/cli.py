@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import sys
@@ -90,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", nargs="?", const="-",
                         help="every raw median and machine info as JSON: on stdout (tables then go to stderr), "
                              "or into PATH")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="write a bar chart: PNG, or PDF or SVG by PATH's extension (needs matplotlib)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables to paste into docs")
     parser.add_argument("--list", action="store_true", help="list the suites, their shapes and candidates, and exit")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or progress lines on stderr")
@@ -387,9 +389,20 @@ def write_plot(suites: Sequence[SuiteResult], path: str) -> str | None:
         ax.set_title(f"{suite.name}: {suite.description}", fontsize=9, loc="left")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format=plot_format(path), dpi=120)
     plt.close(fig)
+    Path(path).write_bytes(image.getvalue())  # the very path asked for; a write error (a full disk) is raised
     return None
+
+
+#: The image formats ``--plot`` writes, by the file name's extension (none: PNG).
+PLOT_FORMATS = ("png", "pdf", "svg")
+
+
+def plot_format(path: str) -> str:
+    """The image format of ``--plot path``: its extension, lower-cased, or ``png`` without one."""
+    return Path(path).suffix[1:].lower() or "png"
 
 
 def to_json(suites: Sequence[SuiteResult], machine: dict[str, Any], argv: Sequence[str] | None,
@@ -504,6 +517,10 @@ def _check_usage(args: argparse.Namespace, err: TextIO) -> int | None:
         if why:
             print(f"metal-attn bench: error: {flag} {value!r} {why} (allowed: a file path in a writable folder)",
                   file=err)
+            return 2
+        if attr == "plot" and plot_format(value) not in PLOT_FORMATS:
+            print(f"metal-attn bench: error: --plot {value!r} names a .{plot_format(value)} file (allowed: a file "
+                  f"name ending in {', '.join('.' + f for f in PLOT_FORMATS)}, or without an extension: PNG)", file=err)
             return 2
     if getattr(args, "compare", None) == "":
         print("metal-attn bench: error: --compare '' names no file (allowed: a baseline JSON file)", file=err)
@@ -716,7 +733,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             msg = write_plot(results, args.plot)
         except OSError as exc:
-            msg = f"metal-attn bench: error: --plot {args.plot!r}: not written ({exc.strerror or exc})"
+            print(f"metal-attn bench: error: --plot {args.plot!r}: not written ({exc.strerror or exc})", file=err)
+            return 1
         print(msg or f"wrote {args.plot}", file=err)
     problems = _problems(results)
     for p in problems:
