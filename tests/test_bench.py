@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
 import json
+import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_attn.bench import cli, core, peers, suites, timing
+from metal_attn.bench import baselines, cli, core, peers, suites, timing
 from metal_attn.bench.core import Rows, Shape, Timing
+from metal_attn.errors import NoProviderError
 from metal_attn.settings import override_settings
 from metal_attn.testing.oracle import attention_oracle
 
@@ -946,3 +951,236 @@ def test_only_candidates_that_measure_as_timed_candidates_do_are_interleaved():
     assert not core.can_interleave(peers.Ceiling())
     assert core.can_interleave(core.SettingsVariant("a[x=1]", _Logged("a", log), {"x": "1"}))
     assert not core.can_interleave(core.SettingsVariant("b[x=1]", OwnMeasure("b", log), {"x": "1"}))
+
+_SHAPE = Shape(1, 4, 2, 32, 64, "float32")
+
+
+class _Slow(_Logged):
+    """A `_Logged` whose calls last 6 ms (a calibration loop is one call) and whose syncs are counted;
+    its Prepared carries details, and a launch that logs itself as ``NAME+launch``."""
+
+    def __init__(self, name, log, fail_at=None):
+        super().__init__(name, log, fail_at)
+        self.syncs = 0
+
+    def prepare(self, case):
+        prep = super().prepare(case)
+        run = prep.run
+
+        def slow():
+            time.sleep(0.006)
+            return run()
+
+        def launch():
+            self.log.append((self.name + "+launch", 0))
+            return mx.zeros((1,))
+
+        def sync():
+            self.syncs += 1
+
+        return dataclasses.replace(prep, run=slow, launch=launch, sync=sync, details={"k": 1})
+
+
+class _Refusing(_Logged):
+    """A `_Logged` whose breaking call raises NoProviderError (a forced kernel that failed to build)."""
+
+    def prepare(self, case):
+        prep = super().prepare(case)
+        run = prep.run
+
+        def refusing():
+            try:
+                return run()
+            except RuntimeError as exc:
+                raise NoProviderError(str(exc)) from None
+
+        return dataclasses.replace(prep, run=refusing)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_timed_candidate_calls_and_syncs_as_time_fn_does(interleave):
+    """warmup=3: the opening call, one more warm-up call, a call per calibration loop (a 6 ms call fills
+    one), then a call per sample; a sync after the opening call and around every loop and sample. The
+    result keeps the prepared details; a blocking run never calls the queued form."""
+    log: list = []
+    c = _Slow("s", log)
+    (res,) = core.run_suite("t", [_SHAPE], [c], warmup=3, iters=2, interleave=interleave).results[0].candidates
+    assert res.ok and res.timing.inner == 1 and len(res.timing.samples_s) == 2
+    assert [n for n, _ in log] == ["s"] * (1 + 1 + 2 + 2)
+    assert c.syncs == 1 + 2 * 2 + 2 * 2
+    assert res.details == {"k": 1} and c.closed == 1
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_pipelined_run_samples_the_queued_form(interleave):
+    log: list = []
+    c = _Slow("s", log)
+    (res,) = core.run_suite("t", [_SHAPE], [c], warmup=1, iters=2, pipelined=True,
+                            interleave=interleave).results[0].candidates
+    assert res.ok and log[0][0] == "s" and {n for n, _ in log[1:]} == {"s+launch"}
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_candidate_that_breaks_is_closed(interleave):
+    """Broken at its first call (in `open`) or in the warm-up: an error, and its prepared call closed."""
+    for fail_at in (0, 3):
+        log: list = []
+        bad = _Logged("bad", log, fail_at=fail_at)
+        bad.kind = "provider"
+        (res,) = core.run_suite("t", [_SHAPE], [bad], warmup=1, iters=2, interleave=interleave).results[0].candidates
+        assert (res.status, res.reasons, res.kind, bad.closed) == ("error", ("RuntimeError: bad broke",), "provider",
+                                                                   1), fail_at
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_candidate_whose_kernel_fails_to_build_is_refused_and_closed(interleave):
+    for fail_at in (0, 3):  # at the opening call, in the warm-up
+        log: list = []
+        bad = _Refusing("bad", log, fail_at=fail_at)
+        (res,) = core.run_suite("t", [_SHAPE], [bad], warmup=1, iters=2, interleave=interleave).results[0].candidates
+        assert (res.status, res.reasons, bad.closed) == ("refused", ("bad broke",), 1), fail_at
+
+
+def test_the_plain_runner_closes_what_it_measured():
+    log: list = []
+    a, b = _Logged("a", log), _Logged("b", log)
+    core.run_suite("t", [_SHAPE], [a, b], warmup=1, iters=2)
+    assert a.closed == b.closed == 1
+
+
+def test_an_interleaved_candidate_that_breaks_mid_samples_is_dropped_from_the_rounds():
+    """Broken at its first sample: an error, never called again, and the other one takes every sample."""
+
+    class BreaksWhenSampled(_Logged):
+        def route_after(self, prep):  # called once the warm-up is done, before the first round
+            self.fail_at = sum(n == self.name for n, _ in self.log)
+            return super().route_after(prep)
+
+    log: list = []
+    good, bad = _Logged("good", log), BreaksWhenSampled("bad", log)
+    case = _SHAPE.build(seed=0)
+    tries = []
+    run = bad.prepare
+
+    def counting_prepare(case):
+        prep = run(case)
+        inner = prep.run
+
+        def counted():
+            tries.append(1)
+            return inner()
+
+        return dataclasses.replace(prep, run=counted)
+
+    bad.prepare = counting_prepare
+    try:
+        res_good, res_bad = core.measure_interleaved([good, bad], case, warmup=1, iters=5)
+    finally:
+        case.release()
+    assert res_good.ok and len(res_good.timing.samples_s) == 5
+    assert res_bad.status == "error" and res_bad.reasons == ("RuntimeError: bad broke",)
+    assert len(tries) == sum(n == "bad" for n, _ in log) + 1  # one failed call, none after it
+    assert good.closed == bad.closed == 1
+
+
+def test_an_interleaved_candidate_whose_route_fails_is_an_error_and_not_sampled():
+    class NoRoute(_Logged):
+        def route_after(self, prep):
+            raise RuntimeError("no route")
+
+    log: list = []
+    good, bad = _Logged("good", log), NoRoute("bad", log)
+    case = _SHAPE.build(seed=0)
+    try:
+        res_good, res_bad = core.measure_interleaved([good, bad], case, warmup=1, iters=3)
+    finally:
+        case.release()
+    assert res_good.ok and (res_bad.status, res_bad.reasons) == ("error", ("RuntimeError: no route",))
+
+
+def test_an_interleaved_variant_of_a_refusing_candidate_is_refused_under_its_own_name():
+    class Skips(_Logged):
+        def prepare(self, case):
+            raise core.Skip("refused", ["not here"])
+
+    log: list = []
+    a, s = _Logged("a", log), Skips("s", log)
+    cands = core.with_variants(lambda names: [{"a": a, "s": s}[n] for n in names])(["a", "s[partition_size=384]"])
+    res_a, res_s = core.run_suite("t", [_SHAPE], cands, warmup=1, iters=2, interleave=True).results[0].candidates
+    assert res_a.ok
+    assert (res_s.name, res_s.kind, res_s.status, res_s.reasons) == ("s[partition_size=384]", "variant", "refused",
+                                                                     ("not here",))
+
+
+def test_interleaved_rounds_start_where_rotate_says():
+    log: list = []
+    a, b = _Logged("a", log), _Logged("b", log)
+    iters = 3
+    res_a, res_b = core.run_suite("t", [_SHAPE], [a, b], warmup=1, iters=iters, interleave=True,
+                                  rotate=1).results[0].candidates
+    assert (res_a.name, res_b.name) == ("a", "b")  # results keep the list's order
+    ia, ib = res_a.timing.inner, res_b.timing.inner
+    assert [n for n, _ in log[-iters * (ia + ib):]] == (["b"] * ib + ["a"] * ia) * iters
+
+
+def test_time_fn_checks_its_counts():
+    assert core.time_fn(lambda: None, warmup=0, iters=1, sync=lambda: None, max_inner=4).inner == 4
+    for kwargs, message in (({"warmup": 1.5}, "warmup=1.5"), ({"warmup": True}, "warmup=True"),
+                            ({"max_inner": 0}, "max_inner=0")):
+        with pytest.raises(ValueError, match=message):
+            core.time_fn(lambda: None, **kwargs)
+
+
+def test_time_fn_on_a_clock_that_does_not_move_fills_samples_to_max_inner(monkeypatch):
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: 1.0))
+    t = timing.time_fn(lambda: None, warmup=1, iters=1, sync=lambda: None, max_inner=8)
+    assert t.inner == 8 and t.median_s == 0.0
+
+
+def test_timing_of_summarizes_the_samples():
+    samples = [3.0, 1.0, 2.0, 6.0]
+    t = timing.timing_of(samples, 7)
+    assert (t.median_s, t.min_s, t.mean_s, t.samples_s, t.inner) == (2.5, 1.0, 3.0, (3.0, 1.0, 2.0, 6.0), 7)
+    assert t.stdev_s == pytest.approx(statistics.stdev(samples))
+    assert timing.timing_of([2.0, 4.0], 1).stdev_s == pytest.approx(2**0.5)
+    assert timing.timing_of([2.0], 1).stdev_s == 0.0
+
+
+def test_run_options_give_interleave_only_when_the_flag_is():
+    ns = argparse.Namespace(candidates=None, warmup=None, iters=None, repeat=None, pipelined=False, interleave=True)
+    assert cli._run_options(ns)["interleave"] is True
+    ns.interleave = False
+    assert cli._run_options(ns)["interleave"] is None
+
+
+def test_from_json_refuses_interleave(tmp_path, capsys):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"suites": []}))
+    rc = cli.main(["--from-json", str(run), "--compare", "x.json", "--interleave"])
+    assert rc == 2 and "so --interleave would be ignored" in capsys.readouterr().err
+
+
+def test_a_saved_run_records_interleave_only_when_it_is_true(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert cli.main(["--suite", "smoke", "--shapes", "decode b3", "--candidates", "auto,mlx_sdpa",
+                     "--iters", "2", "--quiet", "--json", str(out)]) == 0
+    capsys.readouterr()
+    data = json.loads(out.read_text())
+    for value in (False, 1, "yes"):
+        for s in data["suites"]:
+            s["interleaved"] = value
+        out.write_text(json.dumps(data))
+        assert "interleave" not in baselines.load_run(out).run, value
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_variant_finds_its_route_under_its_settings(interleave):
+    class SettingsRoute(_Logged):
+        def route_after(self, prep):
+            from metal_attn.settings import get_settings
+
+            return f"partition {get_settings().partition_size}"
+
+    v = core.SettingsVariant("r[partition_size=384]", SettingsRoute("r", []), {"partition_size": "384"})
+    (res,) = core.run_suite("t", [_SHAPE], [v], warmup=1, iters=2, interleave=interleave).results[0].candidates
+    assert res.ok and res.route == "partition 384"

@@ -354,6 +354,7 @@ def test_saved_repeats_and_several_saved_runs_give_medians_over_every_repeat(tmp
         (["--compare", "x.json", "--json"], "so --json would be ignored"),
         (["--compare", "x.json", "--markdown", "--iters", "3"], "so --markdown, --iters would be ignored"),
         (["--write-baseline", "x.json", "--warmup", "0"], "so --warmup would be ignored"),
+        (["--compare", "x.json", "--interleave"], "so --interleave would be ignored"),
     ],
 )
 def test_saved_run_usage_errors_exit_2(tmp_path, capsys, extra, message) -> None:
