@@ -911,14 +911,19 @@ def test_interleaved_candidates_take_their_samples_in_turn():
     assert names == sorted(names)  # every a call before every b call
 
 
-def test_an_interleaved_candidate_that_fails_is_an_error_and_the_others_finish():
-    log: list[tuple[str, int]] = []
-    good, bad = _Logged("good", log), _Logged("bad", log, fail_at=6)
+def _interleaved(cands: list, iters: int = 5) -> list:
+    """`core.measure_interleaved` of ``cands`` on a tiny float32 decode case."""
     case = Shape(1, 4, 2, 32, 64, "float32").build(seed=0)
     try:
-        res_good, res_bad = core.measure_interleaved([good, bad], case, warmup=1, iters=5)
+        return core.measure_interleaved(cands, case, warmup=1, iters=iters)
     finally:
         case.release()
+
+
+def test_an_interleaved_candidate_that_fails_is_an_error_and_the_others_finish():
+    log: list[tuple[str, int]] = []
+    good, bad = _Logged("good", log), _Logged("bad", log, fail_at=6)  # breaks in its calibration
+    res_good, res_bad = _interleaved([good, bad])
     assert res_good.ok and len(res_good.timing.samples_s) == 5
     assert res_bad.status == "error" and res_bad.reasons == ("RuntimeError: bad broke",)
     assert good.closed == bad.closed == 1
@@ -1058,7 +1063,6 @@ def test_an_interleaved_candidate_that_breaks_mid_samples_is_dropped_from_the_ro
 
     log: list = []
     good, bad = _Logged("good", log), BreaksWhenSampled("bad", log)
-    case = _SHAPE.build(seed=0)
     tries = []
     run = bad.prepare
 
@@ -1073,10 +1077,7 @@ def test_an_interleaved_candidate_that_breaks_mid_samples_is_dropped_from_the_ro
         return dataclasses.replace(prep, run=counted)
 
     bad.prepare = counting_prepare
-    try:
-        res_good, res_bad = core.measure_interleaved([good, bad], case, warmup=1, iters=5)
-    finally:
-        case.release()
+    res_good, res_bad = _interleaved([good, bad])
     assert res_good.ok and len(res_good.timing.samples_s) == 5
     assert res_bad.status == "error" and res_bad.reasons == ("RuntimeError: bad broke",)
     assert len(tries) == sum(n == "bad" for n, _ in log) + 1  # one failed call, none after it
@@ -1090,11 +1091,7 @@ def test_an_interleaved_candidate_whose_route_fails_is_an_error_and_not_sampled(
 
     log: list = []
     good, bad = _Logged("good", log), NoRoute("bad", log)
-    case = _SHAPE.build(seed=0)
-    try:
-        res_good, res_bad = core.measure_interleaved([good, bad], case, warmup=1, iters=3)
-    finally:
-        case.release()
+    res_good, res_bad = _interleaved([good, bad], iters=3)
     assert res_good.ok and (res_bad.status, res_bad.reasons) == ("error", ("RuntimeError: no route",))
 
 
