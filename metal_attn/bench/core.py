@@ -506,7 +506,8 @@ class TimedCandidate:
             try:
                 opened.warm_up(warmup)
                 opened.route = self.route_after(opened.prep)
-                opened.samples = [one_sample(opened.fn, opened.prep.sync, opened.inner) for _ in range(iters)]
+                for _ in range(iters):
+                    opened.sample()
             except NoProviderError as exc:  # e.g. a forced provider whose kernel failed to build
                 return CandidateResult(self.name, self.kind, "refused", (str(exc),))
             return opened.result(self, case.shape)
@@ -524,13 +525,11 @@ class TimedCandidate:
             prep.sync()
             rows = prep.to_rows(first) if prep.to_rows else None
             del first
-        except NoProviderError as exc:
+        except BaseException as exc:
             if prep.close:
                 prep.close()
-            return CandidateResult(self.name, self.kind, "refused", (str(exc),))
-        except BaseException:
-            if prep.close:
-                prep.close()
+            if isinstance(exc, NoProviderError):
+                return CandidateResult(self.name, self.kind, "refused", (str(exc),))
             raise
         return Opened(prep, prep.launch if pipelined and prep.launch is not None else prep.run, rows)
 
