@@ -1,6 +1,6 @@
 """Python host cost of the CUDA launch path, measured on a machine without a GPU.
 
-    python benchmarks/host_cost_python.py [--calls N] [--samples N] [--profile LABEL]
+    python benchmarks/host_cost_python.py [--calls N] [--samples N] [--profile LABEL] [--plugins]
 
 What it measures: the thread CPU time (``time.thread_time_ns``, so other processes on a loaded
 machine do not count) that building one layer's paged work costs in Python, on the route an H200
@@ -25,18 +25,23 @@ of a step); ``step/32`` is a 32-layer step on a fresh metadata (its first layer 
 per-metadata cache), per layer; ``write`` is one cache write. One sample is ``--calls`` calls in a
 row (the lazy outputs are kept and freed outside the timed span); the figure is the median of
 ``--samples`` samples. ``--profile LABEL`` prints a cProfile of the steady-state call instead.
+
+The built-in providers are timed: third-party plugins are not loaded (an installed decode plugin, such as
+the example one CI installs, would otherwise take the decode cases) unless ``--plugins`` is given. Each
+line names the provider and route its case ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -48,6 +53,7 @@ from metal_attn.api import write_checked
 from metal_attn.bench.core import Rows, Shape, build_case
 from metal_attn.device import DeviceInfo
 from metal_attn.metadata import AttentionMetadata
+from metal_attn.settings import override_settings
 from metal_attn.testing.fake_cuda import FakeCuda, FakeKernel, fake_cuda
 
 LAYERS = 32
@@ -88,6 +94,7 @@ def cases() -> list[Case]:
 class Bound:
     """One case's inputs and the three calls timed."""
 
+    provider: str
     route: str
     attn: Callable[[], Any]
     step: Callable[[], Any]
@@ -122,7 +129,21 @@ def bind(case: Case, fake: FakeCuda) -> Bound:
     fake.launches.clear()
     attn()
     launches = len(fake.launches)
-    return Bound(diagnostics.last_dispatch().route, attn, step, write, launches)
+    chosen = diagnostics.last_dispatch()
+    return Bound(chosen.provider, chosen.route, attn, step, write, launches)
+
+
+@contextlib.contextmanager
+def bound_case(case: Case, plugins: bool = False) -> Iterator[Bound]:
+    """``case`` bound (`bind`) under fake CUDA, recording off; with the built-in providers only unless
+    ``plugins`` (then the third-party ones the settings load as well)."""
+    with contextlib.ExitStack() as stack:
+        if not plugins:
+            stack.enter_context(override_settings(plugin_autoload=False))
+        fake = stack.enter_context(fake_cuda(case.device()))
+        b = bind(case, fake)
+        fake.record = False
+        yield b
 
 
 def per_call_us(fn: Callable[[], Any], calls: int, samples: int) -> float:
@@ -156,15 +177,16 @@ def fake_launch_us(calls: int, samples: int) -> float:
     return per_call_us(lambda: k(**args), calls, samples)
 
 
-def run(calls: int, samples: int, profile: str | None) -> None:
+def run(calls: int, samples: int, profile: str | None, plugins: bool = False) -> None:
+    print("providers: " + ("the built-in ones and the third-party ones the settings load" if plugins
+                           else "the built-in ones only (--plugins: also the third-party ones)"), flush=True)
     fake_us = fake_launch_us(calls, samples)
     print(f"fake/launch {fake_us:.2f} µs (subtracted in 'net')", flush=True)
+    width = max(len(c.label) for c in cases())
     for case in cases():
         if profile and profile not in case.label:
             continue
-        with fake_cuda(case.device()) as fake:
-            b = bind(case, fake)
-            fake.record = False
+        with bound_case(case, plugins) as b:
             for fn in (b.attn, b.write):  # warm every cache
                 for _ in range(20):
                     fn()
@@ -174,13 +196,13 @@ def run(calls: int, samples: int, profile: str | None) -> None:
                 for _ in range(2000):
                     b.attn()
                 prof.disable()
-                print(f"== {case.label} ({b.route}): 2000 steady-state calls")
+                print(f"== {case.label} ({b.provider}/{b.route}): 2000 steady-state calls")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
                 continue
             attn = per_call_us(b.attn, calls, samples)
             step = step_us(b.step, samples)
             write = per_call_us(b.write, calls, samples)
-        print(f"{case.label:34s} {b.route:22s} launches {b.launches}  attn {attn:6.1f}  "
+        print(f"{case.label:{width}s} {b.provider:14s} {b.route:22s} launches {b.launches}  attn {attn:6.1f}  "
               f"net {attn - b.launches * fake_us:6.1f}  step/32 {step:6.1f}  write {write:6.1f}  µs", flush=True)
 
 
@@ -189,8 +211,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--calls", type=int, default=200, help="calls per sample (default 200)")
     p.add_argument("--samples", type=int, default=25, help="samples per figure (default 25)")
     p.add_argument("--profile", metavar="LABEL", help="cProfile the steady-state call of the cases matching LABEL")
+    p.add_argument("--plugins", action="store_true",
+                   help="also time third-party providers, as the settings load them (default: built-in only)")
     a = p.parse_args(argv)
-    run(a.calls, a.samples, a.profile)
+    run(a.calls, a.samples, a.profile, a.plugins)
 
 
 if __name__ == "__main__":

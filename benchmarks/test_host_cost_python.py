@@ -2,18 +2,21 @@
 
     pytest benchmarks/test_host_cost_python.py --benchmark-only
 
-The cases and the method are `host_cost_python`'s (fake ``cuda_kernel`` objects, the H200 preset):
-one benchmark per case for the steady-state ``paged_attention`` call (layers 2..32 of a step) and
-one for the cache write. Only graph building is timed; nothing is evaluated. Compare saved runs
+The cases and the method are `host_cost_python`'s (fake ``cuda_kernel`` objects, the H200 preset, the
+built-in providers): one benchmark per case for the steady-state ``paged_attention`` call (layers 2..32
+of a step) and one for the cache write. Only graph building is timed; nothing is evaluated. Compare saved runs
 with ``--benchmark-compare-fail=median:10%``.
 """
 
 from __future__ import annotations
 
+import host_cost_python
 import pytest
-from host_cost_python import Case, bind, cases
+from host_cost_python import Case, bound_case, cases
 
-from metal_attn.testing.fake_cuda import fake_cuda
+import metal_attn
+from metal_attn.plugins import get_registry
+from metal_attn.settings import override_settings
 
 CASES = {c.label: c for c in cases()}
 
@@ -21,14 +24,13 @@ CASES = {c.label: c for c in cases()}
 @pytest.fixture(params=list(CASES), ids=[label.split(" (")[0].replace(" ", "-") for label in CASES])
 def bound(request):
     case: Case = CASES[request.param]
-    with fake_cuda(case.device()) as fake:
-        b = bind(case, fake)
-        fake.record = False
+    with bound_case(case) as b:
         yield b
 
 
 @pytest.mark.benchmark(group="host-cost-python", disable_gc=True, min_rounds=2000)
 def test_paged_attention_host_cost(benchmark, bound):
+    benchmark.extra_info["provider"] = bound.provider
     benchmark.extra_info["route"] = bound.route
     benchmark.extra_info["launches"] = bound.launches
     benchmark(bound.attn)
@@ -37,3 +39,28 @@ def test_paged_attention_host_cost(benchmark, bound):
 @pytest.mark.benchmark(group="host-cost-python", disable_gc=True, min_rounds=2000)
 def test_cache_write_host_cost(benchmark, bound):
     benchmark(bound.write)
+
+
+def test_the_script_times_the_built_in_providers_and_names_each_case_s_provider_and_route(capsys):
+    """With autoload on (the default) and the example decode plugin installed (CI installs it through its
+    entry point), the b1 decode cases timed `example_gather_decode` under a column that named only its route,
+    unless METAL_ATTN_PLUGIN_AUTOLOAD=0 was set. Each line now names the provider and route the H200 gets
+    from the built-in providers (as `metal_attn.explain` gives them)."""
+    with override_settings(plugin_autoload=False):
+        builtin = set(get_registry().names)
+        expected = {}
+        for case in cases():
+            s = case.shape
+            chosen = metal_attn.explain(q_lens=list(s.q_lens), seq_lens=list(s.seq_lens), device=case.device(),
+                                        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_size=s.head_size,
+                                        dtype=s.dtype, block_size=s.block_size).chosen
+            expected[case.label] = (chosen.name, chosen.plan.route)
+    with override_settings(plugin_autoload=True):
+        host_cost_python.main(["--calls", "1", "--samples", "1"])
+    out = capsys.readouterr().out
+    for label, (provider, route) in expected.items():
+        line = next((x for x in out.splitlines() if x.startswith(f"{label} ")), None)
+        assert line is not None, (label, out)
+        assert tuple(line[len(label):].split()[:2]) == (provider, route), line
+        assert provider in builtin
+    assert "providers: the built-in ones only" in out

@@ -218,7 +218,14 @@ def providers_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 # -- explain -----------------------------------------------------------------------------------------
 
-def _explain_lengths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[int], list[int]]:
+#: The most query rows one call has: the metadata hold their offsets (``cu_seqlens_q``) in int32.
+_MAX_QUERY_ROWS = 2**31 - 1
+
+
+def _explain_lengths(args: argparse.Namespace,
+                     parser: argparse.ArgumentParser) -> tuple[list[int], list[int], int]:
+    """The query and KV lengths the flags describe, and how many copies of them the batch is: the shortcuts
+    describe one sequence, ``--batch`` copies (no list of ``--batch`` lengths is built)."""
     shortcuts = [f for f, v in (("--batch", args.batch), ("--context", args.context), ("--q-len", args.q_len))
                  if v is not None]
     if args.q_lens is not None or args.seq_lens is not None:
@@ -226,7 +233,7 @@ def _explain_lengths(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             parser.error(f"{', '.join(shortcuts)} cannot be combined with --q-lens/--seq-lens (use one form)")
         if args.seq_lens is None:
             parser.error("--q-lens needs --seq-lens (the KV length of each sequence, this step's tokens included)")
-        seq_lens = args.seq_lens
+        seq_lens, copies = args.seq_lens, 1
         q_lens = args.q_lens if args.q_lens is not None else [1] * len(seq_lens)
         if len(q_lens) != len(seq_lens):
             parser.error(
@@ -236,7 +243,13 @@ def _explain_lengths(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         batch = args.batch if args.batch is not None else 1
         context = args.context if args.context is not None else 4096
         q_len = args.q_len if args.q_len is not None else 1
-        q_lens, seq_lens = [q_len] * batch, [context] * batch
+        # Past the int32 offsets no call could be made: refused before any work. Within them the batch is
+        # one sequence, copied (`AttentionRequest.uniform`): 10**8 sequences answer as fast as 8.
+        most = _MAX_QUERY_ROWS // q_len
+        if batch > most:
+            parser.error(f"--batch={batch} with --q-len={q_len} (allowed: 1 to {most}: a call has at most "
+                         f"{_MAX_QUERY_ROWS} query rows, whose offsets the metadata hold in int32)")
+        q_lens, seq_lens, copies = [q_len], [context], batch
     for i, (q, s) in enumerate(zip(q_lens, seq_lens)):
         if q > s:
             parser.error(f"sequence {i}: q_len={q} > seq_len={s} (the KV length counts this step's tokens, "
@@ -247,7 +260,7 @@ def _explain_lengths(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if any(q == 1 for q in q_lens[n_dec:]) and any(q > 1 for q in q_lens):
         parser.error(f"--q-lens={','.join(map(str, q_lens))}: decode rows (q_len 1) must come first, "
                      "then prefill chunks")
-    return q_lens, seq_lens
+    return q_lens, seq_lens, copies
 
 
 def _explain_device(args: argparse.Namespace) -> Any:
@@ -272,16 +285,18 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
     if args.heads % args.kv_heads:
         parser.error(f"--heads={args.heads} is not a multiple of --kv-heads={args.kv_heads} (GQA needs whole groups)")
-    q_lens, seq_lens = _explain_lengths(args, parser)
+    q_lens, seq_lens, copies = _explain_lengths(args, parser)
     device = _explain_device(args)
     _check_provider_flag(parser, args.provider)
+    features = dict(backend=device.backend, dtype=args.dtype, cache_dtype=args.cache_dtype, num_heads=args.heads,
+                    num_kv_heads=args.kv_heads, head_size=args.head_size,
+                    block_size=kernel_block_size(args.block_size) or args.block_size, sinks=args.sinks,
+                    sliding_window=args.sliding_window, softcap=args.softcap)
     try:
-        request = AttentionRequest.from_lengths(
-            q_lens=q_lens, seq_lens=seq_lens, backend=device.backend, dtype=args.dtype,
-            cache_dtype=args.cache_dtype, num_heads=args.heads, num_kv_heads=args.kv_heads,
-            head_size=args.head_size, block_size=kernel_block_size(args.block_size) or args.block_size,
-            sinks=args.sinks, sliding_window=args.sliding_window, softcap=args.softcap,
-        )
+        if copies > 1:
+            request = AttentionRequest.uniform(num_seqs=copies, q_len=q_lens[0], seq_len=seq_lens[0], **features)
+        else:
+            request = AttentionRequest.from_lengths(q_lens=q_lens, seq_lens=seq_lens, **features)
     except InvalidInputError as exc:
         parser.error(flagify(str(exc), _FLAGS))
     exp = explain(request, device=device, provider=args.provider)
@@ -358,14 +373,13 @@ def _smoke(device: Any) -> list[dict[str, Any]]:
 
 
 def _unknown_provider_settings(settings: Any, registered: list[str]) -> list[str]:
-    """Provider names in METAL_ATTN_PROVIDER / METAL_ATTN_DISABLED_PROVIDERS that no provider has
-    (a typo there disables nothing, or fails every call only once one runs)."""
+    """Provider names in METAL_ATTN_DISABLED_PROVIDERS that no provider has, and plugin names in
+    METAL_ATTN_PLUGINS_ALLOW / _DENY that no plugin has (a typo there disables nothing); METAL_ATTN_PROVIDER's
+    is `metal_attn.plugins.provider_setting_error`."""
     from metal_attn.plugins import plugin_names, unknown_plugin_names, unknown_provider_names
 
     known = ", ".join(registered)
     out = []
-    if settings.provider is not None and settings.provider not in registered:
-        out.append(f"METAL_ATTN_PROVIDER={settings.provider!r} is not a registered provider (registered: {known})")
     for name in unknown_provider_names(settings.disabled_providers, registered):
         out.append(f"METAL_ATTN_DISABLED_PROVIDERS names {name!r}, not a registered provider, so it disables "
                    f"nothing (registered: {known})")
@@ -379,7 +393,7 @@ def _unknown_provider_settings(settings: Any, registered: list[str]) -> list[str
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from metal_attn.api import providers
     from metal_attn.device import current_device, probe
-    from metal_attn.plugins import get_registry
+    from metal_attn.plugins import get_registry, provider_setting_error
     from metal_attn.settings import _check_unknown_env, get_settings
 
     settings = get_settings()
@@ -396,7 +410,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     native = native_module_status()
     chains = cuda_chains_status()
     provs = providers(device)
-    smoke = [] if args.no_smoke else _smoke(device)
+    forced_error = provider_setting_error()  # every call fails then: a smoke test would only say it again
+    smoke = [] if args.no_smoke or forced_error else _smoke(device)
     registry = get_registry()
     failures = [{"provider": p, "specialization": list(spec), "reason": reason}
                 for (p, spec), reason in registry.failures().items()]
@@ -405,7 +420,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         f"kernel {f['provider']} {tuple(f['specialization'])} failed to build: {f['reason']}" for f in failures
     ]
     problems += [f"smoke {s['phase']}: {s['error']}" for s in smoke if not s["ok"]]
-    problems += _unknown_provider_settings(settings, registry.names)
+    problems += ([forced_error] if forced_error else []) + _unknown_provider_settings(settings, registry.names)
     if not any(p["enabled"] and p["available"] for p in provs):
         problems.append("no provider is enabled and available on this device")
     report = {
@@ -452,6 +467,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                          [[s["phase"], s.get("provider"), s.get("route"),
                            f"{s['max_abs_error']:.2e}" if "max_abs_error" in s else "-",
                            "yes" if s["ok"] else f"NO: {s['error']}"] for s in smoke]))
+    elif forced_error and not args.no_smoke:
+        con.print("smoke test skipped: the forced provider is not registered, so every call fails (see the problem "
+                  "below)", markup=False)
     con.print(_table("kernel compile failures", ["provider", "specialization", "reason"],
                      [[f["provider"], tuple(f["specialization"]), f["reason"]] for f in failures]
                      or [["(none)", "-", "-"]]))

@@ -13,6 +13,7 @@ in float32. Nothing is downloaded; the data are seeded random numbers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -84,7 +85,12 @@ class DemoConfig:
                 f"chunk_size={self.chunk_size} must be below the longest prompt ({max(self.prompt_lens)}) "
                 "so that one prompt needs a continuation chunk"
             )
-        _check_working_set(self, schedule(self))
+        _check_working_set(self, self.batches)
+
+    @functools.cached_property
+    def batches(self) -> list[list[tuple[int, int]]]:
+        """`schedule` of this config, computed once: `validate` checks its memory, `run_demo` runs it."""
+        return schedule(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +262,7 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[StepResult], None] | None = 
     t_start = time.perf_counter()
     dt = MX_DTYPES[cfg.dtype]
     mx.random.seed(cfg.seed)
-    batches = schedule(cfg)
+    batches = cfg.batches
     final_lens = [0] * len(cfg.prompt_lens)
     for batch in batches:
         for seq, n in batch:

@@ -195,19 +195,29 @@ def get_registry() -> Registry:
         return reg
 
 
-def check_provider_setting() -> None:
-    """Raise `SettingsError` when ``METAL_ATTN_PROVIDER`` (or its alias) names no registered provider: every
-    call would then fail, so commands check it before loading a model or timing anything."""
+def provider_setting_error() -> str | None:
+    """Why ``METAL_ATTN_PROVIDER`` (or its alias, named as it is spelled) is unusable: it names no registered
+    provider, so every call would fail; ``None`` when it is unset or registered. `check_provider_setting`
+    raises it; `metal-attn doctor` reports it."""
     from metal_attn.settings import set_by
 
     forced = get_settings().provider
     if not forced:
-        return
+        return None
     registered = get_registry().names
-    if forced not in registered:
-        var = set_by("provider") or "METAL_ATTN_PROVIDER"
-        raise SettingsError(f"{var}={forced!r} names no registered provider (allowed: "
-                            f"{', '.join(registered) or 'none'}, or unset for the registry's choice)")
+    if forced in registered:
+        return None
+    var = set_by("provider") or "METAL_ATTN_PROVIDER"
+    return (f"{var}={forced!r} names no registered provider (allowed: {', '.join(registered) or 'none'}, "
+            "or unset for the registry's choice)")
+
+
+def check_provider_setting() -> None:
+    """Raise `SettingsError` when ``METAL_ATTN_PROVIDER`` (or its alias) names no registered provider: every
+    call would then fail, so commands check it before loading a model or timing anything."""
+    error = provider_setting_error()
+    if error is not None:
+        raise SettingsError(error)
 
 
 def reset_registry() -> None:

@@ -268,3 +268,20 @@ class AttentionRequest:
             sliding_window=sliding_window,
             softcap=softcap,
         )
+
+    @classmethod
+    def uniform(cls, *, num_seqs: int, q_len: int, seq_len: int, **features: Any) -> AttentionRequest:
+        """`from_lengths` for ``num_seqs`` sequences of ``q_len`` query rows and ``seq_len`` KV tokens each,
+        without per-sequence lists: the time does not grow with ``num_seqs`` (explain's ``--batch``).
+        ``features``: `from_lengths`'s other arguments. Raises `InvalidInputError` as it does."""
+        one = cls.from_lengths(q_lens=[q_len], seq_lens=[seq_len], **features)
+        if not is_integer(num_seqs) or num_seqs < 1:
+            raise InvalidInputError(f"num_seqs={num_seqs!r} (allowed: an int >= 1)")
+        n = int(num_seqs)
+        rows = n * one.total_q_tokens
+        if rows > _INT32_MAX:
+            raise InvalidInputError(f"num_seqs={n} x q_len={one.total_q_tokens} = {rows} query rows (allowed: at "
+                                    f"most {_INT32_MAX}: the metadata's cu_seqlens_q is int32)")
+        # Copies of one sequence: its phase, maxima and decode length hold for the batch; the sums scale.
+        return dataclasses.replace(one, num_seqs=n, total_q_tokens=rows, num_decode_seqs=n * one.num_decode_seqs,
+                                   length_plan=tuple((p, n * full) for p, full in one.length_plan))

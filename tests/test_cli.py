@@ -173,6 +173,44 @@ def test_explain_device_overrides_and_features(capsys):
             assert r["reasons"], r
 
 
+HUGE_BATCHES = [
+    (["--batch", "100000000"], 0, "seqs=100000000 (decode 100000000), q_tokens=100000000"),
+    (["--batch", "2147483647", "--json"], 0, '"total_q_tokens": 2147483647'),
+    (["--batch", "2147483648"], 2, "--batch=2147483648 with --q-len=1 (allowed: 1 to 2147483647: "),
+    (["--batch", "100000000", "--q-len", "32", "--context", "64"], 2,
+     "--batch=100000000 with --q-len=32 (allowed: 1 to 67108863: "),
+]
+
+
+@pytest.mark.parametrize(("argv", "code", "expected"), HUGE_BATCHES, ids=[" ".join(a) for a, _, _ in HUGE_BATCHES])
+def test_explain_answers_a_huge_batch_at_once_or_names_the_flag(tmp_path, argv, code, expected):
+    """--batch 100000000 built and checked two lists of 10**8 lengths (minutes, gigabytes); past what int32
+    query-row offsets address it ran out of memory (a MemoryError traceback, or the OOM killer)."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "metal_attn", "explain", *argv], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"explain {' '.join(argv)} ran past 60 s")
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert expected in " ".join((proc.stdout if code == 0 else proc.stderr).split())
+    if code == 2:
+        assert proc.stdout == "" and "Traceback" not in proc.stderr
+
+
+def test_a_uniform_request_is_the_request_of_its_lengths():
+    from metal_attn.errors import InvalidInputError
+    from metal_attn.request import AttentionRequest
+
+    for q, s in ((1, 4096), (4, 64), (4, 4), (64, 2112), (17, 100)):
+        kw = dict(num_heads=16, num_kv_heads=4, head_size=64, block_size=32, sliding_window=128)
+        assert (AttentionRequest.uniform(num_seqs=5, q_len=q, seq_len=s, **kw)
+                == AttentionRequest.from_lengths(q_lens=[q] * 5, seq_lens=[s] * 5, **kw)), (q, s)
+    with pytest.raises(InvalidInputError, match=r"^num_seqs=1073741824 x q_len=2 = 2147483648 query rows \(allowed"):
+        AttentionRequest.uniform(num_seqs=2**30, q_len=2, seq_len=8)
+    with pytest.raises(InvalidInputError, match=r"^num_seqs=0 \(allowed: an int >= 1\)"):
+        AttentionRequest.uniform(num_seqs=0, q_len=1, seq_len=8)
+
+
 def test_explain_forced_provider(capsys):
     code, data = run_json(capsys, "explain", "--provider", "reference")
     assert code == 0
@@ -363,10 +401,37 @@ def test_doctor_reports_provider_settings_that_name_no_provider(capsys):
     with override_settings(disabled_providers=("gqa-decode",), provider="nosuch"):
         code, data = run_json(capsys, "doctor", "--no-smoke")
     assert code == 1
-    assert any(p.startswith("METAL_ATTN_PROVIDER='nosuch' is not a registered provider (registered: ")
-               for p in data["problems"])
+    registered = ", ".join(p["name"] for p in data["providers"])
+    assert (f"METAL_ATTN_PROVIDER='nosuch' names no registered provider (allowed: {registered}, or unset for the "
+            "registry's choice)") in data["problems"]
     assert any(p.startswith("METAL_ATTN_DISABLED_PROVIDERS names 'gqa-decode', not a registered provider, so it "
                             "disables nothing") for p in data["problems"])
+
+
+def test_doctor_words_an_unknown_forced_provider_as_the_other_commands_do(capsys, monkeypatch):
+    """Doctor said "is not a registered provider (registered: ...)" under the canonical name whatever variable
+    set it, and its smoke test failed on it again, in the API's terms ("smoke all: ProviderRefusedError:
+    provider='nosuch' ..."); `demo`, `generate` and `bench` refuse it with `check_provider_setting`'s words."""
+    from metal_attn.errors import SettingsError
+    from metal_attn.plugins import check_provider_setting
+
+    monkeypatch.setenv("metal_attn_provider", "nosuch")
+    reload_settings()
+    try:
+        with pytest.raises(SettingsError) as exc:
+            check_provider_setting()
+        code, data = run_json(capsys, "doctor")
+        code_table, out, _ = run(capsys, "doctor")
+    finally:
+        monkeypatch.delenv("metal_attn_provider")
+        reload_settings()
+    assert code == code_table == 1
+    assert data["problems"] == [str(exc.value)]
+    assert str(exc.value).startswith("metal_attn_provider='nosuch' names no registered provider (allowed: ")
+    assert all(p["name"] in str(exc.value) for p in data["providers"])
+    assert data["smoke"] == []  # every call fails the same way: the smoke test is not run to say it again
+    out = " ".join(out.split())
+    assert f"problem: {exc.value}" in out and "smoke test skipped" in out and "ProviderRefusedError" not in out
 
 
 def test_doctor_reports_plugin_lists_that_name_no_plugin(capsys):
@@ -422,6 +487,21 @@ def test_demo_table_and_options(capsys):
         assert set(s["providers"]) <= registered
         for name in s["providers"]:
             assert name in out
+
+
+def test_the_demo_computes_its_schedule_once(capsys, monkeypatch):
+    """`run_demo` validated its config (whose memory check computes the schedule) and computed the schedule
+    again; `metal-attn demo`, validating first for its exit code 2, a third time."""
+    from metal_attn import demo
+
+    calls = []
+    real = demo.schedule
+    monkeypatch.setattr(demo, "schedule", lambda cfg: calls.append(cfg) or real(cfg))
+    code, _, _ = run(capsys, "demo", "--steps", "2", "--layers", "1", "--repeats", "1")
+    assert code == 0 and len(calls) == 1
+    calls.clear()
+    cfg = demo.DemoConfig(steps=2, num_layers=1, repeats=1, prompt_lens=(9, 40), chunk_size=24)
+    assert [s.q_lens for s in demo.run_demo(cfg).steps] == [(9, 24), (1, 16)] and len(calls) == 1
 
 
 def test_demo_is_deterministic_per_seed(capsys):
