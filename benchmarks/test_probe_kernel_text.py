@@ -1,0 +1,43 @@
+"""`benchmarks/probe_kernel_text.py` without a GPU: its --texts parsing, the rounds' order and the summary."""
+
+from __future__ import annotations
+
+import argparse
+
+import probe_kernel_text as pk
+import pytest
+
+from metal_attn._layout import kernels_dir
+
+
+def test_texts_keep_their_order_and_dash_is_the_packages_own():
+    got = pk.parse_texts(f"base={kernels_dir()},new=-")
+    assert list(got) == ["base", "new"]
+    assert got["base"] == kernels_dir() and got["new"] is None
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("base", "allowed: NAME=DIR"),
+    ("=x", "allowed: NAME=DIR"),
+    ("a=-,a=-", "names 'a' twice"),
+    ("a=/nonexistent", "no kernel texts there"),
+])
+def test_bad_texts_are_refused(text, needle):
+    with pytest.raises(argparse.ArgumentTypeError, match=needle):
+        pk.parse_texts(text)
+
+
+def test_each_version_goes_first_in_turn():
+    assert [pk.rotate(["a", "b", "c"], r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_the_summary_is_against_the_first_version_and_the_ceiling():
+    row = pk.summary("s", {"base": [40.0, 42.0, 41.0], "new": [39.0, 38.0, 40.0]}, 30.0)
+    base, new = row["versions"]["base"], row["versions"]["new"]
+    assert base["median_us"] == 41.0 and base["vs_base"] == 1.0
+    assert new["median_us"] == 39.0 and new["vs_base"] == pytest.approx(39.0 / 41.0)
+    assert new["ceiling_pct"] == pytest.approx(100 * 30.0 / 39.0)
+    text = pk.line(row)
+    assert text.startswith("s: base [40.0, 42.0, 41.0] 41.0 µs (x1.000, 73.2%)")
+    assert "new [39.0, 38.0, 40.0] 39.0 µs (x0.951, 76.9%)" in text
