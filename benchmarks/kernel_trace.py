@@ -124,3 +124,33 @@ def top_kernels(row: dict, n: int, width: int) -> str:
     """The ``n`` kernels of a `profile_call` row taking the most GPU time, as one line."""
     return ", ".join(f"{k['name'][:width]} {k['us_per_call']:.0f}us x{k['launches_per_call']:g}"
                      for k in row["kernels"][:n])
+
+
+def torch_decode_sdpa(case: Any, calls: int, *, token_major: bool = False) -> dict:
+    """The GPU kernels of torch SDPA (the decode peer) on a bench case's shape (`metal_attn.bench.core.build_case`;
+    one query row a sequence, every sequence as long as the first, bf16): per kernel its median µs and
+    launches per call over ``calls`` traced calls, and the busy µs per call. K/V are [batch, kv heads,
+    context, head] (contiguous), or with ``token_major`` a view of [batch, context, kv heads, head] storage:
+    the pools' token-major layout, each head's keys ``kv heads x head`` elements apart."""
+    import torch
+    import torch.nn.functional as F
+
+    s = case.shape
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.rand(s.batch, s.num_heads, 1, s.head_size, device=dev, generator=gen, dtype=torch.bfloat16)
+    ctx = s.seq_lens[0]
+    dims = (s.batch, ctx, s.num_kv_heads, s.head_size) if token_major else (s.batch, s.num_kv_heads, ctx, s.head_size)
+    k = torch.rand(*dims, device=dev, generator=gen, dtype=torch.bfloat16)
+    v = torch.rand_like(k)
+    if token_major:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+
+    def run() -> None:
+        for _ in range(calls):
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    run()
+    torch.cuda.synchronize()
+    events = record(run, cpu=False)
+    return {"kernels": summarise(events, calls, 1)["kernels"], "busy_us_per_call": busy_us(events) / calls}

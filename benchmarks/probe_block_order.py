@@ -26,7 +26,7 @@ import json
 
 import mlx.core as mx
 import numpy as np
-from kernel_trace import busy_us, record, summarise, trace
+from kernel_trace import busy_us, summarise, torch_decode_sdpa, trace
 from probe_fused_reduce import _shapes
 
 import metal_attn
@@ -68,34 +68,6 @@ def _kernels(events: list[dict], calls: int) -> list[dict]:
     return summarise(events, calls, 1)["kernels"]
 
 
-def _torch_sdpa(case, calls: int, token_major: bool) -> dict:
-    """torch SDPA on K/V of [batch, kv heads, context, head] (contiguous), or with ``token_major``
-    on a view of [batch, context, kv heads, head] storage: the pools' token-major layout, each
-    head's keys ``kv heads x head`` elements apart."""
-    import torch
-    import torch.nn.functional as F
-
-    s = case.shape
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q = torch.rand(s.batch, s.num_heads, 1, s.head_size, device=dev, generator=gen, dtype=torch.bfloat16)
-    ctx = s.seq_lens[0]
-    dims = (s.batch, ctx, s.num_kv_heads, s.head_size) if token_major else (s.batch, s.num_kv_heads, ctx, s.head_size)
-    k = torch.rand(*dims, device=dev, generator=gen, dtype=torch.bfloat16)
-    v = torch.rand_like(k)
-    if token_major:
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-
-    def run() -> None:
-        for _ in range(calls):
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-    run()
-    torch.cuda.synchronize()
-    events = record(run, cpu=False)
-    return {"kernels": _kernels(events, calls), "busy_us_per_call": busy_us(events) / calls}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -129,7 +101,7 @@ def main() -> None:
             print(f"{label:26s} {order:10s} {route:16s} kernels {gpu_us:7.1f}us {row['gbps_kernel']:6.0f} GB/s | "
                   + "; ".join(f"{k['name'][:28]} {k['median_us']:.1f}" for k in kernels), flush=True)
         for token_major in (False, True):
-            t = _torch_sdpa(case, args.calls, token_major)
+            t = torch_decode_sdpa(case, args.calls, token_major=token_major)
             gpu_us = sum(k["median_us"] * k["launches_per_call"] for k in t["kernels"])
             order = "torch token-major" if token_major else "torch contiguous"
             rows.append({"shape": label, "order": order, **t, "kernel_us_per_call": gpu_us,

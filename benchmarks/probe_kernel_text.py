@@ -12,7 +12,8 @@ per call, summed. This is the kernels' time, not the call's wall time: on some m
 moves the wall time of one same call by 10% or more from run to run (`ab_kernel_text.py` measures that
 figure), which hides a kernel change of a few percent. Printed per shape: each version's kernel µs per
 round, their median, its ratio to the base's, and % of the copy ceiling measured in the same process
-(`metal_attn.bench.peers.gpu_copy_ceiling`, the bench's). Needs MLX's CUDA backend and torch.
+(`metal_attn.bench.peers.gpu_copy_ceiling`, the bench's); then torch SDPA's kernel time on contiguous K/V of
+the shape (`kernel_trace.torch_decode_sdpa`), the peer. Needs MLX's CUDA backend and torch.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def line(row: dict) -> str:
         pct = f", {v['ceiling_pct']:.1f}%" if v["ceiling_pct"] is not None else ""
         parts.append(f"{name} [{', '.join(f'{u:.1f}' for u in v['kernel_us'])}] {v['median_us']:.1f} µs"
                      f" (x{v['vs_base']:.3f}{pct})")
+    torch = row.get("torch_sdpa_us")
+    if torch:
+        ceiling = f", {100 * row['ceiling_us'] / torch:.1f}%" if row["ceiling_us"] else ""
+        parts.append(f"torch SDPA {torch:.1f} µs{ceiling}")
     return f"{row['shape']}: " + " | ".join(parts)
 
 
@@ -87,7 +92,7 @@ def main() -> None:
         ap.error(f"--rounds={args.rounds} --calls={args.calls}: both must be at least 1")
 
     import mlx.core as mx
-    from kernel_trace import summarise, trace
+    from kernel_trace import summarise, torch_decode_sdpa, trace
 
     import metal_attn
     from metal_attn import kernels
@@ -120,6 +125,8 @@ def main() -> None:
         kernels.use_source_dir(None)
         row = summary(label, per, kv_bytes / ceiling_gbps / 1e3)
         row["route"] = metal_attn.diagnostics.last_dispatch().route
+        peer = torch_decode_sdpa(case, args.calls)["kernels"]
+        row["torch_sdpa_us"] = sum(k["median_us"] * k["launches_per_call"] for k in peer)
         rows.append(row)
         print(line(row), flush=True)
         del case

@@ -41,3 +41,9 @@ def test_the_summary_is_against_the_first_version_and_the_ceiling():
     text = pk.line(row)
     assert text.startswith("s: base [40.0, 42.0, 41.0] 41.0 µs (x1.000, 73.2%)")
     assert "new [39.0, 38.0, 40.0] 39.0 µs (x0.951, 76.9%)" in text
+
+
+def test_the_line_ends_with_torch_when_it_was_timed():
+    row = pk.summary("s", {"base": [40.0]}, 30.0)
+    row["torch_sdpa_us"] = 37.5
+    assert pk.line(row).endswith("| torch SDPA 37.5 µs, 80.0%")
