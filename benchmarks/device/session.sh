@@ -22,6 +22,9 @@
 #            on the shapes issue #17 misses or nearly misses (single calls, pipelined, torch in the run)
 #   ncu      ncu (speed of light, occupancy, warp stalls, memory) of our decode call and torch SDPA's on the
 #            four shapes issue #17 still misses, the last of four calls each (benchmarks/ncu_decode_pair.py)
+#   kernels  the decode shapes' kernel time against cuDNN's (CUPTI, benchmarks/probe_kernel_text.py), then the
+#            same shapes' calls (decode-gpu, pipelined) with and without MLX's CUDA graphs: how much of a
+#            call is its kernels (issue #17; about 90 s)
 #
 # Each step runs under its own time limit (STEP_LIMIT seconds, default 300; the GPU tests and decode-step 420), cut to
 # what is left of BUDGET (seconds for the whole command, default 570: a device call holds 600), so a
@@ -39,7 +42,10 @@ STEP_LIMIT=${STEP_LIMIT:-300}
 BUDGET=${BUDGET:-570}
 DRY_RUN=${DRY_RUN:-0}
 BENCH=(python3 -m metal_attn.bench.cli)
-PHASES=(tests decode prefill engine baseline fuzz ncu partition)
+# The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
+DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
+b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
+PHASES=(tests decode prefill engine baseline fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -146,6 +152,13 @@ run_phase() {
       step sizes "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
         --shapes "b1 h32/8 d128 L32768,b8 h32/8 d128 L4096,b8 h32/8 d128 L32768,b1 h24,b16" \
         --candidates "$cands,torch_sdpa,ceiling" --json "$dir/sizes.json" ;;
+    kernels)
+      step kernel-time "$STEP_LIMIT" python3 benchmarks/probe_kernel_text.py "$dir/kernel-time.json" --texts head=- \
+        --rounds 2 --shapes "$DECODE_SHAPES"
+      step calls "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown --shapes "decode b" \
+        --candidates auto,torch_sdpa,ceiling --json "$dir/calls.json"
+      step calls-no-graphs "$STEP_LIMIT" env MLX_USE_CUDA_GRAPHS=0 "${BENCH[@]}" --suite decode-gpu --pipelined \
+        --quiet --markdown --shapes "decode b" --candidates auto,torch_sdpa,ceiling --json "$dir/calls-no-graphs.json" ;;
     ncu)
       local ncu=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)}
       [ "$DRY_RUN" != 1 ] || ncu=${ncu:-ncu}  # a dry run checks the profiled script only
