@@ -25,7 +25,8 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from metal_attn.bench import core, ratios, suites
+from metal_attn.bench import candidates, core, ratios, shapes, suites
+from metal_attn.device import current_device
 
 #: Keys added to pytest-benchmark's machine info, so runs on different chips are told apart.
 MACHINE_KEYS: tuple[str, ...] = (
@@ -59,7 +60,7 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks: Any, output_
 
 
 def _suite(config: pytest.Config) -> suites.Suite:
-    name = config.getoption("--bench-suite") or suites.default_suite(core.current_device().backend)
+    name = config.getoption("--bench-suite") or suites.default_suite(current_device().backend)
     try:
         return suites.get_suite(name)
     except ValueError as exc:
@@ -85,7 +86,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     raw = cfg.getoption("--bench-candidates")
     names = [c.strip() for c in raw.split(",") if c.strip()] if raw else list(suite.candidates)
     # The ceiling is a reference line of `metal-attn bench`, not a kernel whose history is tracked.
-    names = [c.name for c in suite.resolve(names) if isinstance(c, core.TimedCandidate)]
+    names = [c.name for c in suite.resolve(names) if isinstance(c, candidates.TimedCandidate)]
     pairs = [(s, n) for s in shapes for n in names]
     metafunc.parametrize(("bench_shape", "bench_candidate"), pairs,
                          ids=[f"{s.label.replace(' ', '_')}-{n}" for s, n in pairs])
@@ -95,11 +96,11 @@ class _Cases:
     """Inputs of the current shape only (tests run shape by shape, so each case is built once)."""
 
     def __init__(self) -> None:
-        self._shape: core.Shape | None = None
+        self._shape: shapes.Shape | None = None
         self._case: Any = None
         self._ceiling_s: float | None = None
 
-    def get(self, shape: core.Shape) -> Any:
+    def get(self, shape: shapes.Shape) -> Any:
         if shape != self._shape:
             if self._case is not None:
                 self._case.release()  # keep one shape's inputs alive at a time
@@ -109,7 +110,7 @@ class _Cases:
             self._shape = shape
         return self._case
 
-    def ceiling_s(self, shape: core.Shape) -> float | None:
+    def ceiling_s(self, shape: shapes.Shape) -> float | None:
         """The current shape's K+V bytes at the bandwidth ceiling (`peers.Ceiling`), measured once per shape;
         ``None`` for shapes without a bandwidth metric."""
         if "GB/s" not in shape.metrics:
@@ -143,15 +144,15 @@ def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) ->
     candidates these are, default the session's). A refusing candidate is skipped with its reasons;
     GB/s and TFLOP/s of the median and the ceiling's time go into ``extra_info``."""
 
-    def run(shape: core.Shape, candidate: str, rounds: int | None = None, group: str | None = None,
+    def run(shape: shapes.Shape, candidate: str, rounds: int | None = None, group: str | None = None,
             suite: suites.Suite | None = None) -> None:
         (cand,) = (suite or bench_suite).resolve([candidate])
-        if not isinstance(cand, core.TimedCandidate):
+        if not isinstance(cand, candidates.TimedCandidate):
             pytest.skip(f"{candidate} is measured by `metal-attn bench`, not by pytest-benchmark")
         case = bench_cases.get(shape)
         try:
             prep = cand.prepare(case)
-        except core.Skip as skip:
+        except candidates.Skip as skip:
             pytest.skip(f"{candidate} {skip.status} on {shape.label}: {'; '.join(skip.reasons)}")
         benchmark.group = group or shape.label
         benchmark.extra_info.update(candidate=candidate, kind=cand.kind, shape=shape.to_dict(),

@@ -29,7 +29,8 @@ import mlx.core as mx
 from metal_attn.providers import gpu_common as gc
 
 import metal_attn
-from metal_attn.bench.core import Shape, build_case, pipelined_median_s
+from metal_attn.bench.candidates import pipelined_median_s
+from metal_attn.bench.shapes import Shape, build_case
 from metal_attn.cache import PagedKVCache
 from metal_attn.constants import PARTITION_SIZE
 from metal_attn.device import current_device

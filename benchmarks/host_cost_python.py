@@ -50,7 +50,7 @@ import numpy as np
 import metal_attn
 from metal_attn import diagnostics
 from metal_attn.api import write_checked
-from metal_attn.bench.core import Rows, Shape, build_case
+from metal_attn.bench.shapes import Rows, Shape, build_case
 from metal_attn.device import DeviceInfo
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.settings import override_settings

@@ -19,7 +19,7 @@ import pstats
 import mlx.core as mx
 
 import metal_attn
-from metal_attn.bench.core import build_case
+from metal_attn.bench.shapes import build_case
 from metal_attn.bench.suites import get_suite
 
 

@@ -113,7 +113,7 @@ def profile_call(fn: Callable[[], Any], kv_bytes: int, *, builds: bool = True, c
     (`metal_attn.bench.timing.time_fn`), the host time of building its graph (`build_ms`; ``None`` when
     ``builds`` is false: ``fn`` evaluates its own result, so its call is no graph building) and
     `summarise` of ``calls`` traced calls."""
-    from metal_attn.bench.core import time_fn
+    from metal_attn.bench.timing import time_fn
 
     timing = time_fn(lambda: mx.eval(fn()), warmup=3, iters=7)
     host_ms = build_ms(fn) if builds else None
@@ -127,7 +127,7 @@ def top_kernels(row: dict, n: int, width: int) -> str:
 
 
 def torch_decode_sdpa(case: Any, calls: int, *, token_major: bool = False) -> dict:
-    """The GPU kernels of torch SDPA (the decode peer) on a bench case's shape (`metal_attn.bench.core.build_case`;
+    """The GPU kernels of torch SDPA (the decode peer) on a bench case's shape (`metal_attn.bench.shapes.build_case`;
     one query row a sequence, every sequence as long as the first, bf16): per kernel its median µs and
     launches per call over ``calls`` traced calls, and the busy µs per call. K/V are [batch, kv heads,
     context, head] (contiguous), or with ``token_major`` a view of [batch, context, kv heads, head] storage:

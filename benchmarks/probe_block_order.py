@@ -30,7 +30,7 @@ from kernel_trace import busy_us, summarise, torch_decode_sdpa, trace
 from probe_fused_reduce import _shapes
 
 import metal_attn
-from metal_attn.bench.core import Shape, build_case
+from metal_attn.bench.shapes import Shape, build_case
 from metal_attn.metadata import AttentionMetadata
 
 SHAPES = ((8, 32, 8, 128, 4096), (1, 32, 8, 128, 32768), (16, 16, 2, 128, 16384), (1, 24, 4, 256, 65536),

@@ -22,7 +22,7 @@ import mlx.core as mx
 from kernel_trace import busy_us, trace
 
 import metal_attn
-from metal_attn.bench.core import Shape, build_case
+from metal_attn.bench.shapes import Shape, build_case
 from metal_attn.settings import override_settings
 
 #: The decode peer shapes of the decode-gpu suite: (batch, heads, kv heads, head size, context).

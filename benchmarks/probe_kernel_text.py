@@ -96,8 +96,8 @@ def main() -> None:
 
     import metal_attn
     from metal_attn import kernels
-    from metal_attn.bench.core import Shape, build_case
     from metal_attn.bench.peers import gpu_copy_ceiling
+    from metal_attn.bench.shapes import Shape, build_case
 
     def kernel_us(call) -> float:
         ks = summarise(trace(call, args.calls), args.calls, 1)["kernels"]

@@ -167,7 +167,7 @@ def main() -> None:
     row("x*1", lambda: x * 1)
 
     import metal_attn
-    from metal_attn.bench.core import Shape, build_case
+    from metal_attn.bench.shapes import Shape, build_case
     from metal_attn.settings import override_settings
     from providers import gpu_common
 

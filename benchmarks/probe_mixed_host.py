@@ -25,7 +25,7 @@ import mlx.core as mx
 from kernel_trace import trace_events
 
 import metal_attn
-from metal_attn.bench.core import build_case
+from metal_attn.bench.shapes import build_case
 from metal_attn.bench.suites import get_suite
 
 #: torch.profiler's categories of host-side CUDA API events.

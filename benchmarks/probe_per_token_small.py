@@ -20,7 +20,7 @@ import statistics
 import mlx.core as mx
 
 import metal_attn
-from metal_attn.bench.core import Shape, build_case
+from metal_attn.bench.shapes import Shape, build_case
 from metal_attn.settings import override_settings
 
 #: (batch, context, forced partition size; 0: the shipped rule, the unsplit route at short contexts).

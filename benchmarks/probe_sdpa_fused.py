@@ -61,7 +61,7 @@ PIPELINED = False
 def _median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
     """Median ms per call (`metal_attn.bench.timing.time_fn`): every call waited for, or with
     `PIPELINED` every call queued and each sample waited for once (calls overlap the host's next build)."""
-    from metal_attn.bench.core import time_fn
+    from metal_attn.bench.timing import time_fn
 
     def call() -> None:
         (mx.async_eval if PIPELINED else mx.eval)(fn())
@@ -98,7 +98,7 @@ def _chunk(ql: int, ctx: int, h: int = 32, kvh: int = 8, d: int = 128, bs: int =
 def mixed() -> list[dict]:
     """Mixed batches through ``paged_attention``: the tiles' mixed route against ``sdpa_prefill_decode``."""
     import metal_attn
-    from metal_attn.bench.core import Rows, Shape, build_case
+    from metal_attn.bench.shapes import Rows, Shape, build_case
     from metal_attn.testing.conformance import rel_l2
 
     rows = []

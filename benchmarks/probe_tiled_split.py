@@ -23,7 +23,8 @@ import mlx.core as mx
 
 import metal_attn
 from metal_attn import diagnostics
-from metal_attn.bench.core import Shape, build_case, time_fn
+from metal_attn.bench.shapes import Shape, build_case
+from metal_attn.bench.timing import time_fn
 from metal_attn.device import current_device
 from metal_attn.errors import ProviderRefusedError
 from metal_attn.settings import override_settings

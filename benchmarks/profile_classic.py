@@ -15,7 +15,7 @@ import sys
 import mlx.core as mx
 from metal_attn.providers import gpu_common as gc
 
-from metal_attn.bench.core import Shape, build_case
+from metal_attn.bench.shapes import Shape, build_case
 from metal_attn.device import current_device
 
 

@@ -32,7 +32,7 @@ from kernel_trace import summarise, trace
 from metal_attn.providers import gpu_common as gc
 from metal_attn.providers import gqa_decode as gq
 
-from metal_attn.bench.core import Shape, build_case
+from metal_attn.bench.shapes import Shape, build_case
 from metal_attn.device import current_device
 
 PROBE_SOURCE = r"""

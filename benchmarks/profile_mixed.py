@@ -29,8 +29,8 @@ import sys
 from kernel_trace import profile_call, top_kernels
 
 import metal_attn
-from metal_attn.bench.core import build_case
 from metal_attn.bench.peers import MlxSdpa
+from metal_attn.bench.shapes import build_case
 from metal_attn.bench.suites import get_suite
 from metal_attn.device import current_device
 from metal_attn.testing.overrides import opened_sdpa_prefill_rule

@@ -29,7 +29,7 @@ from kernel_trace import profile_call, top_kernels
 from metal_attn.providers import sdpa_prefill as sp
 
 import metal_attn
-from metal_attn.bench.core import build_case
+from metal_attn.bench.shapes import build_case
 from metal_attn.bench.suites import get_suite
 from metal_attn.device import current_device
 

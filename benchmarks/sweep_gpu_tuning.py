@@ -28,7 +28,8 @@ import numpy as np
 from metal_attn.providers import gpu_common as gc
 from metal_attn.providers import gqa_decode as gq
 
-from metal_attn.bench.core import Shape, build_case, pipelined_median_s, rates
+from metal_attn.bench.candidates import pipelined_median_s, rates
+from metal_attn.bench.shapes import Shape, build_case
 from metal_attn.device import current_device
 from metal_attn.testing.conformance import rel_l2
 

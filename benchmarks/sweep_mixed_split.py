@@ -19,7 +19,8 @@ import sys
 import mlx.core as mx
 
 import metal_attn
-from metal_attn.bench.core import Rows, Shape, build_case, pipelined_median_s
+from metal_attn.bench.candidates import pipelined_median_s
+from metal_attn.bench.shapes import Rows, Shape, build_case
 from metal_attn.device import current_device
 from metal_attn.testing import forced_mixed_threshold
 from metal_attn.testing.conformance import rel_l2

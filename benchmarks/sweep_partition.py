@@ -21,8 +21,8 @@ import numpy as np
 from metal_attn.providers import gpu_common as gc
 
 import metal_attn
-from metal_attn.bench.core import time_fn
 from metal_attn.bench.decode_step import StepShape
+from metal_attn.bench.timing import time_fn
 from metal_attn.settings import override_settings
 
 SIZES = gc.PER_TOKEN_PARTITION_SIZES

@@ -27,8 +27,10 @@ import mlx.core as mx
 import numpy as np
 from metal_attn.providers import tiled_prefill as tp
 
-from metal_attn.bench.core import Rows, Shape, build_case, pipelined_median_s, rates, time_fn
+from metal_attn.bench.candidates import pipelined_median_s, rates
 from metal_attn.bench.peers import MlxSdpa
+from metal_attn.bench.shapes import Rows, Shape, build_case
+from metal_attn.bench.timing import time_fn
 from metal_attn.device import current_device
 from metal_attn.testing.conformance import rel_l2
 

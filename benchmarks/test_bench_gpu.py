@@ -56,7 +56,7 @@ def _suite_shapes(name: str = "decode-gpu"):
 
 def _suite_candidates(name: str) -> tuple[str, ...]:
     """The suite's candidates that pytest-benchmark times (the copy ceiling is `metal-attn bench`'s)."""
-    from metal_attn.bench.core import TimedCandidate
+    from metal_attn.bench.candidates import TimedCandidate
     from metal_attn.bench.suites import get_suite
 
     suite = get_suite(name)
@@ -104,7 +104,7 @@ def test_split_gate(benchmark, bench_cases, context, batch, route):
     import mlx.core as mx
 
     import metal_attn
-    from metal_attn.bench.core import Shape
+    from metal_attn.bench.shapes import Shape
     from metal_attn.settings import override_settings
 
     shape = Shape(batch, 32, 8, 128, context, "bfloat16")

@@ -20,7 +20,7 @@ import numpy as np
 from metal_attn.providers import gpu_common as gc
 
 from metal_attn import kernels
-from metal_attn.bench.core import Shape, build_case
+from metal_attn.bench.shapes import Shape, build_case
 from metal_attn.constants import LOG2E, PARTITION_SIZE
 
 HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16

@@ -16,8 +16,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_attn.bench import baselines, cli, core, peers, suites, timing
-from metal_attn.bench.core import Rows, Shape, Timing
+from metal_attn.bench import baselines, candidates, cli, core, peers, shapes, suites, timing
+from metal_attn.bench.shapes import Rows, Shape
+from metal_attn.bench.timing import Timing
+from metal_attn.device import current_device
 from metal_attn.errors import NoProviderError
 from metal_attn.settings import override_settings
 from metal_attn.testing.oracle import attention_oracle
@@ -37,8 +39,8 @@ def test_decode_bytes_and_gbps_for_a_known_shape() -> None:
     # 3 sequences * 100 tokens * 2 kv heads * 64 * (K and V) * 4 bytes
     assert s.kv_bytes == 3 * 100 * 2 * 64 * 2 * 4 == 307_200
     assert Shape(3, 4, 2, 64, 100, "bfloat16").kv_bytes == 153_600
-    res = core.CandidateResult("x", "peer", "ok", timing=_timing(2e-3))
-    core.apply_metrics(res, s)
+    res = candidates.CandidateResult("x", "peer", "ok", timing=_timing(2e-3))
+    candidates.apply_metrics(res, s)
     assert res.gbps == pytest.approx(307_200 / 2e-3 / 1e9)  # 0.1536 GB/s
     assert res.gbps == pytest.approx(0.1536)
     # decode: each row attends to all 100 positions: 4 flops per (query head, key, dim)
@@ -53,8 +55,8 @@ def test_causal_pairs_match_a_brute_force_count(q_len: int, context: int) -> Non
     allowed = np.arange(context)[None, :] <= rows  # the causal rule of KERNELS.md
     assert s.attended_pairs == 2 * int(allowed.sum())
     assert s.flops == 4 * 4 * 64 * 2 * int(allowed.sum())
-    res = core.CandidateResult("x", "peer", "ok", timing=_timing(1e-3))
-    core.apply_metrics(res, s)
+    res = candidates.CandidateResult("x", "peer", "ok", timing=_timing(1e-3))
+    candidates.apply_metrics(res, s)
     assert res.tflops == pytest.approx(s.flops / 1e-3 / 1e12)
 
 
@@ -95,7 +97,7 @@ def test_mixed_rows_must_put_decode_first() -> None:
 
 def test_case_has_random_tables_and_matching_contiguous_kv() -> None:
     s = Shape.mix((Rows(2, 1, 50), Rows(1, 12, 30)), 4, 2, 64, dtype="float32")
-    case = core.build_case(s, seed=3)
+    case = shapes.build_case(s, seed=3)
     blocks = [-(-n // 16) for n in s.seq_lens]
     used = np.concatenate([case.block_tables[i, :n] for i, n in enumerate(blocks)])
     assert len(set(used.tolist())) == used.size == sum(blocks)  # no page shared
@@ -122,7 +124,7 @@ def _f32(x: mx.array) -> np.ndarray:
 @pytest.mark.parametrize("name", ["reference", "gather_sdpa", "mlx_sdpa"])
 def test_candidates_compute_paged_attention(shape: Shape, name: str) -> None:
     """Every timed candidate computes the same attention as the float64 oracle, on the same data."""
-    case = core.build_case(shape, seed=1)
+    case = shapes.build_case(shape, seed=1)
     (cand,) = peers.resolve([name])
     prep = cand.prepare(case)
     got = prep.to_rows(prep.run())
@@ -144,7 +146,7 @@ def test_time_fn_reports_the_median_of_synchronized_samples() -> None:
         calls.append(1)
         time.sleep(0.006)
 
-    t = core.time_fn(slow, warmup=2, iters=5, sync=lambda: syncs.append(1))
+    t = timing.time_fn(slow, warmup=2, iters=5, sync=lambda: syncs.append(1))
     assert t.inner == 1 and len(t.samples_s) == 5
     assert len(calls) == 1 + 2 + 5  # a warm-up call, one per calibration loop, then one per sample
     assert len(syncs) == 2 * 2 + 2 * 5  # around each calibration loop and around every sample
@@ -153,7 +155,7 @@ def test_time_fn_reports_the_median_of_synchronized_samples() -> None:
 
 
 def test_time_fn_loops_short_calls_to_a_measurable_sample() -> None:
-    t = core.time_fn(lambda: None, warmup=1, iters=3, sync=lambda: None, max_inner=50)
+    t = timing.time_fn(lambda: None, warmup=1, iters=3, sync=lambda: None, max_inner=50)
     assert t.inner == 50
 
 
@@ -166,7 +168,7 @@ def test_time_fn_sizes_its_samples_from_the_fast_calls_after_a_slow_first_one() 
         calls.append(1)
         time.sleep(0.05 if len(calls) == 1 else 0.0002)
 
-    t = core.time_fn(first_slow, warmup=1, iters=2, sync=lambda: None)
+    t = timing.time_fn(first_slow, warmup=1, iters=2, sync=lambda: None)
     assert t.inner >= 3, t.inner  # about 25 on an idle host; 1 when sized from the first call
     assert t.median_s < 0.003
 
@@ -182,15 +184,15 @@ def test_time_fn_calibrates_over_several_calls_unless_one_fills_a_sample() -> No
             c.append(1)
             time.sleep(p)
 
-        t = core.time_fn(fn, warmup=1, iters=1, sync=lambda: None, min_sample_s=0.05)
+        t = timing.time_fn(fn, warmup=1, iters=1, sync=lambda: None, min_sample_s=0.05)
         assert len(calls) == 2 * loop + t.inner, (pause, len(calls), t.inner)
 
 
 def test_time_fn_rejects_bad_counts() -> None:
     with pytest.raises(ValueError, match="iters=0"):
-        core.time_fn(lambda: None, iters=0)
+        timing.time_fn(lambda: None, iters=0)
     with pytest.raises(ValueError, match="warmup=-1"):
-        core.time_fn(lambda: None, warmup=-1)
+        timing.time_fn(lambda: None, warmup=-1)
 
 
 # -- the command and its JSON -----------------------------------------------------------------------------
@@ -259,14 +261,14 @@ def test_a_refused_provider_is_reported_with_its_reasons(tmp_path, capsys) -> No
 class _Broken(peers.MlxSdpa):
     name = "mlx_sdpa"
 
-    def prepare(self, case: core.Case) -> core.Prepared:
+    def prepare(self, case: shapes.Case) -> candidates.Prepared:
         prep = super().prepare(case)
         prep.to_rows = lambda outs: np.zeros_like(peers.mlx_rows(outs))
         return prep
 
 
 class _Crashing(peers.GatherSdpa):
-    def prepare(self, case: core.Case) -> core.Prepared:
+    def prepare(self, case: shapes.Case) -> candidates.Prepared:
         raise RuntimeError("kernel exploded")
 
 
@@ -444,13 +446,13 @@ def test_json_without_a_path_goes_to_stdout_and_tables_to_stderr(capsys) -> None
 def test_rows_are_printed_as_each_shape_completes(tmp_path, capsys, monkeypatch) -> None:
     """Each shape's rows reach stdout before the next shape is measured."""
     seen_at_start: list[str] = []
-    real = core.build_case
+    real = shapes.build_case
 
     def spy(shape, **kw):
         seen_at_start.append(capsys.readouterr().out)  # what was printed before this shape began
         return real(shape, **kw)
 
-    monkeypatch.setattr(core, "build_case", spy)
+    monkeypatch.setattr(shapes, "build_case", spy)
     rc, _, _, err = _bench(tmp_path, capsys, "--shapes", "decode", "--candidates", "reference")
     assert rc == 0, err
     labels = [s.label for s in SMOKE.select(["decode"])]
@@ -461,7 +463,7 @@ def test_rows_are_printed_as_each_shape_completes(tmp_path, capsys, monkeypatch)
 class _Interrupted(peers.MlxSdpa):
     calls = 0
 
-    def prepare(self, case: core.Case) -> core.Prepared:
+    def prepare(self, case: shapes.Case) -> candidates.Prepared:
         type(self).calls += 1
         if type(self).calls == 2:  # Ctrl-C during the second shape
             raise KeyboardInterrupt
@@ -492,26 +494,26 @@ def test_the_cpu_ceiling_is_a_multi_threaded_read_the_kernel_does_not_exceed() -
     which reads the same bytes and computes, stays below it (a single-threaded numpy sum did not)."""
     from metal_attn import native
 
-    if native.load() is None or core.current_device().backend != "cpu":
+    if native.load() is None or current_device().backend != "cpu":
         pytest.skip("the native module's read is the CPU ceiling; it is not built here")
     shape = Shape(8, 32, 8, 128, 1024, "float32")
-    case = core.build_case(shape)
+    case = shapes.build_case(shape)
     ceiling = peers.Ceiling().measure(case, warmup=2, iters=7)
-    assert ceiling.route.startswith(f"native read ({core.current_device().cpu_threads} threads")
-    classic = core.ProviderCandidate("classic").measure(case, warmup=2, iters=7)
+    assert ceiling.route.startswith(f"native read ({current_device().cpu_threads} threads")
+    classic = candidates.ProviderCandidate("classic").measure(case, warmup=2, iters=7)
     assert classic.ok and ceiling.ok
     assert classic.gbps <= 1.2 * ceiling.gbps, (classic.gbps, ceiling.gbps)
 
 
-def _ran(name: str, kind: str, ms: float, route: str | None = None) -> core.CandidateResult:
+def _ran(name: str, kind: str, ms: float, route: str | None = None) -> candidates.CandidateResult:
     t = Timing(ms / 1e3, ms / 1e3, ms / 1e3, 0.0, (ms / 1e3,), 1)
-    return core.CandidateResult(name, kind, "ok", timing=t, route=route or name)
+    return candidates.CandidateResult(name, kind, "ok", timing=t, route=route or name)
 
 
 def test_auto_lag_marks_auto_slower_than_the_fastest_admitted_provider():
     results = [_ran("auto", "provider", 2.3, "tiled_prefill"), _ran("tiled_prefill", "provider", 2.3),
                _ran("sdpa_prefill", "provider", 2.0), _ran("mlx_sdpa", "peer", 0.5),
-               core.CandidateResult("classic", "provider", "refused", reasons=("head_size=80",))]
+               candidates.CandidateResult("classic", "provider", "refused", reasons=("head_size=80",))]
     lag = core.auto_lag(results)
     assert lag["fastest"] == "sdpa_prefill" and lag["marked"] and abs(lag["lag"] - 1.15) < 1e-9  # peers never count
     results[0] = _ran("auto", "provider", 2.1, "sdpa_prefill")
@@ -629,7 +631,7 @@ def test_a_rotated_run_measures_the_candidates_from_another_place_and_keeps_thei
 
         def measure(self, case, *, warmup, iters, pipelined=False):
             measured.append((case.shape.label, self.name))
-            return core.CandidateResult(self.name, self.kind, "skipped", ("recorded",))
+            return candidates.CandidateResult(self.name, self.kind, "skipped", ("recorded",))
 
     shapes = [Shape(1, 4, 2, 32, 64, "float32"), Shape(2, 4, 2, 32, 64, "float32")]
     cands = [Recording(n) for n in ("a", "b", "c")]
@@ -645,13 +647,13 @@ def test_a_settings_variant_is_measured_under_its_settings_and_named_for_them(tm
     from metal_attn.settings import get_settings
 
     seen: list[tuple[str, int]] = []
-    real = core.ProviderCandidate.prepare
+    real = candidates.ProviderCandidate.prepare
 
     def prepare(self, case):
         seen.append((self.name, get_settings().partition_size))
         return real(self, case)
 
-    monkeypatch.setattr(core.ProviderCandidate, "prepare", prepare)
+    monkeypatch.setattr(candidates.ProviderCandidate, "prepare", prepare)
     rc, data, out, err = _bench(tmp_path, capsys, "--markdown", "--shapes", "decode b3",
                                 "--candidates", "classic,classic[partition_size=64],reference")
     assert rc == 0, err
@@ -678,14 +680,14 @@ def test_a_malformed_variant_is_a_usage_error(name: str, message: str, capsys) -
 
 
 def test_variant_names_parse() -> None:
-    assert core.parse_variant("auto[cuda_chains=0; partition_size = 256]") == (
+    assert candidates.parse_variant("auto[cuda_chains=0; partition_size = 256]") == (
         "auto", {"cuda_chains": "0", "partition_size": "256"})
-    assert core.parse_variant("auto") is None
+    assert candidates.parse_variant("auto") is None
 
 
 def test_a_gpu_suite_is_refused_on_the_cpu(capsys):
     """It used to run for minutes, timing GPU-sized shapes on the CPU's reference paths."""
-    if core.current_device().backend != "cpu":
+    if current_device().backend != "cpu":
         pytest.skip("the refusal is the CPU backend's")
     assert cli.main(["--suite", "smoke,decode-gpu", "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -694,7 +696,7 @@ def test_a_gpu_suite_is_refused_on_the_cpu(capsys):
 
 def test_comma_separated_names_keep_a_variant_s_commas_together() -> None:
     assert cli._csv("auto, auto[a=1,b=2] ,reference,,") == ["auto", "auto[a=1,b=2]", "reference"]
-    assert core.parse_variant("auto[a=1,b=2;c=3]") == ("auto", {"a": "1", "b": "2", "c": "3"})
+    assert candidates.parse_variant("auto[a=1,b=2;c=3]") == ("auto", {"a": "1", "b": "2", "c": "3"})
 
 
 def test_generate_json_on_stdout_is_json_alone(capsys, monkeypatch) -> None:
@@ -722,8 +724,8 @@ def test_generate_json_on_stdout_is_json_alone(capsys, monkeypatch) -> None:
 def test_a_provider_no_plugin_registered_is_reported_not_measured() -> None:
     """A suite's or a baseline's candidate from a plugin this machine lacks (--candidates refuses a name no
     plugin registered before anything runs)."""
-    with pytest.raises(core.Skip) as exc:
-        core.ProviderCandidate("no_such_provider").admit(SMOKE.shapes[0])
+    with pytest.raises(candidates.Skip) as exc:
+        candidates.ProviderCandidate("no_such_provider").admit(SMOKE.shapes[0])
     assert exc.value.status == "not registered"
     assert "provider='no_such_provider' is not registered (registered: " in exc.value.reasons[0]
 
@@ -856,7 +858,7 @@ def test_json_on_stdout_is_json_for_a_listing_and_a_dry_run(capsys, argv) -> Non
         assert smoke["shapes"] == [s.label for s in suites.get_suite("smoke").shapes]
 
 
-class _Logged(core.TimedCandidate):
+class _Logged(candidates.TimedCandidate):
     """A timed candidate whose calls append ``(name, the forced partition size)`` to ``log``; it raises
     on its ``fail_at``-th call, and counts its closes."""
 
@@ -877,7 +879,7 @@ class _Logged(core.TimedCandidate):
         def close():
             self.closed += 1
 
-        return core.Prepared(run=run, close=close, route=f"{self.name} route")
+        return candidates.Prepared(run=run, close=close, route=f"{self.name} route")
 
 
 def test_interleaved_candidates_take_their_samples_in_turn():
@@ -887,7 +889,7 @@ def test_interleaved_candidates_take_their_samples_in_turn():
     call is closed; the ceiling is measured on its own."""
     log: list[tuple[str, int]] = []
     a, b = _Logged("a", log), _Logged("b", log)
-    resolve = core.with_variants(lambda names: [{"a": a, "b": b}[n] for n in names])
+    resolve = candidates.with_variants(lambda names: [{"a": a, "b": b}[n] for n in names])
     cands = resolve(["a", "b[partition_size=384]"])
     shape = Shape(1, 4, 2, 32, 64, "float32")
     iters = 4
@@ -948,14 +950,14 @@ def test_the_interleave_flag_is_recorded_and_refused_where_nothing_reads_it(tmp_
 def test_only_candidates_that_measure_as_timed_candidates_do_are_interleaved():
     class OwnMeasure(_Logged):
         def measure(self, case, **kwargs):  # e.g. a candidate timing something other than its prepared call
-            return core.CandidateResult(self.name, self.kind, "skipped", ("own",))
+            return candidates.CandidateResult(self.name, self.kind, "skipped", ("own",))
 
     log: list = []
     assert core.can_interleave(_Logged("a", log))
     assert not core.can_interleave(OwnMeasure("b", log))
     assert not core.can_interleave(peers.Ceiling())
-    assert core.can_interleave(core.SettingsVariant("a[x=1]", _Logged("a", log), {"x": "1"}))
-    assert not core.can_interleave(core.SettingsVariant("b[x=1]", OwnMeasure("b", log), {"x": "1"}))
+    assert core.can_interleave(candidates.SettingsVariant("a[x=1]", _Logged("a", log), {"x": "1"}))
+    assert not core.can_interleave(candidates.SettingsVariant("b[x=1]", OwnMeasure("b", log), {"x": "1"}))
 
 _SHAPE = Shape(1, 4, 2, 32, 64, "float32")
 
@@ -1098,11 +1100,11 @@ def test_an_interleaved_candidate_whose_route_fails_is_an_error_and_not_sampled(
 def test_an_interleaved_variant_of_a_refusing_candidate_is_refused_under_its_own_name():
     class Skips(_Logged):
         def prepare(self, case):
-            raise core.Skip("refused", ["not here"])
+            raise candidates.Skip("refused", ["not here"])
 
     log: list = []
     a, s = _Logged("a", log), Skips("s", log)
-    cands = core.with_variants(lambda names: [{"a": a, "s": s}[n] for n in names])(["a", "s[partition_size=384]"])
+    cands = candidates.with_variants(lambda names: [{"a": a, "s": s}[n] for n in names])(["a", "s[partition_size=384]"])
     res_a, res_s = core.run_suite("t", [_SHAPE], cands, warmup=1, iters=2, interleave=True).results[0].candidates
     assert res_a.ok
     assert (res_s.name, res_s.kind, res_s.status, res_s.reasons) == ("s[partition_size=384]", "variant", "refused",
@@ -1121,11 +1123,11 @@ def test_interleaved_rounds_start_where_rotate_says():
 
 
 def test_time_fn_checks_its_counts():
-    assert core.time_fn(lambda: None, warmup=0, iters=1, sync=lambda: None, max_inner=4).inner == 4
+    assert timing.time_fn(lambda: None, warmup=0, iters=1, sync=lambda: None, max_inner=4).inner == 4
     for kwargs, message in (({"warmup": 1.5}, "warmup=1.5"), ({"warmup": True}, "warmup=True"),
                             ({"max_inner": 0}, "max_inner=0")):
         with pytest.raises(ValueError, match=message):
-            core.time_fn(lambda: None, **kwargs)
+            timing.time_fn(lambda: None, **kwargs)
 
 
 def test_time_fn_on_a_clock_that_does_not_move_fills_samples_to_max_inner(monkeypatch):
@@ -1178,6 +1180,6 @@ def test_a_variant_finds_its_route_under_its_settings(interleave):
 
             return f"partition {get_settings().partition_size}"
 
-    v = core.SettingsVariant("r[partition_size=384]", SettingsRoute("r", []), {"partition_size": "384"})
+    v = candidates.SettingsVariant("r[partition_size=384]", SettingsRoute("r", []), {"partition_size": "384"})
     (res,) = core.run_suite("t", [_SHAPE], [v], warmup=1, iters=2, interleave=interleave).results[0].candidates
     assert res.ok and res.route == "partition 384"

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from metal_attn.bench import baselines, cli, core, ratios, suites
+from metal_attn.bench import baselines, candidates, cli, core, ratios, suites
 from metal_attn.bench.baselines import Baseline, BaselineError, RunCase
-from metal_attn.bench.core import CandidateResult, Shape, ShapeResult, SuiteResult, Timing
+from metal_attn.bench.candidates import CandidateResult
+from metal_attn.bench.core import ShapeResult, SuiteResult
+from metal_attn.bench.shapes import Shape
+from metal_attn.bench.timing import Timing
 from metal_attn.settings import override_settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +50,7 @@ def test_candidate_results_carry_ratios_from_speedup_and_ceiling() -> None:
     peer = CandidateResult("mlx_sdpa", "peer", "ok", timing=t(3e-3))
     ceiling = CandidateResult("ceiling", "ceiling", "ok", gbps=shape.kv_bytes / 0.5e-3 / 1e9)
     for r in (ours, peer):
-        core.apply_metrics(r, shape)
+        candidates.apply_metrics(r, shape)
     sr = ShapeResult(shape, [ours, peer, ceiling])
     core.finish_shape(sr)
     assert ours.ratios["speedup_vs_mlx_sdpa_ratio"] == pytest.approx(3.0)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import metal_attn
-from metal_attn.bench import cli, core, decode_step, suites
+from metal_attn.bench import cli, decode_step, shapes, suites
 from metal_attn.bench.decode_step import StepShape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_a_step_shape_counts_every_layer() -> None:
     s = StepShape(4, 8, 2, 64, 256, "float32", layers=8)
-    one = core.Shape(4, 8, 2, 64, 256, "float32")
+    one = shapes.Shape(4, 8, 2, 64, 256, "float32")
     assert s.label == "step b4 h8/2 d64 L256 f32 x8"
     assert s.layer_kv_bytes == one.kv_bytes and s.kv_bytes == 8 * one.kv_bytes and s.flops == 8 * one.flops
     assert s.request() == one.request() and s.phase == "decode"

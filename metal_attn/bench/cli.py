@@ -17,16 +17,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from metal_attn.bench import baselines
-from metal_attn.bench.core import (
-    SPEEDUP_PEERS,
-    CandidateResult,
-    ProviderCandidate,
-    ShapeResult,
-    SuiteResult,
-    machine_info,
-    run_suite,
-    with_variants,
-)
+from metal_attn.bench.candidates import CandidateResult, ProviderCandidate, with_variants
+from metal_attn.bench.core import ShapeResult, SuiteResult, machine_info, run_suite
+from metal_attn.bench.ratios import SPEEDUP_PEERS
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
 from metal_attn.cli_common import guarded, int_flag
 from metal_attn.device import current_device, detect_backend

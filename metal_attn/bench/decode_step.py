@@ -35,18 +35,8 @@ import numpy as np
 
 import metal_attn
 from metal_attn.bench import peers
-from metal_attn.bench.core import (
-    _RANDOM_PERIOD_ELEMENTS,
-    DTYPES,
-    Candidate,
-    Prepared,
-    ProviderCandidate,
-    Shape,
-    Skip,
-    TimedCandidate,
-    build_case,
-    mlx_prepared,
-)
+from metal_attn.bench.candidates import Candidate, Prepared, ProviderCandidate, Skip, TimedCandidate, mlx_prepared
+from metal_attn.bench.shapes import _RANDOM_PERIOD_ELEMENTS, DTYPES, Shape, build_case
 from metal_attn.checks import int_at_least
 from metal_attn.metadata import AttentionMetadata
 
@@ -56,7 +46,7 @@ class StepShape(Shape):
     """A decode step: ``layers`` `paged_attention` calls of one decode batch, one metadata for all.
 
     ``kv_bytes`` and ``flops`` count every layer (``layer_kv_bytes`` is one layer's), so the
-    metrics of `metal_attn.bench.core` read per step.
+    metrics of `metal_attn.bench.candidates` read per step.
     """
 
     layers: int = 32

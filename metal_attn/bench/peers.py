@@ -31,19 +31,18 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from metal_attn.bench.core import (
+from metal_attn.bench.candidates import (
     Candidate,
     CandidateResult,
-    Case,
     Prepared,
     ProviderCandidate,
     Skip,
     TimedCandidate,
-    Timing,
-    is_gpu,
     mlx_prepared,
-    time_fn,
 )
+from metal_attn.bench.core import is_gpu
+from metal_attn.bench.shapes import Case
+from metal_attn.bench.timing import Timing, time_fn
 from metal_attn.device import current_device
 
 #: Names that are peers, not providers (a provider of the same name is shadowed).

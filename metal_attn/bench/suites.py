@@ -13,7 +13,8 @@ import fnmatch
 from collections.abc import Callable, Sequence
 
 from metal_attn.bench import decode_step, peers
-from metal_attn.bench.core import Candidate, Rows, Shape
+from metal_attn.bench.candidates import Candidate
+from metal_attn.bench.shapes import Rows, Shape
 from metal_attn.constants import GQA_DECODE_GEOMETRIES
 
 

@@ -184,7 +184,7 @@ def test_disable_switch_routes_to_classic():
 
 def _sweep_point(geom, batch: int, n: int, backend: str) -> dict:
     """One sweep row: gqa_decode at P256 and P512, and the classic path, on the same inputs."""
-    from metal_attn.bench.core import time_fn
+    from metal_attn.bench.timing import time_fn
 
     h, kvh, d, bs = geom
     nblk = -(-n // bs)
