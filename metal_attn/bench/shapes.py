@@ -46,7 +46,6 @@ CHECK_TOLERANCE: dict[str, float] = {"float32": 2e-3, "float16": 5e-3, "bfloat16
 _RANDOM_PERIOD_ELEMENTS = 1 << 24
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """``count`` identical sequences of a batch: ``q_len`` new rows on ``context`` KV tokens."""
