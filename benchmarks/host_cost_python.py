@@ -1,6 +1,6 @@
 """Python host cost of the CUDA launch path, measured on a machine without a GPU.
 
-    python benchmarks/host_cost_python.py [--calls N] [--samples N] [--profile LABEL] [--plugins]
+    python benchmarks/host_cost_python.py [--calls N] [--samples N] [--profile LABEL] [--plugins] [--no-chains]
 
 What it measures: the thread CPU time (``time.thread_time_ns``, so other processes on a loaded
 machine do not count) that building one layer's paged work costs in Python, on the route an H200
@@ -15,10 +15,15 @@ How, without CUDA (`metal_attn.testing.fake_cuda`, which the tests of the launch
 - ``mx.fast.cuda_kernel`` is replaced by a factory of `FakeKernel` objects: `metal_attn.kernels`
   assembles, names and caches each kernel as usual, and a launch records its arguments and returns
   ``mx.zeros`` of the requested output shapes and dtypes (lazy, never evaluated; one array per
-  output geometry, reused). The fake's own
-  cost per launch is measured alone and reported (``fake/launch``), so ``net`` is the Python of
-  the path without it. MLX's real per-launch cost (its C++ and the driver) is not measured here:
-  `benchmarks/host_cost_classic.py` on the GPU does that.
+  output geometry, reused);
+- CUDA chains (`metal_attn.cuda_ops`, on by default where their module is built, as on the H200) are
+  `FakeChain` objects (`fake_chains`), so every route takes its chained form; ``--no-chains`` times the
+  ``mx.fast`` launches instead (``METAL_ATTN_CUDA_CHAINS=0``).
+
+``launches`` counts the fake kernel launches and chain calls of one call. The fakes' own cost per launch and
+per chain call is measured alone and reported (``fake/launch``, ``fake/chain``), so ``net`` is the Python of
+the path without it. MLX's real per-launch cost (its C++ and the driver) is not measured here:
+`benchmarks/host_cost_classic.py` on the GPU does that.
 
 Per case: ``attn`` is one steady-state layer (the same metadata as the previous call: layers 2..32
 of a step); ``step/32`` is a 32-layer step on a fresh metadata (its first layer misses every
@@ -54,7 +59,7 @@ from metal_attn.bench.shapes import Rows, Shape, build_case
 from metal_attn.device import DeviceInfo
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.settings import override_settings
-from metal_attn.testing.fake_cuda import FakeCuda, FakeKernel, fake_cuda
+from metal_attn.testing.fake_cuda import FakeChain, FakeChains, FakeCuda, FakeKernel, fake_chains, fake_cuda
 
 LAYERS = 32
 
@@ -99,10 +104,11 @@ class Bound:
     attn: Callable[[], Any]
     step: Callable[[], Any]
     write: Callable[[], Any]
-    launches: int
+    launches: int  # fake kernel launches of one call
+    chain_calls: int = 0  # fake chain calls of one call
 
 
-def bind(case: Case, fake: FakeCuda) -> Bound:
+def bind(case: Case, fake: FakeCuda, chains: FakeChains | None = None) -> Bound:
     c = build_case(case.shape)
     s = case.shape
     tables, lens = c.block_tables, np.array(s.seq_lens, np.int32)
@@ -126,23 +132,30 @@ def bind(case: Case, fake: FakeCuda) -> Bound:
     def write() -> tuple[mx.array, mx.array]:
         return write_checked(k_new, k_new, c.k_pool, c.v_pool, slots)
 
+    attn()  # builds every chain the call uses
     fake.launches.clear()
+    before = sum(len(c.calls) for c in chains.chains) if chains else 0
     attn()
-    launches = len(fake.launches)
+    chain_calls = sum(len(c.calls) for c in chains.chains) - before if chains else 0
     chosen = diagnostics.last_dispatch()
-    return Bound(chosen.provider, chosen.route, attn, step, write, launches)
+    return Bound(chosen.provider, chosen.route, attn, step, write, len(fake.launches), chain_calls)
 
 
 @contextlib.contextmanager
-def bound_case(case: Case, plugins: bool = False) -> Iterator[Bound]:
+def bound_case(case: Case, plugins: bool = False, chains: bool = True) -> Iterator[Bound]:
     """``case`` bound (`bind`) under fake CUDA, recording off; with the built-in providers only unless
-    ``plugins`` (then the third-party ones the settings load as well)."""
+    ``plugins`` (then the third-party ones the settings load as well); through fake CUDA chains unless
+    ``chains`` is false (then ``METAL_ATTN_CUDA_CHAINS=0``: the ``mx.fast`` launches)."""
     with contextlib.ExitStack() as stack:
         if not plugins:
             stack.enter_context(override_settings(plugin_autoload=False))
+        if not chains:
+            stack.enter_context(override_settings(cuda_chains=False))
+        fake_chain_objects = stack.enter_context(fake_chains())
         fake = stack.enter_context(fake_cuda(case.device()))
-        b = bind(case, fake)
+        b = bind(case, fake, fake_chain_objects)
         fake.record = False
+        fake_chain_objects.stop_recording()
         yield b
 
 
@@ -177,16 +190,25 @@ def fake_launch_us(calls: int, samples: int) -> float:
     return per_call_us(lambda: k(**args), calls, samples)
 
 
-def run(calls: int, samples: int, profile: str | None, plugins: bool = False) -> None:
+def fake_chain_us(calls: int, samples: int) -> float:
+    """The fake chain's own cost per call (one output, as the per-token chain's)."""
+    c = FakeChain("calibration", [], [((8, 32, 128), mx.bfloat16)], [], [], [], [], record=False)
+    inputs = [mx.zeros((1,))] * 9
+    return per_call_us(lambda: c(inputs), calls, samples)
+
+
+def run(calls: int, samples: int, profile: str | None, plugins: bool = False, chains: bool = True) -> None:
     print("providers: " + ("the built-in ones and the third-party ones the settings load" if plugins
-                           else "the built-in ones only (--plugins: also the third-party ones)"), flush=True)
+                           else "the built-in ones only (--plugins: also the third-party ones)")
+          + "; CUDA chains " + ("on (fake)" if chains else "off (--no-chains)"), flush=True)
     fake_us = fake_launch_us(calls, samples)
-    print(f"fake/launch {fake_us:.2f} µs (subtracted in 'net')", flush=True)
+    chain_us = fake_chain_us(calls, samples)
+    print(f"fake/launch {fake_us:.2f} µs, fake/chain {chain_us:.2f} µs (subtracted in 'net')", flush=True)
     width = max(len(c.label) for c in cases())
     for case in cases():
         if profile and profile not in case.label:
             continue
-        with bound_case(case, plugins) as b:
+        with bound_case(case, plugins, chains) as b:
             for fn in (b.attn, b.write):  # warm every cache
                 for _ in range(20):
                     fn()
@@ -202,8 +224,9 @@ def run(calls: int, samples: int, profile: str | None, plugins: bool = False) ->
             attn = per_call_us(b.attn, calls, samples)
             step = step_us(b.step, samples)
             write = per_call_us(b.write, calls, samples)
-        print(f"{case.label:{width}s} {b.provider:14s} {b.route:22s} launches {b.launches}  attn {attn:6.1f}  "
-              f"net {attn - b.launches * fake_us:6.1f}  step/32 {step:6.1f}  write {write:6.1f}  µs", flush=True)
+        net = attn - b.launches * fake_us - b.chain_calls * chain_us
+        print(f"{case.label:{width}s} {b.provider:14s} {b.route:22s} launches {b.launches} chains {b.chain_calls}  "
+              f"attn {attn:6.1f}  net {net:6.1f}  step/32 {step:6.1f}  write {write:6.1f}  µs", flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -213,8 +236,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--profile", metavar="LABEL", help="cProfile the steady-state call of the cases matching LABEL")
     p.add_argument("--plugins", action="store_true",
                    help="also time third-party providers, as the settings load them (default: built-in only)")
+    p.add_argument("--no-chains", action="store_true",
+                   help="time the mx.fast launches (METAL_ATTN_CUDA_CHAINS=0) instead of the chained route")
     a = p.parse_args(argv)
-    run(a.calls, a.samples, a.profile, a.plugins)
+    run(a.calls, a.samples, a.profile, a.plugins, not a.no_chains)
 
 
 if __name__ == "__main__":

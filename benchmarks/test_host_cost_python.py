@@ -64,3 +64,18 @@ def test_the_script_times_the_built_in_providers_and_names_each_case_s_provider_
         assert tuple(line[len(label):].split()[:2]) == (provider, route), line
         assert provider in builtin
     assert "providers: the built-in ones only" in out
+
+
+def test_the_cases_take_the_chained_route_unless_told_not_to():
+    """As on an H200 with the chains' module built, a decode call is one chain call and a mixed batch three (the
+    decode rows, the gathers, the finishes); with chains off they are the mx.fast route's kernel launches."""
+    by_label = {c.label: c for c in cases()}
+    decode, mixed = by_label["b8 L4096 split"], by_label["mixed 32x1@1024 + 256@1024 + 256@2048"]
+    with bound_case(decode) as b:
+        assert (b.launches, b.chain_calls) == (0, 1)
+    with bound_case(mixed) as b:
+        assert (b.launches, b.chain_calls) == (0, 3)
+    with bound_case(decode, chains=False) as b:
+        assert (b.launches, b.chain_calls) == (2, 0)  # the split kernel and its reducer
+    with bound_case(mixed, chains=False) as b:
+        assert b.launches > 3 and b.chain_calls == 0

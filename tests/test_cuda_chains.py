@@ -7,9 +7,6 @@ The module itself (``csrc/cuda``) runs on MLX's CUDA backend only; its numerics 
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,43 +15,16 @@ from metal_attn.providers import gpu_common as gc
 from metal_attn import cuda_ops
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.settings import override_settings
+from metal_attn.testing.fake_cuda import fake_chains as fake_cuda_chains
 from metal_attn.testing.fake_cuda import fake_cuda
 
 
-@dataclasses.dataclass
-class FakeChain:
-    name: str
-    input_dtypes: list
-    outputs: list
-    scratch: list
-    launches: list
-    input_shapes: list
-    state: list
-    calls: list = dataclasses.field(default_factory=list)
-
-    def __call__(self, inputs: list) -> list:
-        self.calls.append(inputs)
-        return [mx.zeros(tuple(s), d) for s, d in self.outputs]
-
-
-class FakeModule:
-    Chain = FakeChain
-
-
 @pytest.fixture
-def fake_chains(monkeypatch):
-    """cuda_ops as if the module were built: chains are FakeChain, kernels are numbered specs."""
-    functions: list[dict[str, Any]] = []
-
-    def kernel_function(name, source_files, defines, inputs, outputs, template):
-        functions.append(dict(name=name, defines=defines, inputs=list(inputs), outputs=list(outputs),
-                              template=list(template)))
-        return 1000 + len(functions) - 1
-
-    monkeypatch.setattr(cuda_ops, "native", lambda: FakeModule)
-    monkeypatch.setattr(cuda_ops, "enabled", lambda: True)
-    monkeypatch.setattr(cuda_ops, "kernel_function", kernel_function)
-    return functions
+def fake_chains():
+    """cuda_ops as if the module were built (`metal_attn.testing.fake_cuda.fake_chains`): chains are
+    `FakeChain`, kernels are numbered specs (the fixture's value: 1000 + index)."""
+    with fake_cuda_chains() as fake:
+        yield fake.functions
 
 
 def _batch():

@@ -8,6 +8,9 @@ arguments and returns lazy zeros of the requested output shapes and dtypes. MLX'
 which CUDA has and the CPU backend does not, is stood in for by the unfused one
 (``force_fused`` dropped), so the routes that call it (``sdpa_prefill``) build their graphs too. Nothing is computed:
 this is for the host side (what reaches the kernels, and what it costs), never for numerics.
+`fake_chains` does the same for CUDA chains (`metal_attn.cuda_ops`, whose module is built on the GPU
+machine only): ``chain`` builds `FakeChain` objects and ``kernel_function`` numbers the kernels it is
+asked for, so the routes take their chained form, as on an H200 with the module built.
 Used by ``benchmarks/host_cost_python.py`` and the launch-descriptor tests.
 """
 
@@ -20,10 +23,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from metal_attn import _epoch, device, kernels
+from metal_attn import _epoch, cuda_ops, device, kernels
 from metal_attn.device import DeviceInfo
 
-__all__ = ["FakeCuda", "FakeKernel", "Launch", "fake_cuda"]
+__all__ = ["FakeChain", "FakeChains", "FakeCuda", "FakeKernel", "Launch", "fake_chains", "fake_cuda"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,4 +109,77 @@ def fake_cuda(dev: DeviceInfo | None = None) -> Iterator[FakeCuda]:
         device._probed, mx.fast.cuda_kernel = real_probe, real_cuda_kernel
         mx.fast.scaled_dot_product_attention = real_sdpa
         kernels.clear_cache()
+        _epoch.bump()
+
+
+@dataclasses.dataclass
+class FakeChain:
+    """Stands in for a ``_cuda_ops.Chain``: the arguments `metal_attn.cuda_ops.chain` gave it; a call
+    records its inputs in ``calls`` (while ``record`` is on) and returns lazy zeros of the outputs'
+    shapes and dtypes (one array per output, reused, as `FakeKernel` does)."""
+
+    name: str
+    input_dtypes: list
+    outputs: list
+    scratch: list
+    launches: list
+    input_shapes: list
+    state: list
+    calls: list = dataclasses.field(default_factory=list)
+    record: bool = True
+    _zeros: list = dataclasses.field(default_factory=list, repr=False)
+
+    def __call__(self, inputs: list) -> list[mx.array]:
+        if self.record:
+            self.calls.append(inputs)
+        if not self._zeros:
+            self._zeros.extend(mx.zeros(tuple(shape), dtype) for shape, dtype in self.outputs)
+        return list(self._zeros)
+
+
+@dataclasses.dataclass
+class FakeChains:
+    """What `fake_chains` installed: the chains built while it was active, and the kernel functions
+    compiled (each one's spec, in order: the function handle is 1000 + its index)."""
+
+    chains: list[FakeChain] = dataclasses.field(default_factory=list)
+    functions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    record: bool = True
+
+    def stop_recording(self) -> None:
+        """Chains built or called from now on keep no record of their calls (timing loops)."""
+        self.record = False
+        for c in self.chains:
+            c.record = False
+
+
+@contextlib.contextmanager
+def fake_chains() -> Iterator[FakeChains]:
+    """`metal_attn.cuda_ops` as if its module were built (``METAL_ATTN_CUDA_CHAINS`` still decides whether
+    chains are used): ``chain`` builds `FakeChain` objects, ``kernel_function`` records each kernel's
+    spec; both undone on exit, with every dispatch cache (`metal_attn._epoch`) dropped."""
+    fake = FakeChains()
+
+    class Module:
+        @staticmethod
+        def Chain(name: str, input_dtypes: list, outputs: list, scratch: list, launches: list,
+                  input_shapes: list, state: list) -> FakeChain:
+            c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, record=fake.record)
+            fake.chains.append(c)
+            return c
+
+    def kernel_function(name: str, source_files: Any, defines: Any, inputs: Any, outputs: Any,
+                        template: Any) -> int:
+        fake.functions.append(dict(name=name, defines=defines, inputs=list(inputs), outputs=list(outputs),
+                                   template=list(template)))
+        return 1000 + len(fake.functions) - 1
+
+    real_native, real_kernel_function = cuda_ops.native, cuda_ops.kernel_function
+    cuda_ops.native = lambda: Module
+    cuda_ops.kernel_function = kernel_function
+    _epoch.bump()
+    try:
+        yield fake
+    finally:
+        cuda_ops.native, cuda_ops.kernel_function = real_native, real_kernel_function
         _epoch.bump()
