@@ -16,13 +16,16 @@ How, without CUDA (`metal_attn.testing.fake_cuda`, which the tests of the launch
   assembles, names and caches each kernel as usual, and a launch records its arguments and returns
   ``mx.zeros`` of the requested output shapes and dtypes (lazy, never evaluated; one array per
   output geometry, reused);
+- MLX's fused SDPA (one operation on CUDA; the CPU backend would build its unfused graph, 10 µs a call on a
+  2-core CPU) returns lazy zeros of its output (``fake_cuda(sdpa="zeros")``), counted like a launch;
 - CUDA chains (`metal_attn.cuda_ops`, on by default where their module is built, as on the H200) are
   `FakeChain` objects (`fake_chains`), so every route takes its chained form; ``--no-chains`` times the
   ``mx.fast`` launches instead (``METAL_ATTN_CUDA_CHAINS=0``).
 
-``launches`` counts the fake kernel launches and chain calls of one call. The fakes' own cost per launch and
-per chain call is measured alone and reported (``fake/launch``, ``fake/chain``), so ``net`` is the Python of
-the path without it. MLX's real per-launch cost (its C++ and the driver) is not measured here:
+``launches``, ``chains`` and ``sdpa`` count one call's fake kernel launches, chain calls and SDPA calls. The
+fakes' own cost per call is measured alone and reported (``fake/launch``, ``fake/chain``, ``fake/sdpa``), so
+``net`` is the Python of the path (and MLX's graph building of its other operations) without them.
+MLX's real per-launch cost (its C++ and the driver) is not measured here:
 `benchmarks/host_cost_classic.py` on the GPU does that.
 
 Per case: ``attn`` is one steady-state layer (the same metadata as the previous call: layers 2..32
@@ -106,6 +109,7 @@ class Bound:
     write: Callable[[], Any]
     launches: int  # fake kernel launches of one call
     chain_calls: int = 0  # fake chain calls of one call
+    sdpa_calls: int = 0  # MLX SDPA calls of one call (fake)
 
 
 def bind(case: Case, fake: FakeCuda, chains: FakeChains | None = None) -> Bound:
@@ -134,11 +138,12 @@ def bind(case: Case, fake: FakeCuda, chains: FakeChains | None = None) -> Bound:
 
     attn()  # builds every chain the call uses
     fake.launches.clear()
+    fake.sdpa_calls = 0
     before = sum(len(c.calls) for c in chains.chains) if chains else 0
     attn()
     chain_calls = sum(len(c.calls) for c in chains.chains) - before if chains else 0
     chosen = diagnostics.last_dispatch()
-    return Bound(chosen.provider, chosen.route, attn, step, write, len(fake.launches), chain_calls)
+    return Bound(chosen.provider, chosen.route, attn, step, write, len(fake.launches), chain_calls, fake.sdpa_calls)
 
 
 @contextlib.contextmanager
@@ -152,7 +157,7 @@ def bound_case(case: Case, plugins: bool = False, chains: bool = True) -> Iterat
         if not chains:
             stack.enter_context(override_settings(cuda_chains=False))
         fake_chain_objects = stack.enter_context(fake_chains())
-        fake = stack.enter_context(fake_cuda(case.device()))
+        fake = stack.enter_context(fake_cuda(case.device(), sdpa="zeros"))
         b = bind(case, fake, fake_chain_objects)
         fake.record = False
         fake_chain_objects.stop_recording()
@@ -197,13 +202,25 @@ def fake_chain_us(calls: int, samples: int) -> float:
     return per_call_us(lambda: c(inputs), calls, samples)
 
 
+def fake_sdpa_us(calls: int, samples: int) -> float:
+    """The SDPA stand-in's own cost per call (`fake_cuda` with ``sdpa="zeros"``)."""
+    q = mx.zeros((1, 32, 256, 128), mx.bfloat16)
+    k = mx.zeros((1, 8, 1024, 128), mx.bfloat16)
+    with fake_cuda(sdpa="zeros") as fake:
+        fake.record = False
+        return per_call_us(lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=0.1, mask="causal"),
+                           calls, samples)
+
+
 def run(calls: int, samples: int, profile: str | None, plugins: bool = False, chains: bool = True) -> None:
     print("providers: " + ("the built-in ones and the third-party ones the settings load" if plugins
                            else "the built-in ones only (--plugins: also the third-party ones)")
           + "; CUDA chains " + ("on (fake)" if chains else "off (--no-chains)"), flush=True)
     fake_us = fake_launch_us(calls, samples)
     chain_us = fake_chain_us(calls, samples)
-    print(f"fake/launch {fake_us:.2f} µs, fake/chain {chain_us:.2f} µs (subtracted in 'net')", flush=True)
+    sdpa_us = fake_sdpa_us(calls, samples)
+    print(f"fake/launch {fake_us:.2f} µs, fake/chain {chain_us:.2f} µs, fake/sdpa {sdpa_us:.2f} µs "
+          "(subtracted in 'net')", flush=True)
     width = max(len(c.label) for c in cases())
     for case in cases():
         if profile and profile not in case.label:
@@ -224,9 +241,10 @@ def run(calls: int, samples: int, profile: str | None, plugins: bool = False, ch
             attn = per_call_us(b.attn, calls, samples)
             step = step_us(b.step, samples)
             write = per_call_us(b.write, calls, samples)
-        net = attn - b.launches * fake_us - b.chain_calls * chain_us
-        print(f"{case.label:{width}s} {b.provider:14s} {b.route:22s} launches {b.launches} chains {b.chain_calls}  "
-              f"attn {attn:6.1f}  net {net:6.1f}  step/32 {step:6.1f}  write {write:6.1f}  µs", flush=True)
+        net = attn - b.launches * fake_us - b.chain_calls * chain_us - b.sdpa_calls * sdpa_us
+        print(f"{case.label:{width}s} {b.provider:14s} {b.route:22s} launches {b.launches} chains {b.chain_calls} "
+              f"sdpa {b.sdpa_calls}  attn {attn:6.1f}  net {net:6.1f}  step/32 {step:6.1f}  write {write:6.1f}  µs",
+              flush=True)
 
 
 def main(argv: list[str]) -> None:

@@ -72,10 +72,27 @@ def test_the_cases_take_the_chained_route_unless_told_not_to():
     by_label = {c.label: c for c in cases()}
     decode, mixed = by_label["b8 L4096 split"], by_label["mixed 32x1@1024 + 256@1024 + 256@2048"]
     with bound_case(decode) as b:
-        assert (b.launches, b.chain_calls) == (0, 1)
+        assert (b.launches, b.chain_calls, b.sdpa_calls) == (0, 1, 0)
     with bound_case(mixed) as b:
-        assert (b.launches, b.chain_calls) == (0, 3)
+        assert (b.launches, b.chain_calls, b.sdpa_calls) == (0, 3, 2)  # and MLX's SDPA once a run of chunks
     with bound_case(decode, chains=False) as b:
         assert (b.launches, b.chain_calls) == (2, 0)  # the split kernel and its reducer
     with bound_case(mixed, chains=False) as b:
         assert b.launches > 3 and b.chain_calls == 0
+
+
+def test_the_sdpa_stand_in_gives_the_outputs_shape_and_counts_its_calls():
+    import mlx.core as mx
+
+    from metal_attn.testing.fake_cuda import fake_cuda
+
+    q, k, v = mx.zeros((2, 8, 5, 64), mx.float16), mx.zeros((2, 2, 9, 64), mx.float16), mx.zeros((2, 2, 9, 32))
+    with fake_cuda(sdpa="zeros") as fake:
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask="causal")
+        again = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1)
+        fake.record = False
+        mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1)
+    assert out.shape == (2, 8, 5, 32) and out.dtype == mx.float16 and again is out
+    assert fake.sdpa_calls == 2
+    with pytest.raises(ValueError, match=r"sdpa='fused' \(allowed: unfused, zeros\)"), fake_cuda(sdpa="fused"):
+        pass

@@ -6,7 +6,8 @@ its launch) and replaces ``mx.fast.cuda_kernel`` by a factory of `FakeKernel` ob
 `metal_attn.kernels` assembles, names and caches each kernel as usual, and a launch records its
 arguments and returns lazy zeros of the requested output shapes and dtypes. MLX's fused SDPA,
 which CUDA has and the CPU backend does not, is stood in for by the unfused one
-(``force_fused`` dropped), so the routes that call it (``sdpa_prefill``) build their graphs too. Nothing is computed:
+(``force_fused`` dropped), so the routes that call it (``sdpa_prefill``) build their graphs too; or, for
+timing, by lazy zeros of its output (``sdpa="zeros"``). Nothing is computed:
 this is for the host side (what reaches the kernels, and what it costs), never for numerics.
 `fake_chains` does the same for CUDA chains (`metal_attn.cuda_ops`, whose module is built on the GPU
 machine only): ``chain`` builds `FakeChain` objects and ``kernel_function`` numbers the kernels it is
@@ -26,7 +27,7 @@ import mlx.core as mx
 from metal_attn import _epoch, cuda_ops, device, kernels
 from metal_attn.device import DeviceInfo
 
-__all__ = ["FakeChain", "FakeChains", "FakeCuda", "FakeKernel", "Launch", "fake_chains", "fake_cuda"]
+__all__ = ["SDPA_STAND_INS", "FakeChain", "FakeChains", "FakeCuda", "FakeKernel", "Launch", "fake_chains", "fake_cuda"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +79,26 @@ class FakeCuda:
     kernels: list[FakeKernel] = dataclasses.field(default_factory=list)
     launches: list[Launch] = dataclasses.field(default_factory=list)
     record: bool = True
+    #: MLX SDPA calls (with ``fake_cuda(sdpa="zeros")``, while ``record`` is on).
+    sdpa_calls: int = 0
+
+
+#: What stands in for MLX's fused SDPA under `fake_cuda`: ``"unfused"``, MLX's unfused SDPA (the graph is
+#: built, so tests can evaluate it); ``"zeros"``, lazy zeros of the output's shape and dtype, one array per
+#: geometry, reused (for timing the Python around it, as `FakeKernel` does for our kernels).
+SDPA_STAND_INS = ("unfused", "zeros")
 
 
 @contextlib.contextmanager
-def fake_cuda(dev: DeviceInfo | None = None) -> Iterator[FakeCuda]:
+def fake_cuda(dev: DeviceInfo | None = None, *, sdpa: str = "unfused") -> Iterator[FakeCuda]:
     """Run the CUDA providers' Python on this machine: the probe answers ``dev`` (default: the
-    H200 preset) and ``mx.fast.cuda_kernel`` builds `FakeKernel` objects; both undone on exit,
-    with the kernel objects and every dispatch cache (`metal_attn._epoch`) dropped."""
+    H200 preset), ``mx.fast.cuda_kernel`` builds `FakeKernel` objects and MLX's fused SDPA is stood in
+    for as ``sdpa`` says (`SDPA_STAND_INS`); all undone on exit, with the kernel objects and every
+    dispatch cache (`metal_attn._epoch`) dropped."""
+    if sdpa not in SDPA_STAND_INS:
+        raise ValueError(f"sdpa={sdpa!r} (allowed: {', '.join(SDPA_STAND_INS)})")
     fake = FakeCuda()
+    zeros: dict[tuple, mx.array] = {}
     dev = dev or DeviceInfo.preset("h200")
     real_probe, real_cuda_kernel = device._probed, mx.fast.cuda_kernel
     real_sdpa = mx.fast.scaled_dot_product_attention
@@ -95,13 +108,22 @@ def fake_cuda(dev: DeviceInfo | None = None) -> Iterator[FakeCuda]:
         fake.kernels.append(k)
         return k
 
-    def sdpa(*args: Any, force_fused: bool = False, **kwargs: Any) -> mx.array:
+    def unfused(*args: Any, force_fused: bool = False, **kwargs: Any) -> mx.array:
         return real_sdpa(*args, **kwargs)
+
+    def stand_in_zeros(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        if fake.record:
+            fake.sdpa_calls += 1
+        key = (*q.shape[:-1], v.shape[-1], q.dtype)
+        out = zeros.get(key)
+        if out is None:
+            out = zeros[key] = mx.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
+        return out
 
     kernels.clear_cache()
     device._probed = lambda: dev
     mx.fast.cuda_kernel = factory
-    mx.fast.scaled_dot_product_attention = sdpa
+    mx.fast.scaled_dot_product_attention = unfused if sdpa == "unfused" else stand_in_zeros
     _epoch.bump()
     try:
         yield fake
