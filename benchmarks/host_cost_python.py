@@ -139,9 +139,9 @@ def bind(case: Case, fake: FakeCuda, chains: FakeChains | None = None) -> Bound:
     attn()  # builds every chain the call uses
     fake.launches.clear()
     fake.sdpa_calls = 0
-    before = sum(len(c.calls) for c in chains.chains) if chains else 0
+    before = chains.call_count() if chains else 0
     attn()
-    chain_calls = sum(len(c.calls) for c in chains.chains) - before if chains else 0
+    chain_calls = chains.call_count() - before if chains else 0
     chosen = diagnostics.last_dispatch()
     return Bound(chosen.provider, chosen.route, attn, step, write, len(fake.launches), chain_calls, fake.sdpa_calls)
 
@@ -159,8 +159,7 @@ def bound_case(case: Case, plugins: bool = False, chains: bool = True) -> Iterat
         fake_chain_objects = stack.enter_context(fake_chains())
         fake = stack.enter_context(fake_cuda(case.device(), sdpa="zeros"))
         b = bind(case, fake, fake_chain_objects)
-        fake.record = False
-        fake_chain_objects.stop_recording()
+        fake.record = fake_chain_objects.record = False
         yield b
 
 
@@ -197,7 +196,7 @@ def fake_launch_us(calls: int, samples: int) -> float:
 
 def fake_chain_us(calls: int, samples: int) -> float:
     """The fake chain's own cost per call (one output, as the per-token chain's)."""
-    c = FakeChain("calibration", [], [((8, 32, 128), mx.bfloat16)], [], [], [], [], record=False)
+    c = FakeChain("calibration", [], [((8, 32, 128), mx.bfloat16)], [], [], [], [])  # no owner: no record
     inputs = [mx.zeros((1,))] * 9
     return per_call_us(lambda: c(inputs), calls, samples)
 

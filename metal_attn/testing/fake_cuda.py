@@ -137,8 +137,8 @@ def fake_cuda(dev: DeviceInfo | None = None, *, sdpa: str = "unfused") -> Iterat
 @dataclasses.dataclass
 class FakeChain:
     """Stands in for a ``_cuda_ops.Chain``: the arguments `metal_attn.cuda_ops.chain` gave it; a call
-    records its inputs in ``calls`` (while ``record`` is on) and returns lazy zeros of the outputs'
-    shapes and dtypes (one array per output, reused, as `FakeKernel` does)."""
+    records its inputs in ``calls`` (while its ``owner`` records, as `FakeKernel` does; never without an
+    owner) and returns lazy zeros of the outputs' shapes and dtypes (one array per output, reused)."""
 
     name: str
     input_dtypes: list
@@ -147,12 +147,12 @@ class FakeChain:
     launches: list
     input_shapes: list
     state: list
+    owner: FakeChains | None = dataclasses.field(default=None, repr=False)
     calls: list = dataclasses.field(default_factory=list)
-    record: bool = True
     _zeros: list = dataclasses.field(default_factory=list, repr=False)
 
     def __call__(self, inputs: list) -> list[mx.array]:
-        if self.record:
+        if self.owner is not None and self.owner.record:
             self.calls.append(inputs)
         if not self._zeros:
             self._zeros.extend(mx.zeros(tuple(shape), dtype) for shape, dtype in self.outputs)
@@ -162,17 +162,16 @@ class FakeChain:
 @dataclasses.dataclass
 class FakeChains:
     """What `fake_chains` installed: the chains built while it was active, and the kernel functions
-    compiled (each one's spec, in order: the function handle is 1000 + its index)."""
+    compiled (each one's spec, in order: the function handle is 1000 + its index); its chains record
+    their calls while ``record`` is on."""
 
     chains: list[FakeChain] = dataclasses.field(default_factory=list)
     functions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     record: bool = True
 
-    def stop_recording(self) -> None:
-        """Chains built or called from now on keep no record of their calls (timing loops)."""
-        self.record = False
-        for c in self.chains:
-            c.record = False
+    def call_count(self) -> int:
+        """Calls recorded so far, over every chain."""
+        return sum(len(c.calls) for c in self.chains)
 
 
 @contextlib.contextmanager
@@ -186,7 +185,7 @@ def fake_chains() -> Iterator[FakeChains]:
         @staticmethod
         def Chain(name: str, input_dtypes: list, outputs: list, scratch: list, launches: list,
                   input_shapes: list, state: list) -> FakeChain:
-            c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, record=fake.record)
+            c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, owner=fake)
             fake.chains.append(c)
             return c
 
