@@ -81,6 +81,12 @@ def summarise(events: list[dict], calls: int, kv_bytes: int) -> dict:
             "busy_us_per_call": busy_us(events) / calls, "kernels": kernels}
 
 
+def kernel_us(kernels: list[dict]) -> float:
+    """GPU µs per call of `summarise`'s ``kernels``: each kernel's median duration times its launches per call
+    (medians, so one slow launch does not move it; overlapping kernels counted in full, unlike `busy_us`)."""
+    return sum(k["median_us"] * k["launches_per_call"] for k in kernels)
+
+
 def busy_us(events: list[dict]) -> float:
     """Microseconds during which at least one of ``events`` ran: the union of their intervals (MLX's
     CUDA graphs run kernels without a data dependency between them at once, so their durations

@@ -26,7 +26,7 @@ import json
 
 import mlx.core as mx
 import numpy as np
-from kernel_trace import busy_us, summarise, torch_decode_sdpa, trace
+from kernel_trace import busy_us, kernel_us, summarise, torch_decode_sdpa, trace
 from probe_fused_reduce import _shapes
 
 import metal_attn
@@ -79,7 +79,7 @@ def main() -> None:
     for batch, heads, kv_heads, head, context in args.shapes:
         shape = Shape(batch, heads, kv_heads, head, context, "bfloat16")
         case = build_case(shape, seed=context)
-        kv_bytes = 2 * case.k_pool.dtype.size * batch * context * kv_heads * head
+        kv_bytes = case.shape.kv_bytes
         rng = np.random.default_rng(1)
         label = f"b{batch} h{heads}/{kv_heads} d{head} L{context}"
         for order in args.orders:
@@ -94,7 +94,7 @@ def main() -> None:
             route = metal_attn.diagnostics.last_dispatch().route
             events = trace(call, args.calls)
             kernels = _kernels(events, args.calls)
-            gpu_us = sum(k["median_us"] * k["launches_per_call"] for k in kernels)
+            gpu_us = kernel_us(kernels)
             row = {"shape": label, "order": order, "route": route, "kernels": kernels, "kernel_us_per_call": gpu_us,
                    "busy_us_per_call": busy_us(events) / args.calls, "gbps_kernel": kv_bytes / (gpu_us * 1e-6) / 1e9}
             rows.append(row)
@@ -102,7 +102,7 @@ def main() -> None:
                   + "; ".join(f"{k['name'][:28]} {k['median_us']:.1f}" for k in kernels), flush=True)
         for token_major in (False, True):
             t = torch_decode_sdpa(case, args.calls, token_major=token_major)
-            gpu_us = sum(k["median_us"] * k["launches_per_call"] for k in t["kernels"])
+            gpu_us = kernel_us(t["kernels"])
             order = "torch token-major" if token_major else "torch contiguous"
             rows.append({"shape": label, "order": order, **t, "kernel_us_per_call": gpu_us,
                          "gbps_kernel": kv_bytes / (gpu_us * 1e-6) / 1e9})

@@ -92,16 +92,15 @@ def main() -> None:
         ap.error(f"--rounds={args.rounds} --calls={args.calls}: both must be at least 1")
 
     import mlx.core as mx
-    from kernel_trace import summarise, torch_decode_sdpa, trace
+    from kernel_trace import kernel_us, summarise, torch_decode_sdpa, trace
 
     import metal_attn
     from metal_attn import kernels
     from metal_attn.bench.peers import gpu_copy_ceiling
     from metal_attn.bench.shapes import Shape, build_case
 
-    def kernel_us(call) -> float:
-        ks = summarise(trace(call, args.calls), args.calls, 1)["kernels"]
-        return sum(k["median_us"] * k["launches_per_call"] for k in ks)
+    def call_us(call) -> float:
+        return kernel_us(summarise(trace(call, args.calls), args.calls, 1)["kernels"])
 
     ceiling_gbps = gpu_copy_ceiling(warmup=3, iters=10)["gbps"]
     print(f"copy ceiling {ceiling_gbps:,.0f} GB/s", flush=True)
@@ -110,7 +109,7 @@ def main() -> None:
     for batch, heads, kv_heads, head, context in args.shapes:
         label = f"b{batch} h{heads}/{kv_heads} d{head} L{context}"
         case = build_case(Shape(batch, heads, kv_heads, head, context, "bfloat16"), seed=context)
-        kv_bytes = 2 * case.k_pool.dtype.size * batch * context * kv_heads * head
+        kv_bytes = case.shape.kv_bytes
 
         def call(case=case):
             return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata,
@@ -121,12 +120,11 @@ def main() -> None:
             for name in rotate(names, rnd):
                 kernels.use_source_dir(args.texts[name])
                 mx.eval(call())
-                per[name].append(kernel_us(call))
+                per[name].append(call_us(call))
         kernels.use_source_dir(None)
         row = summary(label, per, kv_bytes / ceiling_gbps / 1e3)
         row["route"] = metal_attn.diagnostics.last_dispatch().route
-        peer = torch_decode_sdpa(case, args.calls)["kernels"]
-        row["torch_sdpa_us"] = sum(k["median_us"] * k["launches_per_call"] for k in peer)
+        row["torch_sdpa_us"] = kernel_us(torch_decode_sdpa(case, args.calls)["kernels"])
         rows.append(row)
         print(line(row), flush=True)
         del case

@@ -47,3 +47,11 @@ def test_the_line_ends_with_torch_when_it_was_timed():
     row = pk.summary("s", {"base": [40.0]}, 30.0)
     row["torch_sdpa_us"] = 37.5
     assert pk.line(row).endswith("| torch SDPA 37.5 µs, 80.0%")
+
+
+def test_a_calls_kernel_time_is_each_kernels_median_times_its_launches():
+    import kernel_trace
+
+    kernels = [{"median_us": 40.0, "launches_per_call": 1.0}, {"median_us": 3.5, "launches_per_call": 2.0}]
+    assert kernel_trace.kernel_us(kernels) == 47.0
+    assert kernel_trace.kernel_us([]) == 0.0
