@@ -132,14 +132,12 @@ def top_kernels(row: dict, n: int, width: int) -> str:
                      for k in row["kernels"][:n])
 
 
-def torch_decode_sdpa(case: Any, calls: int, *, token_major: bool = False) -> dict:
-    """The GPU kernels of torch SDPA (the decode peer) on a bench case's shape (`metal_attn.bench.shapes.build_case`;
-    one query row a sequence, every sequence as long as the first, bf16): per kernel its median µs and
-    launches per call over ``calls`` traced calls, and the busy µs per call. K/V are [batch, kv heads,
-    context, head] (contiguous), or with ``token_major`` a view of [batch, context, kv heads, head] storage:
-    the pools' token-major layout, each head's keys ``kv heads x head`` elements apart."""
+def torch_decode_inputs(case: Any, *, token_major: bool = False) -> tuple[Any, Any, Any]:
+    """torch's (q, k, v) for the decode peer on a bench case's shape (`metal_attn.bench.shapes.build_case`;
+    one query row a sequence, every sequence as long as the first, bf16): q [batch, heads, 1, head]; K/V
+    [batch, kv heads, context, head] (contiguous), or with ``token_major`` a view of [batch, context, kv
+    heads, head] storage: the pools' token-major layout, each head's keys ``kv heads x head`` elements apart."""
     import torch
-    import torch.nn.functional as F
 
     s = case.shape
     dev = torch.device("cuda")
@@ -151,10 +149,31 @@ def torch_decode_sdpa(case: Any, calls: int, *, token_major: bool = False) -> di
     v = torch.rand_like(k)
     if token_major:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return q, k, v
+
+
+def torch_decode_call(case: Any, *, token_major: bool = False) -> Callable[[], None]:
+    """One call of torch SDPA (the decode peer) on `torch_decode_inputs`, built once."""
+    import torch.nn.functional as F
+
+    q, k, v = torch_decode_inputs(case, token_major=token_major)
+
+    def call() -> None:
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return call
+
+
+def torch_decode_sdpa(case: Any, calls: int, *, token_major: bool = False) -> dict:
+    """The GPU kernels of `torch_decode_call` over ``calls`` traced calls: per kernel its median µs and
+    launches per call, and the busy µs per call."""
+    import torch
+
+    call = torch_decode_call(case, token_major=token_major)
 
     def run() -> None:
         for _ in range(calls):
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            call()
 
     run()
     torch.cuda.synchronize()

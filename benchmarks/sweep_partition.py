@@ -3,9 +3,9 @@
     python3 benchmarks/sweep_partition.py OUT.json [--batches 1 4] [--contexts 600 1100 2048 4096 8192]
 
 For each (batch, context): a 32-layer bf16 decode step, 32/8 heads, head 128, block 16, one
-metadata shared by the layers, every call queued, one eval per step (the ``decode-step`` suite's
-setup, `metal_attn.bench.decode_step`). In one process it times ``classic`` at every split
-partition size (``METAL_ATTN_PARTITION_SIZE``), ``classic`` at the rule's choice
+metadata shared by the layers, each layer's query the output before it, every call queued, one eval
+per step (the ``decode-step`` suite's setup, `metal_attn.bench.decode_step`). In one process it times
+``classic`` at every split partition size (``METAL_ATTN_PARTITION_SIZE``), ``classic`` at the rule's choice
 (`gpu_common.PARTITION_RULES`), and MLX SDPA on contiguous K/V (the peer), and checks that every
 partition size gives the same output as 512 within bf16 rounding. It prints a row per shape:
 microseconds per layer, the fastest size, and the rule's pick.
@@ -21,7 +21,7 @@ import numpy as np
 from metal_attn.providers import gpu_common as gc
 
 import metal_attn
-from metal_attn.bench.decode_step import StepShape
+from metal_attn.bench.decode_step import StepShape, chain
 from metal_attn.bench.timing import time_fn
 from metal_attn.settings import override_settings
 
@@ -34,8 +34,8 @@ def _time_step(case, forced: int | None) -> tuple[float, str, np.ndarray]:
     q, md, scale = case.q, case.metadata, case.scale
 
     def compute():
-        return [metal_attn.paged_attention(q, k, v, metadata=md, scale=scale, provider="classic")
-                for k, v in case.pools]
+        return chain(q, case.pools, lambda x, kv: metal_attn.paged_attention(x, *kv, metadata=md, scale=scale,
+                                                                             provider="classic"))
 
     with override_settings(partition_size=forced or 0):
         out = compute()
@@ -73,8 +73,8 @@ def main() -> None:
             t, rule_route, _ = _time_step(case, None)
             rule_us = t / args.layers * 1e6
             kv, q4 = case.contiguous_kv(), case.query4()
-            peer = time_fn(lambda kv=kv, q4=q4, scale=case.scale: mx.eval(
-                [mx.fast.scaled_dot_product_attention(q4, k, v, scale=scale) for k, v in kv]),
+            peer = time_fn(lambda kv=kv, q4=q4, scale=case.scale: mx.eval(chain(
+                q4, kv, lambda x, layer: mx.fast.scaled_dot_product_attention(x, *layer, scale=scale))),
                 warmup=3, iters=10).median_s / args.layers * 1e6
             fastest = min(per, key=per.get)
             row = {"batch": batch, "context": context, "us_per_layer": per, "rule_route": rule_route,

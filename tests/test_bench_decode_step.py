@@ -60,15 +60,16 @@ def test_layers_have_their_own_pools_and_share_one_metadata() -> None:
     assert case.metadata.seq_lens_host == (80, 80)
 
 
-def test_the_provider_step_queues_every_layer_on_one_metadata_and_evaluates_once(monkeypatch) -> None:
+def test_the_provider_step_chains_every_layer_on_one_metadata_and_evaluates_once(monkeypatch) -> None:
     s = StepShape(2, 4, 2, 64, 80, "float32", layers=3)
     case = s.build()
     calls, evals = [], []
     real_pa, real_eval = metal_attn.paged_attention, mx.eval
 
     def pa(q, k, v, **kw):
-        calls.append((id(k), id(kw["metadata"])))
-        return real_pa(q, k, v, **kw)
+        out = real_pa(q, k, v, **kw)
+        calls.append((q, id(k), id(kw["metadata"]), out))
+        return out
 
     def ev(*a):
         evals.append(a)
@@ -80,9 +81,13 @@ def test_the_provider_step_queues_every_layer_on_one_metadata_and_evaluates_once
     outs = prep.run()
     monkeypatch.undo()
     assert len(evals) == 1 and len(outs) == 3
-    assert {m for _, m in calls} == {id(case.metadata)}
-    assert [k for k, _ in calls] == [id(k) for k, _ in case.pools]
-    # each layer is attention over its own pools: against a float64 softmax on its contiguous K/V
+    assert {m for _, _, m, _ in calls} == {id(case.metadata)}
+    assert [k for _, k, _, _ in calls] == [id(k) for k, _ in case.pools]
+    # as in a model, each layer's query is the output of the layer before it
+    assert calls[0][0] is case.q
+    assert all(calls[i][0] is calls[i - 1][3] for i in range(1, 3))
+    # each layer is attention over its own pools: against a float64 softmax on its contiguous K/V,
+    # the oracle's own output being its next layer's query
     q = np.array(case.q, dtype=np.float64)  # [b, h, d]
     for out, (k, v) in zip(outs, case.contiguous_kv()):
         k, v = np.array(k, dtype=np.float64), np.array(v, dtype=np.float64)  # [b, kvh, L, d]
@@ -91,6 +96,7 @@ def test_the_provider_step_queues_every_layer_on_one_metadata_and_evaluates_once
         p = np.exp(sc - sc.max(-1, keepdims=True))
         want = np.einsum("bhl,bhld->bhd", p / p.sum(-1, keepdims=True), vv)
         np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=1e-5)
+        q = want
 
 
 def test_the_compiled_step_traces_once_and_gives_the_eager_step_bit_for_bit(monkeypatch) -> None:

@@ -22,9 +22,10 @@
 #            on the shapes issue #17 misses or nearly misses (single calls, pipelined, torch in the run)
 #   ncu      ncu (speed of light, occupancy, warp stalls, memory) of our decode call and torch SDPA's on the
 #            four shapes issue #17 still misses, the last of four calls each (benchmarks/ncu_decode_pair.py)
-#   kernels  the decode shapes' kernel time against cuDNN's (CUPTI, benchmarks/probe_kernel_text.py), then the
-#            same shapes' calls (decode-gpu, pipelined) with and without MLX's CUDA graphs: how much of a
-#            call is its kernels (issue #17; about 90 s)
+#   kernels  the decode shapes' kernel time against torch SDPA's (CUPTI, benchmarks/probe_kernel_text.py), the GPU's
+#            idle time between queued calls and whether the host was late (benchmarks/probe_call_gaps.py), then
+#            the same shapes' calls (decode-gpu, pipelined) with and without MLX's CUDA graphs: how much of a
+#            call is its kernels (issue #17; about 2 minutes)
 #
 # Each step runs under its own time limit (STEP_LIMIT seconds, default 300; the GPU tests and decode-step 420), cut to
 # what is left of BUDGET (seconds for the whole command, default 570: a device call holds 600), so a
@@ -155,6 +156,7 @@ run_phase() {
     kernels)
       step kernel-time "$STEP_LIMIT" python3 benchmarks/probe_kernel_text.py "$dir/kernel-time.json" --texts head=- \
         --rounds 2 --shapes "$DECODE_SHAPES"
+      step call-gaps "$STEP_LIMIT" python3 benchmarks/probe_call_gaps.py "$dir/call-gaps.json" --shapes "$DECODE_SHAPES"
       step calls "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown --shapes "decode b" \
         --candidates auto,torch_sdpa,ceiling --json "$dir/calls.json"
       step calls-no-graphs "$STEP_LIMIT" env MLX_USE_CUDA_GRAPHS=0 "${BENCH[@]}" --suite decode-gpu --pipelined \

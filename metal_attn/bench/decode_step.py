@@ -6,9 +6,15 @@ and one ``mx.eval`` for the step. Per-call benchmarks time one call and wait for
 amortizes the wait over the layers and shows whether the host (graph building, launches) or
 the kernels set the pace.
 
+As in a model, each layer's query is the layer before's output (`chain`), so a layer's kernels
+cannot start before the last layer's are done. Independent layers would let MLX's CUDA graphs run
+several layers' kernels at once (MLX links graph nodes by data only), one layer's tail overlapping
+the next one's start, which no model's step allows and torch's one stream does not do
+(docs/bench-h200-decode-step.md, twenty-eighth session).
+
 - `StepShape`: a decode `Shape` plus ``layers``; its ``kv_bytes`` and ``flops`` are the whole
   step's, so GB/s, the ceiling and every ratio are per step;
-- `StepCase`: the shared query, block tables and metadata, and one pair of pools per layer
+- `StepCase`: the first layer's query, the shared block tables and metadata, and one pair of pools per layer
   (random, distinct per layer); contiguous ``[batch, kv_heads, context, head]`` K/V per layer
   for the peers, built on demand;
 - the candidates (`resolve`): providers by name (``auto`` = the registry's choice),
@@ -27,7 +33,7 @@ torch's cache after it. The largest peer shape (b64 L8192, 18 layers) needs abou
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -89,10 +95,11 @@ class StepShape(Shape):
 
 @dataclasses.dataclass(eq=False)
 class StepCase:
-    """The inputs of one decode step: the query and metadata shared by the layers, pools per layer."""
+    """The inputs of one decode step: the first layer's query, the metadata shared by the layers, pools
+    per layer."""
 
     shape: StepShape
-    q: mx.array  # [batch, num_heads, head_size], the same for every layer
+    q: mx.array  # [batch, num_heads, head_size], the first layer's (each further layer's: the last output)
     pools: list[tuple[mx.array, mx.array]]  # per layer (K, V): [num_blocks, block_size, kv_heads, head]
     block_tables: np.ndarray  # [batch, max_blocks] int32, shared by the layers
     metadata: AttentionMetadata
@@ -165,6 +172,17 @@ def _need_step(case: Any) -> StepCase:
     return case
 
 
+def chain(first: Any, layers: Sequence[Any], attend: Callable[[Any, Any], Any]) -> list[Any]:
+    """Each layer's output, the first layer's query being ``first`` and each further layer's the output
+    before it: ``attend(query, layer)`` per layer, in order."""
+    outs = []
+    query = first
+    for layer in layers:
+        query = attend(query, layer)
+        outs.append(query)
+    return outs
+
+
 class StepProvider(ProviderCandidate):
     """A provider (``auto``: the registry's choice) on every layer, one metadata, one eval per step."""
 
@@ -174,9 +192,10 @@ class StepProvider(ProviderCandidate):
         q, md, scale, pools = case.q, case.metadata, case.scale, case.pools
 
         def compute() -> list[mx.array]:
-            return [metal_attn.paged_attention(q, k, v, metadata=md, scale=scale, provider=forced) for k, v in pools]
+            return chain(q, pools, lambda x, kv: metal_attn.paged_attention(x, *kv, metadata=md, scale=scale,
+                                                                            provider=forced))
 
-        return mlx_prepared(compute, _layer_rows, f"{route}; {len(pools)} layers, one eval")
+        return mlx_prepared(compute, _layer_rows, f"{route}; {len(pools)} chained layers, one eval")
 
 
 class StepCompiled(StepProvider):
@@ -201,8 +220,9 @@ class StepCompiled(StepProvider):
         case = _need_step(case)
         _, route = StepProvider("auto").admit(case.shape)
         q, md, scale, pools = case.q, case.metadata, case.scale, case.pools
-        step = mx.compile(lambda: [metal_attn.paged_attention(q, k, v, metadata=md, scale=scale) for k, v in pools])
-        return mlx_prepared(step, _layer_rows, f"{route}; {len(pools)} layers under mx.compile, one eval")
+        step = mx.compile(lambda: chain(q, pools, lambda x, kv: metal_attn.paged_attention(x, *kv, metadata=md,
+                                                                                           scale=scale)))
+        return mlx_prepared(step, _layer_rows, f"{route}; {len(pools)} chained layers under mx.compile, one eval")
 
     def route_after(self, prep: Prepared) -> str | None:
         return prep.route  # a replayed compiled graph dispatches nothing: the route is the traced one
@@ -219,9 +239,10 @@ class StepMlxSdpa(TimedCandidate):
         kv, q, scale = case.contiguous_kv(), case.query4(), case.scale
 
         def compute() -> list[mx.array]:
-            return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale) for k, v in kv]
+            return chain(q, kv, lambda x, layer: mx.fast.scaled_dot_product_attention(x, *layer, scale=scale))
 
-        return mlx_prepared(compute, peers.mlx_rows, f"contiguous K/V + mx.fast SDPA; {len(kv)} layers, one eval")
+        return mlx_prepared(compute, peers.mlx_rows,
+                            f"contiguous K/V + mx.fast SDPA; {len(kv)} chained layers, one eval")
 
 
 class StepGatherSdpa(TimedCandidate):
@@ -236,10 +257,11 @@ class StepGatherSdpa(TimedCandidate):
         mx.eval(tables)
 
         def compute() -> list[mx.array]:
-            return [mx.fast.scaled_dot_product_attention(q, case.gather(kp, tables), case.gather(vp, tables),
-                                                         scale=scale) for kp, vp in pools]
+            return chain(q, pools, lambda x, kv: mx.fast.scaled_dot_product_attention(
+                x, case.gather(kv[0], tables), case.gather(kv[1], tables), scale=scale))
 
-        return mlx_prepared(compute, peers.mlx_rows, f"mx.take pages + mx.fast SDPA; {len(pools)} layers, one eval")
+        return mlx_prepared(compute, peers.mlx_rows,
+                            f"mx.take pages + mx.fast SDPA; {len(pools)} chained layers, one eval")
 
 
 class StepTorchSdpa(TimedCandidate):
@@ -274,7 +296,7 @@ class StepTorchSdpa(TimedCandidate):
         torch.cuda.synchronize()
 
         def launch() -> list:
-            return [F.scaled_dot_product_attention(tq, k, v, scale=scale, **extra) for k, v in held]
+            return chain(tq, held, lambda x, kv: F.scaled_dot_product_attention(x, *kv, scale=scale, **extra))
 
         def run() -> list:
             outs = launch()
@@ -290,7 +312,7 @@ class StepTorchSdpa(TimedCandidate):
 
         how = " (enable_gqa)" if extra else " (K/V repeat_interleave)" if gqa else ""
         return Prepared(run=run, launch=launch, sync=torch.cuda.synchronize, to_rows=to_rows,
-                        route=f"contiguous K/V + torch SDPA{how}; {len(held)} layers, one synchronize",
+                        route=f"contiguous K/V + torch SDPA{how}; {len(held)} chained layers, one synchronize",
                         details={"torch_version": torch.__version__}, close=close)
 
 
