@@ -17,7 +17,9 @@ torch: its launches), traced twice:
   (``host_late``: from the launch call's start, a lower bound; ``host_late_end``: from its return, an
   upper bound; host tracing slows the host, so these overstate it) and how much with the launch
   already made (``queued``: the driver's or GPU's own time);
-- ``api``: the host's CUDA API calls per call, by name.
+- ``api``: the host's CUDA API calls per call, by name;
+- ``host_us``: the host's time in one queueing (building and queueing the work) with the GPU idle before
+  it, per call.
 
 Candidates (`candidates`): ``auto`` (`metal_attn.paged_attention`, the registry's choice), ``auto_x2``
 (two of them per evaluation), ``mlx_sdpa`` (MLX SDPA on contiguous K/V), ``torch_sdpa`` (torch SDPA on
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +124,7 @@ def line(shape: str, name: str, row: dict) -> str:
     """One candidate's figures as one printed line."""
     t, g = row["timeline"], row["gaps"]
     wall = f"wall {row['wall_us']:.1f} | " if row.get("wall_us") is not None else ""
+    wall += f"host {row['host_us']:.1f} | " if row.get("host_us") is not None else ""
     top = ", ".join(f"{p['before'][:22]}→{p['after'][:22]} {p['per_call']:g}x {p['median_us']:.1f}"
                     for p in g["pairs"][:3])
     return (f"{shape} {name:10} {wall}period {t['period_us']:.1f} busy {t['busy_us']:.1f} idle {t['idle_us']:.1f} µs"
@@ -142,7 +146,9 @@ def candidates(case) -> list[Candidate]:
     ``step_torch``: `STEP_LAYERS` calls over the case's K/V chained as a model's layers are (each query the
     output before it, `metal_attn.bench.decode_step.chain`), one evaluation (``step_compiled``: under
     ``mx.compile``) or one stream of launches, queued; ``step_compiled_blocking`` and
-    ``step_torch_blocking``: the same steps each waited for, as the decode-step bench times them."""
+    ``step_torch_blocking``: the same steps each waited for, as the decode-step bench times them;
+    ``step_mlx_sdpa_compiled``: MLX SDPA's chained compiled step on contiguous K/V; ``step_tiny``: 32
+    chained ``x * 1.5`` on 16 floats, eager (MLX's own cost a queued operation)."""
     import mlx.core as mx
     import torch
     import torch.nn.functional as F
@@ -166,6 +172,12 @@ def candidates(case) -> list[Candidate]:
                 torch.cuda.synchronize, 1))
     tiny = mx.zeros((16,), mx.float32)
     out.append(("mlx_tiny", lambda: mx.async_eval(tiny + 1), mx.synchronize, 1))
+    out.append(("step_tiny", lambda: mx.async_eval(chain(tiny, layers, lambda x, _: x * 1.5)), mx.synchronize,
+                STEP_LAYERS))
+    (k, v), q4 = case.contiguous_kv()[0], case.group_queries()[0]
+    sdpa_step = mx.compile(lambda: chain(q4, layers, lambda x, _: mx.fast.scaled_dot_product_attention(
+        x, k, v, scale=case.scale)))
+    out.append(("step_mlx_sdpa_compiled", lambda: mx.async_eval(sdpa_step()), mx.synchronize, STEP_LAYERS))
     out.append(("step_auto", lambda: mx.async_eval(chain(case.q, layers, layer)), mx.synchronize, STEP_LAYERS))
     compiled = mx.compile(lambda: chain(case.q, layers, layer))
     out.append(("step_compiled", lambda: mx.async_eval(compiled()), mx.synchronize, STEP_LAYERS))
@@ -198,8 +210,21 @@ def measure(queue: Callable[[], None], wait: Callable[[], None], queues: int, pe
     plain = trace_events(run, cpu=False)
     hosted = trace_events(run, cpu=True)
     calls = queues * per_queue
-    return {"wall_us": wall, "timeline": timeline(plain, calls), "gaps": gaps(hosted, calls),
-            "api": api_calls(hosted, calls)}
+    return {"wall_us": wall, "host_us": host_us(queue, wait) / per_queue, "timeline": timeline(plain, calls),
+            "gaps": gaps(hosted, calls), "api": api_calls(hosted, calls)}
+
+
+def host_us(queue: Callable[[], None], wait: Callable[[], None], samples: int = 9) -> float:
+    """Median µs the host spends in one ``queue()`` with the GPU idle before it: building and queueing the
+    work (for a candidate that waits for its own result, its whole call)."""
+    out = []
+    for _ in range(samples):
+        wait()
+        t0 = time.perf_counter()
+        queue()
+        out.append(time.perf_counter() - t0)
+    wait()
+    return statistics.median(out) * 1e6
 
 
 def main() -> None:
