@@ -21,11 +21,10 @@ torch: its launches), traced twice:
 - ``host_us``: the host's time in one queueing (building and queueing the work) with the GPU idle before
   it, per call.
 
-Candidates (`candidates`): ``auto`` (`metal_attn.paged_attention`, the registry's choice), ``auto_x2``
-(two of them per evaluation), ``mlx_sdpa`` (MLX SDPA on contiguous K/V), ``torch_sdpa`` (torch SDPA on
-contiguous K/V), ``mlx_tiny`` (MLX's own cost of one evaluation), and 32-layer chained steps of ``auto``
-(eager and compiled) and torch. Every figure is per call (per layer for a step). Needs MLX's CUDA
-backend and torch.
+Candidates (`NAMES`, ``--help`` lists them): ``auto`` (`metal_attn.paged_attention`, the registry's
+choice), two of them per evaluation, MLX SDPA and torch SDPA on contiguous K/V, MLX's own cost of one
+evaluation and of one operation, and 32-layer chained steps (ours eager and compiled, MLX SDPA's, torch's;
+queued, and waited for). Every figure is per call (per layer for a step). Needs MLX's CUDA backend and torch.
 """
 
 from __future__ import annotations
@@ -138,17 +137,36 @@ Candidate = tuple[str, Callable[[], None], Callable[[], None], int]
 #: Layers of the chained steps (``step_*`` candidates).
 STEP_LAYERS = 32
 
+#: The candidates by name, in the order they run, and what each queues at a time.
+NAMES: dict[str, str] = {
+    "auto": "one `metal_attn.paged_attention` call (the registry's choice) per mx.async_eval",
+    "mlx_sdpa": "one MLX SDPA call on contiguous K/V per mx.async_eval",
+    "auto_x2": "two independent `auto` calls per mx.async_eval (MLX may run their kernels at once)",
+    "torch_sdpa": "one torch SDPA call on contiguous K/V",
+    "mlx_tiny": "MLX adding one to 16 floats per mx.async_eval: MLX's own cost of one evaluation",
+    "step_tiny": f"{STEP_LAYERS} chained `x * 1.5` on 16 floats, eager, one mx.async_eval: MLX's own cost an operation",
+    "step_mlx_sdpa_compiled": f"MLX SDPA's {STEP_LAYERS} chained layers under mx.compile, one mx.async_eval",
+    "step_auto": f"{STEP_LAYERS} chained `auto` layers, eager, one mx.async_eval",
+    "step_compiled": f"{STEP_LAYERS} chained `auto` layers under mx.compile, one mx.async_eval",
+    "step_torch": f"torch's {STEP_LAYERS} chained layers, one stream of launches",
+    "step_compiled_blocking": "`step_compiled` waited for (mx.eval), as the decode-step bench and an engine run a step",
+    "step_torch_blocking": "`step_torch` waited for (torch.cuda.synchronize)",
+}
 
-def candidates(case) -> list[Candidate]:
-    """One call per queueing: ``auto``, ``mlx_sdpa``, ``torch_sdpa``; ``mlx_tiny``: MLX adding one to 16
-    floats (MLX's own cost of one evaluation on the GPU). Several: ``auto_x2``, two independent ``auto``
-    calls per ``mx.async_eval`` (MLX may run their kernels at once); ``step_auto``, ``step_compiled`` and
-    ``step_torch``: `STEP_LAYERS` calls over the case's K/V chained as a model's layers are (each query the
-    output before it, `metal_attn.bench.decode_step.chain`), one evaluation (``step_compiled``: under
-    ``mx.compile``) or one stream of launches, queued; ``step_compiled_blocking`` and
-    ``step_torch_blocking``: the same steps each waited for, as the decode-step bench times them;
-    ``step_mlx_sdpa_compiled``: MLX SDPA's chained compiled step on contiguous K/V; ``step_tiny``: 32
-    chained ``x * 1.5`` on 16 floats, eager (MLX's own cost a queued operation)."""
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """``--candidates NAME,...`` as names of `NAMES`; refuses an unknown name."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in NAMES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"--candidates={text!r} (allowed: a comma-separated subset of "
+                                         f"{', '.join(NAMES)})")
+    return names
+
+
+def candidates(case, names: tuple[str, ...] = tuple(NAMES)) -> list[Candidate]:
+    """The ``names`` of `NAMES` for a bench case, in `NAMES`' order. A step's layers all read the case's K/V,
+    chained as a model's layers are: each query the output before it (`metal_attn.bench.decode_step.chain`)."""
     import mlx.core as mx
     import torch
     import torch.nn.functional as F
@@ -159,37 +177,37 @@ def candidates(case) -> list[Candidate]:
     from metal_attn.bench.decode_step import chain
 
     layers = range(STEP_LAYERS)
+    built = dict(builders(case))
+    auto, mlx_sdpa = built["auto"], built["mlx_sdpa"]
     tq, tk, tv = torch_decode_inputs(case)
+    (k, v), q4 = case.contiguous_kv()[0], case.group_queries()[0]
+    tiny = mx.zeros((16,), mx.float32)
 
     def layer(x, _):
         return metal_attn.paged_attention(x, case.k_pool, case.v_pool, metadata=case.metadata, scale=case.scale)
 
-    out: list[Candidate] = [(name, lambda fn=fn: mx.async_eval(fn()), mx.synchronize, 1)
-                            for name, fn in builders(case)]
-    auto = dict(builders(case))["auto"]
-    out.append(("auto_x2", lambda: mx.async_eval(auto(), auto()), mx.synchronize, 2))
-    out.append(("torch_sdpa", lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True),
-                torch.cuda.synchronize, 1))
-    tiny = mx.zeros((16,), mx.float32)
-    out.append(("mlx_tiny", lambda: mx.async_eval(tiny + 1), mx.synchronize, 1))
-    out.append(("step_tiny", lambda: mx.async_eval(chain(tiny, layers, lambda x, _: x * 1.5)), mx.synchronize,
-                STEP_LAYERS))
-    (k, v), q4 = case.contiguous_kv()[0], case.group_queries()[0]
-    sdpa_step = mx.compile(lambda: chain(q4, layers, lambda x, _: mx.fast.scaled_dot_product_attention(
-        x, k, v, scale=case.scale)))
-    out.append(("step_mlx_sdpa_compiled", lambda: mx.async_eval(sdpa_step()), mx.synchronize, STEP_LAYERS))
-    out.append(("step_auto", lambda: mx.async_eval(chain(case.q, layers, layer)), mx.synchronize, STEP_LAYERS))
-    compiled = mx.compile(lambda: chain(case.q, layers, layer))
-    out.append(("step_compiled", lambda: mx.async_eval(compiled()), mx.synchronize, STEP_LAYERS))
     def torch_step():
         return chain(tq, layers, lambda x, _: F.scaled_dot_product_attention(x, tk, tv, enable_gqa=True))
 
-    out.append(("step_torch", torch_step, torch.cuda.synchronize, STEP_LAYERS))
-    # Blocking steps, as the decode-step bench times them and an engine runs them (it samples after each).
-    out.append(("step_compiled_blocking", lambda: mx.eval(compiled()), mx.synchronize, STEP_LAYERS))
-    out.append(("step_torch_blocking", lambda: (torch_step(), torch.cuda.synchronize()), torch.cuda.synchronize,
-                STEP_LAYERS))
-    return out
+    compiled = mx.compile(lambda: chain(case.q, layers, layer))
+    sdpa_step = mx.compile(lambda: chain(q4, layers, lambda x, _: mx.fast.scaled_dot_product_attention(
+        x, k, v, scale=case.scale)))
+    table: dict[str, tuple[Callable[[], None], Callable[[], None], int]] = {
+        "auto": (lambda: mx.async_eval(auto()), mx.synchronize, 1),
+        "mlx_sdpa": (lambda: mx.async_eval(mlx_sdpa()), mx.synchronize, 1),
+        "auto_x2": (lambda: mx.async_eval(auto(), auto()), mx.synchronize, 2),
+        "torch_sdpa": (lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True), torch.cuda.synchronize, 1),
+        "mlx_tiny": (lambda: mx.async_eval(tiny + 1), mx.synchronize, 1),
+        "step_tiny": (lambda: mx.async_eval(chain(tiny, layers, lambda x, _: x * 1.5)), mx.synchronize, STEP_LAYERS),
+        "step_mlx_sdpa_compiled": (lambda: mx.async_eval(sdpa_step()), mx.synchronize, STEP_LAYERS),
+        "step_auto": (lambda: mx.async_eval(chain(case.q, layers, layer)), mx.synchronize, STEP_LAYERS),
+        "step_compiled": (lambda: mx.async_eval(compiled()), mx.synchronize, STEP_LAYERS),
+        "step_torch": (torch_step, torch.cuda.synchronize, STEP_LAYERS),
+        "step_compiled_blocking": (lambda: mx.eval(compiled()), mx.synchronize, STEP_LAYERS),
+        "step_torch_blocking": (lambda: (torch_step(), torch.cuda.synchronize()), torch.cuda.synchronize, STEP_LAYERS),
+    }
+    assert list(table) == list(NAMES), "NAMES and the table must list the same candidates"
+    return [(name, *table[name]) for name in NAMES if name in names]
 
 
 def measure(queue: Callable[[], None], wait: Callable[[], None], queues: int, per_queue: int = 1) -> dict:
@@ -232,7 +250,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--shapes", type=_shapes, default=SHAPES)
     ap.add_argument("--calls", type=int, default=40)
-    ap.add_argument("--candidates", default=None, help="comma-separated names (default: all of `candidates`)")
+    ap.add_argument("--candidates", type=parse_names, default=tuple(NAMES),
+                    help="comma-separated names (default: all): " + "; ".join(f"{n}: {d}" for n, d in NAMES.items()))
     args = ap.parse_args()
     if args.calls < 2:
         ap.error(f"--calls={args.calls} (allowed: an int >= 2; gaps lie between calls)")
@@ -246,9 +265,7 @@ def main() -> None:
     for batch, heads, kv_heads, head, context in args.shapes:
         label = f"b{batch} h{heads}/{kv_heads} d{head} L{context}"
         case = build_case(Shape(batch, heads, kv_heads, head, context, "bfloat16"), seed=context)
-        for name, queue, wait, per_queue in candidates(case):
-            if args.candidates and name not in args.candidates.split(","):
-                continue
+        for name, queue, wait, per_queue in candidates(case, args.candidates):
             queues = max(4, args.calls // per_queue)
             row = {"shape": label, "candidate": name, **measure(queue, wait, queues, per_queue)}
             if name == "auto":

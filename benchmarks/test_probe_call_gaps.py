@@ -73,3 +73,21 @@ def test_the_printed_line_holds_the_split():
 def test_bad_shapes_are_refused():
     with pytest.raises(argparse.ArgumentTypeError, match="batch:heads:kv_heads:head_size:context"):
         pg._shapes("b8:32:8")
+
+
+def test_candidates_are_chosen_by_name_and_an_unknown_name_is_refused():
+    assert pg.parse_names("auto, step_compiled") == ("auto", "step_compiled")
+    for text in ("auto,step_fast", ",", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"allowed: a comma-separated subset of auto, mlx_sdpa"):
+            pg.parse_names(text)
+
+
+def test_the_command_line_refuses_an_unknown_candidate_before_measuring(capsys):
+    import sys
+    from unittest import mock
+
+    with mock.patch.object(sys, "argv", ["probe_call_gaps.py", "out.json", "--candidates", "nope"]), \
+            pytest.raises(SystemExit) as exc:
+        pg.main()
+    assert exc.value.code == 2
+    assert "--candidates='nope' (allowed:" in capsys.readouterr().err
