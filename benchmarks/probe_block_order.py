@@ -27,7 +27,7 @@ import json
 import mlx.core as mx
 import numpy as np
 from kernel_trace import busy_us, kernel_us, summarise, torch_decode_sdpa, trace
-from probe_fused_reduce import _shapes
+from probe_args import decode_shapes
 
 import metal_attn
 from metal_attn.bench.shapes import Shape, build_case
@@ -72,7 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--shapes", type=_shapes, default=SHAPES)
+    ap.add_argument("--shapes", type=decode_shapes, default=SHAPES)
     ap.add_argument("--orders", type=lambda t: t.split(","), default=["random", "runs", "sequential"])
     args = ap.parse_args()
     rows = []

@@ -37,7 +37,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from probe_fused_reduce import _shapes
+from probe_args import decode_shapes
 
 #: Shapes by default: the decode shapes whose calls lost the most to their kernels on the H100.
 SHAPES = ((8, 32, 8, 128, 4096), (1, 32, 8, 128, 32768), (16, 16, 2, 128, 16384), (1, 24, 4, 256, 65536),
@@ -248,7 +248,7 @@ def host_us(queue: Callable[[], None], wait: Callable[[], None], samples: int = 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    ap.add_argument("--shapes", type=_shapes, default=SHAPES)
+    ap.add_argument("--shapes", type=decode_shapes, default=SHAPES)
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--candidates", type=parse_names, default=tuple(NAMES),
                     help="comma-separated names (default: all): " + "; ".join(f"{n}: {d}" for n, d in NAMES.items()))

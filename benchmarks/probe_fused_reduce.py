@@ -20,6 +20,7 @@ import statistics
 
 import mlx.core as mx
 from kernel_trace import busy_us, trace
+from probe_args import decode_shapes
 
 import metal_attn
 from metal_attn.bench.shapes import Shape, build_case
@@ -30,22 +31,11 @@ SHAPES = ((1, 32, 8, 128, 32768), (8, 32, 8, 128, 4096), (32, 32, 8, 128, 4096),
           (8, 32, 8, 128, 32768), (1, 24, 4, 256, 65536), (16, 16, 2, 128, 16384), (128, 32, 8, 128, 1024))
 
 
-def _shapes(text: str) -> tuple[tuple[int, ...], ...]:
-    try:
-        out = tuple(tuple(int(x) for x in item.removeprefix("b").split(":")) for item in text.split(","))
-    except ValueError:
-        out = ()
-    if not out or any(len(s) != 5 or min(s) < 1 for s in out):
-        raise argparse.ArgumentTypeError(f"--shapes={text!r} (allowed: batch:heads:kv_heads:head_size:context, "
-                                         "comma-separated, every field at least 1)")
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--calls", type=int, default=10)
-    ap.add_argument("--shapes", type=_shapes, default=SHAPES)
+    ap.add_argument("--shapes", type=decode_shapes, default=SHAPES)
     args = ap.parse_args()
     rows = []
     for batch, heads, kv_heads, head, context in args.shapes:

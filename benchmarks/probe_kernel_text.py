@@ -23,7 +23,7 @@ import json
 import statistics
 from pathlib import Path
 
-from probe_fused_reduce import _shapes
+from probe_args import decode_shapes
 
 #: Shapes by default: the decode shapes issue #17 misses or nearly misses.
 SHAPES = ((8, 32, 8, 128, 4096), (1, 32, 8, 128, 32768), (16, 16, 2, 128, 16384), (1, 24, 4, 256, 65536),
@@ -84,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--texts", type=parse_texts, required=True)
-    ap.add_argument("--shapes", type=_shapes, default=SHAPES)
+    ap.add_argument("--shapes", type=decode_shapes, default=SHAPES)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()

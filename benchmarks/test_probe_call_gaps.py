@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import probe_args
 import probe_call_gaps as pg
 import pytest
 
@@ -70,9 +71,15 @@ def test_the_printed_line_holds_the_split():
     assert "reduce_kernel→paged_attention_split 0.5x 15.0" in text
 
 
-def test_bad_shapes_are_refused():
+@pytest.mark.parametrize("text", ["b8:32:8", "b8:32:8:128:x", "b0:32:8:128:4096", ""])
+def test_bad_shapes_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="batch:heads:kv_heads:head_size:context"):
-        pg._shapes("b8:32:8")
+        probe_args.decode_shapes(text)
+
+
+def test_shapes_parse_with_or_without_the_b():
+    assert probe_args.decode_shapes("b8:32:8:128:4096,1:24:4:256:65536") == ((8, 32, 8, 128, 4096),
+                                                                            (1, 24, 4, 256, 65536))
 
 
 def test_candidates_are_chosen_by_name_and_an_unknown_name_is_refused():
