@@ -152,28 +152,17 @@ def torch_decode_inputs(case: Any, *, token_major: bool = False) -> tuple[Any, A
     return q, k, v
 
 
-def torch_decode_call(case: Any, *, token_major: bool = False) -> Callable[[], None]:
-    """One call of torch SDPA (the decode peer) on `torch_decode_inputs`, built once."""
+def torch_decode_sdpa(case: Any, calls: int, *, token_major: bool = False) -> dict:
+    """The GPU kernels of torch SDPA on `torch_decode_inputs` over ``calls`` traced calls: per kernel its
+    median µs and launches per call, and the busy µs per call."""
+    import torch
     import torch.nn.functional as F
 
     q, k, v = torch_decode_inputs(case, token_major=token_major)
 
-    def call() -> None:
-        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-    return call
-
-
-def torch_decode_sdpa(case: Any, calls: int, *, token_major: bool = False) -> dict:
-    """The GPU kernels of `torch_decode_call` over ``calls`` traced calls: per kernel its median µs and
-    launches per call, and the busy µs per call."""
-    import torch
-
-    call = torch_decode_call(case, token_major=token_major)
-
     def run() -> None:
         for _ in range(calls):
-            call()
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
     run()
     torch.cuda.synchronize()

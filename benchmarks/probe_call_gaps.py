@@ -97,9 +97,10 @@ def gaps(events: list[dict], calls: int) -> dict:
             if launch is not None:
                 call_start = float(launch["ts"])
                 call_end = call_start + float(launch.get("dur", 0.0))
+                before_return = min(max(call_end - end, 0.0), gap)
                 late += min(max(call_start - end, 0.0), gap)
-                late_end += min(max(call_end - end, 0.0), gap)
-                queued += gap - min(max(call_end - end, 0.0), gap)
+                late_end += before_return
+                queued += gap - before_return
         if end is None or stop >= end:
             end, before = stop, short(e["name"])
     rows = [{"before": a, "after": b, "per_call": len(g) / calls, "median_us": statistics.median(g),
