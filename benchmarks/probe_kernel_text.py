@@ -2,9 +2,11 @@
 process (not a test).
 
     python3 benchmarks/probe_kernel_text.py OUT.json --texts NAME=DIR[,NAME=DIR...]
-        [--shapes b8:32:8:128:4096,...] [--rounds 4] [--calls 20]
+        [--set NAME:SETTING=VALUE ...] [--shapes b8:32:8:128:4096,...] [--rounds 4] [--calls 20]
 
 ``NAME=DIR``: one version's ``kernels_v2`` folder (``-``: the package's own); the first is the base.
+``--set NAME:SETTING=VALUE`` (repeatable): version NAME runs under that setting too
+(`metal_attn.settings.override_settings`, e.g. ``--set s4:reducer_slices=4``), so one text can be two versions.
 Per shape (batch:heads:kv_heads:head_size:context, bf16, 16-token pages) and round, every version in
 turn, the order rotated each round, times ``--calls`` traced calls of `metal_attn.paged_attention`
 (the registry's choice) with CUPTI (`kernel_trace`): the median µs of each kernel times its launches
@@ -49,6 +51,26 @@ def parse_texts(text: str) -> dict[str, Path | None]:
     return out
 
 
+def parse_set(text: str) -> tuple[str, str, str]:
+    """``NAME:SETTING=VALUE`` as (name, setting, value)."""
+    name, sep, rest = text.partition(":")
+    setting, eq, value = rest.partition("=")
+    if not sep or not eq or not name or not setting:
+        raise argparse.ArgumentTypeError(f"--set {text!r} (allowed: NAME:SETTING=VALUE, e.g. s4:reducer_slices=4)")
+    return name, setting, value
+
+
+def version_settings(sets: list[tuple[str, str, str]], names: list[str]) -> dict[str, dict[str, str]]:
+    """Per version its settings overrides; refuses a name that is not a version."""
+    out: dict[str, dict[str, str]] = {n: {} for n in names}
+    for name, setting, value in sets:
+        if name not in out:
+            raise ValueError(f"--set {name}:{setting}={value}: no version {name!r} in --texts "
+                             f"(allowed: {', '.join(names)})")
+        out[name][setting] = value
+    return out
+
+
 def rotate(names: list[str], rnd: int) -> list[str]:
     """The versions' order in round ``rnd``: each goes first in turn."""
     k = rnd % len(names)
@@ -84,12 +106,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--texts", type=parse_texts, required=True)
+    ap.add_argument("--set", dest="sets", type=parse_set, action="append", default=[])
     ap.add_argument("--shapes", type=decode_shapes, default=SHAPES)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
     if args.rounds < 1 or args.calls < 1:
         ap.error(f"--rounds={args.rounds} --calls={args.calls}: both must be at least 1")
+    names = list(args.texts)
+    try:
+        overrides = version_settings(args.sets, names)
+    except ValueError as err:
+        ap.error(str(err))
 
     import mlx.core as mx
     from kernel_trace import kernel_us, summarise, torch_decode_sdpa, trace
@@ -98,6 +126,7 @@ def main() -> None:
     from metal_attn import kernels
     from metal_attn.bench.peers import gpu_copy_ceiling
     from metal_attn.bench.shapes import Shape, build_case
+    from metal_attn.settings import override_settings
 
     def call_us(call) -> float:
         return kernel_us(summarise(trace(call, args.calls), args.calls, 1)["kernels"])
@@ -105,7 +134,6 @@ def main() -> None:
     ceiling_gbps = gpu_copy_ceiling(warmup=3, iters=10)["gbps"]
     print(f"copy ceiling {ceiling_gbps:,.0f} GB/s", flush=True)
     rows = []
-    names = list(args.texts)
     for batch, heads, kv_heads, head, context in args.shapes:
         label = f"b{batch} h{heads}/{kv_heads} d{head} L{context}"
         case = build_case(Shape(batch, heads, kv_heads, head, context, "bfloat16"), seed=context)
@@ -119,8 +147,9 @@ def main() -> None:
         for rnd in range(args.rounds):
             for name in rotate(names, rnd):
                 kernels.use_source_dir(args.texts[name])
-                mx.eval(call())
-                per[name].append(call_us(call))
+                with override_settings(**overrides[name]):
+                    mx.eval(call())
+                    per[name].append(call_us(call))
         kernels.use_source_dir(None)
         row = summary(label, per, kv_bytes / ceiling_gbps / 1e3)
         row["route"] = metal_attn.diagnostics.last_dispatch().route
@@ -130,6 +159,7 @@ def main() -> None:
         del case
         mx.clear_cache()
     Path(args.out).write_text(json.dumps({"texts": {n: str(p) if p else "-" for n, p in args.texts.items()},
+                                          "settings": overrides,
                                           "rounds": args.rounds, "calls": args.calls, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

@@ -55,3 +55,14 @@ def test_a_calls_kernel_time_is_each_kernels_median_times_its_launches():
     kernels = [{"median_us": 40.0, "launches_per_call": 1.0}, {"median_us": 3.5, "launches_per_call": 2.0}]
     assert kernel_trace.kernel_us(kernels) == 47.0
     assert kernel_trace.kernel_us([]) == 0.0
+
+
+def test_a_version_may_run_under_settings_of_its_own():
+    sets = [pk.parse_set("s1:reducer_slices=1"), pk.parse_set("s1:mma_key_rows=0")]
+    assert sets[0] == ("s1", "reducer_slices", "1")
+    assert pk.version_settings(sets, ["rule", "s1"]) == {"rule": {}, "s1": {"reducer_slices": "1", "mma_key_rows": "0"}}
+    with pytest.raises(ValueError, match="no version 'sx' in --texts"):
+        pk.version_settings([("sx", "reducer_slices", "1")], ["rule", "s1"])
+    for bad in ("s1", "s1:reducer_slices", ":x=1", "s1:=1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="allowed: NAME:SETTING=VALUE"):
+            pk.parse_set(bad)

@@ -110,10 +110,10 @@ constexpr bool FUSED_HEADS = NUM_THREADS % HPS == 0 && ((NUM_THREADS / HPS) & (N
       } else {                                                                                    \
         for (int h = 0; h < HPS; ++h) {                                                           \
           const int64_t rh = row_head0 + h;                                                       \
-          ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, true, 8>(                                 \
+          ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, true, 8, 1>(                              \
               max_logits, exp_sums, tmp_out, out + rh * HEAD_SIZE, rh * max_parts, n_parts,       \
               use_sinks != 0, use_sinks ? ma_sink_log2(sinks[head0 + h]) : MA_NEG_FLT_MAX, red_sg,   \
-              red_w, tid);                                                                        \
+              red_w, red_w, tid);                                                                 \
           threadgroup_barrier(mem_flags::mem_threadgroup); /* the next head reuses red_sg, red_w */ \
         }                                                                                         \
       }                                                                                           \
@@ -713,12 +713,14 @@ MA_FUSED_REDUCE()
 // MA_RESCALE_SLACK below it), exp_sums (un-normalised, relative to that reference) and
 // tmp_out (divided by exp_sums + eps) per (query row, head, partition); neutral partials
 // carry max = -FLT_MAX, sum = 0. Sinks are folded once, here.
-// One threadgroup per (query head, query row); NUM_THREADS threads.
+// One threadgroup per (query head, query row); NUM_THREADS threads in SLICES partition slices
+// (ma_reduce_partials: each slice sums its share of the row's partitions, so a launch of few rows
+// and heads over many partitions waits for fewer load rounds).
 // Inputs : max_logits [T, H, P] f32, exp_sums [T, H, P] f32, tmp_out [T, H, P, D] (TT),
 //          seq_lens [S] int32, cu_seqlens_q [S+1] int32, sinks [H] f32,
 //          params int32 [num_seqs, num_heads, max_parts, use_sinks]
 // Outputs: out [T, H, D] (T)
-// Template: T, TT, HEAD_SIZE, PARTITION_SIZE, NUM_THREADS.
+// Template: T, TT, HEAD_SIZE, PARTITION_SIZE, NUM_THREADS, SLICES.
 const int num_seqs = params[0];
 const int num_heads = params[1];
 const int max_parts = params[2];
@@ -737,10 +739,11 @@ const int n_parts = (ctx + PARTITION_SIZE - 1) / PARTITION_SIZE;
 const int64_t base = (int64_t(qtok) * num_heads + head) * max_parts;
 threadgroup float sg_part[NUM_THREADS / MA_SIMD_WIDTH];
 threadgroup float w_block[NUM_THREADS];
+threadgroup float slice_out[SLICES > 1 ? (SLICES - 1) * HEAD_SIZE : 1];
 // Partitions per load round: 16, so that a thread holds DPT x 16 loads in flight (rows of 128
 // partitions at head 256 take 8 rounds, not 32 at 8; the fused reducer keeps 8, its registers
 // being the per-token kernel's).
 constexpr int REDUCE_UNROLL = 16;
-ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, false, REDUCE_UNROLL>(
+ma_reduce_partials<T, HEAD_SIZE, NUM_THREADS, false, REDUCE_UNROLL, SLICES>(
     max_logits, exp_sums, tmp_out, out + (int64_t(qtok) * num_heads + head) * HEAD_SIZE, base, n_parts, use_sinks != 0,
-    use_sinks ? ma_sink_log2(sinks[head]) : MA_NEG_FLT_MAX, sg_part, w_block, tid);
+    use_sinks ? ma_sink_log2(sinks[head]) : MA_NEG_FLT_MAX, sg_part, w_block, slice_out, tid);

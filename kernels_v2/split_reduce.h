@@ -16,36 +16,52 @@
 // its DPT elements issued together), so a row's reduction is a few load latencies, not one per
 // partition. A thread's first partition's statistics are read once, and the first UNROLL_Z
 // partitions' rows, which need no statistics, are loaded before the maximum, so their latency
-// overlaps its rounds. The sums run over the partitions in order whatever UNROLL_Z is (the
-// fused heads variant below agrees with this one bit for bit).
-template <typename T, int HEAD_SIZE, int NUM_THREADS, bool CG, int UNROLL_Z, typename PF, typename PT, typename PO,
-          typename PS>
+// overlaps its rounds.
+// ZS (partition slices, a divisor of NUM_THREADS / MA_SIMD_WIDTH): the threads form ZS slices of
+// NUM_THREADS / ZS, slice s summing the s-th contiguous share of each block's partitions into its
+// own partial outputs, which slice 0 then adds in slice order through `slice_out` (threadgroup
+// scratch of (ZS - 1) * HEAD_SIZE floats; unused when ZS == 1). So a row of many partitions takes
+// about 1/ZS of the load rounds: what a launch of few rows and heads waits for. With ZS == 1 the
+// sums run over the partitions in order (the fused heads variant below agrees with it bit for bit).
+template <typename T, int HEAD_SIZE, int NUM_THREADS, bool CG, int UNROLL_Z, int ZS, typename PF, typename PT,
+          typename PO, typename PS, typename PC>
 MA_FUNC void ma_reduce_partials(PF max_logits, PF exp_sums, PT tmp_out, PO out_row, int64_t base, int n_parts,
-                                bool use_sinks, float sink, PS sg_part, PS w_block, int tid) {
+                                bool use_sinks, float sink, PS sg_part, PS w_block, PC slice_out, int tid) {
   constexpr int NUM_SG = NUM_THREADS / MA_SIMD_WIDTH;
-  constexpr int DPT = (HEAD_SIZE + NUM_THREADS - 1) / NUM_THREADS;  // head elements per thread
+  constexpr int ST = NUM_THREADS / ZS;                // threads per slice
+  constexpr int DPT = (HEAD_SIZE + ST - 1) / ST;      // head elements per thread
+  static_assert(ZS >= 1 && NUM_SG % ZS == 0, "partition slices of whole simdgroups");
   const int lane = tid % MA_SIMD_WIDTH;
   const int sg = tid / MA_SIMD_WIDTH;
+  // This thread's head elements (dt, dt + ST, ...) and its slice; spelled out for one slice, where
+  // nothing tells the compiler that tid < ST.
+  const int dt = ZS == 1 ? tid : tid % ST;
+  const int zs = ZS == 1 ? 0 : tid / ST;
 
   const bool live0 = tid < n_parts;
   const float m0 = live0 ? ma_partial_reader<CG>::read(&max_logits[base + tid]) : MA_NEG_FLT_MAX;
   const float e0 = live0 ? ma_partial_reader<CG>::read(&exp_sums[base + tid]) : 0.0f;
   // One round of this thread's tmp_out loads into t, for each of its DPT head elements: partitions
-  // z0 + y + k of the row for k < UNROLL_Z, those with y + k < nz read (the rest 0). The arguments
+  // z0 + y + k of the row for k < UNROLL_Z, those with y + k < ye read (the rest 0). The arguments
   // are pasted unparenthesized, so the index sums in one order at both uses (nvcc: the same PTX as
   // the two loops this replaced). The parameter list has no spaces, as preprocessors print it
   // (tests/test_kernel_loader.py compares our comment stripping with g++'s tokens).
-#define MA_REDUCE_LOAD_ROUND(z0,y,nz)                                                                \
+#define MA_REDUCE_LOAD_ROUND(z0,y,ye)                                                                \
   for (int j = 0; j < DPT; ++j) {                                                                    \
-    const int d = tid + j * NUM_THREADS;                                                             \
+    const int d = dt + j * ST;                                                                       \
     for (int k = 0; k < UNROLL_Z; ++k) {                                                             \
-      t[j][k] = (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) && y + k < nz                      \
+      t[j][k] = (DPT * ST == HEAD_SIZE || d < HEAD_SIZE) && y + k < ye                               \
                     ? ma_partial_reader<CG>::read(&tmp_out[(base + z0 + y + k) * HEAD_SIZE + d])     \
                     : 0.0f;                                                                          \
     }                                                                                                \
   }
   float t[DPT][UNROLL_Z];
-  MA_REDUCE_LOAD_ROUND(0, 0, n_parts)
+  // This slice's share of a block of nz partitions: [ys, ye).
+  const int nz0 = metal::min(NUM_THREADS, n_parts);
+  const int share0 = (nz0 + ZS - 1) / ZS;
+  const int ys0 = ZS == 1 ? 0 : metal::min(nz0, zs * share0);
+  const int ye0 = ZS == 1 ? n_parts : metal::min(nz0, ys0 + share0);  // one slice: its loads test k < n_parts
+  MA_REDUCE_LOAD_ROUND(0, ys0, ye0)
   float g_max = m0;
   for (int z = tid + NUM_THREADS; z < n_parts; z += NUM_THREADS) {
     g_max = metal::max(g_max, ma_partial_reader<CG>::read(&max_logits[base + z]));
@@ -80,18 +96,43 @@ MA_FUNC void ma_reduce_partials(PF max_logits, PF exp_sums, PT tmp_out, PO out_r
     w_block[tid] = w;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const int nz = metal::min(NUM_THREADS, n_parts - z0);
-    for (int y = 0; y < nz; y += UNROLL_Z) {
-      if (z0 + y > 0) {  // the first round was loaded above
-        MA_REDUCE_LOAD_ROUND(z0, y, nz)
+    const int share = (nz + ZS - 1) / ZS;
+    const int ys = ZS == 1 ? 0 : metal::min(nz, zs * share);
+    const int ye = ZS == 1 ? nz : metal::min(nz, ys + share);
+    for (int y = ys; y < ye; y += UNROLL_Z) {
+      if (z0 + y > ys0) {  // the slice's first round was loaded above
+        MA_REDUCE_LOAD_ROUND(z0, y, ye)
       }
       for (int j = 0; j < DPT; ++j) {
         for (int k = 0; k < UNROLL_Z; ++k) {
-          o[j] += (y + k < nz ? w_block[y + k] : 0.0f) * t[j][k];
+          o[j] += (y + k < ye ? w_block[y + k] : 0.0f) * t[j][k];
         }
       }
     }
   }
 #undef MA_REDUCE_LOAD_ROUND
+  // The slices' partial outputs, added in slice order by slice 0.
+  if (ZS > 1) {
+    if (zs > 0) {
+      for (int j = 0; j < DPT; ++j) {
+        const int d = dt + j * ST;
+        if (DPT * ST == HEAD_SIZE || d < HEAD_SIZE) {
+          slice_out[(zs - 1) * HEAD_SIZE + d] = o[j];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (zs == 0) {
+      for (int s = 1; s < ZS; ++s) {
+        for (int j = 0; j < DPT; ++j) {
+          const int d = dt + j * ST;
+          if (DPT * ST == HEAD_SIZE || d < HEAD_SIZE) {
+            o[j] += slice_out[(s - 1) * HEAD_SIZE + d];
+          }
+        }
+      }
+    }
+  }
   // The total weight: the threads' sums, then the simdgroups' (sg_part is free again: every
   // thread read it before the first block's barriers).
   part_sum = simd_sum(part_sum);
@@ -105,10 +146,12 @@ MA_FUNC void ma_reduce_partials(PF max_logits, PF exp_sums, PT tmp_out, PO out_r
     total += sg_part[w];
   }
   const float inv = 1.0f / (total + MA_SOFTMAX_EPS);
-  for (int j = 0; j < DPT; ++j) {
-    const int d = tid + j * NUM_THREADS;
-    if (DPT * NUM_THREADS == HEAD_SIZE || d < HEAD_SIZE) {
-      out_row[d] = ma_from_float<T>(o[j] * inv);
+  if (zs == 0) {
+    for (int j = 0; j < DPT; ++j) {
+      const int d = dt + j * ST;
+      if (DPT * ST == HEAD_SIZE || d < HEAD_SIZE) {
+        out_row[d] = ma_from_float<T>(o[j] * inv);
+      }
     }
   }
 }

@@ -196,6 +196,18 @@ class Settings(BaseSettings):
         ),
     )
 
+    reducer_slices: Literal[0, 1, 2, 4, 8] = Field(
+        0,
+        validation_alias=_env("reducer_slices"),
+        description=(
+            "The split-KV reducer (GPU): partition slices of 128 threads per (row, head) threadgroup, each "
+            "summing its share of the row's partitions (kernels_v2/split_reduce.h). 0: "
+            "providers/gpu_common.REDUCER_SLICE_RULES (CUDA: more slices where the reducer's threadgroups are "
+            "few per GPU core and rows have many partitions; Metal: 1, unmeasured). 1, 2, 4 or 8: that many "
+            "everywhere (the A/B toggle)."
+        ),
+    )
+
     cuda_chains: bool = Field(
         True,
         validation_alias=_env("cuda_chains"),
@@ -315,7 +327,7 @@ class Settings(BaseSettings):
             return tuple(v)
         return v
 
-    @field_validator("partition_size", "tiled_partition_size", "mma_stage_pad", mode="before")
+    @field_validator("partition_size", "tiled_partition_size", "mma_stage_pad", "reducer_slices", mode="before")
     @classmethod
     def _digits_are_numbers(cls, v: Any) -> Any:
         return int(v) if isinstance(v, str) and is_decimal(v.strip().removeprefix("-")) else v

@@ -22,10 +22,11 @@ def test_every_classic_specialization_type_checks():
     assert result.ok, result.summary()
     assert result.count == len(specs)
     # dtypes x heads x blocks x {unsplit, split} x {direct, staged loads}, plus the matrix path for the
-    # two 16-bit dtypes at the five head sizes that are multiples of 32; a reducer per (dtype, head);
-    # a cache writer per dtype
+    # two 16-bit dtypes at the five head sizes that are multiples of 32; a reducer per (dtype, head), and
+    # per head in float16 one with 8 partition slices; a cache writer per dtype
     assert sum(" mma" in s.label for s in specs) == 2 * 5 * 3 * 2
-    assert result.count == 3 * 7 * 3 * 2 * 2 + 2 * 5 * 3 * 2 + 3 * 7 + 3
+    assert sum(s.label.endswith(" slices=8") for s in specs) == 7
+    assert result.count == 3 * 7 * 3 * 2 * 2 + 2 * 5 * 3 * 2 + 3 * 7 + 7 + 3
 
 
 def test_generated_source_is_mlx_signature_plus_our_text():

@@ -48,9 +48,9 @@ def metal_attn_register_providers(registrar):
 '''
 
 #: What each built-in provider declares (unchanged by moving the sets into the providers).
-BUILTIN_MSL = {"classic": 336, "gqa_decode": 28, "tiled_prefill": 29, "sdpa_prefill": 13, "nax_prefill": 30,
+BUILTIN_MSL = {"classic": 343, "gqa_decode": 28, "tiled_prefill": 29, "sdpa_prefill": 13, "nax_prefill": 30,
                "reference": 0}
-BUILTIN_CUDA = {"classic": 151, "gqa_decode": 20, "tiled_prefill": 20, "sdpa_prefill": 13, "nax_prefill": 30,
+BUILTIN_CUDA = {"classic": 169, "gqa_decode": 20, "tiled_prefill": 20, "sdpa_prefill": 13, "nax_prefill": 30,
                 "reference": 0}
 
 

@@ -22,7 +22,8 @@
 #            on the shapes issue #17 misses or nearly misses (single calls, pipelined, torch in the run)
 #   ncu      ncu (speed of light, occupancy, warp stalls, memory) of our decode call and torch SDPA's on the
 #            four shapes issue #17 still misses, the last of four calls each (benchmarks/ncu_decode_pair.py)
-#   kernels  the decode shapes' kernel time against torch SDPA's (CUPTI, benchmarks/probe_kernel_text.py), the GPU's
+#   kernels  the decode shapes' kernel time against torch SDPA's (CUPTI, benchmarks/probe_kernel_text.py; the reducer's
+#            partition slices by the rule and one slice, the A/B), the GPU's
 #            idle time between queued calls and whether the host was late (benchmarks/probe_call_gaps.py), then
 #            the same shapes' calls (decode-gpu, pipelined) with and without MLX's CUDA graphs: how much of a
 #            call is its kernels (issue #17; about 2 minutes)
@@ -154,8 +155,8 @@ run_phase() {
         --shapes "b1 h32/8 d128 L32768,b8 h32/8 d128 L4096,b8 h32/8 d128 L32768,b1 h24,b16" \
         --candidates "$cands,torch_sdpa,ceiling" --json "$dir/sizes.json" ;;
     kernels)
-      step kernel-time "$STEP_LIMIT" python3 benchmarks/probe_kernel_text.py "$dir/kernel-time.json" --texts head=- \
-        --rounds 2 --shapes "$DECODE_SHAPES"
+      step kernel-time "$STEP_LIMIT" python3 benchmarks/probe_kernel_text.py "$dir/kernel-time.json" \
+        --texts head=-,one-slice=- --set one-slice:reducer_slices=1 --rounds 2 --shapes "$DECODE_SHAPES"
       step call-gaps "$STEP_LIMIT" python3 benchmarks/probe_call_gaps.py "$dir/call-gaps.json" --shapes "$DECODE_SHAPES"
       step calls "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown --shapes "decode b" \
         --candidates auto,torch_sdpa,ceiling --json "$dir/calls.json"

@@ -128,6 +128,9 @@ def msl_specializations(admission: Mapping[str, frozenset]) -> list[Specializati
                     ))
             specs.append(gc.reducer_msl_specialization(f"paged_attention_v2_reduce {dtype} head={head}", dtype,
                                                        head, PARTITION_SIZE, rows=t))
+            if dtype == "float16":  # the most partition slices (METAL_ATTN_REDUCER_SLICES; Metal's rule keeps one)
+                specs.append(gc.reducer_msl_specialization(f"paged_attention_v2_reduce {dtype} head={head} slices=8",
+                                                           dtype, head, PARTITION_SIZE, rows=t, slices=8))
         specs.append(Specialization(
             label=f"reshape_and_cache {dtype}",
             kernel="reshape_and_cache", source_files=CACHE_FILES,
@@ -175,6 +178,7 @@ def cuda_sources() -> list[CudaSource]:
                                            outs + tuple(zip(gc.PA_FUSED_OUTPUTS, (dt, "int32"))), template,
                                            gc.paged_defines(split, geo, fused=True)))
                 out.extend(src for src in srcs if src not in out)
-    for dt, head in itertools.product(("float32", "bfloat16"), (64, 128, 256)):
-        out.append(gc.reducer_cuda_source(f"paged_attention_v2_reduce {dt} h{head}", dt, head, 512))
+    for dt, head, slices in itertools.product(("float32", "bfloat16"), (64, 128, 256), gc.SLICE_COUNTS):
+        out.append(gc.reducer_cuda_source(f"paged_attention_v2_reduce {dt} h{head}"
+                                          + (f" slices={slices}" if slices > 1 else ""), dt, head, 512, slices))
     return out

@@ -11,7 +11,8 @@ concept, and all of them are re-exported here:
   compilation for ``Provider.prepare`` (`tiny_batch`, `compile_eagerly`).
 - `reducer`: the split-KV reducer (``paged_attention_v2_reduce``) of every kernel that writes the
   split contract: `reduce_partitions`, `reduce_launch`, `reducer_template`, `REDUCE_INPUTS`,
-  `NUM_THREADS` and the source-check entries `reducer_msl_specialization` and `reducer_cuda_source`.
+  `NUM_THREADS`, its partition slices (`REDUCER_SLICE_RULES`, `reducer_slices`, `launch_slices`: data, as
+  the other rules) and the source-check entries `reducer_msl_specialization` and `reducer_cuda_source`.
 - `per_token_geometry`: how the per-token kernel (``kernels_v2/pagedattention.metal``) lays a launch
   out: `GEOMETRY_RULES`, `STAGING_RULES` and the threadgroup-memory limits (data), `Geometry`,
   `geometry`, `geometry_problem`, `key_rows_rule` (when the matrix path takes the keys as rows).
@@ -114,13 +115,18 @@ from metal_attn.providers.gpu_common.reducer import (
     PAGED_FILES,
     REDUCE_INPUTS,
     REDUCE_SIGNATURE,
+    REDUCER_SLICE_RULES,
     SIMDGROUPS,
+    SLICE_COUNTS,
     ReduceLaunch,
+    SliceRule,
+    launch_slices,
     reduce_launch,
     reduce_partitions,
     reducer_cuda_source,
     reducer_kernel,
     reducer_msl_specialization,
+    reducer_slices,
     reducer_template,
 )
 
@@ -138,9 +144,11 @@ __all__ = [
     "PA_OUTPUTS",
     "PER_TOKEN_PARTITION_SIZES",
     "PREFETCH_NEXT",
+    "REDUCER_SLICE_RULES",
     "REDUCE_INPUTS",
     "REDUCE_SIGNATURE",
     "SIMDGROUPS",
+    "SLICE_COUNTS",
     "STAGE_BYTES_LIMIT",
     "STAGE_PAD",
     "STAGING_RULES",
@@ -155,6 +163,7 @@ __all__ = [
     "PartitionRule",
     "PerTokenLaunch",
     "ReduceLaunch",
+    "SliceRule",
     "StagingRule",
     "TinyBatch",
     "availability_reasons",
@@ -175,6 +184,7 @@ __all__ = [
     "kv_items_per_core",
     "launch_geometry",
     "launch_paged",
+    "launch_slices",
     "launches",
     "mixed_split",
     "pack_int32",
@@ -200,6 +210,7 @@ __all__ = [
     "reducer_cuda_source",
     "reducer_kernel",
     "reducer_msl_specialization",
+    "reducer_slices",
     "reducer_template",
     "run_decode_rows",
     "run_per_token",

@@ -49,7 +49,9 @@ from metal_attn.providers.gpu_common.reducer import (
     REDUCE_INPUTS,
     REDUCE_SIGNATURE,
     ReduceLaunch,
+    launch_slices,
     reduce_launch,
+    reducer_slices,
     reducer_template,
 )
 
@@ -221,6 +223,9 @@ def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo,
     if geo.mma and rule is not None and rule.key_rows_launches:  # the matrix path: which of its two, and why
         within, note = key_rows_rule(rule, group, items, kv_tokens)
         notes = (*notes, f"{note} -> {_key_rows_verdict(geo, within, settings, rule, request.head_size)}")
+    if split:  # the reducer's partition slices (the launch recomputes them from its batch, with the same rule)
+        notes = (*notes, reducer_slices(request.total_q_tokens, request.num_heads, parts, device.gpu_cores,
+                                        device.backend, settings.reducer_slices)[1])
     return Plan(
         provider=provider,
         route=per_token_route(psize),
@@ -456,15 +461,17 @@ def chained_per_token_launch(
                             scratch, [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials, out, counters],
                                        n_pa)], [*in_shapes, tuple(arrivals.shape)], state=[counters])
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), arrivals)
+    slices = launch_slices(total, num_heads, max_parts, "cuda")
+    threads = NUM_THREADS * slices
     reducer = cuda_ops.kernel_function("paged_attention_v2_reduce", PAGED_FILES, None, REDUCE_SIGNATURE,
-                                       [("out", dn)], reducer_template(dn, "float32", head, partition_size))
+                                       [("out", dn)], reducer_template(dn, "float32", head, partition_size, slices))
     # Buffer indices: the per-token inputs, the reducer's parameters, the output, the partials.
     red_params, out = n_pa, n_pa + 1
     partials = [out + 1, out + 2, out + 3]
     shared = [PA_INPUTS.index(n) for n in REDUCE_INPUTS[len(partials):-1]]  # seq_lens, cu_seqlens_q, sinks
     launches = [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials], n_pa),
-                (reducer, cuda_ops.threadgroups((num_heads * NUM_THREADS, total, 1), (NUM_THREADS, 1, 1)),
-                 (NUM_THREADS, 1, 1), [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
+                (reducer, cuda_ops.threadgroups((num_heads * threads, total, 1), (threads, 1, 1)),
+                 (threads, 1, 1), [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
     ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32], out_spec, scratch,
                         launches, [*in_shapes, tuple(reduce_params.shape)])
     return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), reduce_params)

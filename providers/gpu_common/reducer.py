@@ -5,6 +5,8 @@ split launches (docs/kernels.md, "Split-KV")."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -17,9 +19,76 @@ if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.metadata import AttentionMetadata
     from metal_attn.source_specs import CudaSource, Specialization
 
-#: Threads per threadgroup of the reducer, and the per-token kernel's default.
+#: Threads per threadgroup of the reducer (per partition slice), and the per-token kernel's default.
 NUM_THREADS = 128
 SIMDGROUPS = NUM_THREADS // SIMD_WIDTH
+#: Partition slices a reducer threadgroup may have (powers of two: at most 8 x 128 = 1,024 threads).
+SLICE_COUNTS = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceRule:
+    """When the reducer splits each row's partitions over several slices of `NUM_THREADS` threads (data).
+
+    A reducer threadgroup reduces one (row, head); a thread holds 16 partitions' loads in flight, so a
+    row of ``P`` partitions waits for about ``P / 16`` dependent load rounds. Where the launch has few
+    threadgroups per GPU core (under ``max_groups_per_core``) the GPU has room for more threads: the
+    threadgroup takes the most slices (up to ``max_slices``) that still give each slice at least
+    ``min_parts_per_slice`` partitions, and so about 1/slices of the rounds. ``evidence``: the measurement."""
+
+    max_slices: int
+    min_parts_per_slice: int
+    max_groups_per_core: float
+    evidence: str
+
+
+#: Per backend (`reducer_slices`); a backend without a rule keeps one slice.
+REDUCER_SLICE_RULES: Mapping[str, SliceRule] = MappingProxyType({
+    "cuda": SliceRule(
+        max_slices=4, min_parts_per_slice=16, max_groups_per_core=2.0,
+        evidence="H100, bf16, kernel + reducer under CUPTI (benchmarks/probe_kernel_text.py --set, 2 rounds, "
+                 "docs/bench-h200-decode-step.md, twenty-ninth session), 1/2/4/8 slices: b1 24/4/256 L65536 "
+                 "(24 threadgroups, 128 partitions) 109.2/107.8/107.0/107.5 us; b1 32/8/128 L32768 (32, 64) "
+                 "55.1/54.7/54.5/55.3 us; b16 16/2/128 L16384 (256, 16) 101.2/101.7/102.2/105.9 us"),
+})
+
+
+def reducer_slices(rows: int, num_heads: int, max_parts: int, gpu_cores: int | None, backend: str,
+                   forced: int = 0) -> tuple[int, str]:
+    """(partition slices of the reducer launch over ``rows`` x ``num_heads`` threadgroups of ``max_parts``
+    partitions, the arithmetic as a diagnostics note). ``forced`` (``METAL_ATTN_REDUCER_SLICES``, one of
+    `SLICE_COUNTS`) wins; else `REDUCER_SLICE_RULES`; one slice where neither applies."""
+    if forced:
+        if forced not in SLICE_COUNTS:
+            raise ValueError(f"reducer_slices={forced!r}: allowed 0 (the rule) or one of {SLICE_COUNTS}")
+        return forced, f"reducer: {_slices(forced)} of {NUM_THREADS} threads (METAL_ATTN_REDUCER_SLICES={forced})"
+    rule = REDUCER_SLICE_RULES.get(backend)
+    if rule is None:
+        return 1, f"reducer: 1 partition slice (no REDUCER_SLICE_RULES[{backend!r}])"
+    if not gpu_cores:
+        return 1, "reducer: 1 partition slice (GPU cores unknown)"
+    per_core = rows * num_heads / gpu_cores
+    if per_core >= rule.max_groups_per_core:
+        return 1, (f"reducer: 1 partition slice ({rows}x{num_heads} threadgroups / {gpu_cores} cores = {per_core:.2f} "
+                   f">= REDUCER_SLICE_RULES[{backend!r}].max_groups_per_core={rule.max_groups_per_core:g})")
+    slices = max(s for s in SLICE_COUNTS
+                 if s <= rule.max_slices and (s == 1 or max_parts >= s * rule.min_parts_per_slice))
+    return slices, (f"reducer: {_slices(slices)} of {NUM_THREADS} threads ({rows}x{num_heads} threadgroups "
+                    f"/ {gpu_cores} cores = {per_core:.2f} < {rule.max_groups_per_core:g}; {max_parts} partitions, "
+                    f"at least {rule.min_parts_per_slice} a slice, at most {rule.max_slices} slices)")
+
+
+def _slices(n: int) -> str:
+    return f"{n} partition slice{'s' if n > 1 else ''}"
+
+
+def launch_slices(rows: int, num_heads: int, max_parts: int, backend: str) -> int:
+    """`reducer_slices` for a launch on this device with the current settings."""
+    from metal_attn.device import current_device
+    from metal_attn.settings import get_settings
+
+    return reducer_slices(rows, num_heads, max_parts, current_device().gpu_cores, backend,
+                          get_settings().reducer_slices)[0]
 
 #: The kernel text of the per-token kernel and the reducer (the reducer's body is split_reduce.h).
 PAGED_FILES = ("paged_common.h", "split_reduce.h", "pagedattention.metal")
@@ -33,10 +102,12 @@ def reducer_kernel(backend: str) -> Any:
     return kernels.load_kernel("paged_attention_v2_reduce", PAGED_FILES, REDUCE_INPUTS, ("out",), backend)
 
 
-def reducer_template(out_dtype: Any, tmp_dtype: Any, head_size: int, partition_size: int) -> list[tuple[str, Any]]:
-    """The reducer's template arguments (dtypes as MLX dtypes, or their names for the source checks)."""
+def reducer_template(out_dtype: Any, tmp_dtype: Any, head_size: int, partition_size: int,
+                     slices: int = 1) -> list[tuple[str, Any]]:
+    """The reducer's template arguments (dtypes as MLX dtypes, or their names for the source checks)
+    for ``slices`` partition slices of `NUM_THREADS` threads."""
     return [("T", out_dtype), ("TT", tmp_dtype), ("HEAD_SIZE", head_size), ("PARTITION_SIZE", partition_size),
-            ("NUM_THREADS", NUM_THREADS)]
+            ("NUM_THREADS", NUM_THREADS * slices), ("SLICES", slices)]
 
 
 def reduce_partitions(
@@ -85,37 +156,39 @@ def reduce_launch(tmp_shape: tuple[int, ...], tmp_dtype: Any, out_dtype: Any, md
                   use_sinks: bool, partition_size: int, backend: str) -> ReduceLaunch:
     """The reducer's launch over partials of ``tmp_shape`` ``[rows, num_heads, max_parts, head_size]``."""
     total, num_heads, max_parts, head = tmp_shape
+    slices = launch_slices(total, num_heads, max_parts, backend)
+    threads = NUM_THREADS * slices
     launch = kernel_launch(reducer_kernel(backend), template=reducer_template(out_dtype, tmp_dtype, head,
-                                                                              partition_size),
-                           grid=(num_heads * NUM_THREADS, total, 1), threadgroup=(NUM_THREADS, 1, 1),
+                                                                              partition_size, slices),
+                           grid=(num_heads * threads, total, 1), threadgroup=(threads, 1, 1),
                            output_shapes=[(total, num_heads, head)], output_dtypes=[out_dtype])
     return ReduceLaunch(launch, pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))), zeros_f32(num_heads))
 
 
 def reducer_msl_specialization(label: str, dtype: str, head_size: int, partition_size: int,
-                               rows: int = 3) -> Specialization:
+                               rows: int = 3, slices: int = 1) -> Specialization:
     """The reducer's Metal source-check entry (`metal_attn.msl_check`) for ``dtype`` outputs from
-    float32 partials (``rows`` query rows, 4 heads, 2 sequences, 2 partitions: shapes only matter
-    for tracing)."""
+    float32 partials in ``slices`` partition slices (``rows`` query rows, 4 heads, 2 sequences, 2
+    partitions: shapes only matter for tracing)."""
     from metal_attn.source_specs import Specialization
 
     return Specialization(
         label=label, kernel="paged_attention_v2_reduce", source_files=PAGED_FILES, input_names=REDUCE_INPUTS,
-        output_names=("out",), template=tuple(reducer_template(dtype, "float32", head_size, partition_size)),
+        output_names=("out",), template=tuple(reducer_template(dtype, "float32", head_size, partition_size, slices)),
         inputs=(((rows, 4, 2), "float32"), ((rows, 4, 2), "float32"), ((rows, 4, 2, head_size), "float32"),
                 ((2,), "int32"), ((3,), "int32"), ((4,), "float32"), ((4,), "int32")),
         outputs=(((rows, 4, head_size), dtype),),
     )
 
 
-def reducer_cuda_source(label: str, dtype: str, head_size: int, partition_size: int) -> CudaSource:
+def reducer_cuda_source(label: str, dtype: str, head_size: int, partition_size: int, slices: int = 1) -> CudaSource:
     """The reducer's CUDA source-check entry (`metal_attn.cuda_check`) for ``dtype`` outputs from
-    float32 partials."""
+    float32 partials in ``slices`` partition slices."""
     from metal_attn.source_specs import CudaSource
 
     return CudaSource(label, "paged_attention_v2_reduce", PAGED_FILES,
                       REDUCE_SIGNATURE, (("out", dtype),),
-                      tuple(reducer_template(dtype, "float32", head_size, partition_size)))
+                      tuple(reducer_template(dtype, "float32", head_size, partition_size, slices)))
 
 
 def _backend() -> str:

@@ -308,11 +308,15 @@ def test_gate_routes_on_real_device():
 # -- the shared reducer -------------------------------------------------------------------------
 
 
-def test_reducer_contract_with_neutral_partials():
+@pytest.mark.parametrize("slices", (1, 2, 8))
+def test_reducer_contract_with_neutral_partials(slices):
+    """The reducer alone on random partials, a neutral one among them; rows of 1 to 3 partitions, so with
+    several partition slices most slices have nothing to sum."""
     from metal_attn.providers.gpu_common import reduce_partitions
 
     from metal_attn.constants import LOG2E, NEG_FLT_MAX, SOFTMAX_EPS
     from metal_attn.metadata import AttentionMetadata
+    from metal_attn.settings import override_settings
 
     rng = np.random.default_rng(0)
     seq_lens, q_lens = [1500, 513, 40], [1, 1, 2]
@@ -323,8 +327,9 @@ def test_reducer_contract_with_neutral_partials():
     tmp = rng.normal(size=(total, heads, parts, d)).astype(np.float32)
     ml[0, :, 0], es[0, :, 0], tmp[0, :, 0] = NEG_FLT_MAX, 0.0, 0.0  # neutral partial
     sinks = rng.normal(size=heads).astype(np.float32)
-    out = reduce_partitions(mx.array(ml), mx.array(es), mx.array(tmp), md, mx.array(sinks), 512,
-                            out_dtype=mx.float32)
+    with override_settings(reducer_slices=slices):
+        out = reduce_partitions(mx.array(ml), mx.array(es), mx.array(tmp), md, mx.array(sinks), 512,
+                                out_dtype=mx.float32)
     ctx = [1500, 513, 39, 40]
     ref = np.zeros((total, heads, d))
     for t in range(total):
@@ -335,6 +340,29 @@ def test_reducer_contract_with_neutral_partials():
             tot = w.sum() + np.exp2(sinks[h] * LOG2E - m)
             ref[t, h] = (w[:, None] * tmp[t, h, :n]).sum(0) / (tot + SOFTMAX_EPS)
     np.testing.assert_allclose(np.array(out), ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("slices", (1, 2, 4, 8))
+@pytest.mark.parametrize(("head", "features"), [(128, "plain"), (256, "sinks+window"), (64, "sinks")])
+def test_reducer_slices_match_oracle(slices, head, features):
+    """The split route's reducer at each partition slice count (``METAL_ATTN_REDUCER_SLICES``), through the
+    per-token kernel at 64-token partitions: a row of 1,094 partitions (two blocks of even 8 x 128
+    threads' weights), rows whose partitions do not divide among the slices, a row of one partition
+    (every slice but the first empty), a chunk, and with a window whole partitions left out."""
+    from metal_attn.providers import gpu_common as gc
+
+    from metal_attn.settings import override_settings
+
+    window = 3000 if "window" in features else None
+    case = make_case(q_lens=[1, 1, 1, 1, 3], seq_lens=[70000, 9000, 4097, 40, 2050], num_heads=8, num_kv_heads=2,
+                     head_size=head, block_size=16, dtype="bfloat16", seed=slices + head,
+                     sinks="sinks" in features, sliding_window=window, label=f"slices={slices} h{head} {features}")
+    md = case.metadata()
+    with override_settings(reducer_slices=slices):
+        out = gc.launch_paged(case.q, case.k_cache, case.v_cache, md, scale=case.scale, sinks=case.sinks,
+                              sliding_window=window, softcap=None, partition_size=64,
+                              backend=metal_attn.current_device().backend)
+    assert_close_to_oracle(out, case.oracle(), "bfloat16", label=case.label)
 
 
 # -- compile failure becomes a recorded fallback ----------------------------------------------------
