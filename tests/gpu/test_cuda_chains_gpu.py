@@ -74,14 +74,16 @@ def test_the_chain_equals_the_mx_fast_route_bit_for_bit_and_matches_the_oracle(s
 
 def test_fused_calls_queued_on_one_counter_array_never_overlap_and_leave_it_zero():
     # 24 layers' calls over one metadata share one launch, hence one counter array; they are queued
-    # and evaluated together. Each must equal its two-kernel result, and the counters end at zero.
+    # and evaluated together. Each must equal its two-kernel result (the reducer in one partition slice,
+    # as the fused one sums), and the counters end at zero.
     case = make_case(q_lens=[1] * 6, seq_lens=[4096, 3001, 17, 1024, 2500, 65], num_heads=32, num_kv_heads=8,
                      head_size=128, block_size=16, dtype="bfloat16", sinks=True, seed=11)
     qs = [mx.random.normal(case.q.shape, key=mx.random.key(i)).astype(case.q.dtype) for i in range(24)]
 
     def layers(fused: bool):
         md = case.metadata()
-        with override_settings(cuda_fused_reduce=fused), forced_per_token_route("per_token_ps64"):
+        with (override_settings(cuda_fused_reduce=fused, reducer_slices=1),
+              forced_per_token_route("per_token_ps64")):
             outs = [metal_attn.paged_attention(q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
                                                sinks=case.sinks, provider="classic") for q in qs]
             mx.eval(outs)
