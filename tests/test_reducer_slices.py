@@ -101,6 +101,11 @@ def test_explain_names_the_reducers_slices():
         ex = metal_attn.explain(device="h200", q_lens=[1], seq_lens=[65536], num_heads=24, num_kv_heads=4,
                                 head_size=256, dtype="bfloat16")
     assert "reducer: 2 partition slices of 128 threads (METAL_ATTN_REDUCER_SLICES=2)" in str(ex)
+    with override_settings(cuda_fused_reduce=True):
+        ex = metal_attn.explain(device="h200", q_lens=[1], seq_lens=[65536], num_heads=24, num_kv_heads=4,
+                                head_size=256, dtype="bfloat16")
+    assert "reducer: fused into the split kernel where CUDA chains run" in str(ex)
+    assert "partition slices of 128 threads" not in str(ex)
     unsplit = metal_attn.explain(device="h200", q_lens=[1] * 128, seq_lens=[1024] * 128, num_heads=32,
                                  num_kv_heads=8, head_size=128, dtype="bfloat16")
     row = next(r for r in unsplit.rows if r.name == "classic")

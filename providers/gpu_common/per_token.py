@@ -223,7 +223,10 @@ def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo,
     if geo.mma and rule is not None and rule.key_rows_launches:  # the matrix path: which of its two, and why
         within, note = key_rows_rule(rule, group, items, kv_tokens)
         notes = (*notes, f"{note} -> {_key_rows_verdict(geo, within, settings, rule, request.head_size)}")
-    if split:  # the reducer's partition slices (the launch recomputes them from its batch, with the same rule)
+    if split and device.backend == "cuda" and settings.cuda_fused_reduce:
+        notes = (*notes, "reducer: fused into the split kernel where CUDA chains run "
+                         "(METAL_ATTN_CUDA_FUSED_REDUCE=1), in one partition slice")
+    elif split:  # the reducer's partition slices (the launch recomputes them from its batch, with the same rule)
         notes = (*notes, reducer_slices(request.total_q_tokens, request.num_heads, parts, device.gpu_cores,
                                         device.backend, settings.reducer_slices)[1])
     return Plan(
