@@ -405,9 +405,9 @@ def test_the_committed_h200_baseline_covers_every_decode_gpu_shape() -> None:
 
 
 def test_the_committed_h200_decode_step_baseline_covers_every_step_shape() -> None:
-    """Written from the twenty-fifth session's saved H200 run (session.sh baseline, then --from-json): every
-    decode-step shape for auto and auto_compiled, against torch SDPA and the ceiling, the measuring options
-    of that run."""
+    """Written from the thirtieth session's saved H200 runs (session.sh baseline and two more runs of the
+    suite, then --from-json): every decode-step shape for auto and auto_compiled, against torch SDPA and the
+    ceiling, the measuring options the runs share and their candidates' union."""
     base = baselines.load(CPU_BASELINE.with_name("cuda-nvidia-h200-decode-step.json"))
     assert base.machine_class == "cuda-nvidia-h200" and base.suites == ("decode-step",) and base.margin == 0.4
     labels = {s.label for s in suites.get_suite("decode-step").shapes}
@@ -524,3 +524,25 @@ def test_saved_runs_of_two_cpu_classes_are_not_merged() -> None:
 
     with pytest.raises(BaselineError, match="machine class 'cpu-4core'"):
         baselines.merge_runs([run(2), run(4)])
+
+
+def test_saved_runs_with_different_candidate_lists_keep_their_union() -> None:
+    """Runs of one suite that measured other candidate orders or subsets merge into one run whose recorded
+    candidates are the union in first-seen order (a later comparison then measures every candidate the
+    entries need); options they agree on stay, those they do not are dropped."""
+    def run(names: list[str] | None, iters: int, tag: str):
+        suite = {"name": "decode-step", "results": [], "iters": iters, "warmup": 3}
+        if names is not None:
+            suite["candidates"] = names
+        return baselines.parse_run({"machine": {"backend": "cuda", "device_name": "NVIDIA H200"},
+                                    "suites": [suite]}, f"{tag}.json")
+
+    a = run(["auto", "auto_compiled", "torch_sdpa", "ceiling"], 10, "a")
+    b = run(["auto_compiled", "torch_sdpa", "auto", "ceiling"], 10, "b")
+    c = run(["torch_sdpa", "auto_compiled", "ceiling"], 20, "c")
+    merged = baselines.merge_runs([c, a, b])
+    assert merged.run == {"candidates": "torch_sdpa,auto_compiled,ceiling,auto", "warmup": 3}
+    assert baselines.merge_runs([a, b]).run["candidates"] == "auto,auto_compiled,torch_sdpa,ceiling"
+    assert baselines.merge_runs([a, a]).run == a.run == {"candidates": "auto,auto_compiled,torch_sdpa,ceiling",
+                                                         "warmup": 3, "iters": 10}
+    assert "candidates" not in baselines.merge_runs([a, run(None, 10, "d")]).run  # one run recorded none

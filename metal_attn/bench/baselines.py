@@ -253,7 +253,9 @@ def load_runs(paths: Sequence[str | Path]) -> SavedRun:
 def merge_runs(runs: Sequence[SavedRun]) -> SavedRun:
     """Saved runs of one machine class and the same suites as one run whose repeats are all of theirs
     (runs in separate processes vary more than repeats in one, so a baseline can take its medians over
-    several). The measuring options kept are those every run agrees on; `BaselineError` when the machine
+    several). The measuring options kept are those every run agrees on, but for the candidates: runs that
+    measured different lists (another order, a subset) keep their union in first-seen order, so a later
+    comparison measures every candidate the entries and their peers need; `BaselineError` when the machine
     classes or suites differ."""
     if not runs:
         raise BaselineError("no saved run given")
@@ -272,6 +274,9 @@ def merge_runs(runs: Sequence[SavedRun]) -> SavedRun:
         for case, (kind, reps) in r.candidates.items():
             candidates.setdefault(case, (kind, []))[1].extend(reps)
     run = {k: v for k, v in first.run.items() if all(r.run.get(k) == v for r in runs)}
+    lists = [r.run.get("candidates") for r in runs]
+    if "candidates" not in run and all(isinstance(c, str) for c in lists):
+        run = {"candidates": ",".join(dict.fromkeys(n for c in lists for n in c.split(","))), **run}
     return SavedRun(", ".join(r.path for r in runs), dict(first.machine), first.argv, first.suites,
                     _agreed([r.mode for r in runs]), _agreed([r.iters for r in runs]),
                     any(r.interrupted for r in runs), {c: (k, tuple(v)) for c, (k, v) in candidates.items()},

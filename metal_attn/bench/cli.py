@@ -839,8 +839,9 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         why_not = f"the run had {len(saved.problems)} problem(s): " + "; ".join(saved.problems)
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
     argv = " ".join(saved.argv or ["(argv not recorded)"])
-    runs = "a run" if len(args.from_json) == 1 else f"{len(args.from_json)} runs ({saved.repeats} repeats in all)"
-    note = (f"written by `metal-attn bench --from-json {sources} --write-baseline {write}` from {runs} of "
+    runs = ("a run of" if len(args.from_json) == 1
+            else f"{len(args.from_json)} runs ({saved.repeats} repeats in all), the first of them")
+    note = (f"written by `metal-attn bench --from-json {sources} --write-baseline {write}` from {runs} "
             f"`metal-attn bench {argv}` on {saved.machine.get('date')}; a ratio may fall {margin:.0%} below its "
             "value here")
     stored = _store_baseline(write, margin, why_not, lambda: baselines.build_from_saved(
