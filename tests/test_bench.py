@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_attn.bench import baselines, candidates, cli, core, peers, shapes, suites, timing
+from metal_attn.bench import baselines, candidates, cli, core, peers, render, shapes, suites, timing
 from metal_attn.bench.shapes import Rows, Shape
 from metal_attn.bench.timing import Timing
 from metal_attn.device import current_device
@@ -343,7 +343,7 @@ def test_list_with_suites_lists_those_and_refuses_an_unknown_one(capsys) -> None
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     path = tmp_path / "p.png"
-    msg = cli.write_plot([], str(path))
+    msg = render.write_plot([], str(path))
     assert msg is not None and "matplotlib is not importable" in msg and "No plot was written" in msg
     assert not path.exists()
 
@@ -529,7 +529,7 @@ def test_markdown_names_the_marked_shapes():
     sr = core.ShapeResult(shape, [_ran("auto", "provider", 3.0, "classic"), _ran("sdpa_prefill", "provider", 1.0)])
     sr.auto_vs_fastest = core.auto_lag(sr.candidates)
     suite = core.SuiteResult("s", "d", ("auto", "sdpa_prefill"), 1, 1, [sr])
-    text = cli.render_markdown(suite, core.machine_info())
+    text = render.render_markdown(suite, core.machine_info())
     assert " SLOW |" in text and f"marked: {shape.label} (route classic took 3.00x the time of sdpa_prefill" in text
 
 
