@@ -349,7 +349,10 @@ def test_saved_repeats_and_several_saved_runs_give_medians_over_every_repeat(tmp
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ([], "goes with exactly one of --write-baseline and --compare"),
+        (["--compare", "x.json", "--write-baseline", "y.json"],
+         "goes with one of --write-baseline and --compare, or with neither (to print its tables)"),
+        (["--json"], "prints the saved runs' tables, so --json would be ignored (allowed: --markdown, --plot)"),
+        (["--markdown", "--ratios", "x*", "--margin", "0.5"], "so --ratios, --margin would be ignored"),
         (["--write-baseline", "x.json", "--suite", "smoke"], "measures nothing, so --suite cannot apply"),
         (["--compare", "x.json", "--margin", "0.5"], "--ratios and --margin go with --write-baseline"),
         (["--write-baseline", "x.json", "--margin", "1.5"], "--margin=1.5 (allowed: a number >= 0 and < 1"),
@@ -369,6 +372,8 @@ def test_a_saved_run_that_is_not_one_says_why(tmp_path, capsys) -> None:
     rc, _, err = _cli(capsys, "--from-json", str(_write(tmp_path, {"suites": []}, "run.json")),
                       "--write-baseline", str(tmp_path / "b.json"))
     assert rc == 2 and "not a saved run of `metal-attn bench --json`" in err
+    rc, out, err = _cli(capsys, "--from-json", str(_write(tmp_path, {"suites": []}, "run.json")))  # to print
+    assert rc == 2 and "run.json: not a saved run of `metal-attn bench --json`" in err and out == ""
     run = {"machine": {"backend": "cpu"}, "suites": [{"name": "smoke", "interrupted": True, "results": []}]}
     rc, _, err = _cli(capsys, "--from-json", str(_write(tmp_path, run, "cut.json")),
                       "--write-baseline", str(tmp_path / "b.json"))
@@ -546,3 +551,47 @@ def test_saved_runs_with_different_candidate_lists_keep_their_union() -> None:
     assert baselines.merge_runs([a, a]).run == a.run == {"candidates": "auto,auto_compiled,torch_sdpa,ceiling",
                                                          "warmup": 3, "iters": 10}
     assert "candidates" not in baselines.merge_runs([a, run(None, 10, "d")]).run  # one run recorded none
+
+
+def test_a_saved_run_prints_the_tables_it_printed_live(tmp_path, capsys) -> None:
+    """``--from-json RUN.json`` alone measures nothing and prints the saved run's tables: the terminal table and,
+    with --markdown, the Markdown matrix, each as the live run printed it (the same text); several runs one
+    after another under their paths; --plot draws them."""
+    run_json = tmp_path / "run.json"
+    with override_settings(plugin_autoload=False):
+        rc, live, err = _cli(capsys, "--suite", "smoke", "--shapes", "decode b3", "--quiet", "--iters", "2",
+                             "--candidates", "auto,reference,mlx_sdpa,ceiling", "--markdown", "--json", str(run_json))
+    assert rc == 0, err
+    cut = live.index("#### smoke")
+    live_table, live_markdown = live[:cut], live[cut:]
+    assert "reference" in live_table and "| decode b3" in live_markdown
+
+    rc, shown, err = _cli(capsys, "--from-json", str(run_json), "--markdown")
+    assert rc == 0 and err == "", err
+    assert shown == live_markdown
+    rc, shown, err = _cli(capsys, "--from-json", str(run_json))
+    assert rc == 0 and err == "", err
+    assert shown == live_table
+
+    second = _write(tmp_path, json.loads(run_json.read_text()), "second.json")
+    rc, shown, err = _cli(capsys, "--from-json", str(run_json), str(second), "--markdown",
+                          "--plot", str(tmp_path / "runs.svg"))
+    assert rc == 0, err
+    assert shown == f"from {run_json}:\n{live_markdown}from {second}:\n{live_markdown}"
+    assert (tmp_path / "runs.svg").exists() or "matplotlib is not importable" in err
+
+
+def test_saved_shapes_read_back_with_their_label_phase_and_metrics() -> None:
+    """`Shape.from_dict` of what `to_dict` wrote: a decode batch, a prefill chunk, a mixed batch and a decode step
+    (which reads back as its decode batch under its own label) keep the label, phase, metrics and bytes a table
+    shows."""
+    from metal_attn.bench.decode_step import StepShape
+    from metal_attn.bench.shapes import Rows
+
+    shapes = [Shape(8, 32, 8, 128, 4096), Shape(1, 32, 8, 128, 2112, q_len=64, dtype="float16"),
+              Shape.mix([Rows(8, 1, 4096), Rows(1, 512, 2048)], 32, 8, 128), StepShape(1, 24, 4, 256, 65536, layers=32)]
+    for shape in shapes:
+        back = Shape.from_dict(json.loads(json.dumps(shape.to_dict())))
+        assert (back.label, back.phase, back.metrics, back.rows, back.dtype) == \
+            (shape.label, shape.phase, shape.metrics, shape.rows, shape.dtype)
+    assert Shape.from_dict(shapes[2].to_dict()) == shapes[2]

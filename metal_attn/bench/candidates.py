@@ -86,6 +86,16 @@ class CandidateResult:
             "details": self.details,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CandidateResult:
+        """The result `to_dict` wrote (a run saved with ``--json``; the output rows are not saved)."""
+        timing = data.get("timing")
+        return cls(name=data["name"], kind=data["kind"], status=data["status"], reasons=tuple(data["reasons"]),
+                   timing=Timing.from_dict(timing) if timing else None, gbps=data.get("gbps"),
+                   tflops=data.get("tflops"), fraction_of_ceiling=data.get("fraction_of_ceiling"),
+                   speedup=dict(data.get("speedup") or {}), route=data.get("route"), check=data.get("check"),
+                   details=dict(data.get("details") or {}))
+
 
 @dataclasses.dataclass
 class Opened:

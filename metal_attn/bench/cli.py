@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from metal_attn.bench import baselines
 from metal_attn.bench.candidates import ProviderCandidate, with_variants
 from metal_attn.bench.core import ShapeResult, SuiteResult, machine_info, run_suite
-from metal_attn.bench.render import PLOT_FORMATS, TableStream, plot_format, render_markdown, write_plot
+from metal_attn.bench.render import PLOT_FORMATS, TableStream, plot_format, render_markdown, render_rich, write_plot
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
 from metal_attn.cli_common import guarded, int_flag
 from metal_attn.device import current_device, detect_backend
@@ -96,9 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="write this run's ratios (every provider result: speedup vs each peer, fraction of the "
                         "ceiling) as a baseline for this machine class")
     b.add_argument("--from-json", metavar="RUN.json", nargs="+",
-                   help="with --write-baseline or --compare: take the results of a run saved with --json instead "
-                        "of measuring (its machine class is the run's); several runs of one machine class and "
-                        "suites count as one whose repeats are all of theirs (each ratio its median over them)")
+                   help="take the results of a run saved with --json instead of measuring: with --write-baseline "
+                        "or --compare (its machine class is the run's; several runs of one machine class and suites "
+                        "count as one whose repeats are all of theirs, each ratio its median over them), or alone "
+                        "to print each run's tables again (--markdown, --plot)")
     b.add_argument("--repeat", type=int_flag(1), metavar="N",
                    help="run the suites N times (default 1); --compare and --write-baseline take each ratio's "
                         "median over the runs; --suite generate runs each concurrency's candidates N times in "
@@ -515,13 +516,14 @@ def _baseline_options(args: argparse.Namespace, err: TextIO) -> tuple[baselines.
 
 
 def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
-    """``--from-json RUN.json``: write a baseline from a saved run, or compare one against a baseline, measuring
-    nothing. 0 ok, 1 a comparison failed or the run cannot make a baseline, 2 bad usage or files."""
+    """``--from-json RUN.json``: write a baseline from a saved run, compare one against a baseline, or print its
+    tables again, measuring nothing. 0 ok, 1 a comparison failed or the run cannot make a baseline, 2 bad usage
+    or files."""
     compare, write = getattr(args, "compare", None), getattr(args, "write_baseline", None)
     sources = " ".join(args.from_json)
-    if bool(compare) == bool(write):
-        print(f"metal-attn bench: error: --from-json {sources} goes with exactly one of --write-baseline "
-              "and --compare", file=err)
+    if compare and write:
+        print(f"metal-attn bench: error: --from-json {sources} goes with one of --write-baseline and --compare, "
+              "or with neither (to print its tables)", file=err)
         return 2
     measuring = [f for f, v in (("--suite", args.suite), ("--shapes", args.shapes), ("--candidates", args.candidates),
                                 ("--repeat", getattr(args, "repeat", None))) if v]
@@ -529,6 +531,8 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         print(f"metal-attn bench: error: --from-json {sources} measures nothing, so {', '.join(measuring)} "
               "cannot apply (the saved run's suites, shapes and candidates are used)", file=err)
         return 2
+    if not (compare or write):
+        return _show_saved_runs(args, err)
     unused = [f for f, v in (("--json", args.json), ("--plot", args.plot), ("--markdown", args.markdown),
                              ("--iters", args.iters), ("--warmup", args.warmup), ("--pipelined", args.pipelined),
                              ("--interleave", args.interleave))
@@ -570,6 +574,49 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
     stored = _store_baseline(write, margin, why_not, lambda: baselines.build_from_saved(
         saved, margin=margin, note=note, ratios=_csv(args.ratios) if args.ratios else None), err)
     return 0 if stored else 1
+
+
+def _show_saved_runs(args: argparse.Namespace, err: TextIO) -> int:
+    """``--from-json RUN.json ...`` alone: each saved run's tables as the run printed them (``--markdown``: its
+    Markdown matrices; ``--plot``: one chart of every suite), each run under its path when there are several."""
+    unused = [f for f, v in (("--json", args.json), ("--iters", args.iters), ("--warmup", args.warmup),
+                             ("--pipelined", args.pipelined), ("--interleave", args.interleave),
+                             ("--ratios", args.ratios), ("--margin", args.margin))
+              if v is not None and v is not False]
+    if unused:
+        print(f"metal-attn bench: error: --from-json {' '.join(args.from_json)} without --compare or "
+              f"--write-baseline prints the saved runs' tables, so {', '.join(unused)} would be ignored (allowed: "
+              "--markdown, --plot)", file=err)
+        return 2
+    shown: list[tuple[str, dict[str, Any], list[SuiteResult]]] = []
+    for path in args.from_json:
+        try:
+            baselines.load_run(path)  # the file's errors, named as --compare and --write-baseline name them
+            data = json.loads(Path(path).read_text())
+            shown.append((path, data["machine"], [SuiteResult.from_dict(s) for s in data["suites"]]))
+        except baselines.BaselineError as exc:
+            print(f"metal-attn bench: error: {exc}", file=err)
+            return 2
+        except (KeyError, TypeError, ValueError) as exc:
+            print(f"metal-attn bench: error: {path}: a result cannot be read back ({type(exc).__name__}: {exc}; "
+                  "allowed: a run saved by `metal-attn bench --json`)", file=err)
+            return 2
+    for path, machine, suites in shown:
+        if len(shown) > 1:
+            print(f"from {path}:")
+        for suite in suites:
+            if args.markdown:
+                print(render_markdown(suite, machine))
+            else:
+                render_rich(suite, machine, sys.stdout)
+    if args.plot:
+        try:
+            msg = write_plot([s for _, _, suites in shown for s in suites], args.plot)
+        except OSError as exc:
+            print(f"metal-attn bench: error: --plot {args.plot!r}: not written ({exc.strerror or exc})", file=err)
+            return 1
+        print(msg or f"wrote {args.plot}", file=err)
+    return 0
 
 
 def _store_baseline(path: str, margin: float, why_not: str | None, build: Callable[[], dict[str, Any]],

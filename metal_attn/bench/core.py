@@ -45,6 +45,13 @@ class ShapeResult:
                 "check_against": self.check_against, "auto_vs_fastest": self.auto_vs_fastest,
                 "candidates": [c.to_dict() for c in self.candidates]}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShapeResult:
+        """The result `to_dict` wrote (a run saved with ``--json``)."""
+        return cls(Shape.from_dict(data["shape"]), [CandidateResult.from_dict(c) for c in data["candidates"]],
+                   ceiling_gbps=data.get("ceiling_gbps"), check_against=data.get("check_against"),
+                   auto_vs_fastest=data.get("auto_vs_fastest"))
+
 
 @dataclasses.dataclass
 class SuiteResult:
@@ -66,6 +73,15 @@ class SuiteResult:
                 "warmup": self.warmup, "iters": self.iters, "mode": self.mode, "interleaved": self.interleaved,
                 "ceiling": self.ceiling, "interrupted": self.interrupted,
                 "results": [r.to_dict() for r in self.results]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SuiteResult:
+        """The suite `to_dict` wrote (a run saved with ``--json``): what its tables and plot need."""
+        return cls(name=data["name"], description=data["description"], candidates=tuple(data["candidates"]),
+                   warmup=int(data["warmup"]), iters=int(data["iters"]),
+                   results=[ShapeResult.from_dict(r) for r in data["results"]], ceiling=data.get("ceiling"),
+                   mode=data.get("mode", "blocking"), interrupted=bool(data.get("interrupted")),
+                   interleaved=bool(data.get("interleaved")))
 
 
 def is_gpu() -> bool:

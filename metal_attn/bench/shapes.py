@@ -199,6 +199,19 @@ class Shape:
             "kv_bytes": self.kv_bytes, "attended_pairs": self.attended_pairs, "flops": self.flops,
         }
 
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Shape:
+        """The shape `to_dict` wrote (a run saved with ``--json``), under its saved label: its batch, heads,
+        dtype and rows, which give its phase and metrics (a decode step reads as its decode batch)."""
+        rows = tuple(Rows(int(r["count"]), int(r["q_len"]), int(r["context"])) for r in data["rows"])
+        geometry = {"num_heads": int(data["num_heads"]), "num_kv_heads": int(data["num_kv_heads"]),
+                    "head_size": int(data["head_size"]), "dtype": data["dtype"],
+                    "block_size": int(data["block_size"]), "label": str(data["label"])}
+        if len(rows) > 1:
+            return Shape.mix(rows, **geometry)
+        (r,) = rows
+        return Shape(batch=r.count, context=r.context, q_len=r.q_len, **geometry)
+
     def memory_estimate(self) -> int:
         """Peak bytes a benchmark of this shape may hold: pools, contiguous copies, a gathered copy, slack."""
         return 4 * self.kv_bytes + 4 * _RANDOM_PERIOD_ELEMENTS * self.itemsize + (64 << 20)

@@ -34,6 +34,12 @@ class Timing:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"samples_s": list(self.samples_s)}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timing:
+        """The timing `to_dict` wrote (a run saved with ``--json``)."""
+        return cls(float(data["median_s"]), float(data["min_s"]), float(data["mean_s"]), float(data["stdev_s"]),
+                   tuple(float(x) for x in data["samples_s"]), int(data["inner"]))
+
 
 def mlx_sync() -> None:
     """Wait for MLX's default stream (a no-op in effect on the CPU backend)."""
