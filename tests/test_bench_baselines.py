@@ -595,3 +595,19 @@ def test_saved_shapes_read_back_with_their_label_phase_and_metrics() -> None:
         assert (back.label, back.phase, back.metrics, back.rows, back.dtype) == \
             (shape.label, shape.phase, shape.metrics, shape.rows, shape.dtype)
     assert Shape.from_dict(shapes[2].to_dict()) == shapes[2]
+
+
+def test_a_saved_run_missing_what_its_tables_read_is_refused_before_printing(tmp_path, capsys) -> None:
+    """A saved run whose machine lacks the fields the caption reads (here its MLX version) passes the baseline
+    checks but cannot be shown: exit 2 naming the file, and nothing printed, not even the other runs' tables."""
+    run_json = tmp_path / "run.json"
+    with override_settings(plugin_autoload=False):
+        assert _cli(capsys, "--suite", "smoke", "--shapes", "decode b3", "--quiet", "--iters", "2",
+                    "--candidates", "auto,mlx_sdpa", "--json", str(run_json))[0] == 0
+    data = json.loads(run_json.read_text())
+    del data["machine"]["mlx_version"]
+    broken = _write(tmp_path, data, "broken.json")
+    for markdown in ([], ["--markdown"]):
+        rc, out, err = _cli(capsys, "--from-json", str(run_json), str(broken), *markdown)
+        assert rc == 2 and out == "", (out, err)
+        assert f"{broken}: a result cannot be read back (KeyError: 'mlx_version'" in err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -593,7 +594,13 @@ def _show_saved_runs(args: argparse.Namespace, err: TextIO) -> int:
         try:
             baselines.load_run(path)  # the file's errors, named as --compare and --write-baseline name them
             data = json.loads(Path(path).read_text())
-            shown.append((path, data["machine"], [SuiteResult.from_dict(s) for s in data["suites"]]))
+            machine, suites = data["machine"], [SuiteResult.from_dict(s) for s in data["suites"]]
+            for suite in suites:  # every field the tables read, before anything is printed
+                if args.markdown:
+                    render_markdown(suite, machine)
+                else:
+                    render_rich(suite, machine, io.StringIO())
+            shown.append((path, machine, suites))
         except baselines.BaselineError as exc:
             print(f"metal-attn bench: error: {exc}", file=err)
             return 2
