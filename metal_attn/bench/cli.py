@@ -267,10 +267,15 @@ _KERNEL_SUITE_FLAGS = ("shapes", "markdown", "plot", "iters", "warmup", "pipelin
 _GENERATE_SUITE_FLAGS = ("concurrency", "prompt_len", "gen_tokens", "shared_prefix", "num_layers")
 
 
+def _given(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """The flags among ``names`` (argparse attribute names) given on this command line, as ``--flag``."""
+    return [f"--{n.replace('_', '-')}" for n in names
+            if getattr(args, n, None) is not None and getattr(args, n) is not False]  # 0 is given, False is not
+
+
 def _unused_flags(args: argparse.Namespace, names: Sequence[str], suites: str, err: TextIO) -> int | None:
     """Exit 2 naming the given flags that ``suites`` would ignore (they were silently dropped)."""
-    given = [f"--{n.replace('_', '-')}" for n in names
-             if getattr(args, n, None) is not None and getattr(args, n) is not False]  # 0 is given, False is not
+    given = _given(args, names)
     if given:
         whose = "the kernel suites" if names is _KERNEL_SUITE_FLAGS else "--suite generate"
         print(f"metal-attn bench: error: {suites} does not read {', '.join(given)} (they are flags of {whose})",
@@ -534,10 +539,7 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         return 2
     if not (compare or write):
         return _show_saved_runs(args, err)
-    unused = [f for f, v in (("--json", args.json), ("--plot", args.plot), ("--markdown", args.markdown),
-                             ("--iters", args.iters), ("--warmup", args.warmup), ("--pipelined", args.pipelined),
-                             ("--interleave", args.interleave))
-              if v is not None and v is not False]
+    unused = _given(args, ("json", "plot", "markdown", "iters", "warmup", "pipelined", "interleave"))
     if unused:
         print(f"metal-attn bench: error: --from-json {sources} writes only a baseline or a comparison table, so "
               f"{', '.join(unused)} would be ignored (allowed with --from-json: --compare or --write-baseline, "
@@ -580,10 +582,7 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
 def _show_saved_runs(args: argparse.Namespace, err: TextIO) -> int:
     """``--from-json RUN.json ...`` alone: each saved run's tables as the run printed them (``--markdown``: its
     Markdown matrices; ``--plot``: one chart of every suite), each run under its path when there are several."""
-    unused = [f for f, v in (("--json", args.json), ("--iters", args.iters), ("--warmup", args.warmup),
-                             ("--pipelined", args.pipelined), ("--interleave", args.interleave),
-                             ("--ratios", args.ratios), ("--margin", args.margin))
-              if v is not None and v is not False]
+    unused = _given(args, ("json", "iters", "warmup", "pipelined", "interleave", "ratios", "margin"))
     if unused:
         print(f"metal-attn bench: error: --from-json {' '.join(args.from_json)} without --compare or "
               f"--write-baseline prints the saved runs' tables, so {', '.join(unused)} would be ignored (allowed: "
