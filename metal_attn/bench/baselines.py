@@ -245,6 +245,14 @@ def load_run(path: str | Path) -> SavedRun:
     return parse_run(_read_json(path, "saved run"), str(path))
 
 
+def read_run(path: str | Path) -> dict[str, Any]:
+    """A saved run's decoded JSON, read once and validated as `load_run` validates it (for printing its
+    tables again)."""
+    data = _read_json(path, "saved run")
+    parse_run(data, str(path))
+    return data
+
+
 def load_runs(paths: Sequence[str | Path]) -> SavedRun:
     """Several saved runs read as one (`merge_runs`); one path is `load_run`."""
     return merge_runs([load_run(p) for p in paths])

@@ -591,8 +591,7 @@ def _show_saved_runs(args: argparse.Namespace, err: TextIO) -> int:
     shown: list[tuple[str, dict[str, Any], list[SuiteResult]]] = []
     for path in args.from_json:
         try:
-            baselines.load_run(path)  # the file's errors, named as --compare and --write-baseline name them
-            data = json.loads(Path(path).read_text())
+            data = baselines.read_run(path)  # its errors named as --compare and --write-baseline name them
             machine, suites = data["machine"], [SuiteResult.from_dict(s) for s in data["suites"]]
             for suite in suites:  # every field the tables read, before anything is printed
                 if args.markdown:
