@@ -229,6 +229,18 @@ class Settings(BaseSettings):
         ),
     )
 
+    decode_rows_stream: bool | None = Field(
+        None,
+        validation_alias=_env("decode_rows_stream"),
+        description=(
+            "GPU mixed batches whose decode rows leave the prefill kernel (the per-token kernel): queue those rows "
+            "on a second stream of the GPU, so that they can overlap the prefill chunks' kernels. Unset: each "
+            "backend's measured rule (providers/gpu_common.DECODE_ROWS_STREAM_RULES: off; on an H100 the second "
+            "stream ran mixed batches at 0.26-1.06x the one stream's speed, docs/bench-h200-prefill.md); 1 or 0: "
+            "on or off everywhere (the A/B toggle)."
+        ),
+    )
+
     # -- hardware probe overrides -------------------------------------------------------------
     backend_override: Literal["metal", "cuda", "cpu"] | None = Field(
         None,

@@ -128,7 +128,7 @@ def test_mixed_batch_split_as_the_tiled_provider():
     at = _row(_explain(M5_MAX, [1, 1, 300], [8192, 100, 800]))
     assert at.chosen and at.plan.route == "mixed_prefill_decode"
     assert any(n.startswith("decode rows: per_token_ps512") for n in at.plan.notes), at.plan.notes
-    assert at.plan.partition_size == 512 and at.plan.specialization[-1][0] == "metal"
+    assert at.plan.partition_size == 512 and at.plan.specialization[-1].per_token[0] == "metal"
     with override_settings(disabled_providers=["classic"]):
         ride = _row(_explain(M5_MAX, [1, 1, 300], [8192, 100, 800]))
     assert ride.chosen and ride.plan.route == "nax_prefill"

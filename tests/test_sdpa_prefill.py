@@ -68,6 +68,14 @@ def test_cuda_mixed_batch_splits_its_decode_rows_off():
     assert any(n.startswith("decode rows: per_token") for n in row.plan.notes), row.plan.notes
     assert any("longest prefill chunk 2048 rows >= SDPA_PREFILL_RULES[cuda].mixed[0].min_chunk_rows "
                "(longest decode row 4096 >= 4096)=32" in n for n in row.plan.notes), row.plan.notes
+    # The decode rows' stream: the CUDA rule's, and the toggle's when it is set.
+    from metal_attn.providers import gpu_common as gc
+
+    assert row.plan.specialization[-1].side_stream is gc.DECODE_ROWS_STREAM_RULES["cuda"].side_stream
+    for on in (False, True):
+        with override_settings(decode_rows_stream=on):
+            forced = _row(_explain(H200, [1, 1, 2048], [4096, 4096, 2048]))
+        assert forced.plan.specialization[-1].side_stream is on, forced.plan.notes
 
 
 @pytest.mark.parametrize(("q_lens", "seq_lens", "chosen", "note"), [

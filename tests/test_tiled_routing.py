@@ -126,7 +126,7 @@ def test_mixed_split_threshold(device):
     assert any(n.startswith("decode rows: per_token_ps512") for n in long.plan.notes), long.plan.notes
     assert long.plan.partition_size == 512
     decode_spec = long.plan.specialization[6]
-    assert decode_spec[0] == device.backend and decode_spec[4] == 512
+    assert decode_spec.per_token[0] == device.backend and decode_spec.per_token[4] == 512
 
 
 def test_mixed_split_needs_the_classic_provider():
@@ -434,3 +434,28 @@ def test_the_selection_cache_tells_settings_and_devices_apart():
     few_cores = get_registry().select(decode, dataclasses.replace(H200, gpu_cores=8), get_settings())
     assert few_cores.plan.partition_size != default
     assert get_registry().select(decode, H200, get_settings()).plan.partition_size == default
+
+
+@pytest.mark.parametrize("device", (H200, M5), ids=("h200", "m5"))
+def test_mixed_decode_rows_stream_follows_its_rule_and_the_toggle(device):
+    from metal_attn.providers import gpu_common as gc
+
+    rule = gc.DECODE_ROWS_STREAM_RULES[device.backend]
+    with override_settings(disabled_providers=WITHOUT_SDPA):
+        row = _row(_explain(device, [1, 1, 300], [8192, 100, 800]))
+    assert row.plan.route == "mixed_prefill_decode"
+    assert row.plan.specialization[6].side_stream is rule.side_stream
+    assert any(f"DECODE_ROWS_STREAM_RULES[{device.backend}]: {rule.evidence}" in n for n in row.plan.notes), \
+        row.plan.notes
+    for on in (False, True):
+        with override_settings(decode_rows_stream=on, disabled_providers=WITHOUT_SDPA):
+            row = _row(_explain(device, [1, 1, 300], [8192, 100, 800]))
+        assert row.plan.specialization[6].side_stream is on
+        assert any(f"METAL_ATTN_DECODE_ROWS_STREAM={int(on)}" in n for n in row.plan.notes), row.plan.notes
+
+
+def test_metal_keeps_one_stream_until_measured():
+    from metal_attn.providers import gpu_common as gc
+
+    assert gc.DECODE_ROWS_STREAM_RULES["metal"].side_stream is False
+    assert "not measured" in gc.DECODE_ROWS_STREAM_RULES["metal"].evidence

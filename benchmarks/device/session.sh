@@ -13,6 +13,9 @@
 #            (issue #17)
 #   prefill  the mixed batches three times, where a mixed batch's GPU time goes and its host time, and
 #            the mixed batches without MLX's CUDA graphs (issue #18)
+#   streams  a mixed batch's decode rows on one GPU stream or two (METAL_ATTN_DECODE_ROWS_STREAM), the A/B behind
+#            DECODE_ROWS_STREAM_RULES: both mixed routes blocking and queued, the prefill-gpu suite's mixed batches
+#            against MLX SDPA, and the mixed-batch GPU tests with the second stream forced on (issue #18)
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
@@ -47,7 +50,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill engine baseline fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams engine baseline fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -130,6 +133,17 @@ run_phase() {
       step decode-step 420 "${BENCH[@]}" --suite decode-step --repeat 3 --quiet --markdown \
         --candidates "auto,torch_sdpa,mlx_sdpa,ceiling" --json "$dir/decode-step.json"
       step sweep-matrix "$STEP_LIMIT" python3 benchmarks/sweep_gpu_tuning.py "$dir/sweep-matrix.json" matrix-auto ;;
+    streams)
+      step probe-blocking "$STEP_LIMIT" python3 benchmarks/probe_decode_rows_stream.py "$dir/probe-blocking.json"
+      step probe-queued "$STEP_LIMIT" python3 benchmarks/probe_decode_rows_stream.py --pipelined \
+        "$dir/probe-queued.json"
+      step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
+        --markdown --candidates "auto[decode_rows_stream=0],auto[decode_rows_stream=1],mlx_sdpa" \
+        --json "$dir/mixed.json"
+      # shellcheck disable=SC2046
+      step pytest "$STEP_LIMIT" env METAL_ATTN_DECODE_ROWS_STREAM=1 python3 -m pytest -q -rfEx $(xdist) \
+        tests/gpu/test_sdpa_prefill_gpu.py tests/gpu/test_nonfinite_gpu.py tests/gpu/test_tiled_prefill_gpu.py \
+        tests/gpu/test_mlx_lm_gpu.py ;;
     prefill)
       step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
         --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"

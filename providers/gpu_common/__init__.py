@@ -24,7 +24,9 @@ concept, and all of them are re-exported here:
 - `decode_rows`: the decode-rows sub-plan of a mixed batch (its decode rows through the per-token
   kernel, its prefill rows through the provider's own kernel): `mixed_split`, `decode_request`,
   `plan_decode_rows`, `decode_rows_part`, `tiles_decode_part`, `prepare_decode_rows`,
-  `run_decode_rows`; `DECODE_ROWS_PROVIDER` names the provider whose kernel they use.
+  `run_decode_rows`; `DECODE_ROWS_PROVIDER` names the provider whose kernel they use;
+  `DECODE_ROWS_STREAM_RULES` and `decode_rows_stream` whether the rows run on a second GPU stream
+  (`side_stream`), overlapping the chunks.
 
 A test or sweep that patches a name patches it in the module that defines it (``gc.per_token``,
 ``gc.decode_rows``, ...): the code reads its names there, not here.
@@ -35,13 +37,18 @@ from __future__ import annotations
 from metal_attn.providers.gpu_common import decode_rows, launches, per_token, per_token_geometry, reducer
 from metal_attn.providers.gpu_common.decode_rows import (
     DECODE_ROWS_PROVIDER,
+    DECODE_ROWS_STREAM_RULES,
     DecodeRowsPlan,
+    DecodeRowsSpec,
+    StreamRule,
     decode_request,
     decode_rows_part,
+    decode_rows_stream,
     mixed_split,
     plan_decode_rows,
     prepare_decode_rows,
     run_decode_rows,
+    side_stream,
     tiles_decode_part,
 )
 from metal_attn.providers.gpu_common.launches import (
@@ -132,6 +139,7 @@ from metal_attn.providers.gpu_common.reducer import (
 
 __all__ = [
     "DECODE_ROWS_PROVIDER",
+    "DECODE_ROWS_STREAM_RULES",
     "GEOMETRY_RULES",
     "KEY_ROWS_TOKENS",
     "MAX_LAUNCHES_PER_METADATA",
@@ -157,6 +165,7 @@ __all__ = [
     "ChainLaunch",
     "ChainedPerTokenLaunch",
     "DecodeRowsPlan",
+    "DecodeRowsSpec",
     "Geometry",
     "GeometryRule",
     "KernelLaunch",
@@ -165,6 +174,7 @@ __all__ = [
     "ReduceLaunch",
     "SliceRule",
     "StagingRule",
+    "StreamRule",
     "TinyBatch",
     "availability_reasons",
     "cached_launch",
@@ -174,6 +184,7 @@ __all__ = [
     "decode_request",
     "decode_rows",
     "decode_rows_part",
+    "decode_rows_stream",
     "describe_geometry",
     "fused_counters",
     "fused_reduce_enabled",
@@ -215,6 +226,7 @@ __all__ = [
     "run_decode_rows",
     "run_per_token",
     "scratch_fits",
+    "side_stream",
     "sink_logits",
     "source_check_launches",
     "split_decision",

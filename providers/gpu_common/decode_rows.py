@@ -1,11 +1,15 @@
 """The decode-rows sub-plan of a mixed batch: the decode rows at its front through the per-token
 kernel, the prefill rows through the provider's own kernel. `mixed_split` decides it for the tiled
 kernels (by `MIXED_DECODE_MIN_CONTEXT`); a provider keeps the sub-plan's specialization in its own
-plan (`decode_rows_part`, `tiles_decode_part`) and runs it with `run_decode_rows`."""
+plan (`decode_rows_part`, `tiles_decode_part`) and runs it with `run_decode_rows`, on a second
+stream of the GPU where `DECODE_ROWS_STREAM_RULES` (or ``METAL_ATTN_DECODE_ROWS_STREAM``) says so."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
@@ -23,6 +27,59 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: The provider whose kernel (the per-token kernel) the decode rows of a mixed split use.
 DECODE_ROWS_PROVIDER = "classic"
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamRule:
+    """Whether a backend queues a mixed batch's decode rows on a second stream of the GPU, where the
+    per-token kernel (bandwidth-bound) can overlap the prefill chunks' kernels (compute-bound), and the
+    measurement behind it (``explain`` and the docs show it)."""
+
+    side_stream: bool
+    evidence: str
+
+
+#: One rule per backend (data; ``METAL_ATTN_DECODE_ROWS_STREAM`` overrides it for A/B runs).
+DECODE_ROWS_STREAM_RULES: Mapping[str, StreamRule] = MappingProxyType({
+    "cuda": StreamRule(False, "H100, MLX 0.32.4, bf16, 32/8 heads, head 128 (benchmarks/probe_decode_rows_stream.py, "
+                              "11 mixed batches on both mixed routes, docs/bench-h200-prefill.md, thirty-first "
+                              "session): the second stream was slower in 43 of 44 readings, 0.47-1.06x the one "
+                              "stream's speed with every call waited for (median 0.62x) and 0.26-0.95x queued (median "
+                              "0.41x), same bytes; MLX's CUDA graphs already run a batch's independent kernels side by "
+                              "side, and a wait across streams costs more than any overlap gains"),
+    "metal": StreamRule(False, "not measured on Apple hardware: one stream, as upstream"),
+    "cpu": StreamRule(False, "no GPU: the CPU's decode rows and chunks share its threads"),
+})
+
+
+def decode_rows_stream(backend: str, settings: Settings) -> tuple[bool, str]:
+    """Whether a split mixed batch's decode rows go on the GPU's second stream, and why."""
+    if settings.decode_rows_stream is not None:
+        on = bool(settings.decode_rows_stream)
+        where = "a second" if on else "the default"
+        return on, f"decode rows on {where} stream (METAL_ATTN_DECODE_ROWS_STREAM={int(on)})"
+    rule = DECODE_ROWS_STREAM_RULES.get(backend)
+    if rule is None:
+        return False, f"decode rows on the default stream (no stream rule for backend={backend})"
+    where = "a second stream, overlapping the chunks" if rule.side_stream else "the default stream"
+    return rule.side_stream, f"decode rows on {where} (DECODE_ROWS_STREAM_RULES[{backend}]: {rule.evidence})"
+
+
+@functools.cache
+def side_stream() -> mx.Stream:
+    """The GPU stream a mixed batch's decode rows are queued on when they overlap the chunks: one per
+    process, made on first use. MLX orders the work across streams: the rows wait for their inputs'
+    stream, and whatever reads the rows waits for this one."""
+    return mx.new_stream(mx.gpu)
+
+
+class DecodeRowsSpec(NamedTuple):
+    """A mixed batch's decode rows as a provider's plan keeps them (hashable; an empty tuple in its
+    place means the rows ride in the prefill kernel): the per-token plan's specialization, and
+    whether the rows run on `side_stream`."""
+
+    per_token: tuple
+    side_stream: bool
 
 
 # -- the decode-rows sub-plan of a mixed batch --------------------------------------------------------
@@ -65,16 +122,17 @@ class DecodeRowsPlan(NamedTuple):
     """What a provider's plan keeps of its decode rows' plan: the specialization (for
     `prepare_decode_rows` / `run_decode_rows`), the partition size, and one note for ``explain``."""
 
-    specialization: tuple
+    specialization: DecodeRowsSpec
     partition_size: int
     note: str
 
 
 def decode_rows_part(request: AttentionRequest, device: DeviceInfo, settings: Settings) -> DecodeRowsPlan:
-    """`plan_decode_rows`, as the fields a provider's own plan carries."""
+    """`plan_decode_rows` and `decode_rows_stream`, as the fields a provider's own plan carries."""
     plan = plan_decode_rows(request, device, settings)
-    return DecodeRowsPlan(plan.specialization, plan.partition_size,
-                          f"decode rows: {plan.route} ({'; '.join(plan.notes)})")
+    on, stream_note = decode_rows_stream(device.backend, settings)
+    return DecodeRowsPlan(DecodeRowsSpec(plan.specialization, on), plan.partition_size,
+                          f"decode rows: {plan.route} ({'; '.join(plan.notes)}); {stream_note}")
 
 
 def tiles_decode_part(request: AttentionRequest, backend: str, device: DeviceInfo,
@@ -90,12 +148,17 @@ def tiles_decode_part(request: AttentionRequest, backend: str, device: DeviceInf
     return part.specialization, part.partition_size, [*notes, part.note]
 
 
-def prepare_decode_rows(specialization: tuple, device: DeviceInfo) -> None:
-    """Compile the decode rows' specialization (from `plan_decode_rows`) now; `KernelCompileError` on failure."""
-    prepare_per_token(Plan(DECODE_ROWS_PROVIDER, "decode rows", specialization=specialization), device)
+def prepare_decode_rows(spec: DecodeRowsSpec, device: DeviceInfo) -> None:
+    """Compile the decode rows' specialization (from `decode_rows_part`) now; `KernelCompileError` on failure."""
+    prepare_per_token(Plan(DECODE_ROWS_PROVIDER, "decode rows", specialization=spec.per_token), device)
 
 
-def run_decode_rows(inputs: AttentionInputs, specialization: tuple) -> mx.array:
+def run_decode_rows(inputs: AttentionInputs, spec: DecodeRowsSpec) -> mx.array:
     """The decode rows of a mixed batch through the per-token kernel: ``[num_decode_seqs, H, D]``
-    (the first rows of ``inputs``; the other rows are the caller's)."""
-    return run_per_token(inputs, specialization, rows=inputs.metadata.num_decode_seqs)
+    (the first rows of ``inputs``; the other rows are the caller's), queued on `side_stream` when
+    ``spec`` says so."""
+    rows = inputs.metadata.num_decode_seqs
+    if not spec.side_stream:
+        return run_per_token(inputs, spec.per_token, rows=rows)
+    with mx.stream(side_stream()):
+        return run_per_token(inputs, spec.per_token, rows=rows)

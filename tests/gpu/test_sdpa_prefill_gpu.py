@@ -94,6 +94,33 @@ def test_mixed_batch_decode_rows_split_off(sinks):
     _check(case, route="sdpa_prefill_decode")
 
 
+@pytest.mark.parametrize("provider", ["sdpa_prefill", "tiled_prefill"])
+def test_decode_rows_on_a_second_stream_give_the_same_bytes(provider):
+    """A mixed batch's decode rows queued on the GPU's second stream (overlapping the chunks) give the
+    bytes of the same kernels on one stream, and the oracle's values."""
+    from unittest import mock
+
+    import numpy as np
+    from metal_attn.providers.gpu_common import decode_rows
+
+    from metal_attn.settings import override_settings
+    from metal_attn.testing.overrides import forced_mixed_threshold
+
+    case = make_case(q_lens=[1, 1, 1, 300, 64], seq_lens=[4096, 1500, 40, 2300, 64], num_heads=16, num_kv_heads=4,
+                     head_size=128, block_size=16, dtype="bfloat16", sinks=True, seed=31, label="mixed, two streams")
+    got, streams = {}, {}
+    for on in (False, True):
+        with override_settings(decode_rows_stream=on), rule_opened_for(provider), forced_mixed_threshold(0), \
+                mock.patch.object(decode_rows, "side_stream", wraps=decode_rows.side_stream) as side:
+            got[on] = run_case(case, provider=provider)
+            streams[on] = side.call_count
+            rec = diagnostics.last_dispatch()
+        assert rec.route in ("sdpa_prefill_decode", "mixed_prefill_decode"), rec
+    assert streams[False] == 0 and streams[True] >= 1, streams  # the second stream ran the rows, or not
+    assert np.array_equal(got[True], got[False])
+    assert_close_to_oracle(got[True], case.oracle(), case.dtype, label=f"{case.label} {provider}")
+
+
 @pytest.mark.skipif(current_device().backend != "cuda", reason="CUDA chains exist on MLX's CUDA backend only")
 def test_chained_batch_is_bitwise_the_mx_fast_route():
     """Decode rows and three runs of chunks (one of two equal sequences): the batch as two CUDA
