@@ -16,6 +16,9 @@
 #   streams  a mixed batch's decode rows on one GPU stream or two (METAL_ATTN_DECODE_ROWS_STREAM), the A/B behind
 #            DECODE_ROWS_STREAM_RULES: both mixed routes blocking and queued, the prefill-gpu suite's mixed batches
 #            against MLX SDPA, and the mixed-batch GPU tests with the second stream forced on (issue #18)
+#   stalls   our prefill route's multi-millisecond stalls under queued calls (H100, thirty-first session): the
+#            probe's samples with host time, Python's collections and MLX's allocator, on b4 q2048 and q4096,
+#            then the bench's b4 q2048 four times (issue #18)
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
@@ -50,7 +53,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams engine baseline fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls engine baseline fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -144,6 +147,12 @@ run_phase() {
       step pytest "$STEP_LIMIT" env METAL_ATTN_DECODE_ROWS_STREAM=1 python3 -m pytest -q -rfEx $(xdist) \
         tests/gpu/test_sdpa_prefill_gpu.py tests/gpu/test_nonfinite_gpu.py tests/gpu/test_tiled_prefill_gpu.py \
         tests/gpu/test_mlx_lm_gpu.py ;;
+    stalls)
+      step probe-b4 "$STEP_LIMIT" python3 benchmarks/probe_prefill_stalls.py "$dir/probe-b4.json"
+      step probe-q4096 "$STEP_LIMIT" python3 benchmarks/probe_prefill_stalls.py --batch 1 --q-len 4096 \
+        "$dir/probe-q4096.json"
+      step bench-b4 "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes "b4 q2048" --repeat 4 \
+        --quiet --markdown --candidates auto,sdpa_prefill,mlx_sdpa --json "$dir/bench-b4.json" ;;
     prefill)
       step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
         --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"
