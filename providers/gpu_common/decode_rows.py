@@ -53,7 +53,9 @@ DECODE_ROWS_STREAM_RULES: Mapping[str, StreamRule] = MappingProxyType({
 
 
 def decode_rows_stream(backend: str, settings: Settings) -> tuple[bool, str]:
-    """Whether a split mixed batch's decode rows go on the GPU's second stream, and why."""
+    """Whether a split mixed batch's decode rows go on the GPU's second stream, and a note naming the rule
+    or the setting that decided (the rule's evidence stays in `DECODE_ROWS_STREAM_RULES`, out of ``explain``'s
+    table)."""
     if settings.decode_rows_stream is not None:
         on = bool(settings.decode_rows_stream)
         where = "a second" if on else "the default"
@@ -62,7 +64,8 @@ def decode_rows_stream(backend: str, settings: Settings) -> tuple[bool, str]:
     if rule is None:
         return False, f"decode rows on the default stream (no stream rule for backend={backend})"
     where = "a second stream, overlapping the chunks" if rule.side_stream else "the default stream"
-    return rule.side_stream, f"decode rows on {where} (DECODE_ROWS_STREAM_RULES[{backend}]: {rule.evidence})"
+    return rule.side_stream, (f"decode rows on {where} "
+                              f"(DECODE_ROWS_STREAM_RULES[{backend}].side_stream={rule.side_stream})")
 
 
 @functools.cache
