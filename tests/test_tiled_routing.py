@@ -459,3 +459,30 @@ def test_metal_keeps_one_stream_until_measured():
 
     assert gc.DECODE_ROWS_STREAM_RULES["metal"].side_stream is False
     assert "not measured" in gc.DECODE_ROWS_STREAM_RULES["metal"].evidence
+
+
+def test_the_decode_rows_side_stream_is_one_per_thread():
+    """MLX (0.31.2 on) ties a stream to the thread that made it, so each thread gets its own second
+    stream, made once there (no GPU here: `mx.new_stream` is stood in for)."""
+    import threading
+    from unittest import mock
+
+    import mlx.core as mx
+    from metal_attn.providers.gpu_common import decode_rows
+
+    made = []
+
+    def new_stream(device):
+        made.append((threading.get_ident(), device))
+        return object()
+
+    with mock.patch.object(decode_rows, "_side_streams", threading.local()), \
+            mock.patch.object(mx, "new_stream", side_effect=new_stream):
+        here = decode_rows.side_stream()
+        assert decode_rows.side_stream() is here
+        there = []
+        worker = threading.Thread(target=lambda: there.extend([decode_rows.side_stream(), decode_rows.side_stream()]))
+        worker.start()
+        worker.join()
+    assert there[0] is there[1] and there[0] is not here
+    assert [d for _, d in made] == [mx.gpu, mx.gpu] and made[0][0] != made[1][0]

@@ -7,7 +7,7 @@ stream of the GPU where `DECODE_ROWS_STREAM_RULES` (or ``METAL_ATTN_DECODE_ROWS_
 from __future__ import annotations
 
 import dataclasses
-import functools
+import threading
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
@@ -68,12 +68,19 @@ def decode_rows_stream(backend: str, settings: Settings) -> tuple[bool, str]:
                               f"(DECODE_ROWS_STREAM_RULES[{backend}].side_stream={rule.side_stream})")
 
 
-@functools.cache
+_side_streams = threading.local()
+
+
 def side_stream() -> mx.Stream:
     """The GPU stream a mixed batch's decode rows are queued on when they overlap the chunks: one per
-    process, made on first use. MLX orders the work across streams: the rows wait for their inputs'
-    stream, and whatever reads the rows waits for this one."""
-    return mx.new_stream(mx.gpu)
+    thread, made on its first use there (since MLX 0.31.2 a stream belongs to the thread that made it:
+    another thread evaluating on it raises "There is no Stream(gpu, N) in current thread"). MLX orders
+    the work across streams: the rows wait for their inputs' stream, and whatever reads the rows waits
+    for this one."""
+    stream = getattr(_side_streams, "stream", None)
+    if stream is None:
+        stream = _side_streams.stream = mx.new_stream(mx.gpu)
+    return stream
 
 
 class DecodeRowsSpec(NamedTuple):
