@@ -273,6 +273,17 @@ def _given(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
             if getattr(args, n, None) is not None and getattr(args, n) is not False]  # 0 is given, False is not
 
 
+def _ignored_with_from_json(args: argparse.Namespace, names: Sequence[str], does: str, allowed: str,
+                            err: TextIO) -> bool:
+    """Print why the given flags among ``names`` would be ignored by ``--from-json``, which ``does`` that
+    (``allowed``: the flags it reads); True when any was given."""
+    unused = _given(args, names)
+    if unused:
+        print(f"metal-attn bench: error: --from-json {' '.join(args.from_json)} {does}, so {', '.join(unused)} "
+              f"would be ignored ({allowed})", file=err)
+    return bool(unused)
+
+
 def _unused_flags(args: argparse.Namespace, names: Sequence[str], suites: str, err: TextIO) -> int | None:
     """Exit 2 naming the given flags that ``suites`` would ignore (they were silently dropped)."""
     given = _given(args, names)
@@ -539,11 +550,9 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         return 2
     if not (compare or write):
         return _show_saved_runs(args, err)
-    unused = _given(args, ("json", "plot", "markdown", "iters", "warmup", "pipelined", "interleave"))
-    if unused:
-        print(f"metal-attn bench: error: --from-json {sources} writes only a baseline or a comparison table, so "
-              f"{', '.join(unused)} would be ignored (allowed with --from-json: --compare or --write-baseline, "
-              "--ratios, --margin)", file=err)
+    if _ignored_with_from_json(args, ("json", "plot", "markdown", "iters", "warmup", "pipelined", "interleave"),
+                               "writes only a baseline or a comparison table",
+                               "allowed with --from-json: --compare or --write-baseline, --ratios, --margin", err):
         return 2
     if compare and (args.ratios or args.margin is not None):
         print("metal-attn bench: error: --ratios and --margin go with --write-baseline", file=err)
@@ -582,11 +591,9 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
 def _show_saved_runs(args: argparse.Namespace, err: TextIO) -> int:
     """``--from-json RUN.json ...`` alone: each saved run's tables as the run printed them (``--markdown``: its
     Markdown matrices; ``--plot``: one chart of every suite), each run under its path when there are several."""
-    unused = _given(args, ("json", "iters", "warmup", "pipelined", "interleave", "ratios", "margin"))
-    if unused:
-        print(f"metal-attn bench: error: --from-json {' '.join(args.from_json)} without --compare or "
-              f"--write-baseline prints the saved runs' tables, so {', '.join(unused)} would be ignored (allowed: "
-              "--markdown, --plot)", file=err)
+    if _ignored_with_from_json(args, ("json", "iters", "warmup", "pipelined", "interleave", "ratios", "margin"),
+                               "without --compare or --write-baseline prints the saved runs' tables",
+                               "allowed: --markdown, --plot", err):
         return 2
     shown: list[tuple[str, dict[str, Any], list[SuiteResult]]] = []
     for path in args.from_json:
