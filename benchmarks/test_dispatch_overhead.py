@@ -150,17 +150,23 @@ def test_dispatch_provider_direct(benchmark, sides):
         benchmark.extra_info["added_us_vs_registry"] = round(_medians["registry"] - _medians["direct"], 2)
 
 
+@pytest.fixture
+def noop_sides(sides, batch, monkeypatch) -> tuple[Callable[[], Any], Callable[[], Any], dict[str, Any]]:
+    """`sides` with the chosen provider's `run` replaced by a no-op (both sides look `run` up at call time)."""
+    via_registry, direct, info = sides
+    monkeypatch.setattr(get_registry().get(info["provider"]), "run", lambda inputs, plan: inputs.q)
+    assert via_registry() is batch["q"] and direct() is batch["q"]  # both sides run the no-op
+    return via_registry, direct, info
+
+
 @pytest.mark.benchmark(group="dispatch", disable_gc=True, min_rounds=2000)
-def test_dispatch_via_registry_noop_provider(benchmark, sides, batch, monkeypatch):
+def test_dispatch_via_registry_noop_provider(benchmark, noop_sides):
     """The registry path with the chosen provider's `run` replaced by a no-op: dispatch cost alone.
 
     Its median is the overhead itself, free of the provider's own graph-building
     noise, so it is the figure to compare between saved runs.
     """
-    via_registry, _, info = sides
-    provider = get_registry().get(info["provider"])
-    monkeypatch.setattr(provider, "run", lambda inputs, plan: inputs.q)
-    assert via_registry() is batch["q"]
+    via_registry, _, info = noop_sides
     benchmark(via_registry)
     _record(benchmark, "noop", info)
 
@@ -211,7 +217,7 @@ def measure_added_us(
 
 
 @pytest.mark.benchmark(group="dispatch-budget")
-def test_dispatch_overhead_within_budget(benchmark, sides, batch, monkeypatch):
+def test_dispatch_overhead_within_budget(benchmark, noop_sides):
     """The registry adds less than `BUDGET_US` of host CPU time per call (median of interleaved rounds).
 
     Both sides call the chosen provider's `run` replaced by a no-op, so the difference is the registry's
@@ -219,16 +225,7 @@ def test_dispatch_overhead_within_budget(benchmark, sides, batch, monkeypatch):
     for the example decode provider CI installs, 3 µs for classic) put its own swings into the
     difference: with that provider installed the difference read 13-21 µs for the same code (20.25 µs,
     past the budget, in one CI run)."""
-    via_registry, _, info = sides
-    provider = get_registry().get(info["provider"])
-    monkeypatch.setattr(provider, "run", lambda inputs, plan: inputs.q)
-    inputs = AttentionInputs(batch["q"], batch["k"], batch["v"], batch["md"], HEAD_SIZE**-0.5)
-    plan = get_registry().select(ma.diagnostics.last_dispatch().request, ma.current_device(), get_settings()).plan
-
-    def direct() -> mx.array:
-        return provider.run(inputs, plan)
-
-    assert via_registry() is batch["q"] and direct() is batch["q"]  # both sides run the no-op
+    via_registry, direct, info = noop_sides
     o = benchmark.pedantic(measure_added_us, args=(via_registry, direct), rounds=1, iterations=1)
     benchmark.extra_info.update(info)
     benchmark.extra_info.update(
