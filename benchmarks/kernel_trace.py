@@ -38,15 +38,16 @@ def record(run: Callable[[], Any], *, cpu: bool = True) -> list[dict]:
     return [e for e in trace_events(run, cpu=cpu) if e.get("cat") in ("kernel", "gpu_memcpy")]
 
 
-def trace_events(run: Callable[[], Any], *, cpu: bool = True) -> list[dict]:
+def trace_events(run: Callable[[], Any], *, cpu: bool = True, stacks: bool = False) -> list[dict]:
     """Every event torch.profiler records while ``run`` runs (MLX synchronized before and after): the
-    GPU's kernels and copies, and with ``cpu`` the host's CUDA runtime and driver calls, whoever makes them."""
+    GPU's kernels and copies, and with ``cpu`` the host's CUDA runtime and driver calls, whoever makes them;
+    with ``stacks`` also every Python function call (``python_function`` events: who made a host call)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     mx.synchronize()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cpu else [ProfilerActivity.CUDA]
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=stacks) as prof:
         run()
         mx.synchronize()
         torch.cuda.synchronize()

@@ -18,7 +18,8 @@
 #            against MLX SDPA, and the mixed-batch GPU tests with the second stream forced on (issue #18)
 #   stalls   our prefill route's multi-millisecond stalls under queued calls (H100, thirty-first session): the
 #            probe's samples with host time, Python's collections and MLX's allocator, on b4 q2048 and q4096,
-#            then the bench's b4 q2048 four times (issue #18)
+#            then the bench's b4 q2048 four times, then the bench's sampling on b4 q2048 traced (CUPTI, host API
+#            calls included: each slow sample's GPU busy time, longest idle gap and the host calls in it) (issue #18)
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
@@ -152,7 +153,8 @@ run_phase() {
       step probe-q4096 "$STEP_LIMIT" python3 benchmarks/probe_prefill_stalls.py --batch 1 --q-len 4096 \
         "$dir/probe-q4096.json"
       step bench-b4 "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes "b4 q2048" --repeat 4 \
-        --quiet --markdown --candidates auto,sdpa_prefill,mlx_sdpa --json "$dir/bench-b4.json" ;;
+        --quiet --markdown --candidates auto,sdpa_prefill,mlx_sdpa --json "$dir/bench-b4.json"
+      step trace-b4 "$STEP_LIMIT" python3 benchmarks/probe_prefill_stalls.py --trace "$dir/trace-b4.json" ;;
     prefill)
       step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
         --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"
