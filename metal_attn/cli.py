@@ -346,7 +346,10 @@ def cuda_chains_status() -> dict[str, Any]:
         return {"status": "off", "detail": "METAL_ATTN_CUDA_CHAINS=0: one mx.fast.cuda_kernel call per kernel"}
     split = ("split calls: one launch (fused reducer)" if get_settings().cuda_fused_reduce
              else "split calls: kernel + reducer (METAL_ATTN_CUDA_FUSED_REDUCE=0)")
-    return {"status": "ok", "detail": f"{getattr(cuda_ops.native(), '__file__', None) or 'built in'}; {split}"}
+    memory = ("buffers: our device memory pool" if get_settings().cuda_chain_pool
+              else "buffers: MLX's allocator (METAL_ATTN_CUDA_CHAIN_POOL=0)")
+    return {"status": "ok",
+            "detail": f"{getattr(cuda_ops.native(), '__file__', None) or 'built in'}; {split}; {memory}"}
 
 
 def _setting_default(name: str) -> Any:

@@ -237,11 +237,33 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
     grid in threadgroups, threadgroup, argument buffer indices (inputs, then outputs, then scratch),
     how many of the arguments are read)``. ``state``: the indices of inputs the launches update in
     place (row-contiguous buffers the kernels leave as they found them, such as arrival counters);
-    each call is ordered after the previous writer of each."""
+    each call is ordered after the previous writer of each. Its buffers come from the chains' device
+    memory pool unless ``cuda_chain_pool`` is off (`pool_stats`)."""
+    from metal_attn.settings import get_settings
+
     mod = native()
     if mod is None:
         raise RuntimeError(f"CUDA chains are not available: {unavailable_reason()}")
     chains_built[name] += 1
     return mod.Chain(name, list(input_dtypes), [(list(s), d) for s, d in outputs], [(list(s), d) for s, d in scratch],
                      [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches],
-                     [list(x) for x in input_shapes], list(state))
+                     [list(x) for x in input_shapes], list(state), get_settings().cuda_chain_pool)
+
+
+def pool_stats() -> dict[str, int] | None:
+    """The chains' device memory pool (``live_bytes``, ``live_buffers``, ``reserved_bytes``, ``allocations``,
+    ``moved_by_mlx``, ``fallbacks``; docs/cuda-ops.md), or ``None`` where the module is not loaded. Its memory
+    is not in ``mx.get_active_memory()``; `trim_pool` returns the idle part to the driver."""
+    mod = native()
+    return None if mod is None else dict(mod.pool_stats())
+
+
+def trim_pool() -> None:
+    """Wait for the GPU, then return the chains' pool's idle device memory to the driver
+    (``mx.clear_cache()`` does not reach it)."""
+    mod = native()
+    if mod is not None:
+        import mlx.core as mx
+
+        mx.synchronize()
+        mod.trim_pool()

@@ -218,6 +218,17 @@ class Settings(BaseSettings):
         ),
     )
 
+    cuda_chain_pool: bool = Field(
+        True,
+        validation_alias=_env("cuda_chain_pool"),
+        description=(
+            "CUDA chains: their outputs, scratch and input copies in stream-ordered device memory from "
+            "metal_attn._cuda_ops's own CUDA memory pool. 0: MLX's allocator, whose unified memory stalls "
+            "queued calls for milliseconds when it recycles one of MLX's device buffers for a chain "
+            "(docs/cuda-ops.md, 'Where a chain's memory comes from'): for A/B runs."
+        ),
+    )
+
     cuda_fused_reduce: bool = Field(
         False,
         validation_alias=_env("cuda_fused_reduce"),

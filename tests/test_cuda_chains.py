@@ -156,6 +156,8 @@ def test_without_the_module_chains_are_off_and_say_why():
     assert "CUDA backend" in cuda_ops.unavailable_reason()
     with pytest.raises(RuntimeError, match="CUDA chains are not available: MLX's CUDA backend"):
         cuda_ops.chain("x", [], [((1,), mx.float32)], [], [])
+    assert cuda_ops.pool_stats() is None  # no pool either; trimming it is a no-op
+    cuda_ops.trim_pool()
 
 
 def test_the_runtime_source_is_the_mx_fast_shape_after_the_nvrtc_preamble():
@@ -253,3 +255,12 @@ def test_a_chained_batch_passes_its_inputs_in_the_kernels_order(fake_chains, mon
     assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
     assert [a.dtype for a in got] == ch.finish.chain.input_dtypes
     assert out.shape == (2 + 16 + 5, 8, 128)
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_chains_take_their_memory_as_the_pool_setting_says(fake_chains, pooled):
+    # METAL_ATTN_CUDA_CHAIN_POOL reaches the module's Chain: its buffers from our device memory pool,
+    # or MLX's allocator (docs/cuda-ops.md, "Where a chain's memory comes from").
+    with override_settings(cuda_chain_pool=pooled):
+        c = cuda_ops.chain("c", [mx.float32], [((4,), mx.float32)], [], [(1000, (1, 1, 1), (32, 1, 1), [0, 1], 1)])
+    assert c.pooled is pooled

@@ -74,10 +74,15 @@ const Nvrtc& nvrtc() {
   return api;
 }
 
+void* driver_library() {
+  static void* lib = open_first({"libcuda.so.1", "libcuda.so"}, "the CUDA driver");
+  return lib;
+}
+
 const Driver& driver() {
   static Driver api = [] {
     Driver a{};
-    void* lib = open_first({"libcuda.so.1", "libcuda.so"}, "the CUDA driver");
+    void* lib = driver_library();
     bind(lib, a.load, "cuModuleLoadData");
     bind(lib, a.function, "cuModuleGetFunction");
     bind(lib, a.error, "cuGetErrorString");
@@ -92,6 +97,16 @@ void check_nvrtc(nvrtcResult r, const char* what) {
   if (r != 0) throw std::runtime_error(std::string("metal_attn._cuda_ops: ") + what + ": " + nvrtc().error(r));
 }
 
+std::mutex load_mutex;
+
+}  // namespace
+
+void* driver_symbol(const char* symbol) {
+  void* fn = nullptr;
+  bind(driver_library(), fn, symbol);
+  return fn;
+}
+
 void check_cu(CUresult r, const std::string& what) {
   if (r != CUDA_SUCCESS) {
     const char* msg = nullptr;
@@ -99,10 +114,6 @@ void check_cu(CUresult r, const std::string& what) {
     throw std::runtime_error("metal_attn._cuda_ops: " + what + ": " + (msg ? msg : "unknown CUDA error"));
   }
 }
-
-std::mutex load_mutex;
-
-}  // namespace
 
 std::pair<int, int> nvrtc_version() {
   int major = 0, minor = 0;

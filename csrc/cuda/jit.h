@@ -26,6 +26,14 @@ std::pair<std::string, std::vector<std::string>> compile_cubin(
 // The module stays loaded for the process's life.
 std::vector<CUfunction> load_functions(const std::string& image, const std::vector<std::string>& symbols);
 
+// A symbol of the CUDA driver library (the copy libmlx.so loaded); throws std::runtime_error naming
+// it when the driver lacks it.
+void* driver_symbol(const char* symbol);
+
+// Throws std::runtime_error("metal_attn._cuda_ops: <what>: <the driver's message>") unless `r` is
+// CUDA_SUCCESS.
+void check_cu(CUresult r, const std::string& what);
+
 // The architecture option NVRTC needs for the current device ("sm_90a" on an H100/H200).
 std::string device_architecture();
 

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "device_memory.h"
 #include "jit.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cuda/device.h"
@@ -61,9 +62,15 @@ CUfunction copy_function(int itemsize) {
   }
 }
 
-mx::array allocated(const mx::Shape& shape, mx::Dtype dtype) {
+// Memory for one of a chain's arrays: from our pool, ordered on the encoder's stream, or MLX's allocator.
+mx::allocator::Data chain_data(const ChainSpec& spec, mx::cu::CommandEncoder& enc, size_t bytes) {
+  if (!spec.pooled) return mx::allocator::malloc(bytes);
+  return device_data(bytes, enc);
+}
+
+mx::array allocated(const ChainSpec& spec, mx::cu::CommandEncoder& enc, const mx::Shape& shape, mx::Dtype dtype) {
   mx::array a(shape, dtype, nullptr, {});
-  a.set_data(mx::allocator::malloc(a.nbytes()));
+  a.set_data(chain_data(spec, enc, a.nbytes()));
   return a;
 }
 
@@ -191,18 +198,18 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
     if (in.flags().row_contiguous) {
       buffers.push_back(in);
     } else {
-      mx::array c = allocated(in.shape(), in.dtype());
+      mx::array c = allocated(spec, enc, in.shape(), in.dtype());
       encode_copy(enc, in, c);
       enc.add_temporary(c);
       buffers.push_back(c);
     }
   }
   for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    out.set_data(chain_data(spec, enc, out.nbytes()));
     buffers.push_back(out);
   }
   for (const auto& b : spec.scratch) {
-    mx::array t = allocated(b.shape, b.dtype);
+    mx::array t = allocated(spec, enc, b.shape, b.dtype);
     enc.add_temporary(t);
     buffers.push_back(t);
   }

@@ -46,6 +46,9 @@ struct ChainSpec {
   std::vector<Buffer> outputs;
   std::vector<Buffer> scratch;
   std::vector<Launch> launches;
+  // Outputs, scratch and input copies from our device memory pool (device_memory.h); false: MLX's
+  // allocator (unified memory), for A/B runs.
+  bool pooled = true;
 
   // Checks every index and size, that no launch writes an input other than a state input, that
   // every output is written and that no scratch buffer is read before a launch writes it; throws

@@ -9,6 +9,7 @@
 
 #include <tuple>
 
+#include "device_memory.h"
 #include "jit.h"
 #include "kernel_chain.h"
 #include "mlx/backend/cuda/device.h"
@@ -43,12 +44,13 @@ struct Chain {
 Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dtypes,
                  const std::vector<BufferSpec>& outputs, const std::vector<BufferSpec>& scratch,
                  const std::vector<LaunchSpec>& launches, const std::vector<std::vector<int>>& input_shapes,
-                 const std::vector<int>& state) {
+                 const std::vector<int>& state, bool pooled) {
   auto spec = std::make_shared<mac::ChainSpec>();
   spec->name = name;
   spec->input_dtypes = input_dtypes;
   for (const auto& s : input_shapes) spec->input_shapes.emplace_back(s.begin(), s.end());
   spec->state = state;
+  spec->pooled = pooled;
   spec->outputs = buffers(outputs);
   spec->scratch = buffers(scratch);
   for (const auto& [fn, grid, block, args, reads] : launches) {
@@ -95,12 +97,29 @@ NB_MODULE(_cuda_ops, m) {
         },
         "image"_a, "symbols"_a, "Load a cubin into the GPU's context; its functions' handles, in order.");
 
+  m.def("pool_stats", [] {
+          mac::PoolStats s = mac::pool_stats();
+          nb::dict d;
+          d["live_bytes"] = s.live_bytes;
+          d["live_buffers"] = s.live_buffers;
+          d["reserved_bytes"] = s.reserved_bytes;
+          d["allocations"] = s.allocations;
+          d["moved_by_mlx"] = s.moved_by_mlx;
+          d["fallbacks"] = s.fallbacks;
+          return d;
+        },
+        "The chains' device memory pool: bytes and buffers arrays hold now, the pool's reserved bytes (idle "
+        "included), buffers handed out, those MLX moved to unified memory (read by the host), requests MLX's "
+        "allocator took (the pool out of memory).");
+  m.def("trim_pool", &mac::trim_pool, "Return the chains' pool's idle device memory to the driver.");
+
   nb::class_<Chain>(m, "Chain", "A fixed sequence of kernel launches, run as one MLX primitive.")
       .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
-           "input_shapes"_a = std::vector<std::vector<int>>{}, "state"_a = std::vector<int>{},
+           "input_shapes"_a = std::vector<std::vector<int>>{}, "state"_a = std::vector<int>{}, "pooled"_a = true,
            "input_shapes: one per input (checked at each call), or none; outputs and scratch: (shape, dtype) pairs; launches: (function, grid, block, args, reads), grid in "
            "threadgroups, args as buffer indices (inputs, then outputs, then scratch), the first `reads` read; state: the input "
-           "indices launches may write in place (row-contiguous buffers they leave as they found them).")
+           "indices launches may write in place (row-contiguous buffers they leave as they found them); pooled: outputs, "
+           "scratch and input copies in our stream-ordered device memory pool (False: MLX's allocator).")
       .def("__call__", [](const Chain& c, const std::vector<mx::array>& inputs) { return mac::run_chain(c.spec, inputs); },
            "inputs"_a, "The chain's outputs over inputs (lazy).")
       .def_prop_ro("name", [](const Chain& c) { return c.spec->name; });

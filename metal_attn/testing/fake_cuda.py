@@ -147,6 +147,7 @@ class FakeChain:
     launches: list
     input_shapes: list
     state: list
+    pooled: bool = True
     owner: FakeChains | None = dataclasses.field(default=None, repr=False)
     calls: list = dataclasses.field(default_factory=list)
     _zeros: list = dataclasses.field(default_factory=list, repr=False)
@@ -184,8 +185,8 @@ def fake_chains() -> Iterator[FakeChains]:
     class Module:
         @staticmethod
         def Chain(name: str, input_dtypes: list, outputs: list, scratch: list, launches: list,
-                  input_shapes: list, state: list) -> FakeChain:
-            c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, owner=fake)
+                  input_shapes: list, state: list, pooled: bool) -> FakeChain:
+            c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, pooled, owner=fake)
             fake.chains.append(c)
             return c
 

@@ -3,7 +3,8 @@
 The chain runs the same kernel texts as ``mx.fast.cuda_kernel`` with the same grids and parameters,
 so its output must equal the ``mx.fast`` route's bit for bit, and both must match the float64
 oracle. Also: a strided query (the chain copies it, as MLX does for its custom kernels), a compiled
-step, and inputs that do not match what the chain was built for.
+step, inputs that do not match what the chain was built for, and the chains' device memory pool
+(the same bytes as MLX's allocator, buffers back in the pool once released, an output the host reads).
 """
 
 from __future__ import annotations
@@ -180,3 +181,71 @@ def test_an_input_of_another_shape_is_refused_by_name():
     case, launch, inputs = _built_chain()
     with pytest.raises(ValueError, match=r"input 0 has shape .* \(it was built for"):
         launch.chain([case.q[:1], *inputs[1:]])
+
+
+def _sdpa_prefill_case():
+    # sdpa_prefill's two chains (gather_kv + first_flagged, sdpa_finish) and its decode row's per-token
+    # chain; the 1,024-row prompt has the attended pairs SDPA_PREFILL_RULES[cuda] asks for.
+    return make_case(q_lens=[1024, 1, 64], seq_lens=[1024, 900, 2048], num_heads=16, num_kv_heads=4, head_size=128,
+                     block_size=16, dtype="bfloat16", seed=5)
+
+
+def test_pooled_chain_memory_gives_the_same_bytes_as_mlx_allocator():
+    case = _sdpa_prefill_case()
+    outs = {}
+    for pooled in (True, False):
+        before = cuda_ops.pool_stats()["allocations"]
+        with override_settings(cuda_chain_pool=pooled):
+            outs[pooled] = run_case(case, provider="sdpa_prefill")
+        grew = cuda_ops.pool_stats()["allocations"] - before
+        assert (grew > 0) == pooled, (pooled, grew)
+    np.testing.assert_array_equal(outs[True], outs[False])
+    assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label="pooled chains")
+
+
+def test_pooled_buffers_return_to_the_pool_when_released():
+    case = _sdpa_prefill_case()
+    md = case.metadata()
+
+    def call():
+        return metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
+                                          provider="sdpa_prefill")
+
+    mx.eval(call())
+    mx.synchronize()
+    idle = cuda_ops.pool_stats()
+    outs = [call() for _ in range(8)]
+    mx.eval(outs)
+    held = cuda_ops.pool_stats()
+    assert held["live_buffers"] >= idle["live_buffers"] + 8, (idle, held)
+    assert held["live_bytes"] >= idle["live_bytes"] + 8 * outs[0].nbytes, (idle, held)
+    del outs
+    mx.synchronize()
+    after = cuda_ops.pool_stats()
+    assert after["live_buffers"] == idle["live_buffers"], (idle, after)
+    assert after["live_bytes"] == idle["live_bytes"], (idle, after)
+    assert after["reserved_bytes"] >= held["live_bytes"] - idle["live_bytes"]  # kept for reuse until trimmed
+    cuda_ops.trim_pool()
+    assert cuda_ops.pool_stats()["reserved_bytes"] <= after["reserved_bytes"]
+
+
+def test_a_pooled_output_the_host_reads_keeps_its_values_and_mlx_accounting_sane():
+    # Reading an array on the host makes MLX move its buffer into unified memory (and free our device
+    # memory itself); its release then frees MLX's unified memory. MLX's active-memory figure must not
+    # wrap around for memory it never counted.
+    case = _sdpa_prefill_case()
+    active_before = mx.get_active_memory()
+    moved = cuda_ops.pool_stats()["moved_by_mlx"]
+    out = metal_attn.paged_attention(case.q, case.k_cache, case.v_cache, metadata=case.metadata(),
+                                     scale=case.scale, provider="sdpa_prefill")
+    bits = np.array(out.view(mx.uint16))  # the host reads the chain's own buffer (a view shares it)
+    first = (bits.astype(np.uint32) << 16).view(np.float32)
+    again = _as_f32(out)  # a GPU op reads the moved buffer
+    np.testing.assert_array_equal(first, again)
+    assert_close_to_oracle(again, case.oracle(), case.dtype, label="host-read pooled output")
+    del out
+    mx.synchronize()
+    assert cuda_ops.pool_stats()["moved_by_mlx"] >= moved + 1
+    total = mx.device_info().get("memory_size") or 2**40
+    assert mx.get_active_memory() < total, (active_before, mx.get_active_memory())
+    assert abs(mx.get_active_memory() - active_before) < 2**30, (active_before, mx.get_active_memory())
