@@ -111,7 +111,9 @@ NB_MODULE(_cuda_ops, m) {
         "The chains' device memory pool: bytes and buffers arrays hold now, the pool's reserved bytes (idle "
         "included), buffers handed out, those MLX moved to unified memory (read by the host), requests MLX's "
         "allocator took (the pool out of memory).");
-  m.def("trim_pool", &mac::trim_pool, "Return the chains' pool's idle device memory to the driver.");
+  m.def("trim_pool", &mac::trim_pool,
+        "Free the released buffers and return the chains' pool's idle device memory to the driver; call it with "
+        "the GPU idle (metal_attn.cuda_ops.trim_pool synchronizes first).");
 
   nb::class_<Chain>(m, "Chain", "A fixed sequence of kernel launches, run as one MLX primitive.")
       .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
