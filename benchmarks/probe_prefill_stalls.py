@@ -77,21 +77,30 @@ def python_callers(events: list[dict], call: dict, depth: int = 5) -> list[str]:
 
 
 def traced_samples(fn, n: int, calls: int, *, stacks: bool = False) -> list[dict]:
-    """`samples`' loop under torch.profiler, one annotated range a sample; per sample its wall µs, the GPU's
-    busy µs in it, its longest GPU idle gap and the host CUDA API calls overlapping that gap, and the
-    sample's API calls over 100 µs."""
+    """`samples`' loop under torch.profiler, one annotated range a sample, read by `read_samples`."""
     import torch
     from kernel_trace import trace_events
 
     def run() -> None:
         for i in range(n):
-            with torch.profiler.record_function(f"stall-sample-{i}"):
+            with torch.profiler.record_function(f"{SAMPLE_MARK}{i}"):
                 for _ in range(calls):
                     mx.async_eval(fn())
                 mx.synchronize()
 
-    events = trace_events(run, stacks=stacks)
-    marks = sorted((e for e in events if str(e.get("name", "")).startswith("stall-sample-")
+    return read_samples(trace_events(run, stacks=stacks), stacks=stacks)
+
+
+#: The name of each sample's annotated range in the trace (then its index).
+SAMPLE_MARK = "stall-sample-"
+
+
+def read_samples(events: list[dict], *, stacks: bool = False) -> list[dict]:
+    """Per annotated sample of a torch.profiler trace: its wall µs, the GPU's busy µs in it (kernels, copies
+    and memsets, overlaps once), its longest GPU idle gap and the host CUDA API calls overlapping that gap,
+    its API calls over 100 µs, its API µs by call, its slowest GPU activities and (``stacks``) the Python
+    callers of its API calls over 1 ms but the waits (``cudaStreamSynchronize``)."""
+    marks = sorted((e for e in events if str(e.get("name", "")).startswith(SAMPLE_MARK)
                     and e.get("cat") == "user_annotation"), key=lambda e: float(e["ts"]))
     gpu_events = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     gpu = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu_events]
@@ -125,6 +134,14 @@ def traced_samples(fn, n: int, calls: int, *, stacks: bool = False) -> list[dict
     return out
 
 
+def describe(i: int, r: dict) -> str:
+    """One traced sample of `traced_samples` as a line."""
+    return (f"sample {i}: wall {r['wall_us']:.0f} us busy {r['busy_us']:.0f} kernels {r['kernels']} "
+            f"longest idle {r['gap_us']:.0f} us at +{r['gap_at_us']:.0f}; API in it {r['api_in_gap']}; "
+            f"API over 100 us {r['api_over_100us']}; API totals {r['api_total_us']}; "
+            f"slowest GPU {r['slowest_gpu']}; callers {r['callers']}")
+
+
 def trace_main(args, ours, peer) -> dict:
     """``--trace``: the bench's sampling, untraced and traced (module docstring)."""
     forced = lambda: ours(provider="sdpa_prefill")  # noqa: E731
@@ -132,9 +149,7 @@ def trace_main(args, ours, peer) -> dict:
     if args.cold:  # traced from the process's first call: the warm-up's stalls
         result["traced"]["auto, cold"] = rows = traced_samples(ours, args.samples, args.calls)
         for i, r in enumerate(rows[:12]):
-            print(f"cold auto sample {i}: wall {r['wall_us']:.0f} us busy {r['busy_us']:.0f} kernels {r['kernels']} "
-                  f"longest idle {r['gap_us']:.0f} us at +{r['gap_at_us']:.0f}; API in it {r['api_in_gap']}; "
-                  f"API over 100 us {r['api_over_100us']}; API totals {r['api_total_us']}", flush=True)
+            print("cold auto " + describe(i, r), flush=True)
     for label, fn in (("auto", ours), ("sdpa_prefill", forced), ("peer", peer)):
         mx.eval(fn())
         rows = samples(fn, args.samples, args.calls)
@@ -151,10 +166,7 @@ def trace_main(args, ours, peer) -> dict:
               f"{sorted(r['busy_us'] for r in rows)[len(rows) // 2] / args.calls:.0f} us a call", flush=True)
         for i, r in enumerate(rows):
             if r["wall_us"] > 1.3 * med or i < 2:
-                print(f"    sample {i}: wall {r['wall_us']:.0f} us busy {r['busy_us']:.0f} kernels {r['kernels']} "
-                      f"longest idle {r['gap_us']:.0f} us at +{r['gap_at_us']:.0f}; API in it {r['api_in_gap']}; "
-                      f"API over 100 us {r['api_over_100us']}; API totals {r['api_total_us']}; "
-                      f"slowest GPU {r['slowest_gpu']}; callers {r['callers']}", flush=True)
+                print("    " + describe(i, r), flush=True)
     return result
 
 
