@@ -97,9 +97,10 @@ SAMPLE_MARK = "stall-sample-"
 
 def read_samples(events: list[dict], *, stacks: bool = False) -> list[dict]:
     """Per annotated sample of a torch.profiler trace: its wall µs, the GPU's busy µs in it (kernels, copies
-    and memsets, overlaps once), its longest GPU idle gap and the host CUDA API calls overlapping that gap,
-    its API calls over 100 µs, its API µs by call, its slowest GPU activities and (``stacks``) the Python
-    callers of its API calls over 1 ms but the waits (``cudaStreamSynchronize``)."""
+    and memsets, overlaps once) and how many such activities started in it, its longest GPU idle gap and
+    the host CUDA API calls overlapping that gap, its API calls over 100 µs, its API µs by call, its
+    slowest GPU activities and (``stacks``) the Python callers of its API calls over 1 ms but the waits
+    (``cudaStreamSynchronize``)."""
     marks = sorted((e for e in events if str(e.get("name", "")).startswith(SAMPLE_MARK)
                     and e.get("cat") == "user_annotation"), key=lambda e: float(e["ts"]))
     gpu_events = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -128,7 +129,7 @@ def read_samples(events: list[dict], *, stacks: bool = False) -> list[dict]:
                     "callers": [(e["name"], round(float(e["dur"])), python_callers(events, e)) for e in blocking[:3]]
                     if stacks else [],
                     "api_total_us": sorted(((k, round(v)) for k, v in totals.items()), key=lambda x: -x[1])[:6],
-                    "wall_us": t1 - t0, "busy_us": busy, "kernels": sum(1 for a, b in gpu if t0 <= a < t1),
+                    "wall_us": t1 - t0, "busy_us": busy, "gpu_activities": sum(1 for a, b in gpu if t0 <= a < t1),
                     "gap_us": g1 - g0, "gap_at_us": g0 - t0,
                     "api_in_gap": [(name, round(d)) for name, d in during[:4]], "api_over_100us": longest[:6]})
     return out
@@ -136,7 +137,7 @@ def read_samples(events: list[dict], *, stacks: bool = False) -> list[dict]:
 
 def describe(i: int, r: dict) -> str:
     """One traced sample of `traced_samples` as a line."""
-    return (f"sample {i}: wall {r['wall_us']:.0f} us busy {r['busy_us']:.0f} kernels {r['kernels']} "
+    return (f"sample {i}: wall {r['wall_us']:.0f} us busy {r['busy_us']:.0f} GPU activities {r['gpu_activities']} "
             f"longest idle {r['gap_us']:.0f} us at +{r['gap_at_us']:.0f}; API in it {r['api_in_gap']}; "
             f"API over 100 us {r['api_over_100us']}; API totals {r['api_total_us']}; "
             f"slowest GPU {r['slowest_gpu']}; callers {r['callers']}")

@@ -36,10 +36,10 @@ TRACE = [
 
 def test_each_sample_reads_its_busy_time_gap_and_host_calls():
     steady, stall = ps.read_samples(TRACE, stacks=True)
-    assert steady["wall_us"] == 1000 and steady["kernels"] == 3
+    assert steady["wall_us"] == 1000 and steady["gpu_activities"] == 3
     assert steady["busy_us"] == 400 + 200  # k1 and k2 overlap once: 100-500, then 700-900
     assert (steady["gap_at_us"], steady["gap_us"]) == (500, 200)  # k2's end to k3 (longer than 0-100, 900-1000)
-    assert stall["busy_us"] == 1000 and stall["kernels"] == 3
+    assert stall["busy_us"] == 1000 and stall["gpu_activities"] == 3
     assert (stall["gap_at_us"], stall["gap_us"]) == (1400, 2100)  # the copy's end (3,400) to k3 (5,500)
     assert stall["api_in_gap"][0] == ("cudaMemcpy", 2500)
     assert stall["slowest_gpu"][0] == ("Memcpy DtoD (Device -> Managed)", 400)
