@@ -41,13 +41,16 @@ if (tid == 0) {
 //          the same rows' queries), first [n * KVH] int32 (first_flagged),
 //          lead [lead_rows, H, D] (T: rows computed elsewhere that go in front, a mixed batch's
 //          decode rows; unread when lead_rows is 0),
-//          params int32 [q_len, seq_len, n, num_heads, kv_heads, lead_rows, out_row0]
+//          params int32 [q_len, seq_len, n, num_heads, kv_heads, lead_rows, out_row0, in_place]
 // Outputs: out [out_row0 + lead_rows + rows (at least), H, D] (T): from row out_row0 on, the lead
 //          rows as they are, then o, or NaN for every
 //          element of a (row, head) that attends a flagged position (first <= seq_len - q_len + r,
 //          the row's last key) or whose query holds a non-finite element. (Writing the lead rows
 //          here saves a mixed batch the concatenation of the two outputs: two copy launches. With
 //          out_row0, launches of several runs write one output: no concatenation either.)
+//          in_place = 1 (lead_rows and out_row0 0; a CUDA chain whose output starts as o's values,
+//          mostly in o's own buffer): out already holds o, so only the NaN rows are written and o
+//          is not read, a third of the bytes.
 // Template: T, HEAD_SIZE (a multiple of 4). The head counts are runtime parameters, so the kernel a
 // provider compiles ahead for a (dtype, head size) is the one every geometry of it runs.
 // rows = n * q_len, sequence-major. One simdgroup per (row, head); each lane moves groups of four
@@ -58,6 +61,7 @@ const int num_heads = params[3];
 const int kv_heads = params[4];
 const uint lead_pairs = uint(params[5]) * uint(num_heads);
 const int64_t out0 = int64_t(params[6]) * num_heads;  // (row, head) pairs of out before this launch's
+const bool in_place = params[7] != 0;
 const int lane = int(thread_index_in_simdgroup);
 // (row, head) indices in 32 bits (the grid's thread index is 32-bit): the divisions by the runtime
 // head count and chunk length stay cheap; the element offset is 64-bit.
@@ -95,7 +99,7 @@ if (slot < lead_pairs) {  // a lead row: copied as it is (uniform per simdgroup)
       for (int i = 0; i < 4; ++i) {
         out[at + d + i] = ma_from_float<T>(ma_nan());
       }
-    } else {
+    } else if (!in_place) {
       ma_store_raw4(out + at + d, ma_load_raw4(o + base + d));
     }
   }

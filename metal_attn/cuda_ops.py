@@ -231,14 +231,18 @@ def threadgroups(grid: Sequence[int], threadgroup: Sequence[int]) -> tuple[int, 
 def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[int, ...], Any]],
           scratch: Sequence[tuple[tuple[int, ...], Any]],
           launches: Sequence[tuple[int, tuple[int, int, int], tuple[int, int, int], Sequence[int], int]],
-          input_shapes: Sequence[tuple[int, ...]] = (), state: Sequence[int] = ()) -> Any:
+          input_shapes: Sequence[tuple[int, ...]] = (), state: Sequence[int] = (),
+          initial: Sequence[tuple[int, int]] = ()) -> Any:
     """A ``_cuda_ops.Chain``: call it with the inputs (a list of arrays in ``input_dtypes``, and of
     ``input_shapes`` when given: each call checks both) for its outputs. ``launches``: ``(function,
     grid in threadgroups, threadgroup, argument buffer indices (inputs, then outputs, then scratch),
     how many of the arguments are read)``. ``state``: the indices of inputs the launches update in
     place (row-contiguous buffers the kernels leave as they found them, such as arrival counters);
-    each call is ordered after the previous writer of each. Its buffers come from the chains' device
-    memory pool unless ``cuda_chain_pool`` is off (`pool_stats`)."""
+    each call is ordered after the previous writer of each. ``initial``: ``(output, input)`` pairs, the
+    output starting as the input's values (same dtype and element count) for launches that update it in
+    place; it takes over the input's buffer where no other array holds it, else gets a copy
+    (`initial_stats`), and launches read the output, not the input. Its buffers come from the chains'
+    device memory pool unless ``cuda_chain_pool`` is off (`pool_stats`)."""
     from metal_attn.settings import get_settings
 
     mod = native()
@@ -247,7 +251,8 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
     chains_built[name] += 1
     return mod.Chain(name, list(input_dtypes), [(list(s), d) for s, d in outputs], [(list(s), d) for s, d in scratch],
                      [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches],
-                     [list(x) for x in input_shapes], list(state), get_settings().cuda_chain_pool)
+                     [list(x) for x in input_shapes], list(state), get_settings().cuda_chain_pool,
+                     [tuple(p) for p in initial])
 
 
 def pool_stats() -> dict[str, int] | None:
@@ -256,6 +261,14 @@ def pool_stats() -> dict[str, int] | None:
     is not in ``mx.get_active_memory()``; `trim_pool` returns the idle part to the driver."""
     mod = native()
     return None if mod is None else dict(mod.pool_stats())
+
+
+def initial_stats() -> dict[str, int] | None:
+    """How chain outputs with initial values got them since the process started (`chain`'s
+    ``initial``): ``donated`` (took over the input's buffer), ``copied`` (another array held the input);
+    ``None`` where the module is not loaded."""
+    mod = native()
+    return None if mod is None else dict(mod.initial_stats())
 
 
 def trim_pool() -> None:

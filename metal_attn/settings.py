@@ -229,6 +229,16 @@ class Settings(BaseSettings):
         ),
     )
 
+    cuda_finish_in_place: bool = Field(
+        True,
+        validation_alias=_env("cuda_finish_in_place"),
+        description=(
+            "CUDA chains, the sdpa_prefill route: a batch of one run of equal chunks and no decode rows applies the "
+            "NaN contract in MLX SDPA's output buffer, which the finish chain takes over (it reads the query and "
+            "writes only NaN rows). 0: the finish copies the output into a buffer of its own (for A/B runs)."
+        ),
+    )
+
     cuda_fused_reduce: bool = Field(
         False,
         validation_alias=_env("cuda_fused_reduce"),

@@ -260,7 +260,7 @@ class SdpaPrefillProvider(Provider):
             label=f"sdpa_finish {dtype} head={head}", kernel="sdpa_finish", source_files=FINISH_FILES,
             input_names=FINISH_INPUTS, output_names=FINISH_OUTPUTS, template=tuple(finish_template(dtype, head)),
             inputs=(((3, 4, head), dtype), ((3, 4, head), dtype), ((2,), "int32"), ((2, 4, head), dtype),
-                    ((7,), "int32")),
+                    ((8,), "int32")),
             outputs=(((5, 4, head), dtype),),
         ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         first = Specialization(
@@ -374,6 +374,7 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
 
     from metal_attn import kernels
     from metal_attn.kernels import SIMD_WIDTH
+    from metal_attn.settings import get_settings
 
     _, num_heads, _ = q_shape
     nb, block_size, kvh, head = k_shape
@@ -391,6 +392,7 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
     lead_fits = bool(runs) and (lead_rows + runs[0].rows) * num_heads * SIMD_WIDTH <= MAX_GRID_THREADS
     chained = (backend == "cuda" and gc.cuda_chains_enabled() and bool(runs) and (lead_fits or not lead_rows)
                and not any(r.table_short for r in runs))
+    in_place = chained and len(runs) == 1 and not lead_rows and get_settings().cuda_finish_in_place
     out: list[RunLaunch] = []
     for i, run in enumerate(runs):
         if run.table_short:
@@ -403,7 +405,8 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
             run, takes_lead=lead > 0,
             gather_params=gc.pack_int32((run.seq, run.n, run.seq_len, nb, width, block_size, kvh)),
             first_params=gc.pack_int32((run.seq_len,)),
-            finish_params=gc.pack_int32((run.q_len, run.seq_len, run.n, num_heads, kvh, lead, out_row0)))
+            finish_params=gc.pack_int32((run.q_len, run.seq_len, run.n, num_heads, kvh, lead, out_row0,
+                                         int(in_place))))
         if chained:
             out.append(run)
             continue
@@ -426,12 +429,15 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
     runs_t = tuple(out)
     if not chained:
         return RunPlan(runs_t)
-    return RunPlan(runs_t, chained_runs(runs_t, kvh, head, lead_rows, num_heads, dtype, cache_dtype))
+    return RunPlan(runs_t, chained_runs(runs_t, kvh, head, lead_rows, num_heads, dtype, cache_dtype, in_place))
 
 
 def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_rows: int, num_heads: int,
-                 dtype: Any, cache_dtype: Any) -> ChainedRuns:
-    """The batch's `ChainedRuns` for ``runs`` (the first takes the ``lead_rows``)."""
+                 dtype: Any, cache_dtype: Any, in_place: bool = False) -> ChainedRuns:
+    """The batch's `ChainedRuns` for ``runs`` (the first takes the ``lead_rows``). ``in_place`` (one
+    run, no lead rows, its finish parameters saying so): the finish chain's output starts as the fused
+    kernel's output, in that output's buffer where MLX allows it, and ``sdpa_finish`` writes only the
+    NaN rows."""
     import mlx.core as mx
 
     from metal_attn import cuda_ops
@@ -467,10 +473,11 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     total = lead_rows + sum(r.rows for r in runs)
     finishes = [(fin, cuda_ops.threadgroups(((r.rows + (lead_rows if r.takes_lead else 0)) * num_heads * SIMD_WIDTH,
                                              1, 1), (FINISH_THREADS, 1, 1)),
-                 (FINISH_THREADS, 1, 1), [4 * i, 4 * i + 1, 4 * i + 2, lead_at, 4 * i + 3, out_at], 5)
+                 (FINISH_THREADS, 1, 1), [out_at if in_place else 4 * i, 4 * i + 1, 4 * i + 2, lead_at, 4 * i + 3,
+                                          out_at], 5)
                 for i, r in enumerate(runs)]
     finish = cuda_ops.chain("metal_attn.sdpa_finish", [*[dtype, dtype, mx.int32, mx.int32] * count, dtype],
-                            [((total, num_heads, head), dtype)], [], finishes)
+                            [((total, num_heads, head), dtype)], [], finishes, initial=[(0, 0)] if in_place else ())
     return ChainedRuns(gc.ChainLaunch(gather), gc.ChainLaunch(finish),
                        tuple(p for r in runs for p in (r.gather_params, r.first_params)))
 

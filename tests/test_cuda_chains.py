@@ -207,7 +207,8 @@ def test_a_chained_batch_launches_what_the_mx_fast_route_launches(fake_chains, m
             assert np.array_equal(np.array(getattr(c, name)), np.array(getattr(p, name)))
         # The finish's parameters are the mx.fast route's but for where the run's rows go.
         want_row0 = 0 if i == 0 else 2 + chained.runs[0].rows
-        assert list(np.array(c.finish_params)) == [*list(np.array(p.finish_params))[:6], want_row0]
+        assert list(np.array(c.finish_params)) == [*list(np.array(p.finish_params))[:6], want_row0, 0]
+        assert list(np.array(p.finish_params))[6:] == [0, 0]  # out_row0, in_place
         gk, fk, ffk = p.gather.kwargs, p.first.kwargs, p.finish.kwargs
         assert gather_fn["name"] == "gather_kv" and gather_fn["template"] == _names(gk["template"])
         assert [n for n, _ in gather_fn["inputs"]] == list(sp.GATHER_INPUTS)
@@ -231,6 +232,29 @@ def test_a_chained_batch_launches_what_the_mx_fast_route_launches(fake_chains, m
         assert (n_args, n_reads) == ([4 * i, 4 * i + 1, 4 * i + 2, 8, 4 * i + 3, 9], 5)
     total = 2 + sum(r.rows for r in chained.runs)
     assert [tuple(s) for s, _ in f.outputs] == [(total, 8, 128)]
+    assert f.initial == []  # two runs and lead rows: the finish copies each run's output into one
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_one_run_without_lead_rows_finishes_in_the_fused_output(fake_chains, in_place):
+    """Two equal prompts are one run: the finish chain's output starts as the fused output (input 0),
+    its launch reads the output in the fused output's place and its parameters say in_place; the
+    setting off gives the copying finish."""
+    from metal_attn.providers import sdpa_prefill as sp
+
+    md = AttentionMetadata.build(np.arange(10, dtype=np.int32).reshape(2, 5), [70, 70], [0, 70, 140],
+                                 validate=False)
+    with override_settings(cuda_finish_in_place=in_place):
+        plan = sp.run_launches(md, 0, (140, 8, 128), (25, 16, 2, 128), mx.bfloat16, mx.bfloat16, 0, "cuda")
+    (run,) = plan.runs
+    f = plan.chained.finish.chain
+    ((_, _, _, args, reads),) = f.launches
+    assert list(np.array(run.finish_params)) == [70, 70, 2, 8, 2, 0, 0, int(in_place)]
+    assert [tuple(s) for s, _ in f.outputs] == [(140, 8, 128)]
+    if in_place:
+        assert f.initial == [(0, 0)] and (args, reads) == ([5, 1, 2, 4, 3, 5], 5)
+    else:
+        assert f.initial == [] and (args, reads) == ([0, 1, 2, 4, 3, 5], 5)
 
 
 def test_a_chained_batch_passes_its_inputs_in_the_kernels_order(fake_chains, monkeypatch):

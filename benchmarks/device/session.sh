@@ -20,6 +20,9 @@
 #            probe's samples with host time, Python's collections and MLX's allocator, on b4 q2048 and q4096,
 #            then the bench's b4 q2048 four times, then the bench's sampling on b4 q2048 traced (CUPTI, host API
 #            calls included: each slow sample's GPU busy time, longest idle gap and the host calls in it) (issue #18)
+#   finish   sdpa_prefill's finish in place (METAL_ATTN_CUDA_FINISH_IN_PLACE): the chain and prefill GPU tests, then
+#            the prefill-gpu suite's prefill shapes with the copying finish in the same run, queued twice and
+#            blocking once (issue #18)
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
@@ -54,7 +57,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams stalls engine baseline fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls finish engine baseline fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -155,6 +158,14 @@ run_phase() {
       step bench-b4 "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes "b4 q2048" --repeat 4 \
         --quiet --markdown --candidates auto,sdpa_prefill,mlx_sdpa --json "$dir/bench-b4.json"
       step trace-b4 "$STEP_LIMIT" python3 benchmarks/probe_prefill_stalls.py --trace "$dir/trace-b4.json" ;;
+    finish)
+      # shellcheck disable=SC2046
+      step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) tests/gpu/test_cuda_chains_gpu.py \
+        tests/gpu/test_sdpa_prefill_gpu.py tests/gpu/test_nonfinite_gpu.py
+      step suite-queued "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes prefill --repeat 2 \
+        --quiet --markdown --candidates "auto,auto[cuda_finish_in_place=0],mlx_sdpa" --json "$dir/suite-queued.json"
+      step suite-blocking "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --shapes prefill --quiet --markdown \
+        --candidates "auto,auto[cuda_finish_in_place=0],mlx_sdpa" --json "$dir/suite-blocking.json" ;;
     prefill)
       step mixed "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes mixed --repeat 3 --quiet \
         --markdown --candidates "auto,tiled_prefill,sdpa_prefill,mlx_sdpa" --json "$dir/mixed.json"

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "jit.h"
@@ -80,11 +81,6 @@ const Pool& the_pool() {
   return pool;
 }
 
-// A buffer of ours as MLX sees it (CudaBuffer: data, size, device).
-struct PoolBuffer {
-  mx::cu::CudaBuffer buf;
-};
-
 // A buffer MLX let go of, waiting to go back to the pool. MLX drops an array as soon as the last
 // operation reading it is encoded, which can be before that operation's graph is launched. So a
 // released buffer is first `pending`; the next chain call hangs the pending batch on a completion
@@ -117,26 +113,29 @@ void free_now(const Released& r, CUstream stream) {
            managed ? "cuMemFree" : "cuMemFreeHost");
 }
 
-std::vector<Released> take(std::vector<Released>& list) {
+// The ready and the pending buffers, both lists emptied under one lock.
+std::pair<std::vector<Released>, std::vector<Released>> take_released() {
+  std::pair<std::vector<Released>, std::vector<Released>> out;
   std::lock_guard<std::mutex> lock(released_mutex);
-  std::vector<Released> batch;
-  batch.swap(list);
-  return batch;
+  out.first.swap(ready);
+  out.second.swap(pending);
+  return out;
 }
 
 // The deleter of our array data: called when the last array holding the buffer lets go of it, on
 // whichever thread that is. No exception may leave it, and it makes no driver call.
+// The buffer is MLX's CudaBuffer (data, size, device), as MLX's own allocator makes them.
 void release(mx::allocator::Buffer b) noexcept {
-  auto* pb = static_cast<PoolBuffer*>(b.ptr());
-  const bool device = pb->buf.device >= 0;
+  auto* buf = static_cast<mx::cu::CudaBuffer*>(b.ptr());
+  const bool device = buf->device >= 0;
   if (!device) moved_by_mlx.fetch_add(1);
-  if (pb->buf.data != nullptr) {
+  if (buf->data != nullptr) {
     std::lock_guard<std::mutex> lock(released_mutex);
-    pending.push_back({pb->buf.data, pb->buf.size, device});
+    pending.push_back({buf->data, buf->size, device});
   }
-  live_bytes.fetch_sub(pb->buf.size);
+  live_bytes.fetch_sub(buf->size);
   live_buffers.fetch_sub(1);
-  delete pb;
+  delete buf;
 }
 
 }  // namespace
@@ -145,8 +144,8 @@ mx::allocator::Data device_data(size_t bytes, mx::cu::CommandEncoder& enc) {
   const Pool& p = the_pool();
   const PoolDriver& d = api();
   CUstream stream = static_cast<cudaStream_t>(enc.stream());
-  for (const Released& r : take(ready)) free_now(r, stream);
-  std::vector<Released> batch = take(pending);
+  auto [ready_now, batch] = take_released();
+  for (const Released& r : ready_now) free_now(r, stream);
   if (!batch.empty()) {
     enc.add_completed_handler([batch = std::move(batch)]() mutable {
       std::lock_guard<std::mutex> lock(released_mutex);
@@ -165,11 +164,11 @@ mx::allocator::Data device_data(size_t bytes, mx::cu::CommandEncoder& enc) {
     return mx::allocator::malloc(bytes);
   }
   check_cu(r, "cuMemAllocFromPoolAsync(" + std::to_string(size) + " bytes)");
-  auto* pb = new PoolBuffer{{reinterpret_cast<void*>(ptr), size, p.device}};
+  auto* buf = new mx::cu::CudaBuffer{reinterpret_cast<void*>(ptr), size, p.device};
   live_bytes.fetch_add(size);
   live_buffers.fetch_add(1);
   allocations.fetch_add(1);
-  return mx::allocator::Data(mx::allocator::Buffer(pb), release);
+  return mx::allocator::Data(mx::allocator::Buffer(buf), release);
 }
 
 PoolStats pool_stats() {
@@ -184,8 +183,9 @@ PoolStats pool_stats() {
 
 void trim_pool() {
   if (pool.handle == nullptr) return;
-  for (const Released& r : take(ready)) free_now(r, nullptr);
-  for (const Released& r : take(pending)) free_now(r, nullptr);
+  auto [ready_now, waiting] = take_released();
+  for (const Released& r : ready_now) free_now(r, nullptr);
+  for (const Released& r : waiting) free_now(r, nullptr);
   check_cu(api().pool_trim(pool.handle, 0), "cuMemPoolTrimTo");
 }
 

@@ -2,6 +2,7 @@
 #include "kernel_chain.h"
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -47,6 +48,16 @@ extern "C" __global__ void ma_copy_2(const unsigned short* in, unsigned short* o
 extern "C" __global__ void ma_copy_4(const unsigned int* in, unsigned int* out, CopyShape s) { strided_copy(in, out, s); }
 extern "C" __global__ void ma_copy_8(const unsigned long long* in, unsigned long long* out, CopyShape s) { strided_copy(in, out, s); }
 )";
+
+std::atomic<size_t> outputs_donated{0};
+std::atomic<size_t> outputs_copied{0};
+
+// Whether `out` may take over `in`'s buffer as it is: no other array holds it (MLX's own test),
+// and its bytes are exactly out's, row-contiguous from the buffer's start.
+bool takes_over(const mx::array& in, const mx::array& out) {
+  return in.is_donatable() && in.flags().row_contiguous && in.offset() == 0 && in.data_size() == in.size() &&
+         in.shape() == out.shape() && in.dtype() == out.dtype();
+}
 
 std::once_flag copy_once;
 std::vector<CUfunction> copy_fns;
@@ -123,6 +134,35 @@ void ChainSpec::validate() const {
     }
   }
   auto is_state = [this](int a) { return std::find(state.begin(), state.end(), a) != state.end(); };
+  std::vector<bool> has_initial(n_out, false);
+  for (const auto& [o, i] : initial) {
+    if (o < 0 || o >= n_out || i < 0 || i >= n_in) {
+      throw std::invalid_argument("chain " + name + ": initial pair (output " + std::to_string(o) + ", input " +
+                                  std::to_string(i) + ") (allowed: outputs 0.." + std::to_string(n_out - 1) +
+                                  ", inputs 0.." + std::to_string(n_in - 1) + ")");
+    }
+    if (has_initial[o]) {
+      throw std::invalid_argument("chain " + name + ": output " + std::to_string(o) + " has two initial inputs (at most one)");
+    }
+    has_initial[o] = true;
+    if (input_dtypes[i] != outputs[o].dtype) {
+      std::ostringstream msg;
+      msg << "chain " << name << ": output " << o << " (" << outputs[o].dtype << ") starts as input " << i << " ("
+          << input_dtypes[i] << "); they must have one dtype";
+      throw std::invalid_argument(msg.str());
+    }
+    if (!input_shapes.empty()) {
+      auto count = [](const mx::Shape& s) {
+        size_t c = 1;
+        for (auto d : s) c *= static_cast<size_t>(d);
+        return c;
+      };
+      if (count(input_shapes[i]) != count(outputs[o].shape)) {
+        throw std::invalid_argument("chain " + name + ": output " + std::to_string(o) + " starts as input " +
+                                    std::to_string(i) + ", which has another element count");
+      }
+    }
+  }
   if (launches.empty()) throw std::invalid_argument("chain " + name + ": launches is empty (at least one)");
   for (size_t l = 0; l < launches.size(); ++l) {
     const Launch& launch = launches[l];
@@ -186,14 +226,32 @@ bool KernelChain::is_equivalent(const mx::Primitive& other) const {
 void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const ChainSpec& spec = *spec_;
   auto& enc = mx::cu::get_command_encoder(stream());
-  std::vector<mx::array> buffers;
-  buffers.reserve(inputs.size() + outputs.size() + spec.scratch.size());
   for (int a : spec.state) {
     if (!inputs[a].flags().row_contiguous) {
       throw std::invalid_argument("chain " + spec.name + ": state input " + std::to_string(a) +
                                   " is not row-contiguous (it is updated in place, so it is never copied)");
     }
   }
+  // Outputs first: an output takes over an input's buffer only while no other array (buffers
+  // included) holds the input.
+  std::vector<int> initial_of(outputs.size(), -1);
+  for (const auto& [o, i] : spec.initial) initial_of[o] = i;
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    mx::array& out = outputs[o];
+    const int from = initial_of[o];
+    if (from >= 0 && takes_over(inputs[from], out)) {
+      out.copy_shared_buffer(inputs[from]);
+      outputs_donated.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      out.set_data(chain_data(spec, enc, out.nbytes()));
+      if (from >= 0) {  // run_chain checked the element counts
+        encode_copy(enc, inputs[from], out);
+        outputs_copied.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+  std::vector<mx::array> buffers;
+  buffers.reserve(inputs.size() + outputs.size() + spec.scratch.size());
   for (const auto& in : inputs) {
     if (in.flags().row_contiguous) {
       buffers.push_back(in);
@@ -204,10 +262,7 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
       buffers.push_back(c);
     }
   }
-  for (auto& out : outputs) {
-    out.set_data(chain_data(spec, enc, out.nbytes()));
-    buffers.push_back(out);
-  }
+  for (const auto& out : outputs) buffers.push_back(out);
   for (const auto& b : spec.scratch) {
     mx::array t = allocated(spec, enc, b.shape, b.dtype);
     enc.add_temporary(t);
@@ -234,6 +289,10 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
   }
 }
 
+InitialStats initial_stats() {
+  return {outputs_donated.load(std::memory_order_relaxed), outputs_copied.load(std::memory_order_relaxed)};
+}
+
 std::vector<mx::array> run_chain(const std::shared_ptr<const ChainSpec>& spec, const std::vector<mx::array>& inputs) {
   if (inputs.size() != spec->input_dtypes.size()) {
     throw std::invalid_argument("chain " + spec->name + ": " + std::to_string(inputs.size()) + " inputs (it takes " +
@@ -251,6 +310,16 @@ std::vector<mx::array> run_chain(const std::shared_ptr<const ChainSpec>& spec, c
       msg << "chain " << spec->name << ": input " << i << " has shape " << inputs[i].shape()
           << " (it was built for " << spec->input_shapes[i] << ")";
       throw std::invalid_argument(msg.str());
+    }
+  }
+  for (const auto& [o, i] : spec->initial) {
+    const auto& b = spec->outputs[o];
+    size_t count = 1;
+    for (auto d : b.shape) count *= static_cast<size_t>(d);
+    if (inputs[i].size() != count) {
+      throw std::invalid_argument("chain " + spec->name + ": output " + std::to_string(o) + " starts as input " +
+                                  std::to_string(i) + ", which has " + std::to_string(inputs[i].size()) +
+                                  " elements (the output has " + std::to_string(count) + ")");
     }
   }
   auto stream = mx::default_stream(mx::default_device());

@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mlx/array.h"
@@ -44,6 +45,12 @@ struct ChainSpec {
   // previous writer of the buffer, so that calls sharing one never overlap.
   std::vector<int> state;
   std::vector<Buffer> outputs;
+  // (output, input) pairs: the output starts holding the input's values, so launches may update it
+  // in place. The output takes over the input's buffer where MLX allows it (the input is donatable:
+  // no other array holds it, as MLX's own element-wise kernels check), else gets a copy of it; the
+  // caller's arrays are never written. Same dtype and element count. Launches read the output, not
+  // the input: once taken over, the input's buffer is the output's.
+  std::vector<std::pair<int, int>> initial;
   std::vector<Buffer> scratch;
   std::vector<Launch> launches;
   // Outputs, scratch and input copies from our device memory pool (device_memory.h); false: MLX's
@@ -51,10 +58,19 @@ struct ChainSpec {
   bool pooled = true;
 
   // Checks every index and size, that no launch writes an input other than a state input, that
-  // every output is written and that no scratch buffer is read before a launch writes it; throws
-  // std::invalid_argument naming what is wrong.
+  // every output is written, that no scratch buffer is read before a launch writes it and that each
+  // initial pair names an output once and an input of the output's dtype (and element count, when
+  // input shapes are given); throws std::invalid_argument naming what is wrong.
   void validate() const;
 };
+
+// How chains' outputs with initial values (ChainSpec::initial) got them, since the process started.
+struct InitialStats {
+  size_t donated;  // took over the input's buffer
+  size_t copied;   // a copy of the input (another array held it, or it was not row-contiguous)
+};
+
+InitialStats initial_stats();
 
 class KernelChain : public mx::Primitive {
  public:

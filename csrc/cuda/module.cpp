@@ -44,13 +44,14 @@ struct Chain {
 Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dtypes,
                  const std::vector<BufferSpec>& outputs, const std::vector<BufferSpec>& scratch,
                  const std::vector<LaunchSpec>& launches, const std::vector<std::vector<int>>& input_shapes,
-                 const std::vector<int>& state, bool pooled) {
+                 const std::vector<int>& state, bool pooled, const std::vector<std::pair<int, int>>& initial) {
   auto spec = std::make_shared<mac::ChainSpec>();
   spec->name = name;
   spec->input_dtypes = input_dtypes;
   for (const auto& s : input_shapes) spec->input_shapes.emplace_back(s.begin(), s.end());
   spec->state = state;
   spec->pooled = pooled;
+  spec->initial = initial;
   spec->outputs = buffers(outputs);
   spec->scratch = buffers(scratch);
   for (const auto& [fn, grid, block, args, reads] : launches) {
@@ -115,13 +116,26 @@ NB_MODULE(_cuda_ops, m) {
         "Free the released buffers and return the chains' pool's idle device memory to the driver; call it with "
         "the GPU idle (metal_attn.cuda_ops.trim_pool synchronizes first).");
 
+  m.def("initial_stats", [] {
+          mac::InitialStats s = mac::initial_stats();
+          nb::dict d;
+          d["donated"] = s.donated;
+          d["copied"] = s.copied;
+          return d;
+        },
+        "Chain outputs given an input's values (Chain's initial) since the process started: those that took over "
+        "the input's buffer (donated) and those that got a copy (another array held the input).");
+
   nb::class_<Chain>(m, "Chain", "A fixed sequence of kernel launches, run as one MLX primitive.")
       .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
            "input_shapes"_a = std::vector<std::vector<int>>{}, "state"_a = std::vector<int>{}, "pooled"_a = true,
+           "initial"_a = std::vector<std::pair<int, int>>{},
            "input_shapes: one per input (checked at each call), or none; outputs and scratch: (shape, dtype) pairs; launches: (function, grid, block, args, reads), grid in "
            "threadgroups, args as buffer indices (inputs, then outputs, then scratch), the first `reads` read; state: the input "
            "indices launches may write in place (row-contiguous buffers they leave as they found them); pooled: outputs, "
-           "scratch and input copies in our stream-ordered device memory pool (False: MLX's allocator).")
+           "scratch and input copies in our stream-ordered device memory pool (False: MLX's allocator); initial: (output, "
+           "input) pairs, the output starting as the input's values (its buffer where no other array holds it, else a "
+           "copy), for launches that update it in place.")
       .def("__call__", [](const Chain& c, const std::vector<mx::array>& inputs) { return mac::run_chain(c.spec, inputs); },
            "inputs"_a, "The chain's outputs over inputs (lazy).")
       .def_prop_ro("name", [](const Chain& c) { return c.spec->name; });

@@ -148,6 +148,7 @@ class FakeChain:
     input_shapes: list
     state: list
     pooled: bool = True
+    initial: list = dataclasses.field(default_factory=list)
     owner: FakeChains | None = dataclasses.field(default=None, repr=False)
     calls: list = dataclasses.field(default_factory=list)
     _zeros: list = dataclasses.field(default_factory=list, repr=False)
@@ -185,8 +186,9 @@ def fake_chains() -> Iterator[FakeChains]:
     class Module:
         @staticmethod
         def Chain(name: str, input_dtypes: list, outputs: list, scratch: list, launches: list,
-                  input_shapes: list, state: list, pooled: bool) -> FakeChain:
-            c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, pooled, owner=fake)
+                  input_shapes: list, state: list, pooled: bool, initial: list) -> FakeChain:
+            c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, pooled, initial,
+                          owner=fake)
             fake.chains.append(c)
             return c
 

@@ -249,3 +249,81 @@ def test_a_pooled_output_the_host_reads_keeps_its_values_and_mlx_accounting_sane
     total = mx.device_info().get("memory_size") or 2**40
     assert mx.get_active_memory() < total, (active_before, mx.get_active_memory())
     assert abs(mx.get_active_memory() - active_before) < 2**30, (active_before, mx.get_active_memory())
+
+
+def _doubling_chain():
+    # out = 2 * out + 1 over 1,024 floats, in place: the output starts as input 0's values (initial).
+    body = ("const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+            "if (i < 1024) { out[i] = 2.0f * out[i] + 1.0f; }")
+    fn = cuda_ops.compile_function("ma_test_double_in_place", cuda_ops.runtime_source(
+        "ma_test_double_in_place", "", body, [("unused", "float32")], [("out", "float32")], []))
+    return cuda_ops.chain("test.double_in_place", [mx.float32], [((1024,), mx.float32)], [],
+                          [(fn, (4, 1, 1), (256, 1, 1), [1, 1], 1)], initial=[(0, 0)])
+
+
+def test_an_output_with_initial_values_takes_over_a_free_input_and_copies_a_held_one():
+    chain = _doubling_chain()
+    base = np.arange(1024, dtype=np.float32) * 3
+    want = 2 * base + 1
+
+    before = cuda_ops.initial_stats()
+    (free,) = chain([mx.arange(1024, dtype=mx.float32) * 3])  # no other array holds the product
+    np.testing.assert_array_equal(np.array(free), want)
+    after = cuda_ops.initial_stats()
+    assert (after["donated"] - before["donated"], after["copied"] - before["copied"]) == (1, 0), (before, after)
+
+    held = mx.arange(1024, dtype=mx.float32) * 3
+    mx.eval(held)
+    (out,) = chain([held])
+    np.testing.assert_array_equal(np.array(out), want)
+    np.testing.assert_array_equal(np.array(held), base)  # the caller's array is not written
+    strided = mx.stack([held, -held], axis=1)[:, 0]  # not row-contiguous: copied, in order
+    (out2,) = chain([strided])
+    np.testing.assert_array_equal(np.array(out2), want)
+    last = cuda_ops.initial_stats()
+    assert (last["donated"] - after["donated"], last["copied"] - after["copied"]) == (0, 2), (after, last)
+
+    with pytest.raises(ValueError, match=r"starts as input 0, which has 1023 elements \(the output has 1024\)"):
+        chain([mx.zeros((1023,), mx.float32)])
+
+
+def test_a_chain_with_a_wrong_initial_pair_is_refused_when_built():
+    f32, fn = mx.float32, 1  # never launched
+    launch = [(fn, (1, 1, 1), (32, 1, 1), [1, 1], 1)]
+    for kw, message in [
+        (dict(initial=[(1, 0)]), r"initial pair \(output 1, input 0\) \(allowed: outputs 0..0, inputs 0..0\)"),
+        (dict(initial=[(0, 0), (0, 0)]), r"output 0 has two initial inputs"),
+        (dict(initial=[(0, 0)], input_shapes=[(3,)]), r"output 0 starts as input 0, which has another element count"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cuda_ops.chain("bad", [f32], [((4,), f32)], [], launch, **kw)
+    with pytest.raises(ValueError, match=r"output 0 \(.*float32.*\) starts as input 0 \(.*float16.*\)"):
+        cuda_ops.chain("bad", [mx.float16], [((4,), f32)], [], launch, initial=[(0, 0)])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sdpa_prefill_finishes_one_run_in_the_fused_output_s_buffer(dtype):
+    # Two equal prompts (one run, no decode rows): the finish chain takes over MLX SDPA's output and
+    # writes only the NaN rows; the same bytes as the copying finish, NaN rows included.
+    from metal_attn.testing.overrides import rule_opened_for
+
+    nan, inf = float("nan"), float("inf")
+    case = make_case(q_lens=[300, 300], seq_lens=[300, 300], num_heads=8, num_kv_heads=2, head_size=128,
+                     block_size=16, dtype=dtype, seed=31,
+                     poison=[("v", 0, 120, 0, nan), ("k", 1, 250, 1, inf), ("q", 0, 10, 3, nan),
+                             ("q", 1, 299, 5, -inf)],
+                     label=f"one run {dtype}")
+    outs = {}
+    with rule_opened_for("sdpa_prefill"):
+        for in_place in (True, False):
+            before = cuda_ops.initial_stats()
+            with override_settings(cuda_finish_in_place=in_place):
+                outs[in_place] = run_case(case, provider="sdpa_prefill")
+            assert diagnostics.last_dispatch().route == "sdpa_prefill"
+            after = cuda_ops.initial_stats()
+            # Every finish of the provider's calls (its warm-up's too) takes the buffer over, or none.
+            assert (after["donated"] > before["donated"]) == in_place, (in_place, before, after)
+            assert after["copied"] == before["copied"], (in_place, before, after)
+    np.testing.assert_array_equal(outs[True], outs[False])
+    assert np.isnan(outs[True]).any() and np.isfinite(outs[True]).any()
+    assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=case.label)
