@@ -38,10 +38,20 @@ def variants(case):
     """(label, fn) pairs for one prefill case (a single run of equal sequences)."""
     s = case.shape
     md, kc, vc = case.metadata, case.k_pool, case.v_pool
-    n, q_len, context = s.batch, s.q_len, s.context
+    n, q_len = s.batch, s.q_len
     backend = current_device().backend
     qv = case.q.reshape(n, q_len, s.num_heads, s.head_size).transpose(0, 2, 1, 3)
-    k, v, _ = sp.launch_gather(kc, vc, md.block_tables, 0, n, context, backend)
+    # The route's own gather: its chain on CUDA with chains on, else its mx.fast launches.
+    plan = sp.run_launches(md, 0, case.q.shape, kc.shape, case.q.dtype, kc.dtype, 0, backend)
+    if plan.chained is not None:
+        def gather():
+            return plan.chained.gather_flagged(kc, vc, md.block_tables)[0][:2]
+    else:
+        (run,) = plan.runs
+
+        def gather():
+            return run.gather_flagged(kc, vc, md.block_tables)[:2]
+    k, v = gather()
     mx.eval(k, v)
     (kk, vv), = case.contiguous_kv()
     (qc,) = case.group_queries()
@@ -52,7 +62,7 @@ def variants(case):
     yield "route", lambda: metal_attn.paged_attention(case.q, kc, vc, metadata=md, scale=case.scale,
                                                       provider="sdpa_prefill")
     yield "mlx_sdpa", lambda: sdpa(qc, kk, vv)
-    yield "gather", lambda: sp.launch_gather(kc, vc, md.block_tables, 0, n, context, backend)[:2]
+    yield "gather", gather
     yield "sdpa q_view", lambda: sdpa(qv, k, v)
     yield "sdpa q_copy", lambda: sdpa(mx.contiguous(qv), k, v)
 

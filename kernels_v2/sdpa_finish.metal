@@ -41,7 +41,8 @@ if (tid == 0) {
 //          the same rows' queries), first [n * KVH] int32 (first_flagged),
 //          lead [lead_rows, H, D] (T: rows computed elsewhere that go in front, a mixed batch's
 //          decode rows; unread when lead_rows is 0),
-//          params int32 [q_len, seq_len, n, num_heads, kv_heads, lead_rows, out_row0, in_place]
+//          params int32 [q_len, seq_len, n, num_heads, kv_heads, lead_rows, out_row0, in_place,
+//          per_simdgroup]
 // Outputs: out [out_row0 + lead_rows + rows (at least), H, D] (T): from row out_row0 on, the lead
 //          rows as they are, then o, or NaN for every
 //          element of a (row, head) that attends a flagged position (first <= seq_len - q_len + r,
@@ -53,8 +54,9 @@ if (tid == 0) {
 //          is not read, a third of the bytes.
 // Template: T, HEAD_SIZE (a multiple of 4). The head counts are runtime parameters, so the kernel a
 // provider compiles ahead for a (dtype, head size) is the one every geometry of it runs.
-// rows = n * q_len, sequence-major. One simdgroup per (row, head); each lane moves groups of four
-// elements (one 8- or 16-byte access on CUDA).
+// (lead + rows) * H (row, head) pairs, rows = n * q_len sequence-major; each simdgroup takes
+// per_simdgroup consecutive pairs (so that a big batch is not thousands of waves of simdgroups that
+// each move one pair); each lane moves groups of four elements (one 8- or 16-byte access on CUDA).
 const int q_len = params[0];
 const int seq_len = params[1];
 const int num_heads = params[3];
@@ -62,45 +64,48 @@ const int kv_heads = params[4];
 const uint lead_pairs = uint(params[5]) * uint(num_heads);
 const int64_t out0 = int64_t(params[6]) * num_heads;  // (row, head) pairs of out before this launch's
 const bool in_place = params[7] != 0;
+const uint per = uint(params[8]);
 const int lane = int(thread_index_in_simdgroup);
 // (row, head) indices in 32 bits (the grid's thread index is 32-bit): the divisions by the runtime
 // head count and chunk length stay cheap; the element offset is 64-bit.
-const uint slot = uint(thread_position_in_grid.x) / uint(MA_SIMD_WIDTH);  // (row, head) of out
 const uint pairs = uint(params[2]) * uint(q_len) * uint(num_heads);
-if (slot < lead_pairs) {  // a lead row: copied as it is (uniform per simdgroup)
-  const int64_t at = (out0 + slot) * HEAD_SIZE;
-  for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
-    ma_store_raw4(out + at + d, ma_load_raw4(lead + at + d));
-  }
-} else if (slot - lead_pairs < pairs) {
-  const uint pair = slot - lead_pairs;  // (row, head) of o and q
-  const int h = int(pair % uint(num_heads));
-  const uint t = pair / uint(num_heads);
-  const int r = int(t % uint(q_len));
-  const int s = int(t / uint(q_len));
-  const int kvh = h / (num_heads / kv_heads);
-  const bool reached = first[s * kv_heads + kvh] <= seq_len - q_len + r;
-  const int64_t base = int64_t(pair) * HEAD_SIZE;
-  const int64_t at = (out0 + slot) * HEAD_SIZE;
-  float bad_q = 0.0f;
-  for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
-    float x[4];
-    ma_unpack4(ma_load_raw4(q + base + d), x);
-    for (int i = 0; i < 4; ++i) {
-      if (!ma_isfinite(x[i])) {
-        bad_q = 1.0f;
+const uint slot0 = uint(thread_position_in_grid.x) / uint(MA_SIMD_WIDTH) * per;
+for (uint slot = slot0; slot < slot0 + per; ++slot) {  // (row, head) of out; uniform per simdgroup
+  if (slot < lead_pairs) {  // a lead row: copied as it is
+    const int64_t at = (out0 + slot) * HEAD_SIZE;
+    for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
+      ma_store_raw4(out + at + d, ma_load_raw4(lead + at + d));
+    }
+  } else if (slot - lead_pairs < pairs) {
+    const uint pair = slot - lead_pairs;  // (row, head) of o and q
+    const int h = int(pair % uint(num_heads));
+    const uint t = pair / uint(num_heads);
+    const int r = int(t % uint(q_len));
+    const int s = int(t / uint(q_len));
+    const int kvh = h / (num_heads / kv_heads);
+    const bool reached = first[s * kv_heads + kvh] <= seq_len - q_len + r;
+    const int64_t base = int64_t(pair) * HEAD_SIZE;
+    const int64_t at = (out0 + slot) * HEAD_SIZE;
+    float bad_q = 0.0f;
+    for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
+      float x[4];
+      ma_unpack4(ma_load_raw4(q + base + d), x);
+      for (int i = 0; i < 4; ++i) {
+        if (!ma_isfinite(x[i])) {
+          bad_q = 1.0f;
+        }
       }
     }
-  }
-  const float bad_lanes = simd_sum(bad_q);  // every lane of the simdgroup takes part
-  const bool nan_row = reached || bad_lanes > 0.0f;
-  for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
-    if (nan_row) {
-      for (int i = 0; i < 4; ++i) {
-        out[at + d + i] = ma_from_float<T>(ma_nan());
+    const float bad_lanes = simd_sum(bad_q);  // every lane of the simdgroup takes part
+    const bool nan_row = reached || bad_lanes > 0.0f;
+    for (int d = lane * 4; d < HEAD_SIZE; d += 4 * MA_SIMD_WIDTH) {
+      if (nan_row) {
+        for (int i = 0; i < 4; ++i) {
+          out[at + d + i] = ma_from_float<T>(ma_nan());
+        }
+      } else if (!in_place) {
+        ma_store_raw4(out + at + d, ma_load_raw4(o + base + d));
       }
-    } else if (!in_place) {
-      ma_store_raw4(out + at + d, ma_load_raw4(o + base + d));
     }
   }
 }

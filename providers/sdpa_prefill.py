@@ -260,7 +260,7 @@ class SdpaPrefillProvider(Provider):
             label=f"sdpa_finish {dtype} head={head}", kernel="sdpa_finish", source_files=FINISH_FILES,
             input_names=FINISH_INPUTS, output_names=FINISH_OUTPUTS, template=tuple(finish_template(dtype, head)),
             inputs=(((3, 4, head), dtype), ((3, 4, head), dtype), ((2,), "int32"), ((2, 4, head), dtype),
-                    ((8,), "int32")),
+                    ((9,), "int32")),
             outputs=(((5, 4, head), dtype),),
         ) for dtype in sorted(self.dtypes) for head in sorted(self.head_sizes)]
         first = Specialization(
@@ -406,7 +406,7 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
             gather_params=gc.pack_int32((run.seq, run.n, run.seq_len, nb, width, block_size, kvh)),
             first_params=gc.pack_int32((run.seq_len,)),
             finish_params=gc.pack_int32((run.q_len, run.seq_len, run.n, num_heads, kvh, lead, out_row0,
-                                         int(in_place))))
+                                         int(in_place), finish_launch((lead + run.rows) * num_heads)[0])))
         if chained:
             out.append(run)
             continue
@@ -423,7 +423,7 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
             threadgroup=(FIRST_THREADS, 1, 1), output_shapes=[(n * kvh,)], output_dtypes=[mx.int32])
         finish = gc.kernel_launch(
             kernels.load_kernel("sdpa_finish", FINISH_FILES, FINISH_INPUTS, FINISH_OUTPUTS, backend),
-            template=finish_template(dtype, head), grid=((lead + rows) * num_heads * SIMD_WIDTH, 1, 1),
+            template=finish_template(dtype, head), grid=(finish_launch((lead + rows) * num_heads)[1], 1, 1),
             threadgroup=(FINISH_THREADS, 1, 1), output_shapes=[(lead + rows, num_heads, head)], output_dtypes=[dtype])
         out.append(dataclasses.replace(run, gather=gather, first=first, finish=finish))
     runs_t = tuple(out)
@@ -471,11 +471,11 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     fin = cuda_ops.kernel_function("sdpa_finish", FINISH_FILES, None, f_in, f_out, finish_template(dn, head))
     lead_at, out_at = 4 * count, 4 * count + 1
     total = lead_rows + sum(r.rows for r in runs)
-    finishes = [(fin, cuda_ops.threadgroups(((r.rows + (lead_rows if r.takes_lead else 0)) * num_heads * SIMD_WIDTH,
-                                             1, 1), (FINISH_THREADS, 1, 1)),
-                 (FINISH_THREADS, 1, 1), [out_at if in_place else 4 * i, 4 * i + 1, 4 * i + 2, lead_at, 4 * i + 3,
-                                          out_at], 5)
-                for i, r in enumerate(runs)]
+    finishes = []
+    for i, r in enumerate(runs):
+        _, threads = finish_launch((r.rows + (lead_rows if r.takes_lead else 0)) * num_heads)
+        finishes.append((fin, cuda_ops.threadgroups((threads, 1, 1), (FINISH_THREADS, 1, 1)), (FINISH_THREADS, 1, 1),
+                         [out_at if in_place else 4 * i, 4 * i + 1, 4 * i + 2, lead_at, 4 * i + 3, out_at], 5))
     finish = cuda_ops.chain("metal_attn.sdpa_finish", [*[dtype, dtype, mx.int32, mx.int32] * count, dtype],
                             [((total, num_heads, head), dtype)], [], finishes, initial=[(0, 0)] if in_place else ())
     return ChainedRuns(gc.ChainLaunch(gather), gc.ChainLaunch(finish),
@@ -600,6 +600,21 @@ FINISH_INPUTS, FINISH_OUTPUTS = ("o", "q", "first", "lead", "params"), ("out",)
 #: sdpa_finish (four (row, head) pairs, one simdgroup each).
 FIRST_THREADS = 256
 FINISH_THREADS = 128
+#: sdpa_finish's (row, head) pairs per simdgroup: as many as keep at least FINISH_SIMDGROUPS
+#: simdgroups (about four waves of an H100's resident ones), at most FINISH_MAX_PAIRS. With one pair
+#: a simdgroup, a big batch is thousands of short waves: at b4 q2048 the in-place finish took 60 µs
+#: to read 67 MB of queries, 52 µs with 8 pairs a simdgroup (thirty-third session, H100, one profile
+#: each; docs/bench-h200-prefill.md). The copying finish read the same either way.
+FINISH_SIMDGROUPS = 32768
+FINISH_MAX_PAIRS = 16
+
+
+def finish_launch(pairs: int) -> tuple[int, int]:
+    """``(pairs per simdgroup, threads)`` of an sdpa_finish launch over ``pairs`` (row, head) pairs."""
+    from metal_attn.kernels import SIMD_WIDTH
+
+    per = max(1, min(FINISH_MAX_PAIRS, pairs // FINISH_SIMDGROUPS))
+    return per, -(-pairs // per) * SIMD_WIDTH
 
 
 #: first_flagged's ``(name, dtype name)`` inputs and outputs.

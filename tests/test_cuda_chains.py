@@ -207,8 +207,9 @@ def test_a_chained_batch_launches_what_the_mx_fast_route_launches(fake_chains, m
             assert np.array_equal(np.array(getattr(c, name)), np.array(getattr(p, name)))
         # The finish's parameters are the mx.fast route's but for where the run's rows go.
         want_row0 = 0 if i == 0 else 2 + chained.runs[0].rows
-        assert list(np.array(c.finish_params)) == [*list(np.array(p.finish_params))[:6], want_row0, 0]
-        assert list(np.array(p.finish_params))[6:] == [0, 0]  # out_row0, in_place
+        plain_params = list(np.array(p.finish_params))
+        assert list(np.array(c.finish_params)) == [*plain_params[:6], want_row0, 0, plain_params[8]]
+        assert plain_params[6:8] == [0, 0]  # out_row0, in_place
         gk, fk, ffk = p.gather.kwargs, p.first.kwargs, p.finish.kwargs
         assert gather_fn["name"] == "gather_kv" and gather_fn["template"] == _names(gk["template"])
         assert [n for n, _ in gather_fn["inputs"]] == list(sp.GATHER_INPUTS)
@@ -249,7 +250,7 @@ def test_one_run_without_lead_rows_finishes_in_the_fused_output(fake_chains, in_
     (run,) = plan.runs
     f = plan.chained.finish.chain
     ((_, _, _, args, reads),) = f.launches
-    assert list(np.array(run.finish_params)) == [70, 70, 2, 8, 2, 0, 0, int(in_place)]
+    assert list(np.array(run.finish_params)) == [70, 70, 2, 8, 2, 0, 0, int(in_place), 1]
     assert [tuple(s) for s, _ in f.outputs] == [(140, 8, 128)]
     if in_place:
         assert f.initial == [(0, 0)] and (args, reads) == ([5, 1, 2, 4, 3, 5], 5)

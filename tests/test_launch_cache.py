@@ -211,8 +211,8 @@ def test_the_gathered_route_shares_its_run_launches(cuda, monkeypatch):
         assert _ints(g0["inputs"][3]) == [8, 2, 2048, PAGES, 256, BS, KVH]
         assert _ints(g1["inputs"][3])[:3] == [10, 1, 1024]
         f0, f1 = finishes[2 * layer].args, finishes[2 * layer + 1].args
-        assert f0["output_shapes"] == [(8 + 1024, H, D)] and _ints(f0["inputs"][4])[5:] == [8, 0, 0]  # lead in front
-        assert f1["output_shapes"] == [(256, H, D)] and _ints(f1["inputs"][4])[5:] == [0, 0, 0]
+        assert f0["output_shapes"] == [(8 + 1024, H, D)] and _ints(f0["inputs"][4])[5:] == [8, 0, 0, 1]  # lead in front
+        assert f1["output_shapes"] == [(256, H, D)] and _ints(f1["inputs"][4])[5:] == [0, 0, 0, 1]
         assert f0["grid"] is finishes[0].args["grid"]
 
 

@@ -352,3 +352,13 @@ def test_non_finite_sinks_pass_to_mlx_unclamped(dtype):
     inf, nan = float("inf"), float("nan")
     got = np.array(sp.sinks_for_mlx(mx.array([inf, -inf, nan, 1.5, -2.0]), getattr(mx, dtype)).astype(mx.float32))
     assert got[0] == inf and got[1] == -inf and np.isnan(got[2]) and got[3] == 1.5 and got[4] == -2.0
+
+
+@pytest.mark.parametrize(("pairs", "per"), [(1, 1), (2048, 1), (65535, 1), (65536, 2), (99264, 3), (262144, 8),
+                                            (1 << 20, 16), (1 << 24, 16)])
+def test_finish_launches_give_each_simdgroup_a_share_of_the_pairs(pairs, per):
+    got_per, threads = sp.finish_launch(pairs)
+    simdgroups = threads // 32
+    assert got_per == per and threads % 32 == 0
+    assert simdgroups * per >= pairs > (simdgroups - 1) * per  # every pair covered, no idle simdgroup
+    assert simdgroups >= min(pairs, sp.FINISH_SIMDGROUPS)

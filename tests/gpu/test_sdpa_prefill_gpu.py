@@ -94,6 +94,25 @@ def test_mixed_batch_decode_rows_split_off(sinks):
     _check(case, route="sdpa_prefill_decode")
 
 
+@pytest.mark.parametrize(("q_lens", "seq_lens", "route"), [([3101], [3101], "sdpa_prefill"),
+                                                          ([1, 1, 3101], [700, 40, 3101], "sdpa_prefill_decode")],
+                         ids=["one run", "lead rows"])
+def test_a_big_batch_finishes_several_pairs_per_simdgroup(q_lens, seq_lens, route):
+    # 3,101 rows x 32 heads (and two lead rows): sdpa_finish's simdgroups take 3 (row, head) pairs
+    # each, and the last one a partial share; NaN rows near the end and flagged keys must still land.
+    from metal_attn.providers import sdpa_prefill as sp
+
+    lead = len(q_lens) - 1
+    per, threads = sp.finish_launch((lead + 3101) * 32)
+    assert per == 3 and threads // 32 * per > (lead + 3101) * 32, (per, threads)
+    nan, inf = float("nan"), float("inf")
+    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=32, num_kv_heads=8, head_size=64, block_size=16,
+                     dtype="bfloat16", seed=41, label=f"big {route}",
+                     poison=[("q", lead, 3100, 31, nan), ("q", lead, 3099, 0, inf), ("k", lead, 3000, 7, nan),
+                             ("v", lead, 12, 2, -inf)])
+    _check(case, route=route)
+
+
 @pytest.mark.parametrize("provider", ["sdpa_prefill", "tiled_prefill"])
 def test_decode_rows_on_a_second_stream_give_the_same_bytes(provider):
     """A mixed batch's decode rows queued on the GPU's second stream (overlapping the chunks) give the
