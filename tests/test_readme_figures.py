@@ -190,3 +190,23 @@ def test_h200_prefill_figures_equal_the_prefill_table():
                f"mixed batches at {_span(mix)}x MLX SDPA contiguous"]
     for phrase in phrases:
         assert phrase in _measured(), f"README's prefill bullet should say {phrase!r}"
+
+
+def test_h100_finish_in_place_figures_equal_the_whole_calls_table():
+    """The README's thirty-third-session sentence, recomputed from docs/bench-h200-prefill.md's "Whole
+    calls" table: the span of the queued readings on the gathered shapes with the finish in place and
+    with the copying finish (each cell "in place (copying)"), and the 64-row chunk's two readings."""
+    doc = (ROOT / "docs" / "bench-h200-prefill.md").read_text()
+    header, *rows = _table_after(doc, "**Whole calls.**")
+    cells = [r[header.index(c)] for r in rows for c in ("queued, reading 1", "queued, reading 2")
+             if not r[0].startswith("q64")]
+    pct = lambda x: str(round(float(x) * 100))  # noqa: E731
+    ours = _span([pct(_num(c, r"^(\d\.\d\d) ")) for c in cells])
+    copying = _span([pct(_num(c, r"\((\d\.\d\d)\)")) for c in cells])
+    (chunk,) = [r for r in rows if r[0].startswith("q64")]
+    first, second = (pct(_num(chunk[header.index(c)], r"^(\d\.\d\d) ")) for c in ("queued, reading 1",
+                                                                                     "queued, reading 2"))
+    phrase = (f"queued calls at {ours}% of MLX SDPA on the {len(cells) // 2} gathered shapes in two readings of "
+              f"one run, {copying}% with the copying finish in the same run; the 64-row chunk after 2K (the "
+              f"tiles' route, no finish) at {first}% and {second}%")
+    assert phrase in _measured(), f"README's prefill bullet should say {phrase!r}"
