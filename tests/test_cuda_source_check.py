@@ -15,15 +15,16 @@ pytestmark = pytest.mark.skipif(cuda_check.find_nvcc() is None,
 #: pattern takes its split-KV path and its short-chunk tile's split too; each split per-token pattern
 #: takes its fused-reducer variant (`PA_FUSED`) too; the matrix pattern its A/B layouts (swizzled by default;
 #: rows padded by 16 and by 32) and the keys-as-rows path (`PA_MMA 2`); the reducer at each of its partition
-#: slice counts (`SLICE_COUNTS`).
+#: slice counts (`SLICE_COUNTS`); sdpa_prefill's three kernels (gather_kv, first_flagged, sdpa_finish).
 SAMPLE = ("tiled_prefill bfloat16 h128|gqa_decode float16 32/8/128/bs16 P512|paged_attention_v2_reduce bfloat16 h128"
           "|paged_attention bfloat16 h128 g4 split=1.*matrix|paged_attention float32 h128 g4 split=0.*staged"
-          "|paged_attention float16 h64 g2 split=1.*direct")
+          "|paged_attention float16 h64 g2 split=1.*direct|gather_kv bfloat16 h128|sdpa_finish bfloat16 h128"
+          "|first_flagged")
 
 
 def test_every_path_compiles(capsys):
     assert cuda_check.main(["--only", SAMPLE, "--jobs", "2"]) == 0
-    assert "19 CUDA sources, 0 failed" in capsys.readouterr().out
+    assert "22 CUDA sources, 0 failed" in capsys.readouterr().out
 
 
 def test_a_planted_error_fails(planted_kernels, seq_line, capsys):

@@ -362,3 +362,15 @@ def test_finish_launches_give_each_simdgroup_a_share_of_the_pairs(pairs, per):
     assert got_per == per and threads % 32 == 0
     assert simdgroups * per >= pairs > (simdgroups - 1) * per  # every pair covered, no idle simdgroup
     assert simdgroups >= min(pairs, sp.FINISH_SIMDGROUPS)
+
+
+@pytest.mark.usefixtures("needs_clang")
+def test_the_route_s_metal_texts_type_check():
+    # gather_kv and sdpa_finish per (dtype, head size), and first_flagged: never run (no Apple GPU
+    # here), but type-checked with clang against the MSL shim, the finish's in-place and several-pairs
+    # paths included (they are runtime parameters).
+    from metal_attn import msl_check
+
+    result = msl_check.check(providers=["sdpa_prefill"])
+    assert result.ok, result.summary()
+    assert result.count == 2 * 2 * 3 + 1  # {float16, bfloat16} x heads {64, 96, 128} x 2 kernels, first_flagged
