@@ -20,16 +20,17 @@ pytestmark = pytest.mark.skipif(
 #: The per-token kernel's three paths and the reducer (what chains run), and the other kernels' texts.
 #: Each split per-token pattern takes its fused-reducer variant (`PA_FUSED`) too; the matrix pattern its A/B
 #: layouts (swizzled rows by default; rows padded by 16 bytes and by 32); the reducer at each of its partition
-#: slice counts.
+#: slice counts; sdpa_prefill's chained kernels (gather_kv, first_flagged, sdpa_finish).
 SAMPLE = ("paged_attention_v2_reduce bfloat16 h128|paged_attention bfloat16 h128 g4 split=1.*matrix"
           "|paged_attention float32 h128 g4 split=0.*staged|paged_attention float16 h64 g2 split=1.*direct"
-          "|tiled_prefill bfloat16 h128|gqa_decode float16 32/8/128/bs16 P512")
+          "|tiled_prefill bfloat16 h128|gqa_decode float16 32/8/128/bs16 P512"
+          "|gather_kv bfloat16 h128|sdpa_finish bfloat16 h128|first_flagged")
 
 
 def test_the_runtime_sources_compile_with_nvrtc(capsys):
     assert cuda_check.main(["--nvrtc", NVRTC, "--only", SAMPLE, "--jobs", "2"]) == 0
     out = capsys.readouterr().out
-    assert "19 CUDA sources, 0 failed (NVRTC" in out and "--device-as-default-execution-space" in out
+    assert "22 CUDA sources, 0 failed (NVRTC" in out and "--device-as-default-execution-space" in out
 
 
 def test_a_planted_error_fails_under_nvrtc(planted_kernels, seq_line, capsys):
