@@ -597,7 +597,7 @@ FINISH_FILES = ("sdpa_finish.metal",)
 FIRST_INPUTS, FIRST_OUTPUTS = ("bad", "params"), ("first",)
 FINISH_INPUTS, FINISH_OUTPUTS = ("o", "q", "first", "lead", "params"), ("out",)
 #: Threads per threadgroup of first_flagged (one threadgroup per (sequence, KV head)) and of
-#: sdpa_finish (four (row, head) pairs, one simdgroup each).
+#: sdpa_finish (four simdgroups, each taking `finish_launch`'s share of (row, head) pairs).
 FIRST_THREADS = 256
 FINISH_THREADS = 128
 #: sdpa_finish's (row, head) pairs per simdgroup: as many as keep at least FINISH_SIMDGROUPS
