@@ -401,12 +401,13 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
         lead = lead_rows if i == 0 and lead_fits else 0
         # With chains every run's finish writes the batch's one output, the lead rows in front.
         out_row0 = (lead_rows + run.row0 - base) if chained and i else 0
+        per, finish_threads = finish_launch((lead + run.rows) * num_heads)
         run = dataclasses.replace(
             run, takes_lead=lead > 0,
             gather_params=gc.pack_int32((run.seq, run.n, run.seq_len, nb, width, block_size, kvh)),
             first_params=gc.pack_int32((run.seq_len,)),
             finish_params=gc.pack_int32((run.q_len, run.seq_len, run.n, num_heads, kvh, lead, out_row0,
-                                         int(in_place), finish_launch((lead + run.rows) * num_heads)[0])))
+                                         int(in_place), per)))
         if chained:
             out.append(run)
             continue
@@ -423,7 +424,7 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
             threadgroup=(FIRST_THREADS, 1, 1), output_shapes=[(n * kvh,)], output_dtypes=[mx.int32])
         finish = gc.kernel_launch(
             kernels.load_kernel("sdpa_finish", FINISH_FILES, FINISH_INPUTS, FINISH_OUTPUTS, backend),
-            template=finish_template(dtype, head), grid=(finish_launch((lead + rows) * num_heads)[1], 1, 1),
+            template=finish_template(dtype, head), grid=(finish_threads, 1, 1),
             threadgroup=(FINISH_THREADS, 1, 1), output_shapes=[(lead + rows, num_heads, head)], output_dtypes=[dtype])
         out.append(dataclasses.replace(run, gather=gather, first=first, finish=finish))
     runs_t = tuple(out)
