@@ -232,7 +232,7 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
           scratch: Sequence[tuple[tuple[int, ...], Any]],
           launches: Sequence[tuple[int, tuple[int, int, int], tuple[int, int, int], Sequence[int], int]],
           input_shapes: Sequence[tuple[int, ...]] = (), state: Sequence[int] = (),
-          initial: Sequence[tuple[int, int]] = ()) -> Any:
+          initial: Sequence[tuple[int, int]] = (), commit_when_idle: bool = False) -> Any:
     """A ``_cuda_ops.Chain``: call it with the inputs (a list of arrays in ``input_dtypes``, and of
     ``input_shapes`` when given: each call checks both) for its outputs. ``launches``: ``(function,
     grid in threadgroups, threadgroup, argument buffer indices (inputs, then outputs, then scratch),
@@ -242,7 +242,8 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
     output starting as the input's values (same dtype and element count) for launches that update it in
     place; it takes over the input's buffer where no other array holds it, else gets a copy
     (`initial_stats`), and launches read the output, not the input. Its buffers come from the chains'
-    device memory pool unless ``cuda_chain_pool`` is off (`pool_stats`)."""
+    device memory pool unless ``cuda_chain_pool`` is off (`pool_stats`). ``commit_when_idle``: evaluating the
+    chain launches the CUDA graph MLX has encoded so far when the GPU has no work left (`idle_commits`)."""
     from metal_attn.settings import get_settings
 
     mod = native()
@@ -252,7 +253,7 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
     return mod.Chain(name, list(input_dtypes), [(list(s), d) for s, d in outputs], [(list(s), d) for s, d in scratch],
                      [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches],
                      [list(x) for x in input_shapes], list(state), get_settings().cuda_chain_pool,
-                     [tuple(p) for p in initial])
+                     [tuple(p) for p in initial], commit_when_idle)
 
 
 def pool_stats() -> dict[str, int] | None:
@@ -269,6 +270,14 @@ def initial_stats() -> dict[str, int] | None:
     ``None`` where the module is not loaded."""
     mod = native()
     return None if mod is None else dict(mod.initial_stats())
+
+
+def idle_commits() -> dict[str, int] | None:
+    """CUDA graphs chains launched for the GPU (`chain`'s ``commit_when_idle``) since the process started:
+    ``idle`` (it had no work left), ``ahead`` (at the 1st, 3rd, 7th... such chain after one found it idle);
+    ``None`` where the module is not loaded."""
+    mod = native()
+    return None if mod is None else dict(mod.idle_commits())
 
 
 def trim_pool() -> None:

@@ -229,6 +229,19 @@ class Settings(BaseSettings):
         ),
     )
 
+    cuda_commit_when_idle: bool | None = Field(
+        None,
+        validation_alias=_env("cuda_commit_when_idle"),
+        description=(
+            "CUDA chains: after a chain is encoded, launch the CUDA graph MLX has encoded so far when MLX's "
+            "stream has no work left (the GPU waits for the host), instead of waiting for MLX's node count "
+            "(MLX_MAX_OPS_PER_BUFFER). Unset: the per-token route's measured rule "
+            "(providers/gpu_common.IDLE_COMMIT_RULE: calls reading at least 64 MiB of K/V; the others were "
+            "slower on a host-bound engine, docs/cuda-ops.md, 'Starting an idle GPU'); 1 or 0: every chain or "
+            "none (the A/B toggle)."
+        ),
+    )
+
     cuda_finish_in_place: bool = Field(
         True,
         validation_alias=_env("cuda_finish_in_place"),

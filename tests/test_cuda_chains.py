@@ -289,3 +289,39 @@ def test_chains_take_their_memory_as_the_pool_setting_says(fake_chains, pooled):
     with override_settings(cuda_chain_pool=pooled):
         c = cuda_ops.chain("c", [mx.float32], [((4,), mx.float32)], [], [(1000, (1, 1, 1), (32, 1, 1), [0, 1], 1)])
     assert c.pooled is pooled
+
+
+def _idle_launch(seq_lens, rows=None):
+    """The chained per-token launch over one decode batch of these context lengths (bfloat16 pools of
+    8 KV heads of 128: 4 KiB of K+V a token)."""
+    n = len(seq_lens)
+    width = max(-(-s // 16) for s in seq_lens)
+    md = AttentionMetadata.build(np.arange(n * width, dtype=np.int32).reshape(n, width), list(seq_lens),
+                                 list(range(n + 1)), validate=False)
+    geo = gc.geometry(128, "bfloat16", "cuda", 4, True, None)
+    return gc.per_token_launch((n, 32, 128), mx.bfloat16, (n * width, 16, 8, 128), md, scale=0.1, use_sinks=False,
+                               sliding_window=None, softcap=None, partition_size=512, backend="cuda", geo=geo,
+                               prefetch=0, rows=rows, pool_dtype=mx.bfloat16)
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_chains_start_an_idle_gpu_by_the_rule_or_the_setting(fake_chains, setting):
+    # IDLE_COMMIT_RULE: a call reading at least 64 MiB of K/V commits MLX's graph when it finds the GPU
+    # idle; METAL_ATTN_CUDA_COMMIT_WHEN_IDLE=1/0 overrides it for every chain.
+    assert gc.IDLE_COMMIT_RULE.min_kv_bytes == 64 << 20
+    token = 2 * 8 * 128 * 2  # K and V, 8 heads of 128, bfloat16
+    at_bound = (64 << 20) // token  # 16,384 tokens
+    with override_settings(cuda_commit_when_idle=setting):
+        big = _idle_launch([at_bound // 2, at_bound // 2])
+        small = _idle_launch([at_bound // 2, at_bound // 2 - 1])
+        # rows: only the decode rows' sequences count (here the first one, below the bound)
+        first_rows = _idle_launch([at_bound // 2, at_bound], rows=1)
+    want = (True, False, False) if setting is None else (setting,) * 3
+    assert (big.chain.commit_when_idle, small.chain.commit_when_idle, first_rows.chain.commit_when_idle) == want
+
+
+def test_the_idle_commit_rule_states_its_evidence():
+    rule = gc.IDLE_COMMIT_RULE
+    assert "decode-step" in rule.evidence and "8 requests" in rule.evidence
+    assert not gc.commit_when_idle(rule.min_kv_bytes - 1, type("S", (), {"cuda_commit_when_idle": None})())
+    assert gc.commit_when_idle(0, type("S", (), {"cuda_commit_when_idle": True})())

@@ -23,6 +23,10 @@
 #   finish   sdpa_prefill's finish in place (METAL_ATTN_CUDA_FINISH_IN_PLACE): the chain and prefill GPU tests, then
 #            the prefill-gpu suite's prefill shapes with the copying finish in the same run, queued twice and
 #            blocking once (issue #18)
+#   idle     chains that launch MLX's encoded graph when the GPU is idle (METAL_ATTN_CUDA_COMMIT_WHEN_IDLE, its rule
+#            IDLE_COMMIT_RULE): its GPU tests, the decode-step suite by the rule and with the setting off in one
+#            process, then the generate suite (engine and generate_step at 1 and 8 requests) in a process by the
+#            rule and one with the setting off (issue #17)
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
@@ -57,7 +61,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams stalls finish engine baseline fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls finish idle engine baseline fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -175,6 +179,19 @@ run_phase() {
       # slower, the peer most; docs/bench-h200-prefill.md).
       step mixed-no-graphs "$STEP_LIMIT" env MLX_USE_CUDA_GRAPHS=0 "${BENCH[@]}" --suite decode-gpu --pipelined \
         --shapes mixed --repeat 3 --quiet --markdown --candidates auto,mlx_sdpa --json "$dir/mixed-no-graphs.json" ;;
+    idle)
+      # shellcheck disable=SC2046
+      step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) tests/gpu/test_cuda_chains_gpu.py \
+        tests/gpu/test_compiled_decode_gpu.py
+      step decode-step 420 "${BENCH[@]}" --suite decode-step --repeat 2 --quiet --markdown --candidates \
+        "auto_compiled,auto_compiled[cuda_commit_when_idle=0],torch_sdpa,auto,auto[cuda_commit_when_idle=0],ceiling" \
+        --json "$dir/decode-step.json"
+      # The generate suite takes no settings variants: one process by the rule, one with the setting off.
+      step generate-rule "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet --concurrency 1,8 --shared-prefix 0 \
+        --gen-tokens 64 --candidates engine,generate_step --json "$dir/generate-rule.json"
+      step generate-off "$STEP_LIMIT" env METAL_ATTN_CUDA_COMMIT_WHEN_IDLE=0 "${BENCH[@]}" --suite generate --quiet \
+        --concurrency 1,8 --shared-prefix 0 --gen-tokens 64 --candidates engine,generate_step \
+        --json "$dir/generate-off.json" ;;
     engine)
       step compiled-inputs 60 python3 benchmarks/host_cost_compiled_inputs.py
       step generate "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet \

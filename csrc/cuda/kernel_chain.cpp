@@ -6,6 +6,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "device_memory.h"
 #include "jit.h"
@@ -51,6 +52,23 @@ extern "C" __global__ void ma_copy_8(const unsigned long long* in, unsigned long
 
 std::atomic<size_t> outputs_donated{0};
 std::atomic<size_t> outputs_copied{0};
+std::atomic<size_t> commits_when_idle{0};
+std::atomic<size_t> commits_ahead{0};
+
+// Per stream (a stream belongs to the thread that made it): chains with commit_when_idle encoded since
+// one last found the GPU idle, or -1 before any did.
+thread_local std::unordered_map<int, long long> chains_since_idle;
+
+// Whether the encoder's stream has finished all the work launched on it so far (cuStreamQuery).
+bool stream_idle(mx::cu::CommandEncoder& enc) {
+  using Query = CUresult (*)(CUstream);
+  static const Query query = reinterpret_cast<Query>(driver_symbol("cuStreamQuery"));
+  const CUresult r = query(static_cast<cudaStream_t>(enc.stream()));
+  if (r == CUDA_SUCCESS) return true;
+  if (r == CUDA_ERROR_NOT_READY) return false;
+  check_cu(r, "cuStreamQuery");
+  return false;
+}
 
 // Whether `out` may take over `in`'s buffer as it is: no other array holds it (MLX's own test),
 // and its bytes are exactly out's, row-contiguous from the buffer's start.
@@ -107,6 +125,25 @@ void encode_copy(mx::cu::CommandEncoder& enc, const mx::array& in, const mx::arr
   enc.set_output_array(out);
   enc.add_kernel_node_raw(fn, dim3(static_cast<unsigned>(std::min<long long>(std::max<long long>(blocks, 1), 65535))),
                           dim3(threads), dim3(1, 1, 1), 0, params);
+}
+
+// ChainSpec::commit_when_idle, after a chain is encoded: launch what the encoder holds when the GPU
+// is idle, and then ahead of it at the 1st, 3rd, 7th, 15th... such chain after that, so that each
+// graph is about as long as all those before it and the host encodes the next while the GPU runs them.
+void commit_for_the_gpu(mx::cu::CommandEncoder& enc, int stream_index) {
+  long long& since = chains_since_idle.try_emplace(stream_index, -1).first->second;
+  if (stream_idle(enc)) {
+    since = 0;
+    enc.commit();
+    commits_when_idle.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  if (since < 0) return;
+  ++since;
+  if (((since + 1) & since) == 0) {  // since + 1 is a power of two
+    enc.commit();
+    commits_ahead.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 }  // namespace
@@ -287,6 +324,11 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
     enc.add_kernel_node_raw(launch.function, dim3(launch.grid[0], launch.grid[1], launch.grid[2]),
                             dim3(launch.block[0], launch.block[1], launch.block[2]), dim3(1, 1, 1), 0, params.data());
   }
+  if (spec.commit_when_idle) commit_for_the_gpu(enc, stream().index);
+}
+
+IdleCommits idle_commits() {
+  return {commits_when_idle.load(std::memory_order_relaxed), commits_ahead.load(std::memory_order_relaxed)};
 }
 
 InitialStats initial_stats() {

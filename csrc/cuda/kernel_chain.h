@@ -56,6 +56,12 @@ struct ChainSpec {
   // Outputs, scratch and input copies from our device memory pool (device_memory.h); false: MLX's
   // allocator (unified memory), for A/B runs.
   bool pooled = true;
+  // After encoding, launch what MLX's encoder holds (CommandEncoder::commit) when its stream has no
+  // work left (the GPU waits for the host), instead of waiting for MLX's node count
+  // (MLX_MAX_OPS_PER_BUFFER); then again, ahead of the GPU, at the 1st, 3rd, 7th, 15th... such chain
+  // after it. A blocking step then starts its GPU after its first chain, and each graph is encoded
+  // while the GPU runs the ones before; false: MLX decides alone.
+  bool commit_when_idle = false;
 
   // Checks every index and size, that no launch writes an input other than a state input, that
   // every output is written, that no scratch buffer is read before a launch writes it and that each
@@ -71,6 +77,14 @@ struct InitialStats {
 };
 
 InitialStats initial_stats();
+
+// Graphs chains launched for the GPU (ChainSpec::commit_when_idle) since the process started.
+struct IdleCommits {
+  size_t idle;   // the GPU had no work left
+  size_t ahead;  // the GPU was busy, at the 1st, 3rd, 7th... such chain after one found it idle
+};
+
+IdleCommits idle_commits();
 
 class KernelChain : public mx::Primitive {
  public:

@@ -343,7 +343,9 @@ def run(args: argparse.Namespace) -> int:
             return early
         from metal_attn.bench import generate
 
-        return generate.run(args)
+        rc = generate.run(args)
+        _report_idle_commits(err)
+        return rc
     try:
         suites = [get_suite(n) for n in dict.fromkeys(names)]
     except ValueError as exc:
@@ -447,6 +449,7 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         for r in results:
             print(render_markdown(r, machine), file=out)
+    _report_idle_commits(err)
     argv = getattr(args, "argv", None) or sys.argv[1:]
     comparison = None
     if compare_to is not None:
@@ -716,6 +719,17 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def _report_idle_commits(err: TextIO) -> None:
+    """Where the run used CUDA chains: how many times one launched MLX's encoded graph because the GPU was idle
+    (``METAL_ATTN_CUDA_COMMIT_WHEN_IDLE`` and its rule, docs/cuda-ops.md), so an A/B run shows which side did."""
+    from metal_attn import cuda_ops
+
+    count = cuda_ops.idle_commits() if cuda_ops.chains_built else None
+    if count is not None:
+        print(f"CUDA chains: graphs launched for the GPU (commit_when_idle): {count['idle']} on an idle GPU, "
+              f"{count['ahead']} ahead of it", file=err)
 
 
 def _check_backend_override(err: TextIO) -> int | None:

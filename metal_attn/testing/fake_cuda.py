@@ -149,6 +149,7 @@ class FakeChain:
     state: list
     pooled: bool = True
     initial: list = dataclasses.field(default_factory=list)
+    commit_when_idle: bool = False
     owner: FakeChains | None = dataclasses.field(default=None, repr=False)
     calls: list = dataclasses.field(default_factory=list)
     _zeros: list = dataclasses.field(default_factory=list, repr=False)
@@ -185,10 +186,15 @@ def fake_chains() -> Iterator[FakeChains]:
 
     class Module:
         @staticmethod
+        def idle_commits() -> dict[str, int]:
+            return {"idle": 0, "ahead": 0}
+
+        @staticmethod
         def Chain(name: str, input_dtypes: list, outputs: list, scratch: list, launches: list,
-                  input_shapes: list, state: list, pooled: bool, initial: list) -> FakeChain:
+                  input_shapes: list, state: list, pooled: bool, initial: list,
+                  commit_when_idle: bool) -> FakeChain:
             c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, pooled, initial,
-                          owner=fake)
+                          commit_when_idle, owner=fake)
             fake.chains.append(c)
             return c
 

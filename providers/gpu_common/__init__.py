@@ -7,8 +7,9 @@ concept, and all of them are re-exported here:
 - `launches`: what every launch goes through. Availability (`availability_reasons`); zero buffers
   and scratch (`zeros_f32`, `sink_logits`, `placeholder`, `split_scratch`); parameter packing
   (`pack_int32`, `pack_scale`); launch descriptors (`KernelLaunch`, `kernel_launch`, `ChainLaunch`,
-  and `cached_launch`, which builds one per metadata so the layers of a step share it); eager
-  compilation for ``Provider.prepare`` (`tiny_batch`, `compile_eagerly`).
+  and `cached_launch`, which builds one per metadata so the layers of a step share it); which CUDA
+  chains start an idle GPU (`IDLE_COMMIT_RULE`, `commit_when_idle`); eager compilation for
+  ``Provider.prepare`` (`tiny_batch`, `compile_eagerly`).
 - `reducer`: the split-KV reducer (``paged_attention_v2_reduce``) of every kernel that writes the
   split contract: `reduce_partitions`, `reduce_launch`, `reducer_template`, `REDUCE_INPUTS`,
   `NUM_THREADS`, its partition slices (`REDUCER_SLICE_RULES`, `reducer_slices`, `launch_slices`: data, as
@@ -52,12 +53,15 @@ from metal_attn.providers.gpu_common.decode_rows import (
     tiles_decode_part,
 )
 from metal_attn.providers.gpu_common.launches import (
+    IDLE_COMMIT_RULE,
     MAX_LAUNCHES_PER_METADATA,
     ChainLaunch,
+    IdleCommitRule,
     KernelLaunch,
     TinyBatch,
     availability_reasons,
     cached_launch,
+    commit_when_idle,
     compile_eagerly,
     cuda_chains_enabled,
     kernel_launch,
@@ -141,6 +145,7 @@ __all__ = [
     "DECODE_ROWS_PROVIDER",
     "DECODE_ROWS_STREAM_RULES",
     "GEOMETRY_RULES",
+    "IDLE_COMMIT_RULE",
     "KEY_ROWS_TOKENS",
     "MAX_LAUNCHES_PER_METADATA",
     "MMA_TOKENS",
@@ -168,6 +173,7 @@ __all__ = [
     "DecodeRowsSpec",
     "Geometry",
     "GeometryRule",
+    "IdleCommitRule",
     "KernelLaunch",
     "PartitionRule",
     "PerTokenLaunch",
@@ -179,6 +185,7 @@ __all__ = [
     "availability_reasons",
     "cached_launch",
     "chained_per_token_launch",
+    "commit_when_idle",
     "compile_eagerly",
     "cuda_chains_enabled",
     "decode_request",

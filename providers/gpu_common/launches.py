@@ -144,6 +144,40 @@ def cached_launch(md: AttentionMetadata, key: tuple, build: Callable[[], Any]) -
     return got
 
 
+# -- when a chain starts an idle GPU -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class IdleCommitRule:
+    """Which CUDA chains launch MLX's encoded graph when they find the GPU idle
+    (``_cuda_ops.Chain(commit_when_idle=True)``): those whose call reads at least ``min_kv_bytes`` of
+    K/V, so that the GPU stays busy with the chain while the host goes on encoding; and the
+    measurement behind it."""
+
+    min_kv_bytes: int
+    evidence: str
+
+
+#: The rule (data; ``METAL_ATTN_CUDA_COMMIT_WHEN_IDLE`` overrides it for A/B runs). Chains are CUDA only.
+IDLE_COMMIT_RULE = IdleCommitRule(
+    64 << 20,
+    "H100, MLX 0.32.4, bf16 (docs/cuda-ops.md, 'Starting an idle GPU', thirty-fourth session): on every chain, "
+    "the 32-layer decode-step suite's compiled step ran at 0.98-1.21x the speed without on the six shapes that fit "
+    "(134-537 MB of K/V a layer), 1.12-1.21x on b1 L32768 and b8 L4096; the generate suite's engine at 8 requests "
+    "(about 18 MB a "
+    "layer) made 13-45% fewer tokens a second, host-bound with about 2,100 extra graph launches, and at 1 "
+    "request (2 MB) stayed within the runs' spread. The bound sits between the two; no call between 18 and "
+    "134 MB was measured.")
+
+
+def commit_when_idle(kv_bytes: int, settings: Any) -> bool:
+    """Whether a chain whose call reads ``kv_bytes`` of K/V launches MLX's encoded graph when it finds the
+    GPU idle: ``cuda_commit_when_idle`` when set, else `IDLE_COMMIT_RULE`."""
+    if settings.cuda_commit_when_idle is not None:
+        return bool(settings.cuda_commit_when_idle)
+    return kv_bytes >= IDLE_COMMIT_RULE.min_kv_bytes
+
+
 # -- eager compilation (Provider.prepare) ------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from metal_attn.providers.gpu_common.launches import (
     KernelLaunch,
     TinyBatch,
     cached_launch,
+    commit_when_idle,
     compile_eagerly,
     cuda_chains_enabled,
     kernel_launch,
@@ -425,11 +426,13 @@ def chained_per_token_launch(
     dtype: Any, pool_dtype: Any, total: int, num_heads: int, head: int, block_size: int, max_parts: int,
     partition_size: int, geo: Geometry, prefetch: int, params: mx.array, fparams: mx.array,
     reduce_params: mx.array | None, shapes: tuple[tuple[int, ...], ...], fused: bool = False,
+    idle_commit: bool = False,
 ) -> ChainedPerTokenLaunch:
     """The `ChainedPerTokenLaunch` of a per-token launch (`per_token_launch` builds both kinds);
     ``shapes``: the query's, the pools' and the metadata's (``q``, ``k``, ``v``, ``block_tables``,
     ``seq_lens``, ``cu_seqlens_q``), which every call of the chain checks. ``fused`` (split only):
-    one launch, the partials reduced by the last threadgroup of each (row, head group)."""
+    one launch, the partials reduced by the last threadgroup of each (row, head group). ``idle_commit``: the
+    chain launches MLX's encoded graph when it finds the GPU idle (`commit_when_idle`)."""
     from metal_attn import cuda_ops
     from metal_attn.api import dtype_name
 
@@ -451,7 +454,8 @@ def chained_per_token_launch(
     n_pa = len(PA_INPUTS)
     if not split:  # buffer indices: the inputs, then the output
         ch = cuda_ops.chain("metal_attn.per_token_ps0", in_dtypes, out_spec, [],
-                            [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), n_pa], n_pa)], in_shapes)
+                            [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), n_pa], n_pa)], in_shapes,
+                            commit_when_idle=idle_commit)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), None)
     scratch_spec = split_scratch(total, num_heads, max_parts, head)
     scratch = list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"]))
@@ -462,7 +466,8 @@ def chained_per_token_launch(
         arrivals = fused_counters(total * grid[0])  # one per (row, head group)
         ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}_fused", [*in_dtypes, mx.int32], out_spec,
                             scratch, [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials, out, counters],
-                                       n_pa)], [*in_shapes, tuple(arrivals.shape)], state=[counters])
+                                       n_pa)], [*in_shapes, tuple(arrivals.shape)], state=[counters],
+                            commit_when_idle=idle_commit)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), arrivals)
     slices = launch_slices(total, num_heads, max_parts, "cuda")
     threads = NUM_THREADS * slices
@@ -476,7 +481,7 @@ def chained_per_token_launch(
                 (reducer, cuda_ops.threadgroups((num_heads * threads, total, 1), (threads, 1, 1)),
                  (threads, 1, 1), [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
     ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32], out_spec, scratch,
-                        launches, [*in_shapes, tuple(reduce_params.shape)])
+                        launches, [*in_shapes, tuple(reduce_params.shape)], commit_when_idle=idle_commit)
     return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), reduce_params)
 
 
@@ -496,13 +501,18 @@ def per_token_launch(
     params = pack_int32((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq, int(sliding_window or 0),
                          max_parts, int(use_sinks)))
     if backend == "cuda" and cuda_chains_enabled():
+        from metal_attn.settings import get_settings
+
         fused = split and fused_reduce_enabled()
         reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))) if split and not fused else None
+        contexts = md.seq_lens_host if rows is None else md.seq_lens_host[:rows]  # rows: the decode rows' sequences
+        kv_bytes = 2 * sum(contexts) * num_kv_heads * head * (pool_dtype or dtype).size
         return chained_per_token_launch(dtype, pool_dtype or dtype, total, num_heads, head, block_size, max_parts,
                                         partition_size, geo, prefetch, params, pack_scale(scale, softcap),
                                         reduce_params, (tuple(q_shape), tuple(k_shape), tuple(k_shape),
                                                         tuple(md.block_tables.shape), tuple(md.seq_lens.shape),
-                                                        tuple(md.cu_seqlens_q.shape)), fused=fused)
+                                                        tuple(md.cu_seqlens_q.shape)), fused=fused,
+                                        idle_commit=commit_when_idle(kv_bytes, get_settings()))
     out = (split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     launch = kernel_launch(per_token_kernel(backend, split, geo),

@@ -327,3 +327,39 @@ def test_sdpa_prefill_finishes_one_run_in_the_fused_output_s_buffer(dtype):
     np.testing.assert_array_equal(outs[True], outs[False])
     assert np.isnan(outs[True]).any() and np.isfinite(outs[True]).any()
     assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=case.label)
+
+
+def _chained_step(case, layers: int):
+    """`layers` classic calls, each layer's query the output of the one before, one evaluation."""
+    md = case.metadata()
+    q = case.q
+    for _ in range(layers):
+        q = metal_attn.paged_attention(q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
+                                       provider="classic")
+    return q
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["commit-when-idle", "mlx-alone"])
+def test_a_step_on_an_idle_gpu_launches_after_its_first_chain_only_when_asked(on):
+    # cuda_commit_when_idle: the chain launches MLX's encoded graph when the stream has no work left,
+    # then ahead of the GPU at the 1st, 3rd, 7th... chain after that. A step evaluated after a
+    # synchronize starts on an idle GPU, so with the setting on its first chain commits; the values
+    # are those of MLX's own launches, bit for bit.
+    case = _decode_case()
+    with override_settings(cuda_commit_when_idle=False):
+        want = _chained_step(case, 8)
+        mx.eval(want)
+    with override_settings(cuda_commit_when_idle=on):
+        got = _chained_step(case, 8)
+        mx.synchronize()
+        before = cuda_ops.idle_commits()
+        mx.eval(got)
+        after = cuda_ops.idle_commits()
+    np.testing.assert_array_equal(_as_f32(got), _as_f32(want))
+    idle, ahead = after["idle"] - before["idle"], after["ahead"] - before["ahead"]
+    if on:
+        # the first chain finds the GPU idle; of the 7 after it, those at 1, 3 and 7 commit ahead unless one
+        # finds the GPU idle again (which commits and restarts the count); at most one commit a chain
+        assert idle >= 1 and idle + ahead <= 8, (idle, ahead)
+    else:
+        assert (idle, ahead) == (0, 0)
