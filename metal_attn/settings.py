@@ -236,9 +236,9 @@ class Settings(BaseSettings):
             "CUDA chains: after a chain is encoded, launch the CUDA graph MLX has encoded so far when MLX's "
             "stream has no work left (the GPU waits for the host), instead of waiting for MLX's node count "
             "(MLX_MAX_OPS_PER_BUFFER). Unset: the per-token route's measured rule "
-            "(providers/gpu_common.IDLE_COMMIT_RULE: calls reading at least 64 MiB of K/V; the others were "
-            "slower on a host-bound engine, docs/cuda-ops.md, 'Starting an idle GPU'); 1 or 0: every chain or "
-            "none (the A/B toggle)."
+            "(providers/gpu_common.IDLE_COMMIT_RULE: decode calls reading at least 64 MiB of K/V, not a mixed "
+            "batch's decode rows; the others were slower on a host-bound engine, docs/cuda-ops.md, 'Starting an "
+            "idle GPU'); 1 or 0: every per-token chain or none (the A/B toggle)."
         ),
     )
 

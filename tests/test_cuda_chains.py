@@ -306,22 +306,26 @@ def _idle_launch(seq_lens, rows=None):
 
 @pytest.mark.parametrize("setting", [None, True, False])
 def test_chains_start_an_idle_gpu_by_the_rule_or_the_setting(fake_chains, setting):
-    # IDLE_COMMIT_RULE: a call reading at least 64 MiB of K/V commits MLX's graph when it finds the GPU
-    # idle; METAL_ATTN_CUDA_COMMIT_WHEN_IDLE=1/0 overrides it for every chain.
+    # IDLE_COMMIT_RULE: a whole call reading at least 64 MiB of K/V commits MLX's graph when it finds the
+    # GPU idle, a mixed batch's decode rows (rows given) never; METAL_ATTN_CUDA_COMMIT_WHEN_IDLE=1/0
+    # overrides it for every per-token chain.
     assert gc.IDLE_COMMIT_RULE.min_kv_bytes == 64 << 20
     token = 2 * 8 * 128 * 2  # K and V, 8 heads of 128, bfloat16
     at_bound = (64 << 20) // token  # 16,384 tokens
     with override_settings(cuda_commit_when_idle=setting):
         big = _idle_launch([at_bound // 2, at_bound // 2])
         small = _idle_launch([at_bound // 2, at_bound // 2 - 1])
-        # rows: only the decode rows' sequences count (here the first one, below the bound)
-        first_rows = _idle_launch([at_bound // 2, at_bound], rows=1)
+        # rows (a mixed batch's decode rows): never by the rule, however many bytes they read
+        rows = _idle_launch([at_bound, at_bound], rows=1)
     want = (True, False, False) if setting is None else (setting,) * 3
-    assert (big.chain.commit_when_idle, small.chain.commit_when_idle, first_rows.chain.commit_when_idle) == want
+    assert (big.chain.commit_when_idle, small.chain.commit_when_idle, rows.chain.commit_when_idle) == want
 
 
 def test_the_idle_commit_rule_states_its_evidence():
     rule = gc.IDLE_COMMIT_RULE
-    assert "decode-step" in rule.evidence and "8 requests" in rule.evidence
-    assert not gc.commit_when_idle(rule.min_kv_bytes - 1, type("S", (), {"cuda_commit_when_idle": None})())
-    assert gc.commit_when_idle(0, type("S", (), {"cuda_commit_when_idle": True})())
+    assert "decode-step" in rule.evidence and "8 requests" in rule.evidence and "mixed batch" in rule.evidence
+    unset, on = (type("S", (), {"cuda_commit_when_idle": v})() for v in (None, True))
+    assert gc.commit_when_idle(rule.min_kv_bytes, True, unset)
+    assert not gc.commit_when_idle(rule.min_kv_bytes - 1, True, unset)
+    assert not gc.commit_when_idle(rule.min_kv_bytes, False, unset)
+    assert gc.commit_when_idle(0, False, on)

@@ -507,12 +507,13 @@ def per_token_launch(
         reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))) if split and not fused else None
         contexts = md.seq_lens_host if rows is None else md.seq_lens_host[:rows]  # rows: the decode rows' sequences
         kv_bytes = 2 * sum(contexts) * num_kv_heads * head * (pool_dtype or dtype).size
+        idle_commit = commit_when_idle(kv_bytes, rows is None, get_settings())  # rows: a mixed batch's decode rows
         return chained_per_token_launch(dtype, pool_dtype or dtype, total, num_heads, head, block_size, max_parts,
                                         partition_size, geo, prefetch, params, pack_scale(scale, softcap),
                                         reduce_params, (tuple(q_shape), tuple(k_shape), tuple(k_shape),
                                                         tuple(md.block_tables.shape), tuple(md.seq_lens.shape),
                                                         tuple(md.cu_seqlens_q.shape)), fused=fused,
-                                        idle_commit=commit_when_idle(kv_bytes, get_settings()))
+                                        idle_commit=idle_commit)
     out = (split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     launch = kernel_launch(per_token_kernel(backend, split, geo),
