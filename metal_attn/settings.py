@@ -237,8 +237,8 @@ class Settings(BaseSettings):
             "stream has no work left (the GPU waits for the host), instead of waiting for MLX's node count "
             "(MLX_MAX_OPS_PER_BUFFER). Unset: the per-token route's measured rule "
             "(providers/gpu_common.IDLE_COMMIT_RULE: decode calls reading at least 64 MiB of K/V, not a mixed "
-            "batch's decode rows; the others were slower on a host-bound engine, docs/cuda-ops.md, 'Starting an "
-            "idle GPU'); 1 or 0: every per-token chain or none (the A/B toggle)."
+            "batch's decode rows; calls of about 18 MB were slower on a host-bound engine, docs/cuda-ops.md, "
+            "'Starting an idle GPU'); 1 or 0: every per-token chain or none (the A/B toggle)."
         ),
     )
 

@@ -291,7 +291,7 @@ def test_chains_take_their_memory_as_the_pool_setting_says(fake_chains, pooled):
     assert c.pooled is pooled
 
 
-def _idle_launch(seq_lens, rows=None):
+def _idle_launch(seq_lens, rows=None, window=None):
     """The chained per-token launch over one decode batch of these context lengths (bfloat16 pools of
     8 KV heads of 128: 4 KiB of K+V a token)."""
     n = len(seq_lens)
@@ -300,7 +300,7 @@ def _idle_launch(seq_lens, rows=None):
                                  list(range(n + 1)), validate=False)
     geo = gc.geometry(128, "bfloat16", "cuda", 4, True, None)
     return gc.per_token_launch((n, 32, 128), mx.bfloat16, (n * width, 16, 8, 128), md, scale=0.1, use_sinks=False,
-                               sliding_window=None, softcap=None, partition_size=512, backend="cuda", geo=geo,
+                               sliding_window=window, softcap=None, partition_size=512, backend="cuda", geo=geo,
                                prefetch=0, rows=rows, pool_dtype=mx.bfloat16)
 
 
@@ -317,15 +317,36 @@ def test_chains_start_an_idle_gpu_by_the_rule_or_the_setting(fake_chains, settin
         small = _idle_launch([at_bound // 2, at_bound // 2 - 1])
         # rows (a mixed batch's decode rows): never by the rule, however many bytes they read
         rows = _idle_launch([at_bound, at_bound], rows=1)
-    want = (True, False, False) if setting is None else (setting,) * 3
-    assert (big.chain.commit_when_idle, small.chain.commit_when_idle, rows.chain.commit_when_idle) == want
+        # a sliding window caps what each sequence reads: twice the bound's tokens, windowed to under it
+        windowed = _idle_launch([at_bound, at_bound], window=at_bound // 2 - 1)
+    want = (True, False, False, False) if setting is None else (setting,) * 4
+    got = (big.chain.commit_when_idle, small.chain.commit_when_idle, rows.chain.commit_when_idle,
+           windowed.chain.commit_when_idle)
+    assert got == want
 
 
-def test_the_idle_commit_rule_states_its_evidence():
+def test_the_idle_commit_rule_decides_by_bytes_and_whole_calls_unless_the_setting_says():
     rule = gc.IDLE_COMMIT_RULE
-    assert "decode-step" in rule.evidence and "8 requests" in rule.evidence and "mixed batch" in rule.evidence
     unset, on = (type("S", (), {"cuda_commit_when_idle": v})() for v in (None, True))
     assert gc.commit_when_idle(rule.min_kv_bytes, True, unset)
     assert not gc.commit_when_idle(rule.min_kv_bytes - 1, True, unset)
     assert not gc.commit_when_idle(rule.min_kv_bytes, False, unset)
     assert gc.commit_when_idle(0, False, on)
+
+
+def test_bench_reports_the_graphs_chains_launched_for_the_gpu(fake_chains, monkeypatch):
+    # metal-attn bench ends a run that built chains with the module's counts (a process total).
+    import io
+
+    from metal_attn.bench import cli
+
+    monkeypatch.setattr(cuda_ops, "idle_commits", lambda: {"idle": 3, "ahead": 5})
+    monkeypatch.setattr(cuda_ops, "chains_built", type(cuda_ops.chains_built)({"metal_attn.per_token_ps512": 1}))
+    err = io.StringIO()
+    cli._report_idle_commits(err)
+    assert err.getvalue() == ("CUDA chains: graphs launched for the GPU (commit_when_idle), this process: 3 on an "
+                              "idle GPU, 5 ahead of it\n")
+    monkeypatch.setattr(cuda_ops, "chains_built", type(cuda_ops.chains_built)())
+    err = io.StringIO()
+    cli._report_idle_commits(err)
+    assert err.getvalue() == ""  # no chains built: nothing to report

@@ -59,15 +59,13 @@ std::atomic<size_t> commits_ahead{0};
 // one last found the GPU idle, or -1 before any did.
 thread_local std::unordered_map<int, long long> chains_since_idle;
 
-// Whether the encoder's stream has finished all the work launched on it so far (cuStreamQuery).
+// Whether the encoder's stream has finished all the work launched on it so far (cuStreamQuery). Any
+// answer but success counts as busy: the chain's nodes are already encoded, and launching early is only
+// an optimisation, so an error here must not abandon them (MLX reports a stream's errors itself).
 bool stream_idle(mx::cu::CommandEncoder& enc) {
   using Query = CUresult (*)(CUstream);
   static const Query query = reinterpret_cast<Query>(driver_symbol("cuStreamQuery"));
-  const CUresult r = query(static_cast<cudaStream_t>(enc.stream()));
-  if (r == CUDA_SUCCESS) return true;
-  if (r == CUDA_ERROR_NOT_READY) return false;
-  check_cu(r, "cuStreamQuery");
-  return false;
+  return query(static_cast<cudaStream_t>(enc.stream())) == CUDA_SUCCESS;
 }
 
 // Whether `out` may take over `in`'s buffer as it is: no other array holds it (MLX's own test),

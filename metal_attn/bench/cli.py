@@ -722,14 +722,14 @@ class _Progress:
 
 
 def _report_idle_commits(err: TextIO) -> None:
-    """Where the run used CUDA chains: how many times one launched MLX's encoded graph because the GPU was idle
-    (``METAL_ATTN_CUDA_COMMIT_WHEN_IDLE`` and its rule, docs/cuda-ops.md), so an A/B run shows which side did."""
+    """Where the process built CUDA chains: the graphs they launched for the GPU (``METAL_ATTN_CUDA_COMMIT_WHEN_IDLE``
+    and its rule, docs/cuda-ops.md), counted over the whole process: an A/B in one process sums both sides."""
     from metal_attn import cuda_ops
 
     count = cuda_ops.idle_commits() if cuda_ops.chains_built else None
     if count is not None:
-        print(f"CUDA chains: graphs launched for the GPU (commit_when_idle): {count['idle']} on an idle GPU, "
-              f"{count['ahead']} ahead of it", file=err)
+        print(f"CUDA chains: graphs launched for the GPU (commit_when_idle), this process: {count['idle']} on an "
+              f"idle GPU, {count['ahead']} ahead of it", file=err)
 
 
 def _check_backend_override(err: TextIO) -> int | None:

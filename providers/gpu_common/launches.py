@@ -162,15 +162,15 @@ class IdleCommitRule:
 #: The rule (data; ``METAL_ATTN_CUDA_COMMIT_WHEN_IDLE`` overrides it for A/B runs). Chains are CUDA only.
 IDLE_COMMIT_RULE = IdleCommitRule(
     64 << 20,
-    "H100, MLX 0.32.4, bf16 (docs/cuda-ops.md, 'Starting an idle GPU', thirty-fourth session): on every chain, "
-    "the 32-layer decode-step suite's compiled step ran at 0.98-1.21x the speed without on the six shapes that fit "
-    "(134-537 MB of K/V a layer), 1.12-1.21x on b1 L32768 and b8 L4096; the generate suite's engine at 8 requests "
-    "(about 18 MB a "
-    "layer) made 13-45% fewer tokens a second, host-bound with about 2,100 extra graph launches, and at 1 "
-    "request (2 MB) stayed within the runs' spread. The bound sits between the two; no call between 18 and "
-    "134 MB was measured. A mixed batch's decode rows never ask: more work follows them in the same call, and "
-    "asking on them (134 MB in two of the prefill-gpu suite's mixed batches) read 0.86-1.08x the setting off, "
-    "inside those batches' spread (0.92-1.36x between two runs of the same code).")
+    "H100, MLX 0.32.4, bf16 (docs/cuda-ops.md, 'Starting an idle GPU', thirty-fourth session). By this rule, the "
+    "32-layer decode-step suite's compiled step ran at 0.98-1.21x the speed with it off on the six shapes that fit "
+    "(134-537 MB of K/V a layer), 1.12-1.21x on b1 L32768 and b8 L4096. With every chain asking, the generate "
+    "suite's engine at 8 requests (about 18 MB a layer) made 13-45% fewer tokens a second, host-bound with about "
+    "2,100 extra graph launches; at 1 request (2 MB) it stayed within the runs' spread. The bound sits between "
+    "the two; no call between 18 and 134 MB was measured. A mixed batch's decode rows never ask: more work "
+    "follows them in the same call, and asking on them (134 MB in two of the prefill-gpu suite's mixed batches) "
+    "read 0.86-1.08x the setting off, inside those batches' spread (0.92-1.36x between two runs of the same "
+    "code).")
 
 
 def commit_when_idle(kv_bytes: int, whole_call: bool, settings: Any) -> bool:

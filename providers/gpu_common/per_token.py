@@ -505,9 +505,11 @@ def per_token_launch(
 
         fused = split and fused_reduce_enabled()
         reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))) if split and not fused else None
-        contexts = md.seq_lens_host if rows is None else md.seq_lens_host[:rows]  # rows: the decode rows' sequences
-        kv_bytes = 2 * sum(contexts) * num_kv_heads * head * (pool_dtype or dtype).size
-        idle_commit = commit_when_idle(kv_bytes, rows is None, get_settings())  # rows: a mixed batch's decode rows
+        # The K/V the call reads (a window caps each sequence's), and whether the chain is the whole call (rows:
+        # a mixed batch's decode rows, which the call's prefill work follows).
+        window = sliding_window or max(md.seq_lens_host)
+        kv_bytes = 2 * sum(min(n, window) for n in md.seq_lens_host) * num_kv_heads * head * (pool_dtype or dtype).size
+        idle_commit = commit_when_idle(kv_bytes, rows is None, get_settings())
         return chained_per_token_launch(dtype, pool_dtype or dtype, total, num_heads, head, block_size, max_parts,
                                         partition_size, geo, prefetch, params, pack_scale(scale, softcap),
                                         reduce_params, (tuple(q_shape), tuple(k_shape), tuple(k_shape),
