@@ -321,6 +321,8 @@ class RunLaunch:
     first_params: Any = None
     finish: gc.KernelLaunch | None = None
     finish_params: Any = None
+    #: sdpa_finish's threads over the run's rows and its lead rows (`finish_launch`).
+    finish_threads: int = 0
 
     def gather_flagged(self, k_cache: Any, v_cache: Any, block_tables: Any) -> tuple[Any, Any, Any]:
         """The run's contiguous K and V, and the first flagged position of each (sequence, KV
@@ -407,7 +409,8 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
             gather_params=gc.pack_int32((run.seq, run.n, run.seq_len, nb, width, block_size, kvh)),
             first_params=gc.pack_int32((run.seq_len,)),
             finish_params=gc.pack_int32((run.q_len, run.seq_len, run.n, num_heads, kvh, lead, out_row0,
-                                         int(in_place), per)))
+                                         int(in_place), per)),
+            finish_threads=finish_threads)
         if chained:
             out.append(run)
             continue
@@ -472,11 +475,9 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     fin = cuda_ops.kernel_function("sdpa_finish", FINISH_FILES, None, f_in, f_out, finish_template(dn, head))
     lead_at, out_at = 4 * count, 4 * count + 1
     total = lead_rows + sum(r.rows for r in runs)
-    finishes = []
-    for i, r in enumerate(runs):
-        _, threads = finish_launch((r.rows + (lead_rows if r.takes_lead else 0)) * num_heads)
-        finishes.append((fin, cuda_ops.threadgroups((threads, 1, 1), (FINISH_THREADS, 1, 1)), (FINISH_THREADS, 1, 1),
-                         [out_at if in_place else 4 * i, 4 * i + 1, 4 * i + 2, lead_at, 4 * i + 3, out_at], 5))
+    finishes = [(fin, cuda_ops.threadgroups((r.finish_threads, 1, 1), (FINISH_THREADS, 1, 1)), (FINISH_THREADS, 1, 1),
+                 [out_at if in_place else 4 * i, 4 * i + 1, 4 * i + 2, lead_at, 4 * i + 3, out_at], 5)
+                for i, r in enumerate(runs)]
     finish = cuda_ops.chain("metal_attn.sdpa_finish", [*[dtype, dtype, mx.int32, mx.int32] * count, dtype],
                             [((total, num_heads, head), dtype)], [], finishes, initial=[(0, 0)] if in_place else ())
     return ChainedRuns(gc.ChainLaunch(gather), gc.ChainLaunch(finish),
