@@ -68,6 +68,12 @@ bool stream_idle(mx::cu::CommandEncoder& enc) {
   return query(static_cast<cudaStream_t>(enc.stream())) == CUDA_SUCCESS;
 }
 
+size_t element_count(const mx::Shape& shape) {
+  size_t count = 1;
+  for (auto d : shape) count *= static_cast<size_t>(d);
+  return count;
+}
+
 // Whether `out` may take over `in`'s buffer as it is: no other array holds it (MLX's own test),
 // and its bytes are exactly out's, row-contiguous from the buffer's start.
 bool takes_over(const mx::array& in, const mx::array& out) {
@@ -187,12 +193,7 @@ void ChainSpec::validate() const {
       throw std::invalid_argument(msg.str());
     }
     if (!input_shapes.empty()) {
-      auto count = [](const mx::Shape& s) {
-        size_t c = 1;
-        for (auto d : s) c *= static_cast<size_t>(d);
-        return c;
-      };
-      if (count(input_shapes[i]) != count(outputs[o].shape)) {
+      if (element_count(input_shapes[i]) != element_count(outputs[o].shape)) {
         throw std::invalid_argument("chain " + name + ": output " + std::to_string(o) + " starts as input " +
                                     std::to_string(i) + ", which has another element count");
       }
@@ -269,11 +270,12 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
   }
   // Outputs first: an output takes over an input's buffer only while no other array (buffers
   // included) holds the input.
-  std::vector<int> initial_of(outputs.size(), -1);
-  for (const auto& [o, i] : spec.initial) initial_of[o] = i;
   for (size_t o = 0; o < outputs.size(); ++o) {
     mx::array& out = outputs[o];
-    const int from = initial_of[o];
+    int from = -1;  // the input it starts as (validate() allows one), if any
+    for (const auto& [io, ii] : spec.initial) {
+      if (io == static_cast<int>(o)) from = ii;
+    }
     if (from >= 0 && takes_over(inputs[from], out)) {
       out.copy_shared_buffer(inputs[from]);
       outputs_donated.fetch_add(1, std::memory_order_relaxed);
@@ -353,9 +355,7 @@ std::vector<mx::array> run_chain(const std::shared_ptr<const ChainSpec>& spec, c
     }
   }
   for (const auto& [o, i] : spec->initial) {
-    const auto& b = spec->outputs[o];
-    size_t count = 1;
-    for (auto d : b.shape) count *= static_cast<size_t>(d);
+    const size_t count = element_count(spec->outputs[o].shape);
     if (inputs[i].size() != count) {
       throw std::invalid_argument("chain " + spec->name + ": output " + std::to_string(o) + " starts as input " +
                                   std::to_string(i) + ", which has " + std::to_string(inputs[i].size()) +

@@ -7,7 +7,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <initializer_list>
 #include <tuple>
+#include <utility>
 
 #include "device_memory.h"
 #include "jit.h"
@@ -35,6 +37,13 @@ std::vector<mac::Buffer> buffers(const std::vector<BufferSpec>& specs) {
   std::vector<mac::Buffer> out;
   for (const auto& [shape, dtype] : specs) out.push_back({mx::Shape(shape.begin(), shape.end()), dtype});
   return out;
+}
+
+// A Python dict of named counters.
+nb::dict counts(std::initializer_list<std::pair<const char*, size_t>> items) {
+  nb::dict d;
+  for (const auto& [name, value] : items) d[name] = value;
+  return d;
 }
 
 struct Chain {
@@ -102,14 +111,9 @@ NB_MODULE(_cuda_ops, m) {
 
   m.def("pool_stats", [] {
           mac::PoolStats s = mac::pool_stats();
-          nb::dict d;
-          d["live_bytes"] = s.live_bytes;
-          d["live_buffers"] = s.live_buffers;
-          d["reserved_bytes"] = s.reserved_bytes;
-          d["allocations"] = s.allocations;
-          d["moved_by_mlx"] = s.moved_by_mlx;
-          d["fallbacks"] = s.fallbacks;
-          return d;
+          return counts({{"live_bytes", s.live_bytes}, {"live_buffers", s.live_buffers},
+                         {"reserved_bytes", s.reserved_bytes}, {"allocations", s.allocations},
+                         {"moved_by_mlx", s.moved_by_mlx}, {"fallbacks", s.fallbacks}});
         },
         "The chains' device memory pool: bytes and buffers arrays hold now, the pool's reserved bytes (idle "
         "included), buffers handed out, those MLX moved to unified memory (read by the host), requests MLX's "
@@ -120,20 +124,14 @@ NB_MODULE(_cuda_ops, m) {
 
   m.def("initial_stats", [] {
           mac::InitialStats s = mac::initial_stats();
-          nb::dict d;
-          d["donated"] = s.donated;
-          d["copied"] = s.copied;
-          return d;
+          return counts({{"donated", s.donated}, {"copied", s.copied}});
         },
         "Chain outputs given an input's values (Chain's initial) since the process started: those that took over "
         "the input's buffer (donated) and those that got a copy (another array held the input).");
 
   m.def("idle_commits", [] {
           mac::IdleCommits c = mac::idle_commits();
-          nb::dict d;
-          d["idle"] = c.idle;
-          d["ahead"] = c.ahead;
-          return d;
+          return counts({{"idle", c.idle}, {"ahead", c.ahead}});
         },
         "Graphs chains launched for the GPU (Chain's commit_when_idle) since the process started: because it had "
         "no work left (idle), and ahead of it at the 1st, 3rd, 7th... such chain after one found it idle (ahead).");
