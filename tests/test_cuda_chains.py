@@ -10,6 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 from metal_attn.providers import gpu_common as gc
 
 from metal_attn import cuda_ops
@@ -350,3 +353,47 @@ def test_bench_reports_the_graphs_chains_launched_for_the_gpu(fake_chains, monke
     err = io.StringIO()
     cli._report_idle_commits(err)
     assert err.getvalue() == ""  # no chains built: nothing to report
+
+
+def _explained_idle_note(**fields) -> str:
+    """explain's idle-launch line for the classic provider's plan on the H200 preset (bfloat16, 32/8 heads of 128)."""
+    from metal_attn.api import explain
+
+    fields = {"num_heads": 32, "num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16", "block_size": 16} | fields
+    row = next(r for r in explain(device="h200", **fields).rows if r.name == "classic")
+    return next(n for n in row.plan.notes if n.startswith("idle-GPU launch"))
+
+
+@given(seq_lens=st.lists(st.integers(1, 40_000), min_size=1, max_size=6),
+       window=st.one_of(st.none(), st.integers(1, 40_000)))
+@hyp_settings(max_examples=60, deadline=None)
+def test_explain_says_what_the_call_decides_about_an_idle_gpu(seq_lens, window):
+    # explain sees the lengths only as whole partitions: where it gives a verdict, the call (its exact lengths)
+    # must decide the same; where the range straddles the bound it says so.
+    note = _explained_idle_note(q_lens=[1] * len(seq_lens), seq_lens=seq_lens, sliding_window=window)
+    exact = gc.kv_bytes_read(seq_lens, window, 8, 128, 2)
+    decided = gc.commit_when_idle(exact, True, type("S", (), {"cuda_commit_when_idle": None})())
+    verdict = note.rsplit("-> ", 1)[1]
+    assert verdict in ("asks", "does not ask", "depends on the exact lengths")
+    if verdict != "depends on the exact lengths":
+        assert decided is (verdict == "asks"), (note, exact)
+    low, _, high = note.split("reads ")[1].split(" MiB")[0].partition("-")
+    assert float(low) <= exact / 2**20 + 0.05 and exact / 2**20 <= float(high or low) + 0.05, (note, exact)
+
+
+def test_explain_shows_the_idle_launch_for_decode_rows_and_the_setting():
+    bound = 16_384  # tokens of 4 KiB of K+V: 64 MiB
+    assert _explained_idle_note(q_lens=[1, 1], seq_lens=[bound // 2] * 2) == (
+        "idle-GPU launch (CUDA chains): reads 64.0 MiB of K/V, IDLE_COMMIT_RULE.min_kv_bytes=64 MiB -> asks")
+    assert _explained_idle_note(q_lens=[1], seq_lens=[bound - 256]).endswith("-> does not ask")
+    # 5 x 3,300 tokens: 12 whole partitions of 256 each (15,360 tokens) and up to 255 more each (16,635)
+    assert _explained_idle_note(q_lens=[1] * 5, seq_lens=[3300] * 5).endswith("-> depends on the exact lengths")
+    with override_settings(cuda_commit_when_idle=False):
+        assert _explained_idle_note(q_lens=[1], seq_lens=[4 * bound]).endswith("(METAL_ATTN_CUDA_COMMIT_WHEN_IDLE=0)")
+    # a mixed batch's decode rows (the SDPA prefill route's plan) never ask by the rule
+    from metal_attn.api import explain
+
+    ex = explain(device="h200", q_lens=[1, 1, 512], seq_lens=[4 * bound, 4 * bound, 2048], num_heads=32,
+                 num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
+    notes = " ".join(n for r in ex.rows if r.name == "sdpa_prefill" for n in r.plan.notes)
+    assert "idle-GPU launch (CUDA chains): no (a mixed batch's decode rows" in notes

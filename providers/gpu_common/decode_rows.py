@@ -125,7 +125,7 @@ def decode_request(request: AttentionRequest) -> AttentionRequest:
 def plan_decode_rows(request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
     """The per-token plan of a mixed ``request``'s decode rows (split or not by the occupancy gate);
     a provider keeps its ``specialization`` in its own plan, its route and notes in its notes."""
-    return plan_per_token(DECODE_ROWS_PROVIDER, decode_request(request), device, settings)
+    return plan_per_token(DECODE_ROWS_PROVIDER, decode_request(request), device, settings, whole_call=False)
 
 
 class DecodeRowsPlan(NamedTuple):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
@@ -17,6 +17,7 @@ from metal_attn.constants import LOG2E
 if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
+    from metal_attn.request import AttentionRequest
 
 # -- availability ----------------------------------------------------------------------------------
 
@@ -180,6 +181,38 @@ def commit_when_idle(kv_bytes: int, whole_call: bool, settings: Any) -> bool:
     if settings.cuda_commit_when_idle is not None:
         return bool(settings.cuda_commit_when_idle)
     return whole_call and kv_bytes >= IDLE_COMMIT_RULE.min_kv_bytes
+
+
+def kv_bytes_read(seq_lens: Sequence[int], window: int | None, num_kv_heads: int, head_size: int,
+                  itemsize: int) -> int:
+    """The K and V bytes a per-token call reads over sequences of ``seq_lens`` tokens (a sliding
+    ``window`` caps each sequence's): what `commit_when_idle` weighs."""
+    cap = window or max(seq_lens, default=0)
+    return 2 * sum(min(int(n), cap) for n in seq_lens) * num_kv_heads * head_size * itemsize
+
+
+def idle_commit_note(request: AttentionRequest, whole_call: bool, settings: Any) -> str:
+    """``explain``'s line for `commit_when_idle` on a per-token plan (CUDA chains only). The call decides
+    from its metadata's exact lengths; a request keeps them only as whole partitions (`length_plan`), so
+    the note gives the bytes as a range and says when the range straddles the bound."""
+    head = "idle-GPU launch (CUDA chains)"
+    if settings.cuda_commit_when_idle is not None:
+        on = bool(settings.cuda_commit_when_idle)
+        return f"{head}: {'every' if on else 'no'} per-token chain (METAL_ATTN_CUDA_COMMIT_WHEN_IDLE={int(on)})"
+    if not whole_call:
+        return f"{head}: no (a mixed batch's decode rows: the call's prefill work follows them)"
+    token = 2 * request.num_kv_heads * request.head_size * getattr(mx, request.cache_dtype).size
+    longest = min(request.max_seq_len, request.sliding_window or request.max_seq_len)
+    low, high = longest, request.num_seqs * longest  # the longest sequence alone; every one as long
+    if request.length_plan and request.sliding_window is None:
+        size, full = min(request.length_plan)  # whole partitions of the smallest size, over the batch
+        low = max(low, size * full)
+        high = min(high, size * full + request.num_seqs * (size - 1))
+    bound = IDLE_COMMIT_RULE.min_kv_bytes
+    mib = f"{low * token / 2**20:.1f}" + ("" if high == low else f"-{high * token / 2**20:.1f}")
+    verdict = ("asks" if low * token >= bound else "does not ask" if high * token < bound
+               else "depends on the exact lengths")
+    return f"{head}: reads {mib} MiB of K/V, IDLE_COMMIT_RULE.min_kv_bytes={bound / 2**20:g} MiB -> {verdict}"
 
 
 # -- eager compilation (Provider.prepare) ------------------------------------------------------------

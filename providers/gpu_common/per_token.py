@@ -26,7 +26,9 @@ from metal_attn.providers.gpu_common.launches import (
     commit_when_idle,
     compile_eagerly,
     cuda_chains_enabled,
+    idle_commit_note,
     kernel_launch,
+    kv_bytes_read,
     pack_int32,
     pack_scale,
     split_scratch,
@@ -207,8 +209,10 @@ def partition_choice(request: AttentionRequest, device: DeviceInfo, settings: Se
                     f"{rule.min_items_per_core:g}*gpu_cores{long}, else the smallest)")
 
 
-def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
-    """The per-token kernel's launch decision for an admitted request, as provider ``provider``'s plan."""
+def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo, settings: Settings, *,
+                   whole_call: bool = True) -> Plan:
+    """The per-token kernel's launch decision for an admitted request, as provider ``provider``'s plan;
+    ``whole_call=False``: the request is a mixed batch's decode rows, which more work follows."""
     split, notes = split_decision(request, device)
     psize = 0
     if split:
@@ -230,6 +234,8 @@ def plan_per_token(provider: str, request: AttentionRequest, device: DeviceInfo,
     elif split:  # the reducer's partition slices (the launch recomputes them from its batch, with the same rule)
         notes = (*notes, reducer_slices(request.total_q_tokens, request.num_heads, parts, device.gpu_cores,
                                         device.backend, settings.reducer_slices)[1])
+    if device.backend == "cuda":
+        notes = (*notes, idle_commit_note(request, whole_call, settings))
     return Plan(
         provider=provider,
         route=per_token_route(psize),
@@ -505,10 +511,8 @@ def per_token_launch(
 
         fused = split and fused_reduce_enabled()
         reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))) if split and not fused else None
-        # The K/V the call reads (a window caps each sequence's), and whether the chain is the whole call (rows:
-        # a mixed batch's decode rows, which the call's prefill work follows).
-        window = sliding_window or max(md.seq_lens_host)
-        kv_bytes = 2 * sum(min(n, window) for n in md.seq_lens_host) * num_kv_heads * head * (pool_dtype or dtype).size
+        # Whether the chain is the whole call (rows: a mixed batch's decode rows, which its prefill work follows).
+        kv_bytes = kv_bytes_read(md.seq_lens_host, sliding_window, num_kv_heads, head, (pool_dtype or dtype).size)
         idle_commit = commit_when_idle(kv_bytes, rows is None, get_settings())
         return chained_per_token_launch(dtype, pool_dtype or dtype, total, num_heads, head, block_size, max_parts,
                                         partition_size, geo, prefetch, params, pack_scale(scale, softcap),
