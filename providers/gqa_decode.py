@@ -209,6 +209,9 @@ class GQADecodeProvider(Provider):
     features = frozenset()
     description = "GQA decode: one threadgroup per (partition, KV head, sequence), heads of a group together."
 
+    def availability_reasons(self, device: DeviceInfo) -> list[str]:
+        return super().availability_reasons(device) or gc.availability_reasons(device)
+
     def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
         reasons: list[str] = []
         if device.backend not in self.backends:

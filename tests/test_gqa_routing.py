@@ -8,6 +8,9 @@ refusal. Devices: a 10-core M3 (``applegpu_g15g``), a 40-core M5 Max and the H20
 
 from __future__ import annotations
 
+import dataclasses
+
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -237,6 +240,19 @@ def test_cpu_backend_is_unavailable():
     assert "backend=cpu (supported: cuda, metal)" in _reasons(ex)
 
 
+@pytest.mark.skipif(mx.is_available(mx.gpu), reason="needs a machine whose MLX has no GPU (the CPU machines here)")
+@pytest.mark.parametrize("provider", ["gqa_decode", "classic", "tiled_prefill"])
+def test_a_real_gpu_device_without_a_gpu_is_unavailable_to_every_gpu_provider(provider):
+    # A device described as Metal but probed here (not a preset): each GPU provider says MLX has no GPU, so
+    # explain, `metal-attn providers` and the real call agree (gqa_decode once claimed it was available).
+    dev = dataclasses.replace(M5, hypothetical=False)
+    row = next(r for r in ma.explain(q_lens=[1] * 4, seq_lens=[3000] * 4, num_heads=32, num_kv_heads=8, head_size=128,
+                                     block_size=16, dtype="float16", device=dev).rows if r.name == provider)
+    assert "backend=metal: MLX has no usable GPU here" in row.reasons, row.reasons
+    listed = next(p for p in ma.providers(dev) if p["name"] == provider)
+    assert not listed["available"]
+
+
 # -- resource caps -----------------------------------------------------------------------------------------
 
 
@@ -311,6 +327,7 @@ def test_dispatch_records_route_and_partition(monkeypatch):
     from metal_attn.providers.reference import ReferenceProvider
 
     ref = ReferenceProvider()
+    monkeypatch.setattr(gq.GQADecodeProvider, "availability_reasons", lambda self, device: [])  # a GPU, as if
     monkeypatch.setattr(gq.GQADecodeProvider, "prepare", lambda self, plan, device: None)
     monkeypatch.setattr(gq.GQADecodeProvider, "run", lambda self, inputs, plan: ref.run(inputs, plan))
     rng = np.random.default_rng(0)
