@@ -187,10 +187,7 @@ class SdpaPrefillProvider(Provider):
         if threads > MAX_GRID_THREADS:
             reasons.append(f"a sequence of {request.max_seq_len} tokens needs {threads} threads in one launch of "
                            f"gather_kv or sdpa_finish (at most {MAX_GRID_THREADS}: their indices are 32-bit)")
-        if request.phase is Phase.MIXED and settings.is_disabled(gc.DECODE_ROWS_PROVIDER):
-            reasons.append(f"mixed batch: its decode rows need the {gc.DECODE_ROWS_PROVIDER} kernel, which is "
-                           f"{settings.is_disabled(gc.DECODE_ROWS_PROVIDER)}")
-        return reasons
+        return reasons + gc.decode_rows_reasons(request, settings)
 
     def plan(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> Plan:
         _, arithmetic = rule_reasons(request, device.backend)

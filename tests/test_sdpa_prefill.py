@@ -144,6 +144,21 @@ def test_mixed_batch_refused_when_the_decode_rows_kernel_is_disabled():
     assert "its decode rows need the classic kernel" in "\n".join(_row(ex).reasons), str(ex)
 
 
+@pytest.mark.parametrize("page", [1, 12, 20])
+def test_a_mixed_batch_on_a_page_the_per_token_kernel_lacks_is_refused_and_a_prompt_is_not(page):
+    # The decode rows leave for the per-token kernel, built for pages of 8, 16 and 32 (classic refuses the
+    # others); the gather itself takes any page, so a batch without decode rows stays on the route.
+    def explain(q_lens, seq_lens):
+        return ma.explain(q_lens=q_lens, seq_lens=seq_lens, num_heads=32, num_kv_heads=8, head_size=128,
+                          block_size=page, dtype="bfloat16", device=H200)
+
+    mixed = _row(explain([1, 2048], [4096, 2048]))
+    assert not mixed.admitted
+    assert (f"its decode rows need the per-token kernel, built for block_size in 8, 16, 32 (got block_size={page})"
+            in "\n".join(mixed.reasons)), mixed.reasons
+    assert _row(explain([2048], [2048])).admitted
+
+
 def test_disable_switch():
     with override_settings(disabled_providers=("sdpa_prefill",)):
         ex = _explain(H200, [4096], [4096])

@@ -24,7 +24,7 @@ concept, and all of them are re-exported here:
   operation, `cuda_chains_enabled`).
 - `decode_rows`: the decode-rows sub-plan of a mixed batch (its decode rows through the per-token
   kernel, its prefill rows through the provider's own kernel): `mixed_split`, `decode_request`,
-  `plan_decode_rows`, `decode_rows_part`, `tiles_decode_part`, `prepare_decode_rows`,
+  `plan_decode_rows`, `decode_rows_part`, `decode_rows_reasons`, `tiles_decode_part`, `prepare_decode_rows`,
   `run_decode_rows`; `DECODE_ROWS_PROVIDER` names the provider whose kernel they use;
   `DECODE_ROWS_STREAM_RULES` and `decode_rows_stream` whether the rows run on a second GPU stream
   (`side_stream`), overlapping the chunks.
@@ -44,6 +44,7 @@ from metal_attn.providers.gpu_common.decode_rows import (
     StreamRule,
     decode_request,
     decode_rows_part,
+    decode_rows_reasons,
     decode_rows_stream,
     mixed_split,
     plan_decode_rows,
@@ -193,6 +194,7 @@ __all__ = [
     "decode_request",
     "decode_rows",
     "decode_rows_part",
+    "decode_rows_reasons",
     "decode_rows_stream",
     "describe_geometry",
     "fused_counters",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import mlx.core as mx
 from metal_attn.providers.gpu_common.per_token import plan_per_token, prepare_per_token, run_per_token
 
-from metal_attn.constants import MIXED_DECODE_MIN_CONTEXT
+from metal_attn.constants import KERNEL_BLOCK_SIZES, MIXED_DECODE_MIN_CONTEXT
 from metal_attn.provider import Plan
 from metal_attn.request import Phase
 
@@ -112,6 +112,22 @@ def mixed_split(request: AttentionRequest, backend: str, settings: Settings | No
         f"MIXED_DECODE_MIN_CONTEXT[{backend}]={threshold} -> "
         + ("decode rows through the per-token kernel" if split else "decode rows ride in the tiles")
     )
+
+
+def decode_rows_reasons(request: AttentionRequest, settings: Settings) -> list[str]:
+    """Why a mixed ``request``'s decode rows cannot leave for the per-token kernel (empty when they can):
+    the `DECODE_ROWS_PROVIDER` disabled, or a page the kernel is not built for (`KERNEL_BLOCK_SIZES`). A
+    provider without the tiles to keep them in refuses the batch for these."""
+    if request.phase is not Phase.MIXED:
+        return []
+    reasons = []
+    disabled = settings.is_disabled(DECODE_ROWS_PROVIDER)
+    if disabled:
+        reasons.append(f"mixed batch: its decode rows need the {DECODE_ROWS_PROVIDER} kernel, which is {disabled}")
+    if request.block_size not in KERNEL_BLOCK_SIZES:
+        reasons.append(f"mixed batch: its decode rows need the per-token kernel, built for block_size in "
+                       f"{', '.join(map(str, sorted(KERNEL_BLOCK_SIZES)))} (got block_size={request.block_size})")
+    return reasons
 
 
 def decode_request(request: AttentionRequest) -> AttentionRequest:
