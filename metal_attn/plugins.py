@@ -91,6 +91,13 @@ def build_registry(
         except Exception as exc:
             _failed("plugin_load_failed", name, exc)
             return
+        if not pm.get_hookcallers(plugin):
+            pm.unregister(plugin)
+            _failed("plugin_load_failed", name, TypeError(
+                f"plugin {name!r} loaded {type(plugin).__name__} {getattr(plugin, '__name__', plugin)!r}, which "
+                "implements no metal_attn hook: mark each hook function with @metal_attn.hookimpl, and point the "
+                "entry point at the module (or object) that holds the hooks, not at a hook function"))
+            return
         origins[name] = origin
 
     if load_entry_points:

@@ -77,6 +77,17 @@ MODULES = {
         def metal_attn_provider_selected(request, provider, route, reasons):
             SEEN.append(provider)
     """,
+    "ma_test_unmarked_plugin": """
+        import metal_attn as ma
+
+        class Unmarked(ma.Provider):
+            name = "unmarked"
+            priority = 20
+            backends = frozenset({"cpu"})
+
+        def metal_attn_register_providers(registrar):  # no @ma.hookimpl
+            registrar.add(Unmarked)
+    """,
     "ma_test_misspelled_plugin": """
         import metal_attn as ma
 
@@ -388,3 +399,19 @@ def test_a_plugin_list_naming_no_plugin_is_logged(entry_points, log_records, bui
     assert third_party(reg, builtin) == []
     [rec] = log_records("unknown_plugin_name")
     assert (rec.setting, rec.plugin) == ("METAL_ATTN_PLUGINS_ALLOW", "third_party") and "good" in rec.plugins
+
+
+@pytest.mark.parametrize("value", ["ma_test_unmarked_plugin", "ma_test_good_plugin:metal_attn_register_providers"],
+                         ids=["hook-unmarked", "entry-point-names-the-hook-function"])
+def test_a_plugin_that_implements_no_hook_is_reported_not_silently_dropped(entry_points, log_records, builtin, value):
+    # Two easy mistakes: a hook function without @hookimpl, and an entry point naming the hook function itself.
+    # Either way pluggy finds no hook; the plugin is a load error that `metal-attn doctor` shows, the rest load.
+    entry_points(nohook=value, good="ma_test_good_plugin")
+    reg = plugins.build_registry()
+    assert third_party(reg, builtin) == ["third_party"]
+    error = reg.load_errors["nohook"]
+    assert error.startswith("TypeError: plugin 'nohook' loaded "), error
+    assert "implements no metal_attn hook: mark each hook function with @metal_attn.hookimpl" in error
+    assert "good" not in reg.load_errors
+    [rec] = log_records("plugin_load_failed")
+    assert rec.plugin == "nohook"
