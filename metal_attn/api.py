@@ -20,7 +20,7 @@ from metal_attn.plugins import get_registry
 from metal_attn.provider import AttentionInputs
 from metal_attn.registry import Explanation
 from metal_attn.request import AttentionRequest, check_feature_values
-from metal_attn.settings import get_settings
+from metal_attn.settings import Settings, get_settings
 
 #: The supported dtypes by name, and back.
 MX_DTYPES: dict[str, Any] = {name: getattr(mx, name) for name in DTYPES}
@@ -254,8 +254,7 @@ def _select(
     eff = safe.split_blocks(ratio)
     device = current_device()
     settings = get_settings()
-    if settings.diagnostics and not diagnostics.history_enabled():
-        diagnostics.enable_history()
+    _follow_diagnostics_setting(settings)
     request = AttentionRequest(
         backend=device.backend,
         phase=eff.phase,
@@ -318,7 +317,8 @@ def _warn_slow_fallback(registry: Any, request: AttentionRequest, device: Device
 
 def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array:
     """Validate ``slot_mapping`` on every call (MLX arrays can be edited in place, so an
-    identity cache would let a bad slot through); ``validate_metadata=False`` skips the value checks."""
+    identity cache would let a bad slot through); ``validate_metadata=False`` skips the value checks,
+    whatever container the slots come in."""
     if isinstance(slot_mapping, mx.array):
         if slot_mapping.dtype not in (mx.int64, mx.int32):
             raise InvalidInputError(f"slot_mapping.dtype={dtype_name(slot_mapping.dtype)} (allowed: int64 or int32)")
@@ -337,6 +337,8 @@ def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array
             raise InvalidInputError(
                 f"slot_mapping.shape={tuple(host.shape)} (allowed: [{num_tokens}], one slot per token)"
             )
+        if not get_settings().validate_metadata:  # as for MLX slots: the writers skip what is outside the pool
+            return kernel_input(slot_mapping, host, mx.int64)
     valid = host[host >= 0]
     if valid.size:
         hi = int(valid.max())
@@ -420,8 +422,16 @@ def write_checked(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx
             f"provider {writer.name!r}: write_cache() returned {_describe_output(out)} (allowed: a (k_cache, "
             f"v_cache) pair of mx.arrays of the pools' shape {tuple(k_cache.shape)} and dtype "
             f"{dtype_name(k_cache.dtype)})")
+    _follow_diagnostics_setting(get_settings())
     diagnostics.record(record)
     return out[0], out[1]
+
+
+def _follow_diagnostics_setting(settings: Settings) -> None:
+    """``METAL_ATTN_DIAGNOSTICS=1`` keeps every dispatch: turn the history on before recording one (again after
+    `diagnostics.reset`), whichever call comes first."""
+    if settings.diagnostics and not diagnostics.history_enabled():
+        diagnostics.enable_history()
 
 
 def _describe_output(out: Any) -> str:
@@ -488,7 +498,11 @@ def explain(
             raise InvalidInputError(f"explain: unknown field(s) {', '.join(unknown)} (allowed: {', '.join(known)})")
         if "q_lens" not in request_fields or "seq_lens" not in request_fields:
             raise InvalidInputError("explain: q_lens and seq_lens are required (or pass an AttentionRequest)")
-        request_fields.setdefault("backend", dev.backend)
+        backend = request_fields.setdefault("backend", dev.backend)
+        if backend != dev.backend:
+            raise InvalidInputError(
+                f"backend={backend!r} differs from the device's backend={dev.backend!r} (allowed: leave backend out, "
+                "or pass device= a DeviceInfo or preset of that backend, such as 'm5-max' or 'h200')")
         page = request_fields.get("block_size")
         if is_integer(page) and page >= 1:  # the pool's page, as a real call re-expresses it (64 -> 32)
             request_fields["block_size"] = kernel_block_size(int(page)) or int(page)

@@ -254,12 +254,7 @@ def _explain_lengths(args: argparse.Namespace,
         if q > s:
             parser.error(f"sequence {i}: q_len={q} > seq_len={s} (the KV length counts this step's tokens, "
                          "so seq_len >= q_len; check --q-lens/--q-len and --seq-lens/--context)")
-    from metal_attn.request import leading_decode_rows
-
-    n_dec = leading_decode_rows(q_lens)
-    if any(q == 1 for q in q_lens[n_dec:]) and any(q > 1 for q in q_lens):
-        parser.error(f"--q-lens={','.join(map(str, q_lens))}: decode rows (q_len 1) must come first, "
-                     "then prefill chunks")
+    # A one-row sequence after a chunk is a one-token chunk (`classify_phase`), as paged_attention takes it.
     return q_lens, seq_lens, copies
 
 

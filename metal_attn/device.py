@@ -17,6 +17,8 @@ import subprocess
 import sys
 from types import MappingProxyType
 
+from metal_attn.errors import InvalidInputError
+
 BACKENDS: tuple[str, ...] = ("metal", "cuda", "cpu")
 
 _APPLE_ARCH = re.compile(r"applegpu_g(\d+)([a-z])")
@@ -85,7 +87,7 @@ class DeviceInfo:
         try:
             return DEVICE_PRESETS[name]
         except KeyError:
-            raise ValueError(
+            raise InvalidInputError(
                 f"device preset {name!r} is unknown (known: {', '.join(sorted(DEVICE_PRESETS))})"
             ) from None
 

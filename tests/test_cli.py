@@ -151,6 +151,16 @@ def test_explain_lists_describe_a_mixed_batch(capsys):
     assert req["max_decode_seq_len"] == 4096
 
 
+def test_explain_takes_a_one_row_sequence_after_a_chunk_as_paged_attention_does(capsys):
+    # A one-row sequence after a chunk is a one-token chunk: the batch is a prefill, and explain chooses what
+    # the API's explain (and so a real call) chooses.
+    code, data = run_json(capsys, "explain", "--q-lens", "4,1", "--seq-lens", "9,9")
+    assert code == 0
+    assert (data["request"]["phase"], data["request"]["num_decode_seqs"]) == ("prefill", 0)
+    want = metal_attn.explain(q_lens=[4, 1], seq_lens=[9, 9]).chosen.name
+    assert data["chosen"] == want and [r["name"] for r in data["providers"] if r["chosen"]] == [want]
+
+
 def test_explain_translates_a_page_size_to_the_kernel_block_size(capsys):
     code, data = run_json(capsys, "explain", "--block-size", "64")
     assert code == 0 and data["request"]["block_size"] == 32
@@ -241,7 +251,6 @@ BAD_FLAGS = [
     (["explain", "--q-lens", "1"], ["--q-lens needs --seq-lens"]),
     (["explain", "--q-lens", "1", "--seq-lens", "9", "--batch", "2"], ["--batch", "cannot be combined"]),
     (["explain", "--q-lens", "8", "--seq-lens", "4"], ["q_len=8 > seq_len=4"]),
-    (["explain", "--q-lens", "4,1", "--seq-lens", "9,9"], ["--q-lens=4,1", "decode rows (q_len 1) must come first"]),
     (["explain", "--heads", "6", "--kv-heads", "4"], ["--heads=6", "--kv-heads=4", "whole groups"]),
     (["demo", "--block-size", "12"], ["--block-size=12", "multiple of 8"]),
     (["demo", "--steps", "1"], ["--steps=1", ">= 2"]),

@@ -12,6 +12,7 @@ import pytest
 
 from metal_attn import device as device_mod
 from metal_attn.device import DEVICE_PRESETS, DeviceInfo, current_device, detect_backend, probe
+from metal_attn.errors import InvalidInputError
 from metal_attn.settings import override_settings
 
 HAS_GPU = mx.is_available(mx.gpu)
@@ -47,7 +48,8 @@ def test_preset_resources():
 
 
 def test_unknown_preset_lists_the_known_ones():
-    with pytest.raises(ValueError) as err:
+    # The library's own input error (a ValueError too), as explain(device=...) and providers(...) raise it.
+    with pytest.raises(InvalidInputError) as err:
         DeviceInfo.preset("m9-ultra")
     assert str(err.value) == (
         "device preset 'm9-ultra' is unknown (known: cpu-2core, h200, m3-10core, m3-max, m4-max, m5-10core, m5-max)"

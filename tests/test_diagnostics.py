@@ -194,6 +194,19 @@ def test_diagnostics_setting_turns_the_history_on():
         assert [r.route for r in diagnostics.history()] == ["gqa_decode"]
 
 
+def test_diagnostics_setting_keeps_a_cache_write_that_comes_first():
+    # A step writes the cache before its attention: with the setting on, that write is in the history too,
+    # also after a reset (which turns the history off until the next dispatch).
+    q, k, v, md = batch()
+    key = mx.ones((2, k.shape[2], k.shape[3]), k.dtype)
+    with ma.override_settings(diagnostics=True):
+        for _ in range(2):
+            diagnostics.reset()
+            k, v = ma.reshape_and_cache(key, key, k, v, mx.array([0, 1]))
+            ma.paged_attention(q, k, v, metadata=md)
+            assert [r.op for r in diagnostics.history()] == ["reshape_and_cache", "paged_attention"]
+
+
 def test_collect_blocks_overlapping_across_threads_neither_leak_nor_close_each_other():
     """A opens, B opens, A closes, B closes (the interleaving that left a stale history behind):
     each block has exactly the dispatches made while it was open, and nothing collects afterwards."""

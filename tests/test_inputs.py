@@ -403,6 +403,10 @@ def test_unhashable_features_get_the_argument_error(kwargs):
     (lambda: metal_attn.explain("not a request"), "request='not a request' (allowed: a metal_attn.AttentionRequest"),
     (lambda: metal_attn.explain(device=5), "device=5 (allowed: a metal_attn.DeviceInfo, a preset name"),
     (lambda: metal_attn.providers(5), "device=5 (allowed: a metal_attn.DeviceInfo"),
+    (lambda: metal_attn.providers("h100"), "device preset 'h100' is unknown (known: cpu-2core, h200"),
+    # a backend other than the device's: every provider, the reference too, refused it as a mismatch
+    (lambda: metal_attn.explain(q_lens=[1], seq_lens=[4], backend="metal", device="h200"),
+     "backend='metal' differs from the device's backend='cuda' (allowed: leave backend out, or pass device="),
     (lambda: metal_attn.explain(q_lens=[1], seq_lens=[4], provider=["classic"]),
      "provider=['classic'] (allowed: a provider name as a str"),
     (lambda: metal_attn.PagedKVCache(1, 4, 16, 1, 16, dtype=mx.float32).put_pools([1, 2]),

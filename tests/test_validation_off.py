@@ -135,10 +135,12 @@ def _writers() -> list[str]:
     return [e.provider.name for e in get_registry().entries if e.provider.writes_cache]
 
 
+@pytest.mark.parametrize("container", ["mx.array", "numpy", "list"])
 @pytest.mark.parametrize("writer", ["auto", *_writers()])
-def test_slots_outside_the_pool_are_skipped(writer):
+def test_slots_outside_the_pool_are_skipped(writer, container):
     """reshape_and_cache with validation off: slots past the pool (the pool size, 10^6, 2^40) are
-    skipped, negative ones are padding, the rest land; validation on raises naming the slot."""
+    skipped, negative ones are padding, the rest land, whatever container holds the slots;
+    validation on raises naming the slot."""
     nb, bs, kvh, d = 4, 16, 2, 64
     kc = mx.zeros((nb, bs, kvh, d))
     vc = mx.zeros_like(kc)
@@ -146,7 +148,8 @@ def test_slots_outside_the_pool_are_skipped(writer):
     key = mx.array(np.arange(1, 8, dtype=np.float32)[:, None, None] * np.ones((7, kvh, d), np.float32))
     others = tuple(w for w in _writers() if w != writer) if writer != "auto" else ()
     with override_settings(validate_metadata=False, disabled_providers=others):
-        k2, v2 = metal_attn.reshape_and_cache(key, key * 2, kc, vc, mx.array(slots))
+        given = {"mx.array": mx.array(slots), "numpy": slots, "list": slots.tolist()}[container]
+        k2, v2 = metal_attn.reshape_and_cache(key, key * 2, kc, vc, given)
         mx.eval(k2, v2)
     if writer != "auto":
         assert metal_attn.diagnostics.last_cache_write().provider == writer
@@ -157,4 +160,4 @@ def test_slots_outside_the_pool_are_skipped(writer):
     np.testing.assert_array_equal(np.array(k2).reshape(nb * bs, kvh, d), want)
     np.testing.assert_array_equal(np.array(v2).reshape(nb * bs, kvh, d), 2 * want)
     with pytest.raises(InvalidInputError, match=r"slot_mapping holds slot 1099511627776, out of range"):
-        metal_attn.reshape_and_cache(key, key, kc, vc, mx.array(slots))
+        metal_attn.reshape_and_cache(key, key, kc, vc, given)
