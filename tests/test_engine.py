@@ -16,6 +16,7 @@ from metal_attn.engine import Engine, EngineConfig, SamplingParams
 from metal_attn.engine.block_manager import BlockManager, block_hash
 from metal_attn.engine.request import RequestStatus
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
+from metal_attn.settings import override_settings
 from metal_attn.testing.greedy import assert_same_greedy, reference_greedy
 from metal_attn.testing.models import WordTokenizer, tiny_model
 
@@ -280,6 +281,43 @@ def test_engine_config_refuses_non_bool_switches_and_bool_numbers(llama):
             EngineConfig(**kw).validate()
     with pytest.raises(InvalidInputError, match=r"config=\{'num_blocks': 8\} \(allowed: an EngineConfig"):
         Engine(llama, WordTokenizer(), {"num_blocks": 8})
+
+
+def test_an_explicit_engine_config_takes_the_settings_for_the_fields_it_leaves_out(llama):
+    # EngineConfig(max_num_seqs=32), as the README writes it, dropped every METAL_ATTN_* engine setting; the
+    # fields of SETTINGS_FIELDS now default to their settings when the config is made, and a given field wins.
+    env = {"max_num_batched_tokens": 64, "kv_cache_memory": 4_000_000, "kv_cache_fraction": 0.5,
+           "prefix_caching": False, "compile_decode": True, "max_num_seqs": 7}
+    with override_settings(**env):
+        cfg = EngineConfig(max_num_seqs=32, num_blocks=8)
+        eng = Engine(llama, WordTokenizer(), EngineConfig(num_blocks=8))
+    assert (cfg.max_num_batched_tokens, cfg.kv_cache_memory, cfg.kv_cache_fraction, cfg.enable_prefix_caching,
+            cfg.compile_decode, cfg.max_num_seqs) == (64, 4_000_000, 0.5, False, True, 32)
+    assert eng.config.max_num_seqs == 7 and eng.compile_decode_reason == "compile_decode=True (set)"
+    plain = EngineConfig()  # outside the block: the settings' own defaults
+    assert (plain.max_num_batched_tokens, plain.max_num_seqs, plain.kv_cache_memory, plain.kv_cache_fraction,
+            plain.enable_prefix_caching, plain.compile_decode) == (512, 64, None, 0.2, True, None)
+
+
+def test_tokens_read_from_step_and_synchronize_are_the_whole_completion(llama):
+    # synchronize() finished the steps in flight and dropped their outputs: a caller reading tokens from
+    # step() lost the ones those steps sampled. A 20-token prompt over a budget of 8 also gives steps that
+    # return [] while work remains.
+    eng = _engine(llama, max_num_batched_tokens=8)
+    rid = eng.add_request(list(range(3, 23)), max_tokens=6)
+    seen, empty_while_busy = [], 0
+    while len(seen) < 2:
+        got = eng.step()
+        empty_while_busy += not got and eng.has_unfinished()
+        seen += [t for o in got for t in o.new_token_ids]
+    assert eng.in_flight  # pipelined: the next step sampled on the device, not yet read
+    synced = [t for o in eng.synchronize() for t in o.new_token_ids]
+    assert synced and not eng.in_flight
+    seen += synced
+    while eng.has_unfinished():
+        seen += [t for o in eng.step() for t in o.new_token_ids]
+    assert empty_while_busy
+    assert seen == list(eng.completion(rid).token_ids) and len(seen) == 6
 
 
 def test_token_ids_may_be_numpy_or_mlx_integers(llama):

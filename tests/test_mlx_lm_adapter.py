@@ -307,6 +307,18 @@ def test_bad_arguments_are_named():
     plan = pm.kv.prepare_step([("a", 3)])
     with pytest.raises(InvalidInputError, match=r"tokens.shape=\(2,\) \(allowed: \[3\]"):
         pm.forward(plan, mx.array([1, 2], dtype=mx.int32))
+    # A list raised AttributeError, float ids MLX's unnamed gather error; an id past the vocabulary gave finite
+    # garbage (a far one crashed the process). Host ids are checked against the vocabulary.
+    vocab = pm.vocab_size
+    for bad, message in (([1.0, 2.0, 3.0], r"tokens: dtype float64 \(allowed: integer token ids\)"),
+                         (mx.array([1.0, 2.0, 3.0]), r"tokens: dtype float32 \(allowed: integer token ids\)"),
+                         ([1, 2, vocab], rf"tokens holds id {vocab} \(allowed: 0..{vocab - 1}, the model's vocab"),
+                         (np.array([-1, 2, 3]), r"tokens holds id -1 \(allowed: 0\.\."),
+                         ([[1, 2, 3]], r"tokens.shape=\(1, 3\) \(allowed: \[3\]")):
+        with pytest.raises(InvalidInputError, match=message):
+            pm.forward(plan, bad)
+    same = pm.forward(plan, [1, 2, 3]), pm.forward(plan, np.array([1, 2, 3])), pm.forward(plan, mx.array([1, 2, 3]))
+    assert all(mx.array_equal(same[0], x).item() for x in same[1:])
     # Rows past the step (a gather there read other memory: finite garbage, no error) or not integers.
     tokens = mx.array([1, 2, 3], dtype=mx.int32)
     for rows in ([3], [-1], [1.5], [], [[2]]):

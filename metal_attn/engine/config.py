@@ -8,7 +8,7 @@ import math
 from metal_attn.checks import int_at_least, is_real
 from metal_attn.errors import InvalidInputError
 
-__all__ = ["COMPILE_DECODE_BY_BACKEND", "PREEMPTION_ORDERS", "EngineConfig"]
+__all__ = ["COMPILE_DECODE_BY_BACKEND", "PREEMPTION_ORDERS", "SETTINGS_FIELDS", "EngineConfig"]
 
 #: Which running request gives its blocks back when another cannot grow: the most recently
 #: admitted one ("newest", vLLM's recompute policy) or the one holding most blocks ("largest").
@@ -24,31 +24,57 @@ COMPILE_DECODE_BY_BACKEND: dict[str, tuple[bool, str]] = {
 }
 
 
+#: The fields whose defaults come from the ``METAL_ATTN_*`` settings: field -> settings field.
+SETTINGS_FIELDS: dict[str, str] = {
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_num_seqs": "max_num_seqs",
+    "kv_cache_memory": "kv_cache_memory",
+    "kv_cache_fraction": "kv_cache_fraction",
+    "enable_prefix_caching": "prefix_caching",
+    "compile_decode": "compile_decode",
+}
+
+
+def _from_settings(field: str):
+    """A field default read from the settings when the config is made (``METAL_ATTN_<FIELD>``, else its default)."""
+
+    def default():
+        from metal_attn.settings import get_settings
+
+        return getattr(get_settings(), SETTINGS_FIELDS[field])
+
+    return dataclasses.field(default_factory=default)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Scheduler and pool policies. Every field has a default; `validate` names a bad one.
+
+    The fields of `SETTINGS_FIELDS` default to their ``METAL_ATTN_*`` settings, read when the
+    config is made; a field given explicitly wins over its setting.
 
     Pool size, in order of precedence: ``num_blocks``; else ``kv_cache_memory`` bytes;
     else ``kv_cache_fraction`` of the device's memory. Either way the pool never exceeds
     what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
     """
 
-    #: Token budget of one step: decode rows plus prefill-chunk tokens.
-    max_num_batched_tokens: int = 512
-    #: Cap on running sequences.
-    max_num_seqs: int = 64
+    #: Token budget of one step: decode rows plus prefill-chunk tokens (``METAL_ATTN_MAX_NUM_BATCHED_TOKENS``, 512).
+    max_num_batched_tokens: int = _from_settings("max_num_batched_tokens")
+    #: Cap on running sequences (``METAL_ATTN_MAX_NUM_SEQS``, 64).
+    max_num_seqs: int = _from_settings("max_num_seqs")
     #: Tokens per page of the pool (a multiple of 8).
     block_size: int = 16
     #: Pool size in pages (per layer); ``None`` sizes it from memory.
     num_blocks: int | None = None
-    #: Pool budget in bytes (K and V of every layer); ``None`` uses ``kv_cache_fraction``.
-    kv_cache_memory: int | None = None
-    #: Share of the device's memory for the pool when no byte budget is given.
-    kv_cache_fraction: float = 0.2
+    #: Pool budget in bytes (K and V of every layer); ``None`` uses ``kv_cache_fraction``
+    #: (``METAL_ATTN_KV_CACHE_MEMORY``, unset).
+    kv_cache_memory: int | None = _from_settings("kv_cache_memory")
+    #: Share of the device's memory for the pool when no byte budget is given (``METAL_ATTN_KV_CACHE_FRACTION``, 0.2).
+    kv_cache_fraction: float = _from_settings("kv_cache_fraction")
     #: Share of the pool kept free when a new request is admitted (headroom for decode growth).
     watermark: float = 0.01
-    #: Reuse cached full blocks of shared prompt prefixes.
-    enable_prefix_caching: bool = True
+    #: Reuse cached full blocks of shared prompt prefixes (``METAL_ATTN_PREFIX_CACHING``, on).
+    enable_prefix_caching: bool = _from_settings("enable_prefix_caching")
     #: See `PREEMPTION_ORDERS`.
     preemption_order: str = "newest"
     #: Longest sequence (prompt plus generated tokens); ``None``: the model's own limit.
@@ -58,8 +84,8 @@ class EngineConfig:
     #: Run decode-only steps through a forward traced once per (rows, table width) under
     #: ``mx.compile`` (`metal_attn.mlx_lm.compiled.CompiledDecode`); steps it does not apply to,
     #: and models it refuses, run eagerly. ``None``: the backend's measured default
-    #: (`COMPILE_DECODE_BY_BACKEND`).
-    compile_decode: bool | None = None
+    #: (`COMPILE_DECODE_BY_BACKEND`) (``METAL_ATTN_COMPILE_DECODE``, unset).
+    compile_decode: bool | None = _from_settings("compile_decode")
     #: With compiled steps on: a decode shape (row bucket, table width) is traced on its
     #: ``compile_trace_after``-th step and runs eagerly before that (2: a shape seen on one step
     #: only never pays a trace). 1, the default, traces on first sight: on the H200 at one request
@@ -77,19 +103,8 @@ class EngineConfig:
 
     @classmethod
     def from_settings(cls, **overrides: object) -> EngineConfig:
-        """Defaults from the ``METAL_ATTN_*`` engine settings, then ``overrides``."""
-        from metal_attn.settings import get_settings
-
-        s = get_settings()
-        values = {
-            "max_num_batched_tokens": s.max_num_batched_tokens,
-            "max_num_seqs": s.max_num_seqs,
-            "kv_cache_memory": s.kv_cache_memory,
-            "kv_cache_fraction": s.kv_cache_fraction,
-            "enable_prefix_caching": s.prefix_caching,
-            "compile_decode": s.compile_decode,
-        }
-        return cls(**(values | overrides)).validate()
+        """``EngineConfig(**overrides)``, validated: the ``METAL_ATTN_*`` engine settings, then ``overrides``."""
+        return cls(**overrides).validate()
 
     def resolve_compile_decode(self, backend: str) -> tuple[bool, str]:
         """Whether decode steps run compiled on ``backend``, and why (the config's value, else the

@@ -293,7 +293,8 @@ class Engine:
 
         With pipelining on, the step launched now runs while the previous one is finished
         on the host, so the tokens returned are those of the previous forward (the first
-        call launches two). Returns ``[]`` when there is nothing left to do.
+        call launches two). Returns ``[]`` when no request got a token: nothing is left to do, or the
+        step only ran prefill chunks (a prompt longer than the token budget); loop on `has_unfinished`.
         """
         if not self._inflight:
             self._launch()
@@ -588,11 +589,14 @@ class Engine:
         }
 
     @_serialized
-    def synchronize(self) -> None:
-        """Finish every step in flight (their tokens are processed as usual)."""
+    def synchronize(self) -> list[RequestOutput]:
+        """Finish every step in flight (their tokens are processed as usual) and return their outputs, as
+        `step` returns a step's: a caller that reads tokens from `step` reads the rest here."""
+        outputs: list[RequestOutput] = []
         while self._inflight:
-            self._complete_oldest()
+            outputs += self._complete_oldest()
         mx.synchronize()
+        return outputs
 
 
 def _first_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:

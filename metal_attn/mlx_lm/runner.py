@@ -12,6 +12,7 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -129,18 +130,18 @@ class PagedModel:
     def vocab_size(self) -> int:
         return int(self._text.model.embed_tokens.weight.shape[0])
 
-    def forward(self, plan: StepPlan, tokens: mx.array, logit_rows: Sequence[int] | mx.array | None = None) -> mx.array:
+    def forward(self, plan: StepPlan, tokens: mx.array | Sequence[int] | np.ndarray,
+                logit_rows: Sequence[int] | mx.array | None = None) -> mx.array:
         """Logits ``[len(logit_rows), vocab]`` (lazy) for one step.
 
-        ``tokens``: ``[plan.num_tokens]`` int ids in the plan's row order. ``logit_rows``:
-        the rows whose logits are wanted (default: each sequence's last row), each in
-        ``0..plan.num_tokens - 1``; given as an ``mx.array`` (a device array, not read back),
-        only its rank and dtype are checked.
+        ``tokens``: ``[plan.num_tokens]`` int ids in the plan's row order; host ids (a list or
+        numpy array) are checked against the vocabulary, an ``mx.array`` (a device array, often
+        the last step's samples, not read back) only for rank and dtype: its ids are trusted, as
+        mlx-lm trusts them. ``logit_rows``: the rows whose logits are wanted (default: each
+        sequence's last row), each in ``0..plan.num_tokens - 1``; given as an ``mx.array``, only
+        its rank and dtype are checked.
         """
-        if tokens.ndim != 1 or tokens.shape[0] != plan.num_tokens:
-            raise InvalidInputError(
-                f"tokens.shape={tuple(tokens.shape)} (allowed: [{plan.num_tokens}], one id per row of the step)"
-            )
+        tokens = self._check_tokens(tokens, plan.num_tokens)
         if logit_rows is None:
             logit_rows = np.cumsum(plan.q_lens) - 1
         elif isinstance(logit_rows, mx.array):
@@ -160,6 +161,27 @@ class PagedModel:
             hidden = self._forward_layers(plan, tokens)
         logits = self._head(self._text, hidden[logit_rows])
         return logits.reshape(logit_rows.shape[0], -1)
+
+    def _check_tokens(self, tokens: Any, num_tokens: int) -> mx.array:
+        """``tokens`` as an int ``mx.array`` of shape ``[num_tokens]``, or `InvalidInputError` naming what is wrong."""
+        if isinstance(tokens, mx.array):
+            shape, dtype = tuple(tokens.shape), dtype_name(tokens.dtype)
+            integral = mx.issubdtype(tokens.dtype, mx.integer)
+        else:
+            host = np.asarray(tokens)
+            shape, dtype = tuple(host.shape), str(host.dtype)
+            integral = host.size == 0 or np.issubdtype(host.dtype, np.integer)
+        if not integral:
+            raise InvalidInputError(f"tokens: dtype {dtype} (allowed: integer token ids)")
+        if shape != (num_tokens,):
+            raise InvalidInputError(f"tokens.shape={shape} (allowed: [{num_tokens}], one id per row of the step)")
+        if isinstance(tokens, mx.array):
+            return tokens
+        vocab = self.vocab_size
+        bad = host[(host < 0) | (host >= vocab)]
+        if bad.size:
+            raise InvalidInputError(f"tokens holds id {int(bad[0])} (allowed: 0..{vocab - 1}, the model's vocabulary)")
+        return mx.array(host.astype(np.int32))
 
     def _forward_layers(self, plan: StepPlan, tokens: mx.array) -> mx.array:
         for c in self.caches:
