@@ -422,6 +422,30 @@ def test_the_committed_h200_decode_step_baseline_covers_every_step_shape() -> No
     assert base.run["candidates"] == "auto,auto_compiled,torch_sdpa,ceiling" and base.run["iters"] == 10
 
 
+H100 = "cuda-nvidia-h100-80gb-hbm3"
+
+
+def test_the_committed_h100_baselines_cover_every_shape_the_card_holds() -> None:
+    """Written on an H100 (thirty-fifth session; the pool lends H100s far more often than the H200): every
+    decode-gpu shape for auto and classic; every decode-step shape whose inputs fit the card's 80 GB (the
+    suite skips the other two, b64 L8192 and b8 L32768, for memory) for auto and auto_compiled."""
+    base = baselines.load(CPU_BASELINE.with_name(f"{H100}.json"))
+    assert base.machine_class == H100 and base.suites == ("decode-gpu",) and base.margin == 0.4
+    labels = {s.label for s in suites.get_suite("decode-gpu").shapes}
+    for name in ("auto", "classic"):
+        assert {c.split(" / ")[1] for c in base.entries if c.endswith(f" / {name}")} == labels
+    step = baselines.load(CPU_BASELINE.with_name(f"{H100}-decode-step.json"))
+    assert step.machine_class == H100 and step.suites == ("decode-step",) and step.margin == 0.4
+    shapes = suites.get_suite("decode-step").shapes
+    fits = {s.label for s in shapes if s.memory_estimate() <= 0.85 * 80e9}  # the suite's own memory rule
+    too_big = {"step b64 h32/8 d128 L8192 bf16 x18", "step b8 h32/8 d128 L32768 bf16 x32"}
+    assert {s.label for s in shapes} - fits == too_big
+    for name in ("auto", "auto_compiled"):
+        assert {c.split(" / ")[1] for c in step.entries if c.endswith(f" / {name}")} == fits
+    for b in (base, step):
+        assert all(k.endswith("ratio") and v > 0 for e in b.entries.values() for k, v in e.items())
+
+
 def test_smoke_passes_against_the_committed_cpu_baseline(tmp_path, capsys) -> None:
     _committed()
     out_json = tmp_path / "run.json"
