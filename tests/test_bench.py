@@ -721,6 +721,25 @@ def test_generate_json_on_stdout_is_json_alone(capsys, monkeypatch) -> None:
     assert "| workload |" in captured.err
 
 
+@pytest.mark.parametrize("seed", [None, 7])
+def test_generate_suite_takes_the_seed(monkeypatch, seed) -> None:
+    """--seed reached every other suite but not the generate suite's prompts (always seed 0)."""
+    from metal_attn.bench import generate
+
+    monkeypatch.setattr(generate, "load_bench_model", lambda backend, layers: (object(), "fake model"))
+    monkeypatch.setattr(generate, "_too_long", lambda *a: None)
+    seen = []
+
+    def fake_bench(model, **kw):
+        seen.append(kw["seed"])
+        return []
+
+    monkeypatch.setattr(generate, "bench_generate", fake_bench)
+    argv = ["--suite", "generate", "--candidates", "engine", "--concurrency", "1", "--quiet"]
+    assert cli.main(argv + ([] if seed is None else ["--seed", str(seed)])) == 0
+    assert seen == [0 if seed is None else seed]
+
+
 def test_a_provider_no_plugin_registered_is_reported_not_measured() -> None:
     """A suite's or a baseline's candidate from a plugin this machine lacks (--candidates refuses a name no
     plugin registered before anything runs)."""

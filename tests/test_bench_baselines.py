@@ -199,6 +199,11 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
         (["--write-baseline", "x.json", "--margin", "1.5"], "--margin=1.5 (allowed: a number >= 0 and < 1"),
         (["--compare", "/nonexistent/base.json"], "--compare /nonexistent/base.json: cannot read the baseline"),
         (["--suite", "generate", "--compare", "PLACEHOLDER"], "--compare and --write-baseline take kernel suites"),
+        # a pattern matching no ratio was dropped silently (one of two), or refused only after measuring (all)
+        (["--suite", "smoke", "--write-baseline", "x.json", "--ratios", "speedup_vs_mlx_sdpa_ratio,ceiling_fraction"],
+         "--ratios 'ceiling_fraction' matches no ratio (allowed: names or globs of speedup_vs_gather_sdpa_ratio"),
+        (["--from-json", "PLACEHOLDER", "--write-baseline", "x.json", "--ratios", "speedup_vs_mlx"],
+         "--ratios 'speedup_vs_mlx' matches no ratio"),
     ],
 )
 def test_baseline_usage_errors_exit_2(tmp_path, capsys, argv, message) -> None:
@@ -307,6 +312,19 @@ def test_a_saved_run_makes_the_same_baseline_and_is_compared_later(tmp_path, cap
     slower = _write(tmp_path, data, "slower.json")
     rc, out, err = _cli(capsys, "--from-json", str(slower), "--compare", str(saved))
     assert rc == 1 and "1 ratio(s) below their floor" in err and "/ auto: speedup_vs_mlx_sdpa_ratio" in err
+
+    # A saved run whose output was wrong fails the comparison whatever its ratios, as a live --compare does
+    # (it passed); one measured another way (pipelined, against a blocking baseline) is said to be.
+    data = json.loads(run_json.read_text())
+    cand = next(c for c in data["suites"][0]["results"][0]["candidates"] if c["name"] == "auto")
+    cand["check"] = {"ok": False, "against": "mlx_sdpa", "rel_l2": 0.5}
+    rc, out, err = _cli(capsys, "--from-json", str(_write(tmp_path, data, "wrong.json")), "--compare", str(saved))
+    assert rc == 1 and "the saved run had a problem: smoke / decode b3" in err and "output differs from mlx_sdpa" in err
+    data = json.loads(run_json.read_text())
+    data["suites"][0]["mode"] = "pipelined"
+    rc, out, err = _cli(capsys, "--from-json", str(_write(tmp_path, data, "piped.json")), "--compare", str(saved))
+    assert rc == 0, err
+    assert "warning: the saved run was measured with pipelined=True, the baseline with pipelined=None" in err
 
 
 def test_saved_repeats_and_several_saved_runs_give_medians_over_every_repeat(tmp_path, capsys) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import io
 import json
 import sys
@@ -18,8 +19,10 @@ from typing import Any, TextIO
 from metal_attn.bench import baselines
 from metal_attn.bench.candidates import ProviderCandidate, with_variants
 from metal_attn.bench.core import ShapeResult, SuiteResult, machine_info, run_suite
+from metal_attn.bench.ratios import RATIO_NAMES
 from metal_attn.bench.render import PLOT_FORMATS, TableStream, plot_format, render_markdown, render_rich, write_plot
 from metal_attn.bench.suites import SUITES, default_suite, get_suite
+from metal_attn.bench.timing import MIN_SAMPLE_S
 from metal_attn.cli_common import guarded, int_flag
 from metal_attn.device import current_device, detect_backend
 from metal_attn.plugins import check_provider_setting, get_registry
@@ -67,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="untimed calls before timing (the first compiles and gives the checked output); "
                              "default: the suite's")
     parser.add_argument("--iters", type=int_flag(1), metavar="N",
-                        help="timed samples, each a synchronized loop lasting >= 1 ms; the median is reported; "
-                             "default: the suite's")
+                        help=f"timed samples, each a synchronized loop lasting >= {MIN_SAMPLE_S * 1e3:g} ms; "
+                             "the median is reported; default: the suite's")
     parser.add_argument("--pipelined", action="store_true",
                         help="queue the timed calls (mx.async_eval, torch without a sync per call) and wait once "
                              "per sample: kernel throughput; default: every call waits for its result (mx.eval)")
@@ -518,6 +521,8 @@ def _baseline_options(args: argparse.Namespace, err: TextIO) -> tuple[baselines.
         except baselines.BaselineError as exc:
             print(f"metal-attn bench: error: {exc}", file=err)
             return None, 2
+    if getattr(args, "ratios", None) and not _ratio_patterns_known(args.ratios, err):
+        return None, 2
     if not compare:
         return None, None
     try:
@@ -560,6 +565,8 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
     if compare and (args.ratios or args.margin is not None):
         print("metal-attn bench: error: --ratios and --margin go with --write-baseline", file=err)
         return 2
+    if args.ratios and not _ratio_patterns_known(args.ratios, err):
+        return 2
     try:
         if args.margin is not None:
             baselines.check_margin(args.margin, "--margin")
@@ -573,7 +580,15 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         baselines.render(comparison, sys.stdout)
         for p in comparison.problems():
             print(f"metal-attn bench: compare: {p}", file=err)
-        return 1 if comparison.failed else 0
+        # As a live --compare: a result that errored or whose output was wrong fails, whatever its ratios.
+        for p in saved.problems:
+            print(f"metal-attn bench: compare: the saved run had a problem: {p}", file=err)
+        for key in ("pipelined", "interleave", "iters", "warmup"):  # a live --compare measures as the baseline did
+            if (key in base.run or key in ("pipelined", "interleave")) and saved.run.get(key) != base.run.get(key):
+                print(f"metal-attn bench: compare: warning: the saved run was measured with {key}="
+                      f"{saved.run.get(key)!r}, the baseline with {key}={base.run.get(key)!r}: its ratios may not "
+                      "be comparable (a live --compare measures as the baseline did)", file=err)
+        return 1 if comparison.failed or saved.problems else 0
     why_not = None
     if saved.interrupted:
         why_not = "the run was interrupted"
@@ -589,6 +604,16 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
     stored = _store_baseline(write, margin, why_not, lambda: baselines.build_from_saved(
         saved, margin=margin, note=note, ratios=_csv(args.ratios) if args.ratios else None), err)
     return 0 if stored else 1
+
+
+def _ratio_patterns_known(text: str, err: TextIO) -> bool:
+    """Whether every ``--ratios`` pattern names at least one ratio a result can carry (else say which does not,
+    before anything is measured): a pattern matching nothing used to be dropped silently."""
+    unknown = [p for p in _csv(text) if not any(fnmatch.fnmatchcase(n, p) for n in RATIO_NAMES)]
+    if unknown:
+        print(f"metal-attn bench: error: --ratios {', '.join(map(repr, unknown))} matches no ratio (allowed: names "
+              f"or globs of {', '.join(RATIO_NAMES)}; every name ends in _ratio)", file=err)
+    return not unknown
 
 
 def _show_saved_runs(args: argparse.Namespace, err: TextIO) -> int:

@@ -440,7 +440,7 @@ def run(args: Any) -> int:
     results = bench_generate(
         model, concurrencies=concurrencies, prompt_len=prompt_len, gen_tokens=gen,
         candidates=candidates, rounds=getattr(args, "repeat", None) or 1,
-        shared_prefix=shared,
+        shared_prefix=shared, seed=getattr(args, "seed", None) or 0,
         progress=None if args.quiet else (lambda m: print(m, file=err, flush=True)),
         on_result=lambda r: print(format_row(r), file=out, flush=True),
     )

@@ -37,6 +37,10 @@ def peer_ratio_key(peer: str) -> str:
     return f"speedup_vs_{peer}_{SUFFIX}"
 
 
+#: Every ratio a result can carry: the names ``--ratios`` patterns are matched against.
+RATIO_NAMES: tuple[str, ...] = (*(peer_ratio_key(p) for p in SPEEDUP_PEERS), CEILING_RATIO)
+
+
 def ratios_of(speedup: Mapping[str, float], fraction_of_ceiling: float | None) -> dict[str, float]:
     """The named ratios of one result: its speedups (peer name -> ``t_peer / t_candidate``) and its
     fraction of the ceiling; non-finite or non-positive values are left out."""
