@@ -421,6 +421,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     problems += ([forced_error] if forced_error else []) + _unknown_provider_settings(settings, registry.names)
     if not any(p["enabled"] and p["available"] for p in provs):
         problems.append("no provider is enabled and available on this device")
+    if device.backend == "cpu" and native["status"] != "ok":  # classic's CPU kernels: the CPU's fast path
+        problems.append(f"the native CPU module (metal_attn._native) is {native['status']}: {native['detail']}; "
+                        "classic's CPU kernels are unavailable and calls fall back to the reference provider "
+                        "(reinstall with a C++ compiler: pip install --force-reinstall .)")
     report = {
         "ok": not problems,
         "problems": problems,

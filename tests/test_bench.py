@@ -721,6 +721,40 @@ def test_generate_json_on_stdout_is_json_alone(capsys, monkeypatch) -> None:
     assert "| workload |" in captured.err
 
 
+def test_list_and_dry_run_write_their_json_to_a_path(tmp_path, capsys) -> None:
+    """--json PATH was ignored by --list and --dry-run (text on stdout, no file, exit 0)."""
+    listed, plan = tmp_path / "list.json", tmp_path / "plan.json"
+    assert cli.main(["--list", "--suite", "smoke", "--json", str(listed)]) == 0
+    assert [s["name"] for s in json.loads(listed.read_text())["suites"]] == ["smoke"]
+    assert cli.main(["--suite", "smoke", "--dry-run", "--json", str(plan)]) == 0
+    assert json.loads(plan.read_text())["dry_run"] is True
+    assert f"wrote {plan}" in capsys.readouterr().err
+    assert cli.main(["--list", "--json", str(tmp_path / "no" / "x.json")]) == 2
+    assert "cannot write it" in capsys.readouterr().err
+
+
+def test_a_prefill_table_shows_the_ceilings_bandwidth_in_its_note() -> None:
+    """A prefill suite's table has no GB/s column, so the ceiling's row showed nothing measured (its Markdown
+    had the GB/s)."""
+    import io
+
+    from metal_attn.bench.candidates import CandidateResult
+    from metal_attn.bench.core import ShapeResult
+    from metal_attn.bench.render import TableStream
+
+    shape = Shape(1, 4, 2, 64, 64, "float32", q_len=64)
+    ceiling = CandidateResult("ceiling", "ceiling", "ok", gbps=70.9, route="native read (2 threads)")
+    out = io.StringIO()
+    TableStream("prefill-cpu", "test", [shape], ["classic", "ceiling"], out).shape(ShapeResult(shape, [ceiling]))
+    row = next(line for line in out.getvalue().splitlines() if "ceiling" in line)
+    assert "70.9 GB/s; native read (2 threads)" in row, out.getvalue()
+
+
+def test_the_module_command_takes_verbose_as_metal_attn_bench_does() -> None:
+    """``python -m metal_attn.bench.cli -v`` was an unrecognized argument."""
+    assert cli.main(["-v", "--suite", "smoke", "--dry-run"]) == 0
+
+
 @pytest.mark.parametrize("seed", [None, 7])
 def test_generate_suite_takes_the_seed(monkeypatch, seed) -> None:
     """--seed reached every other suite but not the generate suite's prompts (always seed 0)."""

@@ -394,6 +394,23 @@ def test_doctor_table(capsys):
         assert text in out
 
 
+@pytest.mark.skipif(metal_attn.current_device().backend != "cpu", reason="the native module is the CPU backend's path")
+def test_doctor_reports_a_missing_native_module_as_a_problem_on_the_cpu(capsys):
+    """The CPU install's main failure (no compiled module: classic unavailable, calls on the reference path)
+    ended in "no problems found" and exit 0."""
+    from metal_attn import native
+
+    try:
+        native._reset_for_tests(None, "native module metal_attn._native is not built (simulated)")
+        code, data = run_json(capsys, "doctor", "--no-smoke")
+    finally:
+        native._reset_for_tests()
+    assert code == 1 and data["ok"] is False
+    assert any(p.startswith("the native CPU module (metal_attn._native) is not built: native module "
+                            "metal_attn._native is not built (simulated); classic's CPU kernels are unavailable")
+               for p in data["problems"]), data["problems"]
+
+
 def test_doctor_reports_a_kernel_failure_as_a_problem(capsys):
     reg = plugins.get_registry()
     reg.mark_failed("reference", ("float16", 64), "planted: clang exited with status 1")

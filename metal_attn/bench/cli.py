@@ -312,6 +312,8 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(suites_as_dict(names)))
         else:
             list_suites(sys.stdout, names)
+            if args.json and not _write_json_file(args.json, suites_as_dict(names), err):
+                return 2
         return 0
     early = _check_usage(args, err)
     if early is not None:
@@ -410,10 +412,13 @@ def run(args: argparse.Namespace) -> int:
     if dry_run:
         # --json on stdout: the plan as JSON there, its text on stderr (as a measuring run's tables go).
         print_plan(plan, repeat, backend, misplaced, compare_to, err if json_to_stdout else sys.stdout)
+        data = {"dry_run": True, "repeat": repeat, "backend": backend, "suites": [
+            {"name": s.name, "needs_gpu": s.name in misplaced, "candidates": [c.name for c in cands],
+             "shapes": [sh.label for sh in shapes]} for s, shapes, cands in plan]}
         if json_to_stdout:
-            print(json.dumps({"dry_run": True, "repeat": repeat, "backend": backend, "suites": [
-                {"name": s.name, "needs_gpu": s.name in misplaced, "candidates": [c.name for c in cands],
-                 "shapes": [sh.label for sh in shapes]} for s, shapes, cands in plan]}))
+            print(json.dumps(data))
+        elif args.json and not _write_json_file(args.json, data, err):
+            return 2
         return 0
     runs: list[list[SuiteResult]] = []
     total = repeat * sum(len(shapes) * len(c) for _, shapes, c in plan)
@@ -606,6 +611,18 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
     return 0 if stored else 1
 
 
+def _write_json_file(path: str, data: Any, err: TextIO) -> bool:
+    """``--json PATH`` of ``--list`` and ``--dry-run``: ``data`` written there (said on stderr); False, with the
+    reason, when it cannot be."""
+    try:
+        Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    except OSError as exc:
+        print(f"metal-attn bench: error: --json {path}: cannot write it ({exc.strerror or exc})", file=err)
+        return False
+    print(f"wrote {path}", file=err)
+    return True
+
+
 def _ratio_patterns_known(text: str, err: TextIO) -> bool:
     """Whether every ``--ratios`` pattern names at least one ratio a result can carry (else say which does not,
     before anything is measured): a pattern matching nothing used to be dropped silently."""
@@ -774,10 +791,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m metal_attn.bench.cli``: the same command without the ``metal-attn`` wrapper."""
     parser = argparse.ArgumentParser(prog="python -m metal_attn.bench.cli", description=__doc__.splitlines()[0])
     add_arguments(parser)
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output on stderr (-v info, -vv debug); default from METAL_ATTN_LOG_LEVEL")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
 
-    return guarded("python -m metal_attn.bench.cli", lambda: run(args))
+    return guarded("python -m metal_attn.bench.cli", lambda: run(args), args.verbose)
 
 
 if __name__ == "__main__":

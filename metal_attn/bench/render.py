@@ -134,7 +134,10 @@ class TableStream:
                 cells.append(_pct(r.fraction_of_ceiling) if r.fraction_of_ceiling is not None else "")
             for p in self.speed:
                 cells.append(f"{r.speedup[p]:.2f}x" if p in r.speedup else "")
-            cells.append(_note(r))
+            note = _note(r)
+            if r.kind == "ceiling" and r.ok and r.gbps and not self.gbps:  # no GB/s column (a prefill suite)
+                note = f"{_num(r.gbps)} GB/s; {note}"
+            cells.append(note)
             table.add_row(*(escape(c) for c in cells), style=style)  # names hold [setting=value]
         self.console.print(table)
         lag = sr.auto_vs_fastest
