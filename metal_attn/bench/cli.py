@@ -415,10 +415,8 @@ def run(args: argparse.Namespace) -> int:
         data = {"dry_run": True, "repeat": repeat, "backend": backend, "suites": [
             {"name": s.name, "needs_gpu": s.name in misplaced, "candidates": [c.name for c in cands],
              "shapes": [sh.label for sh in shapes]} for s, shapes, cands in plan]}
-        if json_to_stdout:
+        if json_to_stdout:  # a --json PATH is the measuring run's: a dry run checks it and writes nothing there
             print(json.dumps(data))
-        elif args.json and not _write_json_file(args.json, data, err):
-            return 2
         return 0
     runs: list[list[SuiteResult]] = []
     total = repeat * sum(len(shapes) * len(c) for _, shapes, c in plan)
@@ -612,8 +610,8 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
 
 
 def _write_json_file(path: str, data: Any, err: TextIO) -> bool:
-    """``--json PATH`` of ``--list`` and ``--dry-run``: ``data`` written there (said on stderr); False, with the
-    reason, when it cannot be."""
+    """``--json PATH`` of ``--list``: ``data`` written there (said on stderr); False, with the reason, when it
+    cannot be."""
     try:
         Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     except OSError as exc:
