@@ -155,6 +155,7 @@ def _cmd_providers(args: argparse.Namespace) -> int:
     from metal_attn.api import providers
     from metal_attn.device import DeviceInfo, current_device
     from metal_attn.plugins import get_registry
+    from metal_attn.settings import get_settings
 
     device = DeviceInfo.preset(args.device) if args.device else current_device()
     rows = providers(device)
@@ -184,6 +185,9 @@ def _cmd_providers(args: argparse.Namespace) -> int:
     ))
     for plugin, err in load_errors.items():
         con.print(f"plugin {plugin!r} failed to load: {err}", style="red", markup=False)
+    empty = get_registry().nothing_registered(get_settings())
+    if empty:
+        con.print(empty, style="red", markup=False)
     return 0
 
 
@@ -276,7 +280,9 @@ def _explain_device(args: argparse.Namespace) -> Any:
 
 def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from metal_attn.api import explain, kernel_block_size
+    from metal_attn.plugins import get_registry
     from metal_attn.request import AttentionRequest
+    from metal_attn.settings import get_settings
 
     if args.heads % args.kv_heads:
         parser.error(f"--heads={args.heads} is not a multiple of --kv-heads={args.kv_heads} (GQA needs whole groups)")
@@ -312,7 +318,9 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                      ["provider", "priority", "origin", "verdict", "reasons", "plan"], rows))
     if exp.chosen is None:
         unknown = [x for r in exp.rows if r.name == exp.forced for x in r.reasons if " is not registered " in x]
-        con.print(unknown[0] if unknown else "no provider admits this request", style="red", markup=False)
+        empty = get_registry().nothing_registered(get_settings())
+        con.print(unknown[0] if unknown else f"no provider admits this request{': ' + empty if empty else ''}",
+                  style="red", markup=False)
         return 1
     return 0
 
@@ -420,7 +428,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     problems += [f"smoke {s['phase']}: {s['error']}" for s in smoke if not s["ok"]]
     problems += ([forced_error] if forced_error else []) + _unknown_provider_settings(settings, registry.names)
     if not any(p["enabled"] and p["available"] for p in provs):
-        problems.append("no provider is enabled and available on this device")
+        empty = registry.nothing_registered(settings)
+        problems.append(f"no provider is enabled and available on this device{': ' + empty if empty else ''}")
     if device.backend == "cpu" and native["status"] != "ok":  # classic's CPU kernels: the CPU's fast path
         problems.append(f"the native CPU module (metal_attn._native) is {native['status']}: {native['detail']}; "
                         "classic's CPU kernels are unavailable and calls fall back to the reference provider "

@@ -439,7 +439,9 @@ class Registry:
             _log.debug("provider_selected", provider=p.name, route=plan.route, request=repr(request))
             self._notify(request, p, plan, refused)
             return Selection(p, plan, tuple(fallbacks))
-        raise NoProviderError("no provider admits this request:\n" + str(self.explain(request, device, settings)))
+        empty = self.nothing_registered(settings)
+        raise NoProviderError(f"no provider admits this request: {empty}" if empty else
+                              "no provider admits this request:\n" + str(self.explain(request, device, settings)))
 
     def _prepare(self, p: Provider, plan: Plan, device: DeviceInfo) -> None:
         key = (p.name, plan.specialization)
@@ -498,6 +500,18 @@ class Registry:
             if not reasons:
                 return e.provider
             table.append(f"  no {e.provider.name}: " + "; ".join(reasons))
+        empty = self.nothing_registered(settings)
         raise NoProviderError(
-            f"no provider implements reshape_and_cache for dtype={dtype} on {device.describe()}:\n" + "\n".join(table)
+            f"no provider implements reshape_and_cache for dtype={dtype} on {device.describe()}:"
+            + (f" {empty}" if empty else "\n" + "\n".join(table))
         )
+
+    def nothing_registered(self, settings: Settings) -> str | None:
+        """Why this registry holds no provider at all (the plugin settings that may have left them out), or None."""
+        if self._entries:
+            return None
+        chosen = [f"METAL_ATTN_PLUGINS_DENY={','.join(settings.plugins_deny)}"] if settings.plugins_deny else []
+        if settings.plugins_allow is not None:
+            chosen.append(f"METAL_ATTN_PLUGINS_ALLOW={','.join(settings.plugins_allow)}")
+        why = f"no plugin registered one under {' and '.join(chosen)}" if chosen else "no plugin registered one"
+        return f"no provider is registered ({why}; `metal-attn doctor` lists the plugins and their load errors)"

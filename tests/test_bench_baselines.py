@@ -213,6 +213,13 @@ def test_baseline_usage_errors_exit_2(tmp_path, capsys, argv, message) -> None:
     assert rc == 2 and message in err
 
 
+def test_a_margin_that_is_no_number_names_the_range(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--write-baseline", "x.json", "--margin", "abc"])
+    assert exc.value.code == 2
+    assert "--margin: invalid value 'abc' (allowed: a number >= 0 and < 1" in capsys.readouterr().err
+
+
 def test_bad_json_exits_2_before_running(tmp_path, capsys) -> None:
     rc, out, err = _cli(capsys, "--suite", "smoke", "--compare", str(_write(tmp_path, "[1,")))
     assert rc == 2 and "not JSON" in err and out == ""
@@ -379,6 +386,10 @@ def test_saved_repeats_and_several_saved_runs_give_medians_over_every_repeat(tmp
         (["--compare", "x.json", "--markdown", "--iters", "3"], "so --markdown, --iters would be ignored"),
         (["--write-baseline", "x.json", "--warmup", "0"], "so --warmup would be ignored"),
         (["--compare", "x.json", "--interleave"], "so --interleave would be ignored"),
+        # the generate suite's flags were dropped without a word too
+        (["--compare", "x.json", "--concurrency", "4", "--num-layers", "3"],
+         "so --concurrency, --num-layers would be ignored"),
+        (["--gen-tokens", "4"], "prints the saved runs' tables, so --gen-tokens would be ignored"),
     ],
 )
 def test_saved_run_usage_errors_exit_2(tmp_path, capsys, extra, message) -> None:

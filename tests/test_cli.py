@@ -460,6 +460,17 @@ def test_doctor_words_an_unknown_forced_provider_as_the_other_commands_do(capsys
     assert f"problem: {exc.value}" in out and "smoke test skipped" in out and "ProviderRefusedError" not in out
 
 
+def test_commands_say_why_no_provider_is_registered(capsys):
+    """With the built-in plugin denied and no other, the tables came out empty with nothing said."""
+    why = "no provider is registered (no plugin registered one under METAL_ATTN_PLUGINS_DENY=builtin"
+    with override_settings(plugins_deny=("builtin",)):
+        for argv, want in ((("providers",), 0), (("explain", "--batch", "1", "--context", "64"), 1)):
+            code, out, _ = run(capsys, *argv)
+            assert code == want and why in " ".join(out.split()), out
+        code, data = run_json(capsys, "doctor", "--no-smoke")
+    assert code == 1 and any(why in p for p in data["problems"]), data["problems"]
+
+
 def test_doctor_reports_plugin_lists_that_name_no_plugin(capsys):
     """METAL_ATTN_PLUGINS_ALLOW / _DENY take entry-point names; a provider's name there (classic) matched nothing,
     silently: the allow-list then dropped every third-party plugin, the deny-list denied nothing."""

@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--ratios", metavar="PATTERN,...",
                    help="with --write-baseline: store only the ratios whose names match a glob "
                         "(e.g. 'speedup_vs_*'); default: all")
-    b.add_argument("--margin", type=float, metavar="M",
+    b.add_argument("--margin", type=_margin_flag, metavar="M",
                    help=f"with --write-baseline: the fraction a ratio may fall below its baseline, 0 <= M < 1 "
                         f"(default {DEFAULT_MARGIN})")
     g = parser.add_argument_group("--suite generate (model generation throughput against mlx-lm)")
@@ -124,6 +124,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens of the shared system prompt of the prefix-caching workload (default 2048 on GPUs, "
                         "0 = off on the CPU)")
     g.add_argument("--num-layers", type=int_flag(1), metavar="N", help="layers of the GPU model (default 32)")
+
+
+def _margin_flag(text: str) -> float:
+    """An argparse type: a number (its range, ``[0, 1)``, is checked with the baseline, `baselines.check_margin`)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} (allowed: a number >= 0 and < 1, the fraction "
+                                         "a ratio may fall below its baseline)") from None
 
 
 def to_json(suites: Sequence[SuiteResult], machine: dict[str, Any], argv: Sequence[str] | None,
@@ -561,8 +570,8 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         return 2
     if not (compare or write):
         return _show_saved_runs(args, err)
-    if _ignored_with_from_json(args, ("json", "plot", "markdown", "iters", "warmup", "pipelined", "interleave"),
-                               "writes only a baseline or a comparison table",
+    if _ignored_with_from_json(args, ("json", "plot", "markdown", "iters", "warmup", "pipelined", "interleave",
+                                      *_GENERATE_SUITE_FLAGS), "writes only a baseline or a comparison table",
                                "allowed with --from-json: --compare or --write-baseline, --ratios, --margin", err):
         return 2
     if compare and (args.ratios or args.margin is not None):
@@ -634,7 +643,8 @@ def _ratio_patterns_known(text: str, err: TextIO) -> bool:
 def _show_saved_runs(args: argparse.Namespace, err: TextIO) -> int:
     """``--from-json RUN.json ...`` alone: each saved run's tables as the run printed them (``--markdown``: its
     Markdown matrices; ``--plot``: one chart of every suite), each run under its path when there are several."""
-    if _ignored_with_from_json(args, ("json", "iters", "warmup", "pipelined", "interleave", "ratios", "margin"),
+    if _ignored_with_from_json(args, ("json", "iters", "warmup", "pipelined", "interleave", "ratios", "margin",
+                                      *_GENERATE_SUITE_FLAGS),
                                "without --compare or --write-baseline prints the saved runs' tables",
                                "allowed: --markdown, --plot", err):
         return 2
