@@ -16,7 +16,7 @@ NB_MODULE(_native, m) {
   m.doc() = "metal-attn native CPU kernels: paged attention and reshape_and_cache as MLX primitives.";
 
   m.def("paged_attention", &ma::paged_attention, "q"_a, "k_cache"_a, "v_cache"_a, "block_tables"_a, "seq_lens"_a,
-        "cu_seqlens_q"_a, "sinks"_a = nb::none(), nb::kw_only(), "scale"_a, "softcap"_a = 0.0f,
+        "cu_seqlens_q"_a, "sinks"_a = nb::none(), nb::kw_only(), "scale"_a, "softcap"_a = 0.0,
         "sliding_window"_a = 0, "partition_size"_a = 0, "num_threads"_a = 0, "isa"_a = "auto",
         R"doc(Paged attention on the CPU (lazy; returns [total_q_tokens, num_heads, head_size] in q's dtype).
 

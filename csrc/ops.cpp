@@ -12,6 +12,7 @@
 
 #include "kernel_api.h"
 #include "mlx/allocator.h"
+#include "mlx/ops.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "thread_pool.h"
 
@@ -86,25 +87,43 @@ bool pool_inner_dense(const mx::array& p) {
          (sh[1] == 1 || st[1] == static_cast<int64_t>(sh[2]) * sh[3]);
 }
 
-// Copy any strided array into a dense row-major buffer.
+// Copy any strided array into a dense row-major buffer: the trailing axes that are dense in the
+// source form one run, copied with one memcpy (a dense array is a single copy).
 void copy_to_dense(const mx::array& a, char* dst) {
-  const size_t isz = a.itemsize();
+  const int64_t isz = a.itemsize();
   const auto& sh = a.shape();
   const auto& st = a.strides();
   const char* src = a.data<char>();
-  const int nd = static_cast<int>(sh.size());
-  std::vector<int64_t> idx(nd, 0);
-  const size_t n = a.size();
-  for (size_t i = 0; i < n; ++i) {
+  int outer = static_cast<int>(sh.size());
+  int64_t run = 1;
+  while (outer > 0 && (sh[outer - 1] == 1 || st[outer - 1] == run)) run *= sh[--outer];
+  const int64_t n = static_cast<int64_t>(a.size());
+  if (n == 0) return;
+  std::vector<int64_t> idx(outer, 0);
+  for (int64_t r = 0; r < n / run; ++r) {
     int64_t off = 0;
-    for (int d = 0; d < nd; ++d) off += idx[d] * st[d];
-    std::memcpy(dst + i * isz, src + off * static_cast<int64_t>(isz), isz);
-    for (int d = nd - 1; d >= 0; --d) {
+    for (int d = 0; d < outer; ++d) off += idx[d] * st[d];
+    std::memcpy(dst + r * run * isz, src + off * isz, run * isz);
+    for (int d = outer - 1; d >= 0; --d) {
       if (++idx[d] < sh[d]) break;
       idx[d] = 0;
     }
   }
 }
+
+// A float as the caller gave it (std::to_string prints 1e-46 as 0.000000).
+std::string num_str(double x) {
+  std::ostringstream out;
+  out.precision(9);
+  out << x;
+  return out.str();
+}
+
+// What the kernels take for scale and softcap, as the Python layer admits them: a normal positive float32
+// (1/x of a subnormal overflows) that stays finite times log2(e).
+constexpr double kF32Tiny = std::numeric_limits<float>::min();
+constexpr double kF32Log2Max = std::numeric_limits<float>::max() / 1.4426950408889634;
+bool kernel_f32(double x) { return x >= kF32Tiny && x <= kF32Log2Max; }
 
 template <typename T>
 int64_t int_at(const mx::array& a, int64_t i, int64_t j = 0) {
@@ -386,7 +405,8 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       fns.attend(job, i, work.data() + static_cast<size_t>(tid) * job.work_floats);
     });
     if (part > 0) {
-      ThreadPool::instance().run(threads, static_cast<int>(static_cast<int64_t>(T) * H), [&](int item, int) {
+      // No more threads than the attention pass had: the pool keeps every thread it ever started.
+      ThreadPool::instance().run(attend_threads, static_cast<int>(static_cast<int64_t>(T) * H), [&](int item, int) {
         if (tok_seq[item / H] >= 0) fns.reduce(job, item);
       });
     }
@@ -395,8 +415,8 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_cache, const mx::array& v_cache,
                           const mx::array& block_tables, const mx::array& seq_lens,
-                          const mx::array& cu_seqlens_q, const std::optional<mx::array>& sinks, float scale,
-                          float softcap, int sliding_window, int partition_size, int num_threads,
+                          const mx::array& cu_seqlens_q, const std::optional<mx::array>& sinks, double scale,
+                          double softcap, int sliding_window, int partition_size, int num_threads,
                           const std::string& isa) {
   auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
   if (q.ndim() != 3) bad("q must have rank 3 [total_q_tokens, num_heads, head_size] (got shape " + shape_str(q.shape()) + ")");
@@ -423,16 +443,20 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_cache, const mx
     bad("block_tables needs one row per sequence and cu_seqlens_q num_seqs+1 entries (got block_tables " +
         shape_str(block_tables.shape()) + ", seq_lens " + shape_str(seq_lens.shape()) + ", cu_seqlens_q " +
         shape_str(cu_seqlens_q.shape()) + ")");
-  if (!(scale > 0.0f) || !std::isfinite(scale)) bad("scale=" + std::to_string(scale) + " (allowed: finite > 0)");
-  if (softcap < 0.0f || !std::isfinite(softcap)) bad("softcap=" + std::to_string(softcap) + " (allowed: 0 for none, or finite > 0)");
+  if (k_cache.shape(1) < 1) bad("block_size=" + std::to_string(k_cache.shape(1)) + " (k_cache.shape[1]; allowed: >= 1)");
+  const std::string f32_range = "a normal float32 that stays finite times log2(e), " + num_str(kF32Tiny) + " to " +
+                                num_str(kF32Log2Max);
+  if (!kernel_f32(scale)) bad("scale=" + num_str(scale) + " (allowed: " + f32_range + ")");
+  if (softcap != 0.0 && !kernel_f32(softcap))
+    bad("softcap=" + num_str(softcap) + " (allowed: 0 for none, or " + f32_range + ")");
   if (sliding_window < 0) bad("sliding_window=" + std::to_string(sliding_window) + " (allowed: 0 for none, or >= 1)");
   if (partition_size < 0 || (partition_size > 0 && partition_size % 8 != 0))
     bad("partition_size=" + std::to_string(partition_size) + " (allowed: 0 for unsplit, or a positive multiple of 8)");
   if (num_threads < 0)
     bad("num_threads=" + std::to_string(num_threads) + " (allowed: 0 for every hardware thread, or >= 1)");
   AttentionParams p;
-  p.scale = scale;
-  p.softcap = softcap;
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
   p.window = sliding_window;
   p.partition_size = partition_size;
   p.num_threads = num_threads > 0 ? num_threads : ThreadPool::hardware_threads();
@@ -456,6 +480,12 @@ uint64_t read_bytes(const mx::array& a, int num_threads, const std::string& isa)
                                 " (allowed: 0 for every hardware thread, or >= 1)");
   mx::array x = a;
   x.eval();
+  // Only a row-contiguous buffer holding every element is read as is (a view with strides, a reversed or
+  // broadcast one, would read past its buffer or the wrong bytes): anything else is read from a dense copy.
+  if (!x.flags().row_contiguous || x.data_size() != x.size()) {
+    x = mx::contiguous(a);
+    x.eval();
+  }
   const int threads = num_threads > 0 ? num_threads : ThreadPool::hardware_threads();
   const IsaFns fns = isa_fns(resolve_isa(isa));
   const char* base = x.data<char>();

@@ -57,8 +57,8 @@ class ReshapeAndCache : public mx::Primitive {
 // The ops (graph construction; validate shapes and dtypes, raise std::invalid_argument).
 mx::array paged_attention(const mx::array& q, const mx::array& k_cache, const mx::array& v_cache,
                           const mx::array& block_tables, const mx::array& seq_lens,
-                          const mx::array& cu_seqlens_q, const std::optional<mx::array>& sinks, float scale,
-                          float softcap, int sliding_window, int partition_size, int num_threads,
+                          const mx::array& cu_seqlens_q, const std::optional<mx::array>& sinks, double scale,
+                          double softcap, int sliding_window, int partition_size, int num_threads,
                           const std::string& isa);
 
 // Read every byte of `a`'s buffer (evaluated first) with `num_threads` workers of the kernels' pool and

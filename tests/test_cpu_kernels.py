@@ -317,6 +317,35 @@ def test_more_threads_than_work():
             np.testing.assert_array_equal(got, ref)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc/self/task")
+def test_the_reducer_starts_no_more_threads_than_the_attention_pass():
+    """The pool keeps every thread it starts: the split route's reducer used to start num_threads of them
+    (100,000 asked, 130 started for 2 decode rows) however little work there was."""
+    script = textwrap.dedent('''
+        import os
+        import mlx.core as mx
+        from metal_attn import native
+        nm = native.load()
+        q = mx.zeros((2, 64, 16)); k = mx.zeros((8, 16, 1, 16))
+        args = (q, k, k, mx.array([[0, 1, 2, 3], [4, 5, 6, 7]]), mx.array([64, 64]), mx.array([0, 1, 2]))
+        before = len(os.listdir("/proc/self/task"))
+        mx.eval(nm.paged_attention(*args, scale=0.25, partition_size=16, num_threads=100_000))
+        print(len(os.listdir("/proc/self/task")) - before)
+    ''')
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) <= 8 + 1, out.stdout  # 2 rows x 4 partitions of one KV head: 8 units
+
+
+def test_read_bytes_reads_a_view_s_elements_not_its_buffer():
+    """A reversed, strided or broadcast view was read as its first nbytes bytes of memory: wrong bytes, or a
+    crash past the buffer's end for a broadcast one."""
+    x = mx.arange(256, dtype=mx.uint8)
+    b = mx.broadcast_to(mx.array([1], dtype=mx.uint8), (1 << 24,))
+    for view in (x[::-1], x[::2], x.reshape(16, 16).T, b):
+        dense = mx.array(np.array(view))
+        assert nm.read_bytes(view, 1) == nm.read_bytes(dense, 1)
+
+
 def test_fork_while_another_thread_runs_the_kernel():
     # A job in flight at fork() must not leave the child a pool locked forever: the child
     # evaluates on a fresh stream (MLX's own stream threads do not survive a fork) with
@@ -397,6 +426,20 @@ def test_argument_errors_name_the_value():
     q72 = mx.zeros((1, 8, 72))
     with pytest.raises(ValueError, match="head_size"):
         nm.paged_attention(q72, *args[1:], scale=0.1)
+    # a pool of 0-token blocks divided by zero (SIGFPE); a subnormal softcap gave NaN rows; the values
+    # were printed after float conversion (1e-46 as 0.000000)
+    empty_blocks = mx.zeros((2, 0, *case.k_cache.shape[2:]), dtype=case.k_cache.dtype)
+    with pytest.raises(ValueError, match=r"block_size=0 \(k_cache.shape\[1\]; allowed: >= 1\)"):
+        nm.paged_attention(case.q, empty_blocks, empty_blocks, *args[3:], scale=0.1)
+    with pytest.raises(ValueError, match=r"softcap=1e-40 \(allowed: 0 for none, or a normal float32"):
+        nm.paged_attention(*args, scale=0.1, softcap=1e-40)
+    with pytest.raises(ValueError, match=r"scale=1e-46 \(allowed: a normal float32 that stays finite times log2\(e\), "
+                                         r"1.17549435e-38 to 2.35865\d*e\+38\)"):
+        nm.paged_attention(*args, scale=1e-46)
+    with pytest.raises(ValueError, match=r"softcap=3e\+38 \(allowed"):
+        nm.paged_attention(*args, scale=0.1, softcap=3e38)
+    with pytest.raises(ValueError, match=r"softcap=-1e-07 \(allowed"):
+        nm.paged_attention(*args, scale=0.1, softcap=-1e-7)
 
 
 def test_compile_works_and_grad_is_refused():
@@ -508,6 +551,19 @@ def test_reshape_and_cache_into_a_strided_pool():
     np.testing.assert_array_equal(got[3], np.arange(16))
     np.testing.assert_array_equal(got[60], np.arange(16, 32))
     assert np.count_nonzero(got) == 31
+
+
+def test_reshape_and_cache_into_a_pool_with_strided_inner_axes():
+    """A pool whose inner axes are not dense is written through a dense copy (copied a run at a time)."""
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((4, 16, 8, 2)).astype(np.float32)
+    pool = mx.array(base).transpose(0, 3, 2, 1)  # [NB=4, BS=2, KVH=8, D=16], every inner axis strided
+    key = rng.standard_normal((3, 8, 16)).astype(np.float32)
+    slots = np.array([5, -1, 0], dtype=np.int64)
+    k_new, _ = nm.reshape_and_cache(mx.array(key), mx.array(key), pool, pool, mx.array(slots))
+    want = base.transpose(0, 3, 2, 1).reshape(8, 8, 16).copy()
+    want[5], want[0] = key[0], key[2]
+    np.testing.assert_array_equal(np.array(k_new).reshape(8, 8, 16), want)
 
 
 # -- the provider ---------------------------------------------------------------------------------
