@@ -513,5 +513,7 @@ class Registry:
         chosen = [f"METAL_ATTN_PLUGINS_DENY={','.join(settings.plugins_deny)}"] if settings.plugins_deny else []
         if settings.plugins_allow is not None:
             chosen.append(f"METAL_ATTN_PLUGINS_ALLOW={','.join(settings.plugins_allow)}")
+        if not settings.plugin_autoload:
+            chosen.append("METAL_ATTN_PLUGIN_AUTOLOAD=0")
         why = f"no plugin registered one under {' and '.join(chosen)}" if chosen else "no plugin registered one"
         return f"no provider is registered ({why}; `metal-attn doctor` lists the plugins and their load errors)"

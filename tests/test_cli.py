@@ -463,7 +463,7 @@ def test_doctor_words_an_unknown_forced_provider_as_the_other_commands_do(capsys
 def test_commands_say_why_no_provider_is_registered(capsys):
     """With the built-in plugin denied and no other, the tables came out empty with nothing said."""
     why = "no provider is registered (no plugin registered one under METAL_ATTN_PLUGINS_DENY=builtin"
-    with override_settings(plugins_deny=("builtin",)):
+    with override_settings(plugins_deny=("builtin",), plugin_autoload=False):  # no installed example plugin
         for argv, want in ((("providers",), 0), (("explain", "--batch", "1", "--context", "64"), 1)):
             code, out, _ = run(capsys, *argv)
             assert code == want and why in " ".join(out.split()), out

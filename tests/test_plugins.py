@@ -287,14 +287,15 @@ def test_a_registry_left_empty_by_the_deny_list_says_so():
     """METAL_ATTN_PLUGINS_DENY=builtin with no other plugin: the calls' errors ended in an empty list."""
     import mlx.core as mx
 
-    with override_settings(plugins_deny=("builtin",)):
+    with override_settings(plugins_deny=("builtin",), plugin_autoload=False):  # no installed example plugin
         k = mx.zeros((2, 4, 1, 8))
         with pytest.raises(ma.NoProviderError) as write:
             ma.reshape_and_cache(mx.zeros((1, 1, 8)), mx.zeros((1, 1, 8)), k, k, [0])
         with pytest.raises(ma.NoProviderError) as attend:
             ma.paged_attention(mx.zeros((1, 1, 8)), k, k, block_tables=[[0]], seq_lens=[1], cu_seqlens_q=[0, 1])
     for exc in (write, attend):
-        assert "no provider is registered (no plugin registered one under METAL_ATTN_PLUGINS_DENY=builtin" in str(
+        assert "no provider is registered (no plugin registered one under METAL_ATTN_PLUGINS_DENY=builtin and " \
+               "METAL_ATTN_PLUGIN_AUTOLOAD=0;" in str(
             exc.value), str(exc.value)
 
 

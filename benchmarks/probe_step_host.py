@@ -1,0 +1,89 @@
+"""The host's share of a compiled 32-layer decode step, before and while the GPU gets it (not a test): issue #17.
+
+    python3 benchmarks/probe_step_host.py [--shapes b8:32:8:128:4096,...] [--steps 30]
+
+A blocking step (`mx.eval` of the compiled step, as the decode-step suite waits for one) leaves the GPU
+idle from the end of one step to the first kernel of the next; torch launches its first kernel as its
+Python call runs. Per shape (batch:heads:kv_heads:head_size:context, bf16, 16-token pages) and per
+step, with the GPU idle before it (`mx.synchronize()`), this times apart:
+
+- ``build``: the compiled step's call, which builds the 32 chained layers' graph before any evaluation;
+- ``queue``: `mx.async_eval` of it, MLX's encoding and the graph launches (the chains' idle-GPU and
+  launch-ahead commits, counted by `metal_attn.cuda_ops.idle_commits`, included);
+- ``tiny``: one evaluation of a compiled trivial function, MLX's floor for an evaluation.
+
+Medians over ``--steps`` steps, in µs a step. Needs MLX's CUDA backend and the CUDA chains' module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from probe_args import decode_shapes
+
+STEP_LAYERS = 32
+SHAPES = ((8, 32, 8, 128, 4096), (16, 16, 2, 128, 16384), (1, 32, 8, 128, 32768))
+
+
+def _median_us(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+def measure(spec: tuple[int, ...], steps: int) -> dict[str, float]:
+    """``build``, ``queue`` and ``tiny`` (µs a step, medians) and the commits a step for one shape."""
+    import mlx.core as mx
+
+    import metal_attn
+    from metal_attn import cuda_ops
+    from metal_attn.bench.decode_step import chain
+    from metal_attn.bench.shapes import Shape, build_case
+
+    case = build_case(Shape(*spec, "bfloat16"), seed=spec[-1])
+    try:
+        def layer(x, _):
+            return metal_attn.paged_attention(x, case.k_pool, case.v_pool, metadata=case.metadata, scale=case.scale)
+
+        step = mx.compile(lambda: chain(case.q, range(STEP_LAYERS), layer))
+        tiny = mx.compile(lambda: case.q * 1.5)
+        for _ in range(5):  # the trace, the kernels' builds and the graph cache
+            mx.eval(step(), tiny())
+        build, queue, floor = [], [], []
+        before = cuda_ops.idle_commits() or {}  # None without the CUDA chains' module
+        for _ in range(steps):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            out = step()
+            t1 = time.perf_counter()
+            mx.async_eval(out)
+            t2 = time.perf_counter()
+            build.append(t1 - t0)
+            queue.append(t2 - t1)
+            mx.synchronize()
+            t3 = time.perf_counter()
+            mx.eval(tiny())
+            floor.append(time.perf_counter() - t3)
+        after = cuda_ops.idle_commits() or {}
+        return {"build": _median_us(build), "queue": _median_us(queue), "tiny": _median_us(floor),
+                **{f"{k}_commits": (after[k] - before.get(k, 0)) / steps for k in after}}
+    finally:
+        case.release()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", type=decode_shapes, default=SHAPES)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    for spec in args.shapes:
+        r = measure(spec, args.steps)
+        counts = [f"{k.removesuffix('_commits')} {v:.1f}" for k, v in r.items() if k.endswith("_commits")]
+        commits = ", ".join(counts) or "-"
+        print(f"b{spec[0]} h{spec[1]}/{spec[2]} d{spec[3]} L{spec[4]} x{STEP_LAYERS}: build {r['build']:.0f} µs, "
+              f"queue {r['queue']:.0f} µs a step (commits a step: {commits}); one trivial evaluation "
+              f"{r['tiny']:.1f} µs", flush=True)
+
+
+if __name__ == "__main__":
+    main()
