@@ -48,8 +48,9 @@ def builders(case):
     return [("auto", auto), ("mlx_sdpa", peer)]
 
 
-def host_split(fn, calls: int) -> tuple[float, float]:
-    """Median microseconds of building and of queueing (``mx.async_eval``) one call, over ``calls``."""
+def host_split(fn, calls: int, sync_every: int = 20) -> tuple[float, float]:
+    """Median microseconds of building and of queueing (``mx.async_eval``) one call, over ``calls``, waiting
+    for the GPU after every ``sync_every`` calls (1: each call finds the GPU idle)."""
     build, encode = [], []
     for i in range(calls):
         t0 = time.perf_counter()
@@ -59,7 +60,7 @@ def host_split(fn, calls: int) -> tuple[float, float]:
         t2 = time.perf_counter()
         build.append(t1 - t0)
         encode.append(t2 - t1)
-        if i % 20 == 19:
+        if i % sync_every == sync_every - 1:
             mx.synchronize()
     mx.synchronize()
     return statistics.median(build) * 1e6, statistics.median(encode) * 1e6

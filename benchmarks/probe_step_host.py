@@ -22,13 +22,10 @@ import statistics
 import time
 
 from probe_args import decode_shapes
+from probe_mixed_host import host_split
 
 STEP_LAYERS = 32
 SHAPES = ((8, 32, 8, 128, 4096), (16, 16, 2, 128, 16384), (1, 32, 8, 128, 32768))
-
-
-def _median_us(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e6
 
 
 def measure(spec: tuple[int, ...], steps: int) -> dict[str, float]:
@@ -49,24 +46,17 @@ def measure(spec: tuple[int, ...], steps: int) -> dict[str, float]:
         tiny = mx.compile(lambda: case.q * 1.5)
         for _ in range(5):  # the trace, the kernels' builds and the graph cache
             mx.eval(step(), tiny())
-        build, queue, floor = [], [], []
         before = cuda_ops.idle_commits() or {}  # None without the CUDA chains' module
+        build, queue = host_split(step, steps, sync_every=1)
+        after_steps = cuda_ops.idle_commits() or {}
+        floor = []
         for _ in range(steps):
             mx.synchronize()
             t0 = time.perf_counter()
-            out = step()
-            t1 = time.perf_counter()
-            mx.async_eval(out)
-            t2 = time.perf_counter()
-            build.append(t1 - t0)
-            queue.append(t2 - t1)
-            mx.synchronize()
-            t3 = time.perf_counter()
             mx.eval(tiny())
-            floor.append(time.perf_counter() - t3)
-        after = cuda_ops.idle_commits() or {}
-        return {"build": _median_us(build), "queue": _median_us(queue), "tiny": _median_us(floor),
-                **{f"{k}_commits": (after[k] - before.get(k, 0)) / steps for k in after}}
+            floor.append(time.perf_counter() - t0)
+        return {"build": build, "queue": queue, "tiny": statistics.median(floor) * 1e6,
+                **{f"{k}_commits": (n - before.get(k, 0)) / steps for k, n in after_steps.items()}}
     finally:
         case.release()
 
