@@ -320,8 +320,9 @@ def _check_slots(slot_mapping: Any, num_tokens: int, num_slots: int) -> mx.array
     identity cache would let a bad slot through); ``validate_metadata=False`` skips the value checks,
     whatever container the slots come in."""
     if isinstance(slot_mapping, mx.array):
-        if slot_mapping.dtype not in (mx.int64, mx.int32):
-            raise InvalidInputError(f"slot_mapping.dtype={dtype_name(slot_mapping.dtype)} (allowed: int64 or int32)")
+        if not mx.issubdtype(slot_mapping.dtype, mx.integer):  # as for NumPy slots: any integer dtype
+            raise InvalidInputError(f"slot_mapping.dtype={dtype_name(slot_mapping.dtype)} (allowed: an integer "
+                                    "dtype, e.g. int64 or int32)")
         if tuple(slot_mapping.shape) != (num_tokens,):
             raise InvalidInputError(
                 f"slot_mapping.shape={tuple(slot_mapping.shape)} (allowed: [{num_tokens}], one slot per token)"

@@ -156,7 +156,8 @@ class BlockAllocator:
 
     def released_since(self, block_ids: Iterable[int], mark: int) -> int | None:
         """A block of ``block_ids`` returned to the free list after `releases` read ``mark``, or None."""
-        return next((b for b in block_ids if self._released_at[b] > mark), None)
+        ids = [self._check_id(b) for b in _id_list("block_ids", block_ids)]
+        return next((b for b in ids if self._released_at[b] > mark), None)
 
     def copy_on_write(self, block_id: int) -> tuple[int, int]:
         """Make ``block_id`` safe to append to for one of its holders.
@@ -188,6 +189,8 @@ def _id_list(name: str, value: Any) -> list[Any]:
     """``value`` as a list of (unchecked) ids; `InvalidInputError` when it is not an iterable of them."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise InvalidInputError(f"{name}={value!r} (allowed: an iterable of block ids, e.g. a list)")
+    if getattr(value, "ndim", None) == 1 and hasattr(value, "tolist"):  # NumPy or MLX: their elements as ints
+        return value.tolist()
     return list(value)
 
 
@@ -521,7 +524,14 @@ class PagedKVCache:
         `CacheExhaustedError` when the pages do not fit; nothing changes then.
         """
         rows = self._check_batch(batch)
-        need = self._blocks_needed(rows)
+        grow, copies_needed = self._step_allocations(rows)
+        need = grow + copies_needed
+        if copies_needed and any(a is None for a in (*self._k, *self._v)):
+            raise InvalidInputError(
+                f"prepare_step: the batch appends to {copies_needed} shared, partly filled page(s), which are "
+                "copied first, but the pools were taken by take_pools (put_pools gives them back); no sequence "
+                "was changed"
+            )
         free = self.allocator.num_free
         if need > free:
             raise CacheExhaustedError(
@@ -576,6 +586,11 @@ class PagedKVCache:
         i = self._check_layer(layer)
         if not isinstance(plan, StepPlan):
             raise InvalidInputError(f"plan={plan!r} (allowed: a StepPlan from prepare_step)")
+        if plan.issued is not None and plan.issued.allocator is not self.allocator:
+            raise InvalidInputError(
+                "plan was made by another PagedKVCache's prepare_step (allowed: a StepPlan from this cache's "
+                "prepare_step: another cache's slots would overwrite this cache's pages)"
+            )
         plan.metadata.pool_guard(self.num_blocks, self.block_size)
         if plan.issued is not None and plan.issued.mark != plan.issued.allocator.releases:
             _check_not_stale(plan.issued)
@@ -608,7 +623,7 @@ class PagedKVCache:
         `put_pools` (so a write into them stays in place). For steps run as one compiled function."""
         pools = [a for pair in zip(self._k, self._v) for a in pair]
         if any(a is None for a in pools):
-            raise RuntimeError("take_pools: the pools were already taken (put_pools gives them back)")
+            raise InvalidInputError("take_pools: the pools were already taken (put_pools gives them back)")
         self._k = [None] * self.num_layers
         self._v = [None] * self.num_layers
         return pools
@@ -682,18 +697,22 @@ class PagedKVCache:
 
     def _blocks_needed(self, rows: list[tuple[Hashable, int]]) -> int:
         """Simulate `prepare_step`'s allocations (copy-on-write included) without changing anything."""
+        return sum(self._step_allocations(rows))
+
+    def _step_allocations(self, rows: list[tuple[Hashable, int]]) -> tuple[int, int]:
+        """``(new pages, copy-on-write copies)`` `prepare_step` would take for ``rows``, changing nothing."""
         bs = self.block_size
         dropped: Counter[int] = Counter()  # references given up on shared pages earlier in the step
-        need = 0
+        grow = copies = 0
         for seq_id, n in rows:
             seq = self._seqs[seq_id]
             if seq.num_tokens % bs:
                 last = seq.blocks[-1]
                 if self.allocator.refcount(last) - dropped[last] > 1:
-                    need += 1
+                    copies += 1
                     dropped[last] += 1
-            need += max(0, -(-(seq.num_tokens + n) // bs) - len(seq.blocks))
-        return need
+            grow += max(0, -(-(seq.num_tokens + n) // bs) - len(seq.blocks))
+        return grow, copies
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy pages ``old -> new`` in every layer's K and V pools.

@@ -37,7 +37,23 @@ def _to_host_int(name: str, value: Any, ndim: int) -> np.ndarray:
         raise InvalidInputError(f"{name} must have rank {ndim} (got shape {tuple(arr.shape)})")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise InvalidInputError(f"{name} must hold integers (got dtype {arr.dtype})")
+    _check_int32(name, arr)  # before the int64 copy, which would wrap an unsigned 2**64 - 1 to -1
     return np.array(arr, dtype=np.int64)  # a copy: the caller may change its own array afterwards
+
+
+def _check_int32(name: str, arr: np.ndarray) -> None:
+    """`InvalidInputError` naming the first entry of ``arr`` that int32, the kernels' index type, cannot hold."""
+    if arr.size == 0:
+        return
+    if arr.dtype.kind == "u":
+        past = arr > 2**31 - 1
+    else:
+        past = (arr > 2**31 - 1) | (arr < -(2**31))
+    if past.any():
+        at = np.unravel_index(int(np.argmax(past)), arr.shape)
+        index = "".join(f"[{i}]" for i in at)
+        raise InvalidInputError(f"{name}{index}={int(arr[at])} (allowed: values that fit in int32, the kernels' "
+                                f"index type: {-(2**31)} to {2**31 - 1})")
 
 
 #: The widest block table `padded_block_tables` makes: 2^28 pages of the smallest block (8 tokens)
@@ -166,8 +182,6 @@ class AttentionMetadata:
             )
         if bt.shape[1] == 0:
             raise InvalidInputError("block_tables has 0 columns: each sequence needs at least one block")
-        if np.abs(bt).max(initial=0) >= 2**31 or sl.max() >= 2**31 or cu[-1] >= 2**31:
-            raise InvalidInputError("block_tables, seq_lens and cu_seqlens_q must fit in int32")
         q_list = tuple(int(x) for x in q_lens)
         s_list = tuple(int(x) for x in sl)
         n_dec = leading_decode_rows(q_list)
@@ -363,11 +377,19 @@ class AttentionMetadata:
                 f"(pool has {num_blocks} blocks: 0..{num_blocks - 1})"
             )
         md, poison = self, None
-        if short.any() or out_of_range.any():
+        if short.any():
+            # A bad sequence's rows become NaN anyway: it runs over its own query rows only, so a wild
+            # seq_len (2**31 - 1, say) costs no table of that many columns and no pass over it.
+            q_lens = np.asarray(self.q_lens_host, dtype=np.int64)
+            lens = np.where(bad_seq, q_lens, lens)
+            need = -(-lens // block_size)
             safe = np.where(out_of_range, 0, bt)
-            if short.any():
-                safe = np.pad(safe, ((0, 0), (0, int(need.max()) - width)))
-            md = self._with_table(safe)
+            safe = np.pad(safe, ((0, 0), (0, max(0, int(need.max()) - width))))
+            cu = np.concatenate([[0], np.cumsum(q_lens)])
+            md = AttentionMetadata.build(safe, lens, cu, validate=False)
+            poison = device_array(np.repeat(bad_seq, q_lens)[:, None, None])
+        elif out_of_range.any():
+            md = self._with_table(np.where(out_of_range, 0, bt))
             if bad_seq.any():
                 rows = np.repeat(bad_seq, np.asarray(self.q_lens_host, dtype=np.int64))
                 poison = device_array(rows[:, None, None])

@@ -436,6 +436,53 @@ def test_fork_at_a_page_boundary_needs_no_copy():
     assert c.block_table("p")[2] != c.block_table("c")[2]
 
 
+def test_a_copy_on_write_with_the_pools_taken_changes_nothing():
+    """prepare_step used to grow the fork onto a new page, then find the pools gone when copying the shared
+    one: the fork was left a token longer on a page of zeros, and attended to them from then on."""
+    c = ma.PagedKVCache(1, 8, 16, 1, 16, dtype=mx.float32)
+    c.add_sequence("a")
+    plan = c.prepare_step([("a", 5)])
+    kv = mx.ones((5, 1, 16))
+    c.write_step(0, kv, kv, plan)
+    c.fork("a", "b")
+    before = (c.seq_len("b"), c.block_table("b"), c.num_free_blocks, c.allocator.refcount(0))
+    pools = c.take_pools()
+    with pytest.raises(InvalidInputError, match=r"prepare_step: the batch appends to 1 shared, partly filled "
+                                                r"page\(s\).*taken by take_pools.*no sequence was changed"):
+        c.prepare_step([("b", 1)])
+    assert (c.seq_len("b"), c.block_table("b"), c.num_free_blocks, c.allocator.refcount(0)) == before
+    c.put_pools(pools)
+    plan = c.prepare_step([("b", 1)])
+    assert plan.copies and c.pools(0)[0][c.block_table("b")[0], :5].tolist() == [[[1.0] * 16]] * 5
+
+
+def test_write_step_refuses_another_cache_s_plan():
+    """A plan of another cache of the same geometry passed every check and overwrote this cache's pages."""
+    mine, other = (ma.PagedKVCache(1, 8, 16, 1, 16, dtype=mx.float32) for _ in range(2))
+    mine.add_sequence("a")
+    other.add_sequence("x")
+    kv = mx.ones((3, 1, 16))
+    mine.write_step(0, kv, kv, mine.prepare_step([("a", 3)]))
+    foreign = other.prepare_step([("x", 3)])
+    with pytest.raises(InvalidInputError, match="plan was made by another PagedKVCache's prepare_step"):
+        mine.write_step(0, -7 * kv, -7 * kv, foreign)
+    assert mine.pools(0)[0][0, :3].tolist() == [[[1.0] * 16]] * 3
+
+
+def test_allocator_ids_from_arrays_and_checked_everywhere():
+    a = BlockAllocator(4)
+    a.allocate(2)
+    assert a.free(mx.array([1])) == [1]  # an MLX array of ids was refused as "block id array(1) is unknown"
+    assert a.free(np.array([0])) == [0]
+    for bad in ([-1], [99]):  # -1 read the last block (Python indexing), 99 was a bare IndexError
+        with pytest.raises(InvalidInputError, match=rf"block id {bad[0]} is unknown"):
+            a.released_since(bad, 0)
+    c = _cache()
+    c.take_pools()
+    with pytest.raises(InvalidInputError, match="take_pools: the pools were already taken"):  # was RuntimeError
+        c.take_pools()
+
+
 def test_write_rebinds_pools_and_survives_bad_input():
     c = _cache()
     c.add_sequence("a")
@@ -795,7 +842,7 @@ def test_a_cache_without_its_pools_says_so_and_a_foreign_plan_is_refused():
     plan = big.prepare_step([(4, 1)])
     kv = mx.ones((1, 2, 4), dtype=mx.float32)
     before = [np.array(a) for a in small.pools(0)]
-    with pytest.raises(InvalidInputError, match="block_tables"):
+    with pytest.raises(InvalidInputError, match="plan was made by another PagedKVCache's prepare_step"):
         small.write_step(0, kv, kv, plan)
     with pytest.raises(InvalidInputError, match=r"plan=None \(allowed: a StepPlan from prepare_step\)"):
         small.write_step(0, kv, kv, None)

@@ -255,10 +255,20 @@ BAD_CACHE = {
     "slot-shape": ({"slot_mapping": mx.array(np.array([1, 2, 3], np.int64))},
                    ["slot_mapping.shape=(3,) (allowed: [4], one slot per token)"]),
     "slot-float-mx": ({"slot_mapping": mx.array([1.0, 2.0, 3.0, 4.0])},
-                      ["slot_mapping.dtype=float32 (allowed: int64 or int32)"]),
+                      ["slot_mapping.dtype=float32 (allowed: an integer dtype, e.g. int64 or int32)"]),
     "slot-float-numpy": ({"slot_mapping": np.array([1.0, 2.0, 3.0, 4.0])},
                          ["slot_mapping must hold integers (got dtype float64)"]),
 }
+
+
+def test_slot_dtypes_are_the_same_for_mlx_and_numpy() -> None:
+    """NumPy uint32 slots were accepted and MLX uint32 ones refused."""
+    slots = np.array([3, 17, 40, 0], np.int64)
+    want = [to_numpy(a) for a in metal_attn.reshape_and_cache(**_cache_args(slot_mapping=slots))]
+    for dtype in (mx.uint32, mx.int16, mx.uint8):
+        got = metal_attn.reshape_and_cache(**_cache_args(slot_mapping=mx.array(slots).astype(dtype)))
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(to_numpy(a), b)
 
 
 @pytest.mark.parametrize("name", list(BAD_CACHE))
@@ -439,6 +449,18 @@ def test_metadata_step_helpers_name_a_wrong_argument(call, message) -> None:
     with pytest.raises(InvalidInputError) as info:
         call()
     assert message in str(info.value)
+
+
+def test_metadata_values_past_int32_are_named() -> None:
+    """One message named neither the array nor the entry; an unsigned 2**64 - 1 wrapped to -1 and was
+    reported as seq_lens[0]=-1."""
+    with pytest.raises(InvalidInputError, match=r"block_tables\[0\]\[1\]=1099511627776 \(allowed: values that fit "
+                                                r"in int32"):
+        AttentionMetadata.build([[0, 2**40]], [4], [0, 1])
+    with pytest.raises(InvalidInputError, match=r"seq_lens\[1\]=18446744073709551615 \(allowed"):
+        AttentionMetadata.build([[0], [1]], np.array([4, 2**64 - 1], dtype=np.uint64), [0, 1, 2])
+    with pytest.raises(InvalidInputError, match=r"cu_seqlens_q\[1\]=2147483648 \(allowed"):
+        AttentionMetadata.build([[0]], [4], [0, 2**31])
 
 
 def test_metadata_keeps_its_own_view_of_the_callers_arrays():

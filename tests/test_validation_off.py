@@ -101,6 +101,22 @@ def test_short_table_gives_nan_rows(provider):
         metal_attn.paged_attention(**kw, provider=provider)
 
 
+def test_a_wild_seq_len_costs_no_pass_over_it():
+    """A bad sequence runs over its own query rows only: seq_len 2**31 - 1 against a one-page table took
+    93 s and 2 GB (a table padded to 134M columns, the kernel over the whole length) to give a NaN row."""
+    case = make_case(q_lens=[1, 3], seq_lens=[40, 20], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                     seed=5)
+    kw = case.kwargs()
+    kw["seq_lens"] = mx.array([2**31 - 1, 20], dtype=mx.int32)
+    with override_settings(validate_metadata=False):
+        md = metal_attn.AttentionMetadata.build(kw.pop("block_tables"), kw.pop("seq_lens"), kw.pop("cu_seqlens_q"))
+        guarded, _ = md.pool_guard(case.k_cache.shape[0], 16)
+        got = to_numpy(metal_attn.paged_attention(**kw, metadata=md)).astype(np.float64)
+    assert guarded.max_blocks_per_seq == case.block_tables.shape[1] and guarded.seq_lens_host == (1, 20)
+    assert np.isnan(got[0]).all()
+    assert_close_to_oracle(got[1:], case.oracle()[1:], "float32", label="the good sequence")
+
+
 def test_out_of_range_padding_is_not_an_error_and_never_reaches_a_provider():
     """Entries past a sequence's blocks may hold anything (-1 padding, huge ids), with validation on
     or off: the providers see block 0 there, and no row is poisoned."""
