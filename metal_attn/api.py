@@ -20,7 +20,7 @@ from metal_attn.plugins import get_registry
 from metal_attn.provider import AttentionInputs
 from metal_attn.registry import Explanation
 from metal_attn.request import AttentionRequest, check_feature_values
-from metal_attn.settings import Settings, get_settings
+from metal_attn.settings import get_settings
 
 #: The supported dtypes by name, and back.
 MX_DTYPES: dict[str, Any] = {name: getattr(mx, name) for name in DTYPES}
@@ -187,7 +187,7 @@ def paged_attention(
     if first:
         hit = _select(md, q, k_cache, num_heads, sinks, sliding_window, softcap, provider)
         md._selections[key] = hit
-    sel, eff_md, ratio, record, poison = hit
+    sel, eff_md, ratio, record, poison, keep = hit
     if ratio > 1:
         nb, bs, kvh, d = k_cache.shape
         k_cache = k_cache.reshape(nb * ratio, bs // ratio, kvh, d)
@@ -217,7 +217,7 @@ def paged_attention(
         _refuse_output(sel.provider.name, sel.plan.route, out, q)
     if poison is not None:  # validate_metadata off and a table outside the pool: those rows are NaN
         out = mx.where(poison, mx.array(float("nan"), dtype=out.dtype), out)
-    diagnostics.record(record)
+    diagnostics.record(record, keep)
     return out
 
 
@@ -254,7 +254,6 @@ def _select(
     eff = safe.split_blocks(ratio)
     device = current_device()
     settings = get_settings()
-    _follow_diagnostics_setting(settings)
     request = AttentionRequest(
         backend=device.backend,
         phase=eff.phase,
@@ -278,7 +277,13 @@ def _select(
     )
     registry = get_registry()
     sel = registry.select(request, device, settings, forced=provider)
-    if sel.provider.name == FALLBACK_PROVIDER and not (provider or settings.provider):
+    if settings.backend_override is not None and settings.backend_override != _probed_backend():
+        warn_once("backend_override_call", (settings.backend_override, sel.provider.name),
+                  reason=f"METAL_ATTN_BACKEND_OVERRIDE={settings.backend_override} routes this call as on "
+                         f"{settings.backend_override}, but MLX computes on {_probed_backend()} here: it ran on "
+                         f"{sel.provider.name!r} (the override is for routing inspection: metal-attn explain "
+                         "--device, providers --device; unset it to run the kernels of this machine)")
+    elif sel.provider.name == FALLBACK_PROVIDER and not (provider or settings.provider):
         _warn_slow_fallback(registry, request, device, settings)
     record = diagnostics.DispatchRecord(
         "paged_attention",
@@ -289,7 +294,15 @@ def _select(
         sel.fallbacks,
         request,
     )
-    return sel, eff, ratio, record, poison
+    # METAL_ATTN_DIAGNOSTICS, as this settings scope has it (a new scope or reload moves the epoch, a new key)
+    return sel, eff, ratio, record, poison, settings.diagnostics
+
+
+def _probed_backend() -> str:
+    """The backend MLX computes on here, whatever METAL_ATTN_BACKEND_OVERRIDE says."""
+    from metal_attn.device import detect_backend
+
+    return detect_backend()
 
 
 #: The always-available fallback: correct everywhere, fast nowhere.
@@ -408,7 +421,7 @@ def write_checked(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx
                   slots: mx.array) -> tuple[mx.array, mx.array]:
     """`reshape_and_cache` after its checks: for callers whose tensors and int64 ``slots`` are
     valid by construction (`PagedKVCache.write_step` writes the slots its own step plan built)."""
-    writer, device, record = _cache_writer(k_cache.dtype)
+    writer, device, record, keep = _cache_writer(k_cache.dtype)
     try:
         out = writer.write_cache(key, value, k_cache, v_cache, slots, device)
     except (MetalAttnError, MemoryError):
@@ -423,16 +436,8 @@ def write_checked(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx
             f"provider {writer.name!r}: write_cache() returned {_describe_output(out)} (allowed: a (k_cache, "
             f"v_cache) pair of mx.arrays of the pools' shape {tuple(k_cache.shape)} and dtype "
             f"{dtype_name(k_cache.dtype)})")
-    _follow_diagnostics_setting(get_settings())
-    diagnostics.record(record)
+    diagnostics.record(record, keep)
     return out[0], out[1]
-
-
-def _follow_diagnostics_setting(settings: Settings) -> None:
-    """``METAL_ATTN_DIAGNOSTICS=1`` keeps every dispatch: turn the history on before recording one (again after
-    `diagnostics.reset`), whichever call comes first."""
-    if settings.diagnostics and not diagnostics.history_enabled():
-        diagnostics.enable_history()
 
 
 def _describe_output(out: Any) -> str:
@@ -449,16 +454,18 @@ def _describe_output(out: Any) -> str:
 _writers: dict[tuple[Any, int], tuple[Any, DeviceInfo, diagnostics.DispatchRecord]] = {}
 
 
-def _cache_writer(dtype: Any) -> tuple[Any, DeviceInfo, diagnostics.DispatchRecord]:
+def _cache_writer(dtype: Any) -> tuple[Any, DeviceInfo, diagnostics.DispatchRecord, bool]:
+    """The writer for ``dtype`` pools, its device, its dispatch record and whether METAL_ATTN_DIAGNOSTICS keeps
+    every record, per settings scope (`metal_attn._epoch`)."""
     key = (dtype, _epoch.current())
     hit = _writers.get(key)
     if hit is None:
-        device = current_device()
-        writer = get_registry().select_cache_writer(dtype_name(dtype), device, get_settings())
+        device, settings = current_device(), get_settings()
+        writer = get_registry().select_cache_writer(dtype_name(dtype), device, settings)
         record = diagnostics.DispatchRecord("reshape_and_cache", writer.name, "reshape_and_cache", 0, device.backend)
         if len(_writers) > 64:
             _writers.clear()
-        hit = _writers[key] = (writer, device, record)
+        hit = _writers[key] = (writer, device, record, settings.diagnostics)
     return hit
 
 

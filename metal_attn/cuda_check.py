@@ -79,9 +79,11 @@ def find_nvcc() -> str | None:
 def find_nvrtc() -> str | None:
     """A libnvrtc for ``--nvrtc``: ``$METAL_ATTN_NVRTC``, else the ``nvidia-cuda-nvrtc`` wheel's on
     ``sys.path`` (CUDA 13, then 12), else ``None``."""
-    env = os.environ.get("METAL_ATTN_NVRTC")
+    from metal_attn.settings import get_settings
+
+    env = get_settings().nvrtc
     if env:
-        return env
+        return str(env)
     for base in sys.path:
         for rel in ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"):
             path = os.path.join(base, rel)

@@ -133,9 +133,12 @@ def runtime_source(func: str, header: str, body: str, inputs: Sequence[tuple[str
 
 
 def _cache_dir() -> Path | None:
-    """Where compiled images are kept (per user), or ``None`` when no folder can be made."""
+    """Where compiled images are kept (``METAL_ATTN_CUDA_CACHE_DIR``, else per user), or ``None`` when no folder
+    can be made."""
+    from metal_attn.settings import get_settings
+
     default = Path(tempfile.gettempdir()) / f"metal_attn-{os.getuid() if hasattr(os, 'getuid') else 'user'}" / "cubin"
-    path = Path(os.environ.get("METAL_ATTN_CUDA_CACHE_DIR") or default)
+    path = get_settings().cuda_cache_dir or default
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:

@@ -29,21 +29,26 @@ class DispatchRecord:
 _last: DispatchRecord | None = None
 _last_cache_write: DispatchRecord | None = None
 _history: list[DispatchRecord] | None = None
+#: Whether `enable_history` asked for every dispatch (``METAL_ATTN_DIAGNOSTICS`` asks per dispatch, `record`).
+_explicit = False
 #: The lists of the `collect` blocks open now (any thread); each gets every dispatch.
 _collectors: list[list[DispatchRecord]] = []
 _history_lock = threading.Lock()
 
 
-def record(rec: DispatchRecord) -> None:
-    """Store ``rec`` as the last dispatch (and append it to the history and open collections)."""
-    global _last, _last_cache_write
+def record(rec: DispatchRecord, keep: bool = False) -> None:
+    """Store ``rec`` as the last dispatch, and append it to the open collections and to the history when
+    `enable_history` turned it on or ``keep`` (``METAL_ATTN_DIAGNOSTICS`` in the caller's settings) asks."""
+    global _last, _last_cache_write, _history
     if rec.op == "reshape_and_cache":
         _last_cache_write = rec
     else:
         _last = rec
-    if _history is not None or _collectors:
+    if keep or _explicit or _collectors:
         with _history_lock:
-            if _history is not None:
+            if keep or _explicit:
+                if _history is None:
+                    _history = []
                 _history.append(rec)
             for c in _collectors:
                 c.append(rec)
@@ -60,15 +65,20 @@ def last_cache_write() -> DispatchRecord | None:
 
 
 def enable_history(on: bool = True) -> None:
-    """Start (or stop and drop) the process-wide history of dispatches."""
-    global _history
+    """Start (or stop and drop) the process-wide history of every dispatch. ``METAL_ATTN_DIAGNOSTICS=1``
+    appends the dispatches made while it is set, without this."""
+    global _history, _explicit
     with _history_lock:
         _history = [] if on else None
+        _explicit = on
 
 
 def history_enabled() -> bool:
-    """Whether dispatches are being appended to a history."""
-    return _history is not None
+    """Whether every dispatch is appended to the history: `enable_history`, or ``METAL_ATTN_DIAGNOSTICS``
+    in this thread's settings."""
+    from metal_attn.settings import get_settings
+
+    return _explicit or get_settings().diagnostics
 
 
 def history() -> list[DispatchRecord]:
@@ -94,9 +104,10 @@ def collect() -> Iterator[list[DispatchRecord]]:
 
 def reset() -> None:
     """Forget the last dispatch and the history."""
-    global _last, _last_cache_write, _history
+    global _last, _last_cache_write, _history, _explicit
     _last = None
     _last_cache_write = None
     with _history_lock:
         _history = None
+        _explicit = False
         _collectors.clear()

@@ -320,6 +320,20 @@ class Settings(BaseSettings):
         ),
     )
 
+    # -- CUDA tools ---------------------------------------------------------------------------
+    cuda_cache_dir: Path | None = Field(
+        None,
+        validation_alias=_env("cuda_cache_dir"),
+        description="Where the CUDA chains keep their NVRTC-compiled images (unset: a per-user folder in the "
+                    "system's temporary directory).",
+    )
+    nvrtc: Path | None = Field(
+        None,
+        validation_alias=_env("nvrtc"),
+        description="The libnvrtc that python -m metal_attn.cuda_check --nvrtc loads (unset: the "
+                    "nvidia-cuda-nvrtc wheel's, CUDA 13 then 12).",
+    )
+
     # -- the serving engine (defaults of metal_attn.engine.EngineConfig) ------------------------
     max_num_batched_tokens: int = Field(
         512,
@@ -378,9 +392,10 @@ class Settings(BaseSettings):
     def _digits_are_numbers(cls, v: Any) -> Any:
         return int(v) if isinstance(v, str) and is_decimal(v.strip().removeprefix("-")) else v
 
-    @field_validator("provider", "gpu_architecture", "gpu_name", "macos_version", "cache_dir", "backend_override",
+    @field_validator("provider", "gpu_architecture", "gpu_name", "macos_version", "cache_dir", "cuda_cache_dir",
+                     "nvrtc", "backend_override",
                      "gpu_cores", "max_threadgroup_memory", "cpu_threads", "kv_cache_memory", "compile_decode",
-                     mode="before")
+                     "cuda_commit_when_idle", "decode_rows_stream", mode="before")
     @classmethod
     def _blank_is_none(cls, v: Any) -> Any:
         """A blank value of a setting that may be unset is unset (``METAL_ATTN_GPU_CORES=`` in a shell script).
@@ -504,13 +519,23 @@ def _check_unknown_env(environ: dict[str, str]) -> list[str]:
 def _check_alias_conflicts(environ: dict[str, str]) -> list[str]:
     """A message for each setting whose names (ours, then upstream aliases) are set to different
     values: the first is read, by design, and the others would be ignored without a word."""
+    spelled: dict[str, list[str]] = {}  # names are read in any case: every spelling of each
+    for key in environ:
+        spelled.setdefault(key.upper(), []).append(key)
     by_field: dict[str, list[str]] = {}
     for var, field in env_names().items():
-        if var in environ:
-            by_field.setdefault(field, []).append(var)
+        for key in spelled.get(var, ()):
+            by_field.setdefault(field, []).append(key)
     messages = []
     for field, names in by_field.items():
-        if len({_comparable(field, environ[n]) for n in names}) > 1:
+        if len({_comparable(field, environ[n]) for n in names}) <= 1:
+            continue
+        twins = [n for n in names if n.upper() == names[0].upper()]
+        if len(twins) > 1:  # one name in two cases: the environment's order decides, not ours
+            listed = ", ".join(f"{n}={environ[n]!r}" for n in twins)
+            messages.append(f"{listed} spell one variable in different cases and disagree: which is read depends "
+                            "on the environment's order (set it once)")
+        else:
             ignored = ", ".join(f"{n}={environ[n]!r}" for n in names[1:])
             messages.append(f"{names[0]}={environ[names[0]]!r} is used and {ignored} ignored (they disagree)")
     return messages
@@ -535,6 +560,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         desc = Settings.model_fields.get(field)
         if e.get("type") == "bool_parsing":
             allowed = "expected a boolean: 1/0, true/false, yes/no, on/off"
+            if desc is not None and desc.default is None:  # a three-state switch: unset means "by the rule"
+                allowed += ", or unset (empty)"
         else:
             allowed = e.get("ctx", {}).get("expected") or e["msg"]
         if desc is not None and e.get("type") != "bool_parsing":

@@ -207,6 +207,23 @@ def test_diagnostics_setting_keeps_a_cache_write_that_comes_first():
             assert [r.op for r in diagnostics.history()] == ["reshape_and_cache", "paged_attention"]
 
 
+def test_the_diagnostics_setting_keeps_dispatches_only_while_it_is_set():
+    """One `override_settings(diagnostics=True)` block used to turn the process-wide history on for good:
+    neither the setting back off nor METAL_ATTN_DIAGNOSTICS=0 stopped it, and the list grew without bound."""
+    q, k, v, md = batch()
+    with ma.override_settings(diagnostics=True):
+        ma.paged_attention(q, k, v, metadata=md)
+        assert diagnostics.history_enabled()
+    ma.paged_attention(q, k, v, metadata=md)
+    with ma.override_settings(diagnostics=False):
+        ma.paged_attention(q, k, v, metadata=md)
+    assert len(diagnostics.history()) == 1 and not diagnostics.history_enabled()
+    diagnostics.enable_history()  # the explicit switch still keeps everything, whatever the setting says
+    with ma.override_settings(diagnostics=False):
+        ma.paged_attention(q, k, v, metadata=md)
+    assert len(diagnostics.history()) == 1 and diagnostics.history_enabled()
+
+
 def test_collect_blocks_overlapping_across_threads_neither_leak_nor_close_each_other():
     """A opens, B opens, A closes, B closes (the interleaving that left a stale history behind):
     each block has exactly the dispatches made while it was open, and nothing collects afterwards."""

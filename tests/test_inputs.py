@@ -397,6 +397,24 @@ def test_mixed_dtypes_fall_back_to_reference_with_a_warning(log_records) -> None
     assert len(log_records("slow_fallback")) == 1
 
 
+def test_a_backend_override_that_is_not_this_machine_s_says_where_calls_run(log_records) -> None:
+    """METAL_ATTN_BACKEND_OVERRIDE=cuda on a CPU sent every call to the reference provider without a word
+    (each kernel provider being "unavailable" on the pretended backend, the slow-fallback warning stayed quiet)."""
+    from metal_attn.device import detect_backend
+
+    other = next(b for b in ("cuda", "metal", "cpu") if b != detect_backend())
+    args = _attention_args()
+    with metal_attn.override_settings(backend_override=other):
+        for _ in range(2):
+            mx.eval(metal_attn.paged_attention(**args))
+    warned = log_records("backend_override_call")
+    assert len(warned) == 1
+    assert warned[0].reason.startswith(f"METAL_ATTN_BACKEND_OVERRIDE={other} routes this call as on {other}, "
+                                       f"but MLX computes on {detect_backend()} here: it ran on 'reference'")
+    mx.eval(metal_attn.paged_attention(**args))  # no override: nothing more said
+    assert len(log_records("backend_override_call")) == 1
+
+
 @pytest.mark.parametrize("kwargs", [{"sliding_window": [8]}, {"sliding_window": np.array([8])},
                                     {"softcap": np.array([30.0])}])
 def test_unhashable_features_get_the_argument_error(kwargs):

@@ -3,6 +3,7 @@ and renamed variables, `override_settings`, and probe overrides reaching the dev
 
 from __future__ import annotations
 
+import os
 import threading
 
 import mlx.core as mx
@@ -79,11 +80,22 @@ def test_empty_allow_list_is_empty_not_unset(monkeypatch):
     assert load(monkeypatch, METAL_ATTN_PLUGINS_ALLOW="").plugins_allow == ()
 
 
-@pytest.mark.parametrize("name", ["GPU_CORES", "BACKEND_OVERRIDE", "COMPILE_DECODE", "KV_CACHE_MEMORY", "CPU_THREADS",
-                                  "MAX_THREADGROUP_MEMORY"])
+#: Every setting that may be unset (default None), but the allow-list, where empty means no plugin.
+_UNSETTABLE = sorted(n.upper() for n, f in Settings.model_fields.items() if f.default is None and n != "plugins_allow")
+
+
+@pytest.mark.parametrize("name", _UNSETTABLE)
 def test_a_blank_optional_setting_is_unset(monkeypatch, name):
-    """``METAL_ATTN_GPU_CORES=`` (a shell script's unset) was refused as 'not a valid integer'."""
+    """``METAL_ATTN_GPU_CORES=`` (a shell script's unset) was refused as 'not a valid integer', and
+    ``METAL_ATTN_CUDA_COMMIT_WHEN_IDLE=`` as 'expected a boolean' (two of the three three-state switches)."""
     assert getattr(load(monkeypatch, **{f"METAL_ATTN_{name}": ""}), name.lower()) is None
+    assert getattr(load(monkeypatch, **{f"METAL_ATTN_{name}": "  "}), name.lower()) is None
+
+
+def test_a_three_state_switch_says_it_may_be_unset(monkeypatch):
+    with pytest.raises(SettingsError, match=r"METAL_ATTN_DECODE_ROWS_STREAM='maybe': expected a boolean: 1/0, "
+                                            r"true/false, yes/no, on/off, or unset \(empty\)"):
+        load(monkeypatch, METAL_ATTN_DECODE_ROWS_STREAM="maybe")
 
 
 def test_log_names_in_any_case_and_a_nan_fraction_named_as_such(monkeypatch):
@@ -136,6 +148,20 @@ def test_our_name_wins_over_the_upstream_alias(monkeypatch):
                                          r"ignored \(they disagree\)"):
         s = load(monkeypatch, METAL_ATTN_DISABLE_NAX="0", VLLM_METAL_DISABLE_NAX="1")
     assert s.disable_nax is False
+
+
+def test_conflicts_are_found_in_any_case(monkeypatch):
+    """Names are read in any case, but the conflict check matched upper-case names only: a lower-case name of
+    ours beside the upstream alias, or one name in two cases, disagreed without a word."""
+    with pytest.warns(UserWarning, match=r"metal_attn_disable_gqa_decode='0' is used and "
+                                         r"VLLM_METAL_DISABLE_GQA_DECODE='1' ignored \(they disagree\)"):
+        s = load(monkeypatch, metal_attn_disable_gqa_decode="0", VLLM_METAL_DISABLE_GQA_DECODE="1")
+    assert s.disable_gqa_decode is False
+    monkeypatch.delenv("metal_attn_disable_gqa_decode")
+    monkeypatch.delenv("VLLM_METAL_DISABLE_GQA_DECODE")
+    with pytest.warns(UserWarning, match=r"metal_attn_gpu_cores='7', METAL_ATTN_GPU_CORES='9' spell one variable "
+                                         r"in different cases and disagree"):
+        load(monkeypatch, metal_attn_gpu_cores="7", METAL_ATTN_GPU_CORES="9")
 
 
 def test_names_that_agree_in_another_spelling_do_not_warn(monkeypatch):
@@ -231,6 +257,16 @@ def test_unknown_variable_warns_with_the_closest_name(monkeypatch, log_records):
     assert s.gpu_cores is None and s.disable_gqa_decode is False  # ignored, as the warning says
     logged = sorted(r.reason for r in log_records("unknown_setting"))
     assert logged == messages
+
+
+def test_the_cuda_tools_variables_are_settings(monkeypatch, log_records):
+    """METAL_ATTN_CUDA_CACHE_DIR and METAL_ATTN_NVRTC were read with os.environ, and the unknown-variable check
+    called them ignored (with a "did you mean" to another setting)."""
+    from pathlib import Path
+
+    s = load(monkeypatch, METAL_ATTN_CUDA_CACHE_DIR="/tmp/cubins", METAL_ATTN_NVRTC="/opt/libnvrtc.so")
+    assert (s.cuda_cache_dir, s.nvrtc) == (Path("/tmp/cubins"), Path("/opt/libnvrtc.so"))
+    assert log_records("unknown_setting") == []
 
 
 def test_unknown_variable_without_a_close_name(monkeypatch):
@@ -459,7 +495,27 @@ def test_nax_toggle_disables_the_shipped_provider_without_a_warning(monkeypatch)
             assert o.is_disabled("nax_prefill") == "disabled by METAL_ATTN_DISABLE_NAX=1"
 
 
-def test_the_command_line_reports_an_unknown_setting_once(monkeypatch, recwarn, log_records):
+@pytest.mark.parametrize(("env", "want"), [({"METAL_ATTN_LOG_FORMAT": "json"}, "json"),
+                                         ({"METAL_ATTN_LOG_LEVEL": "error"}, "nothing")])
+def test_a_variable_named_while_logging_is_configured_takes_its_format_and_level(env, want):
+    """The warnings of the settings read that configures the command's logging were printed bare, in any
+    format and at any level: logging was configured from those very settings only afterwards."""
+    import json
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("METAL_ATTN_", "VLLM_METAL_"))}
+    run = subprocess.run([sys.executable, "-m", "metal_attn", "settings", "--json"], capture_output=True, text=True,
+                         env={**base, "METAL_ATTN_PLUGIN_AUTOLOAD": "0", "METAL_ATTN_GPU_CORE": "4", **env},
+                         timeout=120, check=True)
+    lines = [line for line in run.stderr.splitlines() if "METAL_ATTN_GPU_CORE " in line]
+    if want == "nothing":
+        assert lines == [], run.stderr
+    else:
+        assert len(lines) == 1 and json.loads(lines[0])["event"] == "unknown_setting", run.stderr
+
+
+def test_the_command_line_reports_an_unknown_setting_once(monkeypatch, recwarn, capsys, restore_logging):
     """On the command line an unknown variable is one log event, not also a Python warning (it printed
     twice); programs that load the settings still get the warning (a `SettingsWarning`, a UserWarning)."""
     from metal_attn import cli
@@ -469,7 +525,8 @@ def test_the_command_line_reports_an_unknown_setting_once(monkeypatch, recwarn, 
     monkeypatch.setattr(settings_mod, "_current", None)  # the command loads the settings afresh
     assert cli.main(["settings"]) == 0
     assert [w for w in recwarn if issubclass(w.category, SettingsWarning)] == []
-    assert [r.reason for r in log_records("unknown_setting")] == [
-        "METAL_ATTN_ZZZZZZZZZZ is not a metal-attn setting and is ignored"]
+    err = capsys.readouterr().err  # the event, through the handler the command configured
+    assert err.count("METAL_ATTN_ZZZZZZZZZZ is not a metal-attn setting and is ignored") == 1, err
+    assert "unknown_setting" in err
     with pytest.warns(SettingsWarning, match="METAL_ATTN_ZZZZZZZZZZ is not a metal-attn setting"):
         settings_mod.reload_settings()
