@@ -451,7 +451,7 @@ def _describe_output(out: Any) -> str:
 #: (pool dtype, dispatch epoch) -> (writer, device, dispatch record): every layer of every step
 #: writes with the same answer, so it is looked up once per epoch (settings, registry and kernel
 #: failures bump the epoch).
-_writers: dict[tuple[Any, int], tuple[Any, DeviceInfo, diagnostics.DispatchRecord]] = {}
+_writers: dict[tuple[Any, int], tuple[Any, DeviceInfo, diagnostics.DispatchRecord, bool]] = {}
 
 
 def _cache_writer(dtype: Any) -> tuple[Any, DeviceInfo, diagnostics.DispatchRecord, bool]:
