@@ -626,6 +626,11 @@ def test_admission_reasons_name_value_and_allowed_set():
     ok = metal_attn.AttentionRequest.from_lengths(q_lens=[1, 9], seq_lens=[10, 9], head_size=256, block_size=32)
     assert classic_cpu.not_supported_reasons(ok, dev, settings_) == []
     assert classic_cpu.availability_reasons(dev.replace(backend="metal")) != []
+    # The upper edge: widened, a head of 528 reached the kernel, which raised instead of the registry falling back
+    for head, refused in ((512, False), (528, True)):
+        edge = metal_attn.AttentionRequest.from_lengths(q_lens=[1], seq_lens=[10], head_size=head)
+        got = classic_cpu.not_supported_reasons(edge, dev, settings_)
+        assert got == ([f"head_size={head} (supported on cpu: multiples of 16 up to 512)"] if refused else []), got
 
 
 def test_missing_native_module_is_an_availability_reason():

@@ -110,6 +110,10 @@ def test_shared_prefixes_hit_the_cache_and_match(llama, workload):
     assert sum(eng.requests[r].num_cached_tokens for r in ids) == eng.blocks.prefix_hits
     # Requests that began with the 48-token shared prefix were served 3 full blocks from the cache.
     assert max(eng.requests[r].num_cached_tokens for r in ids[3::3]) == 48
+    # The hit rate's denominator: every prompt token looked up at an admission (no preemption here).
+    stats = eng.stats.as_dict(eng.blocks)
+    assert stats["preemptions"] == 0 and eng.blocks.prefix_queries == sum(len(p) for p in prompts)
+    assert stats["prefix_cache_hit_rate"] == eng.blocks.prefix_hits / sum(len(p) for p in prompts)
 
 
 def test_prefix_caching_off_computes_everything(llama, workload):

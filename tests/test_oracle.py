@@ -350,3 +350,34 @@ def test_oracle_nonfinite_corners_that_float64_alone_would_hide() -> None:
     v_bad = v.copy()
     v_bad[0, 0, 3] = np.nan
     assert np.isnan(_single(q, k, v_bad)).all()
+
+
+def test_the_documented_tolerances_are_the_code_s() -> None:
+    """Every numeric test is held to `TOLERANCES`; loosening one 10x went unnoticed by the whole suite. The
+    bounds are a documented contract (docs/providers.md, "Testing a provider"): code and table agree."""
+    from pathlib import Path
+
+    from metal_attn.testing.conformance import TOLERANCES
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "providers.md").read_text()
+    table = text.split("<!-- tolerances:start -->")[1].split("<!-- tolerances:end -->")[0]
+    rows = [line.strip("|").split("|") for line in table.strip().splitlines()[2:]]
+    documented = {cells[0].strip(): tuple(float(c) for c in cells[1:]) for cells in rows}
+    assert documented == {name: tuple(tol) for name, tol in TOLERANCES.items()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_checker_holds_the_elementwise_bound_exactly(dtype: str) -> None:
+    """Half the bound passes; one and a half times it fails (one element out of many, so the L2 bound alone
+    would not catch it)."""
+    from metal_attn.testing.conformance import TOLERANCES, assert_close_to_oracle
+
+    tol = TOLERANCES[dtype]
+    ref = np.random.default_rng(0).standard_normal((64, 4, 32))
+    bound = tol.atol + tol.rtol * abs(ref[3, 1, 5])
+    near, far = ref.copy(), ref.copy()
+    near[3, 1, 5] += 0.5 * bound
+    far[3, 1, 5] += 1.5 * bound
+    assert_close_to_oracle(near, ref, dtype)
+    with pytest.raises(AssertionError, match="elements"):
+        assert_close_to_oracle(far, ref, dtype)
