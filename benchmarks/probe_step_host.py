@@ -28,8 +28,9 @@ STEP_LAYERS = 32
 SHAPES = ((8, 32, 8, 128, 4096), (16, 16, 2, 128, 16384), (1, 32, 8, 128, 32768))
 
 
-def measure(spec: tuple[int, ...], steps: int) -> dict[str, float]:
-    """``build``, ``queue`` and ``tiny`` (µs a step, medians) and the commits a step for one shape."""
+def measure(spec: tuple[int, ...], steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """``build``, ``queue`` and ``tiny`` (µs a step, medians), and the chains' commits a step by kind, for one
+    shape."""
     import mlx.core as mx
 
     import metal_attn
@@ -55,8 +56,8 @@ def measure(spec: tuple[int, ...], steps: int) -> dict[str, float]:
             t0 = time.perf_counter()
             mx.eval(tiny())
             floor.append(time.perf_counter() - t0)
-        return {"build": build, "queue": queue, "tiny": statistics.median(floor) * 1e6,
-                **{f"{k}_commits": (n - before.get(k, 0)) / steps for k, n in after_steps.items()}}
+        times = {"build": build, "queue": queue, "tiny": statistics.median(floor) * 1e6}
+        return times, {k: (n - before.get(k, 0)) / steps for k, n in after_steps.items()}
     finally:
         case.release()
 
@@ -67,9 +68,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     for spec in args.shapes:
-        r = measure(spec, args.steps)
-        counts = [f"{k.removesuffix('_commits')} {v:.1f}" for k, v in r.items() if k.endswith("_commits")]
-        commits = ", ".join(counts) or "-"
+        r, per_step = measure(spec, args.steps)
+        commits = ", ".join(f"{k} {v:.1f}" for k, v in per_step.items()) or "-"
         print(f"b{spec[0]} h{spec[1]}/{spec[2]} d{spec[3]} L{spec[4]} x{STEP_LAYERS}: build {r['build']:.0f} µs, "
               f"queue {r['queue']:.0f} µs a step (commits a step: {commits}); one trivial evaluation "
               f"{r['tiny']:.1f} µs", flush=True)

@@ -11,7 +11,7 @@ import numpy as np
 from metal_attn import _epoch, diagnostics
 from metal_attn.checks import is_integer
 from metal_attn.constants import DTYPES, KERNEL_BLOCK_SIZES
-from metal_attn.device import DeviceInfo, current_device
+from metal_attn.device import DeviceInfo, current_device, detect_backend
 from metal_attn.errors import InvalidInputError, MetalAttnError, ProviderContractError
 from metal_attn.host_arrays import kernel_input
 from metal_attn.log import warn_once
@@ -277,10 +277,11 @@ def _select(
     )
     registry = get_registry()
     sel = registry.select(request, device, settings, forced=provider)
-    if settings.backend_override is not None and settings.backend_override != _probed_backend():
+    real = settings.backend_override and detect_backend()
+    if settings.backend_override is not None and settings.backend_override != real:
         warn_once("backend_override_call", (settings.backend_override, sel.provider.name),
                   reason=f"METAL_ATTN_BACKEND_OVERRIDE={settings.backend_override} routes this call as on "
-                         f"{settings.backend_override}, but MLX computes on {_probed_backend()} here: it ran on "
+                         f"{settings.backend_override}, but MLX computes on {real} here: it ran on "
                          f"{sel.provider.name!r} (the override is for routing inspection: metal-attn explain "
                          "--device, providers --device; unset it to run the kernels of this machine)")
     elif sel.provider.name == FALLBACK_PROVIDER and not (provider or settings.provider):
@@ -296,13 +297,6 @@ def _select(
     )
     # METAL_ATTN_DIAGNOSTICS, as this settings scope has it (a new scope or reload moves the epoch, a new key)
     return sel, eff, ratio, record, poison, settings.diagnostics
-
-
-def _probed_backend() -> str:
-    """The backend MLX computes on here, whatever METAL_ATTN_BACKEND_OVERRIDE says."""
-    from metal_attn.device import detect_backend
-
-    return detect_backend()
 
 
 #: The always-available fallback: correct everywhere, fast nowhere.

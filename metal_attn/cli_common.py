@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.handlers
 import os
 import re
 import select
@@ -66,17 +67,6 @@ def guarded(command: str, body: Callable[[], int], verbose: int = 0) -> int:
             return 130
 
 
-class _Held(logging.Handler):
-    """Keeps the records logged while the settings that configure logging are read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def _configure_logging(verbose: int) -> None:
     """The one place that configures logging: the settings' level, raised one step per ``-v``. What reading
     the settings logs (an unknown or conflicting variable) is held until then, and so takes the format and
@@ -85,22 +75,22 @@ def _configure_logging(verbose: int) -> None:
     from metal_attn.settings import get_settings
 
     lg = logging.getLogger("metal_attn")
-    held, saved = _Held(), (lg.handlers[:], lg.propagate)
+    held = logging.handlers.BufferingHandler(capacity=1 << 20)  # never flushes on its own at that size
+    saved = (lg.handlers[:], lg.propagate)
     lg.handlers[:], lg.propagate = [held], False
     try:
         s = get_settings()
-    except BaseException:
+    finally:
         lg.handlers[:], lg.propagate = saved
-        for record in held.records:  # said as an unconfigured library says it, beside the error
-            lg.handle(record)
-        raise
-    lg.handlers[:], lg.propagate = saved
+        if sys.exc_info()[0] is not None:  # the settings failed: said as an unconfigured library says it
+            for record in held.buffer:
+                lg.handle(record)
     level = s.log_level
     if verbose:
         order = ["error", "warning", "info", "debug"]
         level = order[min(len(order) - 1, max(order.index(level), 1 + verbose))]
     configure_cli_logging(level, s.log_format)
-    for record in held.records:
+    for record in held.buffer:
         if record.levelno >= lg.getEffectiveLevel():
             lg.handle(record)
 

@@ -377,22 +377,19 @@ class AttentionMetadata:
                 f"(pool has {num_blocks} blocks: 0..{num_blocks - 1})"
             )
         md, poison = self, None
-        if short.any():
-            # A bad sequence's rows become NaN anyway: it runs over its own query rows only, so a wild
-            # seq_len (2**31 - 1, say) costs no table of that many columns and no pass over it.
+        if short.any() or out_of_range.any():
             q_lens = np.asarray(self.q_lens_host, dtype=np.int64)
-            lens = np.where(bad_seq, q_lens, lens)
-            need = -(-lens // block_size)
             safe = np.where(out_of_range, 0, bt)
-            safe = np.pad(safe, ((0, 0), (0, max(0, int(need.max()) - width))))
-            cu = np.concatenate([[0], np.cumsum(q_lens)])
-            md = AttentionMetadata.build(safe, lens, cu, validate=False)
-            poison = device_array(np.repeat(bad_seq, q_lens)[:, None, None])
-        elif out_of_range.any():
-            md = self._with_table(np.where(out_of_range, 0, bt))
+            if short.any():
+                # A bad sequence's rows become NaN anyway: it runs over its own query rows only, so a wild
+                # seq_len (2**31 - 1, say) costs no table of that many columns and no pass over it.
+                lens = np.where(bad_seq, q_lens, lens)
+                safe = np.pad(safe, ((0, 0), (0, max(0, int((-(-lens // block_size)).max()) - width))))
+                md = AttentionMetadata.build(safe, lens, np.concatenate([[0], np.cumsum(q_lens)]), validate=False)
+            else:
+                md = self._with_table(safe)
             if bad_seq.any():
-                rows = np.repeat(bad_seq, np.asarray(self.q_lens_host, dtype=np.int64))
-                poison = device_array(rows[:, None, None])
+                poison = device_array(np.repeat(bad_seq, q_lens)[:, None, None])
         got = self._guards[key] = (md, poison)
         return got
 
