@@ -405,6 +405,11 @@ class PagedKVCache:
         self._v: list[mx.array | None] = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
         mx.eval(self._k, self._v)
         self._seqs: dict[Hashable, _Sequence] = {}
+        # Pages that hold tokens prepare_step planned and not every layer has written yet, and the layers
+        # not written since the last prepare_step: a copy-on-write of such a page (a fork appending before
+        # the step's writes) would miss those tokens, so prepare_step refuses it.
+        self._unwritten_pages: set[int] = set()
+        self._layers_left: set[int] = set()
 
     def _check_fits(self, shape: tuple[int, ...]) -> None:
         """Refuse pools larger than the memory there is before allocating them (MLX's CPU backend
@@ -497,7 +502,8 @@ class PagedKVCache:
         """Start ``child_id`` as a copy of ``parent_id`` that shares all its pages.
 
         No data moves: the pages' reference counts grow, and the first append to a
-        shared, partly filled last page copies it (`prepare_step`).
+        shared, partly filled last page copies it (`prepare_step`, which refuses the copy while the page
+        waits for a planned write: fork between steps).
         """
         parent = self._get(parent_id)
         self._check_new_id("child_id", child_id)
@@ -524,13 +530,23 @@ class PagedKVCache:
         `CacheExhaustedError` when the pages do not fit; nothing changes then.
         """
         rows = self._check_batch(batch)
-        grow, copies_needed = self._step_allocations(rows)
-        need = grow + copies_needed
-        if copies_needed and any(a is None for a in (*self._k, *self._v)):
+        grow, to_copy = self._step_allocations(rows)
+        need = grow + len(to_copy)
+        if to_copy and any(a is None for a in (*self._k, *self._v)):
             raise InvalidInputError(
-                f"prepare_step: the batch appends to {copies_needed} shared, partly filled page(s), which are "
+                f"prepare_step: the batch appends to {len(to_copy)} shared, partly filled page(s), which are "
                 "copied first, but the pools were taken by take_pools (put_pools gives them back); no sequence "
                 "was changed"
+            )
+        waiting = sorted(set(to_copy) & self._unwritten_pages)
+        if waiting:
+            left = sorted(self._layers_left)
+            raise InvalidInputError(
+                f"prepare_step: the batch appends to shared page(s) {_fmt_ids(waiting)}, which are copied first, "
+                f"but they hold tokens an earlier prepare_step planned that {len(left)} of {self.num_layers} "
+                f"layers have not written yet (first: layer {left[0]}); the copy would miss them. Allowed: write "
+                "the earlier step to every layer first (a fork appends after its parent's step is written); no "
+                "sequence was changed"
             )
         free = self.allocator.num_free
         if need > free:
@@ -557,6 +573,9 @@ class PagedKVCache:
             tables.append(seq.blocks)
         if copies:
             self.copy_pages(copies)
+        for start, (_, n), table in zip(starts, rows, tables):
+            self._unwritten_pages.update(table[start // bs:(start + n - 1) // bs + 1])
+        self._layers_left = set(range(self.num_layers))
         issued = _Issued(self.allocator, self.allocator.releases, frozenset(b for t in tables for b in t))
         return build_step_plan([s for s, _ in rows], starts, [n for _, n in rows], tables, bs, copies=copies,
                                issued=issued)
@@ -573,6 +592,7 @@ class PagedKVCache:
         self._k[i] = self._v[i] = None
         try:
             k, v = reshape_and_cache(key, value, k, v, slot_mapping)
+            self._written(i)
         finally:
             self._k[i], self._v[i] = k, v
 
@@ -607,6 +627,7 @@ class PagedKVCache:
                 k, v = scatter_slots(k, key, plan.slot_mapping), scatter_slots(v, value, plan.slot_mapping)
             else:
                 k, v = write_checked(key, value, k, v, plan.slot_mapping)
+            self._written(i)
         finally:
             self._k[i], self._v[i] = k, v
 
@@ -641,8 +662,17 @@ class PagedKVCache:
             )
         self._k = list(pools[0::2])
         self._v = list(pools[1::2])
+        self._layers_left.clear()  # a compiled step writes every layer in the pools it gives back
+        self._unwritten_pages.clear()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _written(self, layer: int) -> None:
+        """``layer`` took a write: once every layer has since the last `prepare_step`, the planned tokens
+        are in the pools."""
+        self._layers_left.discard(layer)
+        if not self._layers_left:
+            self._unwritten_pages.clear()
 
     def _get(self, seq_id: Hashable) -> _Sequence:
         try:
@@ -697,19 +727,22 @@ class PagedKVCache:
 
     def _blocks_needed(self, rows: list[tuple[Hashable, int]]) -> int:
         """Simulate `prepare_step`'s allocations (copy-on-write included) without changing anything."""
-        return sum(self._step_allocations(rows))
+        grow, copies = self._step_allocations(rows)
+        return grow + len(copies)
 
-    def _step_allocations(self, rows: list[tuple[Hashable, int]]) -> tuple[int, int]:
-        """``(new pages, copy-on-write copies)`` `prepare_step` would take for ``rows``, changing nothing."""
+    def _step_allocations(self, rows: list[tuple[Hashable, int]]) -> tuple[int, list[int]]:
+        """The new pages `prepare_step` would take for ``rows`` and the shared pages it would copy (one entry
+        per copy), changing nothing."""
         bs = self.block_size
         dropped: Counter[int] = Counter()  # references given up on shared pages earlier in the step
-        grow = copies = 0
+        grow = 0
+        copies: list[int] = []
         for seq_id, n in rows:
             seq = self._seqs[seq_id]
             if seq.num_tokens % bs:
                 last = seq.blocks[-1]
                 if self.allocator.refcount(last) - dropped[last] > 1:
-                    copies += 1
+                    copies.append(last)
                     dropped[last] += 1
             grow += max(0, -(-(seq.num_tokens + n) // bs) - len(seq.blocks))
         return grow, copies

@@ -358,7 +358,7 @@ def test_prepare_step_exhaustion_changes_nothing():
     c = _cache(num_blocks=4, block_size=8)
     c.add_sequence("a")
     c.add_sequence("c")
-    c.prepare_step([("a", 12)])  # 2 blocks
+    _fill(c, c.prepare_step([("a", 12)]), 1.0)  # 2 blocks
     c.fork("a", "b")  # shares both, last one half full
     before = (c.block_table("a"), c.block_table("b"), c.allocator.free_blocks())
     assert c.blocks_needed([("a", 1), ("b", 1), ("c", 9)]) == 3  # one copy, two new pages
@@ -416,7 +416,7 @@ def test_copy_pages_refuses_ids_outside_the_pool_and_changes_nothing(pairs):
 def test_copy_on_write_once_when_both_holders_append():
     c = _cache(block_size=8)
     c.add_sequence("p")
-    c.prepare_step([("p", 5)])
+    _fill(c, c.prepare_step([("p", 5)]), 1.0)
     c.fork("p", "c")
     assert c.blocks_needed([("p", 1), ("c", 1)]) == 1
     plan = c.prepare_step([("p", 1), ("c", 1)])
@@ -434,6 +434,34 @@ def test_fork_at_a_page_boundary_needs_no_copy():
     assert plan.copies == ()
     assert c.block_table("p")[:2] == c.block_table("c")[:2]
     assert c.block_table("p")[2] != c.block_table("c")[2]
+
+
+@pytest.mark.parametrize("appender", ["child", "parent"])
+def test_a_copy_on_write_before_the_planned_write_is_refused(appender):
+    """prepare_step, fork, then an append to the shared page before the first step's write: the copy was made
+    from the page without the planned token, and the sequence holding the copy attended to zeros in its place
+    (the parent's own second append lost its planned slot the same way). Refused now, changing nothing; once
+    every layer is written, the same append copies the token."""
+    c = ma.PagedKVCache(2, 8, 8, 1, 4, dtype=mx.float32)
+    c.add_sequence("p")
+    _fill(c, c.prepare_step([("p", 2)]), 1.0)
+    planned = c.prepare_step([("p", 1)])  # token 2, on page 0
+    c.fork("p", "c")
+    before = (c.seq_len("p"), c.seq_len("c"), c.block_table("p"), c.block_table("c"), c.num_free_blocks)
+    who = "c" if appender == "child" else "p"
+    refusal = (r"prepare_step: the batch appends to shared page\(s\) 0, .* 2 of 2 layers have not written yet "
+               r"\(first: layer 0\).*no sequence was changed")
+    with pytest.raises(InvalidInputError, match=refusal):
+        c.prepare_step([(who, 1)])
+    c.write(0, mx.full((1, 1, 4), 5.0), mx.full((1, 1, 4), 5.0), planned.slot_mapping)
+    with pytest.raises(InvalidInputError, match=r"1 of 2 layers have not written yet \(first: layer 1\)"):
+        c.prepare_step([(who, 1)])
+    assert (c.seq_len("p"), c.seq_len("c"), c.block_table("p"), c.block_table("c"), c.num_free_blocks) == before
+    c.write_step(1, mx.full((1, 1, 4), 5.0), mx.full((1, 1, 4), 5.0), planned)
+    plan = c.prepare_step([(who, 1)])
+    assert plan.copies == ((0, c.block_table(who)[0]),)
+    for layer in range(2):
+        assert c.pools(layer)[0][c.block_table(who)[0], 2].tolist() == [[5.0] * 4]
 
 
 def test_a_copy_on_write_with_the_pools_taken_changes_nothing():
