@@ -575,15 +575,25 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 RESERVED_SETTINGS: dict[str, str] = {}
 
 
+def _warn(message: str, stacklevel: int, event: str, **fields: Any) -> None:
+    """Say a settings problem once: as a `SettingsWarning` (``stacklevel`` counted from here), and as the log
+    ``event`` where the application (or the command line) gave logging a handler. With none, Python would
+    print the log record too, the same sentence a second time."""
+    warnings.warn(message, SettingsWarning, stacklevel=stacklevel)
+    import logging
+
+    if logging.getLogger("metal_attn").hasHandlers():
+        from metal_attn.log import get_logger
+
+        get_logger().warning(event, **fields)
+
+
 def _warn_reserved(settings: Settings, changed: Any = None) -> None:
     """Warn about every reserved setting that is on (``changed``: only those among these names)."""
     for field, why in RESERVED_SETTINGS.items():
         if getattr(settings, field) and (changed is None or field in changed):
             msg = f"METAL_ATTN_{field.upper()} is set but has no effect: {why}"
-            warnings.warn(msg, SettingsWarning, stacklevel=4)
-            from metal_attn.log import get_logger
-
-            get_logger().warning("reserved_setting", setting=f"METAL_ATTN_{field.upper()}", reason=why)
+            _warn(msg, 5, "reserved_setting", setting=f"METAL_ATTN_{field.upper()}", reason=why)
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -593,10 +603,7 @@ def load_settings(**overrides: Any) -> Settings:
     for event, messages in (("unknown_setting", _check_unknown_env(environ)),
                             ("conflicting_setting", _check_alias_conflicts(environ))):
         for msg in messages:
-            warnings.warn(msg, SettingsWarning, stacklevel=3)
-            from metal_attn.log import get_logger
-
-            get_logger().warning(event, reason=msg)
+            _warn(msg, 4, event, reason=msg)
     try:
         loaded = Settings(**overrides)
     except ValidationError as err:

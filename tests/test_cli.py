@@ -723,13 +723,14 @@ def test_an_event_reads_on_its_own_and_carries_its_fields(log_records):
 
 
 def test_an_event_without_logging_configured_prints_its_reason(tmp_path):
-    """A library user who configured nothing sees the whole warning, not the bare event name."""
+    """A library user who configured nothing sees the whole warning, not the bare event name (an event that is
+    only logged; a settings warning is a Python warning there, test_settings.py)."""
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", "import metal_attn as ma; ma.providers()"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                          env={**os.environ, "METAL_ATTN_PROVIDR": "x"})
+                          env={**os.environ, "METAL_ATTN_DISABLED_PROVIDERS": "clasic"})
     assert proc.returncode == 0, proc.stderr
-    assert ("unknown_setting: METAL_ATTN_PROVIDR is not a metal-attn setting and is ignored; did you mean "
-            "METAL_ATTN_PROVIDER?") in proc.stderr, proc.stderr
+    assert ("unknown_disabled_provider: no registered provider has this name, so it disables nothing "
+            "(setting=METAL_ATTN_DISABLED_PROVIDERS, provider=clasic, providers=") in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("fmt", ["console", "json"])

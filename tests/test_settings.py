@@ -530,3 +530,21 @@ def test_the_command_line_reports_an_unknown_setting_once(monkeypatch, recwarn, 
     assert "unknown_setting" in err
     with pytest.warns(SettingsWarning, match="METAL_ATTN_ZZZZZZZZZZ is not a metal-attn setting"):
         settings_mod.reload_settings()
+
+
+def test_a_program_that_configured_no_logging_reads_a_settings_warning_once():
+    """A program that loads the settings with logging unconfigured got the warning and then the log record's
+    bare message from Python's last-resort handler: the same sentence twice. The record goes out only where
+    logging has a handler (the program's, or the command line's)."""
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("METAL_ATTN_", "VLLM_METAL_"))}
+    code = "from metal_attn.settings import get_settings; get_settings()"
+    sentence = "METAL_ATTN_GPU_CORE is not a metal-attn setting and is ignored"
+    for setup, want in (("", 1), ("import logging; logging.basicConfig(format='LOG %(message)s'); ", 2)):
+        run = subprocess.run([sys.executable, "-c", setup + code], capture_output=True, text=True, timeout=120,
+                             env={**base, "METAL_ATTN_PLUGIN_AUTOLOAD": "0", "METAL_ATTN_GPU_CORE": "4"}, check=True)
+        assert run.stderr.count(sentence) == want, run.stderr
+        assert ("SettingsWarning: " + sentence) in run.stderr
+        assert (f"LOG unknown_setting: {sentence}" in run.stderr) == (want == 2), run.stderr
