@@ -114,6 +114,31 @@ def test_the_compiled_step_traces_once_and_gives_the_eager_step_bit_for_bit(monk
     assert decode_step.StepCompiled.kind == "compiled" and "under mx.compile" in prep.route
 
 
+def test_staged_segments_cover_every_layer_once_in_order() -> None:
+    for layers in (1, 2, 3, 5, 16, 17, 32, 100):
+        cuts = decode_step.staged_segments(layers)
+        assert [i for c in cuts for i in c] == list(range(layers)) and all(len(c) for c in cuts)
+        assert [len(c) for c in cuts[:-1]] == list(decode_step.STAGED_SEGMENTS[:len(cuts) - 1])
+    assert [len(c) for c in decode_step.staged_segments(32)] == [1, 1, 2, 4, 8, 16]
+    assert [len(c) for c in decode_step.staged_segments(3, (2, 5))] == [2, 1]
+
+
+def test_the_staged_step_queues_each_segment_and_gives_the_compiled_step_bit_for_bit(monkeypatch) -> None:
+    """auto_staged: the layers in compiled segments, each queued (mx.async_eval) when built, one wait."""
+    case = StepShape(2, 4, 2, 64, 80, "float32", layers=6).build(seed=4)
+    compiled = decode_step.StepCompiled().prepare(case).run()
+    prep = decode_step.StepStaged().prepare(case)
+    queued, real_async = [], mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: queued.append(len(a[0])) or real_async(*a))
+    first, again = prep.run(), prep.run()
+    monkeypatch.undo()
+    assert queued == [1, 1, 2, 2] * 2  # 6 layers: 1 + 1 + 2 + the 2 left, each segment queued once per step
+    assert len(first) == len(again) == 6
+    for c, a, b in zip(compiled, first, again):
+        assert np.array_equal(np.array(c), np.array(a)) and np.array_equal(np.array(a), np.array(b))
+    assert "compiled segments of 1+1+2+2" in prep.route and decode_step.StepStaged.kind == "compiled"
+
+
 def test_decode_step_cpu_from_the_command_line(tmp_path, capsys) -> None:
     path = tmp_path / "step.json"
     rc = cli.main(["--suite", "decode-step-cpu", "--iters", "2", "--quiet", "--json", str(path)])

@@ -27,6 +27,9 @@
 #            IDLE_COMMIT_RULE): its GPU tests, the decode-step suite by the rule and with the setting off in one
 #            process, then the generate suite (engine and generate_step at 1 and 8 requests) in a process by the
 #            rule and one with the setting off (issue #17)
+#   staged   the decode-step suite's compiled step cut into segments queued as each is built (auto_staged,
+#            STAGED_SEGMENTS) against the whole compiled step and torch SDPA, three times, blocking; then
+#            the three shapes that miss, pipelined (issue #17, the step boundary)
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
@@ -61,7 +64,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams stalls finish idle engine baseline fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls finish idle staged engine baseline fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -192,6 +195,12 @@ run_phase() {
       step generate-off "$STEP_LIMIT" env METAL_ATTN_CUDA_COMMIT_WHEN_IDLE=0 "${BENCH[@]}" --suite generate --quiet \
         --concurrency 1,8 --shared-prefix 0 --gen-tokens 64 --candidates engine,generate_step \
         --json "$dir/generate-off.json" ;;
+    staged)
+      step decode-step 420 "${BENCH[@]}" --suite decode-step --repeat 3 --quiet --markdown --candidates \
+        auto_compiled,auto_staged,torch_sdpa,ceiling --json "$dir/decode-step.json"
+      step decode-step-pipelined "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --pipelined --quiet --markdown \
+        --shapes "b8 h32/8 d128 L4096,b16,b1 h32/8 d128 L32768" --candidates auto_compiled,auto_staged,torch_sdpa \
+        --json "$dir/decode-step-pipelined.json" ;;
     engine)
       step compiled-inputs 60 python3 benchmarks/host_cost_compiled_inputs.py
       step generate "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet \

@@ -228,6 +228,77 @@ class StepCompiled(StepProvider):
         return prep.route  # a replayed compiled graph dispatches nothing: the route is the traced one
 
 
+#: `StepStaged`'s segments: layers per compiled segment, in order, the last one taking every layer left.
+#: Each is queued (``mx.async_eval``) as soon as it is built, so the GPU starts on the first layer while the
+#: host builds and encodes the next segment; each segment is about as long as all before it, so its host
+#: time hides behind their GPU time.
+STAGED_SEGMENTS = (1, 1, 2, 4, 8)
+
+
+def staged_segments(layers: int, sizes: Sequence[int] = STAGED_SEGMENTS) -> list[range]:
+    """``range(layers)`` cut into `STAGED_SEGMENTS`' consecutive runs (the last run takes the rest; empty
+    runs dropped)."""
+    cuts, start = [], 0
+    for size in sizes:
+        if start >= layers:
+            break
+        cuts.append(range(start, min(layers, start + size)))
+        start += size
+    if start < layers:
+        cuts.append(range(start, layers))
+    return cuts
+
+
+class StepStaged(StepProvider):
+    """``auto_compiled`` cut into compiled segments of `STAGED_SEGMENTS` layers, each queued as soon as it is
+    built, one wait per step (issue #17, the step boundary).
+
+    A blocking compiled step leaves the GPU idle while the host builds all 32 layers' graph and encodes up
+    to the first kernel (about 200-300 µs on an H100, thirty-sixth session); a segment of one layer starts
+    the GPU after one layer's building, and each further segment is built while the ones before run."""
+
+    name = "auto_staged"
+    kind = "compiled"
+
+    def __init__(self) -> None:
+        super().__init__("auto_staged")
+
+    def prepare(self, case: Any) -> Prepared:
+        case = _need_step(case)
+        _, route = StepProvider("auto").admit(case.shape)
+        md, scale, pools = case.metadata, case.scale, case.pools
+
+        def segment(layers: range) -> Callable[[mx.array], list[mx.array]]:
+            return mx.compile(lambda x: chain(x, [pools[i] for i in layers], lambda y, kv: metal_attn.paged_attention(
+                y, *kv, metadata=md, scale=scale)))
+
+        cuts = staged_segments(len(pools))
+        segments = [segment(layers) for layers in cuts]
+
+        def launch() -> list[mx.array]:
+            outs: list[mx.array] = []
+            query = case.q
+            for fn in segments:
+                part = fn(query)
+                mx.async_eval(part)
+                outs.extend(part)
+                query = part[-1]
+            return outs
+
+        def run() -> list[mx.array]:
+            outs = launch()
+            mx.eval(outs)
+            return outs
+
+        sizes = "+".join(str(len(c)) for c in cuts)
+        return Prepared(run=run, launch=launch, to_rows=_layer_rows,
+                        route=f"{route}; {len(pools)} chained layers in compiled segments of {sizes}, each queued "
+                              "when built, one wait")
+
+    def route_after(self, prep: Prepared) -> str | None:
+        return prep.route
+
+
 class StepMlxSdpa(TimedCandidate):
     """MLX SDPA on each layer's contiguous K/V, every layer queued, one eval per step."""
 
@@ -318,7 +389,7 @@ class StepTorchSdpa(TimedCandidate):
 
 #: Peers of a decode step by name; any other name is a provider.
 STEP_PEERS: dict[str, type] = {"mlx_sdpa": StepMlxSdpa, "gather_sdpa": StepGatherSdpa, "torch_sdpa": StepTorchSdpa,
-                               "ceiling": peers.Ceiling, "auto_compiled": StepCompiled}
+                               "ceiling": peers.Ceiling, "auto_compiled": StepCompiled, "auto_staged": StepStaged}
 
 
 def resolve(names: Sequence[str]) -> list[Candidate]:
