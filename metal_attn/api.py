@@ -222,7 +222,7 @@ def paged_attention(
 
 
 def _refuse_output(provider: str, route: str, out: Any, q: mx.array) -> None:
-    got = f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))} {dtype_name(getattr(out, 'dtype', None))}"
+    got = _describe_output(out) if type(out) is not mx.array else f"mx.array {tuple(out.shape)} {dtype_name(out.dtype)}"
     raise ProviderContractError(
         f"provider {provider!r} (route {route!r}): run() returned {got} (allowed: an mx.array of q's shape "
         f"{tuple(q.shape)} and dtype {dtype_name(q.dtype)})"
@@ -435,11 +435,16 @@ def write_checked(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx
 
 
 def _describe_output(out: Any) -> str:
+    """What a provider returned, for a contract error: ``list of 2: mx.array (3, 4) float16, ...``, ``None``."""
+    def one(a: Any) -> str:
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            return f"{type(a).__name__} {tuple(a.shape)} {dtype_name(a.dtype)}"
+        return "None" if a is None else type(a).__name__
+
     if isinstance(out, (tuple, list)):
-        return f"{type(out).__name__} of " + ", ".join(
-            f"{type(a).__name__} {tuple(getattr(a, 'shape', ()))} {dtype_name(getattr(a, 'dtype', None))}"
-            for a in out[:3])
-    return type(out).__name__
+        more = ", ..." if len(out) > 3 else ""
+        return f"{type(out).__name__} of {len(out)}" + (": " + ", ".join(map(one, out[:3])) + more if out else "")
+    return one(out)
 
 
 #: (pool dtype, dispatch epoch) -> (writer, device, dispatch record): every layer of every step

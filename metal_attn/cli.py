@@ -282,7 +282,7 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from metal_attn.api import explain, kernel_block_size
     from metal_attn.plugins import get_registry
     from metal_attn.request import AttentionRequest
-    from metal_attn.settings import get_settings
+    from metal_attn.settings import get_settings, set_by
 
     if args.heads % args.kv_heads:
         parser.error(f"--heads={args.heads} is not a multiple of --kv-heads={args.kv_heads} (GQA needs whole groups)")
@@ -319,8 +319,14 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if exp.chosen is None:
         unknown = [x for r in exp.rows if r.name == exp.forced for x in r.reasons if " is not registered " in x]
         empty = get_registry().nothing_registered(get_settings())
-        con.print(unknown[0] if unknown else f"no provider admits this request{': ' + empty if empty else ''}",
-                  style="red", markup=False)
+        if unknown:
+            verdict = unknown[0]
+        elif exp.forced:
+            by = "--provider" if args.provider else set_by("provider") or "METAL_ATTN_PROVIDER"
+            verdict = f"the forced provider {exp.forced!r} ({by}) refuses this request"
+        else:
+            verdict = f"no provider admits this request{': ' + empty if empty else ''}"
+        con.print(verdict, style="red", markup=False)
         return 1
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -246,6 +247,12 @@ def compare(out: mx.array, ref: mx.array, dtype: str) -> tuple[float, float, boo
     return max_err, rel, within and np.isfinite(o).all()
 
 
+def _worst(a: float, b: float) -> float:
+    """The larger error, NaN winning (`max` keeps its first argument when the second is NaN, so an all-NaN
+    output read as error 0)."""
+    return b if math.isnan(b) or b > a else a
+
+
 def _median_ms(fn: Callable[[], mx.array], repeats: int) -> float:
     """Median wall time of ``mx.eval(fn())`` in milliseconds (the caller has warmed it up)."""
     samples = []
@@ -320,7 +327,7 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[StepResult], None] | None = 
                 samples.append(_median_ms(call, cfg.repeats))
                 continue
             err, rel, within = compare(out, ref, cfg.dtype)
-            max_err, rel_err = max(max_err, err), max(rel_err, rel)
+            max_err, rel_err = _worst(max_err, err), _worst(rel_err, rel)
             if not within:
                 atol, rtol, rel_l2 = TOLERANCES[cfg.dtype]
                 failures.append(

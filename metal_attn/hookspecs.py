@@ -30,9 +30,15 @@ def metal_attn_register_providers(registrar: ProviderRegistrar) -> None:
         `metal_attn.Provider` instance or class). The registrar validates as it
         goes: duplicate names and non-integer priorities raise `RegistryError`.
 
-    Every implementation is called, once, when the registry is built. Return
-    value: none. An exception raised here is logged with the plugin's name and
-    the plugin's providers are left out; the other plugins keep working.
+    Every implementation is called each time a registry is built: once per
+    process for each plugin-loading configuration (``METAL_ATTN_PLUGIN_AUTOLOAD``,
+    ``METAL_ATTN_PLUGINS_ALLOW`` / ``_DENY``, as `override_settings` may change
+    them), and again after `metal_attn.plugins.reset_registry`; so it must not
+    count on running once. Return value: none. An exception raised here is
+    logged with the plugin's name and the plugin's providers are left out; the
+    other plugins keep working. It must not call metal-attn's API, which needs
+    the registry being built (that raises `RegistryError` and leaves the plugin
+    out).
     """
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pluggy
 
 from metal_attn import _epoch, hookspecs
-from metal_attn.errors import SettingsError
+from metal_attn.errors import RegistryError, SettingsError
 from metal_attn.log import get_logger, warn_once
 from metal_attn.registry import Origin, ProviderRegistrar, Registry
 from metal_attn.settings import Settings, get_settings
@@ -36,8 +36,14 @@ def new_plugin_manager() -> pluggy.PluginManager:
     return pm
 
 
+def _is_builtin(ep: md.EntryPoint) -> bool:
+    """Whether ``ep`` is metal-attn's own plugin: the name ``builtin`` is reserved for it."""
+    return ep.name == BUILTIN_PLUGIN and ep.value.split(":")[0] == BUILTIN_MODULE
+
+
 def _entry_points() -> list[md.EntryPoint]:
-    return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name != BUILTIN_PLUGIN, ep.name))
+    """The installed plugins' entry points, metal-attn's own first (whatever order the file system gives)."""
+    return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (not _is_builtin(ep), ep.name))
 
 
 def plugin_names() -> list[str]:
@@ -78,10 +84,12 @@ def build_registry(
     for name in deny:
         pm.set_blocked(name)
 
-    def _failed(event: str, name: str, exc: Exception) -> None:
-        """Isolate a third-party failure: record it for `metal-attn doctor` and log it with its traceback."""
+    def _failed(event: str, name: str, exc: BaseException) -> None:
+        """Isolate a third-party failure: record it for `metal-attn doctor` and log it with its traceback (the
+        exception's own, where it was raised)."""
         registry.load_errors[name] = f"{type(exc).__name__}: {exc}"
-        _log.error(event, plugin=name, reason=str(exc), traceback=traceback.format_exc())
+        trace = "".join(traceback.format_exception(exc)) if exc.__traceback__ else "(raised by metal-attn's checks)"
+        _log.error(event, plugin=name, reason=str(exc), traceback=trace)
 
     def _register(plugin: object, name: str, origin: Origin) -> None:
         if pm.is_blocked(name):
@@ -102,10 +110,11 @@ def build_registry(
 
     if load_entry_points:
         seen_builtin = False
+        taken: dict[str, str] = {}  # entry-point name -> the distribution whose plugin loaded under it
         for ep in _entry_points():
             dist = getattr(ep, "dist", None)
             origin = Origin(ep.name, dist.name if dist else None, dist.version if dist else None)
-            builtin = ep.name == BUILTIN_PLUGIN and ep.value.split(":")[0] == BUILTIN_MODULE
+            builtin = _is_builtin(ep)
             seen_builtin = seen_builtin or builtin
             if ep.name in deny:
                 continue
@@ -114,12 +123,25 @@ def build_registry(
                     continue
                 if settings.plugins_allow is not None and ep.name not in settings.plugins_allow:
                     continue
+            who = origin.describe()
+            if ep.name == BUILTIN_PLUGIN and not builtin:
+                _failed("plugin_load_failed", who, RegistryError(
+                    f"entry point {ep.name} = {ep.value} of {origin.describe()}: the name {BUILTIN_PLUGIN!r} is "
+                    "reserved for metal-attn's own providers (allowed: another name); the plugin is left out"))
+                continue
+            if ep.name in taken:
+                _failed("plugin_load_failed", who, RegistryError(
+                    f"entry point {ep.name} = {ep.value} of {origin.describe()}: the name {ep.name!r} is taken by "
+                    f"{taken[ep.name]} (allowed: a name no other installed plugin uses); the plugin is left out"))
+                continue
             try:
-                plugin = ep.load()
-            except Exception as exc:
+                plugin = _building(ep.name, ep.load)
+            except (Exception, SystemExit) as exc:  # a script-style module's sys.exit/argparse at import too
                 _failed("plugin_load_failed", ep.name, exc)
                 continue
             _register(plugin, ep.name, origin)
+            if ep.name in origins:
+                taken[ep.name] = origin.describe()
         if not seen_builtin and BUILTIN_PLUGIN not in deny:
             # Running from a source checkout without installed metadata (the GPU machine).
             _register(_builtin_module(), BUILTIN_PLUGIN, Origin(BUILTIN_PLUGIN, "metal-attn", "source checkout"))
@@ -140,9 +162,14 @@ def build_registry(
         origin = origins.get(impl.plugin_name, Origin(impl.plugin_name))
         registrar = ProviderRegistrar(registry, origin)
         try:
-            impl.function(registrar=registrar)
+            if impl.hookwrapper or getattr(impl, "wrapper", False):  # a generator: calling it would run nothing
+                raise RegistryError(
+                    f"plugin {impl.plugin_name!r}: its metal_attn_register_providers hook is marked "
+                    f"{'hookwrapper' if impl.hookwrapper else 'wrapper'}=True (allowed: a plain @metal_attn.hookimpl "
+                    "function, optionally tryfirst/trylast)")
+            _building(impl.plugin_name, impl.function, registrar=registrar)
             registrar.commit()  # all of the plugin's providers, or none of them
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             _failed("plugin_register_failed", impl.plugin_name, exc)
             pm.unregister(impl.plugin)  # reported as not loaded: none of its hooks run (its observers included)
     for name in unknown_provider_names(settings.disabled_providers, registry.names):
@@ -168,8 +195,10 @@ def _drop_invalid_plugins(pm: Any, failed: Callable[[str, str, Exception], None]
         except pluggy.PluginValidationError as exc:
             name = pm.get_name(exc.plugin) or repr(exc.plugin)
             pm.unregister(exc.plugin)
+            specs = {h: c.spec for h, c in vars(pm.hook).items() if getattr(c, "spec", None) is not None}
+            hooks = ", ".join(f"{h}({', '.join(spec.argnames)})" for h, spec in sorted(specs.items()))
             failed("plugin_load_failed", name, RuntimeError(
-                f"{exc} (the plugin is left out; METAL_ATTN_PLUGINS_DENY={name} silences this)"))
+                f"{exc} (the hooks: {hooks}; the plugin is left out; METAL_ATTN_PLUGINS_DENY={name} silences this)"))
 
 
 def registry_from(plugins: Iterable[object] | None = None, *, names: Sequence[str] | None = None) -> Registry:
@@ -178,6 +207,19 @@ def registry_from(plugins: Iterable[object] | None = None, *, names: Sequence[st
 
 
 _lock = threading.Lock()
+#: The plugin whose import or registration hook this thread is running while it builds a registry.
+_local = threading.local()
+
+
+def _building(plugin: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on behalf of ``plugin`` while a registry is built: `get_registry` called from it
+    raises instead of waiting for the build it is part of (it deadlocked)."""
+    outer = getattr(_local, "building", None)
+    _local.building = plugin
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _local.building = outer
 #: One registry per plugin-loading configuration (autoload, allow- and deny-lists): threads whose
 #: `override_settings` differ there each get theirs, without rebuilding each other's.
 _registries: dict[tuple, Registry] = {}
@@ -189,6 +231,13 @@ def _plugin_key(s: Settings) -> tuple:
 
 def get_registry() -> Registry:
     """The registry for the plugin settings in force (built on first use of those settings)."""
+    building = getattr(_local, "building", None)
+    if building is not None:
+        raise RegistryError(
+            f"plugin {building!r} called metal-attn's API (which needs the provider registry) while the registry "
+            "is being built, from its import or its metal_attn_register_providers hook (allowed there: "
+            "registrar.add(...); call the API once registration is done, e.g. from a metal_attn_provider_selected "
+            "observer or at run time)")
     s = get_settings()
     key = _plugin_key(s)
     reg = _registries.get(key)

@@ -87,15 +87,51 @@ class AttentionInputs:
     softcap: float | None = None
 
 
+def reason_list(value: Any, method: str) -> list[str]:
+    """A provider method's reasons (``availability_reasons``, ``extra_reasons``, ...) as a list of str; raises
+    `TypeError` naming ``method`` otherwise. A bare ``"too long"`` would read as eight one-letter reasons; ``None``
+    is a forgotten return; a generator is read once."""
+    listed = list(value) if isinstance(value, Iterable) and not isinstance(value, (str, bytes)) else None
+    if listed is None or not all(isinstance(r, str) for r in listed):
+        raise TypeError(f"{method}() returned {value!r} (allowed: a list of str, empty to admit)")
+    return listed
+
+
 def scatter_slots(pool: mx.array, rows: mx.array, slots: mx.array) -> mx.array:
     """``pool[slot] = row`` for each row of ``rows`` (``[n, kv_heads, head]``) and its slot, through
     MLX's scatter on the pool seen as ``[num_blocks * block_size, kv_heads, head]``: in place when
-    the pool is donated. For cache writers: every slot must be inside the pool (MLX's scatter does
-    not bounds-check its indices)."""
+    the pool is donated. Every slot must be inside the pool: MLX's scatter does not bounds-check its
+    indices, and a negative slot wraps to the pool's end. A cache writer's slots may hold padding:
+    `write_slots` skips it."""
     nb, bs, kvh, head = pool.shape
     flat = pool.reshape(nb * bs, kvh, head)
     flat[slots] = rows
     return flat.reshape(nb, bs, kvh, head)
+
+
+def write_slots(key: mx.array, value: mx.array, k_cache: mx.array, v_cache: mx.array,
+                slots: mx.array) -> tuple[mx.array, mx.array]:
+    """`Provider.write_cache`'s contract through MLX's scatter: ``pool[slot] = row`` for every slot inside the
+    pool; negative slots (padding) are skipped, and so are slots past the pool (which reach a writer when
+    ``METAL_ATTN_VALIDATE_METADATA=0``). Reads the slots on the host (one synchronization)."""
+    import mlx.core as mx
+    import numpy as np
+
+    nb, bs = k_cache.shape[:2]
+    host = np.array(slots, copy=False)
+    if host.size and host.dtype == np.int64 and not np.count_nonzero(host.view(np.uint64) >= nb * bs):
+        idx, rows = slots, None  # every slot in the pool (a negative one wraps past it as uint64)
+    else:
+        keep = np.nonzero((host >= 0) & (host < nb * bs))[0]
+        if keep.size == 0:
+            return k_cache, v_cache
+        if keep.size == host.size:  # every slot in the pool: the slots are the indices
+            idx, rows = slots, None
+        else:
+            idx, rows = mx.array(host[keep].astype(np.int64)), mx.array(keep.astype(np.int64))
+    k_new = key if rows is None else key[rows]
+    v_new = value if rows is None else value[rows]
+    return scatter_slots(k_cache, k_new, idx), scatter_slots(v_cache, v_new, idx)
 
 
 def _fmt(values: Any) -> str:
@@ -143,7 +179,8 @@ class Provider:
     #: One line for inventories and docs.
     description: ClassVar[str] = ""
 
-    # -- availability: computed once per device ----------------------------------------------
+    # -- availability: per device (the registry's inventory asks once per device; admission asks once per
+    # request shape, whose selection is then cached) ------------------------------------------------
 
     def availability_reasons(self, device: DeviceInfo) -> list[str]:
         """Why this provider cannot run on ``device`` at all (empty when it can)."""
@@ -156,10 +193,12 @@ class Provider:
     def not_supported_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
         """Every reason this provider refuses ``request`` on ``device``."""
         reasons: list[str] = []
+        if type(self).run is Provider.run:  # a misspelled `run` would be chosen, then fail every call
+            reasons.append(f"does not implement run(inputs, plan) ({type(self).__qualname__} inherits Provider's)")
         disabled = settings.is_disabled(self.name)
         if disabled:
             reasons.append(disabled)
-        reasons.extend(self.availability_reasons(device))
+        reasons.extend(reason_list(self.availability_reasons(device), "availability_reasons"))
         if request.backend != device.backend:
             reasons.append(f"request backend={request.backend} differs from device backend={device.backend}")
         if request.phase.value not in self.phases:
@@ -182,13 +221,7 @@ class Provider:
         if request.lengths_are_bounds and not self.reads_lengths_on_device:
             reasons.append("lengths_are_bounds (a compiled decode step's metadata, AttentionMetadata.decode_bounds): "
                            "this provider reads per-sequence lengths on the host (supported: exact host lengths)")
-        extra = self.extra_reasons(request, device, settings)
-        # A bare "too long" would read as eight one-letter reasons; None is a forgotten return; a
-        # generator is read once.
-        listed = list(extra) if isinstance(extra, Iterable) and not isinstance(extra, (str, bytes)) else None
-        if listed is None or not all(isinstance(r, str) for r in listed):
-            raise TypeError(f"extra_reasons() returned {extra!r} (allowed: a list of str, empty to admit)")
-        reasons.extend(listed)
+        reasons.extend(reason_list(self.extra_reasons(request, device, settings), "extra_reasons"))
         return reasons
 
     def extra_reasons(self, request: AttentionRequest, device: DeviceInfo, settings: Settings) -> list[str]:
@@ -225,7 +258,11 @@ class Provider:
         slots: mx.array,
         device: DeviceInfo,
     ) -> tuple[mx.array, mx.array]:
-        """reshape_and_cache for providers with ``writes_cache = True`` (slots validated, int64)."""
+        """reshape_and_cache for providers with ``writes_cache = True``: the ``(k_cache, v_cache)`` pools with
+        ``pool[slot] = row`` for each of ``key``/``value``'s rows. ``slots`` is int64, one per row, each checked
+        to be inside the pool or negative; a negative slot is padding and must be skipped, and with
+        ``METAL_ATTN_VALIDATE_METADATA=0`` unchecked slots past the pool must be skipped too
+        (`write_slots` does both)."""
         raise NotImplementedError(f"provider {self.name!r} does not write the cache")
 
     def cache_write_reasons(self, dtype: str, device: DeviceInfo, settings: Settings) -> list[str]:
@@ -233,10 +270,13 @@ class Provider:
         reasons = []
         if not self.writes_cache:
             reasons.append("does not implement reshape_and_cache")
+        elif type(self).write_cache is Provider.write_cache:
+            reasons.append(f"writes_cache=True but does not implement write_cache(...) ({type(self).__qualname__} "
+                           "inherits Provider's)")
         disabled = settings.is_disabled(self.name)
         if disabled:
             reasons.append(disabled)
-        reasons.extend(self.availability_reasons(device))
+        reasons.extend(reason_list(self.availability_reasons(device), "availability_reasons"))
         if self.dtypes is not None and dtype not in self.dtypes:
             reasons.append(f"dtype={dtype} (supported: {_fmt(sorted(self.dtypes))})")
         return reasons

@@ -19,7 +19,7 @@ from metal_attn.constants import DTYPES
 from metal_attn.device import BACKENDS, DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
 from metal_attn.log import get_logger, warn_once
-from metal_attn.provider import Plan, Provider
+from metal_attn.provider import Plan, Provider, reason_list
 from metal_attn.request import AttentionRequest, Phase
 from metal_attn.settings import Settings
 
@@ -63,7 +63,12 @@ class ProviderRegistrar:
         if isinstance(provider, type):
             if not issubclass(provider, Provider):
                 raise RegistryError(f"{provider!r} is not a metal_attn.Provider subclass")
-            provider = provider()
+            try:
+                provider = provider()
+            except TypeError as exc:
+                raise RegistryError(f"registrar.add({provider.__qualname__}) builds the provider with no arguments, "
+                                    f"which raised TypeError: {exc} (allowed: a class whose constructor takes no "
+                                    "arguments, or an instance: registrar.add(MyProvider(...)))") from exc
         self._registry.check_declaration(provider, [p.name for p in self._staged])  # raises here, as documented
         self._staged.append(provider)
 
@@ -213,10 +218,11 @@ class Registry:
             raise RegistryError(f"provider name={name!r} must be a non-empty identifier")
         if type(provider.priority) is not int:
             raise RegistryError(f"provider {name!r}: priority={provider.priority!r} must be an int")
-        if not provider.backends or not set(provider.backends) <= set(BACKENDS):
+        if (isinstance(provider.backends, (str, bytes)) or not provider.backends
+                or not set(provider.backends) <= set(BACKENDS)):
             raise RegistryError(
-                f"provider {name!r}: backends={sorted(provider.backends)} "
-                "(allowed: a non-empty subset of metal, cuda, cpu)"
+                f"provider {name!r}: backends={provider.backends!r} "
+                "(allowed: a non-empty set of metal, cuda, cpu, e.g. frozenset({'cpu'}))"
             )
         bp = provider.backend_priority
         if not isinstance(bp, Mapping) or any(
@@ -305,7 +311,7 @@ class Registry:
         got = self._avail_cache.get(key)
         if got is None:
             try:
-                got = tuple(provider.availability_reasons(device))
+                got = tuple(reason_list(provider.availability_reasons(device), "availability_reasons"))
             except Exception as exc:
                 got = (f"availability check raised {type(exc).__name__}: {exc}",)
             self._avail_cache[key] = got
@@ -316,8 +322,10 @@ class Registry:
     ) -> list[str]:
         try:
             reasons = list(provider.not_supported_reasons(request, device, settings))
-        except Exception as exc:
-            return [f"admission check raised {type(exc).__name__}: {exc}"]
+        except Exception as exc:  # a plugin's bug: passed over like a refusal, and logged once (as a failed plan)
+            reason = f"admission check raised {type(exc).__name__}: {exc}"
+            warn_once("provider_admission_failed", (provider.name, reason), provider=provider.name, reason=reason)
+            return [reason]
         if not reasons and self._failed:  # a plan only matters here if some specialization failed
             plan, failure = self._plan(provider, request, device, settings)
             if failure is not None:
@@ -382,7 +390,14 @@ class Registry:
         self, request: AttentionRequest, device: DeviceInfo, settings: Settings, *, forced: str | None = None
     ) -> Selection:
         """The first admitted provider (or the forced one), its plan, and the fallbacks taken."""
-        forced = forced or settings.provider
+        if not forced and settings.provider:
+            forced = settings.provider
+            if forced not in self._entries:  # named as the user set it, not as a `provider=` argument
+                from metal_attn.settings import set_by
+
+                raise ProviderRefusedError(
+                    f"{set_by('provider') or 'METAL_ATTN_PROVIDER'}={forced!r} names no registered provider "
+                    f"(allowed: {', '.join(self.names) or 'none'}, or unset for the registry's choice)")
         key = (request, device, settings, forced)
         hit = self._cache.get(key)
         if hit is not None:

@@ -20,9 +20,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-import numpy as np
 
-from metal_attn.provider import AttentionInputs, Plan, Provider, scatter_slots
+from metal_attn.provider import AttentionInputs, Plan, Provider, write_slots
 
 if TYPE_CHECKING:  # pragma: no cover
     from metal_attn.device import DeviceInfo
@@ -107,23 +106,7 @@ class ReferenceProvider(Provider):
         slots: mx.array,
         device: DeviceInfo,
     ) -> tuple[mx.array, mx.array]:
-        nb, bs = k_cache.shape[:2]
-        host = np.array(slots, copy=False)
-        # Negative slots are padding; slots past the pool (possible with validate_metadata off)
-        # are skipped too: MLX's scatter does not bounds-check its indices.
-        if host.size and host.dtype == np.int64 and not np.count_nonzero(host.view(np.uint64) >= nb * bs):
-            idx, rows = slots, None  # every slot in the pool (a negative one wraps past it as uint64)
-        else:
-            keep = np.nonzero((host >= 0) & (host < nb * bs))[0]
-            if keep.size == 0:
-                return k_cache, v_cache
-            if keep.size == host.size:  # every slot in the pool: the int64 slots are the indices
-                idx, rows = slots, None
-            else:
-                idx, rows = mx.array(host[keep].astype(np.int64)), mx.array(keep.astype(np.int64))
-        k_new = key if rows is None else key[rows]
-        v_new = value if rows is None else value[rows]
-        return scatter_slots(k_cache, k_new, idx), scatter_slots(v_cache, v_new, idx)
+        return write_slots(key, value, k_cache, v_cache, slots)
 
 
 #: The 13 low mantissa bits that TF32 drops from a float32.

@@ -15,6 +15,7 @@ import importlib.metadata as md
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -594,6 +595,19 @@ def test_demo_fails_loudly_on_a_mismatch(capsys, broken_provider_installed):
     assert "MISMATCH" in out and "demo FAILED: 2 of 2 checks" in out
 
 
+class _AllNaN(_OffByALittle):
+    def run(self, inputs, plan):
+        return mx.full(inputs.q.shape, float("nan"), dtype=inputs.q.dtype)
+
+
+def test_the_demo_reports_an_all_nan_output_as_a_nan_error(capsys, monkeypatch, broken_provider_installed):
+    """`max(0.0, nan)` is 0.0: an all-NaN output's failed check was reported with max_abs_error 0."""
+    monkeypatch.setattr(_OffByALittle, "run", _AllNaN.run)
+    code, data = run_json(capsys, "demo", "--steps", "2", "--layers", "1", "--repeats", "1")
+    assert code == 1 and data["checks"]["failed"] == 2
+    assert all(math.isnan(s["max_abs_error"]) for s in data["steps"]), data["steps"]
+
+
 class _ShortAfterItsFirstCall(_OffByALittle):
     """Right on the first call of each batch shape (a selection's first call, which the provider contract
     checks), a column short on the calls after it."""
@@ -1069,3 +1083,30 @@ def test_the_demo_s_working_set_is_its_arithmetic_and_its_config_checks_the_api_
         DemoConfig(prompt_lens=(96,), chunk_size=96).validate()
     with pytest.raises(InvalidInputError, match=r"repeats=0 \(allowed: an int >= 1\)"):
         DemoConfig(repeats=0).validate()
+
+
+@pytest.mark.parametrize(("argv", "env", "by"), [
+    (["--provider", "gqa_decode"], {}, "--provider"),
+    ([], {"METAL_ATTN_PROVIDER": "gqa_decode"}, "METAL_ATTN_PROVIDER"),
+])
+def test_explain_says_the_forced_provider_refuses(capsys, monkeypatch, argv, env, by):
+    """With a forced provider that refuses, explain ended "no provider admits this request", as if none had
+    been asked but that one."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    reload_settings()
+    code, out, _ = run(capsys, "explain", *argv)
+    assert code == 1 and out.strip().splitlines()[-1] == f"the forced provider 'gqa_decode' ({by}) refuses this request"
+
+
+def test_a_call_under_a_provider_variable_no_provider_has_names_the_variable(monkeypatch):
+    """It read "provider='clasic' is not registered", naming an argument the caller never passed."""
+    from metal_attn.testing import make_case
+
+    monkeypatch.setenv("METAL_ATTN_PROVIDER", "clasic")
+    reload_settings()
+    case = make_case(q_lens=[1], seq_lens=[20], num_heads=2, num_kv_heads=1, head_size=64, block_size=16,
+                     dtype="float16")
+    with pytest.raises(metal_attn.ProviderRefusedError, match=r"^METAL_ATTN_PROVIDER='clasic' names no registered "
+                                                               r"provider \(allowed: .*classic.*, or unset"):
+        metal_attn.paged_attention(**case.kwargs())

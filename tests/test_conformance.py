@@ -18,7 +18,7 @@ import pytest
 
 import metal_attn
 from metal_attn.plugins import get_registry
-from metal_attn.provider import AttentionInputs, Plan, Provider
+from metal_attn.provider import AttentionInputs, Plan, Provider, scatter_slots
 from metal_attn.testing import (
     BOUNDS_SPECS,
     CONFORMANCE_SPECS,
@@ -28,6 +28,7 @@ from metal_attn.testing import (
     assert_close_to_oracle,
     attention_oracle,
     check_bounds_case,
+    check_cache_writer,
     conformance_ids,
     make_case,
     request_kwargs,
@@ -178,6 +179,14 @@ class _Mutant(Provider):
         window = inputs.sliding_window
         if self.mutation == "zeros":
             return mx.zeros(inputs.q.shape, dtype=inputs.q.dtype)
+        if self.mutation in ("writes_q", "writes_pool"):  # the right output, then the caller's array changed
+            out = attention_oracle(q, kc, vc, tables, np.array(md.seq_lens), np.array(md.cu_seqlens_q),
+                                   scale=inputs.scale, sinks=sinks, sliding_window=window, softcap=inputs.softcap)
+            if self.mutation == "writes_q":
+                inputs.q[0] = inputs.q[0] * 2
+            else:
+                inputs.k_cache[int(tables[0, 0])] = 0
+            return mx.array(out.astype(np.float32)).astype(inputs.q.dtype)
         scale = inputs.scale
         if self.mutation == "default_scale":  # ignores inputs.scale
             scale = q.shape[2] ** -0.5
@@ -255,6 +264,47 @@ def test_checker_rejects_a_wrong_provider(mutation: str, label: str) -> None:
     got = run_case(case, provider=f"mutant_{mutation}")
     with pytest.raises(AssertionError, match=r"differs from the float64 oracle|not finite|are finite where"):
         assert_close_to_oracle(got, case.oracle(), case.dtype, label=label)
+
+
+@pytest.mark.parametrize("mutation", ["writes_q", "writes_pool"])
+def test_the_checker_rejects_a_provider_that_changes_the_caller_s_arrays(mutation: str) -> None:
+    """A provider that gave the right output and then changed the caller's query or a used page passed every
+    conformance case: only the output was compared."""
+    get_registry().add(_Mutant(mutation))
+    case = make_case(**spec_by_label("mixed"))
+    name = {"writes_q": "q", "writes_pool": "k_cache"}[mutation]
+    with pytest.raises(AssertionError, match=rf"\[mixed\] paged_attention changed the caller's {name} "):
+        run_case(case, provider=f"mutant_{mutation}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_built_in_cache_writers_pass_the_writer_check(dtype: str) -> None:
+    writers = sorted(e.provider.name for e in get_registry().entries if e.provider.writes_cache)
+    assert writers == ["classic", "reference"]
+    for name in writers:
+        check_cache_writer(name, dtype)
+
+
+class _NaiveWriter(_Mutant):
+    """A cache writer through `scatter_slots` alone: a padding slot (-1) wraps to the pool's last slot."""
+
+    writes_cache = True
+
+    def __init__(self) -> None:
+        super().__init__("naive_writer")
+
+    def write_cache(self, key, value, k_cache, v_cache, slots, device):
+        return scatter_slots(k_cache, key, slots), scatter_slots(v_cache, value, slots)
+
+
+def test_the_writer_check_rejects_a_writer_that_writes_padding() -> None:
+    """A third-party writer built on `scatter_slots` as the docs offered it wrote padding rows (slot -1) into the
+    pool's last slot; `write_slots` skips them, and the writer check catches a writer that does not."""
+    get_registry().add(_NaiveWriter())
+    with pytest.raises(AssertionError, match=r"provider 'mutant_naive_writer': write_cache \(padding \(negative "
+                                             r"slots\) among them.*differs from pool\[slot\] = key .* at "
+                                             r"slots \[89, 95\]"):
+        check_cache_writer("mutant_naive_writer")
 
 
 def test_relative_l2_catches_zero_output_that_absolute_tolerance_accepts() -> None:

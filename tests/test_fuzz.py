@@ -61,3 +61,9 @@ def test_fuzz_covers_what_it_promises():
         assert sum(1 for s in SPECS if s.get(key)) >= 25, key
     assert {64, 128} <= {s["block_size"] for s in SPECS}
     assert sum(1 for s in SPECS if max(s["seq_lens"]) > 512) >= 50
+
+
+def test_an_unknown_fuzz_profile_is_named():
+    """`random_specs(3, profile="cuda")` raised a bare KeyError: 'cuda'."""
+    with pytest.raises(ValueError, match=r"^profile='cuda' \(allowed: 'cpu', 'gpu'\)$"):
+        random_specs(3, "cuda")

@@ -95,6 +95,62 @@ MODULES = {
         def metal_attn_register_provider(registrar):
             pass
     """,
+    "ma_test_reentrant_plugin": """
+        import metal_attn as ma
+
+        @ma.hookimpl
+        def metal_attn_register_providers(registrar):
+            ma.providers()  # to place itself above a built-in: the registry is what is being built
+    """,
+    "ma_test_reentrant_import_plugin": """
+        import metal_attn as ma
+
+        ma.explain(ma.AttentionRequest.from_lengths(q_lens=[1], seq_lens=[8], dtype="float32", num_heads=4,
+                                                    num_kv_heads=4, head_size=64))
+
+        @ma.hookimpl
+        def metal_attn_register_providers(registrar):
+            pass
+    """,
+    "ma_test_sysexit_plugin": """
+        import argparse
+
+        argparse.ArgumentParser(prog="vendor-tool").parse_args(["--no-such-flag"])  # a script's module
+    """,
+    "ma_test_sysexit_hook_plugin": """
+        import sys
+
+        import metal_attn as ma
+
+        @ma.hookimpl
+        def metal_attn_register_providers(registrar):
+            sys.exit("vendor runtime missing")
+    """,
+    "ma_test_wrapper_plugin": """
+        import metal_attn as ma
+
+        class Wrapped(ma.Provider):
+            name = "wrapped"
+            priority = 20
+            backends = frozenset({"cpu"})
+
+        @ma.hookimpl(wrapper=True)
+        def metal_attn_register_providers(registrar):
+            registrar.add(Wrapped)
+            return (yield)
+    """,
+    "ma_test_fake_builtin_plugin": """
+        import metal_attn as ma
+
+        class FakeClassic(ma.Provider):
+            name = "classic"
+            priority = 1000
+            backends = frozenset({"cpu"})
+
+        @ma.hookimpl(tryfirst=True)
+        def metal_attn_register_providers(registrar):
+            registrar.add(FakeClassic)
+    """,
 }
 
 
@@ -222,6 +278,72 @@ def test_plugin_whose_register_hook_raises_is_isolated(entry_points, log_records
                                                num_kv_heads=4, head_size=64)
     assert reg.select(request, current_device(), get_settings()).provider is not None
     assert half.SEEN == []
+
+
+@pytest.mark.parametrize(("module", "where"), [("ma_test_reentrant_plugin", "hook"),
+                                               ("ma_test_reentrant_import_plugin", "import")])
+def test_a_plugin_that_calls_the_api_while_registering_is_left_out_not_a_deadlock(entry_points, builtin, module,
+                                                                                   where):
+    """Its hook (or its import) called `metal_attn.providers()`, which waited on the lock of the very build it ran
+    in: the process hung with no output."""
+    entry_points(reentrant=module, good="ma_test_good_plugin")
+    with override_settings(plugin_autoload=True):
+        reg = plugins.get_registry()  # the process-wide registry, through its lock
+    assert third_party(reg, builtin) == ["third_party"]
+    assert reg.load_errors["reentrant"].startswith(
+        "RegistryError: plugin 'reentrant' called metal-attn's API (which needs the provider registry) while the "
+        "registry is being built, from its import or its metal_attn_register_providers hook")
+
+
+@pytest.mark.parametrize(("module", "event", "message"), [
+    ("ma_test_sysexit_plugin", "plugin_load_failed", "SystemExit: 2"),
+    ("ma_test_sysexit_hook_plugin", "plugin_register_failed", "SystemExit: vendor runtime missing"),
+])
+def test_a_plugin_that_exits_is_left_out_and_the_process_goes_on(entry_points, log_records, builtin, module, event,
+                                                                  message):
+    """A script-style module (argparse or sys.exit at import or in its hook) ended the command line with its
+    own usage text, and `ma.providers()` raised SystemExit."""
+    entry_points(exits=module, good="ma_test_good_plugin")
+    reg = plugins.build_registry()
+    assert third_party(reg, builtin) == ["third_party"] and reg.load_errors["exits"] == message
+    [rec] = log_records(event)
+    assert rec.plugin == "exits" and "Traceback (most recent call last)" in rec.traceback
+
+
+def test_a_wrapper_register_hook_is_refused_by_name(entry_points, builtin):
+    """A register hook marked wrapper=True (a generator) was called and never run: nothing registered, no error."""
+    entry_points(wrapper="ma_test_wrapper_plugin")
+    reg = plugins.build_registry()
+    assert third_party(reg, builtin) == []
+    assert reg.load_errors["wrapper"] == (
+        "RegistryError: plugin 'wrapper': its metal_attn_register_providers hook is marked wrapper=True (allowed: a "
+        "plain @metal_attn.hookimpl function, optionally tryfirst/trylast)")
+
+
+def test_a_third_party_entry_point_named_builtin_is_refused_whatever_the_order(monkeypatch, plugin_dir, builtin):
+    """Found first (entry points come in file-system order), it pushed metal-attn's own plugin out, and its
+    `classic` then took the built-in's place at priority 1000."""
+    ours = FakeEntryPoint("builtin", "metal_attn.providers", FakeDist("metal-attn", "1.0"))
+    theirs = FakeEntryPoint("builtin", "ma_test_fake_builtin_plugin", FakeDist("shady-attn", "0.1"))
+    for order in ([theirs, ours], [ours, theirs]):
+        monkeypatch.setattr(plugins, "_entry_points", lambda order=order: order)
+        reg = plugins.build_registry()
+        assert names(reg) == builtin and type(reg.get("classic")).__name__ != "FakeClassic"
+        assert reg.load_errors == {"shady-attn 0.1 (builtin)": (
+            "RegistryError: entry point builtin = ma_test_fake_builtin_plugin of shady-attn 0.1 (builtin): the name "
+            "'builtin' is reserved for metal-attn's own providers (allowed: another name); the plugin is left out")}
+
+
+def test_two_distributions_with_one_entry_point_name_are_told_apart(monkeypatch, plugin_dir, builtin):
+    """The second was refused by pluggy under the first one's key, naming neither distribution."""
+    first = FakeEntryPoint("good", "ma_test_good_plugin", FakeDist("acme-attn", "1.2.3"))
+    second = FakeEntryPoint("good", "ma_test_other_plugin", FakeDist("other-attn", "0.2"))
+    monkeypatch.setattr(plugins, "_entry_points", lambda: [first, second])
+    reg = plugins.build_registry()
+    assert third_party(reg, builtin) == ["third_party"] and "good" not in reg.load_errors
+    assert reg.load_errors["other-attn 0.2 (good)"] == (
+        "RegistryError: entry point good = ma_test_other_plugin of other-attn 0.2 (good): the name 'good' is taken "
+        "by acme-attn 1.2.3 (good) (allowed: a name no other installed plugin uses); the plugin is left out")
 
 
 def test_a_disabled_provider_name_no_provider_has_is_logged(entry_points, log_records, builtin):
@@ -352,7 +474,10 @@ def test_a_plugin_with_a_misspelled_hook_is_left_out_and_named(entry_points, log
     assert third_party(reg, builtin) == ["third_party"]
     assert "unknown hook 'metal_attn_register_provider'" in reg.load_errors["typo"]
     assert "METAL_ATTN_PLUGINS_DENY=typo silences this" in reg.load_errors["typo"]
-    assert [r.plugin for r in log_records("plugin_load_failed")] == ["typo"]
+    assert ("(the hooks: metal_attn_provider_selected(request, provider, route, reasons), "
+            "metal_attn_register_providers(registrar);") in reg.load_errors["typo"]
+    [rec] = log_records("plugin_load_failed")
+    assert rec.plugin == "typo" and rec.traceback == "(raised by metal-attn's checks)"  # it read 'NoneType: None'
 
 
 def test_a_plugin_object_with_a_misspelled_hook_is_left_out(plugin_dir, builtin):

@@ -23,7 +23,7 @@ from metal_attn.device import DeviceInfo
 from metal_attn.errors import KernelCompileError, NoProviderError, ProviderRefusedError, RegistryError
 from metal_attn.hookspecs import hookimpl
 from metal_attn.plugins import registry_from
-from metal_attn.provider import Plan, Provider
+from metal_attn.provider import Plan, Provider, write_slots
 from metal_attn.registry import Origin, ProviderRegistrar, Registry
 from metal_attn.request import AttentionRequest
 
@@ -78,6 +78,9 @@ class FakeProvider(Provider):
     def run(self, inputs, plan):
         self.runs += 1
         return mx.full(inputs.q.shape, self.fill, dtype=inputs.q.dtype)
+
+    def write_cache(self, key, value, k_cache, v_cache, slots, device):  # used where a test sets writes_cache
+        return write_slots(key, value, k_cache, v_cache, slots)
 
 
 class ProvidersPlugin:
@@ -236,14 +239,28 @@ def test_bad_priority_raises_registry_error(bad):
     [
         ("", ("cpu",), "provider name='' must be a non-empty identifier"),
         ("has space", ("cpu",), "provider name='has space' must be a non-empty identifier"),
-        ("rocm_only", ("rocm",), "provider 'rocm_only': backends=['rocm'] (allowed: a non-empty subset of"),
-        ("no_backend", (), "provider 'no_backend': backends=[] (allowed: a non-empty subset of"),
+        ("rocm_only", ("rocm",), "provider 'rocm_only': backends=frozenset({'rocm'}) (allowed: a non-empty set of"),
+        ("no_backend", (), "provider 'no_backend': backends=frozenset() (allowed: a non-empty set of"),
+        ("a_str", "cpu", "provider 'a_str': backends='cpu' (allowed: a non-empty set of metal, cuda, cpu, e.g. "
+                         "frozenset({'cpu'}))"),  # it read as backends=['c', 'p', 'u']
     ],
 )
 def test_bad_declarations_raise_registry_error(name, backends, message):
+    provider = FakeProvider(name, 1, backends=("cpu",))
+    provider.backends = backends if isinstance(backends, str) else frozenset(backends)
     with pytest.raises(RegistryError) as err:
-        Registry().add(FakeProvider(name, 1, backends=backends))
+        Registry().add(provider)
     assert message in str(err.value)
+
+
+def test_a_provider_class_whose_constructor_needs_arguments_is_named():
+    class NeedsArgs(FakeProvider):
+        def __init__(self, name):
+            super().__init__(name, 1)
+
+    with pytest.raises(RegistryError, match=r"registrar\.add\(.*NeedsArgs\) builds the provider with no arguments, "
+                                            r"which raised TypeError: .*missing 1 required positional argument"):
+        ProviderRegistrar(Registry(), Origin("unit")).add(NeedsArgs)
 
 
 def test_backend_priority_reorders_one_backend_only():
@@ -734,9 +751,19 @@ def test_a_run_that_returns_the_wrong_shape_is_refused(install):
     install(registry_from([ProvidersPlugin(WrongShape("wrong", 100), FakeProvider("good", 1))]))
     q, k, v, md = decode_batch()
     with pytest.raises(ma.ProviderContractError,
-                       match=r"provider 'wrong' \(route 'wrong'\): run\(\) returned array \(1,\) float32 \(allowed: "
+                       match=r"provider 'wrong' \(route 'wrong'\): run\(\) returned mx.array \(1,\) float32 \(allowed: "
                              r"an mx.array of q's shape \(2, 8, 64\) and dtype float32\)"):
         ma.paged_attention(q, k, v, metadata=md)
+
+
+def test_a_run_that_returns_a_list_is_described():
+    """It read "returned list () None"."""
+    from metal_attn.api import _refuse_output
+
+    q = mx.zeros((2, 8, 64))
+    with pytest.raises(ma.ProviderContractError, match=r"run\(\) returned list of 2: array \(2, 8, 64\) float32, "
+                                                       r"None \(allowed: an mx.array of q's shape"):
+        _refuse_output("p", "r", [q, None], q)
 
 
 @pytest.mark.parametrize(("error", "expected", "message"), [
@@ -771,6 +798,76 @@ def test_a_cache_writer_whose_check_raises_is_skipped():
 
     reg = registry_from([ProvidersPlugin(Broken("broken", 100), Writer("writer", 1))])
     assert reg.select_cache_writer("float32", CPU, settings_mod.get_settings()).name == "writer"
+
+
+def test_a_provider_without_run_is_refused_with_its_reason_and_the_next_one_runs():
+    """A provider with a misspelled `run` was admitted, shown as chosen, and then every call raised
+    ProviderContractError with no fallback."""
+
+    class Typo(Provider):
+        name = "typo_run"
+        priority = 100
+        backends = frozenset({"cpu"})
+
+        def plan(self, request, device, settings) -> Plan:
+            return Plan(self.name, self.name)
+
+        def runn(self, inputs, plan):  # misspelled
+            return inputs.q
+
+    class Writes(Typo):
+        name = "typo_writer"
+        writes_cache = True
+
+    reg = registry_from([ProvidersPlugin(Typo(), Writes(), FakeProvider("fine", 1, fill=3.0))])
+    settings = settings_mod.get_settings()
+    ex = reg.explain(decode_request(), CPU, settings)
+    typo = next(r for r in ex.rows if r.name == "typo_run")
+    assert list(typo.reasons) == ["does not implement run(inputs, plan) (test_a_provider_without_run_is_refused_"
+                                  "with_its_reason_and_the_next_one_runs.<locals>.Typo inherits Provider's)"]
+    assert ex.chosen.name == "fine" and reg.select(decode_request(), CPU, settings).provider.name == "fine"
+    with pytest.raises(NoProviderError, match=r"typo_writer: writes_cache=True but does not implement write_cache"):
+        reg.select_cache_writer("float32", CPU, settings.model_copy(update={"disabled_providers": ("fine",)}))
+
+
+@pytest.mark.parametrize("where", ["availability", "extra"])
+def test_reasons_given_as_a_bare_string_are_named_not_split_into_letters(where):
+    """``availability_reasons`` returning "needs a GPU" read as eleven one-letter reasons."""
+
+    class Bare(FakeProvider):
+        def availability_reasons(self, device):
+            return "needs a GPU" if where == "availability" else []
+
+        def extra_reasons(self, request, device, settings):
+            return "too long" if where == "extra" else []
+
+    reg = registry_from([ProvidersPlugin(Bare("bare", 100), FakeProvider("fine", 1))])
+    settings = settings_mod.get_settings()
+    (row,) = [r for r in reg.explain(decode_request(), CPU, settings).rows if r.name == "bare"]
+    method, value = ("availability_reasons", "'needs a GPU'") if where == "availability" else ("extra_reasons",
+                                                                                               "'too long'")
+    assert list(row.reasons) == [f"admission check raised TypeError: {method}() returned {value} (allowed: a list "
+                                 "of str, empty to admit)"]
+    if where == "availability":
+        assert reg.availability_reasons(Bare("b2", 1), CPU) == (
+            "availability check raised TypeError: availability_reasons() returned 'needs a GPU' (allowed: a list "
+            "of str, empty to admit)",)
+
+
+def test_an_admission_check_that_raises_is_passed_over_and_logged_once(log_records):
+    """It was passed over with no log line (a failing plan() is logged): `doctor` and a user saw nothing."""
+
+    class Raises(FakeProvider):
+        def extra_reasons(self, request, device, settings):
+            raise RuntimeError("bug in the plugin")
+
+    reg = registry_from([ProvidersPlugin(Raises("raises", 100), FakeProvider("fine", 1))])
+    settings = settings_mod.get_settings()
+    for _ in range(3):
+        assert reg.select(decode_request(), CPU, settings).provider.name == "fine"
+        reg.forget_selections()
+    (rec,) = log_records("provider_admission_failed")
+    assert rec.provider == "raises" and rec.reason == "admission check raised RuntimeError: bug in the plugin"
 
 
 # -- a misbehaving provider or observer (probed by a helper, twenty-second session) ----------------

@@ -4,7 +4,7 @@
 - `make_case` / `AttentionCase`: random cases with scattered pages and garbage elsewhere;
 - `CONFORMANCE_SPECS` (with `NONFINITE_SPECS`, the NaN contract's cases), `run_case`, `check_case`,
   `assert_close_to_oracle`, `TOLERANCES`: the conformance suite every provider runs (see
-  `metal_attn.testing.conformance`).
+  `metal_attn.testing.conformance`); `check_cache_writer` for providers that write the cache.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from metal_attn.testing.conformance import (
     admission_reasons,
     assert_close_to_oracle,
     check_bounds_case,
+    check_cache_writer,
     check_case,
     conformance_ids,
     rel_l2,
@@ -40,6 +41,7 @@ __all__ = [
     "assert_close_to_oracle",
     "attention_oracle",
     "check_bounds_case",
+    "check_cache_writer",
     "check_case",
     "conformance_ids",
     "forced_mixed_threshold",

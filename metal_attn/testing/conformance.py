@@ -133,9 +133,12 @@ def assert_close_to_oracle(out: Any, ref: np.ndarray, dtype: Any, *, label: str 
 
 
 def run_case(case: AttentionCase, provider: str | None = None) -> np.ndarray:
-    """Run ``metal_attn.paged_attention`` on ``case`` (optionally forcing ``provider``); float64 result."""
+    """Run ``metal_attn.paged_attention`` on ``case`` (optionally forcing ``provider``); float64 result. Asserts
+    the output's shape and dtype, and that the call left the caller's arrays (query, pools, sinks) as they were."""
     import metal_attn
 
+    inputs = {"q": case.q, "k_cache": case.k_cache, "v_cache": case.v_cache, "sinks": case.sinks}
+    before = {name: _bits(x) for name, x in inputs.items() if x is not None}
     out = metal_attn.paged_attention(**case.kwargs(), provider=provider)
     mx.eval(out)
     if out.dtype != case.q.dtype or tuple(out.shape) != tuple(case.q.shape):
@@ -143,7 +146,68 @@ def run_case(case: AttentionCase, provider: str | None = None) -> np.ndarray:
             f"[{case.label}] output is {dtype_name(out.dtype)} {tuple(out.shape)}; the contract is the query's "
             f"{case.dtype} {tuple(case.q.shape)}"
         )
+    _assert_unchanged(inputs, before, f"[{case.label}] paged_attention")
     return to_numpy(out).astype(np.float64)
+
+
+def _bits(x: mx.array) -> np.ndarray:
+    """``x``'s elements as unsigned integers of their width (bfloat16 included), for bit-for-bit comparisons."""
+    return np.array(x.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[x.itemsize]))
+
+
+def _assert_unchanged(arrays: Mapping[str, Any], before: Mapping[str, np.ndarray], what: str) -> None:
+    """Each of ``arrays`` named in ``before`` (`_bits`) still holds those values, bit for bit."""
+    for name, old in before.items():
+        now = _bits(arrays[name])
+        if now.shape != old.shape or not np.array_equal(now, old):
+            raise AssertionError(f"{what} changed the caller's {name} (the contract: a provider never writes its "
+                                 "inputs; it returns new arrays)")
+
+
+def check_cache_writer(provider: str, dtype: str = "float16", *, seed: int = 0) -> None:
+    """Assert that ``provider``'s `write_cache` (a provider with ``writes_cache = True``) honours
+    `metal_attn.reshape_and_cache`'s contract: ``pool[slot] = row`` for the slots inside the pool, in any
+    order; negative slots (padding) skipped, and slots past the pool too (they reach a writer when
+    ``METAL_ATTN_VALIDATE_METADATA=0``); everything else in the pools as it was; the caller's ``key``,
+    ``value`` and pools unchanged. Compared with a numpy scatter, bit for bit."""
+    from metal_attn.device import current_device
+    from metal_attn.plugins import get_registry
+
+    writer = get_registry().get(provider)
+    rng = np.random.default_rng(seed)
+    num_blocks, block_size, kv_heads, head = 6, 16, 2, 64
+    slots_total = num_blocks * block_size
+    mdt = getattr(mx, dtype)
+    pools = [mx.array(rng.standard_normal((num_blocks, block_size, kv_heads, head)).astype(np.float32)).astype(mdt)
+             for _ in range(2)]
+    in_pool = rng.choice(slots_total, size=20, replace=False)
+    cases = {
+        "slots in the pool, shuffled": in_pool,
+        "padding (negative slots) among them": np.concatenate([in_pool[:5], [-1], in_pool[5:9], [-7, -1]]),
+        "slots past the pool (validation off)": np.concatenate([in_pool[:4], [slots_total, slots_total + 40]]),
+        "padding only": np.array([-1, -1, -3]),
+    }
+    for label, slots in cases.items():
+        n = slots.size
+        key, value = (mx.array(rng.standard_normal((n, kv_heads, head)).astype(np.float32)).astype(mdt)
+                      for _ in range(2))
+        inputs = {"key": key, "value": value, "k_cache": pools[0], "v_cache": pools[1]}
+        before = {name: _bits(x) for name, x in inputs.items()}
+        out = writer.write_cache(key, value, pools[0], pools[1], mx.array(slots.astype(np.int64)), current_device())
+        mx.eval(out)
+        what = f"provider {provider!r}: write_cache ({label}, slots {slots.tolist()})"
+        _assert_unchanged(inputs, before, what)
+        for got, pool, rows in zip(out, ("k_cache", "v_cache"), ("key", "value")):
+            want = before[pool].reshape(slots_total, kv_heads, head).copy()
+            keep = (slots >= 0) & (slots < slots_total)
+            want[slots[keep]] = before[rows][keep]
+            if not (isinstance(got, mx.array) and got.dtype == mdt and tuple(got.shape) == before[pool].shape):
+                raise AssertionError(f"{what}: returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))} for "
+                                     f"{pool} (allowed: an mx.array of the pool's shape and dtype)")
+            diff = (_bits(got).reshape(slots_total, -1) != want.reshape(slots_total, -1)).any(axis=1)
+            if diff.any():
+                raise AssertionError(f"{what}: the new {pool} differs from pool[slot] = {rows} (padding and slots "
+                                     f"past the pool skipped) at slots {np.nonzero(diff)[0][:8].tolist()}")
 
 
 def check_case(case: AttentionCase, provider: str | None = None) -> Any:

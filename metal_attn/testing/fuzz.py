@@ -62,7 +62,9 @@ def _length(rng: np.random.Generator, page: int, p: Profile) -> int:
 
 def random_spec(seed: int, profile: str = "cpu") -> dict[str, Any]:
     """One random request as `make_case` keyword arguments (``label`` names the seed)."""
-    p = PROFILES[profile]
+    p = PROFILES.get(profile) if isinstance(profile, str) else None
+    if p is None:
+        raise ValueError(f"profile={profile!r} (allowed: {', '.join(map(repr, PROFILES))})")
     rng = np.random.default_rng([seed, 0xA77E])
     if rng.random() < 0.25:
         num_heads, num_kv_heads, head_size, page = (int(x) for x in p.geometries[rng.integers(len(p.geometries))])

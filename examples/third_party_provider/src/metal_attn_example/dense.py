@@ -72,15 +72,15 @@ class DensePrefillProvider(Provider):
         b, tq, tk = len(q_lens), int(q_lens.max()), int(seq_lens.max())
         starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
 
-        # Pages -> padded contiguous K/V: [b, kvh, tk, head].
+        # Pages -> padded contiguous K/V: [b, kvh, tk, head]. Every table entry a provider is given names a page
+        # of the pool (paged_attention checks the tables first); slots past a sequence's length hold whatever
+        # the pool holds, which the mask below keeps out.
         nblk = -(-tk // block_size)
-        table = mx.maximum(md.block_tables[:, :nblk], 0)  # padding entries may be negative
-        # Slots past a sequence's length hold whatever the pool holds (even NaN): zero them,
-        # since a masked score still multiplies its V row by 0 and 0 * NaN is NaN.
-        in_seq = mx.array((np.arange(tk)[None, :] < seq_lens[:, None])[:, None, :, None])  # [b, 1, tk, 1]
-        k = mx.where(in_seq, kc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3), 0)
-        v = mx.where(in_seq, vc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3), 0)
-        # Non-finite K/V rows (per key and KV head) are zeroed here and poison, below, the rows that attend them.
+        table = md.block_tables[:, :nblk]
+        k = kc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3)
+        v = vc[table].reshape(b, nblk * block_size, kvh, head)[:, :tk].transpose(0, 2, 1, 3)
+        # Non-finite K/V rows (per key and KV head) are zeroed here, since a masked score still multiplies its
+        # V row by 0 and 0 * NaN is NaN, and poison, below, the rows that attend them.
         k_ok, v_ok = mx.isfinite(k), mx.isfinite(v)
         bad_key = ~(k_ok.all(axis=-1) & v_ok.all(axis=-1))  # [b, kvh, tk]
         k, v = mx.where(k_ok, k, 0), mx.where(v_ok, v, 0)
