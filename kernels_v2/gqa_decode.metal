@@ -24,7 +24,7 @@
 
 // @kernel gqa_decode
 
-constexpr int LANE_ELEMS = HEAD_SIZE / 32;
+constexpr int LANE_ELEMS = HEAD_SIZE / MA_SIMD_WIDTH;
 constexpr int LANE_VECS = LANE_ELEMS / 4;
 static_assert(HEAD_SIZE % 128 == 0, "gqa_decode: each lane loads its slice 4 elements at a time");
 static_assert(CHUNK % 4 == 0 && BLOCK_SIZE % CHUNK == 0, "gqa_decode: CHUNK is a multiple of 4 dividing BLOCK_SIZE");
@@ -92,7 +92,7 @@ for (int b = first_block; b <= last_block; ++b) {
   }
   if (PREFETCH && b < last_block) {
     const long next_base = long(page_next) * long(BLOCK_STRIDE) + head_off;
-    for (int i = lane; i < PAGE_LINES; i += 32) {
+    for (int i = lane; i < PAGE_LINES; i += MA_SIMD_WIDTH) {
       const long off = next_base + long(i / ROW_LINES) * TOKEN_STRIDE + (i % ROW_LINES) * LINE_ELEMS;
       ma_prefetch(k_cache + off);
       ma_prefetch(v_cache + off);

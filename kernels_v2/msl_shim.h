@@ -31,8 +31,12 @@ struct bfloat16_t {
 };
 typedef half float16_t;
 
+// Metal's as_type reinterprets the bits of a value of the same size (anything else fails to compile).
 template <typename T, typename U>
-T as_type(U);
+T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type: the source and destination types have the same size");
+  return *reinterpret_cast<T*>(&u);
+}
 
 namespace metal {
 bool isfinite(float);

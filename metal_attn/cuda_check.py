@@ -125,14 +125,14 @@ def _texts(sources: Sequence[CudaSource], kernels_dir: str | None, make: Any) ->
     """``make(source)`` for each source with the kernel texts read from ``kernels_dir`` (None: the package's)."""
     from metal_attn import kernels
 
+    saved = kernels._source_dir
     if kernels_dir:
         kernels.use_source_dir(kernels_dir)
     try:
         return {s: make(s) for s in sources}
     finally:
         if kernels_dir:
-            kernels.use_source_dir(None)
-            kernels.clear_cache()
+            kernels.use_source_dir(saved)
 
 
 def compile_nvrtc(src: CudaSource, text: str, lib: Any, arch: str) -> tuple[CudaSource, int, str]:
@@ -194,6 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.same_ptx_as and not os.path.isdir(args.same_ptx_as):
         p.error(f"--same-ptx-as {args.same_ptx_as!r}: not a folder (allowed: a folder of kernel texts, like "
                 "kernels_v2/ of another version)")
+    from metal_attn.errors import ProviderRefusedError
+    from metal_attn.msl_check import selection_problem
+
+    try:  # the selection first: a usage error whether or not a compiler is here
+        chosen = cuda_sources(args.provider)
+    except ProviderRefusedError as exc:
+        p.error(str(exc))
+    problem = selection_problem("cuda_sources", chosen, args.only, args.provider)
+    if problem:
+        p.error(problem)
+    sources = [s for s in chosen if not args.only or re.search(args.only, s.label)]
     lib = None
     if args.nvrtc:
         import ctypes
@@ -206,12 +217,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if nvcc is None and lib is None:
         print("cuda_check: nvcc is not on PATH (the CUDA toolkit provides it)", file=sys.stderr)
         return 2
-    from metal_attn.errors import ProviderRefusedError
-
-    try:
-        sources = [s for s in cuda_sources(args.provider) if not args.only or re.search(args.only, s.label)]
-    except ProviderRefusedError as exc:
-        p.error(str(exc))
     texts = _texts(sources, args.kernels_dir, nvrtc_source if lib is not None else wrapped_source)
     others = _texts(sources, args.same_ptx_as, wrapped_source) if args.same_ptx_as else {}
     with tempfile.TemporaryDirectory() as work, ThreadPoolExecutor(max(1, args.jobs)) as ex:

@@ -11,6 +11,11 @@ object cannot even be constructed on a non-CUDA MLX build. Template arguments
 (dtype, head size, block size, ...) travel at call time, so one object serves
 many instantiations. Constants come from `metal_attn.constants` as generated
 ``#define`` lines, never retyped in a kernel.
+
+Each part of the assembled text starts with one ``#line N "kernels_v2/FILE"`` directive (the
+body's ``N`` is its section's first line; the generated defines are ``(generated defines)``),
+and comments are stripped line for line, so a compiler's message (Metal's, NVRTC's, nvcc's, the
+source checks') names the kernel file and its line.
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ SIMD_WIDTH = 32
 #: Prelude file per backend.
 PRELUDES: Mapping[str, str] = {"metal": "prelude_metal.h", "cuda": "prelude_cuda.h"}
 
-_SECTION = re.compile(r"^//\s*@kernel\s+(\w+)\s*$", re.MULTILINE)
+#: A section's first line: ``// @kernel NAME`` at the start of a line, NAME a C identifier.
+_SECTION = re.compile(r"//[ \t]*@kernel[ \t]+([A-Za-z_]\w*)[ \t]*\r?")
+#: Any line that looks like a section marker (a near miss is an error, never body text).
+_SECTION_LIKE = re.compile(r"^[ \t]*//[ \t]*@kernel\b[^\n]*", re.MULTILINE)
+#: The file name ``#line`` gives the generated defines.
+GENERATED_DEFINES = "(generated defines)"
 _lock = threading.Lock()
 _kernels: dict[tuple, Any] = {}
 _source_dir: Path | None = None
@@ -53,7 +63,6 @@ def generated_defines() -> dict[str, str]:
         "MA_NEG_FLT_MAX": f"({constants.NEG_FLT_MAX!r}f)",
         "MA_SOFTMAX_EPS": f"{constants.SOFTMAX_EPS!r}f",
         "MA_RESCALE_SLACK": f"{constants.RESCALE_SLACK!r}f",
-        "MA_PARTITION_SIZE": str(constants.PARTITION_SIZE),
         "MA_SIMD_WIDTH": str(SIMD_WIDTH),
     }
 
@@ -69,15 +78,60 @@ def read_source(filename: str) -> str:
 
 
 @functools.cache
-def sections(filename: str) -> Mapping[str, str]:
-    """The ``// @kernel NAME`` sections of a body file: name -> body text."""
+def _sections(filename: str) -> Mapping[str, tuple[int, str]]:
+    """The ``// @kernel NAME`` sections of a body file: name -> (the body's first line, body text).
+
+    Raises `KernelCompileError`, naming the file and line, for a file without sections, code before
+    the first section, a name declared twice, a line that looks like a marker but is none
+    (indented, a name that is not a C identifier, more words after it) and a marker inside a
+    ``/* */`` comment: each of these would otherwise change a kernel's text without a word.
+    """
     text = read_source(filename)
-    marks = list(_SECTION.finditer(text))
-    out: dict[str, str] = {}
-    for i, m in enumerate(marks):
-        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
-        out[m.group(1)] = text[m.end():end].strip("\n") + "\n"
+
+    def where(pos: int) -> str:
+        return f"kernel source {filename!r} line {text.count(chr(10), 0, pos) + 1}"
+
+    blocks = [(m.start(), m.end()) for m in _COMMENT_OR_LITERAL.finditer(text)
+              if m.group(0).lstrip(" \t").startswith("/*")]
+    marks: list[tuple[int, int, str]] = []  # (start, end of the line, name)
+    for m in _SECTION_LIKE.finditer(text):
+        line = m.group(0).strip()
+        if any(start < m.start() < end for start, end in blocks):
+            raise KernelCompileError(f"{where(m.start())}: {line!r} inside a /* */ comment (allowed: a "
+                                     "`// @kernel NAME` line outside block comments)")
+        strict = _SECTION.fullmatch(m.group(0))
+        if strict is None:
+            raise KernelCompileError(f"{where(m.start())}: {line!r} is not a section marker (allowed: "
+                                     "`// @kernel NAME` at the start of a line, NAME a C identifier, nothing after it)")
+        marks.append((m.start(), m.end(), strict.group(1)))
+    if not marks:
+        raise KernelCompileError(f"kernel source {filename!r} has no `// @kernel NAME` line (allowed: a body file "
+                                 "holds one or more kernels, each starting at such a line)")
+    code = strip_comments(text[:marks[0][0]])  # line for line
+    if code.strip():
+        line = code.count("\n", 0, len(code) - len(code.lstrip())) + 1
+        raise KernelCompileError(f"kernel source {filename!r} line {line}: code before the first `// @kernel` line, "
+                                 "which no kernel gets (allowed: comments and blank lines; put shared code in a "
+                                 "header, *.h)")
+    out: dict[str, tuple[int, str]] = {}
+    lines: dict[str, int] = {}
+    for i, (start, eol, name) in enumerate(marks):
+        if name in out:
+            raise KernelCompileError(f"{where(start)}: `// @kernel {name}` again (its first section starts at line "
+                                     f"{lines[name]}; allowed: each kernel name once per file)")
+        lines[name] = text.count("\n", 0, start) + 1
+        begin = eol + 1  # after the marker's newline
+        end = marks[i + 1][0] if i + 1 < len(marks) else len(text)
+        chunk = text[begin:end]
+        body = chunk.lstrip("\n")
+        out[name] = (lines[name] + 1 + len(chunk) - len(body), body.rstrip("\n") + "\n")
     return out
+
+
+def sections(filename: str) -> Mapping[str, str]:
+    """The ``// @kernel NAME`` sections of a body file: name -> body text (its first line is the
+    first non-blank line after the marker); `KernelCompileError` for a malformed file (`_sections`)."""
+    return {name: body for name, (_, body) in _sections(filename).items()}
 
 
 def strip_comments(text: str) -> str:
@@ -85,17 +139,20 @@ def strip_comments(text: str) -> str:
 
     MLX copies a kernel's whole text into a new source string on every call, so comments
     cost host time per launch (about 4 µs a classic split call on the H200's host, a third
-    of the text). Each comment's newlines stay, so compiler messages and the Metal source
-    check keep the files' line numbers; string and character literals are left alone, and
-    a ``//`` comment continued by a trailing backslash is kept whole (removing it would
-    turn the next line into code).
+    of the text). Each comment's newlines stay, so with the ``#line`` directive `assemble`
+    puts before each part, compiler messages and the source checks name the files' own line
+    numbers; string and character literals are left alone (a digit separator, ``1'024``, opens
+    none), and a ``//`` comment continued by a trailing backslash is kept whole (removing it
+    would turn the next line into code).
     """
     return _COMMENT_OR_LITERAL.sub(_drop_comment, text)
 
 
-#: A string or character literal (kept), or a comment with the blanks before it (dropped).
+#: A number (kept whole: its digit separators open no character literal), a string or character
+#: literal (kept), or a comment with the blanks before it (dropped).
 _COMMENT_OR_LITERAL = re.compile(
-    r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|[ \t]*//[^\n]*|[ \t]*/\*.*?\*/', re.DOTALL)
+    r"(?<![\w.])\.?\d(?:[eEpP][+-]|'?[\w.])*"
+    r'|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|[ \t]*//[^\n]*|[ \t]*/\*.*?\*/', re.DOTALL)
 
 
 def _drop_comment(m: re.Match) -> str:
@@ -117,6 +174,12 @@ def _format_defines(defines: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _part(name: str, first_line: int, text: str) -> str:
+    """One part of an assembled text: its ``#line`` directive, its text without comments, a final newline."""
+    text = strip_comments(text)
+    return f'#line {first_line} "{name}"\n{text}' + ("" if text.endswith("\n") else "\n")
+
+
 def assemble(
     name: str, source_files: Sequence[str], backend: str,
     defines: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
@@ -125,26 +188,27 @@ def assemble(
 
     ``source_files`` lists headers (``*.h``, in order) and body files
     (``*.metal``); the body is the section ``name`` of the first body file that
-    has one, or a whole body file without sections.
+    has one. Each part starts with its ``#line`` directive and ends with a newline (a file
+    without a final newline does not run into the next part).
     """
     if backend not in PRELUDES:
         raise ValueError(f"backend={backend!r} (supported: {', '.join(sorted(PRELUDES))})")
     all_defines = generated_defines() | dict(defines or {})
-    parts = [read_source(PRELUDES[backend]), "\n// generated from metal_attn.constants and the variant\n",
-             _format_defines(all_defines)]
+    parts = [_part(f"kernels_v2/{PRELUDES[backend]}", 1, read_source(PRELUDES[backend])),
+             _part(GENERATED_DEFINES, 1, _format_defines(all_defines))]
     body = None
     for f in source_files:
         if f.endswith(".h"):
-            parts.append(read_source(f))
+            parts.append(_part(f"kernels_v2/{f}", 1, read_source(f)))
         elif body is None:
-            secs = sections(f)
+            secs = _sections(f)
             if name in secs:
-                body = secs[name]
-            elif not secs:
-                body = read_source(f)
+                body = _part(f"kernels_v2/{f}", *secs[name])
     if body is None:
-        raise KernelCompileError(f"kernel {name!r} not found in {', '.join(source_files)}")
-    return strip_comments("".join(parts)), strip_comments(body)
+        found = [k for f in source_files if not f.endswith(".h") for k in _sections(f)]
+        raise KernelCompileError(f"kernel {name!r} not found in {', '.join(source_files)} (their kernels: "
+                                 f"{', '.join(found) or 'none'})")
+    return "".join(parts), body
 
 
 def kernel_name(name: str, header: str, body: str) -> str:
@@ -173,8 +237,9 @@ def load_kernel(
     object of the same text and name, which MLX compiles once).
     """
     dkey = defines if type(defines) is tuple else tuple(sorted((defines or {}).items()))
+    # The values' types too: 1, 1.0 and True are equal keys, but 1 and 1.0 are two texts.
     key = (backend, name, tuple(source_files), tuple(input_names), tuple(output_names), dkey,
-           ensure_row_contiguous)
+           tuple([type(v) for _, v in dkey]), ensure_row_contiguous)
     got = _kernels.get(key)
     if got is not None:
         return got
@@ -236,5 +301,5 @@ def clear_cache() -> None:
     with _lock:
         _kernels.clear()
     read_source.cache_clear()
-    sections.cache_clear()
+    _sections.cache_clear()
     _epoch.bump()

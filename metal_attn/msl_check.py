@@ -18,7 +18,12 @@ call of each through ``mx.export_function`` with ``verbose=True``; MLX prints th
 generated source from C++, so the child's stdout is captured. The sources are
 rewritten for clang (``[[kernel]]``/``[[host_name]]`` and argument attributes
 dropped, the explicit instantiation kept so dependent types are checked), each
-wrapped in its own namespace, and checked in one clang run.
+wrapped in its own namespace, with every macro an earlier source defined undefined
+before it (each source sees only its own), and checked in one clang run. An error
+names its specialization and the file and line it is on: the kernel text's own
+(``kernels_v2/FILE:LINE``, from the ``#line`` directives `metal_attn.kernels.assemble`
+writes), ``(generated source)`` for MLX's signature and instantiation (lines of the
+source `generate_msl` returns), or the shim's.
 
 Usage: ``python -m metal_attn.msl_check [--provider NAME ...] [--set module:function] [--only REGEX]
 [--kernels-dir DIR]``. The specializations come from every registered provider
@@ -49,6 +54,13 @@ _BLOCK = re.compile(r"Generated source code for `(\w+)`:\n```\n(.*?)\n```", re.D
 _HOST_NAME = re.compile(r"\[\[host_name\(\"[^\"]*\"\)\]\]\s*")
 _ATTR = re.compile(r"\[\[[A-Za-z_]\w*(?:\([^)\]]*\))?\]\]")
 _DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)", re.MULTILINE)
+_LINE = re.compile(r'^([ \t]*#[ \t]*line[ \t]+\d+[ \t]+)"([^"\n]*)"', re.MULTILINE)
+#: An error of clang's: file, line, message.
+_ERROR = re.compile(r"^(.+?):(\d+):\d+: (?:fatal )?error: (.*)$", re.MULTILINE)
+#: What ends a file name ``#line`` gives in the translation unit: the index of its source.
+_TAG = "@msl_spec_"
+#: The file name of MLX's own lines (the signature, the explicit instantiation) in error messages.
+GENERATED = "(generated source)"
 
 
 def registered_specializations(providers: Sequence[str] | None = None) -> list[Specialization]:
@@ -147,19 +159,49 @@ def to_clang(msl: str) -> str:
     return _ATTR.sub("", text)
 
 
-def translation_unit(sources: dict[str, str], shim: str) -> tuple[str, list[tuple[int, str]]]:
-    """One C++ file: the shim, then each source in its own namespace; returns (text, line starts)."""
-    parts = [shim, "\n"]
-    starts: list[tuple[int, str]] = []
-    line = shim.count("\n") + 2
+def _located(msl: str, i: int) -> str:
+    """One generated source for the translation unit, its lines located: a ``#line`` directive before
+    MLX's own lines (the signature, the instantiation: `GENERATED`, with the source's line numbers),
+    and every ``#line`` file name of the source tagged with the source's index ``i``."""
+    lines = _LINE.sub(lambda m: f'{m.group(1)}"{m.group(2)}{_TAG}{i}"', msl).split("\n")
+    mark = f'"{GENERATED}{_TAG}{i}"'
+    out = [f"#line 1 {mark}"]
+    for k, ln in enumerate(lines):
+        signature = ln.startswith("[[kernel]]") or (ln.startswith("template <") and k + 1 < len(lines)
+                                                    and lines[k + 1].startswith("[[kernel]]"))
+        if signature or ln.startswith("template [[host_name("):
+            out.append(f"#line {k + 1} {mark}")
+        out.append(ln)
+    return "\n".join(out)
+
+
+def translation_unit(sources: dict[str, str], shim: str) -> str:
+    """One C++ file: the shim, then each source in its own namespace, after ``#undef`` lines for every
+    macro an earlier source defined (so that none leaks into a later one)."""
+    parts = ['#line 1 "msl_shim.h"\n', shim, "\n"]
+    defined: set[str] = set()
     for i, (label, src) in enumerate(sources.items()):
-        body = to_clang(src)
-        undefs = "".join(f"#undef {n}\n" for n in sorted(set(_DEFINE.findall(body))))
-        chunk = f"// ---- {label}\n{undefs}namespace msl_spec_{i} {{\n{body}\n}}  // namespace msl_spec_{i}\n"
-        starts.append((line, label))
-        parts.append(chunk)
-        line += chunk.count("\n")
-    return "".join(parts), starts
+        body = to_clang(_located(src, i))
+        undefs = "".join(f"#undef {n}\n" for n in sorted(defined))
+        defined.update(_DEFINE.findall(body))
+        parts.append(f"// ---- {label}\n{undefs}namespace msl_spec_{i} {{\n{body}\n}}  // namespace msl_spec_{i}\n")
+    return "".join(parts)
+
+
+def _errors(stderr: str, labels: Sequence[str]) -> list[str]:
+    """clang's errors as ``[label] FILE:LINE: message``. An error in the shim (a ``static_assert`` of a
+    template there) belongs to the specialization its instantiation notes name, else to ``shim``."""
+    out = []
+    found = list(_ERROR.finditer(stderr))
+    for n, m in enumerate(found):
+        file, line, msg = m.groups()
+        name, tag, index = file.rpartition(_TAG)
+        if not tag:  # the notes after it: "<file>@msl_spec_<i>:<line>:<col>: note: in instantiation ..."
+            notes = stderr[m.end():found[n + 1].start() if n + 1 < len(found) else len(stderr)]
+            index = next(iter(re.findall(rf"{_TAG}(\d+):\d+:\d+: note:", notes)), "")
+        label = labels[int(index)] if index.isdigit() and int(index) < len(labels) else "shim"
+        out.append(f"[{label}] {name if tag else file}:{line}: {msg}")
+    return out
 
 
 @dataclasses.dataclass
@@ -178,19 +220,27 @@ class CheckResult:
 
 
 def find_clang() -> str | None:
-    """The clang++ executable, or ``None`` when absent."""
-    return shutil.which(os.environ.get("CLANGXX", "clang++"))
+    """The clang++ executable (``$CLANGXX``, else ``clang++``), or ``None`` when absent."""
+    return shutil.which(clang_name())
 
 
-def check_sources(sources: dict[str, str], *, clang: str | None = None) -> CheckResult:
-    """Type-check generated sources in one clang run, attributing each error to its specialization."""
+def clang_name() -> str:
+    """The clang++ the check runs: ``$CLANGXX``, else ``clang++``."""
+    return os.environ.get("CLANGXX", "clang++")
+
+
+def check_sources(sources: dict[str, str], *, clang: str | None = None,
+                  kernels_dir: str | os.PathLike | None = None) -> CheckResult:
+    """Type-check generated sources in one clang run against ``msl_shim.h`` of ``kernels_dir`` (None: the
+    package's), attributing each error to its specialization and the file and line it is on."""
     clang = clang or find_clang()
     if clang is None:
-        raise FileNotFoundError("clang++ not found (install clang, or set CLANGXX)")
-    from metal_attn._layout import kernels_dir
+        raise FileNotFoundError(f"clang++ not found: CLANGXX={clang_name()!r} is not on PATH (allowed: a clang++ "
+                                "executable; install clang, or set CLANGXX)")
+    from metal_attn._layout import kernels_dir as package_kernels_dir
 
-    shim = (kernels_dir() / "msl_shim.h").read_text()
-    text, starts = translation_unit(sources, shim)
+    shim = (Path(kernels_dir) if kernels_dir is not None else package_kernels_dir()) / "msl_shim.h"
+    text = translation_unit(sources, shim.read_text())
     with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
         f.write(text)
         path = f.name
@@ -198,24 +248,47 @@ def check_sources(sources: dict[str, str], *, clang: str | None = None) -> Check
         proc = subprocess.run([clang, *CLANG_ARGS, path], capture_output=True, text=True, timeout=600)
     finally:
         os.unlink(path)
-    errors = []
-    for m in re.finditer(rf"^{re.escape(path)}:(\d+):\d+: error: (.*)$", proc.stderr, re.MULTILINE):
-        ln = int(m.group(1))
-        label = next((lab for start, lab in reversed(starts) if start <= ln), "shim")
-        errors.append(f"[{label}] line {ln}: {m.group(2)}")
+    errors = _errors(proc.stderr, list(sources))
     if proc.returncode != 0 and not errors:
         errors.append(proc.stderr.strip()[-2000:] or f"clang exited with {proc.returncode}")
     return CheckResult(proc.returncode == 0, len(sources), errors, proc.stderr)
 
 
+def selection_problem(kind: str, chosen: Sequence, only: str | None, providers: Sequence[str] | None = None,
+                      set_spec: str | None = None) -> str | None:
+    """Why a check's selection is empty, as a usage error naming the flag, its value and what exists
+    (None when it selects something). ``chosen``: the entries of ``kind`` (`metal_attn.source_sets.KINDS`)
+    the set or the providers declare, before ``only`` filters them by label."""
+    what = "Metal specializations" if kind == "msl_specializations" else "CUDA sources"
+    if only is not None:
+        try:
+            pattern = re.compile(only)
+        except re.error as exc:
+            return f"--only {only!r}: not a regular expression ({exc}; allowed: a Python regular expression)"
+    if not chosen:
+        if set_spec is not None:
+            return f"--set {set_spec!r} returned no {what} (allowed: a function returning at least one)"
+        from metal_attn.plugins import get_registry
+
+        some = sorted(e.provider.name for e in get_registry().entries if getattr(e.provider, kind)())
+        named = ", ".join(f"--provider {n!r}" for n in providers or ()) or "the registered providers"
+        return f"{named}: no {what} declared (providers that declare some: {', '.join(some) or 'none'})"
+    if only is not None and not any(pattern.search(e.label) for e in chosen):
+        kernels = sorted({e.kernel for e in chosen})
+        return (f"--only {only!r} matches none of the {len(chosen)} {what} (allowed: a regular expression over "
+                f"their labels, which start with the kernel's name: {', '.join(kernels)})")
+    return None
+
+
 def check(set_spec: str | None = None, *, providers: Sequence[str] | None = None, only: str | None = None,
           kernels_dir: str | os.PathLike | None = None) -> CheckResult:
     """Generate (one child process) and check (one clang run) a set of specializations (``set_spec``,
-    else every registered provider's or those of ``providers``)."""
+    else every registered provider's or those of ``providers``), with the kernel texts and the shim
+    of ``kernels_dir`` (None: the package's)."""
     sources = generate_msl(set_spec, providers=providers, only=only, kernels_dir=kernels_dir)
     if not sources:
         raise RuntimeError(f"no specialization matched (set={set_spec!r}, providers={providers!r}, only={only!r})")
-    return check_sources(sources)
+    return check_sources(sources, kernels_dir=kernels_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,25 +298,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--set", default=None, help="module:function returning Specialization objects (instead of "
                                                 "the providers' sets)")
     ap.add_argument("--only", default=None, help="regex over specialization labels")
-    ap.add_argument("--kernels-dir", default=None, help="check kernel sources from this folder instead")
+    ap.add_argument("--kernels-dir", default=None, help="check kernel sources (and the shim) from this folder instead")
     ap.add_argument("--emit", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     kdir = args.kernels_dir or os.environ.get("MA_MSL_CHECK_KERNELS_DIR")
-    if kdir:
+    if args.emit:  # the child: generates from kdir, then leaves the loader as it found it
         from metal_attn import kernels
 
-        kernels.use_source_dir(kdir)
-    if args.emit:
-        _emit(args.set, args.provider, args.only)
+        saved = kernels._source_dir
+        if kdir:
+            kernels.use_source_dir(kdir)
+        try:
+            _emit(args.set, args.provider, args.only)
+        finally:
+            if kdir:
+                kernels.use_source_dir(saved)
         return 0
     if args.set is not None and args.provider:
         ap.error("--set and --provider select the set in two ways: give one of them")
     from metal_attn.errors import ProviderRefusedError
 
-    try:
-        result = check(args.set, providers=args.provider, only=args.only, kernels_dir=kdir)
+    try:  # the selection first (cheap, and a usage error wherever clang++ is)
+        problem = selection_problem("msl_specializations", _load_set(args.set, args.provider), args.only,
+                                    args.provider, args.set)
     except ProviderRefusedError as exc:
         ap.error(str(exc))
+    if problem:
+        ap.error(problem)
+    if find_clang() is None:
+        print(f"msl_check: clang++ is not on PATH (CLANGXX={clang_name()!r}; allowed: a clang++ executable: "
+              "install clang, or set CLANGXX)", file=sys.stderr)
+        return 2
+    result = check(args.set, providers=args.provider, only=args.only, kernels_dir=kdir)
     print(result.summary())
     return 0 if result.ok else 1
 

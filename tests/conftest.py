@@ -121,15 +121,17 @@ def needs_clang() -> None:
         _missing_tool("clang++", "the Metal source checks are the only verification the Metal text gets")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def gxx() -> str:
-    """The path of g++ (its comment removal is the oracle of the kernel-text tests); skips with
+    """The path of g++ (its comment removal is the oracle of the kernel-text tests, and it builds the
+    kernels' CPU simulations, tests/test_nax_cpu_sim.py and tests/test_metal_cpu_sim.py); skips with
     the reason where it is missing, fails in CI."""
     import shutil
 
     found = shutil.which("g++")
     if found is None:
-        _missing_tool("g++", "the kernel-text tests compare with its comment removal")
+        _missing_tool("g++", "the kernel-text tests compare with its comment removal, and the CPU simulations "
+                             "of the kernel texts are built with it")
     return found
 
 

@@ -40,3 +40,7 @@ def test_a_planted_error_fails_under_nvrtc(planted_kernels, seq_line, capsys):
     assert rc == 1
     captured = capsys.readouterr()
     assert "FAILED paged_attention float16 h64 g2 split=1" in captured.err and "undeclared_name" in captured.err
+    # The message names the kernel file's own line (kernels.assemble's #line directives).
+    text = (folder / "pagedattention.metal").read_text()
+    line = text[:text.index("undeclared_name")].count("\n") + 1
+    assert f"kernels_v2/pagedattention.metal({line}): error" in captured.err, captured.err

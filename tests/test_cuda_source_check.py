@@ -32,6 +32,10 @@ def test_a_planted_error_fails(planted_kernels, seq_line, capsys):
     assert cuda_check.main(["--only", "paged_attention float16 h64 g2 split=1", "--kernels-dir", str(folder)]) == 1
     captured = capsys.readouterr()
     assert "FAILED paged_attention float16 h64 g2 split=1" in captured.err and "undeclared_name" in captured.err
+    # The message names the kernel file's own line (kernels.assemble's #line directives).
+    text = (folder / "pagedattention.metal").read_text()
+    line = text[:text.index("undeclared_name")].count("\n") + 1
+    assert f"kernels_v2/pagedattention.metal({line}): error" in captured.err, captured.err
 
 
 ONE = "paged_attention bfloat16 h128 g4 split=1 .*2 in flight( fused)?$"  # the table's layout, both reducers

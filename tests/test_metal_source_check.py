@@ -50,6 +50,58 @@ def test_planted_undeclared_name_fails(planted_kernels, seq_line):
     assert not result.ok
     assert any("not_declared_anywhere" in e for e in result.errors), result.summary()
     assert all(e.startswith("[paged_attention split=0 float16 head=128 block=16]") for e in result.errors)
+    # The error names the kernel file's own line (kernels.assemble's #line directives), not a line of
+    # the check's deleted translation unit.
+    text = (d / "pagedattention.metal").read_text()
+    line = text[:text.index("not_declared_anywhere")].count("\n") + 1
+    assert any(f"] kernels_v2/pagedattention.metal:{line}: " in e for e in result.errors), result.summary()
+
+
+def test_an_error_in_a_header_names_its_file_and_line(planted_kernels):
+    d = planted_kernels("paged_common.h", "metal::tanh(", "metal::tanhh(")
+    text = (d / "paged_common.h").read_text()
+    line = text[:text.index("tanhh")].count("\n") + 1
+    result = msl_check.check(only=ONLY, kernels_dir=d)
+    assert not result.ok
+    assert result.errors[0].startswith(f"[{ONLY[1:-1]}] kernels_v2/paged_common.h:{line}: "), result.summary()
+
+
+def test_a_macro_of_one_source_does_not_reach_another(planted_kernels):
+    """Every source is checked after #undef of every macro an earlier one defined: a kernel using a macro only
+    another kernel defines (PA_SPLIT, the per-token kernel's variant define) fails as it would alone (and on
+    Metal), not only when checked without the other."""
+    d = planted_kernels("sdpa_finish.metal", "const int seq_len = params[0];",
+                        "const int seq_len = params[0] + PA_SPLIT * 0;")
+    result = msl_check.check(providers=["classic", "sdpa_prefill"], only=rf"{ONLY}|^first_flagged$", kernels_dir=d)
+    assert result.count == 2 and not result.ok, result.summary()
+    assert all(e.startswith("[first_flagged] kernels_v2/sdpa_finish.metal:") and "'PA_SPLIT'" in e
+               for e in result.errors), result.summary()
+
+
+def test_the_shim_comes_from_the_kernels_dir(planted_kernels):
+    """--kernels-dir / kernels_dir= checks against that folder's msl_shim.h too, not the package's."""
+    d = planted_kernels("msl_shim.h", "float exp2(float);\nfloat tanh", "float tanh")
+    result = msl_check.check(only=ONLY, kernels_dir=d)
+    assert not result.ok and any("'exp2'" in e for e in result.errors), result.summary()
+
+
+def test_as_type_needs_equal_sizes(planted_kernels):
+    """Metal's as_type reinterprets bits of the same size; the shim's asserts it (it took any pair)."""
+    d = planted_kernels("prelude_metal.h", "as_type<float>(0x7fc00000u)", "as_type<float>(ushort(0x7fc0))")
+    result = msl_check.check(only=ONLY, kernels_dir=d)
+    assert not result.ok, result.summary()
+    assert any(e.startswith(f"[{ONLY[1:-1]}] msl_shim.h:") and "as_type" in e for e in result.errors), \
+        result.summary()
+
+
+def test_main_leaves_the_loaders_source_folder_as_it_was(planted_kernels, seq_line, capsys):
+    from metal_attn import kernels
+
+    d = planted_kernels("pagedattention.metal", seq_line, seq_line)
+    before = kernels._source_dir
+    assert msl_check.main(["--kernels-dir", str(d), "--only", r"^reshape_and_cache float16$"]) == 0
+    assert kernels._source_dir == before
+    assert "1 specializations type-check" in capsys.readouterr().out
 
 
 def test_planted_type_mismatch_fails(planted_kernels):

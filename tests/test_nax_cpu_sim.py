@@ -31,13 +31,9 @@ SIM_TYPES = {"float16": ("_Float16", np.float16), "bfloat16": ("float", np.float
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory, request):
-    """``build(dtype, head, block)``: the simulator of one specialization (compiled once)."""
-    import shutil
-
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ is not installed (the NAX kernel's CPU simulation is built with it)")
+def build(tmp_path_factory, request, gxx):
+    """``build(dtype, head, block)``: the simulator of one specialization (compiled once; g++ from the
+    conftest's ``gxx``, which skips where it is missing and fails in CI)."""
     root = tmp_path_factory.mktemp("nax_sim")
     defines = kernels.generated_defines() | dict(nx.KERNEL_DEFINES)
     (root / "defines.h").write_text("".join(f"#define {k} {v}\n" for k, v in defines.items()))

@@ -7,6 +7,7 @@ exactly the entries it launches, and ``--provider`` restricts the checks to one 
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -120,16 +121,90 @@ def test_cuda_check_compiles_a_third_party_providers_set(fake_plugin, capsys):
     assert "1 CUDA sources, 0 failed" in capsys.readouterr().out
 
 
-def test_an_unknown_provider_is_refused_with_the_registered_ones(capsys):
+@pytest.fixture
+def no_compilers(monkeypatch):
+    """Neither clang++ nor nvcc here: the selection is a usage error all the same (it is checked first)."""
+    monkeypatch.setenv("CLANGXX", "ma-no-such-clang++")
+    monkeypatch.setattr(cuda_check, "find_nvcc", lambda: None)
+
+
+def test_an_unknown_provider_is_refused_with_the_registered_ones(no_compilers, capsys):
     with pytest.raises(ProviderRefusedError, match=r"provider='nope' is not registered \(registered: .*classic"):
         provider_sets("cuda_sources", ["nope"])
     with pytest.raises(SystemExit) as exc:
         msl_check.main(["--provider", "nope"])
     assert exc.value.code == 2 and "provider='nope' is not registered" in capsys.readouterr().err
-    if cuda_check.find_nvcc() is not None:
-        with pytest.raises(SystemExit) as exc:
-            cuda_check.main(["--provider", "nope"])
-        assert exc.value.code == 2 and "provider='nope' is not registered" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cuda_check.main(["--provider", "nope"])
+    assert exc.value.code == 2 and "provider='nope' is not registered" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("check", [msl_check, cuda_check], ids=["msl_check", "cuda_check"])
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--only", "paged_atention"], r"--only 'paged_atention' matches none of the \d+ (Metal specializations|CUDA "
+                                   r"sources) \(allowed: a regular expression over their labels, which start with "
+                                   r"the kernel's name: .*paged_attention, paged_attention_v2_reduce"),
+    (["--provider", "reference"], r"--provider 'reference': no (Metal specializations|CUDA sources) declared "
+                                  r"\(providers that declare some: classic, gqa_decode, nax_prefill"),
+    (["--only", "("], r"--only '\(': not a regular expression \(missing \)"),
+], ids=["--only matches nothing", "--provider without sources", "--only not a regex"])
+def test_an_empty_selection_is_a_usage_error(check, argv, error, no_compilers, capsys):
+    """It printed "0 CUDA sources, 0 failed" and exited 0 (cuda_check), or a traceback (msl_check)."""
+    with pytest.raises(SystemExit) as exc:
+        check.main(argv)
+    assert exc.value.code == 2
+    assert re.search(error, capsys.readouterr().err)
+
+
+def test_a_missing_compiler_is_a_message(no_compilers, capsys):
+    assert msl_check.main(["--only", "^reshape_and_cache float16$"]) == 2
+    assert ("msl_check: clang++ is not on PATH (CLANGXX='ma-no-such-clang++'; allowed: a clang++ executable"
+            in capsys.readouterr().err)
+    assert cuda_check.main(["--only", "^first_flagged$"]) == 2
+    assert "cuda_check: nvcc is not on PATH" in capsys.readouterr().err
+
+
+def test_the_readme_counts_are_the_providers():
+    """kernels_v2/README.md's table of sources per provider and check, and its totals, are the providers'
+    sets (they drifted: the README said 436 and 133 when the checks ran 443 and 252)."""
+    from metal_attn._layout import kernels_dir
+
+    readme = (kernels_dir() / "README.md").read_text()
+    rows = {k: tuple(map(int, re.findall(r"\d+", line))) for k, line in
+            re.findall(r"^\| `?(\w+)`? \|((?: \d+ \|){2})$", readme, re.MULTILINE)}
+    reg = get_registry()
+    actual = {e.provider.name: (len(e.provider.msl_specializations()), len(e.provider.cuda_sources()))
+              for e in reg.entries}
+    assert rows == {**actual, "total": tuple(map(sum, zip(*actual.values())))}
+
+
+def test_the_readme_lists_every_template_argument_and_define():
+    """kernels_v2/README.md's table of template arguments and variant defines per kernel is what the
+    providers' sets pass (it missed PA_FUSED, PA_SWIZZLE, TP_KV_SERIAL, TP_SPLIT, STAGE_PAD and whole
+    kernels), and each header's "used by" names every body file assembled with it."""
+    from metal_attn._layout import kernels_dir
+
+    readme = (kernels_dir() / "README.md").read_text()
+    table = {m.group(1): (set(re.findall(r"`([A-Z_][A-Z0-9_]*)`", m.group(2))),
+                          set(re.findall(r"`([A-Z_][A-Z0-9_]*)`", m.group(3))))
+             for m in re.finditer(r"^\| `(\w+)` \|(.*)\|(.*)\|$", readme, re.MULTILINE)
+             if not m.group(2).strip().isdigit()}  # not the table of counts
+    used: dict[str, set[str]] = {}
+    actual: dict[str, tuple[set, set]] = {}
+    for entry in [*msl_check.registered_specializations(), *cuda_check.cuda_sources()]:
+        targs, defs = actual.setdefault(entry.kernel, (set(), set()))
+        targs.update(n for n, _ in entry.template)
+        defs.update(n for n, _ in entry.defines)
+        for header in (f for f in entry.source_files if f.endswith(".h")):
+            used.setdefault(header, set()).update(f for f in entry.source_files if f.endswith(".metal"))
+    assert set(table) == set(actual)
+    for kernel, (targs, defs) in actual.items():
+        listed_targs, listed_defs = table[kernel]
+        assert targs <= listed_targs, f"{kernel}: template arguments {sorted(targs - listed_targs)} not in the README"
+        assert defs <= listed_defs, f"{kernel}: defines {sorted(defs - listed_defs)} not in the README"
+    rows = dict(re.findall(r"^\| `(\w+\.h)` \| .* \| (.*) \|$", readme, re.MULTILINE))
+    for header, bodies in used.items():
+        assert all(f"`{b}`" in rows[header] for b in bodies), (header, bodies, rows[header])
 
 
 def test_set_and_provider_are_one_choice(capsys):

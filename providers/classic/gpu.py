@@ -163,7 +163,8 @@ def cuda_sources() -> list[CudaSource]:
             table = gc.geometry(head, dt, "cuda", group, split, cores_items if split else None)
             # The matrix path's A/B layouts too (METAL_ATTN_MMA_STAGE_SWIZZLE=0: rows padded by 16, or by 32),
             # and the keys-as-rows path where it applies (METAL_ATTN_MMA_KEY_ROWS=1).
-            key_rows = gc.geometry(head, dt, "cuda", group, split, cores_items, mma_key_rows=True, kv_tokens=512)
+            key_rows = gc.geometry(head, dt, "cuda", group, split, cores_items, mma_key_rows=True,
+                                   kv_tokens=PARTITION_SIZE)
             for geo in (table, *(_mma_layouts(table, head, group) if table.mma else ()),
                         *((key_rows,) if key_rows.mma == 2 else ())):
                 ins = gc.per_token_signature(dt)
@@ -180,5 +181,6 @@ def cuda_sources() -> list[CudaSource]:
                 out.extend(src for src in srcs if src not in out)
     for dt, head, slices in itertools.product(("float32", "bfloat16"), (64, 128, 256), gc.SLICE_COUNTS):
         out.append(gc.reducer_cuda_source(f"paged_attention_v2_reduce {dt} h{head}"
-                                          + (f" slices={slices}" if slices > 1 else ""), dt, head, 512, slices))
+                                          + (f" slices={slices}" if slices > 1 else ""), dt, head, PARTITION_SIZE,
+                                          slices))
     return out
