@@ -8,7 +8,11 @@ A benchmark module needs only (``test_bench_suite.py`` is that module)::
 ``bench_shape`` x ``bench_candidate`` are parametrized from a suite of
 `metal_attn.bench.suites` when a ``--bench-*`` option asks for one (``--bench-suite``,
 default: decode on this backend; ``--bench-shapes`` filters it, ``--bench-candidates``
-overrides its candidates); without one the test is skipped with that reason. Inputs are
+overrides its candidates); without one the test is skipped with that reason. The options are
+checked as ``metal-attn bench`` checks ``--suite``, ``--shapes`` and ``--candidates`` (its own
+functions, `metal_attn.bench.cli`): a name no plugin registered, a malformed variant, a pattern
+matching nothing or a GPU suite on the CPU is a usage error, and so is a candidate pytest-benchmark
+does not time (the ceiling). ``NAME[setting=value;...]`` variants run under their settings. Inputs are
 built once per shape; a candidate that refuses a shape is skipped with its own reasons.
 
 Ratios (`metal_attn.bench.ratios`, higher is better): each benchmark's ``extra_info`` gets
@@ -19,13 +23,14 @@ in the saved JSON, ``speedup_vs_<peer>_ratio`` against every peer benchmark of i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
 import pytest
 
-from metal_attn.bench import candidates, core, ratios, shapes, suites
+from metal_attn.bench import candidates, cli, core, ratios, shapes, suites
 from metal_attn.device import current_device
 
 #: Keys added to pytest-benchmark's machine info, so runs on different chips are told apart.
@@ -41,7 +46,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "decode-gpu on GPUs")
     group.addoption("--bench-candidates", default=None, metavar="A,B,...",
                     help="candidates instead of the suite's (providers by name, auto, gather_sdpa, mlx_sdpa, "
-                         "torch_sdpa)")
+                         "torch_sdpa; NAME[setting=value;...] for NAME under those settings)")
     group.addoption("--bench-shapes", default=None, metavar="PATTERN,...",
                     help="only shapes whose label contains a pattern (or matches a glob)")
 
@@ -60,33 +65,57 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks: Any, output_
 
 
 def _suite(config: pytest.Config) -> suites.Suite:
-    name = config.getoption("--bench-suite") or suites.default_suite(current_device().backend)
+    name = config.getoption("--bench-suite")
+    if name is None:
+        name = suites.default_suite(current_device().backend)
     try:
         return suites.get_suite(name)
     except ValueError as exc:
         raise pytest.UsageError(f"--bench-suite: {exc}") from None
 
 
+def _timed(cand: Any) -> bool:
+    """Whether pytest-benchmark times ``cand`` (a timed candidate, or a settings variant of one)."""
+    return isinstance(getattr(cand, "base", cand), candidates.TimedCandidate)
+
+
+def _requested(config: pytest.Config) -> tuple[suites.Suite, tuple[shapes.Shape, ...], list[str]]:
+    """The suite, shapes and candidate names the ``--bench-*`` options ask for, checked by `metal-attn bench`'s
+    own rules (`cli.check_backend`, `cli.select_shapes`, `cli.resolve_candidates`); `pytest.UsageError`
+    naming the option, its value and what is allowed."""
+    suite = _suite(config)
+    raw = config.getoption("--bench-candidates")
+    try:
+        if config.getoption("--bench-suite") is not None:
+            cli.check_backend([suite], current_device().backend, "--bench-suite")
+        chosen = cli.select_shapes(suite, config.getoption("--bench-shapes"), "--bench-shapes")
+        names = cli.split_names(raw) if raw is not None else list(suite.candidates)
+        if raw is not None and not names:
+            raise cli.UsageError(f"--bench-candidates {raw!r} names nothing (allowed: names, comma-separated)")
+        cands = cli.resolve_candidates(suite, names, typed=raw is not None, flag="--bench-candidates")
+    except cli.UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    untimed = [c.name for c in cands if not _timed(c)]
+    if raw is not None and untimed:
+        # The ceiling is a reference line of `metal-attn bench`, not a kernel whose history is tracked.
+        raise pytest.UsageError(
+            f"--bench-candidates {untimed[0]!r} is measured by `metal-attn bench`, not timed by pytest-benchmark "
+            "(allowed: providers by name, auto, and the peers gather_sdpa, mlx_sdpa, torch_sdpa; the ceiling's "
+            "time for each shape is in every benchmark's extra_info as ceiling_s)")
+    return suite, chosen, [c.name for c in cands if _timed(c)]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if not {"bench_shape", "bench_candidate"} <= set(metafunc.fixturenames):
         return
     cfg = metafunc.config
-    if not any(cfg.getoption(o) for o in ("--bench-suite", "--bench-shapes", "--bench-candidates")):
+    if all(cfg.getoption(o) is None for o in ("--bench-suite", "--bench-shapes", "--bench-candidates")):
         # The fixed benchmark modules run by default; a suite is benchmarked on request.
         metafunc.parametrize(("bench_shape", "bench_candidate"), [pytest.param(None, None, marks=pytest.mark.skip(
             reason="pass --bench-suite NAME (or --bench-shapes / --bench-candidates) to benchmark a suite"))],
             ids=["no-suite-requested"])
         return
-    suite = _suite(cfg)
-    patterns = [p.strip() for p in (cfg.getoption("--bench-shapes") or "").split(",") if p.strip()]
-    shapes = suite.select(patterns or None)
-    if not shapes:
-        raise pytest.UsageError(f"--bench-shapes {cfg.getoption('--bench-shapes')!r} matches no shape of suite "
-                                f"{suite.name!r} (its shapes: {'; '.join(s.label for s in suite.shapes)})")
-    raw = cfg.getoption("--bench-candidates")
-    names = [c.strip() for c in raw.split(",") if c.strip()] if raw else list(suite.candidates)
-    # The ceiling is a reference line of `metal-attn bench`, not a kernel whose history is tracked.
-    names = [c.name for c in suite.resolve(names) if isinstance(c, candidates.TimedCandidate)]
+    _, shapes, names = _requested(cfg)
     pairs = [(s, n) for s in shapes for n in names]
     metafunc.parametrize(("bench_shape", "bench_candidate"), pairs,
                          ids=[f"{s.label.replace(' ', '_')}-{n}" for s, n in pairs])
@@ -146,35 +175,39 @@ def run_bench(benchmark: Any, bench_cases: _Cases, bench_suite: suites.Suite) ->
 
     def run(shape: shapes.Shape, candidate: str, rounds: int | None = None, group: str | None = None,
             suite: suites.Suite | None = None) -> None:
-        (cand,) = (suite or bench_suite).resolve([candidate])
-        if not isinstance(cand, candidates.TimedCandidate):
+        (cand,) = candidates.with_variants((suite or bench_suite).resolve)([candidate])
+        if not _timed(cand):
             pytest.skip(f"{candidate} is measured by `metal-attn bench`, not by pytest-benchmark")
+        base = getattr(cand, "base", cand)
+        # A variant (NAME[setting=value;...]) is its base candidate prepared, called and closed under its settings.
+        scope = cand.scope() if isinstance(cand, candidates.SettingsVariant) else contextlib.nullcontext()
         case = bench_cases.get(shape)
-        try:
-            prep = cand.prepare(case)
-        except candidates.Skip as skip:
-            pytest.skip(f"{candidate} {skip.status} on {shape.label}: {'; '.join(skip.reasons)}")
-        benchmark.group = group or shape.label
-        benchmark.extra_info.update(candidate=candidate, kind=cand.kind, shape=shape.to_dict(),
-                                    kv_bytes=shape.kv_bytes, flops=shape.flops)
-        try:
-            for _ in range(max(bench_suite.warmup, 1)):  # the first call compiles: never time it
-                prep.run()
-            prep.sync()
-            route = cand.route_after(prep)
-            benchmark.extra_info["route"] = route
-
-            def target() -> None:
-                prep.run()
+        with scope:
+            try:
+                prep = base.prepare(case)
+            except candidates.Skip as skip:
+                pytest.skip(f"{candidate} {skip.status} on {shape.label}: {'; '.join(skip.reasons)}")
+            benchmark.group = group or shape.label
+            benchmark.extra_info.update(candidate=candidate, kind=cand.kind, shape=shape.to_dict(),
+                                        kv_bytes=shape.kv_bytes, flops=shape.flops)
+            try:
+                for _ in range(max(bench_suite.warmup, 1)):  # the first call compiles: never time it
+                    prep.run()
                 prep.sync()
+                route = base.route_after(prep)
+                benchmark.extra_info["route"] = route
 
-            if rounds is None:
-                benchmark(target)
-            else:
-                benchmark.pedantic(target, rounds=rounds, iterations=1, warmup_rounds=1)
-        finally:
-            if prep.close:
-                prep.close()
+                def target() -> None:
+                    prep.run()
+                    prep.sync()
+
+                if rounds is None:
+                    benchmark(target)
+                else:
+                    benchmark.pedantic(target, rounds=rounds, iterations=1, warmup_rounds=1)
+            finally:
+                if prep.close:
+                    prep.close()
         core.record_rates(benchmark, shape)
         ceiling_s = bench_cases.ceiling_s(shape)
         if ceiling_s is not None:

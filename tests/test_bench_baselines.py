@@ -4,7 +4,11 @@ the committed CPU baseline against a smoke run, and a kernel falling to the refe
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,22 +82,39 @@ def test_pytest_benchmark_json_gets_peer_and_ceiling_ratios() -> None:
 # -- the file ---------------------------------------------------------------------------------------
 
 
+#: A case id of the suite `_baseline` lists.
+C = "smoke / s / c"
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
         ("{not json", "not JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
         ([], "the top level is a list"),
-        (_baseline({"c": {"x_ratio": 1.0}}) | {"schema": "v0"}, "schema='v0' (allowed: 'metal-attn-baseline/1')"),
-        (_baseline({"c": {"x_ratio": 1.0}}, margin=1.0), "margin=1.0 (allowed: a number >= 0 and < 1"),
-        (_baseline({"c": {"x_ratio": 1.0}}, margin=-0.1), "margin=-0.1 (allowed"),
-        (_baseline({"c": {"x_ratio": 1.0}}, machine_class=""), "machine_class='' (allowed: a non-empty string"),
+        (_baseline({C: {"x_ratio": 1.0}}) | {"schema": "v0"}, "schema='v0' (allowed: 'metal-attn-baseline/1')"),
+        (_baseline({C: {"x_ratio": 1.0}}, margin=1.0), "margin=1.0 (allowed: a number >= 0 and < 1"),
+        (_baseline({C: {"x_ratio": 1.0}}, margin=-0.1), "margin=-0.1 (allowed"),
+        (_baseline({C: {"x_ratio": 1.0}}, machine_class=""), "machine_class='' (allowed: a non-empty string"),
         (_baseline({}), "entries={} (allowed: a non-empty object"),
-        (_baseline({"c": {"speedup": 1.0}}), "entries['c'] has the key 'speedup' (allowed: ratio names, which end "
-                                             "in 'ratio')"),
-        (_baseline({"c": {"x_ratio": 0}}), "entries['c']['x_ratio']=0 (allowed: a finite number > 0)"),
-        (_baseline({"c": {"x_ratio": 1.0}}, run={"iters": 0}), "run['iters']=0 (allowed: int >= 1)"),
-        (_baseline({"c": {"x_ratio": 1.0}}, run={"speed": 1}), "run has the option 'speed'"),
-        (_baseline({"c": {"x_ratio": 1.0}}, created="abc"), "created='abc' (allowed: an object"),
+        (_baseline({C: {"speedup": 1.0}}), f"entries[{C!r}] has the key 'speedup' (allowed: ratio names, which end "
+                                           "in 'ratio')"),
+        (_baseline({C: {"x_ratio": 0}}), f"entries[{C!r}]['x_ratio']=0 (allowed: a finite number > 0)"),
+        (_baseline({C: {"x_ratio": 1.0}}, run={"iters": 0}), "run['iters']=0 (allowed: int >= 1)"),
+        (_baseline({C: {"x_ratio": 1.0}}, run={"speed": 1}), "run has the option 'speed'"),
+        (_baseline({C: {"x_ratio": 1.0}}, created="abc"), "created='abc' (allowed: an object"),
+        # `or {}` read these as "no options" and "nothing recorded"
+        (_baseline({C: {"x_ratio": 1.0}}, run=False), "run=False (allowed: an object of options among candidates"),
+        (_baseline({C: {"x_ratio": 1.0}}, run=[]), "run=[] (allowed: an object"),
+        (_baseline({C: {"x_ratio": 1.0}}, created=[]), "created=[] (allowed: an object"),
+        (_baseline({C: {"x_ratio": 1.0}}, note=5), "note=5 (allowed: a string"),
+        # a JSON reader keeps one of two values of a key: the file said two things
+        (json.dumps(_baseline({C: {"x_ratio": 1.0}}))[:-1] + ', "margin": 0.9}',
+         "the key 'margin' appears twice in one object (allowed: each key once"),
+        # the suites --compare runs by default against the suites of the entries
+        (_baseline({"decode-cpu / s / c": {"x_ratio": 1.0}}),
+         "entries['decode-cpu / s / c'] is of suite 'decode-cpu', which suites=['smoke'] does not name"),
+        (_baseline({C: {"x_ratio": 1.0}}) | {"suites": ["smoke", "decode-cpu"]},
+         "suites=['smoke', 'decode-cpu'] names 'decode-cpu', of which no entry is"),
     ],
 )
 def test_bad_baselines_say_what_is_wrong(tmp_path, data, message) -> None:
@@ -487,11 +508,12 @@ def test_smoke_passes_against_the_committed_cpu_baseline(tmp_path, capsys) -> No
 
 
 def test_a_kernel_falling_to_the_reference_path_fails_the_comparison(tmp_path, capsys) -> None:
-    """classic disabled: ``auto`` runs on the reference provider, 10x+ slower against the same peers, so
-    auto's ratios fall below their floors (classic's own cases are missing as well)."""
+    """``auto`` forced onto the reference provider (as CI's fallback step does it), 10x+ slower against the same
+    peers: the comparison fails by auto's ratios below their floors, and by nothing else. Disabling classic
+    instead (CI's old step) failed from classic's missing cases, whatever auto's ratios were."""
     base = _committed()
     out_json = tmp_path / "run.json"
-    with override_settings(plugin_autoload=False, disabled_providers=("classic",)):
+    with override_settings(plugin_autoload=False, provider="reference"):
         rc, out, _ = _cli(capsys, "--suite", "smoke", "--compare", str(CPU_BASELINE), "--quiet",
                           "--json", str(out_json))
     assert rc == 1
@@ -503,8 +525,84 @@ def test_a_kernel_falling_to_the_reference_path_fails_the_comparison(tmp_path, c
     decode = [r for r in auto if " / decode " in r["case"]]
     assert decode and all(r["status"] == "below" for r in decode), decode
     assert sum(r["status"] == "below" for r in auto) >= len(auto) // 2
-    assert all(r["status"] == "missing" for r in rows if r["case"].endswith(" / classic"))
+    failing = [r for r in rows if r["status"] in ("below", "missing")]
+    assert failing and all(r["status"] == "below" and r["case"].endswith(" / auto") for r in failing), failing
     assert "BELOW FLOOR" in out and f"margin {base.margin:g}" in out
+
+
+# -- CI's fallback step (.ci/run), run on its own ---------------------------------------------------------
+
+
+def _fallback_step() -> str:
+    """The block of .ci/run between its ``# >>> fallback step`` and ``# <<< fallback step`` lines."""
+    text = (REPO / ".ci" / "run").read_text()
+    start, end = text.index("# >>> fallback step"), text.index("# <<< fallback step")
+    return text[start:end]
+
+
+def _run_fallback_step(tmp_path: Path, metal_attn: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The step under ``bash -e`` with ``$VENV/bin/metal-attn`` = ``metal_attn`` (a script's text, or a path to
+    link), ``$PY`` this Python, ``$WORK`` ``tmp_path`` and ``$BASELINE`` the committed CPU baseline."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    exe = venv / "bin" / "metal-attn"
+    if metal_attn.startswith("#!"):
+        exe.write_text(metal_attn)
+        exe.chmod(0o755)
+    else:
+        exe.symlink_to(metal_attn)
+    script = ("set -euo pipefail\nstep() { echo \"==> $*\"; }\n"
+              f"VENV={shlex.quote(str(venv))} PY={shlex.quote(sys.executable)} WORK={shlex.quote(str(tmp_path))}\n"
+              f"BASELINE={shlex.quote(str(CPU_BASELINE))}\n" + _fallback_step())
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def _fake_bench(tmp_path: Path, rc: int, routes: str, statuses: dict[str, str]) -> str:
+    """A ``metal-attn`` that records its environment's METAL_ATTN_PROVIDER, writes a run whose auto rows took
+    ``routes`` and whose comparison rows of each candidate have ``statuses[candidate]``, and exits ``rc``."""
+    rows = [{"case": f"smoke / decode b3 / {name}", "ratio": "speedup_vs_mlx_sdpa_ratio", "status": status}
+            for name, status in statuses.items()]
+    run = {"suites": [{"results": [{"candidates": [{"name": "auto", "route": routes}]}]}],
+           "comparison": {"rows": rows}}
+    return f"""#!{sys.executable}
+import json, os, sys
+open({str(tmp_path / "env.txt")!r}, "w").write(os.environ.get("METAL_ATTN_PROVIDER", "<unset>"))
+json.dump({run!r}, open(sys.argv[sys.argv.index("--json") + 1], "w"))
+print("comparison FAILED: 2 ratios")
+sys.exit({rc})
+"""
+
+
+@pytest.mark.parametrize(("rc", "routes", "statuses", "passes"), [
+    (1, "reference (decode)", {"auto": "below", "classic": "ok"}, True),
+    # what the step used to accept: classic's cases missing, auto within its floors
+    (1, "reference (decode)", {"auto": "ok", "classic": "missing"}, False),
+    (1, "reference (decode)", {"auto": "below", "classic": "missing"}, False),
+    (1, "classic (split)", {"auto": "below", "classic": "ok"}, False),  # auto not on the reference path
+    (0, "reference (decode)", {"auto": "ok", "classic": "ok"}, False),  # the comparison passed
+])
+def test_ci_fallback_step_passes_only_for_auto_below_its_floors(tmp_path, rc, routes, statuses, passes) -> None:
+    """CI's "a kernel falling to the reference path must fail the comparison" step accepts exit 1 only when it
+    comes from auto's ratios below their floors, with auto on the reference path, and routes auto there."""
+    proc = _run_fallback_step(tmp_path, _fake_bench(tmp_path, rc, routes, statuses))
+    assert (proc.returncode == 0) == passes, proc.stdout + proc.stderr
+    assert (tmp_path / "env.txt").read_text() == "reference"
+    if not passes:
+        assert "CI FAILED" in proc.stderr
+
+
+def test_ci_fallback_step_passes_on_this_machine(tmp_path) -> None:
+    """The step as CI runs it, with this environment's ``metal-attn``: the smoke comparison exits 1 with auto on
+    the reference path below its floors, and the step passes."""
+    _committed()
+    exe = Path(sys.executable).parent / "metal-attn"
+    if not exe.exists():
+        pytest.skip(f"no metal-attn command beside {sys.executable}")
+    proc = _run_fallback_step(tmp_path, str(exe), {"METAL_ATTN_PLUGIN_AUTOLOAD": "0"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "comparison FAILED" in proc.stdout and "other failing rows" in proc.stdout
+    assert "0 other failing rows" in proc.stdout
 
 
 # -- bad files and paths -------------------------------------------------------------------------------
@@ -531,11 +629,24 @@ def _saved(candidate: dict) -> dict:
     ({"ratios": {"x_ratio": -3.0}}, "candidate 'auto' has ratios['x_ratio']=-3.0 (allowed: a finite number > 0)"),
     ({"ratios": [1]}, "a candidate without name, kind, status, numeric ratios (an object) and reasons (a list)"),
     ({"ratios": {}, "reasons": 5}, "a candidate without name, kind, status, numeric ratios (an object)"),
+    # a baseline written from it was refused by --compare (every stored key must end in 'ratio')
+    ({"ratios": {"speedup_vs_mlx_sdpa": 1.0}},
+     "candidate 'auto' has the ratio key 'speedup_vs_mlx_sdpa' (allowed: ratio names, which end in 'ratio')"),
 ])
 def test_bad_saved_runs_say_what_is_wrong(candidate, message) -> None:
     with pytest.raises(BaselineError) as err:
         baselines.parse_run(_saved(candidate), "run.json")
     assert str(err.value).startswith("run.json: suites[0].results[0]: ") and message in str(err.value)
+
+
+def test_a_baseline_and_a_saved_run_swapped_say_which_is_which(tmp_path, capsys) -> None:
+    """``--from-json BASELINE --compare RUN``: each file is named for what it is and where it goes."""
+    run = _write(tmp_path, _saved({"ratios": {"x_ratio": 1.0}}) | {"schema": cli.SCHEMA}, "run.json")
+    rc, _, err = _cli(capsys, "--from-json", str(CPU_BASELINE), "--compare", str(run))
+    assert rc == 2 and f"{CPU_BASELINE}: a baseline (schema 'metal-attn-baseline/1'), not a saved run" in err
+    with pytest.raises(BaselineError, match=r"schema='metal-attn-bench/1' \(a run saved with --json, which goes to "
+                                            r"--from-json\)"):
+        baselines.load(run)
 
 
 def test_a_saved_run_whose_argv_is_not_a_command_line_has_none() -> None:

@@ -6,7 +6,7 @@ and the margin by which a later run may fall below them::
 
     {"schema": "metal-attn-baseline/1",
      "machine_class": "cpu-2core",            # `machine_class` of the machine that wrote it
-     "suites": ["smoke"],                     # what `metal-attn bench --compare` runs by default
+     "suites": ["smoke"],                     # the suites of the entries: what `--compare` runs by default
      "margin": 0.6,                           # a ratio may fall to (1 - margin) * its baseline
      "note": "...",                           # free text: how it was made
      "run": {"candidates": "auto,classic,...", "iters": 9, "repeat": 3, ...},  # options given when writing
@@ -16,13 +16,17 @@ and the margin by which a later run may fall below them::
 
 Every ratio's key ends in ``ratio`` and higher is better. A comparison fails when the machine
 class differs, when a baseline case or ratio is missing from the run, or when a ratio is below
-``baseline * (1 - margin)``. Only providers' results (``kind`` ``"provider"``, ``auto`` included, or
-``"compiled"``) are written: the peers are what they are measured against. A run saved with ``--json``
-can make a baseline or be compared later (`load_run`, ``metal-attn bench --from-json RUN.json``), and several
-saved runs as one (`load_runs`: their repeats pooled, ``--from-json A.json B.json ...``).
-A run of several repeats (``--repeat N``) gives each ratio as its median over the repeats, both when writing and when
+``baseline * (1 - margin)``. A file is checked whole when read (`parse`): every field of the
+schema, each key once, ``suites`` the suites of the entries. Only providers' results (``kind``
+``"provider"``, ``auto`` included, or ``"compiled"``) are written: the peers are what they are
+measured against. A run saved with ``--json`` can make a baseline or be compared later
+(`load_run`, ``metal-attn bench --from-json RUN.json``), and several saved runs as one
+(`load_runs`: their repeats pooled, ``--from-json A.json B.json ...``). A run of several repeats
+(``--repeat N``) gives each ratio as its median over the repeats, both when writing and when
 comparing. ``run`` keeps the measurement options given when the baseline was written
-(`RUN_OPTIONS`); ``--compare`` uses them where its own command line gives none.
+(`RUN_OPTIONS`); ``--compare`` uses them where its own command line gives none. A baseline is
+written over a file only where that file is empty or a baseline of the same machine class
+(`replace_problem`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from metal_attn.bench.ratios import SUFFIX
 from metal_attn.checks import is_finite_real, is_real
 
 SCHEMA = "metal-attn-baseline/1"
+
+#: The schema of a run saved with ``metal-attn bench --json`` (`metal_attn.bench.cli.SCHEMA`).
+RUN_SCHEMA = "metal-attn-bench/1"
 
 #: Candidate kinds whose ratios a baseline stores: the providers' results, eager and under ``mx.compile``
 #: (the decode-step suite's ``auto_compiled``, the engine's path on CUDA).
@@ -72,6 +79,11 @@ def machine_class(machine: Mapping[str, Any]) -> str:
 def case_id(suite: str, shape_label: str, candidate: str) -> str:
     """The key of one candidate on one shape of one suite."""
     return f"{suite} / {shape_label} / {candidate}"
+
+
+def case_suite(case: str) -> str:
+    """The suite of a case id (`case_id`'s first part)."""
+    return case.split(" / ", 1)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +173,9 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
     def bad(msg: str) -> BaselineError:
         return BaselineError(f"{path}: {msg}")
 
+    if isinstance(data, dict) and data.get("schema") == SCHEMA:  # the two files of a command swapped
+        raise bad(f"a baseline (schema {SCHEMA!r}), not a saved run of `metal-attn bench --json` (allowed: a run "
+                  "saved with --json; a baseline goes to --compare)")
     if not isinstance(data, dict) or not isinstance(data.get("suites"), list) or not data["suites"]:
         raise bad("not a saved run of `metal-attn bench --json` (allowed: an object with a non-empty 'suites' list; "
                   "the generate suite's JSON has no baseline ratios)")
@@ -191,6 +206,9 @@ def parse_run(data: Any, path: str = "<run>") -> SavedRun:
                     raise bad(f"suites[{i}].results[{j}]: a candidate without name, kind, status, numeric "
                               "ratios (an object) and reasons (a list)") from None
                 for k, v in ratios.items():
+                    if not k.endswith(SUFFIX):  # a baseline written from it would be refused by --compare
+                        raise bad(f"suites[{i}].results[{j}]: candidate {name!r} has the ratio key {k!r} (allowed: "
+                                  f"ratio names, which end in {SUFFIX!r})")
                     if not _positive_ratio(v):
                         raise bad(f"suites[{i}].results[{j}]: candidate {name!r} has ratios[{k!r}]={v!r} "
                                   "(allowed: a finite number > 0)")
@@ -235,9 +253,26 @@ def _read_json(path: str | Path, what: str) -> Any:
     except UnicodeDecodeError as exc:
         raise BaselineError(f"{path}: not a text file (not UTF-8 at byte {exc.start}); the {what} is JSON") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise BaselineError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except _DuplicateKey as exc:
+        raise BaselineError(f"{path}: the key {exc.args[0]!r} appears twice in one object (allowed: each key once; "
+                            f"JSON readers keep one of the two values, so the {what} would say two things)") from None
+
+
+class _DuplicateKey(Exception):
+    """A key that appears twice in one JSON object (its argument)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: the object, or `_DuplicateKey` naming a key given twice."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
 
 
 def load_run(path: str | Path) -> SavedRun:
@@ -348,7 +383,8 @@ def parse(data: Any, path: str = "<baseline>") -> Baseline:
     if not isinstance(data, dict):
         raise bad(f"the top level is a {type(data).__name__} (allowed: an object with schema {SCHEMA!r})")
     if data.get("schema") != SCHEMA:
-        raise bad(f"schema={data.get('schema')!r} (allowed: {SCHEMA!r})")
+        run = " (a run saved with --json, which goes to --from-json)" if data.get("schema") == RUN_SCHEMA else ""
+        raise bad(f"schema={data.get('schema')!r}{run} (allowed: {SCHEMA!r})")
     mc = data.get("machine_class")
     if not isinstance(mc, str) or not mc:
         raise bad(f"machine_class={mc!r} (allowed: a non-empty string such as 'cpu-2core')")
@@ -370,7 +406,16 @@ def parse(data: Any, path: str = "<baseline>") -> Baseline:
                 raise bad(f"entries[{case!r}] has the key {k!r} (allowed: ratio names, which end in {SUFFIX!r})")
             if not _positive_ratio(v):
                 raise bad(f"entries[{case!r}][{k!r}]={v!r} (allowed: a finite number > 0)")
-    run = data.get("run") or {}
+    listed = {case_suite(c) for c in entries}
+    for case in entries:
+        if case_suite(case) not in suites:
+            raise bad(f"entries[{case!r}] is of suite {case_suite(case)!r}, which suites={suites!r} does not name "
+                      "(allowed: cases of the listed suites, keyed 'suite / shape label / candidate')")
+    unused = [x for x in suites if x not in listed]
+    if unused:
+        raise bad(f"suites={suites!r} names {', '.join(map(repr, unused))}, of which no entry is (allowed: the suites "
+                  "of the entries, which --compare runs by default)")
+    run = data.get("run", {})
     if not isinstance(run, dict):
         raise bad(f"run={run!r} (allowed: an object of options among {', '.join(RUN_OPTIONS)})")
     for k, v in run.items():
@@ -381,11 +426,13 @@ def parse(data: Any, path: str = "<baseline>") -> Baseline:
             want = kind.__name__ + (f" >= {low}" if low is not None else "")
             raise bad(f"run[{k!r}]={v!r} (allowed: {want})")
     note = data.get("note", "")
-    created = data.get("created") or {}
+    if not isinstance(note, str):
+        raise bad(f"note={note!r} (allowed: a string, how the baseline was made)")
+    created = data.get("created", {})
     if not isinstance(created, dict):
         raise bad(f"created={created!r} (allowed: an object, what wrote the baseline and when)")
     return Baseline(path, mc, tuple(suites), margin, {c: dict(r) for c, r in entries.items()},
-                    note if isinstance(note, str) else str(note), dict(created), dict(run))
+                    note, dict(created), dict(run))
 
 
 def load(path: str | Path) -> Baseline:
@@ -420,7 +467,9 @@ def _data(entries: dict[str, dict[str, float]], machine: Mapping[str, Any], suit
     return {
         "schema": SCHEMA,
         "machine_class": machine_class(machine),
-        "suites": suites,
+        # the suites a comparison runs by default: those the entries are of (a suite whose candidates gave no
+        # stored ratio would be measured for nothing)
+        "suites": [x for x in dict.fromkeys(suites) if any(case_suite(c) == x for c in entries)],
         "margin": check_margin(margin),
         "note": note,
         "run": {k: v for k, v in run.items() if k in RUN_OPTIONS and v is not None},
@@ -431,6 +480,33 @@ def _data(entries: dict[str, dict[str, float]], machine: Mapping[str, Any], suit
 
 def write(path: str | Path, data: Mapping[str, Any]) -> None:
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def replace_problem(path: str | Path, machine_class: str) -> str | None:
+    """Why a baseline of ``machine_class`` must not be written over ``path`` (said after the path), or ``None``:
+    a new or empty file, or a baseline of that machine class, may be replaced; another machine class's
+    baseline (a CPU run written over ``cuda-nvidia-h200.json``), or a file that is no baseline, may not."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    allowed = f"(allowed: a new file, or a baseline of machine class {machine_class!r} to replace)"
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return f"exists and cannot be read as a baseline {allowed}"
+    if not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return f"exists and is not a baseline (not JSON) {allowed}"
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        schema = data.get("schema") if isinstance(data, dict) else None
+        return f"exists and is not a baseline (schema={schema!r}) {allowed}"
+    if data.get("machine_class") != machine_class:
+        return (f"is the baseline of machine class {data.get('machine_class')!r}, but this run's machine class is "
+                f"{machine_class!r} {allowed}")
+    return None
 
 
 # -- the comparison ---------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import contextlib
 import fnmatch
 import io
 import json
+import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -19,16 +21,17 @@ from typing import Any, TextIO
 from metal_attn.bench import baselines
 from metal_attn.bench.candidates import ProviderCandidate, with_variants
 from metal_attn.bench.core import ShapeResult, SuiteResult, machine_info, run_suite
-from metal_attn.bench.ratios import RATIO_NAMES
+from metal_attn.bench.ratios import CEILING_RATIO, RATIO_NAMES, SPEEDUP_PEERS, peer_ratio_key
 from metal_attn.bench.render import PLOT_FORMATS, TableStream, plot_format, render_markdown, render_rich, write_plot
-from metal_attn.bench.suites import SUITES, default_suite, get_suite
+from metal_attn.bench.shapes import Shape
+from metal_attn.bench.suites import SUITES, Suite, default_suite, get_suite
 from metal_attn.bench.timing import MIN_SAMPLE_S
 from metal_attn.cli_common import guarded, int_flag
 from metal_attn.device import current_device, detect_backend
 from metal_attn.plugins import check_provider_setting, get_registry
 from metal_attn.settings import get_settings
 
-SCHEMA = "metal-attn-bench/1"
+SCHEMA = baselines.RUN_SCHEMA
 
 #: The margin `--write-baseline` states when no `--margin` is given.
 DEFAULT_MARGIN = 0.5
@@ -44,6 +47,10 @@ def _csv(value: str) -> list[str]:
             start = i + 1
     out.append(value[start:].strip())  # the last name, brackets closed or not (a variant check names it)
     return [x for x in out if x]
+
+
+#: `_csv` for other modules (benchmarks/conftest.py splits its options as the flags are split).
+split_names = _csv
 
 
 
@@ -78,19 +85,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interleave", action="store_true",
                         help="take the timed candidates' samples in turn, one of each per round, so a drift of the "
                              "machine lands on all alike; default: each candidate's samples in a row")
-    parser.add_argument("--seed", type=int_flag(0), default=0, metavar="N", help="random seed of the inputs (0)")
+    parser.add_argument("--seed", type=int_flag(0), metavar="N", help="random seed of the inputs (default 0)")
     parser.add_argument("--json", metavar="PATH", nargs="?", const="-",
                         help="every raw median and machine info as JSON: on stdout (tables then go to stderr), "
                              "or into PATH")
     parser.add_argument("--plot", metavar="PATH",
                         help="write a bar chart: PNG, or PDF or SVG by PATH's extension (needs matplotlib)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables to paste into docs")
-    parser.add_argument("--list", action="store_true", help="list the suites, their shapes and candidates, and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="list the suites, their shapes and candidates, and exit (reads --suite and --json only)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or progress lines on stderr")
     parser.add_argument("--dry-run", action="store_true",
                         help="check every flag and name, print what would run (suites, shapes, candidates; the "
-                             "generate suite's workloads) and exit 0, timing nothing and loading no model; a GPU "
-                             "suite is checked on any backend (a plan for a device call, checked before it)")
+                             "generate suite's workloads) and exit 0, timing nothing and loading no model; exit 2 "
+                             "where the run would. It exits 0 where the run itself would stop: a GPU suite is "
+                             "checked on any backend (a plan for a device call, checked before it), and a --compare "
+                             "baseline of another machine class is said on stderr (the run would exit 1)")
     b = parser.add_argument_group("regression tracking by ratios (benchmarks/baselines/, benchmarks/README.md)")
     b.add_argument("--compare", metavar="BASELINE.json",
                    help="print every ratio of the baseline against this run (default suites: the baseline's); "
@@ -98,7 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "missing from the run or when the machine class differs")
     b.add_argument("--write-baseline", metavar="FILE",
                    help="write this run's ratios (every provider result: speedup vs each peer, fraction of the "
-                        "ceiling) as a baseline for this machine class")
+                        "ceiling) as a baseline for this machine class; refused before the run when FILE is an "
+                        "input or another output, holds another machine class's baseline, or the candidates "
+                        "cannot give one; not written when --compare fails")
     b.add_argument("--from-json", metavar="RUN.json", nargs="+",
                    help="take the results of a run saved with --json instead of measuring: with --write-baseline "
                         "or --compare (its machine class is the run's; several runs of one machine class and suites "
@@ -186,7 +198,8 @@ def list_suites(file: TextIO, names: Sequence[str] | None = None) -> None:
 
 
 def print_plan(plan: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]], repeat: int, backend: str,
-               needs_gpu: Sequence[str], compare_to: baselines.Baseline | None, file: TextIO) -> None:
+               needs_gpu: Sequence[str], compare_to: baselines.Baseline | None, file: TextIO,
+               write_to: str | None = None, write_class: str | None = None) -> None:
     """What a ``--dry-run`` would have measured: each suite's shapes and candidates, in run order."""
     for s, shapes, cands in plan:
         where = f"; needs a GPU backend (this is {backend})" if s.name in needs_gpu else ""
@@ -198,6 +211,10 @@ def print_plan(plan: Sequence[tuple[Any, Sequence[Any], Sequence[Any]]], repeat:
     if compare_to is not None:
         print(f"would compare against {compare_to.path} ({compare_to.machine_class}, {len(compare_to.entries)} "
               f"cases, margin {compare_to.margin:g})", file=file)
+    if write_to is not None:
+        where = f"machine class {write_class}" if write_class else "the machine class of the GPU that runs it"
+        print(f"would write baseline {write_to} ({where})"
+              + (", if the comparison passes" if compare_to is not None else ""), file=file)
     print("dry run: every flag and name checked; nothing timed", file=file)
 
 
@@ -262,6 +279,40 @@ def _check_usage(args: argparse.Namespace, err: TextIO) -> int | None:
             print(f"metal-attn bench: error: {flag} {' '.join(map(repr, values))} names nothing (allowed: names, "
                   "comma-separated; --list shows them)", file=err)
             return 2
+    clash = _path_clash(args)
+    if clash:
+        print(f"metal-attn bench: error: {clash}", file=err)
+        return 2
+    return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file: the same file on disk where both exist (a link, another spelling),
+    else the same absolute path once resolved."""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def _path_clash(args: argparse.Namespace) -> str | None:
+    """An output path that is an input or another output (``--compare X --write-baseline X`` wrote the new
+    baseline over the one it compared against; ``--json P --write-baseline P`` kept only the second), naming
+    both flags; or ``None``."""
+    inputs = [("--compare", getattr(args, "compare", None))]
+    inputs += [("--from-json", p) for p in getattr(args, "from_json", None) or ()]
+    json_path = getattr(args, "json", None)
+    outputs = [("--json", None if json_path == "-" else json_path), ("--plot", getattr(args, "plot", None)),
+               ("--write-baseline", getattr(args, "write_baseline", None))]
+    inputs, outputs = [(f, v) for f, v in inputs if v], [(f, v) for f, v in outputs if v]
+    for i, (flag, value) in enumerate(outputs):
+        for other, theirs, does in [*((f, v, "reads") for f, v in inputs),
+                                    *((f, v, "writes") for f, v in outputs[:i])]:
+            if _same_file(value, theirs):
+                return (f"{flag} {value!r} is the file {other} {does} ({theirs!r}); one would be lost (allowed: "
+                        f"another path for {flag})")
     return None
 
 
@@ -307,10 +358,99 @@ def _unused_flags(args: argparse.Namespace, names: Sequence[str], suites: str, e
     return None
 
 
+#: Flags ``--list`` does not read (argparse attribute names): given with it, they were silently ignored.
+_IGNORED_BY_LIST = ("candidates", "shapes", "warmup", "iters", "pipelined", "interleave", "seed", "plot", "markdown",
+                    "dry_run", "compare", "write_baseline", "from_json", "repeat", "ratios", "margin",
+                    *_GENERATE_SUITE_FLAGS)
+
+
+class UsageError(ValueError):
+    """A flag's value the bench refuses before measuring; the message names the flag, its value and what is
+    allowed (`metal-attn bench` exits 2 with it; benchmarks/conftest.py raises ``pytest.UsageError``)."""
+
+
+def check_backend(suites: Sequence[Suite], backend: str, flag: str = "--suite") -> None:
+    """`UsageError` when a GPU suite is asked for on the CPU backend (its GPU-sized shapes would run on the CPU's
+    reference paths for minutes)."""
+    misplaced = [s.name for s in suites if s.target == "gpu" and backend == "cpu"]
+    if misplaced:
+        raise UsageError(f"{flag} {','.join(misplaced)} needs a GPU backend (this is {backend}; allowed here: "
+                         f"{', '.join(s.name for s in SUITES.values() if s.target != 'gpu')})")
+
+
+def select_shapes(suite: Suite, text: str | None, flag: str = "--shapes") -> tuple[Shape, ...]:
+    """The shapes of ``suite`` a ``--shapes`` value selects (``None``: all); `UsageError` when it holds no pattern
+    (``,`` used to select every shape) or matches no shape of the suite."""
+    if text is None:
+        return suite.shapes
+    patterns = _csv(text)
+    if not patterns:
+        raise UsageError(f"{flag} {text!r} holds no pattern (allowed: labels or globs, comma-separated, "
+                         "e.g. decode,b8)")
+    shapes = suite.select(patterns)
+    if not shapes:
+        raise UsageError(f"{flag} {text!r} matches no shape of suite {suite.name!r} (its shapes: "
+                         f"{'; '.join(x.label for x in suite.shapes)})")
+    return shapes
+
+
+def resolve_candidates(suite: Suite, names: Sequence[str], *, typed: bool, flag: str = "--candidates") -> list[Any]:
+    """The candidates ``names`` name on ``suite``, ``NAME[setting=value;...]`` variants included; `UsageError`
+    for none, a malformed variant, or (``typed``: the names were given by the user) a provider no plugin
+    registered, which would measure nothing and pass. A name from elsewhere (a suite's defaults, a baseline's
+    list) of a plugin this machine lacks stays: it is measured as ``not registered``."""
+    if not names:
+        raise UsageError(f"{flag} names nothing (allowed: names, comma-separated; --list shows them)")
+    try:
+        cands = with_variants(suite.resolve)(names)
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+    if typed:
+        registered = get_registry().names
+        unknown = _unknown_providers(cands, registered)
+        if unknown:
+            peers = [n for n in suite.candidates if n not in registered and n != "auto"]
+            raise UsageError(f"{flag} {unknown[0]!r} is neither a registered provider nor a candidate of suite "
+                             f"{suite.name!r} (allowed: auto, {', '.join(registered)}, or the suite's peers: "
+                             f"{', '.join(peers)})")
+    return cands
+
+
+def baseline_plan_problem(plan: Sequence[tuple[Suite, Sequence[Shape], Sequence[Any]]],
+                          ratios: Sequence[str] | None) -> str | None:
+    """Why a run of ``plan`` could not write a baseline (``ratios``: the ``--ratios`` globs), or ``None``: a
+    baseline stores the ratios of candidates of `baselines.TRACKED_KINDS` (providers, ``auto``, the decode step's
+    ``auto_compiled``), and a ratio needs a peer of `SPEEDUP_PEERS` or the ceiling (on a shape with GB/s) among
+    the candidates. What only the run can tell (a peer unavailable here, a provider refusing) is found after it."""
+    tracked_any = False
+    for _, shapes, cands in plan:
+        tracked = [c for c in cands if c.kind in baselines.TRACKED_KINDS]
+        tracked_any = tracked_any or bool(tracked)
+        names = {c.name for c in cands}
+        can = [peer_ratio_key(p) for p in SPEEDUP_PEERS if p in names]
+        if "ceiling" in names and any("GB/s" in sh.metrics for sh in shapes):
+            can.append(CEILING_RATIO)
+        if ratios is not None:
+            can = [k for k in can if any(fnmatch.fnmatchcase(k, pat) for pat in ratios)]
+        if tracked and can:
+            return None
+    if not tracked_any:
+        return (f"no candidate whose ratios a baseline stores (allowed: a provider, auto, or auto_compiled among "
+                f"the candidates, kinds {', '.join(baselines.TRACKED_KINDS)}; peers and variants are not stored)")
+    which = f" matching --ratios {','.join(ratios)}" if ratios else ""
+    return (f"no ratio{which} a provider could carry (allowed: a peer among {', '.join(SPEEDUP_PEERS)}, or the "
+            "ceiling on shapes with GB/s, among the candidates)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the ``bench`` command; returns the exit code (0 ok, 1 a candidate failed or disagreed, 2 bad usage)."""
     err = sys.stderr
     if getattr(args, "list", False):
+        ignored = _given(args, _IGNORED_BY_LIST)
+        if ignored:
+            print(f"metal-attn bench: error: --list prints the suites and exits, so {', '.join(ignored)} would be "
+                  "ignored (allowed with --list: --suite, --json)", file=err)
+            return 2
         names = [n for v in args.suite for n in _csv(v)] if args.suite else None
         unknown = [n for n in names or () if n not in SUITES and n != "generate"]
         if unknown or names == []:
@@ -339,6 +479,7 @@ def run(args: argparse.Namespace) -> int:
         if early is not None:
             return early
     check_provider_setting()  # METAL_ATTN_PROVIDER naming no provider: every candidate would be refused
+    typed_candidates = args.candidates  # before a --compare baseline's own list may stand in for it
     compare_to, early = _baseline_options(args, err)
     if early is not None:
         return early
@@ -368,25 +509,22 @@ def run(args: argparse.Namespace) -> int:
     early = _unused_flags(args, _GENERATE_SUITE_FLAGS, f"--suite {','.join(names)}", err)
     if early is not None:
         return early
+    if compare_to is not None:
+        left_out = [x for x in compare_to.suites if x not in names]
+        if left_out:  # the run measured for minutes, then failed with every such case missing
+            print(f"metal-attn bench: error: --suite {','.join(names)} leaves out suite(s) {', '.join(left_out)} of "
+                  f"--compare {compare_to.path}, whose entries are of {', '.join(compare_to.suites)} (allowed: "
+                  f"--suite {','.join(compare_to.suites)}, or no --suite: the baseline's suites)", file=err)
+            return 2
     backend = current_device().backend
     misplaced = [s.name for s in suites if s.target == "gpu" and backend == "cpu"]
-    if misplaced and not dry_run:
-        # They used to run here for minutes, timing GPU-sized shapes on the CPU's reference paths.
-        print(f"metal-attn bench: error: --suite {','.join(misplaced)} needs a GPU backend (this is {backend}; "
-              f"allowed here: {', '.join(s.name for s in SUITES.values() if s.target != 'gpu')})", file=err)
+    try:
+        if not dry_run:
+            check_backend(suites, backend)  # they used to run here for minutes, timing GPU-sized shapes on the CPU
+        chosen = [(s, select_shapes(s, args.shapes)) for s in suites]
+    except UsageError as exc:
+        print(f"metal-attn bench: error: {exc}", file=err)
         return 2
-    patterns = _csv(args.shapes) if args.shapes is not None else None
-    if patterns is not None and not any(patterns):  # ',' or ' ' used to select every shape
-        print(f"metal-attn bench: error: --shapes {args.shapes!r} holds no pattern (allowed: labels or globs, "
-              "comma-separated, e.g. decode,b8)", file=err)
-        return 2
-    patterns = [p for p in patterns if p] if patterns is not None else None
-    chosen = [(s, s.select(patterns)) for s in suites]
-    for s, shapes in chosen:
-        if not shapes:
-            print(f"metal-attn bench: error: --shapes {args.shapes!r} matches no shape of suite {s.name!r} "
-                  f"(its shapes: {'; '.join(x.label for x in s.shapes)})", file=err)
-            return 2
     json_to_stdout = args.json == "-"
     out = err if json_to_stdout else sys.stdout
     if args.plot:
@@ -400,27 +538,30 @@ def run(args: argparse.Namespace) -> int:
     plan = []
     for s, shapes in chosen:
         cand_names = _csv(args.candidates) if args.candidates else list(s.candidates)
-        if not cand_names:
-            print("metal-attn bench: error: --candidates is empty", file=err)
-            return 2
         try:
-            cands = with_variants(s.resolve)(cand_names)
-        except ValueError as exc:
-            print(f"metal-attn bench: error: --candidates: {exc}", file=err)
-            return 2
-        registered = get_registry().names
-        unknown = _unknown_providers(cands, registered) if args.candidates else []
-        if unknown:  # a typo measured nothing and exited 0
-            peers = [n for n in s.candidates if n not in registered and n != "auto"]
-            print(f"metal-attn bench: error: --candidates {unknown[0]!r} is neither a registered provider nor a "
-                  f"candidate of suite {s.name!r} (allowed: auto, {', '.join(registered)}, or the suite's "
-                  f"peers: {', '.join(peers)})", file=err)
+            # A name typed on this command line must be a registered provider or a candidate of the suite; one of
+            # a --compare baseline's list from a plugin this machine lacks is measured as `not registered`.
+            cands = resolve_candidates(s, cand_names, typed=bool(typed_candidates))
+        except UsageError as exc:
+            print(f"metal-attn bench: error: {exc}", file=err)
             return 2
         plan.append((s, shapes, cands))
+    if args.write_baseline:
+        why = baseline_plan_problem(plan, _csv(args.ratios) if args.ratios else None)
+        if why:  # it used to be found after the whole run, which then wrote nothing
+            print(f"metal-attn bench: error: --write-baseline {args.write_baseline}: {why}", file=err)
+            return 2
+        # Another machine class's file (a CPU run over cuda-nvidia-h200.json). Not where a dry run plans a GPU suite on
+        # the CPU: the run's machine class is then the GPU's, known only there (where the run checks it again).
+        why = None if misplaced else baselines.replace_problem(args.write_baseline, baselines.machine_class(machine))
+        if why:
+            print(f"metal-attn bench: error: --write-baseline {args.write_baseline!r} {why}", file=err)
+            return 2
     repeat = getattr(args, "repeat", None) or 1
     if dry_run:
         # --json on stdout: the plan as JSON there, its text on stderr (as a measuring run's tables go).
-        print_plan(plan, repeat, backend, misplaced, compare_to, err if json_to_stdout else sys.stdout)
+        print_plan(plan, repeat, backend, misplaced, compare_to, err if json_to_stdout else sys.stdout,
+                   args.write_baseline, None if misplaced else baselines.machine_class(machine))
         data = {"dry_run": True, "repeat": repeat, "backend": backend, "suites": [
             {"name": s.name, "needs_gpu": s.name in misplaced, "candidates": [c.name for c in cands],
              "shapes": [sh.label for sh in shapes]} for s, shapes, cands in plan]}
@@ -445,7 +586,7 @@ def run(args: argparse.Namespace) -> int:
 
                 suite = run_suite(
                     s.name, shapes, cands, warmup=s.warmup if args.warmup is None else args.warmup,
-                    iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed,
+                    iters=s.iters if args.iters is None else args.iters, description=s.description, seed=args.seed or 0,
                     pipelined=getattr(args, "pipelined", False), progress=lambda msg, _s=s: bar.step(_s.name, msg),
                     on_shape=on_shape, rotate=i, interleave=getattr(args, "interleave", False),
                 )
@@ -491,7 +632,9 @@ def run(args: argparse.Namespace) -> int:
     problems = _problems(results)
     for p in problems:
         print(f"metal-attn bench: problem: {p}", file=err)
-    written = _write_baseline(args, runs, machine, argv, problems, interrupted, err) if args.write_baseline else True
+    failed = comparison is not None and comparison.failed
+    written = (_write_baseline(args, runs, machine, argv, problems, interrupted, err, compare_failed=failed)
+               if args.write_baseline else True)
     if comparison is not None:
         for p in comparison.problems():
             print(f"metal-attn bench: compare: {p}", file=err)
@@ -563,7 +706,8 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
               "or with neither (to print its tables)", file=err)
         return 2
     measuring = [f for f, v in (("--suite", args.suite), ("--shapes", args.shapes), ("--candidates", args.candidates),
-                                ("--repeat", getattr(args, "repeat", None))) if v]
+                                ("--repeat", getattr(args, "repeat", None)),
+                                ("--seed", getattr(args, "seed", None))) if v is not None]
     if measuring:
         print(f"metal-attn bench: error: --from-json {sources} measures nothing, so {', '.join(measuring)} "
               "cannot apply (the saved run's suites, shapes and candidates are used)", file=err)
@@ -588,6 +732,10 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         print(f"metal-attn bench: error: {exc}", file=err)
         return 2
     if base is not None:
+        if saved.interrupted:  # as --write-baseline refuses it: its missing cases are not a regression's
+            print(f"metal-attn bench: error: --compare {compare}: not compared, the run {sources} was interrupted "
+                  "(allowed: a complete run saved with --json)", file=err)
+            return 1
         comparison = baselines.compare(base, saved.cases(), baselines.machine_class(saved.machine))
         baselines.render(comparison, sys.stdout)
         for p in comparison.problems():
@@ -606,11 +754,17 @@ def _from_saved_run(args: argparse.Namespace, err: TextIO) -> int:
         why_not = "the run was interrupted"
     elif saved.problems:
         why_not = f"the run had {len(saved.problems)} problem(s): " + "; ".join(saved.problems)
+    why = baselines.replace_problem(write, baselines.machine_class(saved.machine))
+    if why:
+        print(f"metal-attn bench: error: --write-baseline {write!r} {why}", file=err)
+        return 2
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
     argv = " ".join(saved.argv or ["(argv not recorded)"])
     runs = ("a run of" if len(args.from_json) == 1
             else f"{len(args.from_json)} runs ({saved.repeats} repeats in all), the first of them")
-    note = (f"written by `metal-attn bench --from-json {sources} --write-baseline {write}` from {runs} "
+    given = "".join(f" {flag} {shlex.quote(str(v))}" for flag, v in (("--margin", args.margin),
+                                                                     ("--ratios", args.ratios)) if v is not None)
+    note = (f"written by `metal-attn bench --from-json {sources} --write-baseline {write}{given}` from {runs} "
             f"`metal-attn bench {argv}` on {saved.machine.get('date')}; a ratio may fall {margin:.0%} below its "
             "value here")
     stored = _store_baseline(write, margin, why_not, lambda: baselines.build_from_saved(
@@ -707,13 +861,17 @@ def _store_baseline(path: str, margin: float, why_not: str | None, build: Callab
 
 
 def _write_baseline(args: argparse.Namespace, runs: Sequence[Sequence[SuiteResult]], machine: dict[str, Any],
-                    argv: Sequence[str], problems: Sequence[str], interrupted: bool, err: TextIO) -> bool:
-    """Write ``--write-baseline`` from a complete run without problems (else say why not); whether it was."""
+                    argv: Sequence[str], problems: Sequence[str], interrupted: bool, err: TextIO, *,
+                    compare_failed: bool = False) -> bool:
+    """Write ``--write-baseline`` from a complete run without problems whose ``--compare`` (if any) passed (else
+    say why not); whether it was."""
     why_not = None
     if interrupted:
         why_not = "the run was interrupted"
     elif problems:
         why_not = f"the run had {len(problems)} problem(s), listed above"
+    elif compare_failed:  # a regression would have become the new baseline
+        why_not = f"the comparison against {args.compare} failed (its problems are listed below)"
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
     note = (f"written by `metal-attn bench {' '.join(argv)}` on {machine.get('date')}; "
             f"a ratio may fall {margin:.0%} below its value here")

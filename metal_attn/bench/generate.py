@@ -323,7 +323,9 @@ def bench_generate(
 def ratios(results: Sequence[GenerateResult]) -> list[dict[str, Any]]:
     """Engine / peer ratios per (workload, concurrency), for each engine candidate (`ENGINES`)
     against mlx-lm's two peers, the engine without prefix caching and the eager engine:
-    generation and end-to-end tokens/s, TTFT, peak memory. Each ratio compares the two
+    generation and end-to-end tokens/s, TTFT (every ``*_ratio`` key higher is better, as
+    `metal_attn.bench.ratios` documents), and the engine's peak memory as a fraction of the
+    peer's (``peak_memory_of_peer``: lower is better, so not a ``*_ratio`` key). Each ratio compares the two
     candidates' runs of one round; with several rounds it is the median of the rounds' ratios,
     which are listed under ``per_round``."""
     out = []
@@ -347,11 +349,12 @@ def ratios(results: Sequence[GenerateResult]) -> list[dict[str, Any]]:
 
 
 def _pair_ratios(eng: GenerateResult, p: GenerateResult) -> dict[str, float | None]:
-    """Engine / peer of one round (TTFT as peer / engine, so that above 1 is better throughout but memory)."""
+    """Engine / peer of one round: ``*_ratio`` keys above 1 are better (TTFT as peer / engine); the engine's peak
+    memory is ``peak_memory_of_peer``, engine / peer, below 1 being better (a ratio key would read higher as better)."""
     return {"generation_ratio": eng.generation_tps / p.generation_tps if p.generation_tps else None,
             "e2e_ratio": eng.e2e_tps / p.e2e_tps if p.e2e_tps else None,
             "ttft_ratio": (p.mean_ttft_s / eng.mean_ttft_s) if eng.mean_ttft_s else None,
-            "peak_memory_ratio": eng.peak_memory_bytes / p.peak_memory_bytes if p.peak_memory_bytes else None}
+            "peak_memory_of_peer": eng.peak_memory_bytes / p.peak_memory_bytes if p.peak_memory_bytes else None}
 
 
 def format_row(r: GenerateResult) -> str:
@@ -448,7 +451,7 @@ def run(args: Any) -> int:
     for row in rows:
         print(f"ratio {row['workload']} c={row['concurrency']} {row['candidate']}/{row['peer']}: generation "
               f"{_x(row['generation_ratio'])}, end-to-end {_x(row['e2e_ratio'])}, TTFT {_x(row['ttft_ratio'])} "
-              f"(peer/engine), peak memory {_x(row['peak_memory_ratio'])}"
+              f"(peer/engine), peak memory {_x(row['peak_memory_of_peer'])} of the peer's"
               + (f"; generation by round {', '.join(_x(e['generation_ratio']) for e in row['per_round'])}"
                  if len(row["per_round"]) > 1 else ""), file=out)
     if args.json:
