@@ -209,8 +209,8 @@ class StepCompiled(StepProvider):
     """
 
     name = "auto_compiled"
-    #: Not a route `auto` could take (so never the "fastest admitted provider" auto is held to),
-    #: and not stored in baselines, which hold providers only.
+    #: Not a route `auto` could take (so never the "fastest admitted provider" auto is held to); stored in
+    #: baselines with the providers (`metal_attn.bench.baselines.TRACKED_KINDS`): the engine's path on CUDA.
     kind = "compiled"
 
     def __init__(self) -> None:
