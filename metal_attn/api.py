@@ -222,7 +222,7 @@ def paged_attention(
 
 
 def _refuse_output(provider: str, route: str, out: Any, q: mx.array) -> None:
-    got = _describe_output(out) if type(out) is not mx.array else f"mx.array {tuple(out.shape)} {dtype_name(out.dtype)}"
+    got = _describe_output(out)
     raise ProviderContractError(
         f"provider {provider!r} (route {route!r}): run() returned {got} (allowed: an mx.array of q's shape "
         f"{tuple(q.shape)} and dtype {dtype_name(q.dtype)})"
@@ -438,7 +438,8 @@ def _describe_output(out: Any) -> str:
     """What a provider returned, for a contract error: ``list of 2: mx.array (3, 4) float16, ...``, ``None``."""
     def one(a: Any) -> str:
         if hasattr(a, "shape") and hasattr(a, "dtype"):
-            return f"{type(a).__name__} {tuple(a.shape)} {dtype_name(a.dtype)}"
+            kind = "mx.array" if type(a) is mx.array else type(a).__name__
+            return f"{kind} {tuple(a.shape)} {dtype_name(a.dtype)}"
         return "None" if a is None else type(a).__name__
 
     if isinstance(out, (tuple, list)):

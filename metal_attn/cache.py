@@ -410,6 +410,7 @@ class PagedKVCache:
         # the step's writes) would miss those tokens, so prepare_step refuses it.
         self._unwritten_pages: set[int] = set()
         self._layers_left: set[int] = set()
+        self._taken: list[int] | None = None  # ids of the arrays take_pools handed out
 
     def _check_fits(self, shape: tuple[int, ...]) -> None:
         """Refuse pools larger than the memory there is before allocating them (MLX's CPU backend
@@ -527,7 +528,9 @@ class PagedKVCache:
         ``batch`` lists ``(seq_id, num_new_tokens)``, decode rows (1 token) first,
         then prefill chunks; each sequence at most once. A shared, partly filled last
         page is copied before it is appended to (in every layer's pools). Raises
-        `CacheExhaustedError` when the pages do not fit; nothing changes then.
+        `CacheExhaustedError` when the pages do not fit, and `InvalidInputError` when such a copy
+        cannot be made now (the pools taken by `take_pools`, or the page still waiting for an
+        earlier step's write to every layer); nothing changes then.
         """
         rows = self._check_batch(batch)
         grow, to_copy = self._step_allocations(rows)
@@ -647,6 +650,7 @@ class PagedKVCache:
             raise InvalidInputError("take_pools: the pools were already taken (put_pools gives them back)")
         self._k = [None] * self.num_layers
         self._v = [None] * self.num_layers
+        self._taken = [id(a) for a in pools]  # put_pools tells the layers given back written from these
         return pools
 
     def put_pools(self, pools: Sequence[mx.array]) -> None:
@@ -662,8 +666,13 @@ class PagedKVCache:
             )
         self._k = list(pools[0::2])
         self._v = list(pools[1::2])
-        self._layers_left.clear()  # a compiled step writes every layer in the pools it gives back
-        self._unwritten_pages.clear()
+        # A layer given back as other arrays than the ones taken was written (a compiled step's new pools); one
+        # given back unchanged (a step that failed, say) was not, and its planned tokens still wait.
+        taken = self._taken or [None] * len(pools)
+        for layer in range(self.num_layers):
+            if (id(pools[2 * layer]), id(pools[2 * layer + 1])) != (taken[2 * layer], taken[2 * layer + 1]):
+                self._written(layer)
+        self._taken = None
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -317,7 +317,7 @@ def _cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     con.print(_table("decision (highest priority first)",
                      ["provider", "priority", "origin", "verdict", "reasons", "plan"], rows))
     if exp.chosen is None:
-        unknown = [x for r in exp.rows if r.name == exp.forced for x in r.reasons if " is not registered " in x]
+        unknown = [x for r in exp.rows if r.name == exp.forced and r.origin == "-" for x in r.reasons]  # no such name
         empty = get_registry().nothing_registered(get_settings())
         if unknown:
             verdict = unknown[0]

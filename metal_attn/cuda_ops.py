@@ -208,15 +208,18 @@ def kernel_function(name: str, source_files: Sequence[str], defines: Any, inputs
                     outputs: Sequence[tuple[str, str]], template: Sequence[tuple[str, Any]]) -> int:
     """The loaded function of kernel ``name`` of our texts (`metal_attn.kernels.assemble` on CUDA
     with ``defines``), specialized by ``template`` and the ``(name, dtype name)`` signature."""
-    return _kernel_function(_epoch.current()[0], name, tuple(source_files),
-                            defines if defines is None or type(defines) is tuple else tuple(sorted(defines.items())),
+    from metal_attn import kernels
+
+    items = None if defines is None else kernels.define_items(defines)
+    return _kernel_function(_epoch.current()[0], name, tuple(source_files), items, kernels.define_types(items),
                             tuple(inputs), tuple(outputs), tuple(template))
 
 
 @functools.lru_cache(maxsize=1024)
-def _kernel_function(epoch: int, name: str, source_files: tuple, defines: Any, inputs: tuple, outputs: tuple,
-                     template: tuple) -> int:
-    # `epoch`: kernel sources changing (`metal_attn.kernels.use_source_dir`, `clear_cache`) bump it.
+def _kernel_function(epoch: int, name: str, source_files: tuple, defines: Any, define_types: tuple, inputs: tuple,
+                     outputs: tuple, template: tuple) -> int:
+    # `epoch`: kernel sources changing (`metal_attn.kernels.use_source_dir`, `clear_cache`) bump it;
+    # `define_types` keeps 1, 1.0 and True apart (`metal_attn.kernels.define_types`).
     from metal_attn import kernels
 
     header, body = kernels.assemble(name, source_files, "cuda", defines)

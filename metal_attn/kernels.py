@@ -217,6 +217,17 @@ def kernel_name(name: str, header: str, body: str) -> str:
     return f"ma_{name}_{digest}"
 
 
+def define_items(defines: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None) -> tuple[tuple[str, Any], ...]:
+    """A variant's defines as a cache key's ``(name, value)`` pairs: a tuple as given, a mapping sorted."""
+    return defines if type(defines) is tuple else tuple(sorted((defines or {}).items()))
+
+
+def define_types(items: tuple[tuple[str, Any], ...] | None) -> tuple[type, ...]:
+    """The types of ``items``' values, for cache keys beside the items: 1, 1.0 and True are equal keys but
+    three texts (``#define X 1``, ``1.0``, ``True``)."""
+    return tuple([type(v) for _, v in items or ()])
+
+
 def load_kernel(
     name: str,
     source_files: Sequence[str],
@@ -236,10 +247,9 @@ def load_kernel(
     names), so the lookup only hashes what it was given (pairs in another order make another
     object of the same text and name, which MLX compiles once).
     """
-    dkey = defines if type(defines) is tuple else tuple(sorted((defines or {}).items()))
-    # The values' types too: 1, 1.0 and True are equal keys, but 1 and 1.0 are two texts.
-    key = (backend, name, tuple(source_files), tuple(input_names), tuple(output_names), dkey,
-           tuple([type(v) for _, v in dkey]), ensure_row_contiguous)
+    dkey = define_items(defines)
+    key = (backend, name, tuple(source_files), tuple(input_names), tuple(output_names), dkey, define_types(dkey),
+           ensure_row_contiguous)
     got = _kernels.get(key)
     if got is not None:
         return got

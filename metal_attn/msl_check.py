@@ -77,7 +77,12 @@ def _load_set(spec: str | None, providers: Sequence[str] | None = None) -> list[
     if providers:
         raise ValueError(f"set={spec!r} with providers={list(providers)} (allowed: one of the two)")
     module, _, func = spec.partition(":")
-    return list(getattr(importlib.import_module(module), func)())
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError, ValueError) as exc:  # ValueError: an empty module name
+        raise ValueError(f"--set {spec!r}: {type(exc).__name__}: {exc} (allowed: module:function, a function "
+                         "returning the Specialization objects, importable here)") from None
+    return list(fn())
 
 
 def _set_args(set_spec: str | None, providers: Sequence[str] | None) -> list[str]:
@@ -321,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # the selection first (cheap, and a usage error wherever clang++ is)
         problem = selection_problem("msl_specializations", _load_set(args.set, args.provider), args.only,
                                     args.provider, args.set)
-    except ProviderRefusedError as exc:
+    except (ProviderRefusedError, ValueError) as exc:
         ap.error(str(exc))
     if problem:
         ap.error(problem)

@@ -209,17 +209,23 @@ def registry_from(plugins: Iterable[object] | None = None, *, names: Sequence[st
 _lock = threading.Lock()
 #: The plugin whose import or registration hook this thread is running while it builds a registry.
 _local = threading.local()
+#: The plugin whose code a registry build is running, in whichever thread (for the message below).
+_in_plugin: str | None = None
+#: How long `get_registry` waits for a build another thread holds before it says why it stopped waiting: a
+#: plugin that waits, while it registers, on a thread of its own calling the API would wait on it forever.
+BUILD_WAIT_S = 60.0
 
 
 def _building(plugin: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` on behalf of ``plugin`` while a registry is built: `get_registry` called from it
     raises instead of waiting for the build it is part of (it deadlocked)."""
-    outer = getattr(_local, "building", None)
-    _local.building = plugin
+    global _in_plugin
+    outer, outer_any = getattr(_local, "building", None), _in_plugin
+    _local.building = _in_plugin = plugin
     try:
         return fn(*args, **kwargs)
     finally:
-        _local.building = outer
+        _local.building, _in_plugin = outer, outer_any
 #: One registry per plugin-loading configuration (autoload, allow- and deny-lists): threads whose
 #: `override_settings` differ there each get theirs, without rebuilding each other's.
 _registries: dict[tuple, Registry] = {}
@@ -243,29 +249,30 @@ def get_registry() -> Registry:
     reg = _registries.get(key)
     if reg is not None:
         return reg
-    with _lock:
+    if not _lock.acquire(timeout=BUILD_WAIT_S):
+        raise RegistryError(
+            f"waited {BUILD_WAIT_S:g} s for the provider registry, which another thread is building (now running "
+            f"plugin {_in_plugin!r}'s code): a plugin that, while it registers, waits on a thread calling "
+            "metal-attn's API waits forever (allowed: registrar.add(...) only, from the hook's own thread)")
+    try:
         reg = _registries.get(key)
         if reg is None:
             reg = _registries[key] = build_registry(s)
             _epoch.bump()
         return reg
+    finally:
+        _lock.release()
 
 
 def provider_setting_error() -> str | None:
     """Why ``METAL_ATTN_PROVIDER`` (or its alias, named as it is spelled) is unusable: it names no registered
     provider, so every call would fail; ``None`` when it is unset or registered. `check_provider_setting`
     raises it; `metal-attn doctor` reports it."""
-    from metal_attn.settings import set_by
-
     forced = get_settings().provider
     if not forced:
         return None
-    registered = get_registry().names
-    if forced in registered:
-        return None
-    var = set_by("provider") or "METAL_ATTN_PROVIDER"
-    return (f"{var}={forced!r} names no registered provider (allowed: {', '.join(registered) or 'none'}, "
-            "or unset for the registry's choice)")
+    registry = get_registry()
+    return None if forced in registry.names else registry.unregistered(forced, by_setting=True)
 
 
 def check_provider_setting() -> None:

@@ -8,6 +8,7 @@ only at start-up and on cache misses.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -64,11 +65,14 @@ class ProviderRegistrar:
             if not issubclass(provider, Provider):
                 raise RegistryError(f"{provider!r} is not a metal_attn.Provider subclass")
             try:
-                provider = provider()
-            except TypeError as exc:
+                inspect.signature(provider).bind()
+            except TypeError as exc:  # only a constructor that needs arguments; one that raises inside raises here
                 raise RegistryError(f"registrar.add({provider.__qualname__}) builds the provider with no arguments, "
-                                    f"which raised TypeError: {exc} (allowed: a class whose constructor takes no "
-                                    "arguments, or an instance: registrar.add(MyProvider(...)))") from exc
+                                    f"but its constructor needs some ({exc}; allowed: a class whose constructor "
+                                    "takes none, or an instance: registrar.add(MyProvider(...)))") from None
+            except ValueError:  # no signature to read (a C type): let the call say
+                pass
+            provider = provider()
         self._registry.check_declaration(provider, [p.name for p in self._staged])  # raises here, as documented
         self._staged.append(provider)
 
@@ -359,6 +363,7 @@ class Registry:
         self, request: AttentionRequest, device: DeviceInfo, settings: Settings, *, forced: str | None = None
     ) -> Explanation:
         """Every provider in priority order, admitted or not, with reasons and plans."""
+        by_setting = not forced and bool(settings.provider)
         forced = forced or settings.provider
         if forced:
             entries = [self._entries[forced]] if forced in self._entries else []
@@ -379,10 +384,20 @@ class Registry:
             rows.append(ExplainRow(p.name, p.priority_on(device.backend), e.origin.describe(), not reasons,
                                    tuple(reasons), plan, chosen))
         if forced and forced not in self._entries:
-            registered = ", ".join(e.provider.name for e in self.ordered(request.backend)) or "none"
-            rows.append(ExplainRow(forced, 0, "-", False,
-                                   (f"provider={forced!r} is not registered (registered: {registered})",)))
+            rows.append(ExplainRow(forced, 0, "-", False, (self.unregistered(forced, by_setting),)))
         return Explanation(request, device, tuple(rows), forced)
+
+    def unregistered(self, name: str, by_setting: bool) -> str:
+        """Why the forced provider ``name`` cannot run: no provider has that name; said as the user set it
+        (``METAL_ATTN_PROVIDER`` or its alias, as spelled, when ``by_setting``; else the ``provider=``
+        argument)."""
+        registered = ", ".join(self.names) or "none"
+        if by_setting:
+            from metal_attn.settings import set_by
+
+            return (f"{set_by('provider') or 'METAL_ATTN_PROVIDER'}={name!r} names no registered provider (allowed: "
+                    f"{registered}, or unset for the registry's choice)")
+        return f"provider={name!r} is not registered (registered: {registered})"
 
     # -- selection -----------------------------------------------------------------------------
 
@@ -393,11 +408,7 @@ class Registry:
         if not forced and settings.provider:
             forced = settings.provider
             if forced not in self._entries:  # named as the user set it, not as a `provider=` argument
-                from metal_attn.settings import set_by
-
-                raise ProviderRefusedError(
-                    f"{set_by('provider') or 'METAL_ATTN_PROVIDER'}={forced!r} names no registered provider "
-                    f"(allowed: {', '.join(self.names) or 'none'}, or unset for the registry's choice)")
+                raise ProviderRefusedError(self.unregistered(forced, by_setting=True))
         key = (request, device, settings, forced)
         hit = self._cache.get(key)
         if hit is not None:

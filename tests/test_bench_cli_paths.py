@@ -220,7 +220,7 @@ def test_from_json_refuses_the_seed_and_its_note_has_margin_and_ratios(tmp_path,
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--candidates", "mlx_sdpa,gather_sdpa"], "no candidate whose ratios a baseline stores (allowed: a provider, "
-                                               "auto, or auto_compiled among the candidates"),
+                                               "auto, auto_compiled or auto_staged among the candidates"),
     (["--candidates", "auto[validate_metadata=0],mlx_sdpa"], "no candidate whose ratios a baseline stores"),
     (["--candidates", "auto,classic"], "no ratio a provider could carry (allowed: a peer among gather_sdpa, "
                                        "mlx_sdpa, torch_sdpa, or the ceiling on shapes with GB/s"),
@@ -259,8 +259,8 @@ def test_a_write_baseline_plan_that_can_be_written_is_said(tmp_path, capsys) -> 
 def test_list_refuses_the_flags_it_would_ignore(capsys, extra, named) -> None:
     rc, out, err = _cli(capsys, "--list", "--suite", "smoke", *extra)
     assert (rc, out) == (2, "")
-    assert f"--list prints the suites and exits, so {named} would be ignored (allowed with --list: --suite, --json)" \
-        in err
+    assert (f"--list prints the suites and exits, so {named} would be ignored (allowed with --list: --suite, --json, "
+            "--quiet)") in err
 
 
 # -- benchmarks/conftest.py: the pytest-benchmark options ----------------------------------------------------

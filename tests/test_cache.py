@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import metal_attn as ma
 from metal_attn.cache import BlockAllocator, PagedKVCache, StepPlan
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
+from metal_attn.provider import scatter_slots
 
 # ---------------------------------------------------------------------------------------------
 # BlockAllocator
@@ -462,6 +463,27 @@ def test_a_copy_on_write_before_the_planned_write_is_refused(appender):
     assert plan.copies == ((0, c.block_table(who)[0]),)
     for layer in range(2):
         assert c.pools(layer)[0][c.block_table(who)[0], 2].tolist() == [[5.0] * 4]
+
+
+def test_pools_given_back_unchanged_still_wait_for_the_planned_write():
+    """put_pools took every layer as written: pools taken and given back as they were (a compiled step that
+    failed) let a fork's append copy the page without the parent's planned token."""
+    c = ma.PagedKVCache(2, 8, 8, 1, 4, dtype=mx.float32)
+    c.add_sequence("p")
+    _fill(c, c.prepare_step([("p", 2)]), 1.0)
+    planned = c.prepare_step([("p", 1)])
+    pools = c.take_pools()
+    c.put_pools(pools)  # nothing written
+    c.fork("p", "c")
+    with pytest.raises(InvalidInputError, match=r"2 of 2 layers have not written yet"):
+        c.prepare_step([("c", 1)])
+    pools = c.take_pools()  # a compiled step's write: new arrays for layer 0, the same ones for layer 1
+    k0, v0 = (scatter_slots(x, mx.full((1, 1, 4), 5.0), planned.slot_mapping) for x in pools[:2])
+    c.put_pools([k0, v0, *pools[2:]])
+    with pytest.raises(InvalidInputError, match=r"1 of 2 layers have not written yet \(first: layer 1\)"):
+        c.prepare_step([("c", 1)])
+    c.write_step(1, mx.full((1, 1, 4), 5.0), mx.full((1, 1, 4), 5.0), planned)
+    assert c.prepare_step([("c", 1)]).copies
 
 
 def test_a_copy_on_write_with_the_pools_taken_changes_nothing():

@@ -1110,3 +1110,7 @@ def test_a_call_under_a_provider_variable_no_provider_has_names_the_variable(mon
     with pytest.raises(metal_attn.ProviderRefusedError, match=r"^METAL_ATTN_PROVIDER='clasic' names no registered "
                                                                r"provider \(allowed: .*classic.*, or unset"):
         metal_attn.paged_attention(**case.kwargs())
+    # explain says it the same way (it said "provider='clasic' is not registered")
+    (row,) = metal_attn.explain(**{"q_lens": [1], "seq_lens": [20], "num_heads": 2, "num_kv_heads": 1,
+                                   "head_size": 64, "dtype": "float16"}).rows
+    assert row.reasons[0].startswith("METAL_ATTN_PROVIDER='clasic' names no registered provider")

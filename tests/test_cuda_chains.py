@@ -397,3 +397,21 @@ def test_explain_shows_the_idle_launch_for_decode_rows_and_the_setting():
                  num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
     notes = " ".join(n for r in ex.rows if r.name == "sdpa_prefill" for n in r.plan.notes)
     assert "idle-GPU launch (CUDA chains): no (a mixed batch's decode rows" in notes
+
+
+def test_chain_kernel_functions_keep_define_values_of_other_types_apart(monkeypatch):
+    """The chains' function cache keyed defines by value alone: 1 and 1.0 (two texts, ``#define X 1`` and
+    ``1.0``) gave one compiled function; `kernels.load_kernel` already kept them apart."""
+    from metal_attn import cuda_ops
+
+    built = []
+    monkeypatch.setattr(cuda_ops, "compile_function", lambda func, src: (built.append(src), len(built))[1])
+    cuda_ops._kernel_function.cache_clear()
+    args = (("reshape_and_cache.metal",),)
+    sig = ((("key", "float32"),), (("k_out", "float32"),), (("T", "float32"),))
+    one = cuda_ops.kernel_function("reshape_and_cache", *args, (("MA_PROBE", 1),), *sig)
+    again = cuda_ops.kernel_function("reshape_and_cache", *args, {"MA_PROBE": 1}, *sig)
+    other = cuda_ops.kernel_function("reshape_and_cache", *args, (("MA_PROBE", 1.0),), *sig)
+    cuda_ops._kernel_function.cache_clear()
+    assert one == again != other and len(built) == 2
+    assert "#define MA_PROBE 1.0" in built[1] and "#define MA_PROBE 1.0" not in built[0]

@@ -112,6 +112,16 @@ MODULES = {
         def metal_attn_register_providers(registrar):
             pass
     """,
+    "ma_test_thread_reentrant_plugin": """
+        from concurrent.futures import ThreadPoolExecutor
+
+        import metal_attn as ma
+
+        @ma.hookimpl
+        def metal_attn_register_providers(registrar):
+            with ThreadPoolExecutor(1) as pool:  # the API from another thread, waited on
+                pool.submit(ma.providers).result()
+    """,
     "ma_test_sysexit_plugin": """
         import argparse
 
@@ -293,6 +303,20 @@ def test_a_plugin_that_calls_the_api_while_registering_is_left_out_not_a_deadloc
     assert reg.load_errors["reentrant"].startswith(
         "RegistryError: plugin 'reentrant' called metal-attn's API (which needs the provider registry) while the "
         "registry is being built, from its import or its metal_attn_register_providers hook")
+
+
+def test_a_plugin_that_waits_on_a_thread_calling_the_api_is_left_out_not_a_deadlock(entry_points, builtin,
+                                                                                     monkeypatch):
+    """The same call from a thread the hook waits on: that thread waits for the registry's lock, which the build
+    holds while it waits on the thread. It hung; now the waiting thread stops after `BUILD_WAIT_S` and says why."""
+    monkeypatch.setattr(plugins, "BUILD_WAIT_S", 0.5)
+    entry_points(threads="ma_test_thread_reentrant_plugin", good="ma_test_good_plugin")
+    with override_settings(plugin_autoload=True):
+        reg = plugins.get_registry()
+    assert third_party(reg, builtin) == ["third_party"]
+    assert reg.load_errors["threads"].startswith(
+        "RegistryError: waited 0.5 s for the provider registry, which another thread is building (now running "
+        "plugin 'threads''s code)")
 
 
 @pytest.mark.parametrize(("module", "event", "message"), [

@@ -156,6 +156,18 @@ def test_an_empty_selection_is_a_usage_error(check, argv, error, no_compilers, c
     assert re.search(error, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize(("spec", "error"), [
+    ("nosuch_module_ma:fn", "ModuleNotFoundError: No module named 'nosuch_module_ma'"),
+    ("metal_attn.msl_check:nosuch", "AttributeError: module 'metal_attn.msl_check' has no attribute 'nosuch'"),
+])
+def test_a_set_that_cannot_be_imported_is_a_usage_error(spec, error, no_compilers, capsys):
+    """`--set nosuch:fn` printed the import's traceback and exited 1, as if the check had found errors."""
+    with pytest.raises(SystemExit) as exc:
+        msl_check.main(["--set", spec])
+    assert exc.value.code == 2
+    assert f"--set {spec!r}: {error} (allowed: module:function" in capsys.readouterr().err
+
+
 def test_a_missing_compiler_is_a_message(no_compilers, capsys):
     assert msl_check.main(["--only", "^reshape_and_cache float16$"]) == 2
     assert ("msl_check: clang++ is not on PATH (CLANGXX='ma-no-such-clang++'; allowed: a clang++ executable"

@@ -435,8 +435,8 @@ def baseline_plan_problem(plan: Sequence[tuple[Suite, Sequence[Shape], Sequence[
         if tracked and can:
             return None
     if not tracked_any:
-        return (f"no candidate whose ratios a baseline stores (allowed: a provider, auto, or auto_compiled among "
-                f"the candidates, kinds {', '.join(baselines.TRACKED_KINDS)}; peers and variants are not stored)")
+        return (f"no candidate whose ratios a baseline stores (allowed: a provider, auto, auto_compiled or auto_staged "
+                f"among the candidates, kinds {', '.join(baselines.TRACKED_KINDS)}; peers and variants are not stored)")
     which = f" matching --ratios {','.join(ratios)}" if ratios else ""
     return (f"no ratio{which} a provider could carry (allowed: a peer among {', '.join(SPEEDUP_PEERS)}, or the "
             "ceiling on shapes with GB/s, among the candidates)")
@@ -449,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
         ignored = _given(args, _IGNORED_BY_LIST)
         if ignored:
             print(f"metal-attn bench: error: --list prints the suites and exits, so {', '.join(ignored)} would be "
-                  "ignored (allowed with --list: --suite, --json)", file=err)
+                  "ignored (allowed with --list: --suite, --json, --quiet)", file=err)
             return 2
         names = [n for v in args.suite for n in _csv(v)] if args.suite else None
         unknown = [n for n in names or () if n not in SUITES and n != "generate"]

@@ -137,16 +137,22 @@ def run_case(case: AttentionCase, provider: str | None = None) -> np.ndarray:
     the output's shape and dtype, and that the call left the caller's arrays (query, pools, sinks) as they were."""
     import metal_attn
 
+    return _call_checked(case, lambda: metal_attn.paged_attention(**case.kwargs(), provider=provider))
+
+
+def _call_checked(case: AttentionCase, call: Any, what: str = "paged_attention") -> np.ndarray:
+    """``call()`` (a `paged_attention` call on ``case``'s arrays), evaluated, as float64; asserts the output's
+    shape and dtype and that the call left the caller's arrays (query, pools, sinks) as they were."""
     inputs = {"q": case.q, "k_cache": case.k_cache, "v_cache": case.v_cache, "sinks": case.sinks}
     before = {name: _bits(x) for name, x in inputs.items() if x is not None}
-    out = metal_attn.paged_attention(**case.kwargs(), provider=provider)
+    out = call()
     mx.eval(out)
-    if out.dtype != case.q.dtype or tuple(out.shape) != tuple(case.q.shape):
+    if type(out) is not mx.array or out.dtype != case.q.dtype or tuple(out.shape) != tuple(case.q.shape):
         raise AssertionError(
-            f"[{case.label}] output is {dtype_name(out.dtype)} {tuple(out.shape)}; the contract is the query's "
-            f"{case.dtype} {tuple(case.q.shape)}"
+            f"[{case.label}] {what}'s output is {dtype_name(getattr(out, 'dtype', None))} "
+            f"{tuple(getattr(out, 'shape', ()))}; the contract is the query's {case.dtype} {tuple(case.q.shape)}"
         )
-    _assert_unchanged(inputs, before, f"[{case.label}] paged_attention")
+    _assert_unchanged(inputs, before, f"[{case.label}] {what}")
     return to_numpy(out).astype(np.float64)
 
 
@@ -237,9 +243,9 @@ def check_bounds_case(case: AttentionCase, provider: str | None = None) -> Any:
     md = AttentionMetadata.decode_bounds(mx.array(tables), mx.array(case.seq_lens.astype(np.int32)),
                                          max_seq_len=2 * width * block_size)
     kw = {k: v for k, v in case.kwargs().items() if k not in ("block_tables", "seq_lens", "cu_seqlens_q")}
-    out = metal_attn.paged_attention(**kw, metadata=md, provider=provider)
+    got = _call_checked(case, lambda: metal_attn.paged_attention(**kw, metadata=md, provider=provider),
+                        "paged_attention with bounds metadata")
     record = metal_attn.diagnostics.last_dispatch()
-    got = to_numpy(out).astype(np.float64)
     assert_close_to_oracle(got, case.oracle(), case.dtype,
                            label=f"{case.label} with bounds metadata via {getattr(record, 'route', '?')}")
     return record
