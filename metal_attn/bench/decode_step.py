@@ -213,25 +213,30 @@ class StepCompiled(StepProvider):
     #: baselines with the providers (`metal_attn.bench.baselines.TRACKED_KINDS`): the engine's path on CUDA.
     kind = "compiled"
 
-    def __init__(self) -> None:
-        super().__init__("auto_compiled")
+    def __init__(self, name: str = "auto_compiled") -> None:
+        super().__init__(name)
 
     def prepare(self, case: Any) -> Prepared:
         case = _need_step(case)
         _, route = StepProvider("auto").admit(case.shape)
-        q, md, scale, pools = case.q, case.metadata, case.scale, case.pools
-        step = mx.compile(lambda: chain(q, pools, lambda x, kv: metal_attn.paged_attention(x, *kv, metadata=md,
-                                                                                           scale=scale)))
+        q, pools = case.q, case.pools
+        step = mx.compile(lambda: chain(q, pools, _auto_layer(case)))
         return mlx_prepared(step, _layer_rows, f"{route}; {len(pools)} chained layers under mx.compile, one eval")
 
     def route_after(self, prep: Prepared) -> str | None:
         return prep.route  # a replayed compiled graph dispatches nothing: the route is the traced one
 
 
+def _auto_layer(case: Any) -> Callable[[mx.array, Any], mx.array]:
+    """One layer of the compiled steps: the registry's choice over that layer's pools, the case's metadata."""
+    md, scale = case.metadata, case.scale
+    return lambda x, kv: metal_attn.paged_attention(x, *kv, metadata=md, scale=scale)
+
+
 #: `StepStaged`'s segments: layers per compiled segment, in order, the last one taking every layer left.
-#: Each is queued (``mx.async_eval``) as soon as it is built, so the GPU starts on the first layer while the
-#: host builds and encodes the next segment; each segment is about as long as all before it, so its host
-#: time hides behind their GPU time.
+#: Each is queued (``mx.async_eval``) as soon as it is built, each about as long as all before it: the
+#: hope was that its host time would hide behind their GPU time. Measured, it did not (an H100,
+#: docs/bench-h200-decode-step.md, thirty-seventh session).
 STAGED_SEGMENTS = (1, 1, 2, 4, 8)
 
 
@@ -249,7 +254,7 @@ def staged_segments(layers: int, sizes: Sequence[int] = STAGED_SEGMENTS) -> list
     return cuts
 
 
-class StepStaged(StepProvider):
+class StepStaged(StepCompiled):
     """``auto_compiled`` cut into compiled segments of `STAGED_SEGMENTS` layers, each queued as soon as it is
     built, one wait per step (issue #17, the step boundary).
 
@@ -258,7 +263,6 @@ class StepStaged(StepProvider):
     the GPU after one layer's building, and each further segment is built while the ones before run."""
 
     name = "auto_staged"
-    kind = "compiled"
 
     def __init__(self) -> None:
         super().__init__("auto_staged")
@@ -266,11 +270,10 @@ class StepStaged(StepProvider):
     def prepare(self, case: Any) -> Prepared:
         case = _need_step(case)
         _, route = StepProvider("auto").admit(case.shape)
-        md, scale, pools = case.metadata, case.scale, case.pools
+        pools, layer = case.pools, _auto_layer(case)
 
         def segment(layers: range) -> Callable[[mx.array], list[mx.array]]:
-            return mx.compile(lambda x: chain(x, [pools[i] for i in layers], lambda y, kv: metal_attn.paged_attention(
-                y, *kv, metadata=md, scale=scale)))
+            return mx.compile(lambda x: chain(x, [pools[i] for i in layers], layer))
 
         cuts = staged_segments(len(pools))
         segments = [segment(layers) for layers in cuts]
@@ -294,9 +297,6 @@ class StepStaged(StepProvider):
         return Prepared(run=run, launch=launch, to_rows=_layer_rows,
                         route=f"{route}; {len(pools)} chained layers in compiled segments of {sizes}, each queued "
                               "when built, one wait")
-
-    def route_after(self, prep: Prepared) -> str | None:
-        return prep.route
 
 
 class StepMlxSdpa(TimedCandidate):
