@@ -14,6 +14,7 @@
 #include "mlx/allocator.h"
 #include "mlx/ops.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/utils.h"
 #include "thread_pool.h"
 
 namespace metal_attn_native {
@@ -68,7 +69,9 @@ std::string dtype_str(mx::Dtype d) {
   if (d == mx::bfloat16) return "bfloat16";
   if (d == mx::int32) return "int32";
   if (d == mx::int64) return "int64";
-  return "another dtype";
+  std::ostringstream o;  // any other dtype by MLX's own name (uint32, bool, float64, ...)
+  o << d;
+  return o.str();
 }
 
 std::string shape_str(const mx::Shape& s) {

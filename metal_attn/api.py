@@ -305,12 +305,14 @@ FALLBACK_PROVIDER = "reference"
 
 def _warn_slow_fallback(registry: Any, request: AttentionRequest, device: DeviceInfo, settings: Any) -> None:
     """The automatic choice fell back to the reference provider although a kernel provider is
-    available here: say so once per reason (a float32 q over a float16 cache used to land there
-    silently), naming what each kernel refused."""
+    meant for this backend: say so once per reason (a float32 q over a float16 cache used to land
+    there silently), naming what each kernel refused. Providers for other backends are left out;
+    one for this backend that cannot run here (a CPU kernel whose native module is missing) is
+    named with its reason."""
     table = registry.explain(request, device, settings)
     refusals = [(r.name, r.reasons) for r in table.rows
                 if r.name != FALLBACK_PROVIDER and not r.admitted
-                and not registry.availability_reasons(registry.get(r.name), device)]
+                and device.backend in getattr(registry.get(r.name), "backends", ())]
     if not refusals:
         return
     reasons = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals)

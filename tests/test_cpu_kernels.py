@@ -659,6 +659,18 @@ def test_package_imports_and_falls_back_without_the_native_module():
         assert not row.admitted and any("metal_attn._native" in r for r in row.reasons), row.reasons
         if metal_attn.current_device().backend == "cpu":
             assert table.chosen.name == "reference"
+            # A call falls back; the warning names classic (meant for this backend) with its reason.
+            import logging
+            seen = []
+            handler = logging.Handler()
+            handler.emit = seen.append
+            logging.getLogger("metal_attn").addHandler(handler)
+            logging.getLogger("metal_attn").setLevel(logging.DEBUG)
+            md = metal_attn.AttentionMetadata.build([[0, 1, 2, 3]], [64], [0, 1])
+            pool = mx.random.normal((4, 16, 2, 64))
+            mx.eval(metal_attn.paged_attention(mx.random.normal((1, 4, 64)), pool, pool, metadata=md))
+            reasons = [r.reason for r in seen if getattr(r, "event", None) == "slow_fallback"]
+            assert any("classic: " in r and "metal_attn._native" in r for r in reasons), reasons
         print("ok")
         """
     )
@@ -666,6 +678,50 @@ def test_package_imports_and_falls_back_without_the_native_module():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), METAL_ATTN_PLUGIN_AUTOLOAD="0")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_a_module_built_against_another_mlx_release_is_not_imported(tmp_path, monkeypatch):
+    """The build records the MLX release it compiled against; under another release the module is not
+    imported (MLX's C++ ABI is not stable across releases) and the reason says how to rebuild."""
+    import importlib.machinery
+
+    so = tmp_path / "_native.cpython-312-x86_64-linux-gnu.so"
+    so.write_bytes(b"")
+    (tmp_path / native.BUILD_INFO).write_text("0.1.2\n")
+    spec = importlib.machinery.ModuleSpec("metal_attn._native", None, origin=str(so))
+    monkeypatch.setattr(native.importlib.util, "find_spec", lambda name: spec)
+    imported = []
+    monkeypatch.setattr(native.importlib, "import_module", lambda name: imported.append(name))
+    try:
+        native._reset_for_tests()
+        assert native.load() is None and native.status() == "import failed" and imported == []
+        running = native.importlib.metadata.version("mlx")
+        assert native.unavailable_reason().startswith(
+            f"native module metal_attn._native was built against MLX 0.1.2, but MLX {running} is installed")
+        (tmp_path / native.BUILD_INFO).write_text(running + "\n")  # the same release: imported
+        native._reset_for_tests()
+        native.load()
+        assert imported == ["metal_attn._native"]
+    finally:
+        monkeypatch.undo()
+        native._reset_for_tests()
+    assert native.load() is nm
+
+
+def test_a_source_checkout_hiding_an_installed_native_module_is_named(tmp_path, monkeypatch):
+    """`python -m pytest` from a checkout's root imports the checkout's `metal_attn`, which has no built
+    module, ahead of a non-editable install that has one: the reason names both places and the remedy."""
+    installed = tmp_path / "site" / "metal_attn"
+    installed.mkdir(parents=True)
+    (installed / "_native.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    assert "installed copy" not in native._not_built_reason()  # an editable install's build output alone
+    (installed / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    reason = native._not_built_reason()
+    assert str(installed.resolve()) in reason and "run from outside the source checkout" in reason, reason
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    assert native._not_built_reason().startswith("native module metal_attn._native is not built (install")
 
 
 @cpu_only
