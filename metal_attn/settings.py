@@ -415,9 +415,15 @@ class Settings(BaseSettings):
                 name = set_by(field)  # the variable the user set (ours or an upstream alias), when it says so
                 if name is not None and _as_bool(os.environ.get(name, "")):
                     return f"disabled by {name}={os.environ[name].strip()}"
-                return f"disabled by {var}"
+                # Set in code (`override_settings`, `Settings(...)`), not by the environment
+                return f"disabled by the {field} setting (its variable: {var})"
         if provider_name in self.disabled_providers:
-            return f"disabled by METAL_ATTN_DISABLED_PROVIDERS={','.join(self.disabled_providers)}"
+            var = PREFIX + "DISABLED_PROVIDERS"
+            listed = {n.strip() for n in os.environ.get(var, "").split(",")}
+            if provider_name in listed:
+                return f"disabled by {var}={','.join(self.disabled_providers)}"
+            return (f"disabled by the disabled_providers setting ({','.join(self.disabled_providers)}; "
+                    f"its variable: {var})")
         return None
 
     def device_overrides(self) -> tuple[tuple[str, object], ...]:

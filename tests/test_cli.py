@@ -112,7 +112,8 @@ def test_disabled_provider_is_listed_with_its_reason(capsys):
     assert code == 0
     ref = next(p for p in data["providers"] if p["name"] == "reference")
     assert ref["enabled"] is False
-    assert ref["disabled_reason"] == "disabled by METAL_ATTN_DISABLED_PROVIDERS=reference"
+    assert ref["disabled_reason"] == ("disabled by the disabled_providers setting (reference; its variable: "
+                                      "METAL_ATTN_DISABLED_PROVIDERS)")
 
 
 # -- explain ---------------------------------------------------------------------------------------

@@ -303,7 +303,8 @@ def test_disable_switch():
     with override_settings(disable_gqa_decode=True):
         ex = _explain(M5, [65_536])
         assert _chosen_partition(ex) is None
-        assert "disabled by METAL_ATTN_DISABLE_GQA_DECODE=1" in _reasons(ex)
+        why = "disabled by the disable_gqa_decode setting (its variable: METAL_ATTN_DISABLE_GQA_DECODE=1)"
+        assert why in _reasons(ex)
     assert _chosen_partition(_explain(M5, [65_536])) == 512
 
 

@@ -577,7 +577,8 @@ def test_disabled_provider_reason_is_listed_with_its_other_reasons():
     reg = registry_from([ProvidersPlugin(p, FakeProvider("fallback", 1))])
     with ma.override_settings(disable_gqa_decode=True):
         row = reg.explain(decode_request(), CPU, settings_mod.get_settings()).rows[0]
-    assert row.reasons == ("disabled by METAL_ATTN_DISABLE_GQA_DECODE=1", "head_size=64 (supported: 128)")
+    assert row.reasons == ("disabled by the disable_gqa_decode setting (its variable: METAL_ATTN_DISABLE_GQA_DECODE=1)",
+                           "head_size=64 (supported: 128)")
 
 
 # -- compile-time fallback -------------------------------------------------------------------------------------

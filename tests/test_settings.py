@@ -492,7 +492,12 @@ def test_nax_toggle_disables_the_shipped_provider_without_a_warning(monkeypatch)
         assert s.is_disabled("nax_prefill") == "disabled by VLLM_METAL_DISABLE_NAX=1"  # the variable the user set
         monkeypatch.delenv("VLLM_METAL_DISABLE_NAX")
         with override_settings(disable_nax=True) as o:
-            assert o.is_disabled("nax_prefill") == "disabled by METAL_ATTN_DISABLE_NAX=1"
+            # Set in code, not by a variable: the setting is named, with the variable that would set it
+            assert o.is_disabled("nax_prefill") == "disabled by the disable_nax setting (its variable: " \
+                "METAL_ATTN_DISABLE_NAX=1)"
+        with override_settings(disabled_providers=("gqa_decode",)) as o:
+            assert o.is_disabled("gqa_decode") == ("disabled by the disabled_providers setting (gqa_decode; its "
+                                                   "variable: METAL_ATTN_DISABLED_PROVIDERS)")
 
 
 @pytest.mark.parametrize(("env", "want"), [({"METAL_ATTN_LOG_FORMAT": "json"}, "json"),
