@@ -606,6 +606,7 @@ def test_split_route_is_planned_and_recorded():
     plan = table.chosen.plan
     assert plan.threadgroup == (8,)
     assert any("split gate: units 2 < 4*threads" in n for n in plan.notes)
+    assert f"kernel: metal_attn._native, {nm.resolve_isa('auto')} build" in plan.notes  # which build runs
     assert_close_to_oracle(out, case.oracle(), "float16", label="split route")
     batch = make_case(q_lens=[1] * 4, seq_lens=[3000, 1200, 700, 2500], num_heads=8, num_kv_heads=2, head_size=64,
                       block_size=16, dtype="float16", sinks=True, seed=22)

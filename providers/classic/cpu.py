@@ -120,6 +120,9 @@ def plan(request: AttentionRequest, device: DeviceInfo, settings: Settings) -> P
         notes.append(f"split refused: scratch {scratch} B > cap {SCRATCH_CAP_BYTES} B")
     if split:
         notes.append(f"units after split~{units * parts} (x{parts} partitions of {PARTITION_SIZE})")
+    mod = native.load()
+    if mod is not None:  # which build of the kernel body this CPU runs (the best it supports)
+        notes.append(f"kernel: metal_attn._native, {mod.resolve_isa('auto')} build")
     return Plan(
         provider=PROVIDER_NAME,
         route=ROUTE_SPLIT if split else ROUTE_UNSPLIT,
