@@ -184,11 +184,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="also compile every source from the kernel texts in DIR and say whether the PTX is the same "
                         "(exit 1 when one differs)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel nvcc processes")
-    p.add_argument("--nvrtc", metavar="LIBNVRTC",
+    p.add_argument("--nvrtc", metavar="LIBNVRTC", nargs="?", const="",
                    help="compile the run-time translation units of CUDA chains (metal_attn.cuda_ops) with this "
-                        "libnvrtc.so instead of nvcc's (e.g. the nvidia-cuda-nvrtc wheel's)")
+                        "libnvrtc.so instead of nvcc's; without a path, METAL_ATTN_NVRTC's, else the "
+                        "nvidia-cuda-nvrtc wheel's (CUDA 13, then 12)")
     p.add_argument("--arch", default="sm_90a", help="--nvrtc's target architecture (default sm_90a)")
     args = p.parse_args(argv)
+    if args.nvrtc == "":  # --nvrtc without a path
+        args.nvrtc = find_nvrtc()
+        if args.nvrtc is None:
+            p.error("--nvrtc without a path: METAL_ATTN_NVRTC is unset and no nvidia-cuda-nvrtc wheel is installed "
+                    "(allowed: a path to libnvrtc.so, or install nvidia-cuda-nvrtc)")
     if args.same_ptx_as and (args.nvrtc or args.resources):
         p.error("--same-ptx-as compares nvcc's PTX: it goes without --nvrtc and --resources")
     if args.same_ptx_as and not os.path.isdir(args.same_ptx_as):

@@ -330,8 +330,9 @@ class Settings(BaseSettings):
     nvrtc: Path | None = Field(
         None,
         validation_alias=_env("nvrtc"),
-        description="The libnvrtc that python -m metal_attn.cuda_check --nvrtc loads (unset: the "
-                    "nvidia-cuda-nvrtc wheel's, CUDA 13 then 12).",
+        json_schema_extra={"path": "file"},
+        description="The libnvrtc.so file that python -m metal_attn.cuda_check --nvrtc (given without a path) "
+                    "loads (unset: the nvidia-cuda-nvrtc wheel's, CUDA 13 then 12).",
     )
 
     # -- the serving engine (defaults of metal_attn.engine.EngineConfig) ------------------------
@@ -468,8 +469,9 @@ def allowed_values(field: Any) -> str:
                   (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if getattr(m, attr, None) is not None]
         text = ("integer" if ann is int else "number") + (" " if bounds else "") + ", ".join(
             f"{op} {v}" for op, v in bounds)
-    elif ann is Path:
-        text = "a folder path"
+    elif ann is Path:  # a folder unless the field says file (``json_schema_extra={"path": "file"}``)
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        text = f"a {extra.get('path', 'folder')} path"
     else:
         pattern = next((getattr(m, "pattern", None) for m in field.metadata if getattr(m, "pattern", None)), None)
         text = f"text matching {pattern}" if pattern else "text"

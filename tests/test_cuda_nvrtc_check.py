@@ -33,6 +33,19 @@ def test_the_runtime_sources_compile_with_nvrtc(capsys):
     assert "22 CUDA sources, 0 failed (NVRTC" in out and "--device-as-default-execution-space" in out
 
 
+def test_nvrtc_without_a_path_takes_the_setting_then_the_wheel(monkeypatch, capsys):
+    """``--nvrtc`` alone loads METAL_ATTN_NVRTC's library, else the wheel's; with neither it is a usage error."""
+    from metal_attn import override_settings
+
+    with override_settings(nvrtc=NVRTC):
+        assert cuda_check.main(["--nvrtc", "--only", "first_flagged", "--jobs", "1"]) == 0
+    assert f"(NVRTC {NVRTC}," in capsys.readouterr().out
+    monkeypatch.setattr(cuda_check, "find_nvrtc", lambda: None)
+    with pytest.raises(SystemExit) as exc:
+        cuda_check.main(["--nvrtc", "--only", "first_flagged"])
+    assert exc.value.code == 2 and "--nvrtc without a path: METAL_ATTN_NVRTC is unset" in capsys.readouterr().err
+
+
 def test_a_planted_error_fails_under_nvrtc(planted_kernels, seq_line, capsys):
     folder = planted_kernels("pagedattention.metal", seq_line, seq_line + "\n  undeclared_name += 1;")
     rc = cuda_check.main(["--nvrtc", NVRTC, "--only", "paged_attention float16 h64 g2 split=1", "--kernels-dir",

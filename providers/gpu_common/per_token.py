@@ -8,9 +8,9 @@ Per-token routes: ``per_token_ps0`` (one pass per query row and head) and ``per_
 (split-KV: ``P``-token partitions, then the reducer), chosen by the occupancy gate
 ``num_heads * total_q_tokens < k * gpu_cores`` with at least two 512-token partitions (``k`` per
 backend in `metal_attn.constants.SPLIT_GATE_FACTOR`). ``P`` is what the backend's
-`PARTITION_RULES` gives (`partition_choice`): on CUDA the largest of 512/256/128/64 whose KV work
-items reach the core count (measured on the H200), on Metal 512; ``METAL_ATTN_PARTITION_SIZE``
-forces one for A/B runs.
+`PARTITION_RULES` gives (`partition_choice`): on CUDA the largest of 4096/2048/1024 whose KV work
+items reach twice the core count, else the largest of 512/256/128/64 whose items reach it (measured
+on the H200), on Metal 512; ``METAL_ATTN_PARTITION_SIZE`` forces one for A/B runs.
 """
 
 from __future__ import annotations
