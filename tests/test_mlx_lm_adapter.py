@@ -295,6 +295,72 @@ def test_attention_that_bypasses_the_hook_is_refused(monkeypatch):
         PagedModel(tiny_model("llama"), num_blocks=4)
 
 
+def test_a_wrong_kv_cache_or_plan_is_named():
+    """A dict as kv_cache and None as plan raised AttributeError; num_blocks with a kv_cache was ignored."""
+    from metal_attn.mlx_lm.runner import inspect_model
+
+    model = tiny_model("llama")
+    with pytest.raises(InvalidInputError, match=r"kv_cache=\{\} \(a dict\) \(allowed: a PagedKVCache, or None"):
+        PagedModel(model, kv_cache={})
+    shape = inspect_model(model)
+    g = shape.geometry
+    cache = PagedKVCache(shape.resolved.num_layers, 4, 16, g.num_kv_heads, g.head_size, g.dtype)
+    with pytest.raises(InvalidInputError, match=r"num_blocks=999 given with a kv_cache of 4 blocks of 16 tokens "
+                                                r"\(allowed: num_blocks left out, or 4"):
+        PagedModel(model, num_blocks=999, kv_cache=cache)
+    with pytest.raises(InvalidInputError, match=r"block_size=32 given with a kv_cache of 4 blocks of 16 tokens "
+                                                r"\(allowed: block_size left out, or 16"):
+        PagedModel(model, block_size=32, kv_cache=cache)
+    assert PagedModel(model, kv_cache=cache).kv is cache
+    pm = PagedModel(model, num_blocks=4, block_size=16, kv_cache=cache)  # what the cache has: no conflict
+    assert pm.kv is cache
+    pm.kv.add_sequence("a")
+    plan = pm.kv.prepare_step([("a", 3)])
+    for bad, shown in ((None, r"None \(a NoneType\)"), ({}, r"\{\} \(a dict\)"), ([3], r"\[3\] \(a list\)")):
+        with pytest.raises(InvalidInputError, match=rf"plan={shown} \(allowed: a StepPlan"):
+            pm.forward(bad, [1, 2, 3])
+    assert pm.forward(plan, [1, 2, 3]).shape == (1, pm.vocab_size)
+
+
+def test_load_refuses_keywords_it_would_drop(tmp_path, monkeypatch):
+    """load('smollm2', ...) and load('x.gguf', ...) dropped every keyword without a word."""
+    from metal_attn.mlx_lm import default_model, gguf, load
+
+    monkeypatch.setattr(default_model, "load_default", lambda *a, **k: pytest.fail("the default model was loaded"))
+    monkeypatch.setattr(gguf, "load_gguf", lambda *a, **k: pytest.fail("the .gguf was read"))
+    with pytest.raises(ModelError, match=r"load\(model='smollm2' \(the default model\)\) got keyword\(s\) "
+                                         r"no_such_option, tokenizer_config, which it does not use \(allowed: only "
+                                         r"cache_dir, fetch, pip_args; mlx_lm.utils.load's keywords apply to model"):
+        load("smollm2", tokenizer_config={"eos_token": "<|im_end|>"}, no_such_option=123)
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(ModelError, match=r"\(a \.gguf file\)\) got keyword\(s\) lazy, model_config, which it does not "
+                                         r"use \(allowed: no keywords"):
+        load(path, lazy=True, model_config={})
+
+
+def test_load_honours_the_default_model_s_own_keywords(tmp_path):
+    """``cache_dir`` and ``fetch`` reach `load_default`: an empty cache with fetch=False is refused (the
+    keywords were dropped, and the model in the usual cache loaded)."""
+    from metal_attn.mlx_lm import load
+
+    with pytest.raises(ModelError, match=r"is not in the cache \(.*\) and fetch=False"):
+        load("smollm2", cache_dir=tmp_path, fetch=False)
+    assert not list(tmp_path.rglob("*.gguf"))
+
+
+def test_load_passes_a_folder_s_keywords_to_mlx_lm(tmp_path, monkeypatch):
+    import mlx_lm.utils
+
+    from metal_attn.mlx_lm import load, loading
+
+    seen = {}
+    monkeypatch.setattr(loading, "_check_folder", lambda path: None)
+    monkeypatch.setattr(mlx_lm.utils, "load", lambda path, **kw: seen.update(kw) or ("model", "tokenizer"))
+    assert load(tmp_path, tokenizer_config={"a": 1}, lazy=True) == ("model", "tokenizer")
+    assert seen == {"tokenizer_config": {"a": 1}, "lazy": True}
+
+
 def test_bad_arguments_are_named():
     model = tiny_model("llama")
     with pytest.raises(InvalidInputError, match="num_blocks is required"):

