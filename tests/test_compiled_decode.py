@@ -333,6 +333,26 @@ def test_a_one_page_pool_compiles_without_padding_rows():
     assert eng.runner.compiled.pad_block is None and not eng.blocks.reserved
 
 
+@pytest.mark.parametrize(("name", "block_size", "reason"), [
+    ("gemma3_text", 16, "have a sliding window"),
+    ("llama", 24, "page size 24 is not a kernel block size"),
+])
+def test_compiled_steps_refused_up_front_reserve_no_page(name, block_size, reason):
+    """A model or page size compiled steps refuse from the start never runs a padding row: no page is
+    reserved for them, and a request that fills the whole pool is accepted (the page was lost, and
+    add_request blamed the reservation)."""
+    model = tiny_model(name)
+    eng = Engine(model, WordTokenizer(), EngineConfig(num_blocks=4, block_size=block_size, compile_decode=True))
+    compiled = eng.runner.compiled
+    assert reason in compiled.disabled
+    assert compiled.pad_block is None and not eng.blocks.reserved and eng.kv_usage()["reserved"] == 0
+    assert eng.pool_tokens == 4 * block_size
+    prompt = [(7 * i) % 250 + 1 for i in range(4 * block_size - 5)]  # + max_tokens 5: the whole pool
+    (c,) = eng.generate([prompt], max_tokens=5)
+    assert_same_greedy(c.token_ids, reference_greedy(model, prompt, 5, WordTokenizer.eos_token_ids), 1e-4,
+                       f"{name}, page size {block_size}, compiled steps refused")
+
+
 def _plan_arrays(plan):
     """A plan's arrays (values and dtypes: a compiled step's cache key includes the dtypes) and host views."""
     md = plan.metadata

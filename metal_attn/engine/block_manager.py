@@ -11,6 +11,12 @@ Writes only ever go to a request's blocks past its cached prefix, which it holds
 at least one prompt token is always recomputed (its logits start the generation), so a
 fully cached prompt gives its last block back to be recomputed. `check_invariants`
 states what must hold between any two calls.
+
+Weights epochs: K/V depend on the model's weights as well as the tokens, so the first block's
+parent is the root of the weights epoch the request was admitted in (`epoch_root`). `new_epoch`
+(the model's weights changed) moves to a new root and takes every cached block out of the
+lookup: nothing computed with the old weights matches a request admitted afterwards. A request
+admitted before keeps registering under its old root, which no new request reaches.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Iterable, Sequence
 
 from metal_attn.cache import BlockAllocator
 
-__all__ = ["BlockManager", "block_hash"]
+__all__ = ["BlockManager", "block_hash", "epoch_root"]
 
 _ROOT = b"metal-attn-prefix-root"
 
@@ -31,6 +37,13 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     h = hashlib.blake2b(parent or _ROOT, digest_size=16)
     h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids))
     return h.digest()
+
+
+def epoch_root(epoch: int) -> bytes | None:
+    """The parent of a first block in weights epoch ``epoch`` (``None``, the plain root, for epoch 0)."""
+    if epoch == 0:
+        return None
+    return hashlib.blake2b(_ROOT + epoch.to_bytes(8, "little"), digest_size=16).digest()
 
 
 class BlockManager:
@@ -43,6 +56,10 @@ class BlockManager:
         self._tables: dict[object, list[int]] = {}
         #: Hashes of each request's leading full blocks that are registered (or were looked up).
         self._hashes: dict[object, list[bytes]] = {}
+        #: The weights epoch (`new_epoch`), its root, and each request's root, taken at its admission.
+        self.epoch = 0
+        self._root: bytes | None = epoch_root(0)
+        self._roots: dict[object, bytes | None] = {}
         self._cached: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         #: Cached blocks that only the cache holds, least recently used first.
@@ -108,15 +125,15 @@ class BlockManager:
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """The cached blocks of the longest cached prefix of ``token_ids``, and their hashes.
 
-        At most ``len(token_ids) - 1`` tokens are matched (the last token is always computed).
-        Takes no references.
+        At most ``len(token_ids) - 1`` tokens are matched (the last token is always computed), under
+        the current weights epoch's root. Takes no references.
         """
         if not self.enable_prefix_caching:
             return [], []
         bs = self.block_size
         blocks: list[int] = []
         hashes: list[bytes] = []
-        parent = None
+        parent = self._root
         for i in range((len(token_ids) - 1) // bs):
             h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             b = self._cached.get(h)
@@ -149,6 +166,7 @@ class BlockManager:
         self.allocator.share(blocks)
         self._tables[req_id] = list(blocks) + self._allocate(need)
         self._hashes[req_id] = list(hashes)
+        self._roots[req_id] = self._root
         self.prefix_queries += len(token_ids)
         self.prefix_hits += cached_tokens
         return cached_tokens
@@ -168,14 +186,14 @@ class BlockManager:
 
     def register(self, req_id: object, token_ids: Sequence[int], num_computed: int) -> None:
         """Put the request's full blocks whose K/V are written or queued (the first ``num_computed``
-        tokens, ids known) into the prefix cache."""
+        tokens, ids known) into the prefix cache, under the root of the epoch it was admitted in."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         table, hashes = self._tables[req_id], self._hashes[req_id]
         full = min(num_computed, len(token_ids)) // bs
         for i in range(len(hashes), full):
-            h = block_hash(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(hashes[-1] if hashes else self._roots[req_id], token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             b = table[i]
             if h in self._cached or b in self._hash_of:
@@ -205,6 +223,7 @@ class BlockManager:
         every cached block after it."""
         table = self._tables.pop(req_id)
         self._hashes.pop(req_id, None)
+        self._roots.pop(req_id, None)
         self.allocator.free(table)
         for b in reversed(table):
             if b in self._hash_of and self.allocator.refcount(b) == 1:
@@ -219,6 +238,18 @@ class BlockManager:
             self.allocator.free([b])
             self.evictions += 1
         return self.allocator.allocate(n)
+
+    def new_epoch(self) -> int:
+        """Start a new weights epoch: the model's weights changed, so no cached K/V may be served any
+        more. Requests admitted from now on hash under a new root; every cached block leaves the
+        lookup (evictable ones go back to the free list, held ones stay with their requests until
+        `free`). Requests admitted before keep registering under their old root, where no new request
+        looks. Returns how many cached blocks were dropped."""
+        dropped = len(self._cached)
+        self.epoch += 1
+        self._root = epoch_root(self.epoch)
+        self.uncache(list(self._tables))
+        return dropped
 
     def reset_prefix_cache(self) -> int:
         """Evict every evictable cached block; return how many went."""
@@ -244,5 +275,6 @@ class BlockManager:
                 f"block {b}: evictable={b in self._evictable} but cached={b in self._hash_of}, "
                 f"held by {holders.get(b, 0)} request(s)"
             )
+        assert self._roots.keys() == self._tables.keys() == self._hashes.keys()
         assert len(self._cached) == len(self._hash_of)
         assert all(self._hash_of[b] == h for h, b in self._cached.items())

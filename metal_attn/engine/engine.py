@@ -4,6 +4,13 @@ The engine owns the loop. Each `Engine.step` lets the scheduler pick a batch, ha
 step runner build and queue it, and, while it runs on the device, finishes the step
 before it: its tokens come back to the host, are detokenized and checked against the
 stop conditions. One forward per call; the host's work overlaps the device's.
+
+The prefix cache holds K/V computed with the weights the model had then. Before a step that
+may admit a request, the engine checks that the model's weight arrays are the ones it saw
+last (by identity, through weak references); when they are not (``model.update``,
+``load_weights``, an adapter swap), the cache starts a new weights epoch
+(`BlockManager.new_epoch`). `Engine.reset_prefix_cache` does so on demand, for changes the
+identity of the arrays does not show (an assignment into an array, ``w[...] = x``).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import dataclasses
 import functools
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -29,9 +37,12 @@ from metal_attn.engine.sampling import init_sampling_state
 from metal_attn.engine.scheduler import Scheduler
 from metal_attn.engine.stats import EngineStats, RequestStats
 from metal_attn.errors import CacheExhaustedError, InvalidInputError
-from metal_attn.mlx_lm.runner import PagedModel, inspect_model
+from metal_attn.log import get_logger
+from metal_attn.mlx_lm.runner import PagedModel, array_slots, inspect_model, model_lock
 
 __all__ = ["Completion", "Engine", "RequestOutput"]
+
+log = get_logger(component="engine")
 
 
 def _serialized(method: Any) -> Any:
@@ -91,6 +102,19 @@ def model_max_len(model: nn.Module) -> int | None:
     return None
 
 
+def weight_refs(model: nn.Module) -> tuple[tuple[Any, weakref.ref], ...]:
+    """Which arrays ``model``'s tree holds (`nn.Module.state`): each one's key and a weak reference
+    to it, so that arrays the model drops are not kept alive."""
+    return tuple((key, weakref.ref(value)) for _, key, value in array_slots(model.state))
+
+
+def same_weights(model: nn.Module, refs: tuple[tuple[Any, weakref.ref], ...]) -> bool:
+    """Whether ``model``'s tree holds the very arrays of ``refs`` (`weight_refs`), at the same keys."""
+    slots = array_slots(model.state)
+    return len(slots) == len(refs) and all(
+        key == k and ref() is value for (_, key, value), (k, ref) in zip(slots, refs))
+
+
 def context_len(model: nn.Module, config: EngineConfig) -> int:
     """The most tokens (prompt and generated) one request may hold: ``config.max_model_len``, else what
     the model declares, else 8,192."""
@@ -138,6 +162,9 @@ class Engine:
         self._inflight: deque[InFlight] = deque()
         self._next_id = 0
         self.stats = EngineStats()
+        #: The model's weight arrays as the prefix cache last saw them (`same_weights`).
+        with model_lock(model):
+            self._weights = weight_refs(model)
         eos = getattr(tokenizer, "eos_token_ids", None) or ()
         self._eos = frozenset(int(t) for t in eos)
 
@@ -307,6 +334,32 @@ class Engine:
             return []
         return self._complete_oldest()
 
+    @_serialized
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache: no request admitted from now on is served K/V computed before
+        (`BlockManager.new_epoch`); returns how many cached blocks were dropped. The engine does this
+        itself when the model's weight arrays are replaced (``model.update``, ``load_weights``, an
+        adapter swap); call it after changing weights in a way that keeps the arrays (``w[...] = x``).
+        Requests running now keep the K/V they have."""
+        with model_lock(self.model.model):  # not while another engine's trace holds tracers in the tree
+            self._weights = weight_refs(self.model.model)
+        return self.blocks.new_epoch()
+
+    def _check_weights(self) -> None:
+        """Before a step that may admit a request from the queue (the one place cached K/V are
+        served), start a new weights epoch if the model's weight arrays are not the ones the cache
+        saw. Other steps skip the walk over the model's tree."""
+        sched = self.scheduler
+        if not (self.blocks.enable_prefix_caching and sched.waiting and not sched.waiting[0].pending
+                and len(sched.running) < self.config.max_num_seqs):
+            return  # the scheduler admits nobody this step (a preemption puts its victim first in the queue)
+        with model_lock(self.model.model):  # not while another engine's trace holds tracers in the tree
+            if same_weights(self.model.model, self._weights):
+                return
+        dropped = self.reset_prefix_cache()
+        log.info("prefix_cache_reset", reason="the model's weights changed", blocks=dropped,
+                 epoch=self.blocks.epoch)
+
     def _check_not_stuck(self) -> None:
         """Nothing ran and nothing is in flight: with requests waiting and none running, the pool is
         as empty as it gets, so a request it cannot admit now never will be. Raise rather than let
@@ -321,6 +374,7 @@ class Engine:
 
     def _launch(self) -> None:
         t = time.perf_counter()
+        self._check_weights()
         out = self.scheduler.schedule()
         scheduled = time.perf_counter() - t
         self.stats.preemptions += len(out.preempted)

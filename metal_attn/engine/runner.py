@@ -69,9 +69,13 @@ class StepRunner:
         #: device (`next_decode_plan`), so far.
         self.plans_built = 0
         self.plans_derived = 0
-        if compile_decode:  # a pool of one page serves without padding rows
-            pad = blocks.reserve("padding rows of compiled decode steps") if blocks.num_free > 1 else None
-            self.compiled = CompiledDecode(model, pad_block=pad, trace_after=trace_after, shrink_after=shrink_after)
+        if compile_decode:
+            self.compiled = CompiledDecode(model, trace_after=trace_after, shrink_after=shrink_after)
+            # The scratch page of padding rows, only where compiled steps can run at all (not with a
+            # sliding window or a page size that is no kernel block size: `CompiledDecode.disabled`
+            # says so from the start); a pool of one page serves without padding rows.
+            if self.compiled.disabled is None and blocks.num_free > 1:
+                self.compiled.pad_block = blocks.reserve("padding rows of compiled decode steps")
 
     def launch(self, out: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Build the step's graph and queue it. ``previous``: the step still in flight, whose

@@ -44,7 +44,7 @@ from metal_attn.cache import StepPlan
 from metal_attn.checks import int_at_least
 from metal_attn.log import get_logger
 from metal_attn.metadata import AttentionMetadata
-from metal_attn.mlx_lm.runner import model_lock
+from metal_attn.mlx_lm.runner import array_slots, model_lock
 
 __all__ = ["CompiledDecode", "row_bucket", "table_width"]
 
@@ -161,7 +161,7 @@ class CompiledDecode:
         # A trace swaps the weights for tracers: other threads building graphs on this model wait, until
         # the weights are back (`model_lock`).
         with model_lock(self.model.model):
-            weights = None if shape in self._traced else _array_slots(self.model.model.state)
+            weights = None if shape in self._traced else array_slots(self.model.model.state)
             try:
                 out = self._fn(*inputs, *pools)
             except BaseException as exc:  # Ctrl-C included: the pools and the weights go back first
@@ -181,6 +181,12 @@ class CompiledDecode:
                 self.disabled = f"{type(exc).__name__}: {exc}"
                 log.info("compiled_decode_off", reason=self.disabled)
                 return None
+            if weights is not None and self.traces != traces:
+                # MLX put the weights back as new Python objects of the same arrays: put back the
+                # objects themselves, so the model's tree stays what its owner gave it (the engine
+                # tells a weight update from the identity of these objects).
+                for node, key, value in weights:
+                    node[key] = value
         del pools  # the graph holds the old pools alone, so the scatters write in place
         kv.put_pools(out[1:])
         self._traced.add(shape)
@@ -222,17 +228,3 @@ class CompiledDecode:
                         positions=positions, metadata=md)
         logits = self.model.forward(plan, tokens)
         return (logits, *kv.take_pools())
-
-
-def _array_slots(tree: Any) -> list[tuple[Any, Any, mx.array]]:
-    """Every array of a tree of dicts and lists (a module's ``state``), with the container and key it sits at."""
-    out, stack = [], [tree]
-    while stack:
-        node = stack.pop()
-        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-        for key, value in items:
-            if isinstance(value, mx.array):
-                out.append((node, key, value))
-            elif isinstance(value, (dict, list)):
-                stack.append(value)
-    return out
