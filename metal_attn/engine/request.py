@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from metal_attn.checks import is_finite_real, is_int
+from metal_attn.checks import is_int, is_real
 from metal_attn.errors import InvalidInputError
 
 __all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams"]
@@ -57,34 +58,57 @@ class SamplingParams:
 
     def validate(self) -> SamplingParams:
         """Return ``self``; raise `InvalidInputError` naming the first bad value and what is allowed."""
-        if not is_finite_real(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+        if not _finite(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
             raise InvalidInputError(f"temperature={self.temperature!r} (allowed: 0 (greedy), or a number >= "
                                     f"{MIN_TEMPERATURE:g}: the logits are divided by it in float32)")
-        if not is_finite_real(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
+        if not _finite(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
             raise InvalidInputError(f"top_p={self.top_p!r} (allowed: a number in [{MIN_TOP_P:g}, 1]; 1 disables it; "
                                     "it is compared in float32)")
         if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidInputError(f"top_k={self.top_k!r} (allowed: an int >= 0; 0 disables it)")
-        if not is_finite_real(self.min_p) or not 0 <= self.min_p < 1:
+        if not _finite(self.min_p) or not 0 <= self.min_p < 1:
             raise InvalidInputError(f"min_p={self.min_p!r} (allowed: a number in [0, 1); 0 disables it)")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise InvalidInputError(f"seed={self.seed!r} (allowed: an int in [0, 2**63), or None)")
-        if self.repetition_penalty is not None and (not is_finite_real(self.repetition_penalty)
-                                                    or self.repetition_penalty <= 0):
-            raise InvalidInputError(f"repetition_penalty={self.repetition_penalty!r} (allowed: a number > 0, or None)")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, Mapping):
-                raise InvalidInputError(f"logit_bias={self.logit_bias!r} (allowed: a mapping of token id to bias, "
-                                        "or None)")
-            for tok, bias in self.logit_bias.items():
-                if not is_int(tok) or tok < 0 or not is_finite_real(bias):
-                    raise InvalidInputError(f"logit_bias entry {tok!r}: {bias!r} (allowed: int token ids >= 0 "
-                                            "mapped to finite numbers)")
+        penalty = self.repetition_penalty
+        low, high = MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        if penalty is not None and not (is_real(penalty) and low <= penalty <= high):
+            raise InvalidInputError(
+                f"repetition_penalty={penalty!r} (allowed: a number in [{low:g}, {high:g}], or None: repeated "
+                "tokens' logits are multiplied or divided by it in float32, and must stay finite)")
+        self._check_logit_bias()
         if not isinstance(self.logits_processors, (list, tuple)) or not all(
                 callable(f) for f in self.logits_processors):
             raise InvalidInputError(f"logits_processors={self.logits_processors!r} (allowed: a list or tuple of "
                                     "callables (tokens, logits) -> logits)")
         return self
+
+    @property
+    def max_logit_bias(self) -> float:
+        """The largest bias magnitude this request takes: `MAX_LOGIT_BIAS`, times the temperature
+        when sampled below 1 (the biased logits are divided by it)."""
+        if self.greedy or not _finite(self.temperature):
+            return MAX_LOGIT_BIAS
+        return MAX_LOGIT_BIAS * min(1.0, self.temperature)
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, Mapping):
+            raise InvalidInputError(f"logit_bias={self.logit_bias!r} (allowed: a mapping of token id to bias, "
+                                    "or None)")
+        bound = self.max_logit_bias
+        for tok, bias in self.logit_bias.items():
+            if not is_int(tok) or tok < 0 or not _finite(bias):
+                raise InvalidInputError(f"logit_bias entry {tok!r}: {bias!r} (allowed: int token ids >= 0 "
+                                        "mapped to finite numbers)")
+            if abs(bias) > bound:
+                at = "" if bound == MAX_LOGIT_BIAS else (f" at temperature={self.temperature!r} "
+                                                         f"({MAX_LOGIT_BIAS:g} x temperature)")
+                raise InvalidInputError(
+                    f"logit_bias entry {tok!r}: {bias!r} is beyond the bound of {bound:g}{at} (allowed: biases of "
+                    f"magnitude up to {MAX_LOGIT_BIAS:g}, times the temperature when sampling below 1: the biased "
+                    "logits are divided by the temperature in float32, and must stay finite)")
 
     @property
     def greedy(self) -> bool:
@@ -95,10 +119,27 @@ class SamplingParams:
 #: overflows below about 2.9e-39 (the request then samples uniformly at random).
 MIN_TEMPERATURE = 1e-30
 
+#: The largest logit bias magnitude (`SamplingParams.max_logit_bias`), times the temperature for a request
+#: sampled below 1: mlx-lm adds the biases to the logits in float32 (a bias past 3.4e38 is infinite there), and
+#: a sampled request's logits are then divided by the temperature. A bias of 1e39 at temperature 1 was accepted
+#: and the request sampled the last token of the vocabulary every time.
+MAX_LOGIT_BIAS = 1e30
+
+#: The range of `SamplingParams.repetition_penalty`: a repeated token's logit is multiplied by it (a negative
+#: one) or divided by it (a positive one) in float32, after the biases and before the division by the
+#: temperature; with the bias bound above, what comes out stays below about 1e34 in magnitude.
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
+
 #: The smallest top-p: the sampler compares it in float32, where values below about 1.4e-45 are 0 and a
 #: request with top-p 0 sampled from the whole vocabulary (mlx-lm's ``apply_top_p``); 1e-30 keeps it far
 #: from that edge, and below it every value keeps the one most likely token.
 MIN_TOP_P = 1e-30
+
+
+def _finite(x: object) -> bool:
+    """A Python ``int`` or ``float`` (not a bool) that is finite; an int of any size is (no float conversion)."""
+    return is_real(x) and (isinstance(x, int) or math.isfinite(x))
 
 
 @dataclasses.dataclass(eq=False)

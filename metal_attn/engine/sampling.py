@@ -31,8 +31,10 @@ def init_sampling_state(request: Request) -> None:
 
 
 def _processors(sp: SamplingParams) -> list[Any]:
-    made = make_logits_processors(logit_bias=dict(sp.logit_bias) if sp.logit_bias else None,
-                                  repetition_penalty=sp.repetition_penalty)
+    # The biases as floats: mlx-lm makes an array of them, and an int bias past int64 (10**30, within
+    # `MAX_LOGIT_BIAS`) failed there with std::bad_cast.
+    bias = {tok: float(b) for tok, b in sp.logit_bias.items()} if sp.logit_bias else None
+    made = make_logits_processors(logit_bias=bias, repetition_penalty=sp.repetition_penalty)
     return made + list(sp.logits_processors)
 
 
