@@ -26,20 +26,30 @@ DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def _temperature(text: str) -> float:
-    return _number(text, "a number >= 0 (0 is greedy)", lambda x: x >= 0)
+    return _sampling_value(text, "temperature")
 
 
 def _top_p(text: str) -> float:
-    return _number(text, "a number in (0, 1]", lambda x: 0 < x <= 1)
+    return _sampling_value(text, "top_p")
 
 
-def _number(text: str, allowed: str, ok: Any) -> float:
+def _sampling_value(text: str, field: str) -> float:
+    """``text`` as `SamplingParams`' ``field``, by the engine's own rule (`SamplingParams.validate`, imported
+    here: only when the flag is given), so that a value the engine refuses is a usage error before the
+    model loads."""
+    from metal_attn.engine.request import SamplingParams
+    from metal_attn.errors import InvalidInputError
+
     try:
         value = float(text)
     except ValueError:
-        value = float("nan")
-    if not (value == value and ok(value)):  # NaN fails both
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (allowed: {allowed})")
+        value = float("nan")  # refused below, with what is allowed
+    try:
+        SamplingParams(**{field: value}).validate()
+    except InvalidInputError as exc:
+        message = str(exc)
+        allowed = message[message.find("(allowed"):] if "(allowed" in message else f"({message})"
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} {allowed}") from None
     return value
 
 
@@ -259,27 +269,22 @@ def _run_many(engine: Any, prompts: list[str], ids: list[list[int]], sampling: l
 
 
 def _stats(engine: Any, completions: list[Any], records: list[Any], peak: int) -> dict[str, Any]:
-    prompt_tokens = sum(len(c.prompt_token_ids) for c in completions)
-    gen_tokens = sum(len(c.token_ids) for c in completions)
-    ttfts = [c.stats.time_to_first_token for c in completions if c.stats.time_to_first_token is not None]
-    first_token_at = max(ttfts) if ttfts else None
-    totals = [c.stats.total_time for c in completions if c.stats.total_time is not None]
-    end = max(totals) if totals else None
+    """The run's summary. The rates are the engine's running totals over the run's steps, with the
+    generate suite's definitions (`EngineStats.prompt_tokens_per_s`, `EngineStats.generation_tokens_per_s`):
+    prompt positions computed per second of the steps that prefilled, and generated tokens per second
+    of the other steps; numerator and denominator count the same steps, whenever each request started."""
     routes = Counter((r.op, r.provider, r.route) for r in records)
-    out = {
-        "prompt_tokens": prompt_tokens,
-        "generation_tokens": gen_tokens,
-        # Prompts: tokens over the time to the last first token; generation: the rest over the time after it.
-        "prompt_tokens_per_s": prompt_tokens / first_token_at if first_token_at else None,
-        "generation_tokens_per_s": (gen_tokens - len(completions)) / (end - first_token_at)
-        if end and first_token_at and end > first_token_at else None,
+    return {
+        "prompt_tokens": sum(len(c.prompt_token_ids) for c in completions),
+        "generation_tokens": sum(len(c.token_ids) for c in completions),
+        "prompt_tokens_per_s": engine.stats.prompt_tokens_per_s,
+        "generation_tokens_per_s": engine.stats.generation_tokens_per_s,
         "peak_memory_bytes": int(peak),
         "routes": [{"op": op, "provider": p, "route": r, "calls": n} for (op, p, r), n in sorted(routes.items())],
         "kv_pool": {"blocks": engine.blocks.num_blocks, "block_size": engine.config.block_size,
                     "bytes": engine.pool_bytes, "source": engine.pool_source},
         "engine": engine.stats.as_dict(engine.blocks),
     }
-    return out
 
 
 def _print_summary(err: Any, stats: dict[str, Any]) -> None:

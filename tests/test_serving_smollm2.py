@@ -128,15 +128,15 @@ def test_the_streamed_answer_on_a_terminal_is_the_answer(smollm2):
     "flags, message",
     [
         (["--max-tokens", "0"], "--max-tokens: invalid value '0' (allowed: an integer >= 1)"),
-        (["--temp", "-0.5"], "--temp: invalid value '-0.5' (allowed: a number >= 0"),
-        (["--top-p", "1.5"], "--top-p: invalid value '1.5' (allowed: a number in (0, 1])"),
+        (["--temp", "-0.5"], "--temp: invalid value '-0.5' (allowed: 0 (greedy), or a number >= 1e-30"),
+        (["--top-p", "1.5"], "--top-p: invalid value '1.5' (allowed: a number in [1e-30, 1]"),
         (["--model", "/no/such/model"], "--model='/no/such/model' does not exist"),
         (["--prompt", " "], "is empty (allowed: a non-empty text)"),
         (["--max-tokens", "9000"], "exceeds the model's context of 8192 tokens"),
         # sized a pool of 0.2 of memory first (13 s, 5 GB here) from what the request could never hold
         (["--max-tokens", str(10**20)], f"--max-tokens={10**20} = {10**20 + 42} tokens exceeds the model's context"),
         # 0 in float32: sampled from the whole vocabulary, exit 0
-        (["--temp", "1", "--top-p", "1e-46"], "--top-p=1e-46 (allowed: a number in [1e-30, 1]"),
+        (["--temp", "1", "--top-p", "1e-46"], "--top-p: invalid value '1e-46' (allowed: a number in [1e-30, 1]"),
         (["--prompt", "x " * 600, "--kv-cache-memory", "2000000"], "can never fit the KV pool"),
         # a budget past the device used to be capped at what the requests need (about all of this
         # machine's memory at the default caps) and crash or be OOM-killed while allocating

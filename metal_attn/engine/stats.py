@@ -68,6 +68,10 @@ class EngineStats:
     ttft_count: int = 0
     itl_sum: float = 0.0
     itl_count: int = 0
+    #: Seconds of every step completed so far, and of those that prefilled (`record_complete`): running
+    #: totals over the engine's life, where ``completions`` keeps the last `HISTORY` steps only.
+    step_seconds: float = 0.0
+    prefill_seconds: float = 0.0
     #: (time a step's tokens came back, whether the step prefilled) of the last `HISTORY` steps, in order.
     completions: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     #: The host-time phases (`InFlight.timings`) of the last steps completed.
@@ -84,9 +88,32 @@ class EngineStats:
             self.recomputed_tokens += max(0, min(end, r.request.num_computed_ever) - max(r.start, prompt))
 
     def record_complete(self, flight: InFlight, now: float) -> None:
+        """A step's tokens came back at ``now``. Its time runs from the previous step's completion, or
+        from when it began (scheduled) if that was later (time with no step under way is no step's):
+        with pipelining, completion to completion, as `prompt_seconds` and the generate suite count."""
+        prefilled = any(_prefills(r) for r in flight.output.rows)
+        began = flight.launched_at - flight.timings.get("schedule", 0.0)
+        seconds = now - (began if self.last_complete is None else max(began, self.last_complete))
+        self.step_seconds += seconds
+        if prefilled:
+            self.prefill_seconds += seconds
         self.last_complete = now
-        self.completions.append((now, any(_prefills(r) for r in flight.output.rows)))
+        self.completions.append((now, prefilled))
         self.step_timings.append(dict(flight.timings))
+
+    @property
+    def prompt_tokens_per_s(self) -> float | None:
+        """Prompt positions computed (`prompt_tokens`) per second of the steps that prefilled
+        (``prefill_seconds``; mlx-lm's ``BatchStats.prompt_tps``), or None before any."""
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
+
+    @property
+    def generation_tokens_per_s(self) -> float | None:
+        """Generated tokens per second of the steps that did not prefill: every step's time less the
+        prefilling ones' (``step_seconds - prefill_seconds``; mlx-lm's ``BatchStats.generation_tps``,
+        the generate suite's ``generation_tps``), or None while there are none."""
+        decode = self.step_seconds - self.prefill_seconds
+        return self.generated_tokens / decode if decode > 0 else None
 
     def prompt_seconds(self, since: float) -> float:
         """Wall time, from ``since``, between step completions whose step prefilled (computed prompt
@@ -119,7 +146,9 @@ class EngineStats:
         included), ``recomputed_tokens`` (generated tokens computed again after a preemption),
         ``computed_tokens_per_s`` (all of those and the generated tokens, per second) and
         ``generated_tokens_per_s`` (generated tokens over the whole run, prefill time included; not
-        mlx-lm's generation rate, which `metal-attn generate --json` gives at its top level). With
+        mlx-lm's generation rate, which `metal-attn generate --json` gives at its top level:
+        `generation_tokens_per_s`), ``step_s`` and ``prefill_s`` (seconds of every step and of those
+        that prefilled, `record_complete`). With
         ``blocks`` (the `BlockManager`), the pool's state and ``prefix_cache_hit_rate``: tokens
         served from cached blocks over tokens looked up at admissions, readmissions included."""
         span = (self.last_complete - self.first_launch) if self.first_launch and self.last_complete else 0.0
@@ -131,6 +160,8 @@ class EngineStats:
             "recomputed_tokens": self.recomputed_tokens,
             "generated_tokens": self.generated_tokens,
             "elapsed_s": span,
+            "step_s": self.step_seconds,
+            "prefill_s": self.prefill_seconds,
             "computed_tokens_per_s": computed / span if span else None,
             "generated_tokens_per_s": self.generated_tokens / span if span else None,
             "mean_ttft_s": self.ttft_sum / self.ttft_count if self.ttft_count else None,
