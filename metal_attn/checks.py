@@ -50,8 +50,9 @@ def is_real_scalar(x: object) -> bool:
 
 
 def is_finite_real(x: object) -> bool:
-    """A Python ``int`` or ``float``, not a bool, neither NaN nor infinite."""
-    return is_real(x) and math.isfinite(x)
+    """A Python ``int`` or ``float``, not a bool, neither NaN nor infinite (an int of any size is finite:
+    ``math.isfinite`` would raise ``OverflowError`` converting one past float's range)."""
+    return is_real(x) and (isinstance(x, int) or math.isfinite(x))
 
 
 def is_decimal(text: str) -> bool:

@@ -115,3 +115,12 @@ def test_sampled_at_the_smallest_temperature_and_the_largest_penalty_is_greedy(l
     bias = {7: 1.0, 0: -1.0}
     sp = SamplingParams(temperature=1e-30, seed=0, repetition_penalty=1e4, logit_bias=bias)
     assert _tokens(eng, sp) == _stock(llama, repetition_penalty=1e4, logit_bias=bias)
+
+
+def test_is_finite_real_takes_ints_past_float_range():
+    """An int of any size is finite; `math.isfinite` raised OverflowError on one past float's range, so a
+    huge int reached callers as a crash instead of a refusal naming the value."""
+    from metal_attn.checks import is_finite_real
+
+    assert is_finite_real(10**400) and is_finite_real(-(10**400)) and is_finite_real(1.5)
+    assert not is_finite_real(float("inf")) and not is_finite_real(float("nan")) and not is_finite_real(True)

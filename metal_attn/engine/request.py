@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from metal_attn.checks import is_int, is_real
+from metal_attn.checks import is_finite_real, is_int, is_real
 from metal_attn.errors import InvalidInputError
 
 __all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams"]
@@ -58,15 +57,15 @@ class SamplingParams:
 
     def validate(self) -> SamplingParams:
         """Return ``self``; raise `InvalidInputError` naming the first bad value and what is allowed."""
-        if not _finite(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+        if not is_finite_real(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
             raise InvalidInputError(f"temperature={self.temperature!r} (allowed: 0 (greedy), or a number >= "
                                     f"{MIN_TEMPERATURE:g}: the logits are divided by it in float32)")
-        if not _finite(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
+        if not is_finite_real(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
             raise InvalidInputError(f"top_p={self.top_p!r} (allowed: a number in [{MIN_TOP_P:g}, 1]; 1 disables it; "
                                     "it is compared in float32)")
         if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidInputError(f"top_k={self.top_k!r} (allowed: an int >= 0; 0 disables it)")
-        if not _finite(self.min_p) or not 0 <= self.min_p < 1:
+        if not is_finite_real(self.min_p) or not 0 <= self.min_p < 1:
             raise InvalidInputError(f"min_p={self.min_p!r} (allowed: a number in [0, 1); 0 disables it)")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise InvalidInputError(f"seed={self.seed!r} (allowed: an int in [0, 2**63), or None)")
@@ -87,7 +86,7 @@ class SamplingParams:
     def max_logit_bias(self) -> float:
         """The largest bias magnitude this request takes: `MAX_LOGIT_BIAS`, times the temperature
         when sampled below 1 (the biased logits are divided by it)."""
-        if self.greedy or not _finite(self.temperature):
+        if self.greedy or not is_finite_real(self.temperature):
             return MAX_LOGIT_BIAS
         return MAX_LOGIT_BIAS * min(1.0, self.temperature)
 
@@ -99,7 +98,7 @@ class SamplingParams:
                                     "or None)")
         bound = self.max_logit_bias
         for tok, bias in self.logit_bias.items():
-            if not is_int(tok) or tok < 0 or not _finite(bias):
+            if not is_int(tok) or tok < 0 or not is_finite_real(bias):
                 raise InvalidInputError(f"logit_bias entry {tok!r}: {bias!r} (allowed: int token ids >= 0 "
                                         "mapped to finite numbers)")
             if abs(bias) > bound:
@@ -135,11 +134,6 @@ MAX_REPETITION_PENALTY = 1e4
 #: request with top-p 0 sampled from the whole vocabulary (mlx-lm's ``apply_top_p``); 1e-30 keeps it far
 #: from that edge, and below it every value keeps the one most likely token.
 MIN_TOP_P = 1e-30
-
-
-def _finite(x: object) -> bool:
-    """A Python ``int`` or ``float`` (not a bool) that is finite; an int of any size is (no float conversion)."""
-    return is_real(x) and (isinstance(x, int) or math.isfinite(x))
 
 
 @dataclasses.dataclass(eq=False)
