@@ -81,3 +81,13 @@ def test_a_fresh_process_refuses_temp_1e_40_without_a_model(tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"argument --temp: invalid value '1e-40' {TEMP_ALLOWED}" in " ".join(done.stderr.split())
     assert done.stdout == "" and not list(tmp_path.rglob("*.gguf"))
+
+
+def test_the_flag_parser_s_rule_loads_no_mlx_lm():
+    """`metal_attn.engine` loads its names on first use, so the parser's check (`metal_attn.engine.request`)
+    answers without importing mlx-lm and transformers (about 1.2 s on this CPU); the engine itself still does."""
+    code = ("import sys; import metal_attn.engine.request; assert 'mlx_lm' not in sys.modules, 'mlx_lm loaded'; "
+            "from metal_attn.engine import Engine; assert 'mlx_lm' in sys.modules; print('ok')")
+    env = dict(os.environ, METAL_ATTN_PLUGIN_AUTOLOAD="0", PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
