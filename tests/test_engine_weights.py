@@ -157,8 +157,10 @@ def test_the_engine_keeps_no_old_weights_alive():
     assert eng.blocks.epoch == 1
 
 
-def test_the_weights_are_checked_only_before_a_step_that_may_admit(monkeypatch):
-    """The walk over the model's tree runs when a request waits for admission, not on decode steps."""
+def test_the_weights_are_checked_only_when_cached_blocks_are_about_to_be_served(monkeypatch):
+    """The walk over the model's tree runs when an admission would be served cached blocks: not on decode
+    steps, not for a prompt with nothing cached, not for a head request that waits for pages (a pool
+    that stays full would pay it every step), and never with prefix caching off."""
     import metal_attn.engine.engine as engine_module
 
     model = tiny_model("llama", seed=0)
@@ -166,11 +168,26 @@ def test_the_weights_are_checked_only_before_a_step_that_may_admit(monkeypatch):
     calls = []
     real = engine_module.same_weights
     monkeypatch.setattr(engine_module, "same_weights", lambda *a: calls.append(1) or real(*a))
-    eng.generate([list(range(1, 20))], max_tokens=10)
-    assert len(calls) == 1
+    prompt = list(range(1, 40))  # two full pages to cache
+    eng.generate([prompt], max_tokens=10)
+    assert calls == []  # nothing cached to serve
+    eng.generate([prompt], max_tokens=10)
+    assert len(calls) == 1  # served two cached pages: checked once
+    # A pool too small for the second request while the first runs: it waits with a hit, unchecked.
+    small = _engine(model, num_blocks=6)
+    small.generate([prompt], max_tokens=2)  # caches the prompt's pages
+    calls.clear()
+    first = small.add_request(list(range(100, 160)), max_tokens=20)  # 5 pages: the pool's rest
+    small.step()
+    small.add_request(prompt, max_tokens=2)
+    while not small.requests[first].finished:
+        small.step()
+    assert calls == [], "checked for a request that could not be admitted"
+    while small.has_unfinished():
+        small.step()
     off = _engine(model, enable_prefix_caching=False)
     calls.clear()
-    off.generate([list(range(1, 20))], max_tokens=10)
+    off.generate([prompt, prompt], max_tokens=10)
     assert calls == []
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from metal_attn.cache import BlockAllocator
 
@@ -66,6 +66,11 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         #: Pages held for the engine's own use (not a request's, never cached), with what for.
         self.reserved: dict[int, str] = {}
+        #: Asked before a request is served cached blocks (the one way K/V reach a request they were not
+        #: computed for): ``False`` when the model's weights changed since they were cached, and then a new
+        #: weights epoch starts (`new_epoch`) and the request is served none. The engine sets it; ``None``
+        #: trusts the cache.
+        self.weights_unchanged: Callable[[], bool] | None = None
         #: Tokens looked up in the cache at admissions, and of them those served from cached blocks
         #: (a preempted request's readmission looks up its generated tokens too).
         self.prefix_queries = 0
@@ -154,13 +159,17 @@ class BlockManager:
         if req_id in self._tables:
             raise RuntimeError(f"request {req_id!r} already holds blocks")
         blocks, hashes = self.match_prefix(token_ids)
-        cached_tokens = len(blocks) * self.block_size
-        chunk = min(max_new_tokens, len(token_ids) - cached_tokens)
-        need = max(0, self.blocks_for(cached_tokens + chunk) - len(blocks))
-        # Matched blocks that are evictable stop being evictable once taken: they do not count as free.
-        reclaimable = self.num_free - sum(1 for b in blocks if b in self._evictable)
-        if need + reserve > reclaimable:
+        need = self._pages_needed(token_ids, blocks, max_new_tokens, reserve)
+        if need is None:
             return None
+        if blocks and self.weights_unchanged is not None and not self.weights_unchanged():
+            # The cached K/V were computed with other weights: serve none of them, now or later.
+            self.new_epoch()
+            blocks, hashes = [], []
+            need = self._pages_needed(token_ids, blocks, max_new_tokens, reserve)
+            if need is None:
+                return None
+        cached_tokens = len(blocks) * self.block_size
         for b in blocks:
             self._evictable.pop(b, None)
         self.allocator.share(blocks)
@@ -170,6 +179,17 @@ class BlockManager:
         self.prefix_queries += len(token_ids)
         self.prefix_hits += cached_tokens
         return cached_tokens
+
+    def _pages_needed(self, token_ids: Sequence[int], blocks: list[int], max_new_tokens: int,
+                      reserve: int) -> int | None:
+        """New pages a request served ``blocks`` from the cache needs for its first chunk, or ``None`` when
+        they do not fit with ``reserve`` pages left over."""
+        cached_tokens = len(blocks) * self.block_size
+        chunk = min(max_new_tokens, len(token_ids) - cached_tokens)
+        need = max(0, self.blocks_for(cached_tokens + chunk) - len(blocks))
+        # Matched blocks that are evictable stop being evictable once taken: they do not count as free.
+        reclaimable = self.num_free - sum(1 for b in blocks if b in self._evictable)
+        return None if need + reserve > reclaimable else need
 
     def grow(self, req_id: object, num_tokens: int) -> bool:
         """Add pages so the request covers ``num_tokens`` tokens; ``False`` (nothing changed) when they do not fit."""

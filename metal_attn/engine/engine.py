@@ -5,9 +5,9 @@ step runner build and queue it, and, while it runs on the device, finishes the s
 before it: its tokens come back to the host, are detokenized and checked against the
 stop conditions. One forward per call; the host's work overlaps the device's.
 
-The prefix cache holds K/V computed with the weights the model had then. Before a step that
-may admit a request, the engine checks that the model's weight arrays are the ones it saw
-last (by identity, through weak references); when they are not (``model.update``,
+The prefix cache holds K/V computed with the weights the model had then. Before a request is
+served cached blocks, the engine checks that the model's weight arrays are the ones it saw
+last (by identity, through weak references; `BlockManager.weights_unchanged`); when they are not (``model.update``,
 ``load_weights``, an adapter swap), the cache starts a new weights epoch
 (`BlockManager.new_epoch`). `Engine.reset_prefix_cache` does so on demand, for changes the
 identity of the arrays does not show (an assignment into an array, ``w[...] = x``).
@@ -153,6 +153,7 @@ class Engine:
         self.pool_bytes = num_blocks * block_bytes
         self.blocks = BlockManager(self.model.kv.allocator, cfg.block_size,
                                    enable_prefix_caching=cfg.enable_prefix_caching)
+        self.blocks.weights_unchanged = self._weights_unchanged
         self.scheduler = Scheduler(cfg, self.blocks)
         compile_decode, self.compile_decode_reason = cfg.resolve_compile_decode(current_device().backend)
         self.runner = StepRunner(self.model, self.blocks, compile_decode=compile_decode,
@@ -345,20 +346,17 @@ class Engine:
             self._weights = weight_refs(self.model.model)
         return self.blocks.new_epoch()
 
-    def _check_weights(self) -> None:
-        """Before a step that may admit a request from the queue (the one place cached K/V are
-        served), start a new weights epoch if the model's weight arrays are not the ones the cache
-        saw. Other steps skip the walk over the model's tree."""
-        sched = self.scheduler
-        if not (self.blocks.enable_prefix_caching and sched.waiting and not sched.waiting[0].pending
-                and len(sched.running) < self.config.max_num_seqs):
-            return  # the scheduler admits nobody this step (a preemption puts its victim first in the queue)
+    def _weights_unchanged(self) -> bool:
+        """Whether the model holds the weight arrays the prefix cache saw (`BlockManager.weights_unchanged`:
+        asked only when a request is about to be served cached blocks, so decode steps and admissions
+        without a hit never walk the model's tree). When not, the arrays now held are the ones to compare
+        with next, and the block manager starts a new weights epoch."""
         with model_lock(self.model.model):  # not while another engine's trace holds tracers in the tree
             if same_weights(self.model.model, self._weights):
-                return
-        dropped = self.reset_prefix_cache()
-        log.info("prefix_cache_reset", reason="the model's weights changed", blocks=dropped,
-                 epoch=self.blocks.epoch)
+                return True
+            self._weights = weight_refs(self.model.model)
+        log.info("prefix_cache_reset", reason="the model's weights changed", epoch=self.blocks.epoch + 1)
+        return False
 
     def _check_not_stuck(self) -> None:
         """Nothing ran and nothing is in flight: with requests waiting and none running, the pool is
@@ -374,7 +372,6 @@ class Engine:
 
     def _launch(self) -> None:
         t = time.perf_counter()
-        self._check_weights()
         out = self.scheduler.schedule()
         scheduled = time.perf_counter() - t
         self.stats.preemptions += len(out.preempted)
