@@ -19,10 +19,10 @@ import mlx.core as mx
 import pytest
 
 from metal_attn.errors import ModelError
-from metal_attn.mlx_lm import gguf, load
+from metal_attn.mlx_lm import gguf, gguf_header, load
 from metal_attn.mlx_lm.gguf_header import check_gguf
 
-U8, I32, U32, F32, BOOL, STRING, ARRAY, U64 = 0, 5, 4, 6, 7, 8, 9, 10
+U8, I32, U32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = 0, 5, 4, 6, 7, 8, 9, 10, 11, 12
 
 
 def _string(s: str | bytes) -> bytes:
@@ -37,7 +37,7 @@ def _value(kind: int, value) -> bytes:
         item, values = value
         body = b"".join(_value(item, v) for v in values)
         return struct.pack("<IQ", item, len(values)) + body
-    fmt = {U8: "<B", I32: "<i", U32: "<I", F32: "<f", BOOL: "<?", U64: "<Q"}.get(kind, "<I")  # others: 4 bytes
+    fmt = {U8: "<B", I32: "<i", U32: "<I", F32: "<f", BOOL: "<?", U64: "<Q", I64: "<q", F64: "<d"}.get(kind, "<I")
     return struct.pack(fmt, value)
 
 
@@ -76,7 +76,8 @@ def test_a_well_formed_header_is_read(write):
     (_gguf(version=4), "GGUF version 4 (allowed: 2, 3)"),
     (_gguf(version=1), "GGUF version 1"),
     (_gguf(n_tensors=2), "tensor '' has 0 dimensions"),  # a count off by one: a segmentation fault in MLX
-    (_gguf(n_tensors=2**40), "the tensor count=1099511627776 items"),
+    (_gguf(n_tensors=2**40), "the tensor count=1099511627776 (allowed: at most 65536)"),
+    (_gguf(n_tensors=1000), "the tensor count=1000 items"),
     (_gguf(n_kv=2**63), "the metadata count="),
     (_gguf(n_kv=2), "(at byte"),  # the tensor entry read as a key: whatever follows fails
     (_gguf(kv=(("general.alignment", U32, 0),)), "general.alignment=0 (allowed: a power of two"),
@@ -113,6 +114,123 @@ def test_every_truncation_of_a_file_is_refused(write):
             continue
         with pytest.raises(ModelError, match="is not a readable GGUF file"):
             check_gguf(write(whole[:cut]))
+
+
+def _sparse(path, size: int):
+    """``path`` grown to ``size`` bytes without writing them (a few KB on disk)."""
+    with open(path, "r+b") as f:
+        f.truncate(size)
+    return path
+
+
+@pytest.mark.parametrize("kv", [
+    (("x", F64, 1.5),),
+    (("general.architecture", STRING, "llama"), ("llama.rope.freq_base", F64, 1e4)),
+    (("x", ARRAY, (F64, [1.0, 2.0])),),
+])
+def test_a_float64_metadata_value_is_refused_before_mlx_reads_it(write, kv):
+    """MLX 0.32.4 stores a float64 as a float32 and reads 4 bytes short: a segmentation fault."""
+    key = kv[-1][0]
+    with pytest.raises(ModelError, match=rf"metadata '{re.escape(key)}' (is|is an array of) float64 \(type 12\), "
+                                         r"which MLX 0.32.4 misreads.*allowed: .*6 \(float32\)"):
+        gguf.read_gguf(write(_gguf(kv=kv)))
+
+
+def _big_tensor_file(write, nbytes_at_least: int):
+    """A sparse GGUF whose one F32 tensor takes more than ``nbytes_at_least`` bytes, all inside the file."""
+    rows = nbytes_at_least // (4 << 20) + 1
+    content = _gguf(tensors=(("a.weight", (1 << 20, rows), 0, 0),), data=0)
+    return _sparse(write(content), len(content) + rows * (4 << 20))
+
+
+def test_a_tensor_larger_than_memory_is_refused(write):
+    """MLX does not check its allocation: a 32 GiB tensor in a sparse file crashed the process."""
+    memory = gguf_header.memory_bytes()
+    path = _big_tensor_file(write, memory)
+    with pytest.raises(ModelError, match=rf"tensor 'a.weight' is \d+ bytes, more than this machine's {memory} bytes"):
+        check_gguf(path)
+
+
+def test_tensors_larger_than_memory_together_are_refused(write, monkeypatch):
+    monkeypatch.setattr(gguf_header, "memory_bytes", lambda: 300)
+    path = write(_gguf(tensors=(("a.weight", (32, 2), 0, 0), ("b.weight", (32, 2), 0, 256)), data=512))
+    with pytest.raises(ModelError, match=r"the tensors take 512 bytes or more, more than this machine's 300 bytes"):
+        check_gguf(path)
+
+
+def _declared(key: bytes, kind: int, body: bytes) -> bytes:
+    """A GGUF of one metadata entry and no tensors, the entry's bytes as given."""
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", kind) + body
+
+
+@pytest.mark.parametrize(("key", "kind", "body", "size", "message"), [
+    # MLX reads an array length as a 32-bit int: 2**32 + 8 elements were read as 8 (another header than the one checked)
+    (b"k", ARRAY, struct.pack("<IQ", U8, 2**32 + 8), 2**32 + 64,
+     "the length of metadata 'k'=4294967304 (allowed: at most 16777216)"),
+    (b"k", ARRAY, struct.pack("<IQ", STRING, 2**21 + 1), 2**24 + 64,
+     "the length of metadata 'k'=2097153 (allowed: at most 2097152)"),
+    (b"k", STRING, struct.pack("<Q", (4 << 20) + 1), (4 << 20) + 64,
+     "metadata 'k' is 4194305 bytes long (allowed: at most 4194304)"),
+    (b"k" * 4097, U8, b"\0", 8192, "metadata key 0 is 4097 bytes long (allowed: at most 4096)"),
+])
+def test_lengths_past_their_caps_are_refused_before_they_are_read(write, key, kind, body, size, message):
+    """Lengths bounded only by the file size let a sparse file set this check's memory and time (a 2 GiB
+    string read whole) and, past 2**31, MLX's reading of the header."""
+    path = _sparse(write(_declared(key, kind, body)), size)
+    with pytest.raises(ModelError) as exc:
+        check_gguf(path)
+    assert message in str(exc.value)
+
+
+def test_a_header_past_its_cap_is_refused(write, monkeypatch):
+    monkeypatch.setattr(gguf_header, "MAX_HEADER_BYTES", 1000)
+    with pytest.raises(ModelError, match="reaches past 1000 bytes"):
+        check_gguf(write(_gguf(kv=(("k", ARRAY, (STRING, ["x" * 8] * 200)),))))
+
+
+def test_a_string_array_that_is_not_utf8_is_refused_naming_its_key(write):
+    with pytest.raises(ModelError, match=r"metadata 'toks'\[1\] is not UTF-8"):
+        check_gguf(write(_gguf(kv=(("toks", ARRAY, (STRING, [b"a", b"\xff"])),))))
+
+
+@pytest.mark.parametrize("kind", [U64, I32, U8])
+def test_an_alignment_not_stored_as_uint32_is_refused(write, kind):
+    """MLX honours general.alignment only as a uint32: stored as a uint64, the tensors came back shifted."""
+    path = write(_gguf(kv=(("general.alignment", kind, 64),), tensors=(("a.weight", (32, 2), 0, 0),)))
+    with pytest.raises(ModelError, match=r"general.alignment=64 is stored as \w+ \(allowed: uint32"):
+        check_gguf(path)
+
+
+def test_a_uint32_alignment_is_used(write):
+    header = check_gguf(write(_gguf(kv=(("general.alignment", U32, 64),))))
+    assert header.alignment == 64 and header.data_offset % 64 == 0
+
+
+def test_overlapping_tensors_are_refused_naming_both(write):
+    """Every layer pointed at the same bytes loaded as one shared set of weights."""
+    path = write(_gguf(tensors=(("a.weight", (32, 2), 0, 0), ("b.weight", (32, 2), 0, 128)), data=512))
+    with pytest.raises(ModelError, match=r"tensors 'a.weight' \(bytes 0 to 256\) and 'b.weight' \(from 128\) overlap"):
+        check_gguf(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_check_gguf_refuses_a_fifo_without_waiting_for_a_writer(tmp_path):
+    import signal
+
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+
+    def hung(*_):
+        raise TimeoutError("check_gguf waited on the FIFO")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(5)
+    try:
+        with pytest.raises(ModelError, match=r"pipe.gguf' is not a regular file \(allowed: a GGUF file\)"):
+            check_gguf(fifo)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 # -- the metadata, as MLX returns it ----------------------------------------------------------------------
