@@ -259,13 +259,15 @@ def test_well_formed_metadata_gives_the_model_args():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"llama.block_count": "thirty"}, "llama.block_count='thirty' (allowed: an integer >= 1)"),
-    ({"llama.block_count": 2**31}, "llama.block_count=2147483648 but the file has tensors of 2 blocks"),
-    ({"llama.block_count": -1}, "llama.block_count=-1 (allowed: an integer >= 1)"),
+    ({"llama.block_count": "thirty"}, "llama.block_count='thirty' (allowed: an integer >= 1 and <= 2**31 - 1)"),
+    ({"llama.block_count": 2**31}, "llama.block_count=2147483648 (allowed: an integer >= 1 and <= 2**31 - 1)"),
+    ({"llama.block_count": 3}, "llama.block_count=3 but the file has tensors of 2 blocks"),
+    ({"llama.block_count": -1}, "llama.block_count=-1 (allowed: an integer >= 1"),
     ({"llama.attention.head_count": 0}, "llama.attention.head_count=0"),
     ({"llama.attention.head_count_kv": 3}, "head_count=4 is not a multiple of head_count_kv=3"),
     ({"llama.embedding_length": [64, 64]}, "llama.embedding_length=[64, 64]"),
-    ({"llama.feed_forward_length": 2**31}, "blk.0.ffn_gate.weight is 96 x 64 but the metadata"),
+    ({"llama.feed_forward_length": 2**20}, "blk.0.ffn_gate.weight is 96 x 64 but the metadata"),
+    ({"llama.feed_forward_length": 2**33}, "llama.feed_forward_length=8589934592 (allowed: an integer >= 1 and <="),
     ({"llama.vocab_size": 33}, "token_embd.weight is 32 x 64"),
     ({"llama.attention.layer_norm_rms_epsilon": math.nan}, "layer_norm_rms_epsilon=nan (allowed: a finite"),
     ({"llama.attention.layer_norm_rms_epsilon": -1e-5}, "layer_norm_rms_epsilon=-9.99"),
@@ -279,6 +281,91 @@ def test_bad_metadata_is_refused_before_a_model_is_built(overrides, message):
     with pytest.raises(ModelError) as exc:
         gguf.model_args(_meta(**overrides), _weights())
     assert message in str(exc.value)
+
+
+@pytest.mark.parametrize(("overrides", "drop", "message"), [
+    ({"llama.feed_forward_length": 2**33}, "blk.0.ffn_gate.weight", "feed_forward_length=8589934592 (allowed"),
+    ({"llama.vocab_size": 2**31}, "token_embd.weight", "llama.vocab_size=2147483648 (allowed"),
+    ({}, "blk.0.ffn_gate.weight", "GGUF tensor blk.0.ffn_gate.weight is missing; a llama GGUF needs it"),
+    ({}, "token_embd.weight", "GGUF tensor token_embd.weight is missing"),
+])
+def test_a_size_whose_tensor_is_absent_is_refused_not_overflowed(overrides, drop, message):
+    """A size of 2**31 or more went unchecked when its tensor was absent: building the model raised OverflowError."""
+    weights = _weights()
+    del weights[drop]
+    with pytest.raises(ModelError) as exc:
+        gguf.model_args(_meta(**overrides), weights)
+    assert message in str(exc.value)
+
+
+def test_more_tokens_than_embedding_rows_are_refused_naming_both_counts():
+    """Tokens past the embedding's rows indexed out of range: non-finite logits."""
+    with pytest.raises(ModelError, match=r"tokenizer.ggml.tokens has 40 tokens but the model's vocabulary "
+                                         r"\(llama.vocab_size, the rows of token_embd.weight\) is 32"):
+        gguf.model_args(_meta(**{"tokenizer.ggml.tokens": [str(i) for i in range(40)]}), _weights())
+    padded = gguf.model_args(_meta(**{"tokenizer.ggml.tokens": [str(i) for i in range(20)]}), _weights())
+    assert padded.vocab_size == 32  # fewer tokens than rows: a padded vocabulary
+
+
+def test_plain_tensors_named_like_a_quantized_triple_are_refused(write):
+    """An F16 .weight with F32 .scales/.biases was built as a QuantizedLinear that failed at the first forward."""
+    path = write(_gguf(tensors=(("x.weight", (32, 2), 1, 0), ("x.scales", (32, 1), 0, 128),
+                                ("x.biases", (32, 1), 0, 256)), data=512))
+    with pytest.raises(ModelError, match=r"tensor 'x.scales' of type F32 \(allowed: names ending in .weight or .bias"):
+        gguf.read_gguf(path)
+
+
+def test_each_array_has_the_dtype_of_its_header_type(write):
+    weights, _ = gguf.read_gguf(write(_gguf(tensors=(("a.weight", (32, 2), 0, 0), ("b.weight", (32, 2), 1, 256)),
+                                            data=512)))
+    assert (weights["a.weight"].dtype, weights["b.weight"].dtype) == (mx.float32, mx.float16)
+
+
+def test_a_file_mlx_cannot_open_read_write_is_refused_saying_so(write, monkeypatch):
+    """MLX's reader opens a GGUF read-write: a file the user may only read failed as "gguf_init failed"."""
+    path = write(_gguf())
+    real_open = os.open
+
+    def read_only(p, flags, *args, **kwargs):
+        if flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_open(p, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ModelError, match=r"can be read but not opened for writing \(Permission denied\); MLX's GGUF "
+                                         "reader opens the file read-write"):
+        gguf.read_gguf(path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write any file")
+def test_a_read_only_file_is_refused_saying_so(write):
+    path = write(_gguf())
+    path.chmod(0o444)
+    with pytest.raises(ModelError, match="can be read but not opened for writing"):
+        gguf.read_gguf(path)
+
+
+def test_metadata_errors_name_the_file(write):
+    path = write(_gguf(kv=(("x", U32, 1),)))
+    with pytest.raises(ModelError, match=rf"model='{re.escape(str(path))}': GGUF metadata key 'general.architecture' "
+                                         "is missing"):
+        gguf.load_gguf(path)
+
+
+def test_a_symlink_loop_is_named_as_one(tmp_path):
+    (tmp_path / "a.gguf").symlink_to(tmp_path / "b.gguf")
+    (tmp_path / "b.gguf").symlink_to(tmp_path / "a.gguf")
+    with pytest.raises(ModelError, match=r"a\.gguf' is a symbolic link loop"):
+        gguf.read_gguf(tmp_path / "a.gguf")
+    with pytest.raises(ModelError, match=r"a\.gguf' is a symbolic link loop"):
+        load(tmp_path / "a.gguf")
+
+
+def test_a_path_that_is_not_utf8_is_refused_saying_so(tmp_path):
+    path = tmp_path / os.fsdecode(b"caf\xe9.gguf")
+    path.write_bytes(_gguf())
+    with pytest.raises(ModelError, match="is a path that is not UTF-8, which MLX's GGUF reader cannot open"):
+        gguf.read_gguf(path)
 
 
 def _tok_meta(**overrides) -> dict:
@@ -331,7 +418,51 @@ def _folder(tmp_path, config: dict, layers: int = 2):
 def test_a_folder_whose_config_claims_more_layers_than_its_weights_is_refused_before_a_build(tmp_path):
     """2**31 layers allocated until memory ran out: the weights' own names bound the count."""
     folder = _folder(tmp_path, {"model_type": "llama", "num_hidden_layers": 2**31})
-    with pytest.raises(ModelError, match=r"num_hidden_layers=2147483648 but the weights hold layers 0 to 1 only"):
+    with pytest.raises(ModelError, match=r"num_hidden_layers=2147483648 but the weights hold layers 0 to 1 "
+                                         r"\(allowed: layers 0 to 2147483647"):
+        load(folder)
+
+
+@pytest.mark.parametrize(("names", "layers", "shown"), [
+    (["model.embed_tokens.weight"], 100000, "no layers"),  # the guard was skipped: 73 s and 8.9 GB to a refusal
+    (["model.layers.99999.x"], 100000, "layers 99999"),  # one tensor satisfied it
+    (["model.layers.0.x", "model.layers.1.x", "model.layers.2.x"], 2, "layers 0 to 2"),
+    (["model.layers.0.x", "model.layers.2.x"], 2, "layers 0, 2"),
+    (["model.layers.0.x", "vision_tower.encoder.layers.5.x"], 3, "layers 0 (allowed"),  # a tower's layers do not count
+])
+def test_a_folder_whose_layers_are_not_exactly_0_to_n_minus_1_is_refused_before_a_build(tmp_path, names, layers, shown):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": layers}))
+    mx.save_safetensors(str(folder / "model.safetensors"), {n: mx.zeros((1,)) for n in names})
+    with pytest.raises(ModelError, match=rf"num_hidden_layers={layers} but the weights hold {re.escape(shown)}"):
+        load(folder)
+
+
+def test_deeply_nested_json_is_a_model_error_naming_the_file(tmp_path):
+    """100,000 nested arrays raised an uncaught RecursionError."""
+    folder = _folder(tmp_path, {"model_type": "llama", "num_hidden_layers": 2})
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text("[" * 100000)
+    with pytest.raises(ModelError, match=r"config.json could not be read \(RecursionError"):
+        load(folder)
+    (folder / "config.json").write_text(config)
+    deep = b"[" * 100000
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(deep)) + deep)
+    with pytest.raises(ModelError, match=r"model.safetensors has an unreadable safetensors header \(RecursionError"):
+        load(folder)
+
+
+@pytest.mark.parametrize(("scaling", "shown"), [
+    ({"rope_type": "linear", "factor": float("nan")}, "rope_scaling.factor=nan (allowed: a finite number > 0)"),
+    ({"rope_type": "linear", "factor": 0}, "rope_scaling.factor=0 (allowed: a finite number > 0)"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": float("inf")}, "rope_scaling.low_freq_factor=inf"),
+    ({"rope_type": "longrope", "short_factor": [1.0, float("nan")]}, "rope_scaling.short_factor=[1.0, nan]"),
+])
+def test_a_folder_rope_scaling_that_is_not_finite_and_positive_is_refused(tmp_path, scaling, shown):
+    """A factor of NaN loaded without a word and every logit was NaN (the GGUF path checked its factor)."""
+    folder = _folder(tmp_path, {"model_type": "llama", "num_hidden_layers": 2, "rope_scaling": scaling})
+    with pytest.raises(ModelError, match=re.escape(shown)):
         load(folder)
 
 

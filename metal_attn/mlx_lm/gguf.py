@@ -15,7 +15,9 @@ interleaved (GPT-J) layout, so the rows are kept as stored and the model uses
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
 from metal_attn.checks import is_decimal, is_finite_real, is_int
 from metal_attn.errors import ModelError
-from metal_attn.mlx_lm.gguf_header import check_gguf
+from metal_attn.mlx_lm.gguf_header import SUPPORTED_TENSOR_TYPES, GGUFHeader, check_gguf
 
 #: The quantization group size of every quantized tensor `mx.load` returns from a GGUF.
 GGUF_GROUP_SIZE = 32
@@ -64,27 +66,83 @@ _PARAM_SUFFIXES = ("weight", "scales", "biases", "bias")
 # -- reading -----------------------------------------------------------------------------------
 
 
+def _describe_path(p: Path, path: str | os.PathLike[str]) -> None:
+    """`ModelError` unless ``p`` is a regular file at a UTF-8 path (MLX's reader cannot open another:
+    ``std::bad_cast``); a symbolic link loop is named as such."""
+    try:
+        st = p.stat()
+    except OSError as exc:
+        what = ("is a symbolic link loop" if exc.errno == errno.ELOOP else "does not exist"
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR) else f"could not be read ({exc.strerror or exc})")
+        raise ModelError(f"model={str(path)!r} {what}; expected a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)"
+                         ) from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "is a directory" if stat.S_ISDIR(st.st_mode) else "is not a regular file"
+        raise ModelError(
+            f"model={str(path)!r} {what}; expected a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)"
+        )
+    try:
+        str(p).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ModelError(f"model={str(path)!r} is a path that is not UTF-8, which MLX's GGUF reader cannot open "
+                         "(allowed: a UTF-8 path; rename the file or link to it from one)") from None
+
+
+def _check_writable(p: Path, path: str | os.PathLike[str]) -> None:
+    """MLX 0.32.4's GGUF reader opens the file read-write (and maps it writable; it writes nothing): a file
+    this user may only read fails inside MLX as "gguf_init failed". Say what is missing instead."""
+    try:
+        os.close(os.open(p, os.O_RDWR))
+    except OSError as exc:
+        raise ModelError(f"model={str(path)!r} can be read but not opened for writing ({exc.strerror or exc}); MLX's "
+                         "GGUF reader opens the file read-write, though it does not change it (allowed: a .gguf file "
+                         "this user may write, e.g. a copy of this one)") from None
+
+
+#: The dtype MLX returns for each part of a tensor of each GGUF type.
+_DTYPES = {"F32": mx.float32, "F16": mx.float16}
+_QUANTIZED_DTYPES = {".weight": mx.uint32, ".scales": mx.float16, ".biases": mx.float16}
+
+
+def _expected_arrays(path: str | os.PathLike[str], header: GGUFHeader) -> dict[str, mx.Dtype]:
+    """The arrays MLX returns for the header's tensors and their dtypes: a quantized tensor ``x.weight``
+    as ``x.weight``/``x.scales``/``x.biases`` (uint32, float16, float16), F32 and F16 as they are. A plain
+    tensor named like a quantized part would pass for one (a float16 "packed" weight): refused."""
+    expected: dict[str, mx.Dtype] = {}
+    for t in header.tensors:
+        stem, _, suffix = t.name.rpartition(".")
+        if suffix in ("scales", "biases") or (t.quantized and suffix != "weight"):
+            raise ModelError(f"model={str(path)!r}: tensor {t.name!r} of type {SUPPORTED_TENSOR_TYPES[t.type][0]} "
+                             "(allowed: names ending in .weight or .bias; .scales and .biases are the names MLX "
+                             "gives the parts of a quantized .weight)")
+        if t.quantized:
+            expected |= {stem + part: dtype for part, dtype in _QUANTIZED_DTYPES.items()}
+        else:
+            expected[t.name] = _DTYPES[SUPPORTED_TENSOR_TYPES[t.type][0]]
+    return expected
+
+
 def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """The tensors and metadata of a GGUF file; `ModelError` if it is missing, unreadable or damaged
     (its header is checked in Python first, `check_gguf`: MLX's reader trusts it)."""
     p = Path(path).expanduser()
-    if not p.is_file():
-        what = ("is a directory" if p.is_dir() else "is not a regular file" if p.exists() else "does not exist")
-        raise ModelError(
-            f"model={str(path)!r} {what}; expected a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)"
-        )
+    _describe_path(p, path)
     header = check_gguf(p)
+    expected = _expected_arrays(path, header)
+    _check_writable(p, path)
     try:
         weights, metadata = mx.load(str(p), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError, OSError) as err:
         raise ModelError(f"model={str(path)!r} is not a readable GGUF file ({err}); expected a GGUF file") from err
-    expected = {t.name.rpartition(".")[0] + s if t.quantized else t.name
-                for t in header.tensors for s in (".weight", ".scales", ".biases")}
-    if set(weights) != expected:
-        missing = sorted(expected - set(weights))
+    if set(weights) != set(expected):
+        missing = sorted(set(expected) - set(weights))
         raise ModelError(f"model={str(path)!r}: MLX read {len(weights)} arrays where the header lists "
                          f"{len(header.tensors)} tensors ({len(expected)} arrays); missing: "
                          f"{', '.join(missing[:4]) or 'none'}{'...' if len(missing) > 4 else ''}")
+    for name, dtype in expected.items():
+        if weights[name].dtype != dtype:
+            raise ModelError(f"model={str(path)!r}: MLX read {name} as {weights[name].dtype} where its header type "
+                             f"gives {dtype}")
     return dict(weights), dict(metadata)
 
 
@@ -117,10 +175,15 @@ def architecture(metadata: Mapping[str, Any]) -> str:
 # -- model -------------------------------------------------------------------------------------
 
 
-def _whole(key: str, value: Any, minimum: int = 1) -> int:
-    """A metadata count: an integer >= ``minimum`` (not a bool, a string or a float)."""
-    if not is_int(value) or value < minimum:
-        raise ModelError(f"GGUF {key}={value!r} (allowed: an integer >= {minimum})")
+#: The largest size MLX and mlx-lm take (a C int): past it, building the model raised a bare OverflowError.
+MAX_SIZE = 2**31 - 1
+
+
+def _whole(key: str, value: Any, minimum: int = 1, maximum: int | None = MAX_SIZE) -> int:
+    """A metadata count: an integer from ``minimum`` to ``maximum`` (not a bool, a string or a float)."""
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        most = "" if maximum is None else " and <= 2**31 - 1" if maximum == MAX_SIZE else f" and <= {maximum}"
+        raise ModelError(f"GGUF {key}={value!r} (allowed: an integer >= {minimum}{most})")
     return value
 
 
@@ -131,11 +194,13 @@ def _positive(key: str, value: Any) -> float:
     return float(value)
 
 
-def _in_out(weights: Mapping[str, mx.array], stem: str) -> tuple[int, int] | None:
-    """``(out_features, in_features)`` of the matrix ``stem`` (packed when quantized), or None if absent."""
+def _in_out(weights: Mapping[str, mx.array], stem: str) -> tuple[int, int]:
+    """``(out_features, in_features)`` of the matrix ``stem`` (packed when quantized); `ModelError` if absent."""
     w = weights.get(f"{stem}.weight")
-    if w is None or w.ndim != 2:
-        return None
+    if w is None:
+        raise ModelError(f"GGUF tensor {stem}.weight is missing; a llama GGUF needs it")
+    if w.ndim != 2:
+        raise ModelError(f"GGUF tensor {stem}.weight has shape {tuple(w.shape)} (allowed: a matrix)")
     scales = weights.get(f"{stem}.scales")
     return int(w.shape[0]), int(scales.shape[-1] * GGUF_GROUP_SIZE if scales is not None else w.shape[1])
 
@@ -151,7 +216,7 @@ def _check_against_tensors(arch: str, args: ModelArgs, weights: Mapping[str, mx.
               ("blk.0.ffn_gate", (args.intermediate_size, args.hidden_size), "feed_forward_length, embedding_length"))
     for stem, want, keys in checks:
         got = _in_out(weights, stem)
-        if got is not None and got != want:
+        if got != want:
             raise ModelError(f"GGUF tensor {stem}.weight is {got[0]} x {got[1]} but the metadata ({arch}.{keys}) "
                              f"says {want[0]} x {want[1]}")
 
@@ -215,12 +280,17 @@ def model_args(metadata: Mapping[str, Any], weights: Mapping[str, mx.array]) -> 
         rope_theta=_positive(f"{arch}.rope.freq_base", get("rope.freq_base", 10000.0)),
         rope_traditional=True,
         rope_scaling=rope_scaling,
-        max_position_embeddings=_whole(f"{arch}.context_length", context) if context is not None else None,
+        max_position_embeddings=(_whole(f"{arch}.context_length", context, maximum=None)  # a bound: any is harmless
+                                 if context is not None else None),
         attention_bias="blk.0.attn_q.bias" in weights,
         mlp_bias="blk.0.ffn_gate.bias" in weights,
         tie_word_embeddings="output.weight" not in weights,
     )
     _check_against_tensors(arch, args, weights)
+    if isinstance(tokens, (list, tuple)) and len(tokens) > args.vocab_size:  # fewer is a padded vocabulary
+        raise ModelError(f"GGUF tokenizer.ggml.tokens has {len(tokens)} tokens but the model's vocabulary "
+                         f"({arch}.vocab_size, the rows of token_embd.weight) is {args.vocab_size} (allowed: at most "
+                         f"{args.vocab_size} tokens; a larger id would index past the embedding)")
     return args
 
 
@@ -435,6 +505,9 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> TokenizerWrapper:
 def load_gguf(path: str | os.PathLike[str]) -> tuple[Model, TokenizerWrapper]:
     """The stock mlx-lm llama `Model` (quantized as stored, float32 activations) and its tokenizer."""
     weights, metadata = read_gguf(path)
-    args = model_args(metadata, weights)
-    model = build_model(args, mlx_weights(weights))
-    return model, build_tokenizer(metadata)
+    try:
+        args = model_args(metadata, weights)
+        model = build_model(args, mlx_weights(weights))
+        return model, build_tokenizer(metadata)
+    except ModelError as err:  # the metadata and tokenizer checks name the key; this names the file
+        raise ModelError(f"model={str(path)!r}: {err}") from None

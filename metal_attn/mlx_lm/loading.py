@@ -9,7 +9,9 @@ folder's ``config.json`` before any weight is read.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -38,8 +40,9 @@ def _check_folder_files(path: Path) -> None:
         )
     try:
         config_data = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"model={str(path)!r}: config.json could not be read ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: arrays nested 100,000 deep
+        raise ModelError(f"model={str(path)!r}: config.json could not be read ({type(exc).__name__}: {exc})"
+                         ) from None
     if not isinstance(config_data, dict):
         raise ModelError(f"model={str(path)!r}: config.json holds a {type(config_data).__name__} (allowed: a JSON "
                          "object with a model_type)")
@@ -58,6 +61,7 @@ def _check_folder_files(path: Path) -> None:
                          "Face model folder: config.json, the weights and the tokenizer files)")
     _check_layer_count(path, config_data)
     _check_positive_reals(path, config_data)
+    _check_rope_scaling(path, config_data)
 
 
 #: config.json fields the attention and norms divide or exponentiate by: where present, each must be a
@@ -76,7 +80,31 @@ def _check_positive_reals(path: Path, config: dict[str, Any]) -> None:
                                  "number > 0)")
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: RoPE scaling factors that divide or multiply the frequencies: where present, finite and > 0.
+ROPE_SCALING_POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check_rope_scaling(path: Path, config: dict[str, Any]) -> None:
+    """``rope_scaling``'s numbers, as the GGUF path checks ``rope.scaling.factor``: a factor of NaN loaded
+    without a word and every logit was NaN. The factors above finite and > 0; every other number finite."""
+    for part, fields in (("", config), ("text_config.", config.get("text_config"))):
+        scaling = fields.get("rope_scaling") if isinstance(fields, dict) else None
+        if not isinstance(scaling, dict):
+            continue
+        for name, value in scaling.items():
+            values = value if isinstance(value, list) else [value]
+            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            positive = name in ROPE_SCALING_POSITIVE
+            if any(not math.isfinite(v) or (positive and v <= 0) for v in numbers) or (
+                    positive and (len(numbers) != 1 or len(values) != 1)):
+                allowed = "a finite number > 0" if positive else "finite numbers"
+                raise ModelError(f"model={str(path)!r}: config.json has {part}rope_scaling.{name}={value!r:.80} "
+                                 f"(allowed: {allowed})")
+
+
+#: A layer of the language model: ``layers.N.`` at the start of a name or under ``model.``/``language_model.``
+#: (not a vision or audio tower's ``encoder.layers.N.``).
+_LAYER = re.compile(r"^(?:language_model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\.")
 
 
 def _check_layer_count(path: Path, config: dict[str, Any]) -> None:
@@ -90,10 +118,25 @@ def _check_layer_count(path: Path, config: dict[str, Any]) -> None:
     if not is_int(layers) or layers < 1:
         raise ModelError(f"model={str(path)!r}: config.json has num_hidden_layers={layers!r} (allowed: an integer "
                          ">= 1)")
-    found = {int(m.group(1)) for name in _weight_names(path) if (m := _LAYER.search(name))}
-    if found and layers > max(found) + 1:  # fewer is mlx-lm's to refuse (unused weights), after a small build
+    found = {int(m.group(1)) for name in _weight_names(path) if (m := _LAYER.match(name))}
+    if found != set(range(min(layers, len(found) + 1))) or len(found) != layers:  # exactly 0..layers-1
         raise ModelError(f"model={str(path)!r}: config.json has num_hidden_layers={layers} but the weights hold "
-                         f"layers 0 to {max(found)} only")
+                         f"{_layer_ranges(found)} (allowed: layers 0 to {layers - 1}, each named "
+                         "model.layers.N. or language_model.model.layers.N.)")
+
+
+def _layer_ranges(found: set[int]) -> str:
+    """``found`` as runs of layer numbers: "layers 0 to 3, 7", or "no layers"."""
+    if not found:
+        return "no layers"
+    runs: list[list[int]] = []
+    for i in sorted(found):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    shown = ", ".join(f"{a} to {b}" if a != b else f"{a}" for a, b in runs[:4])
+    return f"layers {shown}{', ...' if len(runs) > 4 else ''}"
 
 
 def _weight_names(path: Path) -> list[str]:
@@ -108,9 +151,9 @@ def _weight_names(path: Path) -> list[str]:
                                  f"length is {n})")
             try:
                 header = json.loads(fh.read(n))
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise ModelError(f"model={str(path)!r}: {f.name} has an unreadable safetensors header "
-                                 f"({exc})") from None
+                                 f"({type(exc).__name__}: {exc})") from None
         if isinstance(header, dict):
             names.extend(k for k in header if k != "__metadata__")
     return names
@@ -136,6 +179,12 @@ def load(model: str | os.PathLike = "smollm2", **kwargs: Any) -> tuple[Any, Any]
         _check_keywords(kwargs, f"model={DEFAULT_MODEL!r} (the default model)", DEFAULT_MODEL_KEYWORDS)
         return load_default(**kwargs)
     path = Path(model).expanduser()
+    try:
+        path.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ModelError(f"model={str(model)!r} is a symbolic link loop (allowed: {DEFAULT_MODEL!r}, a .gguf "
+                             "file or a local model folder)") from None
     if not path.exists():
         raise ModelError(
             f"model={str(model)!r} does not exist (allowed: {DEFAULT_MODEL!r}, a .gguf file or a local model "
