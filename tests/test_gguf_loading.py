@@ -469,13 +469,14 @@ def test_a_folder_rope_scaling_that_is_not_finite_and_positive_is_refused(tmp_pa
 @pytest.mark.parametrize(("field", "value", "shown"), [
     ("rope_theta", float("nan"), "rope_theta=nan"), ("rope_theta", -1.0, "rope_theta=-1.0"),
     ("rms_norm_eps", 0, "rms_norm_eps=0"), ("rope_theta", "1e4", "rope_theta='1e4'"),
-    ("rope_theta", True, "rope_theta=True")])
+    ("rope_theta", True, "rope_theta=True"), ("rms_norm_eps", 1e300, "rms_norm_eps=1e+300")])
 def test_a_folder_config_with_a_rope_base_or_norm_epsilon_that_is_not_positive_is_refused(tmp_path, field, value,
                                                                                           shown):
     """A tiny llama with rope_theta NaN or -1 loaded without a word and generated "[UNK]" from then on."""
     config = {"model_type": "llama", "num_hidden_layers": 2, "rope_theta": 10000.0, field: value}
     folder = _folder(tmp_path, config)
-    with pytest.raises(ModelError, match=rf"config.json has {re.escape(shown)} \(allowed: a finite number > 0\)"):
+    with pytest.raises(ModelError, match=rf"config.json has {re.escape(shown)} \(allowed: a finite number > 0, at most "
+                                         r"3\.403e\+38, float32's largest"):
         load(folder)
     nested = tmp_path / "nested"
     nested.mkdir()

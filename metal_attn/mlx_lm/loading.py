@@ -65,8 +65,11 @@ def _check_folder_files(path: Path) -> None:
 
 
 #: config.json fields the attention and norms divide or exponentiate by: where present, each must be a
-#: finite number > 0. ``rope_theta`` NaN or -1 loaded without a word and generated "[UNK]" from then on.
+#: finite number > 0, and finite in float32 too (`FLOAT32_MAX`: the model computes in float32 or lower, where
+#: ``rms_norm_eps=1e300`` is infinite and every output NaN). ``rope_theta`` NaN or -1 loaded without a word and
+#: generated "[UNK]" from then on.
 POSITIVE_REALS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check_positive_reals(path: Path, config: dict[str, Any]) -> None:
@@ -75,9 +78,10 @@ def _check_positive_reals(path: Path, config: dict[str, Any]) -> None:
             continue
         for name in POSITIVE_REALS:
             value = fields.get(name)
-            if value is not None and not (is_finite_real(value) and value > 0):
+            if value is not None and not (is_finite_real(value) and 0 < value <= FLOAT32_MAX):
                 raise ModelError(f"model={str(path)!r}: config.json has {part}{name}={value!r} (allowed: a finite "
-                                 "number > 0)")
+                                 f"number > 0, at most {FLOAT32_MAX:.4g}, float32's largest: the model computes in "
+                                 "float32 or lower)")
 
 
 #: RoPE scaling factors that divide or multiply the frequencies: where present, finite and > 0.
