@@ -419,12 +419,11 @@ class Settings(BaseSettings):
                 # Set in code (`override_settings`, `Settings(...)`), not by the environment
                 return f"disabled by the {field} setting (its variable: {var})"
         if provider_name in self.disabled_providers:
-            var = PREFIX + "DISABLED_PROVIDERS"
-            listed = {n.strip() for n in os.environ.get(var, "").split(",")}
-            if provider_name in listed:
-                return f"disabled by {var}={','.join(self.disabled_providers)}"
+            name = set_by("disabled_providers")  # the variable as the user spelled it, when one is set
+            if name is not None and provider_name in {n.strip() for n in os.environ[name].split(",")}:
+                return f"disabled by {name}={','.join(self.disabled_providers)}"
             return (f"disabled by the disabled_providers setting ({','.join(self.disabled_providers)}; "
-                    f"its variable: {var})")
+                    f"its variable: {PREFIX}DISABLED_PROVIDERS)")
         return None
 
     def device_overrides(self) -> tuple[tuple[str, object], ...]:
