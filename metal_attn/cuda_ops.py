@@ -238,7 +238,7 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
           scratch: Sequence[tuple[tuple[int, ...], Any]],
           launches: Sequence[tuple[int, tuple[int, int, int], tuple[int, int, int], Sequence[int], int]],
           input_shapes: Sequence[tuple[int, ...]] = (), state: Sequence[int] = (),
-          initial: Sequence[tuple[int, int]] = (), commit_when_idle: bool = False) -> Any:
+          initial: Sequence[tuple[int, int]] = (), commit_when_idle: bool = False, direct_when_idle: int = 0) -> Any:
     """A ``_cuda_ops.Chain``: call it with the inputs (a list of arrays in ``input_dtypes``, and of
     ``input_shapes`` when given: each call checks both) for its outputs. ``launches``: ``(function,
     grid in threadgroups, threadgroup, argument buffer indices (inputs, then outputs, then scratch),
@@ -249,7 +249,10 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
     place; it takes over the input's buffer where no other array holds it, else gets a copy
     (`initial_stats`), and launches read the output, not the input. Its buffers come from the chains'
     device memory pool unless ``cuda_chain_pool`` is off (`pool_stats`). ``commit_when_idle``: evaluating the
-    chain launches the CUDA graph MLX has encoded so far when the GPU has no work left (`idle_commits`)."""
+    chain launches the CUDA graph MLX has encoded so far when the GPU has no work left (`idle_commits`);
+    ``direct_when_idle`` (with it): the chain that finds the GPU idle and the next ``direct_when_idle - 1`` such
+    chains launch their kernels straight onto MLX's stream, after launching what MLX has encoded, instead of as
+    graph nodes (0: never)."""
     from metal_attn.settings import get_settings
 
     mod = native()
@@ -259,7 +262,7 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
     return mod.Chain(name, list(input_dtypes), [(list(s), d) for s, d in outputs], [(list(s), d) for s, d in scratch],
                      [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches],
                      [list(x) for x in input_shapes], list(state), get_settings().cuda_chain_pool,
-                     [tuple(p) for p in initial], commit_when_idle)
+                     [tuple(p) for p in initial], commit_when_idle, direct_when_idle)
 
 
 def pool_stats() -> dict[str, int] | None:
@@ -280,7 +283,8 @@ def initial_stats() -> dict[str, int] | None:
 
 def idle_commits() -> dict[str, int] | None:
     """CUDA graphs chains launched for the GPU (`chain`'s ``commit_when_idle``) since the process started:
-    ``idle`` (it had no work left), ``ahead`` (at the 1st, 3rd, 7th... such chain after one found it idle);
+    ``idle`` (it had no work left), ``ahead`` (at the 1st, 3rd, 7th... such chain after one found it idle),
+    ``direct`` (chains launched straight onto MLX's stream instead, ``direct_when_idle``);
     ``None`` where the module is not loaded."""
     mod = native()
     return None if mod is None else dict(mod.idle_commits())

@@ -242,6 +242,19 @@ class Settings(BaseSettings):
         ),
     )
 
+    cuda_idle_direct_chains: int = Field(
+        0,
+        ge=0,
+        validation_alias=_env("cuda_idle_direct_chains"),
+        description=(
+            "CUDA chains that start an idle GPU (cuda_commit_when_idle or its rule): the chain that finds the GPU "
+            "idle, and the next N - 1 such chains after it, launch their kernels straight onto MLX's stream "
+            "(cuLaunchKernel, after launching what MLX has encoded) instead of as nodes of MLX's CUDA graph, so "
+            "the GPU starts without a graph update and launch on the host's path. 0: graph nodes always "
+            "(docs/cuda-ops.md, 'Starting an idle GPU')."
+        ),
+    )
+
     cuda_finish_in_place: bool = Field(
         True,
         validation_alias=_env("cuda_finish_in_place"),

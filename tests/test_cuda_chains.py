@@ -17,7 +17,7 @@ from metal_attn.providers import gpu_common as gc
 
 from metal_attn import cuda_ops
 from metal_attn.metadata import AttentionMetadata
-from metal_attn.settings import override_settings
+from metal_attn.settings import Settings, override_settings
 from metal_attn.testing.fake_cuda import fake_chains as fake_cuda_chains
 from metal_attn.testing.fake_cuda import fake_cuda
 
@@ -328,6 +328,23 @@ def test_chains_start_an_idle_gpu_by_the_rule_or_the_setting(fake_chains, settin
     assert got == want
 
 
+@pytest.mark.parametrize("direct", [0, 1, 6])
+def test_direct_launches_go_only_to_chains_that_start_an_idle_gpu(fake_chains, direct):
+    # METAL_ATTN_CUDA_IDLE_DIRECT_CHAINS: how many chains from the one that finds the GPU idle launch straight
+    # onto MLX's stream. A chain that never starts the GPU gets 0, whatever the setting.
+    at_bound = (64 << 20) // (2 * 8 * 128 * 2)
+    with override_settings(cuda_idle_direct_chains=direct):
+        big = _idle_launch([at_bound // 2, at_bound // 2])
+        small = _idle_launch([at_bound // 2, at_bound // 2 - 1])
+    assert (big.chain.commit_when_idle, big.chain.direct_when_idle) == (True, direct)
+    assert (small.chain.commit_when_idle, small.chain.direct_when_idle) == (False, 0)
+
+
+def test_direct_launch_setting_refuses_a_negative_count():
+    with pytest.raises(ValueError, match="cuda_idle_direct_chains"):
+        Settings(cuda_idle_direct_chains=-1)
+
+
 def test_the_idle_commit_rule_decides_by_bytes_and_whole_calls_unless_the_setting_says():
     rule = gc.IDLE_COMMIT_RULE
     unset, on = (type("S", (), {"cuda_commit_when_idle": v})() for v in (None, True))
@@ -343,12 +360,13 @@ def test_bench_reports_the_graphs_chains_launched_for_the_gpu(fake_chains, monke
 
     from metal_attn.bench import cli
 
-    monkeypatch.setattr(cuda_ops, "idle_commits", lambda: {"idle": 3, "ahead": 5})
+    monkeypatch.setattr(cuda_ops, "idle_commits", lambda: {"idle": 3, "ahead": 5, "direct": 4})
     monkeypatch.setattr(cuda_ops, "chains_built", type(cuda_ops.chains_built)({"metal_attn.per_token_ps512": 1}))
     err = io.StringIO()
     cli._report_idle_commits(err)
     assert err.getvalue() == ("CUDA chains: graphs launched for the GPU (commit_when_idle), this process: 3 on an "
-                              "idle GPU, 5 ahead of it\n")
+                              "idle GPU, 5 ahead of it; 4 chains launched straight onto the stream "
+                              "(cuda_idle_direct_chains)\n")
     monkeypatch.setattr(cuda_ops, "chains_built", type(cuda_ops.chains_built)())
     err = io.StringIO()
     cli._report_idle_commits(err)

@@ -54,6 +54,7 @@ std::atomic<size_t> outputs_donated{0};
 std::atomic<size_t> outputs_copied{0};
 std::atomic<size_t> commits_when_idle{0};
 std::atomic<size_t> commits_ahead{0};
+std::atomic<size_t> chains_direct{0};
 
 // Per stream (a stream belongs to the thread that made it): chains with commit_when_idle encoded since
 // one last found the GPU idle, or -1 before any did.
@@ -66,6 +67,26 @@ bool stream_idle(mx::cu::CommandEncoder& enc) {
   using Query = CUresult (*)(CUstream);
   static const Query query = reinterpret_cast<Query>(driver_symbol("cuStreamQuery"));
   return query(static_cast<cudaStream_t>(enc.stream())) == CUDA_SUCCESS;
+}
+
+// One kernel of a chain: a node of MLX's graph, its buffers recorded for MLX's ordering, or (direct)
+// launched straight onto the encoder's stream, which the caller has ordered by committing the encoder
+// first. A direct launch records nothing: stream order covers every later reader and writer, and MLX's
+// completion handler for the primitive (after the next commit) keeps the buffers alive.
+void launch_kernel(mx::cu::CommandEncoder& enc, bool direct, CUfunction fn, dim3 grid, dim3 block,
+                   void** params) {
+  if (!direct) {
+    enc.add_kernel_node_raw(fn, grid, block, dim3(1, 1, 1), 0, params);
+    return;
+  }
+  using Launch = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              CUstream, void**, void**);
+  static const Launch launch = reinterpret_cast<Launch>(driver_symbol("cuLaunchKernel"));
+  CUresult rc = launch(fn, grid.x, grid.y, grid.z, block.x, block.y, block.z, 0,
+                       static_cast<cudaStream_t>(enc.stream()), params, nullptr);
+  if (rc != CUDA_SUCCESS) {
+    throw std::runtime_error("metal_attn._cuda_ops: cuLaunchKernel failed (CUresult " + std::to_string(rc) + ")");
+  }
 }
 
 size_t element_count(const mx::Shape& shape) {
@@ -107,7 +128,7 @@ mx::array allocated(const ChainSpec& spec, mx::cu::CommandEncoder& enc, const mx
   return a;
 }
 
-void encode_copy(mx::cu::CommandEncoder& enc, const mx::array& in, const mx::array& out) {
+void encode_copy(mx::cu::CommandEncoder& enc, const mx::array& in, const mx::array& out, bool direct) {
   if (in.ndim() > kMaxCopyDims) {
     throw std::runtime_error("metal_attn._cuda_ops: a non-contiguous input of " + std::to_string(in.ndim()) +
                              " dimensions (at most " + std::to_string(kMaxCopyDims) + ")");
@@ -125,10 +146,31 @@ void encode_copy(mx::cu::CommandEncoder& enc, const mx::array& in, const mx::arr
   void* params[] = {&src, &dst, &s};
   unsigned threads = 256;
   long long blocks = (s.size + threads - 1) / threads;
-  enc.set_input_array(in);
-  enc.set_output_array(out);
-  enc.add_kernel_node_raw(fn, dim3(static_cast<unsigned>(std::min<long long>(std::max<long long>(blocks, 1), 65535))),
-                          dim3(threads), dim3(1, 1, 1), 0, params);
+  if (!direct) {
+    enc.set_input_array(in);
+    enc.set_output_array(out);
+  }
+  launch_kernel(enc, direct, fn, dim3(static_cast<unsigned>(std::min<long long>(std::max<long long>(blocks, 1), 65535))),
+                dim3(threads), params);
+}
+
+// ChainSpec::direct_when_idle, before a chain encodes anything: whether it launches straight onto the
+// stream (the GPU is idle, or one of the direct_when_idle - 1 chains after one found it idle). A direct
+// chain first commits the encoder, so that what MLX encoded before it runs first.
+bool launch_direct(const ChainSpec& spec, mx::cu::CommandEncoder& enc, int stream_index) {
+  if (!spec.commit_when_idle || spec.direct_when_idle <= 0) return false;
+  long long& since = chains_since_idle.try_emplace(stream_index, -1).first->second;
+  if (stream_idle(enc)) {
+    since = 0;
+    commits_when_idle.fetch_add(1, std::memory_order_relaxed);
+  } else if (since >= 0 && since + 1 < spec.direct_when_idle) {
+    ++since;
+  } else {
+    return false;
+  }
+  enc.commit();
+  chains_direct.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 // ChainSpec::commit_when_idle, after a chain is encoded: launch what the encoder holds when the GPU
@@ -168,6 +210,10 @@ void ChainSpec::validate() const {
                                 std::to_string(input_dtypes.size()) + " inputs (one each, or none)");
   }
   if (outputs.empty()) throw std::invalid_argument("chain " + name + ": outputs is empty (at least one)");
+  if (direct_when_idle < 0) {
+    throw std::invalid_argument("chain " + name + ": direct_when_idle=" + std::to_string(direct_when_idle) +
+                                " (allowed: 0 or more)");
+  }
   for (int a : state) {
     if (a < 0 || a >= n_in) {
       throw std::invalid_argument("chain " + name + ": state input " + std::to_string(a) +
@@ -262,6 +308,7 @@ bool KernelChain::is_equivalent(const mx::Primitive& other) const {
 void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const ChainSpec& spec = *spec_;
   auto& enc = mx::cu::get_command_encoder(stream());
+  const bool direct = launch_direct(spec, enc, stream().index);
   for (int a : spec.state) {
     if (!inputs[a].flags().row_contiguous) {
       throw std::invalid_argument("chain " + spec.name + ": state input " + std::to_string(a) +
@@ -282,7 +329,7 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
     } else {
       out.set_data(chain_data(spec, enc, out.nbytes()));
       if (from >= 0) {  // run_chain checked the element counts
-        encode_copy(enc, inputs[from], out);
+        encode_copy(enc, inputs[from], out, direct);
         outputs_copied.fetch_add(1, std::memory_order_relaxed);
       }
     }
@@ -294,7 +341,7 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
       buffers.push_back(in);
     } else {
       mx::array c = allocated(spec, enc, in.shape(), in.dtype());
-      encode_copy(enc, in, c);
+      encode_copy(enc, in, c, direct);
       enc.add_temporary(c);
       buffers.push_back(c);
     }
@@ -315,20 +362,22 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
       const mx::array& b = buffers[launch.args[i]];
       pointers[i] = reinterpret_cast<CUdeviceptr>(mx::gpu_ptr<void>(b));
       params[i] = &pointers[i];
+      if (direct) continue;
       if (static_cast<int>(i) < launch.reads) {
         enc.set_input_array(b);
       } else {
         enc.set_output_array(b);  // also a dependency on the buffer's last writer (a state input's)
       }
     }
-    enc.add_kernel_node_raw(launch.function, dim3(launch.grid[0], launch.grid[1], launch.grid[2]),
-                            dim3(launch.block[0], launch.block[1], launch.block[2]), dim3(1, 1, 1), 0, params.data());
+    launch_kernel(enc, direct, launch.function, dim3(launch.grid[0], launch.grid[1], launch.grid[2]),
+                  dim3(launch.block[0], launch.block[1], launch.block[2]), params.data());
   }
-  if (spec.commit_when_idle) commit_for_the_gpu(enc, stream().index);
+  if (spec.commit_when_idle && !direct) commit_for_the_gpu(enc, stream().index);
 }
 
 IdleCommits idle_commits() {
-  return {commits_when_idle.load(std::memory_order_relaxed), commits_ahead.load(std::memory_order_relaxed)};
+  return {commits_when_idle.load(std::memory_order_relaxed), commits_ahead.load(std::memory_order_relaxed),
+          chains_direct.load(std::memory_order_relaxed)};
 }
 
 InitialStats initial_stats() {

@@ -62,6 +62,12 @@ struct ChainSpec {
   // after it. A blocking step then starts its GPU after its first chain, and each graph is encoded
   // while the GPU runs the ones before; false: MLX decides alone.
   bool commit_when_idle = false;
+  // With commit_when_idle: the chain that finds the GPU idle before it encodes anything, and the next
+  // direct_when_idle - 1 such chains after it, launch their kernels straight onto MLX's stream
+  // (cuLaunchKernel) instead of adding graph nodes, after launching what the encoder holds so that
+  // stream order keeps MLX's order. The GPU then starts without a graph's update and launch on the
+  // host's path; the ahead schedule goes on counting from there. 0: graph nodes always.
+  int direct_when_idle = 0;
 
   // Checks every index and size, that no launch writes an input other than a state input, that
   // every output is written, that no scratch buffer is read before a launch writes it and that each
@@ -80,8 +86,9 @@ InitialStats initial_stats();
 
 // Graphs chains launched for the GPU (ChainSpec::commit_when_idle) since the process started.
 struct IdleCommits {
-  size_t idle;   // the GPU had no work left
-  size_t ahead;  // the GPU was busy, at the 1st, 3rd, 7th... such chain after one found it idle
+  size_t idle;    // the GPU had no work left
+  size_t ahead;   // the GPU was busy, at the 1st, 3rd, 7th... such chain after one found it idle
+  size_t direct;  // chains launched straight onto the stream (ChainSpec::direct_when_idle)
 };
 
 IdleCommits idle_commits();

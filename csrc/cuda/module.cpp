@@ -54,7 +54,7 @@ Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dt
                  const std::vector<BufferSpec>& outputs, const std::vector<BufferSpec>& scratch,
                  const std::vector<LaunchSpec>& launches, const std::vector<std::vector<int>>& input_shapes,
                  const std::vector<int>& state, bool pooled, const std::vector<std::pair<int, int>>& initial,
-                 bool commit_when_idle) {
+                 bool commit_when_idle, int direct_when_idle) {
   auto spec = std::make_shared<mac::ChainSpec>();
   spec->name = name;
   spec->input_dtypes = input_dtypes;
@@ -63,6 +63,7 @@ Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dt
   spec->pooled = pooled;
   spec->initial = initial;
   spec->commit_when_idle = commit_when_idle;
+  spec->direct_when_idle = direct_when_idle;
   spec->outputs = buffers(outputs);
   spec->scratch = buffers(scratch);
   for (const auto& [fn, grid, block, args, reads] : launches) {
@@ -131,22 +132,24 @@ NB_MODULE(_cuda_ops, m) {
 
   m.def("idle_commits", [] {
           mac::IdleCommits c = mac::idle_commits();
-          return counts({{"idle", c.idle}, {"ahead", c.ahead}});
+          return counts({{"idle", c.idle}, {"ahead", c.ahead}, {"direct", c.direct}});
         },
         "Graphs chains launched for the GPU (Chain's commit_when_idle) since the process started: because it had "
-        "no work left (idle), and ahead of it at the 1st, 3rd, 7th... such chain after one found it idle (ahead).");
+        "no work left (idle), and ahead of it at the 1st, 3rd, 7th... such chain after one found it idle (ahead); "
+        "and the chains launched straight onto MLX's stream instead (Chain's direct_when_idle; direct).");
 
   nb::class_<Chain>(m, "Chain", "A fixed sequence of kernel launches, run as one MLX primitive.")
       .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
            "input_shapes"_a = std::vector<std::vector<int>>{}, "state"_a = std::vector<int>{}, "pooled"_a = true,
-           "initial"_a = std::vector<std::pair<int, int>>{}, "commit_when_idle"_a = false,
+           "initial"_a = std::vector<std::pair<int, int>>{}, "commit_when_idle"_a = false, "direct_when_idle"_a = 0,
            "input_shapes: one per input (checked at each call), or none; outputs and scratch: (shape, dtype) pairs; launches: (function, grid, block, args, reads), grid in "
            "threadgroups, args as buffer indices (inputs, then outputs, then scratch), the first `reads` read; state: the input "
            "indices launches may write in place (row-contiguous buffers they leave as they found them); pooled: outputs, "
            "scratch and input copies in our stream-ordered device memory pool (False: MLX's allocator); initial: (output, "
            "input) pairs, the output starting as the input's values (its buffer where no other array holds it, else a "
            "copy), for launches that update it in place; commit_when_idle: after encoding, launch MLX's encoded graph when its "
-           "stream has no work left (the GPU is idle).")
+           "stream has no work left (the GPU is idle); direct_when_idle: with commit_when_idle, the chain that finds the GPU idle "
+           "and the next direct_when_idle - 1 after it launch straight onto MLX's stream, after committing what MLX encoded.")
       .def("__call__", [](const Chain& c, const std::vector<mx::array>& inputs) { return mac::run_chain(c.spec, inputs); },
            "inputs"_a, "The chain's outputs over inputs (lazy).")
       .def_prop_ro("name", [](const Chain& c) { return c.spec->name; });

@@ -150,6 +150,7 @@ class FakeChain:
     pooled: bool = True
     initial: list = dataclasses.field(default_factory=list)
     commit_when_idle: bool = False
+    direct_when_idle: int = 0
     owner: FakeChains | None = dataclasses.field(default=None, repr=False)
     calls: list = dataclasses.field(default_factory=list)
     _zeros: list = dataclasses.field(default_factory=list, repr=False)
@@ -187,14 +188,14 @@ def fake_chains() -> Iterator[FakeChains]:
     class Module:
         @staticmethod
         def idle_commits() -> dict[str, int]:
-            return {"idle": 0, "ahead": 0}
+            return {"idle": 0, "ahead": 0, "direct": 0}
 
         @staticmethod
         def Chain(name: str, input_dtypes: list, outputs: list, scratch: list, launches: list,
                   input_shapes: list, state: list, pooled: bool, initial: list,
-                  commit_when_idle: bool) -> FakeChain:
+                  commit_when_idle: bool, direct_when_idle: int = 0) -> FakeChain:
             c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, pooled, initial,
-                          commit_when_idle, owner=fake)
+                          commit_when_idle, direct_when_idle, owner=fake)
             fake.chains.append(c)
             return c
 

@@ -432,13 +432,14 @@ def chained_per_token_launch(
     dtype: Any, pool_dtype: Any, total: int, num_heads: int, head: int, block_size: int, max_parts: int,
     partition_size: int, geo: Geometry, prefetch: int, params: mx.array, fparams: mx.array,
     reduce_params: mx.array | None, shapes: tuple[tuple[int, ...], ...], fused: bool = False,
-    idle_commit: bool = False,
+    idle_commit: bool = False, direct_when_idle: int = 0,
 ) -> ChainedPerTokenLaunch:
     """The `ChainedPerTokenLaunch` of a per-token launch (`per_token_launch` builds both kinds);
     ``shapes``: the query's, the pools' and the metadata's (``q``, ``k``, ``v``, ``block_tables``,
     ``seq_lens``, ``cu_seqlens_q``), which every call of the chain checks. ``fused`` (split only):
     one launch, the partials reduced by the last threadgroup of each (row, head group). ``idle_commit``: the
-    chain launches MLX's encoded graph when it finds the GPU idle (`commit_when_idle`)."""
+    chain launches MLX's encoded graph when it finds the GPU idle (`commit_when_idle`); ``direct_when_idle``:
+    the chains that launch straight onto MLX's stream from there (``cuda_idle_direct_chains``)."""
     from metal_attn import cuda_ops
     from metal_attn.api import dtype_name
 
@@ -461,7 +462,7 @@ def chained_per_token_launch(
     if not split:  # buffer indices: the inputs, then the output
         ch = cuda_ops.chain("metal_attn.per_token_ps0", in_dtypes, out_spec, [],
                             [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), n_pa], n_pa)], in_shapes,
-                            commit_when_idle=idle_commit)
+                            commit_when_idle=idle_commit, direct_when_idle=direct_when_idle)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), None)
     scratch_spec = split_scratch(total, num_heads, max_parts, head)
     scratch = list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"]))
@@ -473,7 +474,7 @@ def chained_per_token_launch(
         ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}_fused", [*in_dtypes, mx.int32], out_spec,
                             scratch, [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials, out, counters],
                                        n_pa)], [*in_shapes, tuple(arrivals.shape)], state=[counters],
-                            commit_when_idle=idle_commit)
+                            commit_when_idle=idle_commit, direct_when_idle=direct_when_idle)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), arrivals)
     slices = launch_slices(total, num_heads, max_parts, "cuda")
     threads = NUM_THREADS * slices
@@ -487,7 +488,8 @@ def chained_per_token_launch(
                 (reducer, cuda_ops.threadgroups((num_heads * threads, total, 1), (threads, 1, 1)),
                  (threads, 1, 1), [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
     ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32], out_spec, scratch,
-                        launches, [*in_shapes, tuple(reduce_params.shape)], commit_when_idle=idle_commit)
+                        launches, [*in_shapes, tuple(reduce_params.shape)], commit_when_idle=idle_commit,
+                        direct_when_idle=direct_when_idle)
     return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), reduce_params)
 
 
@@ -519,7 +521,8 @@ def per_token_launch(
                                         reduce_params, (tuple(q_shape), tuple(k_shape), tuple(k_shape),
                                                         tuple(md.block_tables.shape), tuple(md.seq_lens.shape),
                                                         tuple(md.cu_seqlens_q.shape)), fused=fused,
-                                        idle_commit=idle_commit)
+                                        idle_commit=idle_commit,
+                                        direct_when_idle=get_settings().cuda_idle_direct_chains if idle_commit else 0)
     out = (split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     launch = kernel_launch(per_token_kernel(backend, split, geo),

@@ -392,3 +392,34 @@ def test_a_compiled_step_that_keeps_the_gpu_busy_launches_ahead_of_it():
     np.testing.assert_array_equal(_as_f32(got), _as_f32(want))
     idle, ahead = after["idle"] - before["idle"], after["ahead"] - before["ahead"]
     assert idle >= 1 and ahead >= 1, (idle, ahead)
+
+
+@pytest.mark.parametrize("direct", [1, 3, 32])
+def test_chains_launched_straight_onto_the_stream_give_mlx_s_values(direct):
+    # cuda_idle_direct_chains: the chain that finds the GPU idle and the next direct - 1 after it launch with
+    # cuLaunchKernel after committing what MLX encoded, not as graph nodes. Stream order must keep every
+    # layer after the one before, eager and compiled, with an MLX op between layers as a model has: the
+    # values are those of MLX's own launches, bit for bit, and the count says they went straight.
+    case = _decode_case()
+    md = case.metadata()
+
+    def step(q):
+        for _ in range(8):
+            q = metal_attn.paged_attention(q, case.k_cache, case.v_cache, metadata=md, scale=case.scale,
+                                           provider="classic") * 1.0625
+        return q
+
+    with override_settings(cuda_commit_when_idle=False):
+        want = step(case.q)
+        mx.eval(want)
+    with override_settings(cuda_commit_when_idle=True, cuda_idle_direct_chains=direct):
+        for fn in (step, mx.compile(step)):
+            mx.eval(fn(case.q))  # the trace, for the compiled one
+            mx.synchronize()
+            before = cuda_ops.idle_commits()
+            got = fn(case.q)
+            mx.eval(got)
+            after = cuda_ops.idle_commits()
+            np.testing.assert_array_equal(_as_f32(got), _as_f32(want))
+            went = after["direct"] - before["direct"]
+            assert 1 <= went <= 8, (direct, before, after)  # every chain that found the GPU idle starts a run
