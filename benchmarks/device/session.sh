@@ -28,9 +28,9 @@
 #            process, then the generate suite (engine and generate_step at 1 and 8 requests) in a process by the
 #            rule and one with the setting off (issue #17)
 #   direct   chains that start an idle GPU launching straight onto MLX's stream (METAL_ATTN_CUDA_IDLE_DIRECT_CHAINS):
-#            the chain GPU tests, the decode-step suite's compiled step with 0, 1, 4 and 32 such chains in one process,
-#            twice, blocking, then pipelined, then the generate suite at 1 and 8 requests at 0 and 32 (issue #17, the
-#            step boundary)
+#            the chain GPU tests, the decode-step suite's compiled step with 0, 1 and 32 such chains in one process,
+#            twice, blocking; the generate suite at 1 and 8 requests at 0 and 32; the step pipelined at 0 and 32
+#            (issue #17, the step boundary)
 #   staged   the decode-step suite's compiled step cut into segments queued as each is built (auto_staged,
 #            STAGED_SEGMENTS) against the whole compiled step and torch SDPA, three times, blocking; then
 #            the three shapes that miss, pipelined (issue #17, the step boundary)
@@ -201,19 +201,18 @@ run_phase() {
         --json "$dir/generate-off.json" ;;
     direct)
       # shellcheck disable=SC2046
-      step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) tests/gpu/test_cuda_chains_gpu.py \
-        tests/gpu/test_compiled_decode_gpu.py
+      step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) tests/gpu/test_cuda_chains_gpu.py
       step decode-step 420 "${BENCH[@]}" --suite decode-step --repeat 2 --quiet --markdown --candidates \
-        "auto_compiled,auto_compiled[cuda_idle_direct_chains=1],auto_compiled[cuda_idle_direct_chains=4],auto_compiled[cuda_idle_direct_chains=32],torch_sdpa,ceiling" \
+        "auto_compiled,auto_compiled[cuda_idle_direct_chains=1],auto_compiled[cuda_idle_direct_chains=32],torch_sdpa,ceiling" \
         --json "$dir/decode-step.json"
-      step decode-step-pipelined "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --pipelined --quiet --markdown \
-        --candidates "auto_compiled,auto_compiled[cuda_idle_direct_chains=4],auto_compiled[cuda_idle_direct_chains=32],torch_sdpa,ceiling" \
-        --json "$dir/decode-step-pipelined.json"
       step generate-0 "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet --concurrency 1,8 --shared-prefix 0 \
         --gen-tokens 64 --candidates engine,generate_step --json "$dir/generate-0.json"
       step generate-32 "$STEP_LIMIT" env METAL_ATTN_CUDA_IDLE_DIRECT_CHAINS=32 "${BENCH[@]}" --suite generate --quiet \
         --concurrency 1,8 --shared-prefix 0 --gen-tokens 64 --candidates engine,generate_step \
-        --json "$dir/generate-32.json" ;;
+        --json "$dir/generate-32.json"
+      step decode-step-pipelined "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --pipelined --quiet --markdown \
+        --candidates "auto_compiled,auto_compiled[cuda_idle_direct_chains=32],torch_sdpa,ceiling" \
+        --json "$dir/decode-step-pipelined.json" ;;
     staged)
       step decode-step 420 "${BENCH[@]}" --suite decode-step --repeat 3 --quiet --markdown --candidates \
         auto_compiled,auto_staged,torch_sdpa,ceiling --json "$dir/decode-step.json"
