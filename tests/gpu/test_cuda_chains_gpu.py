@@ -339,6 +339,18 @@ def _chained_step(case, layers: int):
     return q
 
 
+def _step_on_an_idle_gpu(step, q):
+    """``step(q)`` evaluated once to warm it (a compiled step's trace), then again after the GPU drained: its
+    output and the chains' `cuda_ops.idle_commits` counts during that evaluation."""
+    mx.eval(step(q))
+    mx.synchronize()
+    before = cuda_ops.idle_commits()
+    got = step(q)
+    mx.eval(got)
+    after = cuda_ops.idle_commits()
+    return got, {k: after[k] - before[k] for k in after}
+
+
 @pytest.mark.parametrize("on", [True, False], ids=["commit-when-idle", "mlx-alone"])
 def test_a_step_on_an_idle_gpu_launches_after_its_first_chain_only_when_asked(on):
     # cuda_commit_when_idle: the chain launches MLX's encoded graph when the stream has no work left,
@@ -382,16 +394,9 @@ def test_a_compiled_step_that_keeps_the_gpu_busy_launches_ahead_of_it():
         want = step(case.q)
         mx.eval(want)
     with override_settings(cuda_commit_when_idle=True):
-        compiled = mx.compile(step)
-        mx.eval(compiled(case.q))  # the trace
-        mx.synchronize()
-        before = cuda_ops.idle_commits()
-        got = compiled(case.q)
-        mx.eval(got)
-        after = cuda_ops.idle_commits()
+        got, counts = _step_on_an_idle_gpu(mx.compile(step), case.q)
     np.testing.assert_array_equal(_as_f32(got), _as_f32(want))
-    idle, ahead = after["idle"] - before["idle"], after["ahead"] - before["ahead"]
-    assert idle >= 1 and ahead >= 1, (idle, ahead)
+    assert counts["idle"] >= 1 and counts["ahead"] >= 1, counts
 
 
 @pytest.mark.parametrize("direct", [1, 3, 32])
@@ -414,12 +419,6 @@ def test_chains_launched_straight_onto_the_stream_give_mlx_s_values(direct):
         mx.eval(want)
     with override_settings(cuda_commit_when_idle=True, cuda_idle_direct_chains=direct):
         for fn in (step, mx.compile(step)):
-            mx.eval(fn(case.q))  # the trace, for the compiled one
-            mx.synchronize()
-            before = cuda_ops.idle_commits()
-            got = fn(case.q)
-            mx.eval(got)
-            after = cuda_ops.idle_commits()
+            got, counts = _step_on_an_idle_gpu(fn, case.q)
             np.testing.assert_array_equal(_as_f32(got), _as_f32(want))
-            went = after["direct"] - before["direct"]
-            assert 1 <= went <= 8, (direct, before, after)  # every chain that found the GPU idle starts a run
+            assert 1 <= counts["direct"] <= 8, (direct, counts)  # every chain that finds the GPU idle starts a run
