@@ -937,7 +937,7 @@ def _report_idle_commits(err: TextIO) -> None:
     count = cuda_ops.idle_commits() if cuda_ops.chains_built else None
     if count is not None:
         print(f"CUDA chains: graphs launched for the GPU (commit_when_idle), this process: {count['idle']} on an "
-              f"idle GPU, {count['ahead']} ahead of it; {count.get('direct', 0)} chains launched straight onto the "
+              f"idle GPU, {count['ahead']} ahead of it; {count['direct']} chains launched straight onto the "
               "stream (cuda_idle_direct_chains)", file=err)
 
 
