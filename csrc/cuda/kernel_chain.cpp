@@ -380,6 +380,16 @@ IdleCommits idle_commits() {
           chains_direct.load(std::memory_order_relaxed)};
 }
 
+size_t spin_until_idle() {
+  using Query = CUresult (*)(CUstream);
+  static const Query query = reinterpret_cast<Query>(driver_symbol("cuStreamQuery"));
+  auto& enc = mx::cu::get_command_encoder(mx::default_stream(mx::default_device()));
+  const auto stream = static_cast<cudaStream_t>(enc.stream());
+  size_t polls = 1;
+  while (query(stream) == CUDA_ERROR_NOT_READY) ++polls;
+  return polls;
+}
+
 InitialStats initial_stats() {
   return {outputs_donated.load(std::memory_order_relaxed), outputs_copied.load(std::memory_order_relaxed)};
 }

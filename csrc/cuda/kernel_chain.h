@@ -93,6 +93,11 @@ struct IdleCommits {
 
 IdleCommits idle_commits();
 
+// Spins (cuStreamQuery in a loop) until the default GPU stream's encoder has no work left on its stream,
+// then returns; what MLX has encoded but not launched is not waited for. A stream error ends the spin:
+// MLX reports it at the evaluation's own wait. Returns the polls made.
+size_t spin_until_idle();
+
 class KernelChain : public mx::Primitive {
  public:
   KernelChain(mx::Stream stream, std::shared_ptr<const ChainSpec> spec)

@@ -138,6 +138,15 @@ NB_MODULE(_cuda_ops, m) {
         "no work left (idle), and ahead of it at the 1st, 3rd, 7th... such chain after one found it idle (ahead); "
         "and the chains launched straight onto MLX's stream instead (Chain's direct_when_idle; direct).");
 
+  m.def("spin_until_idle", [] {
+          make_current();
+          nb::gil_scoped_release unlocked;
+          return mac::spin_until_idle();
+        },
+        "Spin until the default GPU stream has no launched work left (cuStreamQuery in a loop, the GIL released), "
+        "where MLX's own wait sleeps on a blocking CUDA event; returns the polls made. Work MLX encoded but did not "
+        "launch is not waited for: queue it first (mx.async_eval).");
+
   nb::class_<Chain>(m, "Chain", "A fixed sequence of kernel launches, run as one MLX primitive.")
       .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
            "input_shapes"_a = std::vector<std::vector<int>>{}, "state"_a = std::vector<int>{}, "pooled"_a = true,

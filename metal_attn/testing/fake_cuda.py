@@ -172,6 +172,8 @@ class FakeChains:
     chains: list[FakeChain] = dataclasses.field(default_factory=list)
     functions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     record: bool = True
+    #: `spin_until_idle` calls so far (the fake GPU is always idle: one poll each).
+    spins: int = 0
 
     def call_count(self) -> int:
         """Calls recorded so far, over every chain."""
@@ -189,6 +191,11 @@ def fake_chains() -> Iterator[FakeChains]:
         @staticmethod
         def idle_commits() -> dict[str, int]:
             return {"idle": 0, "ahead": 0, "direct": 0}
+
+        @staticmethod
+        def spin_until_idle() -> int:
+            fake.spins += 1
+            return 1
 
         @staticmethod
         def Chain(name: str, input_dtypes: list, outputs: list, scratch: list, launches: list,
