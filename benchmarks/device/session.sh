@@ -31,6 +31,10 @@
 #            the chain GPU tests, the decode-step suite's compiled step with 0, 1 and 32 such chains in one process,
 #            twice, blocking; the generate suite at 1 and 8 requests at 0 and 32; the step pipelined at 0 and 32
 #            (issue #17, the step boundary)
+#   wait     how a blocking step is waited for (METAL_ATTN_CUDA_SPIN_WAIT): benchmarks/probe_step_wait.py (MLX's
+#            sleeping wait, the driver's and our stream spin, torch's spin and a blocking torch event), the spin's GPU
+#            test, the decode-step suite's compiled step waited for both ways, twice, blocking; the generate
+#            suite at 1 and 8 requests with the setting off and on (issue #17, the step boundary)
 #   staged   the decode-step suite's compiled step cut into segments queued as each is built (auto_staged,
 #            STAGED_SEGMENTS) against the whole compiled step and torch SDPA, three times, blocking; then
 #            the three shapes that miss, pipelined (issue #17, the step boundary)
@@ -68,7 +72,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams stalls finish idle direct staged engine baseline fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -213,6 +217,16 @@ run_phase() {
       step decode-step-pipelined "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --pipelined --quiet --markdown \
         --candidates "auto_compiled,auto_compiled[cuda_idle_direct_chains=32],torch_sdpa,ceiling" \
         --json "$dir/decode-step-pipelined.json" ;;
+    wait)
+      step probe "$STEP_LIMIT" python3 benchmarks/probe_step_wait.py "$dir/wait.json" --steps 40
+      step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx tests/gpu/test_cuda_chains_gpu.py -k spin
+      step decode-step 420 "${BENCH[@]}" --suite decode-step --repeat 2 --quiet --markdown --candidates \
+        "auto_compiled,auto_compiled[cuda_spin_wait=1],torch_sdpa,mlx_sdpa,ceiling" --json "$dir/decode-step.json"
+      step generate-0 "$STEP_LIMIT" "${BENCH[@]}" --suite generate --quiet --concurrency 1,8 --shared-prefix 0 \
+        --gen-tokens 64 --candidates engine,generate_step --json "$dir/generate-0.json"
+      step generate-spin "$STEP_LIMIT" env METAL_ATTN_CUDA_SPIN_WAIT=1 "${BENCH[@]}" --suite generate --quiet \
+        --concurrency 1,8 --shared-prefix 0 --gen-tokens 64 --candidates engine,generate_step \
+        --json "$dir/generate-spin.json" ;;
     staged)
       step decode-step 420 "${BENCH[@]}" --suite decode-step --repeat 3 --quiet --markdown --candidates \
         auto_compiled,auto_staged,torch_sdpa,ceiling --json "$dir/decode-step.json"
