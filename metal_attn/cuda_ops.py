@@ -309,9 +309,10 @@ def wait(outputs: Any) -> None:
 
     from metal_attn.settings import get_settings
 
-    if get_settings().cuda_spin_wait and native() is not None and _gpu_is_default():
+    mod = native() if get_settings().cuda_spin_wait else None
+    if mod is not None and _gpu_is_default():
         mx.async_eval(outputs)
-        native().spin_until_idle()
+        mod.spin_until_idle()
     mx.eval(outputs)
 
 
