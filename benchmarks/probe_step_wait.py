@@ -94,58 +94,56 @@ def timed_queued(build, steps: int) -> float:
     return (time.perf_counter() - t0) / (steps + 1) * 1e6
 
 
+def waits(cu) -> dict[str, object]:
+    """The three ways of waiting for MLX's outputs, by name: ``eval`` (``mx.eval``, MLX's wait), ``spin``
+    (queued, then the driver's ``cuCtxSynchronize``, then ``mx.eval``) and ``stream_spin`` (queued, then
+    `metal_attn.cuda_ops.spin_until_idle`, then ``mx.eval``)."""
+    import mlx.core as mx
+
+    from metal_attn import cuda_ops
+
+    def spin(out):
+        mx.async_eval(out)
+        cu("cuCtxSynchronize")
+        mx.eval(out)
+
+    def stream_spin(out):
+        mx.async_eval(out)
+        cuda_ops.spin_until_idle()
+        mx.eval(out)
+
+    return {"eval": mx.eval, "spin": spin, "stream_spin": stream_spin}
+
+
 def measure(spec: tuple[int, ...], steps: int, cu) -> dict[str, float]:
     import mlx.core as mx
     import torch
 
-    from metal_attn import cuda_ops
     from metal_attn.bench.decode_step import StepTorchSdpa, build_step_case, step_shapes
     from metal_attn.bench.shapes import Shape
 
-    native = cuda_ops.native()
     shape = step_shapes([Shape(*spec, "bfloat16")])[0]
     case = build_step_case(shape, seed=spec[-1])
     try:
         compiled = mx.compile(lambda: _chain(case))
-
-        def mlx_eval():
-            mx.eval(compiled())
-
-        def mlx_spin():
-            out = compiled()
-            mx.async_eval(out)
-            cu("cuCtxSynchronize")
-            mx.eval(out)
-
-        def mlx_stream_spin():
-            out = compiled()
-            mx.async_eval(out)
-            native.spin_until_idle()
-            mx.eval(out)
-
+        wait = waits(cu)
         peer = StepTorchSdpa().prepare(case)
         event = torch.cuda.Event(blocking=True)
-
-        def torch_sync():
-            peer.run()
 
         def torch_event():
             peer.launch()
             event.record()
             event.synchronize()
 
-        def stream_wait(out):
-            mx.async_eval(out)
-            native.spin_until_idle()
-            mx.eval(out)
-
         out = {"mlx_queued": timed_queued(compiled, steps),
-               "mlx_prebuilt_eval": timed_prebuilt(compiled, mx.eval, steps),
-               "mlx_prebuilt_stream_spin": timed_prebuilt(compiled, stream_wait, steps)}
-        for name, fn in (("mlx_eval", mlx_eval), ("mlx_spin", mlx_spin), ("mlx_stream_spin", mlx_stream_spin),
-                         ("torch_sync", torch_sync), ("torch_event", torch_event), ("mlx_eval_again", mlx_eval),
-                         ("mlx_spin_again", mlx_spin), ("mlx_stream_spin_again", mlx_stream_spin)):
-            out[name] = timed(fn, steps)
+               "mlx_prebuilt_eval": timed_prebuilt(compiled, wait["eval"], steps),
+               "mlx_prebuilt_stream_spin": timed_prebuilt(compiled, wait["stream_spin"], steps)}
+        for again in ("", "_again"):  # each way twice, interleaved with the others
+            for name, w in wait.items():
+                out[f"mlx_{name}{again}"] = timed(lambda w=w: w(compiled()), steps)
+            if not again:
+                out["torch_sync"] = timed(peer.run, steps)
+                out["torch_event"] = timed(torch_event, steps)
         if peer.close:
             peer.close()
         return out
@@ -157,28 +155,9 @@ def wake_only(steps: int, cu) -> dict[str, float]:
     """The wait alone: one long GPU operation (a bf16 matmul of 8192^2, about 1 ms), waited for each way."""
     import mlx.core as mx
 
-    from metal_attn import cuda_ops
-
     a = mx.random.normal((8192, 8192)).astype(mx.bfloat16)
     mx.eval(a)
-
-    def mlx_eval():
-        mx.eval(a @ a)
-
-    def mlx_spin():
-        out = a @ a
-        mx.async_eval(out)
-        cu("cuCtxSynchronize")
-        mx.eval(out)
-
-    def mlx_stream_spin():
-        out = a @ a
-        mx.async_eval(out)
-        cuda_ops.native().spin_until_idle()
-        mx.eval(out)
-
-    return {"mlx_eval": timed(mlx_eval, steps), "mlx_spin": timed(mlx_spin, steps),
-            "mlx_stream_spin": timed(mlx_stream_spin, steps), "mlx_eval_again": timed(mlx_eval, steps)}
+    return {f"mlx_{name}": timed(lambda w=w: w(a @ a), steps) for name, w in waits(cu).items()}
 
 
 def _chain(case):
