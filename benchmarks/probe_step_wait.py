@@ -55,18 +55,12 @@ def driver():
 
 def timed(fn, steps: int) -> float:
     """Median wall µs of ``fn`` over ``steps`` calls, each call one blocking step."""
-    for _ in range(3):
-        fn()
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls) * 1e6
+    return timed_prebuilt(lambda: None, lambda _: fn(), steps)
 
 
 def timed_prebuilt(build, wait, steps: int) -> float:
-    """Median wall µs of ``wait(build())`` with ``build()`` outside the timing: the wait and encoding alone."""
+    """Median wall µs of ``wait(build())`` with ``build()`` outside the timing (the wait and encoding alone),
+    over ``steps`` calls after 3 untimed ones."""
     walls = []
     for i in range(steps + 3):
         out = build()

@@ -309,10 +309,9 @@ def wait(outputs: Any) -> None:
 
     from metal_attn.settings import get_settings
 
-    mod = native() if get_settings().cuda_spin_wait else None
-    if mod is not None and _gpu_is_default():
+    if get_settings().cuda_spin_wait:
         mx.async_eval(outputs)
-        mod.spin_until_idle()
+        spin_until_idle()  # no spin where the module is not loaded or the GPU is not the default device
     mx.eval(outputs)
 
 

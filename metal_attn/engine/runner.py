@@ -50,9 +50,10 @@ class InFlight:
     def tokens(self) -> list[int]:
         """Wait for the step and return its sampled tokens (host ints); the wait goes into ``timings``."""
         t = time.perf_counter()
+        out: list[int] = []
         if self.sampled is not None:
             cuda_ops.wait(self.sampled)  # MLX's wait, or a spin on the GPU stream (cuda_spin_wait)
-        out = self.sampled.tolist() if self.sampled is not None else []
+            out = self.sampled.tolist()
         self.timings.setdefault("wait", time.perf_counter() - t)
         return out
 
