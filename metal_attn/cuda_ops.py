@@ -293,26 +293,13 @@ def idle_commits() -> dict[str, int] | None:
 def spin_until_idle() -> int | None:
     """Spin until MLX's default GPU stream has no launched work left (``cuStreamQuery`` in a loop, the GIL
     released) and return the polls made; ``None`` where the module is not loaded or the default device is not
-    the GPU. Work MLX has encoded but not launched is not waited for: queue it first (``mx.async_eval``)."""
+    the GPU. Work MLX has encoded but not launched is not waited for: queue it first (``mx.async_eval``).
+    A measurement tool (benchmarks/probe_step_wait.py): on an H100 it read the same as MLX's own wait
+    (docs/cuda-ops.md, "Waiting for the GPU")."""
     mod = native()
     if mod is None or not _gpu_is_default():
         return None
     return int(mod.spin_until_idle())
-
-
-def wait(outputs: Any) -> None:
-    """Evaluate ``outputs`` (anything ``mx.eval`` takes). With ``cuda_spin_wait`` on and the module loaded,
-    queue them, spin on MLX's stream until the GPU is done (`spin_until_idle`), then evaluate, which finds
-    the work done: MLX's own wait sleeps on a blocking CUDA event until the GPU's interrupt wakes the
-    thread (docs/cuda-ops.md, "Waiting for the GPU")."""
-    import mlx.core as mx
-
-    from metal_attn.settings import get_settings
-
-    if get_settings().cuda_spin_wait:
-        mx.async_eval(outputs)
-        spin_until_idle()  # no spin where the module is not loaded or the GPU is not the default device
-    mx.eval(outputs)
 
 
 def _gpu_is_default() -> bool:

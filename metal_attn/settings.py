@@ -256,18 +256,6 @@ class Settings(BaseSettings):
         ),
     )
 
-    cuda_spin_wait: bool = Field(
-        False,
-        validation_alias=_env("cuda_spin_wait"),
-        description=(
-            "CUDA: where metal-attn waits for the GPU (`metal_attn.cuda_ops.wait`: the engine reading a step's "
-            "tokens, the benchmarks' blocking calls), queue the work and spin on MLX's stream (cuStreamQuery) "
-            "until it is done, then evaluate, instead of MLX's wait, which sleeps on a blocking CUDA event until "
-            "the GPU's interrupt wakes the thread (torch.cuda.synchronize spins). Costs a CPU core while it "
-            "waits. 0: MLX's wait, the default."
-        ),
-    )
-
     cuda_finish_in_place: bool = Field(
         True,
         validation_alias=_env("cuda_finish_in_place"),

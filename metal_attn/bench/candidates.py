@@ -21,7 +21,6 @@ import mlx.core as mx
 import numpy as np
 
 import metal_attn
-from metal_attn import cuda_ops
 from metal_attn.bench.ratios import ratios_of
 from metal_attn.bench.shapes import Case, Shape
 from metal_attn.bench.timing import Timing, mlx_sync, one_sample, time_fn, timing_of, warm_up
@@ -157,12 +156,12 @@ def pipelined_median_s(compute: Callable[[], Any], *, warmup: int = 3, iters: in
 
 
 def mlx_prepared(compute: Callable[[], Any], to_rows: Callable[[Any], np.ndarray], route: str) -> Prepared:
-    """`Prepared` for an MLX computation: ``run`` evaluates it (`metal_attn.cuda_ops.wait`: ``mx.eval``, or a
-    spin on the GPU stream first with ``cuda_spin_wait``), ``launch`` queues it (``mx.async_eval``)."""
+    """`Prepared` for an MLX computation: ``run`` evaluates it (``mx.eval``), ``launch`` queues it
+    (``mx.async_eval``)."""
 
     def run() -> Any:
         out = compute()
-        cuda_ops.wait(out)
+        mx.eval(out)
         return out
 
     return Prepared(run=run, launch=lambda: mx.async_eval(compute()), to_rows=to_rows, route=route)

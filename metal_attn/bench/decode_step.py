@@ -40,7 +40,6 @@ import mlx.core as mx
 import numpy as np
 
 import metal_attn
-from metal_attn import cuda_ops
 from metal_attn.bench import peers
 from metal_attn.bench.candidates import Candidate, Prepared, ProviderCandidate, Skip, TimedCandidate, mlx_prepared
 from metal_attn.bench.shapes import _RANDOM_PERIOD_ELEMENTS, DTYPES, Shape, build_case
@@ -291,7 +290,7 @@ class StepStaged(StepCompiled):
 
         def run() -> list[mx.array]:
             outs = launch()
-            cuda_ops.wait(outs)
+            mx.eval(outs)
             return outs
 
         sizes = "+".join(str(len(c)) for c in cuts)

@@ -13,7 +13,6 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from metal_attn import cuda_ops
 from metal_attn.cache import StepPlan, build_step_plan, next_decode_plan
 from metal_attn.engine.block_manager import BlockManager
 from metal_attn.engine.sampling import sample
@@ -50,10 +49,7 @@ class InFlight:
     def tokens(self) -> list[int]:
         """Wait for the step and return its sampled tokens (host ints); the wait goes into ``timings``."""
         t = time.perf_counter()
-        out: list[int] = []
-        if self.sampled is not None:
-            cuda_ops.wait(self.sampled)  # MLX's wait, or a spin on the GPU stream (cuda_spin_wait)
-            out = self.sampled.tolist()
+        out = self.sampled.tolist() if self.sampled is not None else []
         self.timings.setdefault("wait", time.perf_counter() - t)
         return out
 

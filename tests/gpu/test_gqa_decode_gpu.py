@@ -172,7 +172,10 @@ def test_disable_switch_routes_to_classic():
     case = _case(TABLE[0], [131_072], seed=2)
     with ma.override_settings(disable_gqa_decode=True):
         # On CUDA auto takes classic anyway: the switch shows in gqa_decode refusing when forced.
-        with pytest.raises(ProviderRefusedError, match="disabled by METAL_ATTN_DISABLE_GQA_DECODE=1"):
+        with pytest.raises(
+            ProviderRefusedError,
+            match=r"disabled by the disable_gqa_decode setting \(its variable: METAL_ATTN_DISABLE_GQA_DECODE=1\)",
+        ):
             run_case(case, provider="gqa_decode")
         got = run_case(case)
         assert ma.diagnostics.last_dispatch().provider == "classic"
