@@ -9,7 +9,16 @@ class MetalAttnError(Exception):
 
 
 class InvalidInputError(MetalAttnError, ValueError):
-    """An argument of a public call is malformed (shape, dtype, value)."""
+    """An argument of a public call is malformed (shape, dtype, value). The message reads
+    ``name=value (allowed: ...)``."""
+
+    @property
+    def allowed(self) -> str:
+        """The message's ``(allowed: ...)`` part, for a caller that names the value its own way (a command-line
+        flag); the whole message in parentheses where it has none."""
+        message = str(self)
+        start = message.find("(allowed")
+        return message[start:] if start >= 0 else f"({message})"
 
 
 class NoProviderError(MetalAttnError, RuntimeError):

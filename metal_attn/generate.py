@@ -47,9 +47,7 @@ def _sampling_value(text: str, field: str) -> float:
     try:
         SamplingParams(**{field: value}).validate()
     except InvalidInputError as exc:
-        message = str(exc)
-        allowed = message[message.find("(allowed"):] if "(allowed" in message else f"({message})"
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} {allowed}") from None
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} {exc.allowed}") from None
     return value
 
 

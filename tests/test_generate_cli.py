@@ -91,3 +91,8 @@ def test_the_flag_parser_s_rule_loads_no_mlx_lm():
     env = dict(os.environ, METAL_ATTN_PLUGIN_AUTOLOAD="0", PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+
+
+def test_an_input_error_s_allowed_part_is_its_message_s_or_the_whole_message():
+    assert InvalidInputError("top_k=-1 (allowed: an int >= 0)").allowed == "(allowed: an int >= 0)"
+    assert InvalidInputError("no convention here").allowed == "(no convention here)"
