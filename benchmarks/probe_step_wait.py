@@ -13,7 +13,7 @@ own pools, as the decode-step suite builds them), wall µs a step, medians over 
 - ``mlx_eval``: the compiled step, ``mx.eval`` (the suite's blocking candidate);
 - ``mlx_spin``: the same, ``mx.async_eval``, then the driver's ``cuCtxSynchronize`` (the context's
   schedule), then ``mx.eval``, which finds the work done;
-- ``mlx_stream_spin``: the same, with `metal_attn._cuda_ops.spin_until_idle` (cuStreamQuery in a loop on
+- ``mlx_stream_spin``: the same, with `metal_attn.cuda_ops.spin_until_idle` (cuStreamQuery in a loop on
   MLX's stream) in place of ``cuCtxSynchronize``;
 - ``mlx_queued``: the steps queued back to back (the next before the one before is waited for): the GPU's
   time a step;
@@ -92,10 +92,16 @@ def timed_queued(build, steps: int) -> float:
 def waits(cu) -> dict[str, object]:
     """The three ways of waiting for MLX's outputs, by name: ``eval`` (``mx.eval``, MLX's wait), ``spin``
     (queued, then the driver's ``cuCtxSynchronize``, then ``mx.eval``) and ``stream_spin`` (queued, then
-    `metal_attn.cuda_ops.spin_until_idle`, then ``mx.eval``)."""
+    `metal_attn.cuda_ops.spin_until_idle`, then ``mx.eval``). Raises where the stream spin cannot run (the
+    module not loaded, the GPU not MLX's default device): it would be ``mx.eval`` under another name."""
     import mlx.core as mx
 
     from metal_attn import cuda_ops
+
+    if cuda_ops.spin_until_idle() is None:
+        raise RuntimeError("metal_attn.cuda_ops.spin_until_idle() cannot run here (the CUDA module is not loaded "
+                           "or the GPU is not MLX's default device): build it with "
+                           "benchmarks/device/build_cuda_ops.sh and carry it")
 
     def spin(out):
         mx.async_eval(out)

@@ -7,6 +7,7 @@ import time
 
 import mlx.core as mx
 import probe_step_wait as pw
+import pytest
 
 BUILD_S = 0.02
 
@@ -34,3 +35,10 @@ def test_the_queued_clock_divides_by_every_step_it_ran():
     per_step = pw.timed_queued(build, 4)
     assert len(calls) == 5  # the first, queued before the clock, and one more a step
     assert BUILD_S * 1e6 * 4 / 5 <= per_step < BUILD_S * 1e6 * 3
+
+
+def test_the_waits_refuse_where_the_stream_spin_cannot_run():
+    # On the CPU (no CUDA module, the CPU MLX's default device) the stream spin would be mx.eval under another
+    # name, so the probe stops rather than report it.
+    with pytest.raises(RuntimeError, match="spin_until_idle"):
+        pw.waits(lambda *a: None)

@@ -143,9 +143,9 @@ NB_MODULE(_cuda_ops, m) {
           nb::gil_scoped_release unlocked;
           return mac::spin_until_idle();
         },
-        "Spin until the default GPU stream has no launched work left (cuStreamQuery in a loop, the GIL released), "
-        "where MLX's own wait sleeps on a blocking CUDA event; returns the polls made. Work MLX encoded but did not "
-        "launch is not waited for: queue it first (mx.async_eval).");
+        "Spin until the default GPU stream has no launched work left (cuStreamQuery in a loop, the GIL released); "
+        "returns the polls made. Work MLX encoded but did not launch is not waited for: queue it first "
+        "(mx.async_eval). A measurement tool: benchmarks/probe_step_wait.py's third wait.");
 
   nb::class_<Chain>(m, "Chain", "A fixed sequence of kernel launches, run as one MLX primitive.")
       .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
