@@ -1,6 +1,6 @@
 """The host's share of a compiled 32-layer decode step, before and while the GPU gets it (not a test): issue #17.
 
-    python3 benchmarks/probe_step_host.py [--shapes b8:32:8:128:4096,...] [--steps 30]
+    python3 benchmarks/probe_step_host.py [--shapes b8:32:8:128:4096,...] [--steps 30] [--queued]
 
 A blocking step (`mx.eval` of the compiled step, as the decode-step suite waits for one) leaves the GPU
 idle from the end of one step to the first kernel of the next; torch launches its first kernel as its
@@ -12,7 +12,9 @@ step, with the GPU idle before it (`mx.synchronize()`), this times apart:
   launch-ahead commits, counted by `metal_attn.cuda_ops.idle_commits`, included);
 - ``tiny``: one evaluation of a compiled trivial function, MLX's floor for an evaluation.
 
-Medians over ``--steps`` steps, in µs a step. Needs MLX's CUDA backend and the CUDA chains' module.
+Medians over ``--steps`` steps, in µs a step. ``--queued`` times the steps queued back to back instead, one
+wait after the last, as the engine runs them (the GPU busy while the host builds and encodes): the host's
+share of a step where it overlaps the GPU's. Needs MLX's CUDA backend and the CUDA chains' module.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ STEP_LAYERS = 32
 SHAPES = ((8, 32, 8, 128, 4096), (16, 16, 2, 128, 16384), (1, 32, 8, 128, 32768))
 
 
-def measure(spec: tuple[int, ...], steps: int) -> tuple[dict[str, float], dict[str, float]]:
+def measure(spec: tuple[int, ...], steps: int, queued: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """``build``, ``queue`` and ``tiny`` (µs a step, medians), and the chains' commits a step by kind, for one
     shape."""
     import mlx.core as mx
@@ -48,7 +50,7 @@ def measure(spec: tuple[int, ...], steps: int) -> tuple[dict[str, float], dict[s
         for _ in range(5):  # the trace, the kernels' builds and the graph cache
             mx.eval(step(), tiny())
         before = cuda_ops.idle_commits() or {}  # None without the CUDA chains' module
-        build, queue = host_split(step, steps, sync_every=1)
+        build, queue = host_split(step, steps, sync_every=steps if queued else 1)
         after_steps = cuda_ops.idle_commits() or {}
         floor = []
         for _ in range(steps):
@@ -66,12 +68,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", type=decode_shapes, default=SHAPES)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--queued", action="store_true", help="queue the steps back to back (one wait at the end)")
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps} (allowed: an int >= 1)")
     for spec in args.shapes:
-        r, per_step = measure(spec, args.steps)
+        r, per_step = measure(spec, args.steps, args.queued)
         commits = ", ".join(f"{k} {v:.1f}" for k, v in per_step.items()) or "-"
         print(f"b{spec[0]} h{spec[1]}/{spec[2]} d{spec[3]} L{spec[4]} x{STEP_LAYERS}: build {r['build']:.0f} µs, "
-              f"queue {r['queue']:.0f} µs a step (commits a step: {commits}); one trivial evaluation "
+              f"queue {r['queue']:.0f} µs a step, {(r['build'] + r['queue']) / STEP_LAYERS:.1f} µs a layer "
+              f"({'queued' if args.queued else 'idle GPU'}; commits a step: {commits}); one trivial evaluation "
               f"{r['tiny']:.1f} µs", flush=True)
 
 

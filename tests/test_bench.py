@@ -954,16 +954,53 @@ def test_interleaved_candidates_take_their_samples_in_turn():
     assert len(res_a.timing.samples_s) == len(res_b.timing.samples_s) == iters
     assert a.closed == b.closed == 1
     assert {p for n, p in log if n == "a"} == {0} and {p for n, p in log if n == "b"} == {384}
-    # The samples: the last iters * (inner_a + inner_b) calls, in rounds of a's block then b's.
+    # The samples: the last iters * (inner_a + inner_b) calls, in rounds of one block of each, in the
+    # rounds' own orders: not always a first.
     ia, ib = res_a.timing.inner, res_b.timing.inner
     timed = [n for n, _ in log[-iters * (ia + ib):]]
-    assert timed == (["a"] * ia + ["b"] * ib) * iters
+    assert timed == _rounds([("a", ia), ("b", ib)], iters)
+    assert {core.round_order(2, r)[0] for r in range(iters)} == {0, 1}
     # Without interleave the same candidates take their samples one after the other.
     log.clear()
     result = core.run_suite("t", [shape], cands, warmup=1, iters=iters)
     assert not result.interleaved
     names = [n for n, _ in log]
     assert names == sorted(names)  # every a call before every b call
+
+
+def _rounds(blocks: list[tuple[str, int]], iters: int) -> list[str]:
+    """The timed calls of ``iters`` interleaved rounds: each round one block of ``inner`` calls per
+    candidate, in `core.round_order`'s order for that round."""
+    return [name for r in range(iters) for k in core.round_order(len(blocks), r)
+            for name in [blocks[k][0]] * blocks[k][1]]
+
+
+def test_interleaved_rounds_change_their_order_from_round_to_round():
+    """No candidate follows the same one in every round: each round's order is a permutation seeded by
+    its index, so the same run takes the same orders."""
+    orders = [core.round_order(4, r) for r in range(10)]
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    assert orders == [core.round_order(4, r) for r in range(10)]
+    assert len({tuple(o) for o in orders}) > 1
+    assert {o[0] for o in orders} == {0, 1, 2, 3}  # every candidate leads some round
+
+
+def test_interleaved_candidates_are_calibrated_once_all_are_warm_and_a_round_is_dropped():
+    """Opening (one call each), the warm-up's calibration per candidate as it opens, a second
+    calibration of each once every one is warm, one dropped round, then the kept rounds."""
+    log: list = []
+    a, b = _Logged("a", log), _Logged("b", log)
+    iters = 2
+    res_a, res_b = core.run_suite("t", [_SHAPE], [a, b], warmup=1, iters=iters, interleave=True).results[0].candidates
+    ia, ib = res_a.timing.inner, res_b.timing.inner
+    kept = iters * (ia + ib)
+    dropped = [n for n, _ in log[-kept - ia - ib:-kept]]
+    assert sorted(dropped) == sorted(["a"] * ia + ["b"] * ib) and dropped[0] == "a"  # the dropped round, a first
+    assert len(res_a.timing.samples_s) == len(res_b.timing.samples_s) == iters
+    # Before it: a's open and calibration, b's, then a's and b's second calibrations (two loops each).
+    names = [n for n, _ in log[:-kept - ia - ib]]
+    first_b = names.index("b")
+    assert set(names[:first_b]) == {"a"} and "a" in names[first_b:] and names[-1] == "b"
 
 
 def _interleaved(cands: list, iters: int = 5) -> list:
@@ -1060,14 +1097,16 @@ class _Refusing(_Logged):
 @pytest.mark.parametrize("interleave", [False, True])
 def test_a_timed_candidate_calls_and_syncs_as_time_fn_does(interleave):
     """warmup=3: the opening call, one more warm-up call, a call per calibration loop (a 6 ms call fills
-    one), then a call per sample; a sync after the opening call and around every loop and sample. The
-    result keeps the prepared details; a blocking run never calls the queued form."""
+    one), then a call per sample; a sync after the opening call and around every loop and sample.
+    Interleaved, once all are warm: two more calibration loops and a dropped sample. The result keeps the
+    prepared details; a blocking run never calls the queued form."""
     log: list = []
     c = _Slow("s", log)
     (res,) = core.run_suite("t", [_SHAPE], [c], warmup=3, iters=2, interleave=interleave).results[0].candidates
     assert res.ok and res.timing.inner == 1 and len(res.timing.samples_s) == 2
-    assert [n for n, _ in log] == ["s"] * (1 + 1 + 2 + 2)
-    assert c.syncs == 1 + 2 * 2 + 2 * 2
+    again = 2 + 1 if interleave else 0
+    assert [n for n, _ in log] == ["s"] * (1 + 1 + 2 + again + 2)
+    assert c.syncs == 1 + 2 * 2 + 2 * again + 2 * 2
     assert res.details == {"k": 1} and c.closed == 1
 
 
@@ -1078,6 +1117,34 @@ def test_a_pipelined_run_samples_the_queued_form(interleave):
     (res,) = core.run_suite("t", [_SHAPE], [c], warmup=1, iters=2, pipelined=True,
                             interleave=interleave).results[0].candidates
     assert res.ok and log[0][0] == "s" and {n for n, _ in log[1:]} == {"s+launch"}
+
+
+class _Queued(_Logged):
+    """A `_Logged` whose blocking call and queued form both last 2 ms."""
+
+    def prepare(self, case):
+        prep = super().prepare(case)
+
+        def two_ms():
+            time.sleep(0.002)
+            return mx.zeros((1,))
+
+        return dataclasses.replace(prep, run=two_ms, launch=two_ms)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_pipelined_sample_holds_enough_queued_calls_to_hide_its_boundary(interleave):
+    """A pipelined sample waits once at each end, a blocking boundary whatever it holds, so it is sized for
+    `PIPELINED_MIN_SAMPLE_S` (50 ms: 25 calls of 2 ms), where a blocking sample is sized for `MIN_SAMPLE_S`
+    (5 ms: 3 calls). Sleeps only overrun, so the bounds allow calls up to 3.5 ms on a loaded host."""
+    inner = {}
+    for pipelined in (False, True):
+        (res,) = core.run_suite("t", [_SHAPE], [_Queued("q", [])], warmup=1, iters=2, pipelined=pipelined,
+                                interleave=interleave).results[0].candidates
+        inner[pipelined] = res.timing.inner
+        assert res.ok and res.timing.inner * res.timing.min_s >= 0.5 * (
+            timing.PIPELINED_MIN_SAMPLE_S if pipelined else timing.MIN_SAMPLE_S)
+    assert inner[False] <= 3 and inner[True] >= 14, inner
 
 
 @pytest.mark.parametrize("interleave", [False, True])
@@ -1172,7 +1239,7 @@ def test_interleaved_rounds_start_where_rotate_says():
                                   rotate=1).results[0].candidates
     assert (res_a.name, res_b.name) == ("a", "b")  # results keep the list's order
     ia, ib = res_a.timing.inner, res_b.timing.inner
-    assert [n for n, _ in log[-iters * (ia + ib):]] == (["b"] * ib + ["a"] * ia) * iters
+    assert [n for n, _ in log[-iters * (ia + ib):]] == _rounds([("b", ib), ("a", ia)], iters)
 
 
 def test_time_fn_checks_its_counts():

@@ -23,7 +23,16 @@ import numpy as np
 import metal_attn
 from metal_attn.bench.ratios import ratios_of
 from metal_attn.bench.shapes import Case, Shape
-from metal_attn.bench.timing import Timing, mlx_sync, one_sample, time_fn, timing_of, warm_up
+from metal_attn.bench.timing import (
+    MIN_SAMPLE_S,
+    PIPELINED_MIN_SAMPLE_S,
+    Timing,
+    mlx_sync,
+    one_sample,
+    time_fn,
+    timing_of,
+    warm_up,
+)
 from metal_attn.errors import NoProviderError
 
 
@@ -113,10 +122,24 @@ class Opened:
     inner: int = 0
     route: str | None = None
     samples: list[float] = dataclasses.field(default_factory=list)
+    #: ``fn`` queues its work without waiting (pipelined mode and a ``launch`` to queue): its samples
+    #: last at least `PIPELINED_MIN_SAMPLE_S`.
+    queued: bool = False
+
+    @property
+    def min_sample_s(self) -> float:
+        """The shortest sample this call's ``inner`` is sized for."""
+        return PIPELINED_MIN_SAMPLE_S if self.queued else MIN_SAMPLE_S
 
     def warm_up(self, warmup: int) -> None:
         """`time_fn`'s warm-up (the first call already made) and calibration: sets ``inner``."""
-        self.inner = warm_up(self.fn, self.prep.sync, max(warmup - 1, 1))
+        self.inner = warm_up(self.fn, self.prep.sync, max(warmup - 1, 1), self.min_sample_s)
+
+    def calibrate(self) -> None:
+        """Size ``inner`` again (two calibration loops, no further warm-up calls), under this candidate's
+        scope: after every candidate of an interleaved run is warm, none is sized in another's wake."""
+        with self.scope():
+            self.inner = warm_up(self.fn, self.prep.sync, 1, self.min_sample_s)
 
     def sample(self) -> None:
         """One more sample, under this candidate's scope."""
@@ -150,9 +173,10 @@ class Candidate(Protocol):
 
 
 def pipelined_median_s(compute: Callable[[], Any], *, warmup: int = 3, iters: int = 10) -> float:
-    """Median seconds per call of ``compute`` queued with ``mx.async_eval`` (one wait per sample,
-    `time_fn` around it): the sweeps' bare-launch timing."""
-    return time_fn(lambda: mx.async_eval(compute()), warmup=warmup, iters=iters).median_s
+    """Median seconds per call of ``compute`` queued with ``mx.async_eval`` (one wait per sample of at
+    least `PIPELINED_MIN_SAMPLE_S`, `time_fn` around it): the sweeps' bare-launch timing."""
+    return time_fn(lambda: mx.async_eval(compute()), warmup=warmup, iters=iters,
+                   min_sample_s=PIPELINED_MIN_SAMPLE_S).median_s
 
 
 def mlx_prepared(compute: Callable[[], Any], to_rows: Callable[[Any], np.ndarray], route: str) -> Prepared:
@@ -210,7 +234,8 @@ class TimedCandidate:
             if isinstance(exc, NoProviderError):
                 return CandidateResult(self.name, self.kind, "refused", (str(exc),))
             raise
-        return Opened(prep, prep.launch if pipelined and prep.launch is not None else prep.run, rows)
+        queued = pipelined and prep.launch is not None
+        return Opened(prep, prep.launch if queued else prep.run, rows, queued=queued)
 
     def route_after(self, prep: Prepared) -> str | None:
         return prep.route
