@@ -252,7 +252,8 @@ class Settings(BaseSettings):
             "(cuLaunchKernel, after launching what MLX has encoded) instead of as nodes of MLX's CUDA graph, so "
             "the GPU starts without a graph update and launch on the host's path. 0: graph nodes always, the "
             "default: measured on an H100, 1 read the same as 0 and 32 was 3-11% slower on the blocking decode "
-            "step (docs/cuda-ops.md, 'Launching straight onto the stream'); for A/B runs."
+            "step, and every chain direct 1-8% slower on queued calls and steps (docs/cuda-ops.md, 'Launching "
+            "straight onto the stream'); for A/B runs."
         ),
     )
 
