@@ -959,7 +959,7 @@ def test_interleaved_candidates_take_their_samples_in_turn():
     ia, ib = res_a.timing.inner, res_b.timing.inner
     timed = [n for n, _ in log[-iters * (ia + ib):]]
     assert timed == _rounds([("a", ia), ("b", ib)], iters)
-    assert {core.round_order(2, r)[0] for r in range(iters)} == {0, 1}
+    assert {core.round_order(2, r)[0] for r in range(iters)} == {0, 1}  # not always a first
     # Without interleave the same candidates take their samples one after the other.
     log.clear()
     result = core.run_suite("t", [shape], cands, warmup=1, iters=iters)
@@ -975,14 +975,17 @@ def _rounds(blocks: list[tuple[str, int]], iters: int) -> list[str]:
             for name in [blocks[k][0]] * blocks[k][1]]
 
 
-def test_interleaved_rounds_change_their_order_from_round_to_round():
-    """No candidate follows the same one in every round: each round's order is a permutation seeded by
-    its index, so the same run takes the same orders."""
-    orders = [core.round_order(4, r) for r in range(10)]
-    assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
-    assert orders == [core.round_order(4, r) for r in range(10)]
-    assert len({tuple(o) for o in orders}) > 1
-    assert {o[0] for o in orders} == {0, 1, 2, 3}  # every candidate leads some round
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_interleaved_rounds_balance_who_leads_and_who_follows_whom(count):
+    """Over 2 * count rounds every candidate leads twice and directly follows every other one twice, so
+    no candidate always follows the same one; the orders are the same in every run."""
+    orders = [core.round_order(count, r) for r in range(2 * count)]
+    assert all(sorted(o) == list(range(count)) for o in orders)
+    assert orders == [core.round_order(count, r) for r in range(2 * count)]
+    leads = [o[0] for o in orders]
+    assert all(leads.count(k) == 2 for k in range(count))
+    pairs = [(o[i], o[i + 1]) for o in orders for i in range(count - 1)]
+    assert all(pairs.count((a, b)) == 2 for a in range(count) for b in range(count) if a != b)
 
 
 def test_interleaved_candidates_are_calibrated_once_all_are_warm_and_a_round_is_dropped():
@@ -1175,35 +1178,65 @@ def test_the_plain_runner_closes_what_it_measured():
     assert a.closed == b.closed == 1
 
 
-def test_an_interleaved_candidate_that_breaks_mid_samples_is_dropped_from_the_rounds():
-    """Broken at its first sample: an error, never called again, and the other one takes every sample."""
+def test_an_interleaved_candidate_that_breaks_mid_samples_is_dropped_from_the_rounds(monkeypatch):
+    """Broken at its first kept sample (after the second calibration and the dropped round): an error,
+    never called again, and the other one takes every sample."""
+    samples: dict[str, int] = {}
+    plain_sample = candidates.Opened.sample
+
+    def counting_sample(self):
+        samples[self.prep.route] = samples.get(self.prep.route, 0) + 1
+        return plain_sample(self)
+
+    monkeypatch.setattr(candidates.Opened, "sample", counting_sample)
 
     class BreaksWhenSampled(_Logged):
-        def route_after(self, prep):  # called once the warm-up is done, before the first round
-            self.fail_at = sum(n == self.name for n, _ in self.log)
-            return super().route_after(prep)
+        def prepare(self, case):
+            prep = super().prepare(case)
+            inner = prep.run
+
+            def run():
+                self.tries += 1
+                if samples.get(prep.route, 0) == 2:  # the dropped round's sample was the first
+                    raise RuntimeError(f"{self.name} broke")
+                return inner()
+
+            return dataclasses.replace(prep, run=run)
 
     log: list = []
     good, bad = _Logged("good", log), BreaksWhenSampled("bad", log)
-    tries = []
-    run = bad.prepare
-
-    def counting_prepare(case):
-        prep = run(case)
-        inner = prep.run
-
-        def counted():
-            tries.append(1)
-            return inner()
-
-        return dataclasses.replace(prep, run=counted)
-
-    bad.prepare = counting_prepare
+    bad.tries = 0
     res_good, res_bad = _interleaved([good, bad])
     assert res_good.ok and len(res_good.timing.samples_s) == 5
     assert res_bad.status == "error" and res_bad.reasons == ("RuntimeError: bad broke",)
-    assert len(tries) == sum(n == "bad" for n, _ in log) + 1  # one failed call, none after it
+    assert samples["bad route"] == 2 and samples["good route"] == 1 + 5
+    assert bad.tries == sum(n == "bad" for n, _ in log) + 1  # one failed call, none after it
     assert good.closed == bad.closed == 1
+
+
+def test_interleaved_samples_are_sized_by_the_second_calibration():
+    """A candidate slow through its warm-up (a first-use cost) and fast after it: its samples are sized
+    from the calibration taken once all are warm, not from the slow one."""
+
+    class SlowWhileWarming(_Logged):
+        def prepare(self, case):
+            prep = super().prepare(case)
+            inner = prep.run
+
+            def run():
+                time.sleep(0.004 if self.warming else 0.0)
+                return inner()
+
+            return dataclasses.replace(prep, run=run)
+
+        def route_after(self, prep):  # the warm-up and its first calibration are done
+            self.warming = False
+            return super().route_after(prep)
+
+    slow = SlowWhileWarming("s", [])
+    slow.warming = True
+    (res,) = _interleaved([slow], iters=1)
+    assert res.ok and res.timing.inner >= 50, res.timing.inner  # sized from 4 ms calls it would hold 2
 
 
 def test_an_interleaved_candidate_whose_route_fails_is_an_error_and_not_sampled():
@@ -1231,7 +1264,7 @@ def test_an_interleaved_variant_of_a_refusing_candidate_is_refused_under_its_own
                                                                      ("not here",))
 
 
-def test_interleaved_rounds_start_where_rotate_says():
+def test_interleaved_rounds_permute_the_rotated_list():
     log: list = []
     a, b = _Logged("a", log), _Logged("b", log)
     iters = 3
@@ -1303,3 +1336,17 @@ def test_a_variant_finds_its_route_under_its_settings(interleave):
     v = candidates.SettingsVariant("r[partition_size=384]", SettingsRoute("r", []), {"partition_size": "384"})
     (res,) = core.run_suite("t", [_SHAPE], [v], warmup=1, iters=2, interleave=interleave).results[0].candidates
     assert res.ok and res.route == "partition 384"
+
+
+def test_the_sweeps_queued_timing_sizes_its_samples_for_queued_calls(monkeypatch):
+    """`pipelined_median_s` (the sweeps' bare-launch timing) samples queued calls, so its samples are sized
+    for `PIPELINED_MIN_SAMPLE_S`, as the bench's pipelined mode's are."""
+    seen = {}
+
+    def fake_time_fn(fn, **kwargs):
+        seen.update(kwargs)
+        return timing.timing_of([1.0], 1)
+
+    monkeypatch.setattr(candidates, "time_fn", fake_time_fn)
+    assert candidates.pipelined_median_s(lambda: mx.zeros((1,)), warmup=2, iters=3) == 1.0
+    assert seen == {"warmup": 2, "iters": 3, "min_sample_s": timing.PIPELINED_MIN_SAMPLE_S}

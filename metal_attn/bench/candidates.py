@@ -122,8 +122,8 @@ class Opened:
     inner: int = 0
     route: str | None = None
     samples: list[float] = dataclasses.field(default_factory=list)
-    #: ``fn`` queues its work without waiting (pipelined mode and a ``launch`` to queue): its samples
-    #: last at least `PIPELINED_MIN_SAMPLE_S`.
+    #: ``fn`` queues its work without waiting (pipelined mode and a ``launch`` to queue): its samples are
+    #: sized for `PIPELINED_MIN_SAMPLE_S` (up to `MAX_INNER` calls: 20 ms for a 20 µs call).
     queued: bool = False
 
     @property

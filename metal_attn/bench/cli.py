@@ -25,7 +25,7 @@ from metal_attn.bench.ratios import CEILING_RATIO, RATIO_NAMES, SPEEDUP_PEERS, p
 from metal_attn.bench.render import PLOT_FORMATS, TableStream, plot_format, render_markdown, render_rich, write_plot
 from metal_attn.bench.shapes import Shape
 from metal_attn.bench.suites import SUITES, Suite, default_suite, get_suite
-from metal_attn.bench.timing import MIN_SAMPLE_S
+from metal_attn.bench.timing import MAX_INNER, MIN_SAMPLE_S, PIPELINED_MIN_SAMPLE_S
 from metal_attn.cli_common import guarded, int_flag
 from metal_attn.device import current_device, detect_backend
 from metal_attn.plugins import check_provider_setting, get_registry
@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="untimed calls before timing (the first compiles and gives the checked output); "
                              "default: the suite's")
     parser.add_argument("--iters", type=int_flag(1), metavar="N",
-                        help=f"timed samples, each a synchronized loop lasting >= {MIN_SAMPLE_S * 1e3:g} ms; "
+                        help=f"timed samples, each a synchronized loop lasting >= {MIN_SAMPLE_S * 1e3:g} ms "
+                             f"(>= {PIPELINED_MIN_SAMPLE_S * 1e3:g} ms with --pipelined; at most {MAX_INNER} calls); "
                              "the median is reported; default: the suite's")
     parser.add_argument("--pipelined", action="store_true",
                         help="queue the timed calls (mx.async_eval, torch without a sync per call) and wait once "

@@ -11,7 +11,6 @@ import datetime
 import gc
 import os
 import platform
-import random
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -219,7 +218,8 @@ def run_suite(
     ``interrupted`` set. ``rotate``: each shape measures its candidates starting ``rotate`` places
     further along their list (results keep the list's order). ``--repeat`` passes the run's index,
     so no candidate holds the same place in every run and an order effect (a first-use cost, the
-    GPU's clocks) spreads over them. On the H200 two measurements of one route in one run have read
+    GPU's clocks) spreads over them; interleaved, it is the order candidates are opened and calibrated
+    in, and the list each round's `round_order` permutes. On the H200 two measurements of one route in one run have read
     1.19-1.71x apart, measured first or last (docs/bench-h200-prefill.md, thirteenth session).
     ``interleave``: the timed candidates (providers, peers and their variants) take their samples in
     turn, a sample of each per round (`measure_interleaved`); the ceiling and other candidates are
@@ -303,13 +303,23 @@ def can_interleave(cand: Any) -> bool:
 
 def round_order(count: int, round_index: int) -> list[int]:
     """The order in which round ``round_index`` of an interleaved run samples ``count`` candidates: a
-    permutation seeded by the round's index (data: the same run takes the same orders). In a fixed order
-    each candidate always follows the same one, and what that one leaves behind lands on it alone: on an
-    H100 (prefill-gpu --pipelined --interleave, forty-second session) ``auto``, sampled right after torch
-    in every round, read 2-5% under ``sdpa_prefill``, the same route, on 8 of 9 prefill shapes."""
-    order = list(range(count))
-    random.Random(round_index).shuffle(order)
-    return order
+    Williams design, ``0, 1, count - 1, 2, count - 2, ...`` shifted by ``round_index // 2`` (mod
+    ``count``), reversed in odd rounds. Over ``2 * count`` rounds every candidate leads twice and directly
+    follows every other one twice. In a fixed order each candidate always follows the same one, and what
+    that one leaves behind lands on it alone: on an H100 (prefill-gpu --pipelined --interleave,
+    forty-second session) ``auto``, sampled right after torch in every round, read 2-5% under
+    ``sdpa_prefill``, the same route, on 8 of 9 prefill shapes."""
+    zigzag = [0]
+    low, high = 1, count - 1
+    while len(zigzag) < count:
+        zigzag.append(low)
+        low += 1
+        if len(zigzag) < count:
+            zigzag.append(high)
+            high -= 1
+    shift = round_index // 2
+    order = [(k + shift) % count for k in zigzag] if count else []
+    return order[::-1] if round_index % 2 else order
 
 
 def measure_interleaved(cands: Sequence[Any], case: Case, *, warmup: int, iters: int,
@@ -318,9 +328,10 @@ def measure_interleaved(cands: Sequence[Any], case: Case, *, warmup: int, iters:
     candidate is opened and warmed up, then each is calibrated again once all are warm (so none is
     sized in the wake of another's first calls), then one round is taken and dropped (the first sample
     after the others' warm-up read up to 14x the median on an H100), then each of ``iters`` rounds takes
-    one sample of each, in the order `round_order` gives. A drift of the machine over the run (the GPU's
-    clocks, the host's state) then lands on every candidate alike, where one candidate's samples after
-    another's would put it between them. Every candidate's prepared state is held at once."""
+    one sample of each, in the order `round_order` gives (a permutation of ``cands``' order). A drift of
+    the machine over the run (the GPU's clocks, the host's state) then lands on every candidate alike,
+    where one candidate's samples after another's would put it between them. Every candidate's prepared
+    state is held at once."""
     results: list[CandidateResult | None] = [None] * len(cands)
     live: dict[int, Opened] = {}
     with contextlib.ExitStack() as stack:
