@@ -40,6 +40,9 @@
 #   engine   the host cost of reading the weights per compiled call, then the generate suite at 1, 8, 32
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
+#   queued   the pipelined suites with queued samples of 50 ms (forty-second session), interleaved: single decode
+#            calls (the per-call targets), the 32-layer step queued, and the prefill suite (issues #17 and #18;
+#            about 4 minutes on an H100)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100)
 #   partition the per-token kernel at forced partition sizes, powers of two and the sizes between them,
@@ -71,7 +74,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline queued fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -234,6 +237,13 @@ run_phase() {
         --candidates auto,classic,torch_sdpa,gather_sdpa,ceiling --json "$dir/decode-gpu.json"
       step decode-step "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --quiet \
         --candidates auto,auto_compiled,torch_sdpa,ceiling --json "$dir/decode-step.json" ;;
+    queued)
+      step decode-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --interleave --shapes decode --quiet \
+        --markdown --candidates auto,torch_sdpa,mlx_sdpa,ceiling --json "$dir/decode-gpu.json"
+      step decode-step "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --pipelined --interleave --quiet --markdown \
+        --candidates auto_compiled,torch_sdpa,mlx_sdpa,ceiling --json "$dir/decode-step.json"
+      step prefill-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --interleave --quiet --markdown \
+        --json "$dir/prefill-gpu.json" ;;
     partition)
       local p cands=auto
       for p in 192 256 384 512 768 1024 1536 2048 3072 4096; do cands+=",auto[partition_size=$p]"; done
