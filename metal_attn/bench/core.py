@@ -218,9 +218,10 @@ def run_suite(
     ``interrupted`` set. ``rotate``: each shape measures its candidates starting ``rotate`` places
     further along their list (results keep the list's order). ``--repeat`` passes the run's index,
     so no candidate holds the same place in every run and an order effect (a first-use cost, the
-    GPU's clocks) spreads over them; interleaved, it is the order candidates are opened and calibrated
-    in, and the list each round's `round_order` permutes. On the H200 two measurements of one route in one run have read
-    1.19-1.71x apart, measured first or last (docs/bench-h200-prefill.md, thirteenth session).
+    GPU's clocks) spreads over them; interleaved, it is the order candidates are opened and
+    calibrated in, and the list each round's `round_order` permutes. On the H200 two measurements of
+    one route in one run have read 1.19-1.71x apart, measured first or last
+    (docs/bench-h200-prefill.md, thirteenth session).
     ``interleave``: the timed candidates (providers, peers and their variants) take their samples in
     turn, a sample of each per round (`measure_interleaved`); the ceiling and other candidates are
     measured on their own as before.
