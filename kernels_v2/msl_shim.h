@@ -57,6 +57,7 @@ template <typename T>
 T simd_sum(T);
 template <typename T>
 T simd_min(T);
+bool simd_any(bool);
 template <typename T>
 T simd_shuffle_xor(T, ushort);
 template <typename T>

@@ -603,7 +603,8 @@ FINISH_THREADS = 128
 #: simdgroups (about four waves of an H100's resident ones), at most FINISH_MAX_PAIRS. With one pair
 #: a simdgroup, a big batch is thousands of short waves: at b4 q2048 the in-place finish took 60 µs
 #: to read 67 MB of queries, 52 µs with 8 pairs a simdgroup (thirty-third session, H100, one profile
-#: each; docs/bench-h200-prefill.md). The copying finish read the same either way.
+#: each; docs/bench-h200-prefill.md). The copying finish read the same either way. With the pairs'
+#: indices counted on rather than divided out per pair, 34 µs (forty-third session).
 FINISH_SIMDGROUPS = 32768
 FINISH_MAX_PAIRS = 16
 

@@ -212,6 +212,20 @@ def test_h100_finish_in_place_figures_equal_the_whole_calls_table():
     assert phrase in _measured(), f"README's prefill bullet should say {phrase!r}"
 
 
+def test_h100_counted_finish_figures_equal_the_finish_table():
+    """The README's forty-third-session sentence, recomputed from docs/bench-h200-prefill.md's table of
+    `sdpa_finish`'s GPU time: the span of counted / before in place, and the q4096 and b8 q2048 pairs."""
+    doc = (ROOT / "docs" / "bench-h200-prefill.md").read_text()
+    header, *rows = _table_after(doc, "## Forty-third session")
+    before, counted = header.index("in place: before"), header.index("in place: counted")
+    times = {r[0]: (float(_num(r[before], r"([\d.]+) µs")), float(_num(r[counted], r"([\d.]+) µs"))) for r in rows}
+    ratios = [f"{c / b:.2f}" for b, c in times.values()]
+    q, b8 = times["q4096"], times["b8 q2048"]
+    phrase = (f"the in-place finish takes {min(ratios)}-{max(ratios)}x its former GPU time ({q[1]} µs against "
+              f"{q[0]} at q4096, {b8[1]} against {b8[0]} at b8 q2048)")
+    assert phrase in _measured(), f"README's prefill bullet should say {phrase!r}"
+
+
 def test_h100_idle_commit_figures_equal_the_cuda_ops_table():
     """The README's thirty-fourth-session sentence, recomputed from docs/cuda-ops.md's "Starting an idle GPU"
     table: per shape, the span of the readings with the rule and of the setting off's (a shape a reading

@@ -439,8 +439,15 @@ def test_a_spin_wait_returns_with_the_gpu_done_and_mlx_s_values():
     np.testing.assert_array_equal(_as_f32(got), _as_f32(want))
     big = mx.random.normal((4096, 4096)).astype(mx.bfloat16)
     mx.eval(big)
-    out = big @ big @ big  # milliseconds of GPU work: the spin polls more than once
-    mx.async_eval(out)
-    assert cuda_ops.spin_until_idle() > 1
-    assert cuda_ops.spin_until_idle() == 1
-    mx.eval(out)
+    # Milliseconds of GPU work: the spin polls more than once. Up to three tries: with other processes on
+    # the GPU (the suite under pytest-xdist) one spin found the stream idle at its first poll.
+    polls = []
+    for _ in range(3):
+        out = big @ big @ big
+        mx.async_eval(out)
+        polls.append(cuda_ops.spin_until_idle())
+        assert cuda_ops.spin_until_idle() == 1
+        mx.eval(out)
+        if polls[-1] > 1:
+            break
+    assert polls[-1] > 1, polls

@@ -94,22 +94,30 @@ def test_mixed_batch_decode_rows_split_off(sinks):
     _check(case, route="sdpa_prefill_decode")
 
 
-@pytest.mark.parametrize(("q_lens", "seq_lens", "route"), [([3101], [3101], "sdpa_prefill"),
-                                                          ([1, 1, 3101], [700, 40, 3101], "sdpa_prefill_decode")],
-                         ids=["one run", "lead rows"])
-def test_a_big_batch_finishes_several_pairs_per_simdgroup(q_lens, seq_lens, route):
-    # 3,101 rows x 32 heads (and two lead rows): sdpa_finish's simdgroups take 3 (row, head) pairs
-    # each, and the last one a partial share; NaN rows near the end and flagged keys must still land.
+@pytest.mark.parametrize(("q_lens", "seq_lens", "heads", "route", "per", "partial", "poison"), [
+    ([3101], [3101], (32, 8), "sdpa_prefill", 3, True,
+     [("q", 0, 3100, 31, "nan"), ("q", 0, 3099, 0, "inf"), ("k", 0, 3000, 7, "nan"), ("v", 0, 12, 2, "-inf")]),
+    ([1, 1, 3101], [700, 40, 3101], (32, 8), "sdpa_prefill_decode", 3, True,
+     [("q", 2, 3100, 31, "nan"), ("q", 2, 3099, 0, "inf"), ("k", 2, 3000, 7, "nan"), ("v", 2, 12, 2, "-inf")]),
+    # One lead row of 16 heads (16 pairs) and two chunks of 3,100 rows in one run: simdgroups of 3 pairs
+    # (99,216 pairs: no partial share) straddle the lead rows' end and the first sequence's end, where the
+    # kernel's counted (sequence, row, head) moves on; NaN rows on both sides of that boundary.
+    ([1, 3100, 3100], [700, 3300, 3300], (16, 4), "sdpa_prefill_decode", 3, False,
+     [("q", 1, 3099, 15, "nan"), ("q", 2, 0, 0, "inf"), ("q", 2, 0, 1, "-inf"), ("k", 2, 3260, 3, "nan"),
+      ("v", 1, 3299, 0, "-inf")]),
+], ids=["one run", "lead rows", "two sequences after a lead row"])
+def test_a_big_batch_finishes_several_pairs_per_simdgroup(q_lens, seq_lens, heads, route, per, partial, poison):
+    # sdpa_finish's simdgroups take several (row, head) pairs each, and the last one a partial share where
+    # ``partial``; NaN rows near the end, at a sequence's end and flagged keys must still land.
     from metal_attn.providers import sdpa_prefill as sp
 
-    lead = len(q_lens) - 1
-    per, threads = sp.finish_launch((lead + 3101) * 32)
-    assert per == 3 and threads // 32 * per > (lead + 3101) * 32, (per, threads)
-    nan, inf = float("nan"), float("inf")
-    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=32, num_kv_heads=8, head_size=64, block_size=16,
-                     dtype="bfloat16", seed=41, label=f"big {route}",
-                     poison=[("q", lead, 3100, 31, nan), ("q", lead, 3099, 0, inf), ("k", lead, 3000, 7, nan),
-                             ("v", lead, 12, 2, -inf)])
+    num_heads, num_kv_heads = heads
+    pairs = sum(q_lens) * num_heads
+    got_per, threads = sp.finish_launch(pairs)
+    assert got_per == per and (threads // 32 * per > pairs) == partial, (got_per, threads)
+    case = make_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64,
+                     block_size=16, dtype="bfloat16", seed=41, label=f"big {route}",
+                     poison=[(*p[:4], float(p[4])) for p in poison])
     _check(case, route=route)
 
 
