@@ -267,6 +267,16 @@ class Settings(BaseSettings):
         ),
     )
 
+    cuda_tiled_chains: bool = Field(
+        False,
+        validation_alias=_env("cuda_tiled_chains"),
+        description=(
+            "CUDA chains, the tiled_prefill route: its kernel and, when split, the reducer as one MLX operation "
+            "(as the per-token kernel's). Off until a GPU run has compared it with the mx.fast launches and "
+            "measured it (built in the forty-third session, which had no device time left); 1: on."
+        ),
+    )
+
     cuda_fused_reduce: bool = Field(
         False,
         validation_alias=_env("cuda_fused_reduce"),

@@ -526,10 +526,11 @@ class TiledLaunch:
 
 def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...], metadata: AttentionMetadata, *,
                  scale: float, use_sinks: bool, sliding_window: int | None, softcap: float | None, backend: str,
-                 config: TileConfig, first_seq: int, partition_size: int = 0) -> TiledLaunch:
+                 config: TileConfig, first_seq: int, partition_size: int = 0) -> TiledLaunch | ChainedTiledLaunch:
     """The tiled kernel's launch for a query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` and
     the batch ``metadata``, from sequence ``first_seq`` on (``config`` and ``partition_size`` checked by
-    `launch`); split into partitions of ``partition_size`` keys when it is > 0."""
+    `launch`); split into partitions of ``partition_size`` keys when it is > 0. On CUDA with chains and
+    ``cuda_tiled_chains`` on, the same launches as one chain (`chained_tiled_launch`)."""
     import mlx.core as mx
 
     total, num_heads, head = q_shape
@@ -542,6 +543,17 @@ def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...],
                             int(sliding_window or 0), int(use_sinks and not split), max_parts))
     out = (gc.split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
+    if backend == "cuda" and gc.cuda_chains_enabled():
+        from metal_attn.settings import get_settings
+
+        if get_settings().cuda_tiled_chains:
+            reduce_params = (gc.pack_int32((metadata.num_seqs, num_heads, max_parts, int(use_sinks))) if split
+                             else None)
+            shapes = (tuple(q_shape), tuple(k_shape), tuple(k_shape), tuple(metadata.block_tables.shape),
+                      tuple(metadata.seq_lens.shape), tuple(metadata.cu_seqlens_q.shape))
+            return chained_tiled_launch(dtype, total, num_heads, head, block_size, config, partition_size,
+                                        max_parts, tiles, params, gc.pack_scale(scale, softcap), reduce_params,
+                                        shapes)
     kernel = gc.kernel_launch(kernel_object(backend, config, split),
                               template=kernel_template(dtype, head, block_size, config, partition_size),
                               grid=(num_tiles * config.threads, num_heads, max_parts),
@@ -549,3 +561,77 @@ def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...],
     reduce = (gc.reduce_launch((total, num_heads, max_parts, head), mx.float32, dtype, metadata, use_sinks,
                                partition_size, backend) if split else None)
     return TiledLaunch(kernel, tiles, params, gc.pack_scale(scale, softcap), gc.zeros_f32(num_heads), reduce)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChainedTiledLaunch:
+    """`TiledLaunch` as one MLX operation on CUDA (`metal_attn.cuda_ops`, ``cuda_tiled_chains``): the tiled
+    kernel and, when split, the reducer, with the partials as the chain's scratch. Same kernel texts, grids
+    and parameters; called the same way. The chain takes float32 sinks (the reducer's), as the per-token
+    kernel's chain does."""
+
+    chain: Any
+    tiles: mx.array
+    params: mx.array
+    fparams: mx.array
+    zero_sinks: mx.array
+    #: The reducer's parameters after the kernel's inputs (split), else ``None``.
+    reduce_params: mx.array | None
+
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
+                 sinks: mx.array | None) -> mx.array:
+        import mlx.core as mx
+
+        if sinks is None:
+            sinks = self.zero_sinks
+        elif sinks.dtype != mx.float32:
+            sinks = sinks.astype(mx.float32)
+        inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, self.tiles, sinks,
+                  self.params, self.fparams]
+        if self.reduce_params is not None:
+            inputs.append(self.reduce_params)
+        return self.chain(inputs)[0]
+
+
+def chained_tiled_launch(dtype: Any, total: int, num_heads: int, head: int, block_size: int, config: TileConfig,
+                         partition_size: int, max_parts: int, tiles: mx.array, params: mx.array, fparams: mx.array,
+                         reduce_params: mx.array | None,
+                         shapes: tuple[tuple[int, ...], ...]) -> ChainedTiledLaunch:
+    """The `ChainedTiledLaunch` of a tiled launch (`tiled_launch` builds both kinds) over ``total`` query
+    rows; ``shapes``: the query's, the pools' and the metadata's (``q``, ``k``, ``v``, ``block_tables``,
+    ``seq_lens``, ``cu_seqlens_q``), which every call of the chain checks."""
+    import mlx.core as mx
+
+    from metal_attn import cuda_ops
+    from metal_attn.api import dtype_name
+
+    split = partition_size > 0
+    dn = dtype_name(dtype)
+    sig = _cuda_inputs(dn)
+    in_dtypes = [getattr(mx, t) for _, t in sig]
+    outputs = [(n, "float32") for n in SPLIT_OUTPUTS] if split else [(KERNEL_OUTPUTS[0], dn)]
+    kernel = cuda_ops.kernel_function(ROUTE, KERNEL_FILES, kernel_defines(config, split), sig, outputs,
+                                      kernel_template(dn, head, block_size, config, partition_size))
+    num_tiles = tiles.shape[0]
+    grid = cuda_ops.threadgroups((num_tiles * config.threads, num_heads, max_parts), (config.threads, 1, 1))
+    block = (config.threads, 1, 1)
+    in_shapes = [*shapes, tuple(tiles.shape), (num_heads,), tuple(params.shape), tuple(fparams.shape)]
+    out_spec = [((total, num_heads, head), dtype)]
+    n_in = len(KERNEL_INPUTS)
+    zero_sinks = gc.zeros_f32(num_heads)
+    if not split:  # buffer indices: the inputs, then the output
+        ch = cuda_ops.chain(f"metal_attn.{ROUTE}", in_dtypes, out_spec, [],
+                            [(kernel, grid, block, [*range(n_in), n_in], n_in)], in_shapes)
+        return ChainedTiledLaunch(ch, tiles, params, fparams, zero_sinks, None)
+    scratch_spec = gc.split_scratch(total, num_heads, max_parts, head)
+    scratch = list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"]))
+    # Buffer indices: the kernel's inputs, the reducer's parameters, the output, the partials.
+    red_params, out = n_in, n_in + 1
+    partials = [out + 1, out + 2, out + 3]
+    shared = [KERNEL_INPUTS.index(n) for n in gc.REDUCE_INPUTS[len(partials):-1]]  # seq_lens, cu_seqlens_q, sinks
+    reducer, red_grid, red_block = gc.chained_reducer(dn, head, partition_size, total, num_heads, max_parts)
+    launches = [(kernel, grid, block, [*range(n_in), *partials], n_in),
+                (reducer, red_grid, red_block, [*partials, *shared, red_params, out], len(gc.REDUCE_INPUTS))]
+    ch = cuda_ops.chain(f"metal_attn.{ROUTE}_ps{partition_size}", [*in_dtypes, mx.int32], out_spec, scratch,
+                        launches, [*in_shapes, tuple(reduce_params.shape)])
+    return ChainedTiledLaunch(ch, tiles, params, fparams, zero_sinks, reduce_params)

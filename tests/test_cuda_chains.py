@@ -444,3 +444,92 @@ def test_the_stream_spin_runs_only_with_the_module_loaded_and_the_gpu_the_defaul
         assert cuda_ops.spin_until_idle() == 1 and fake.spins == 1  # the fake GPU is idle: one poll
     assert cuda_ops.spin_until_idle() is None  # no module outside the fake
 
+
+
+def _tiled_batch():
+    """A continuation chunk of 48 rows after 200 tokens and a 40-row prompt: bfloat16 pools of 2 KV heads
+    of 128, 16-token pages."""
+    md = AttentionMetadata.build(np.arange(32, dtype=np.int32).reshape(2, 16), [248, 40], [0, 48, 88],
+                                 validate=False)
+    return md, (88, 8, 128), (32, 16, 2, 128)
+
+
+@pytest.mark.parametrize("partition_size", [0, 64])
+def test_a_chained_tiled_call_launches_what_the_mx_fast_route_launches(fake_chains, partition_size, monkeypatch):
+    """METAL_ATTN_CUDA_TILED_CHAINS=1: the tiled kernel (and, split, the reducer) as one chain with the
+    mx.fast route's template, defines, grid, signature and parameters; the partials are its scratch."""
+    from metal_attn.providers import tiled_prefill as tp
+
+    md, q_shape, k_shape = _tiled_batch()
+    cfg = tp.tile_config("cuda", 128)
+    kw = dict(scale=0.1, use_sinks=True, sliding_window=None, softcap=None, backend="cuda", config=cfg,
+              first_seq=0, partition_size=partition_size)
+    with override_settings(cuda_tiled_chains=True):
+        chained = tp.tiled_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
+    monkeypatch.setattr(cuda_ops, "enabled", lambda: False)
+    with fake_cuda():
+        plain = tp.tiled_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
+    assert isinstance(chained, tp.ChainedTiledLaunch) and isinstance(plain, tp.TiledLaunch)
+    ch, pk = chained.chain, plain.launch.kwargs
+    split = partition_size > 0
+    assert ch.name == ("metal_attn.tiled_prefill_ps64" if split else "metal_attn.tiled_prefill")
+    f0 = fake_chains[0]
+    assert f0["name"] == "tiled_prefill" and f0["template"] == _names(pk["template"])
+    assert tuple(f0["defines"]) == tp.kernel_defines(cfg, split)
+    assert [n for n, _ in f0["inputs"]] == list(tp.KERNEL_INPUTS)
+    assert [n for n, _ in f0["outputs"]] == list(tp.SPLIT_OUTPUTS if split else tp.KERNEL_OUTPUTS)
+    fn, grid, block, args, reads = ch.launches[0]
+    assert fn == 1000 and block == pk["threadgroup"]
+    assert grid == cuda_ops.threadgroups(pk["grid"], pk["threadgroup"])
+    n_k = len(tp.KERNEL_INPUTS)
+    assert reads == n_k and args[:reads] == list(range(n_k))
+    assert chained.tiles is plain.tiles and chained.params is plain.params
+    assert np.array_equal(np.array(chained.fparams), np.array(plain.fparams))
+    n_in = len(ch.input_dtypes)
+    assert [d for _, d in f0["inputs"]] == [str(d).removeprefix("mlx.core.") for d in ch.input_dtypes[:n_k]]
+    if not split:
+        assert len(ch.launches) == 1 and ch.scratch == [] and args[reads:] == [n_in]
+        assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in pk["output_shapes"]]
+        assert chained.reduce_params is None
+        return
+    assert [tuple(s) for s, _ in ch.scratch] == [tuple(s) for s in pk["output_shapes"]]
+    assert [d for _, d in ch.scratch] == list(pk["output_dtypes"])
+    scratch = list(range(n_in + 1, n_in + 1 + len(ch.scratch)))
+    assert args[reads:] == scratch
+    red = plain.reduce.launch.kwargs
+    f1 = fake_chains[1]
+    assert f1["name"] == "paged_attention_v2_reduce" and f1["template"] == _names(red["template"])
+    fn, grid, block, args, reads = ch.launches[1]
+    assert block == red["threadgroup"] and grid == cuda_ops.threadgroups(red["grid"], red["threadgroup"])
+    ki = list(tp.KERNEL_INPUTS)
+    assert args == [*scratch, ki.index("seq_lens"), ki.index("cu_seqlens_q"), ki.index("sinks"), n_in - 1, n_in]
+    assert reads == len(gc.REDUCE_INPUTS)
+    assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in red["output_shapes"]]
+    assert np.array_equal(np.array(chained.reduce_params), np.array(plain.reduce.params))
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_tiled_chains_follow_their_setting(on):
+    # Off by default (not yet run on a GPU): the mx.fast launches; on: the chain, called with the kernel's
+    # inputs in its order and float32 sinks (the reducer's), whatever the caller's sinks dtype.
+    from metal_attn.providers import tiled_prefill as tp
+
+    assert Settings().cuda_tiled_chains is False
+    md, q_shape, k_shape = _tiled_batch()
+    with fake_cuda_chains() as chains, override_settings(cuda_tiled_chains=on), fake_cuda():
+        launch = tp.tiled_launch(q_shape, mx.bfloat16, k_shape, md, scale=0.1, use_sinks=True, sliding_window=None,
+                                 softcap=None, backend="cuda", config=tp.tile_config("cuda", 128), first_seq=0,
+                                 partition_size=64)
+        if not on:
+            assert isinstance(launch, tp.TiledLaunch) and not chains.chains
+            return
+        q, kc = mx.zeros(q_shape, mx.bfloat16), mx.zeros(k_shape, mx.bfloat16)
+        out = launch(q, kc, kc, md, mx.zeros((8,), mx.bfloat16))
+    (chain,) = chains.chains
+    (got,) = chain.calls
+    want = [q, kc, kc, md.block_tables, md.seq_lens, md.cu_seqlens_q, launch.tiles]
+    assert len(got) == len(tp.KERNEL_INPUTS) + 1 and all(a is b for a, b in zip(got, want))
+    assert got[8] is launch.params and got[9] is launch.fparams and got[10] is launch.reduce_params
+    assert got[7].dtype == mx.float32 and got[7].shape == (8,)
+    assert [a.dtype for a in got] == chain.input_dtypes
+    assert out.shape == q_shape

@@ -75,7 +75,7 @@ def _dry_run(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     import sys
 
     phases = ("tests", "decode", "prefill", "streams", "stalls", "finish", "idle", "staged", "engine", "baseline",
-              "queued", "fuzz", "ncu", "partition", "kernels")
+              "queued", "tiles", "fuzz", "ncu", "partition", "kernels")
     # The script runs `python3`: this interpreter's (a venv's bin/ has one), as on the GPU machine's setup.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     return subprocess.run(["bash", str(script), *phases], capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -89,7 +89,7 @@ def test_a_dry_run_checks_every_step_of_every_phase(tmp_path):
     got = _dry_run(SCRIPT, tmp_path)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
     checked = [line for line in got.stdout.splitlines() if "[dry run: " in line]
-    assert len(checked) == 46  # 1 + 3 + 4 + 4 + 4 + 3 + 4 + 2 + 2 + 2 + 3 + 1 + 8 + 1 + 4 steps
+    assert len(checked) == 48  # 1 + 3 + 4 + 4 + 4 + 3 + 4 + 2 + 2 + 2 + 3 + 2 + 1 + 8 + 1 + 4 steps
     # A step run under `env NAME=VALUE` is checked too (its command after the variables, with --dry-run).
     assert any("env MLX_USE_CUDA_GRAPHS=0 python3 -m metal_attn.bench.cli" in line
                and line.endswith("[dry run: --dry-run]") for line in checked)

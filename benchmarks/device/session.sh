@@ -43,6 +43,9 @@
 #   queued   the pipelined suites with queued samples of 50 ms (forty-second session), interleaved: single decode
 #            calls (the per-call targets), the 32-layer step queued, and the prefill suite (issues #17 and #18;
 #            about 4 minutes on an H100)
+#   tiles    the tiled kernel (and its split reducer) as one CUDA chain (METAL_ATTN_CUDA_TILED_CHAINS, built in the
+#            forty-third session, off until this runs): the chain's bitwise GPU test and the tiled GPU suite with it on,
+#            then the prefill suite's tiles-routed chunk and mixed batches, chains on and off in one interleaved run
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100)
 #   partition the per-token kernel at forced partition sizes, powers of two and the sizes between them,
@@ -74,7 +77,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline queued fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline queued tiles fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -244,6 +247,13 @@ run_phase() {
         --candidates auto_compiled,torch_sdpa,mlx_sdpa,ceiling --json "$dir/decode-step.json"
       step prefill-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --interleave --quiet --markdown \
         --json "$dir/prefill-gpu.json" ;;
+    tiles)
+      # shellcheck disable=SC2046
+      step pytest "$STEP_LIMIT" env METAL_ATTN_CUDA_TILED_CHAINS=1 python3 -m pytest -q -rfEx $(xdist) \
+        tests/gpu/test_tiled_prefill_gpu.py tests/gpu/test_cuda_chains_gpu.py
+      step suite "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --interleave --shapes "q64,mixed" --quiet \
+        --markdown --candidates "auto,auto[cuda_tiled_chains=1],tiled_prefill,tiled_prefill[cuda_tiled_chains=1],mlx_sdpa" \
+        --json "$dir/tiles.json" ;;
     partition)
       local p cands=auto
       for p in 192 256 384 512 768 1024 1536 2048 3072 4096; do cands+=",auto[partition_size=$p]"; done

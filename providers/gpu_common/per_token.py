@@ -47,15 +47,12 @@ from metal_attn.providers.gpu_common.per_token_geometry import (
     plan_geometry,
 )
 from metal_attn.providers.gpu_common.reducer import (
-    NUM_THREADS,
     PAGED_FILES,
     REDUCE_INPUTS,
-    REDUCE_SIGNATURE,
     ReduceLaunch,
-    launch_slices,
+    chained_reducer,
     reduce_launch,
     reducer_slices,
-    reducer_template,
 )
 
 from metal_attn import _epoch, kernels
@@ -476,17 +473,13 @@ def chained_per_token_launch(
                                        n_pa)], [*in_shapes, tuple(arrivals.shape)], state=[counters],
                             commit_when_idle=idle_commit, direct_when_idle=direct_when_idle)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), arrivals)
-    slices = launch_slices(total, num_heads, max_parts, "cuda")
-    threads = NUM_THREADS * slices
-    reducer = cuda_ops.kernel_function("paged_attention_v2_reduce", PAGED_FILES, None, REDUCE_SIGNATURE,
-                                       [("out", dn)], reducer_template(dn, "float32", head, partition_size, slices))
+    reducer, red_grid, red_block = chained_reducer(dn, head, partition_size, total, num_heads, max_parts)
     # Buffer indices: the per-token inputs, the reducer's parameters, the output, the partials.
     red_params, out = n_pa, n_pa + 1
     partials = [out + 1, out + 2, out + 3]
     shared = [PA_INPUTS.index(n) for n in REDUCE_INPUTS[len(partials):-1]]  # seq_lens, cu_seqlens_q, sinks
     launches = [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials], n_pa),
-                (reducer, cuda_ops.threadgroups((num_heads * threads, total, 1), (threads, 1, 1)),
-                 (threads, 1, 1), [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
+                (reducer, red_grid, red_block, [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
     ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32], out_spec, scratch,
                         launches, [*in_shapes, tuple(reduce_params.shape)], commit_when_idle=idle_commit,
                         direct_when_idle=direct_when_idle)

@@ -165,6 +165,22 @@ def reduce_launch(tmp_shape: tuple[int, ...], tmp_dtype: Any, out_dtype: Any, md
     return ReduceLaunch(launch, pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))), zeros_f32(num_heads))
 
 
+def chained_reducer(out_dtype: str, head_size: int, partition_size: int, rows: int, num_heads: int,
+                    max_parts: int) -> tuple[int, tuple[int, int, int], tuple[int, int, int]]:
+    """The reducer as one launch of a CUDA chain (`metal_attn.cuda_ops`): ``(function, grid in threadgroups,
+    threadgroup)`` over float32 partials ``[rows, num_heads, max_parts]``, writing ``out_dtype`` (a dtype
+    name). The same template and grid as `reduce_launch`; the chain's builder gives the arguments
+    (`REDUCE_INPUTS`' order, then the output)."""
+    from metal_attn import cuda_ops
+
+    slices = launch_slices(rows, num_heads, max_parts, "cuda")
+    threads = NUM_THREADS * slices
+    fn = cuda_ops.kernel_function("paged_attention_v2_reduce", PAGED_FILES, None, REDUCE_SIGNATURE,
+                                  [("out", out_dtype)],
+                                  reducer_template(out_dtype, "float32", head_size, partition_size, slices))
+    return fn, cuda_ops.threadgroups((num_heads * threads, rows, 1), (threads, 1, 1)), (threads, 1, 1)
+
+
 def reducer_msl_specialization(label: str, dtype: str, head_size: int, partition_size: int,
                                rows: int = 3, slices: int = 1) -> Specialization:
     """The reducer's Metal source-check entry (`metal_attn.msl_check`) for ``dtype`` outputs from

@@ -451,3 +451,32 @@ def test_a_spin_wait_returns_with_the_gpu_done_and_mlx_s_values():
         if polls[-1] > 1:
             break
     assert polls[-1] > 1, polls
+
+
+TILED_CASES = [
+    dict(q_lens=[64, 300], seq_lens=[2112, 300], num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+         dtype="bfloat16", sinks=True, label="chunk after 2K and a prompt, sinks"),
+    dict(q_lens=[1, 1, 200], seq_lens=[5000, 40, 1200], num_heads=16, num_kv_heads=2, head_size=64, block_size=32,
+         dtype="float16", sliding_window=500, softcap=30.0, label="mixed, window, softcap"),
+]
+
+
+@pytest.mark.parametrize("split", [-1, 128], ids=["unsplit", "split128"])
+@pytest.mark.parametrize("spec", TILED_CASES, ids=[c["label"] for c in TILED_CASES])
+def test_the_tiled_chain_equals_the_mx_fast_route_bit_for_bit_and_matches_the_oracle(spec, split):
+    # METAL_ATTN_CUDA_TILED_CHAINS=1: the tiled kernel and (split) the reducer as one chain, the same texts,
+    # grids and parameters as the mx.fast launches: the same bytes. The mixed case's decode rows take the
+    # per-token chain either way; a forced split leaves mixed batches unsplit.
+    case = _case(spec, seed=11)
+    outs, routes, built = {}, {}, {}
+    for on in (True, False):
+        before = dict(cuda_ops.chains_built)
+        with override_settings(cuda_tiled_chains=on, tiled_partition_size=split):
+            outs[on] = run_case(case, provider="tiled_prefill")
+            routes[on] = diagnostics.last_dispatch().route
+        built[on] = {k for k, v in cuda_ops.chains_built.items() if v != before.get(k, 0)}
+    assert routes[True] == routes[False], routes
+    assert any(k.startswith("metal_attn.tiled_prefill") for k in built[True]), built
+    assert not any(k.startswith("metal_attn.tiled_prefill") for k in built[False]), built
+    np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"{case.label} {routes[True]}")
+    assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {routes[True]} chain")
