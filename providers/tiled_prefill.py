@@ -580,14 +580,8 @@ class ChainedTiledLaunch:
 
     def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
                  sinks: mx.array | None) -> mx.array:
-        import mlx.core as mx
-
-        if sinks is None:
-            sinks = self.zero_sinks
-        elif sinks.dtype != mx.float32:
-            sinks = sinks.astype(mx.float32)
-        inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, self.tiles, sinks,
-                  self.params, self.fparams]
+        inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, self.tiles,
+                  gc.reducer_sinks(sinks, self.zero_sinks), self.params, self.fparams]
         if self.reduce_params is not None:
             inputs.append(self.reduce_params)
         return self.chain(inputs)[0]

@@ -41,6 +41,29 @@ def _names(template):
     return [(k, dtype_name(v) if isinstance(v, mx.Dtype) else v) for k, v in template]
 
 
+def _assert_chain_reduces_like_mx_fast(ch, functions, kernel_out, plain_reduce, input_names):
+    """A split chain's partials are its scratch, in the shapes and dtypes the ``mx.fast`` route allocates
+    (``kernel_out``: its kernel launch's arguments), written by launch 0; launch 1 is the reducer with the
+    ``mx.fast`` reducer's template and grid, reading them with the batch's lengths, the sinks (at their
+    places in ``input_names``) and its parameters (the last input), into the chain's output."""
+    n_in = len(ch.input_dtypes)
+    assert [tuple(s) for s, _ in ch.scratch] == [tuple(s) for s in kernel_out["output_shapes"]]
+    assert [d for _, d in ch.scratch] == list(kernel_out["output_dtypes"])
+    scratch = list(range(n_in + 1, n_in + 1 + len(ch.scratch)))
+    _, _, _, args, reads = ch.launches[0]
+    assert args[reads:] == scratch
+    red = plain_reduce.launch.kwargs
+    f1 = functions[1]
+    assert f1["name"] == "paged_attention_v2_reduce" and f1["template"] == _names(red["template"])
+    _, grid, block, args, reads = ch.launches[1]
+    assert block == red["threadgroup"] and grid == cuda_ops.threadgroups(red["grid"], red["threadgroup"])
+    names = list(input_names)
+    assert args == [*scratch, names.index("seq_lens"), names.index("cu_seqlens_q"), names.index("sinks"), n_in - 1,
+                    n_in]
+    assert reads == len(gc.REDUCE_INPUTS)
+    assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in red["output_shapes"]]
+
+
 @pytest.mark.parametrize("partition_size", [0, 64])
 def test_a_chained_call_launches_what_the_mx_fast_route_launches(fake_chains, partition_size, monkeypatch):
     md, q_shape, k_shape = _batch()
@@ -70,22 +93,7 @@ def test_a_chained_call_launches_what_the_mx_fast_route_launches(fake_chains, pa
         assert len(ch.launches) == 1 and ch.scratch == [] and args[reads:] == [n_in]
         assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in pt["output_shapes"]]
         return
-    # Split: the partials are the chain's scratch, in the shapes the mx.fast route allocates...
-    assert [tuple(s) for s, _ in ch.scratch] == [tuple(s) for s in pt["output_shapes"]]
-    assert [d for _, d in ch.scratch] == list(pt["output_dtypes"])
-    scratch = list(range(n_in + 1, n_in + 1 + len(ch.scratch)))
-    assert args[reads:] == scratch
-    # ...and the reducer reads them with the batch's lengths, the sinks and its parameters.
-    red = plain.reduce.launch.kwargs
-    f1 = fake_chains[1]
-    assert f1["name"] == "paged_attention_v2_reduce" and f1["template"] == _names(red["template"])
-    fn, grid, block, args, reads = ch.launches[1]
-    assert block == red["threadgroup"]
-    assert grid == tuple(-(-g // t) for g, t in zip(red["grid"], red["threadgroup"]))
-    pa = list(gc.PA_INPUTS)
-    assert args == [*scratch, pa.index("seq_lens"), pa.index("cu_seqlens_q"), pa.index("sinks"), n_in - 1, n_in]
-    assert reads == len(gc.REDUCE_INPUTS)
-    assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in red["output_shapes"]]
+    _assert_chain_reduces_like_mx_fast(ch, fake_chains, pt, plain.reduce, gc.PA_INPUTS)
     assert chained.extra is not None and np.array_equal(np.array(chained.extra), np.array(plain.reduce.params))
     assert ch.state == []
 
@@ -492,19 +500,7 @@ def test_a_chained_tiled_call_launches_what_the_mx_fast_route_launches(fake_chai
         assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in pk["output_shapes"]]
         assert chained.reduce_params is None
         return
-    assert [tuple(s) for s, _ in ch.scratch] == [tuple(s) for s in pk["output_shapes"]]
-    assert [d for _, d in ch.scratch] == list(pk["output_dtypes"])
-    scratch = list(range(n_in + 1, n_in + 1 + len(ch.scratch)))
-    assert args[reads:] == scratch
-    red = plain.reduce.launch.kwargs
-    f1 = fake_chains[1]
-    assert f1["name"] == "paged_attention_v2_reduce" and f1["template"] == _names(red["template"])
-    fn, grid, block, args, reads = ch.launches[1]
-    assert block == red["threadgroup"] and grid == cuda_ops.threadgroups(red["grid"], red["threadgroup"])
-    ki = list(tp.KERNEL_INPUTS)
-    assert args == [*scratch, ki.index("seq_lens"), ki.index("cu_seqlens_q"), ki.index("sinks"), n_in - 1, n_in]
-    assert reads == len(gc.REDUCE_INPUTS)
-    assert [tuple(s) for s, _ in ch.outputs] == [tuple(s) for s in red["output_shapes"]]
+    _assert_chain_reduces_like_mx_fast(ch, fake_chains, pk, plain.reduce, tp.KERNEL_INPUTS)
     assert np.array_equal(np.array(chained.reduce_params), np.array(plain.reduce.params))
 
 

@@ -141,6 +141,7 @@ from metal_attn.providers.gpu_common.reducer import (
     reducer_cuda_source,
     reducer_kernel,
     reducer_msl_specialization,
+    reducer_sinks,
     reducer_slices,
     reducer_template,
 )
@@ -236,6 +237,7 @@ __all__ = [
     "reducer_cuda_source",
     "reducer_kernel",
     "reducer_msl_specialization",
+    "reducer_sinks",
     "reducer_slices",
     "reducer_template",
     "run_decode_rows",

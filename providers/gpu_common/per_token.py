@@ -52,6 +52,7 @@ from metal_attn.providers.gpu_common.reducer import (
     ReduceLaunch,
     chained_reducer,
     reduce_launch,
+    reducer_sinks,
     reducer_slices,
 )
 
@@ -414,10 +415,7 @@ class ChainedPerTokenLaunch:
 
     def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
                  sinks: mx.array | None) -> mx.array:
-        if sinks is None:
-            sinks = self.zero_sinks
-        elif sinks.dtype != mx.float32:  # the chain takes float32 sinks (as the reducer always did)
-            sinks = sinks.astype(mx.float32)
+        sinks = reducer_sinks(sinks, self.zero_sinks)  # float32, as the reducer always took them
         inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks, self.params,
                   self.fparams]
         if self.extra is not None:

@@ -134,6 +134,14 @@ def reduce_partitions(
     return launch(max_logits, exp_sums, tmp_out, metadata, sinks)
 
 
+def reducer_sinks(sinks: mx.array | None, zero_sinks: mx.array) -> mx.array:
+    """The sinks as the reducer (and every chain that ends in it) takes them: float32, ``zero_sinks``
+    (read by nothing: the parameters say no sinks) where the call has none."""
+    if sinks is None:
+        return zero_sinks
+    return sinks if sinks.dtype == mx.float32 else sinks.astype(mx.float32)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReduceLaunch:
     """A reducer launch over one batch (`reduce_launch`): call it with the partials, the metadata it
@@ -145,10 +153,7 @@ class ReduceLaunch:
 
     def __call__(self, max_logits: mx.array, exp_sums: mx.array, tmp_out: mx.array, md: AttentionMetadata,
                  sinks: mx.array | None) -> mx.array:
-        if sinks is None:
-            sinks = self.zero_sinks
-        elif sinks.dtype != mx.float32:
-            sinks = sinks.astype(mx.float32)
+        sinks = reducer_sinks(sinks, self.zero_sinks)
         return self.launch([max_logits, exp_sums, tmp_out, md.seq_lens, md.cu_seqlens_q, sinks, self.params])[0]
 
 
