@@ -510,7 +510,7 @@ def test_tiled_chains_follow_their_setting(on):
     # inputs in its order and float32 sinks (the reducer's), whatever the caller's sinks dtype.
     from metal_attn.providers import tiled_prefill as tp
 
-    assert Settings().cuda_tiled_chains is False
+    assert Settings.model_fields["cuda_tiled_chains"].default is False
     md, q_shape, k_shape = _tiled_batch()
     with fake_cuda_chains() as chains, override_settings(cuda_tiled_chains=on), fake_cuda():
         launch = tp.tiled_launch(q_shape, mx.bfloat16, k_shape, md, scale=0.1, use_sinks=True, sliding_window=None,

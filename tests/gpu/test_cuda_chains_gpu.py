@@ -476,6 +476,8 @@ def test_the_tiled_chain_equals_the_mx_fast_route_bit_for_bit_and_matches_the_or
             routes[on] = diagnostics.last_dispatch().route
         built[on] = {k for k, v in cuda_ops.chains_built.items() if v != before.get(k, 0)}
     assert routes[True] == routes[False], routes
+    if case.q_lens[0] != 1:  # not mixed: the forced split applies
+        assert routes[True] == ("tiled_prefill_ps128" if split > 0 else "tiled_prefill"), routes
     assert any(k.startswith("metal_attn.tiled_prefill") for k in built[True]), built
     assert not any(k.startswith("metal_attn.tiled_prefill") for k in built[False]), built
     np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"{case.label} {routes[True]}")

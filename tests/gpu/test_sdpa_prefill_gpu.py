@@ -101,10 +101,12 @@ def test_mixed_batch_decode_rows_split_off(sinks):
      [("q", 2, 3100, 31, "nan"), ("q", 2, 3099, 0, "inf"), ("k", 2, 3000, 7, "nan"), ("v", 2, 12, 2, "-inf")]),
     # One lead row of 16 heads (16 pairs) and two chunks of 3,100 rows in one run: simdgroups of 3 pairs
     # (99,216 pairs: no partial share) straddle the lead rows' end and the first sequence's end, where the
-    # kernel's counted (sequence, row, head) moves on; NaN rows on both sides of that boundary.
+    # kernel's counted (sequence, row, head) moves on. The straddling simdgroup's last pair (sequence 2, row
+    # 0, head 0) is finite, and NaN if the count kept sequence 1 (its KV head 0 flagged at 100) or row 3,100
+    # of sequence 2 (flagged at 250, past row 0's last key, 200).
     ([1, 3100, 3100], [700, 3300, 3300], (16, 4), "sdpa_prefill_decode", 3, False,
-     [("q", 1, 3099, 15, "nan"), ("q", 2, 0, 0, "inf"), ("q", 2, 0, 1, "-inf"), ("k", 2, 3260, 3, "nan"),
-      ("v", 1, 3299, 0, "-inf")]),
+     [("q", 1, 3099, 15, "nan"), ("v", 1, 100, 0, "nan"), ("k", 2, 250, 0, "nan"), ("q", 2, 0, 1, "-inf"),
+      ("k", 2, 3260, 3, "nan")]),
 ], ids=["one run", "lead rows", "two sequences after a lead row"])
 def test_a_big_batch_finishes_several_pairs_per_simdgroup(q_lens, seq_lens, heads, route, per, partial, poison):
     # sdpa_finish's simdgroups take several (row, head) pairs each, and the last one a partial share where
