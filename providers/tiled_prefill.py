@@ -541,8 +541,6 @@ def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...],
     max_parts = -(-metadata.max_seq_len // partition_size) if split else 1
     params = gc.pack_int32((num_tiles, num_heads, num_kv_heads, metadata.max_blocks_per_seq,
                             int(sliding_window or 0), int(use_sinks and not split), max_parts))
-    out = (gc.split_scratch(total, num_heads, max_parts, head) if split
-           else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     if backend == "cuda" and gc.cuda_chains_enabled():
         from metal_attn.settings import get_settings
 
@@ -554,6 +552,8 @@ def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...],
             return chained_tiled_launch(dtype, total, num_heads, head, block_size, config, partition_size,
                                         max_parts, tiles, params, gc.pack_scale(scale, softcap), reduce_params,
                                         shapes)
+    out = (gc.split_scratch(total, num_heads, max_parts, head) if split
+           else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     kernel = gc.kernel_launch(kernel_object(backend, config, split),
                               template=kernel_template(dtype, head, block_size, config, partition_size),
                               grid=(num_tiles * config.threads, num_heads, max_parts),
