@@ -41,6 +41,17 @@ def _names(template):
     return [(k, dtype_name(v) if isinstance(v, mx.Dtype) else v) for k, v in template]
 
 
+def _chained_and_plain(build, monkeypatch, **settings):
+    """``build()`` under ``settings`` with chains (faked), then again as the ``mx.fast`` route (chains off,
+    kernels faked): the two launch descriptors of one call, to compare."""
+    with override_settings(**settings):
+        chained = build()
+    monkeypatch.setattr(cuda_ops, "enabled", lambda: False)
+    with fake_cuda():
+        plain = build()
+    return chained, plain
+
+
 def _assert_chain_reduces_like_mx_fast(ch, functions, kernel_out, plain_reduce, input_names):
     """A split chain's partials are its scratch, in the shapes and dtypes the ``mx.fast`` route allocates
     (``kernel_out``: its kernel launch's arguments), written by launch 0; launch 1 is the reducer with the
@@ -70,11 +81,8 @@ def test_a_chained_call_launches_what_the_mx_fast_route_launches(fake_chains, pa
     geo = gc.geometry(128, "bfloat16", "cuda", 4, partition_size > 0, None)
     kw = dict(scale=0.1, use_sinks=True, sliding_window=50, softcap=None, partition_size=partition_size,
               backend="cuda", geo=geo, prefetch=0, rows=None, pool_dtype=mx.bfloat16)
-    with override_settings(cuda_fused_reduce=False):
-        chained = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
-    monkeypatch.setattr(cuda_ops, "enabled", lambda: False)
-    with fake_cuda():
-        plain = gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
+    chained, plain = _chained_and_plain(lambda: gc.per_token_launch(q_shape, mx.bfloat16, k_shape, md, **kw),
+                                        monkeypatch, cuda_fused_reduce=False)
     assert isinstance(chained, gc.ChainedPerTokenLaunch) and isinstance(plain, gc.PerTokenLaunch)
     ch = chained.chain
     pt = plain.launch.kwargs
@@ -472,11 +480,8 @@ def test_a_chained_tiled_call_launches_what_the_mx_fast_route_launches(fake_chai
     cfg = tp.tile_config("cuda", 128)
     kw = dict(scale=0.1, use_sinks=True, sliding_window=None, softcap=None, backend="cuda", config=cfg,
               first_seq=0, partition_size=partition_size)
-    with override_settings(cuda_tiled_chains=True):
-        chained = tp.tiled_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
-    monkeypatch.setattr(cuda_ops, "enabled", lambda: False)
-    with fake_cuda():
-        plain = tp.tiled_launch(q_shape, mx.bfloat16, k_shape, md, **kw)
+    chained, plain = _chained_and_plain(lambda: tp.tiled_launch(q_shape, mx.bfloat16, k_shape, md, **kw),
+                                        monkeypatch, cuda_tiled_chains=True)
     assert isinstance(chained, tp.ChainedTiledLaunch) and isinstance(plain, tp.TiledLaunch)
     ch, pk = chained.chain, plain.launch.kwargs
     split = partition_size > 0
