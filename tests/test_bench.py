@@ -1236,7 +1236,9 @@ def test_interleaved_samples_are_sized_by_the_second_calibration():
     slow = SlowWhileWarming("s", [])
     slow.warming = True
     (res,) = _interleaved([slow], iters=1)
-    assert res.ok and res.timing.inner >= 50, res.timing.inner  # sized from 4 ms calls it would hold 2
+    # Sized from 4 ms calls a 5 ms sample would hold 2; warm calls (tens of µs) fill it with far more. The bound
+    # leaves room for a loaded 2-core machine (it read under 50 once beside other tests).
+    assert res.ok and res.timing.inner >= 10, res.timing.inner
 
 
 def test_an_interleaved_candidate_whose_route_fails_is_an_error_and_not_sampled():

@@ -511,11 +511,11 @@ def test_a_chained_tiled_call_launches_what_the_mx_fast_route_launches(fake_chai
 
 @pytest.mark.parametrize("on", [False, True])
 def test_tiled_chains_follow_their_setting(on):
-    # Off by default (not yet run on a GPU): the mx.fast launches; on: the chain, called with the kernel's
-    # inputs in its order and float32 sinks (the reducer's), whatever the caller's sinks dtype.
+    # On by default (measured on a GPU, forty-fourth session): the chain, called with the kernel's inputs in
+    # its order and float32 sinks (the reducer's), whatever the caller's sinks dtype; off: the mx.fast launches.
     from metal_attn.providers import tiled_prefill as tp
 
-    assert Settings.model_fields["cuda_tiled_chains"].default is False
+    assert Settings.model_fields["cuda_tiled_chains"].default is True
     md, q_shape, k_shape = _tiled_batch()
     with fake_cuda_chains() as chains, override_settings(cuda_tiled_chains=on), fake_cuda():
         launch = tp.tiled_launch(q_shape, mx.bfloat16, k_shape, md, scale=0.1, use_sinks=True, sliding_window=None,

@@ -71,14 +71,17 @@ def test_the_profiler_driver_runs_our_side_on_any_backend(tmp_path):
     assert bad.returncode == 2 and "HEADS a multiple of KV_HEADS" in bad.stderr
 
 
+#: Every phase of session.sh, in its order (the dry-run test checks the script lists no other).
+DRY_RUN_PHASES = ("tests", "decode", "prefill", "streams", "stalls", "finish", "idle", "direct", "wait", "staged",
+                  "engine", "baseline", "queued", "tiles", "fuzz", "ncu", "partition", "kernels")
+
+
 def _dry_run(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     import sys
 
-    phases = ("tests", "decode", "prefill", "streams", "stalls", "finish", "idle", "staged", "engine", "baseline",
-              "queued", "tiles", "fuzz", "ncu", "partition", "kernels")
     # The script runs `python3`: this interpreter's (a venv's bin/ has one), as on the GPU machine's setup.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    return subprocess.run(["bash", str(script), *phases], capture_output=True, text=True, timeout=300, cwd=ROOT,
+    return subprocess.run(["bash", str(script), *DRY_RUN_PHASES], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "DRY_RUN": "1",
                                "METAL_ATTN_PLUGIN_AUTOLOAD": "0"})
 
@@ -88,8 +91,10 @@ def test_a_dry_run_checks_every_step_of_every_phase(tmp_path):
     the CPU, so a device call does not find a typo after its machine started."""
     got = _dry_run(SCRIPT, tmp_path)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
+    script_phases = next(line for line in SCRIPT.read_text().splitlines() if line.startswith("PHASES=("))
+    assert script_phases == f"PHASES=({' '.join(DRY_RUN_PHASES)})", "a phase the dry run does not check"
     checked = [line for line in got.stdout.splitlines() if "[dry run: " in line]
-    assert len(checked) == 48  # 1 + 3 + 4 + 4 + 4 + 3 + 4 + 2 + 2 + 2 + 3 + 2 + 1 + 8 + 1 + 4 steps
+    assert len(checked) == 56  # 1 + 3 + 4 + 4 + 4 + 3 + 4 + 5 + 2 + 2 + 2 + 2 + 3 + 3 + 1 + 8 + 1 + 4 steps
     # A step run under `env NAME=VALUE` is checked too (its command after the variables, with --dry-run).
     assert any("env MLX_USE_CUDA_GRAPHS=0 python3 -m metal_attn.bench.cli" in line
                and line.endswith("[dry run: --dry-run]") for line in checked)

@@ -43,9 +43,12 @@
 #   queued   the pipelined suites with queued samples of 50 ms (forty-second session), interleaved: single decode
 #            calls (the per-call targets), the 32-layer step queued, and the prefill suite (issues #17 and #18;
 #            about 4 minutes on an H100)
-#   tiles    the tiled kernel (and its split reducer) as one CUDA chain (METAL_ATTN_CUDA_TILED_CHAINS, built in the
-#            forty-third session, off until this runs): the chain's bitwise GPU test and the tiled GPU suite with it on,
-#            then the prefill suite's tiles-routed chunk and mixed batches, chains on and off in one interleaved run
+#   tiles    the tiled kernel (and its split reducer) as one CUDA chain (METAL_ATTN_CUDA_TILED_CHAINS, on by default
+#            since the forty-fourth session): the chain's bitwise GPU test and the tiled GPU suite, then the prefill
+#            suite's tiles-routed chunk and mixed batches, chains on and off in one interleaved run, then short
+#            chunks after context through the tiles and through sdpa_prefill with its rule opened, queued
+#            (benchmarks/probe_tiled_split.py: SDPA_PREFILL_RULES' min_chunk_pairs, last measured in the tenth
+#            session, before the route's chains and in-place finish)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100)
 #   partition the per-token kernel at forced partition sizes, powers of two and the sizes between them,
@@ -249,11 +252,13 @@ run_phase() {
         --json "$dir/prefill-gpu.json" ;;
     tiles)
       # shellcheck disable=SC2046
-      step pytest "$STEP_LIMIT" env METAL_ATTN_CUDA_TILED_CHAINS=1 python3 -m pytest -q -rfEx $(xdist) \
+      step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) \
         tests/gpu/test_tiled_prefill_gpu.py tests/gpu/test_cuda_chains_gpu.py
       step suite "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --interleave --shapes "q64,mixed" --quiet \
-        --markdown --candidates "auto,auto[cuda_tiled_chains=1],tiled_prefill,tiled_prefill[cuda_tiled_chains=1],mlx_sdpa" \
-        --json "$dir/tiles.json" ;;
+        --markdown --candidates "auto,auto[cuda_tiled_chains=0],tiled_prefill,tiled_prefill[cuda_tiled_chains=0],mlx_sdpa" \
+        --json "$dir/tiles.json"
+      step split "$STEP_LIMIT" python3 benchmarks/probe_tiled_split.py "$dir/split.json" --pipelined \
+        --chunks 32:2048,64:2112,128:4096,256:4096,64:8192 ;;
     partition)
       local p cands=auto
       for p in 192 256 384 512 768 1024 1536 2048 3072 4096; do cands+=",auto[partition_size=$p]"; done
