@@ -617,15 +617,8 @@ def chained_tiled_launch(dtype: Any, total: int, num_heads: int, head: int, bloc
         ch = cuda_ops.chain(f"metal_attn.{ROUTE}", in_dtypes, out_spec, [],
                             [(kernel, grid, block, [*range(n_in), n_in], n_in)], in_shapes)
         return ChainedTiledLaunch(ch, tiles, params, fparams, zero_sinks, None)
-    scratch_spec = gc.split_scratch(total, num_heads, max_parts, head)
-    scratch = list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"]))
-    # Buffer indices: the kernel's inputs, the reducer's parameters, the output, the partials.
-    red_params, out = n_in, n_in + 1
-    partials = [out + 1, out + 2, out + 3]
-    shared = [KERNEL_INPUTS.index(n) for n in gc.REDUCE_INPUTS[len(partials):-1]]  # seq_lens, cu_seqlens_q, sinks
-    reducer, red_grid, red_block = gc.chained_reducer(dn, head, partition_size, total, num_heads, max_parts)
-    launches = [(kernel, grid, block, [*range(n_in), *partials], n_in),
-                (reducer, red_grid, red_block, [*partials, *shared, red_params, out], len(gc.REDUCE_INPUTS))]
+    launches, scratch = gc.chained_split_reduce((kernel, grid, block), KERNEL_INPUTS, dn, head, partition_size,
+                                                total, num_heads, max_parts)
     ch = cuda_ops.chain(f"metal_attn.{ROUTE}_ps{partition_size}", [*in_dtypes, mx.int32], out_spec, scratch,
                         launches, [*in_shapes, tuple(reduce_params.shape)])
     return ChainedTiledLaunch(ch, tiles, params, fparams, zero_sinks, reduce_params)

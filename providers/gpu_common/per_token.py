@@ -48,9 +48,8 @@ from metal_attn.providers.gpu_common.per_token_geometry import (
 )
 from metal_attn.providers.gpu_common.reducer import (
     PAGED_FILES,
-    REDUCE_INPUTS,
     ReduceLaunch,
-    chained_reducer,
+    chained_split_reduce,
     reduce_launch,
     reducer_sinks,
     reducer_slices,
@@ -459,9 +458,9 @@ def chained_per_token_launch(
                             [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), n_pa], n_pa)], in_shapes,
                             commit_when_idle=idle_commit, direct_when_idle=direct_when_idle)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), None)
-    scratch_spec = split_scratch(total, num_heads, max_parts, head)
-    scratch = list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"]))
     if fused:
+        scratch_spec = split_scratch(total, num_heads, max_parts, head)
+        scratch = list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"]))
         # Buffer indices: the per-token inputs, the counters (state), the output, the partials.
         counters, out = n_pa, n_pa + 1
         partials = [out + 1, out + 2, out + 3]
@@ -471,13 +470,8 @@ def chained_per_token_launch(
                                        n_pa)], [*in_shapes, tuple(arrivals.shape)], state=[counters],
                             commit_when_idle=idle_commit, direct_when_idle=direct_when_idle)
         return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), arrivals)
-    reducer, red_grid, red_block = chained_reducer(dn, head, partition_size, total, num_heads, max_parts)
-    # Buffer indices: the per-token inputs, the reducer's parameters, the output, the partials.
-    red_params, out = n_pa, n_pa + 1
-    partials = [out + 1, out + 2, out + 3]
-    shared = [PA_INPUTS.index(n) for n in REDUCE_INPUTS[len(partials):-1]]  # seq_lens, cu_seqlens_q, sinks
-    launches = [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials], n_pa),
-                (reducer, red_grid, red_block, [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
+    launches, scratch = chained_split_reduce((per_token, grid, (geo.threads, 1, 1)), PA_INPUTS, dn, head,
+                                             partition_size, total, num_heads, max_parts)
     ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32], out_spec, scratch,
                         launches, [*in_shapes, tuple(reduce_params.shape)], commit_when_idle=idle_commit,
                         direct_when_idle=direct_when_idle)

@@ -5,12 +5,12 @@ split launches (docs/kernels.md, "Split-KV")."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from metal_attn.providers.gpu_common.launches import KernelLaunch, kernel_launch, pack_int32, zeros_f32
+from metal_attn.providers.gpu_common.launches import KernelLaunch, kernel_launch, pack_int32, split_scratch, zeros_f32
 
 from metal_attn import kernels
 from metal_attn.kernels import SIMD_WIDTH
@@ -170,20 +170,32 @@ def reduce_launch(tmp_shape: tuple[int, ...], tmp_dtype: Any, out_dtype: Any, md
     return ReduceLaunch(launch, pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))), zeros_f32(num_heads))
 
 
-def chained_reducer(out_dtype: str, head_size: int, partition_size: int, rows: int, num_heads: int,
-                    max_parts: int) -> tuple[int, tuple[int, int, int], tuple[int, int, int]]:
-    """The reducer as one launch of a CUDA chain (`metal_attn.cuda_ops`): ``(function, grid in threadgroups,
-    threadgroup)`` over float32 partials ``[rows, num_heads, max_parts]``, writing ``out_dtype`` (a dtype
-    name). The same template and grid as `reduce_launch`; the chain's builder gives the arguments
-    (`REDUCE_INPUTS`' order, then the output)."""
+def chained_split_reduce(kernel: tuple[Any, tuple[int, int, int], tuple[int, int, int]], input_names: Sequence[str],
+                         out_dtype: str, head_size: int, partition_size: int, rows: int, num_heads: int,
+                         max_parts: int) -> tuple[list[tuple], list[tuple]]:
+    """A split kernel and the reducer as the launches of one CUDA chain (`metal_attn.cuda_ops.chain`):
+    ``(launches, scratch)``. ``kernel``: the split kernel's ``(function, grid in threadgroups, threadgroup)``,
+    its inputs named ``input_names`` (which hold the reducer's shared ones: ``seq_lens``, ``cu_seqlens_q``,
+    ``sinks``). Buffer indices: the kernel's inputs, the reducer's parameters, the output (``out_dtype``,
+    a dtype name), then the float32 partials ``[rows, num_heads, max_parts]``, the chain's scratch. The
+    reducer has `reduce_launch`'s template and grid."""
     from metal_attn import cuda_ops
 
+    n_in = len(input_names)
+    red_params, out = n_in, n_in + 1
+    partials = [out + 1, out + 2, out + 3]
+    shared = [input_names.index(n) for n in REDUCE_INPUTS[len(partials):-1]]  # seq_lens, cu_seqlens_q, sinks
     slices = launch_slices(rows, num_heads, max_parts, "cuda")
     threads = NUM_THREADS * slices
-    fn = cuda_ops.kernel_function("paged_attention_v2_reduce", PAGED_FILES, None, REDUCE_SIGNATURE,
-                                  [("out", out_dtype)],
-                                  reducer_template(out_dtype, "float32", head_size, partition_size, slices))
-    return fn, cuda_ops.threadgroups((num_heads * threads, rows, 1), (threads, 1, 1)), (threads, 1, 1)
+    reducer = cuda_ops.kernel_function("paged_attention_v2_reduce", PAGED_FILES, None, REDUCE_SIGNATURE,
+                                       [("out", out_dtype)],
+                                       reducer_template(out_dtype, "float32", head_size, partition_size, slices))
+    fn, grid, block = kernel
+    launches = [(fn, grid, block, [*range(n_in), *partials], n_in),
+                (reducer, cuda_ops.threadgroups((num_heads * threads, rows, 1), (threads, 1, 1)), (threads, 1, 1),
+                 [*partials, *shared, red_params, out], len(REDUCE_INPUTS))]
+    spec = split_scratch(rows, num_heads, max_parts, head_size)
+    return launches, list(zip(spec["output_shapes"], spec["output_dtypes"]))
 
 
 def reducer_msl_specialization(label: str, dtype: str, head_size: int, partition_size: int,
