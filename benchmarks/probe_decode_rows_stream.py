@@ -7,7 +7,7 @@ the two run one after the other; with ``METAL_ATTN_DECODE_ROWS_STREAM=1`` the ro
 second stream and can overlap the chunks. For each batch and route (``sdpa_prefill_decode`` with
 its rule opened, and the tiles' ``mixed_prefill_decode``) this times both settings in the same
 process, in alternating rounds (a drift of the machine lands on both), every call waited for
-(``--pipelined``: queued, one wait per sample), and checks that both give the same bytes.
+(``--pipelined``: queued, one wait per sample of at least 50 ms), and checks that both give the same bytes.
 
 Usage (GPU): ``python benchmarks/probe_decode_rows_stream.py OUT.json [--pipelined] [--rounds N]``.
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 import metal_attn
 from metal_attn.bench.shapes import Rows, Shape, build_case
-from metal_attn.bench.timing import time_fn
+from metal_attn.bench.timing import time_calls
 from metal_attn.settings import override_settings
 from metal_attn.testing.overrides import opened_sdpa_prefill_rule
 
@@ -58,7 +58,7 @@ def _timed(case, provider: str, on: bool, pipelined: bool) -> tuple[float, np.nd
         out = call()
         mx.eval(out)
         route = metal_attn.diagnostics.last_dispatch().route
-        t = time_fn(lambda: (mx.async_eval if pipelined else mx.eval)(call()), warmup=3, iters=15)
+        t = time_calls(call, pipelined=pipelined, warmup=3, iters=15)
     return t.median_s * 1e6, np.array(out.astype(mx.float32)), route
 
 

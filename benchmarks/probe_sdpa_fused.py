@@ -59,14 +59,12 @@ PIPELINED = False
 
 
 def _median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
-    """Median ms per call (`metal_attn.bench.timing.time_fn`): every call waited for, or with
-    `PIPELINED` every call queued and each sample waited for once (calls overlap the host's next build)."""
-    from metal_attn.bench.timing import time_fn
+    """Median ms per call (`metal_attn.bench.timing.time_calls`): every call waited for, or with
+    `PIPELINED` every call queued and each sample (of at least 50 ms) waited for once (calls overlap the
+    host's next build)."""
+    from metal_attn.bench.timing import time_calls
 
-    def call() -> None:
-        (mx.async_eval if PIPELINED else mx.eval)(fn())
-
-    return time_fn(call, warmup=warmup, iters=iters).median_s * 1e3
+    return time_calls(fn, pipelined=PIPELINED, warmup=warmup, iters=iters).median_s * 1e3
 
 
 def _chunk(ql: int, ctx: int, h: int = 32, kvh: int = 8, d: int = 128, bs: int = 16) -> dict:

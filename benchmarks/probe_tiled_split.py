@@ -5,9 +5,9 @@ The measurements behind ``providers/tiled_prefill.py``'s ``TILED_SPLIT_RULES`` a
 bf16, block 16, one sequence unless marked) through ``paged_attention(provider="tiled_prefill")``
 unsplit, split at each partition size and at the rule's choice, and through ``sdpa_prefill`` with
 its rule opened to every chunk. Per variant: the median wall time of a blocking call (the
-``prefill-gpu`` suite's blocking measure, `metal_attn.bench.timing.time_fn`; ``--pipelined``: of a
-queued call, one wait per sample, as a step's layers run) and the GPU busy time of five traced calls
-(CUPTI through torch, `kernel_trace`; skipped without torch).
+``prefill-gpu`` suite's blocking measure; ``--pipelined``: of a queued call, one wait per sample of
+at least 50 ms, as in the suite's ``--pipelined`` runs; `metal_attn.bench.timing.time_calls`) and
+the GPU busy time of five traced calls (CUPTI through torch, `kernel_trace`; skipped without torch).
 
     python3 benchmarks/probe_tiled_split.py OUT.json [--chunks Q:L[:N],...] [--pipelined]
 """
@@ -24,7 +24,7 @@ import mlx.core as mx
 import metal_attn
 from metal_attn import diagnostics
 from metal_attn.bench.shapes import Shape, build_case
-from metal_attn.bench.timing import time_fn
+from metal_attn.bench.timing import time_calls
 from metal_attn.device import current_device
 from metal_attn.errors import ProviderRefusedError
 from metal_attn.settings import override_settings
@@ -77,7 +77,6 @@ def main() -> None:
     ap.add_argument("--pipelined", action="store_true",
                     help="time queued calls, one wait per sample (default: every call waited for)")
     args = ap.parse_args()
-    finish = mx.async_eval if args.pipelined else mx.eval
     rows = []
     for q_len, ctx, n in args.chunks:
         shape = Shape(n, 32, 8, 128, ctx, "bfloat16", q_len=q_len)
@@ -95,7 +94,7 @@ def main() -> None:
                     entry[label] = {"refused": str(exc).splitlines()[-1].strip()}
                     continue
                 route = diagnostics.last_dispatch().route
-                wall = time_fn(lambda c=call: finish(c()), warmup=3, iters=7).median_s * 1e3
+                wall = time_calls(call, pipelined=args.pipelined, warmup=3, iters=7).median_s * 1e3
                 busy = _busy_us(call)
             entry[label] = {"route": route, "wall_ms": wall, "busy_us": busy,
                             "tflops_wall": shape.flops / (wall * 1e-3) / 1e12}

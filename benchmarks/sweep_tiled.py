@@ -30,7 +30,7 @@ from metal_attn.providers import tiled_prefill as tp
 from metal_attn.bench.candidates import pipelined_median_s, rates
 from metal_attn.bench.peers import MlxSdpa
 from metal_attn.bench.shapes import Rows, Shape, build_case
-from metal_attn.bench.timing import time_fn
+from metal_attn.bench.timing import PIPELINED_MIN_SAMPLE_S, time_fn
 from metal_attn.device import current_device
 from metal_attn.testing.conformance import rel_l2
 
@@ -88,7 +88,8 @@ def sweep_chunks(shapes: list[Shape], partitions: tuple[int, ...]) -> list[dict]
         case = build_case(shape)
         peer = MlxSdpa().prepare(case)
         peer.run()
-        peer_s = time_fn(peer.launch, warmup=3, iters=10).median_s  # the peer queues its own work
+        # The peer queues its own work: sampled as the candidates' queued launches are (pipelined_median_s).
+        peer_s = time_fn(peer.launch, warmup=3, iters=10, min_sample_s=PIPELINED_MIN_SAMPLE_S).median_s
         shipped = tp.tile_config(backend, shape.head_size)
         ref = np.array(_launch(case, backend, shipped).astype(mx.float32))
         label = "+".join(f"{r.q_len}@{r.context}" for r in shape.rows)

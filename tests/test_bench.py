@@ -1349,6 +1349,36 @@ def test_the_sweeps_queued_timing_sizes_its_samples_for_queued_calls(monkeypatch
         seen.update(kwargs)
         return timing.timing_of([1.0], 1)
 
-    monkeypatch.setattr(candidates, "time_fn", fake_time_fn)
+    monkeypatch.setattr(timing, "time_fn", fake_time_fn)
     assert candidates.pipelined_median_s(lambda: mx.zeros((1,)), warmup=2, iters=3) == 1.0
     assert seen == {"warmup": 2, "iters": 3, "min_sample_s": timing.PIPELINED_MIN_SAMPLE_S}
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_time_calls_queues_or_waits_with_the_suites_sample_sizes(monkeypatch, pipelined):
+    """`time_calls` (the probes' timing): queued calls go through ``mx.async_eval`` in samples of at least
+    `PIPELINED_MIN_SAMPLE_S` (a sample of 2 ms calls holds 25 or more, so its closing wait is hidden), waited
+    calls through ``mx.eval`` in samples of `MIN_SAMPLE_S`; anything but a bool for ``pipelined`` is refused."""
+    evals = {"eval": 0, "async_eval": 0}
+    real = {name: getattr(timing.mx, name) for name in evals}
+
+    def counting(name):
+        def wrapped(*arrays):
+            evals[name] += 1
+            return real[name](*arrays)
+        return wrapped
+
+    for name in evals:
+        monkeypatch.setattr(timing.mx, name, counting(name))
+
+    def two_ms():
+        time.sleep(0.002)
+        return mx.zeros((1,))
+
+    t = timing.time_calls(two_ms, pipelined=pipelined, warmup=1, iters=2)
+    used, unused = ("async_eval", "eval") if pipelined else ("eval", "async_eval")
+    assert evals[used] > 0 and evals[unused] == 0, evals
+    assert t.inner * t.min_s >= 0.5 * (timing.PIPELINED_MIN_SAMPLE_S if pipelined else timing.MIN_SAMPLE_S)
+    assert (t.inner >= 14) if pipelined else (t.inner <= 3), t.inner
+    with pytest.raises(ValueError, match=r"pipelined=1 \(allowed: True or False\)"):
+        timing.time_calls(two_ms, pipelined=1)

@@ -29,7 +29,7 @@ from metal_attn.bench.timing import (
     Timing,
     mlx_sync,
     one_sample,
-    time_fn,
+    time_calls,
     timing_of,
     warm_up,
 )
@@ -174,9 +174,8 @@ class Candidate(Protocol):
 
 def pipelined_median_s(compute: Callable[[], Any], *, warmup: int = 3, iters: int = 10) -> float:
     """Median seconds per call of ``compute`` queued with ``mx.async_eval`` (one wait per sample of at
-    least `PIPELINED_MIN_SAMPLE_S`, `time_fn` around it): the sweeps' bare-launch timing."""
-    return time_fn(lambda: mx.async_eval(compute()), warmup=warmup, iters=iters,
-                   min_sample_s=PIPELINED_MIN_SAMPLE_S).median_s
+    least `PIPELINED_MIN_SAMPLE_S`, `time_calls`): the sweeps' bare-launch timing."""
+    return time_calls(compute, pipelined=True, warmup=warmup, iters=iters).median_s
 
 
 def mlx_prepared(compute: Callable[[], Any], to_rows: Callable[[Any], np.ndarray], route: str) -> Prepared:

@@ -1,8 +1,9 @@
 """Timing MLX (and torch) calls for the benchmarks: one sample is a synchronized loop of calls.
 
 `time_fn` warms a call up, calibrates how many calls a sample holds (so a short GPU call is not
-measured on launch and synchronization latency), and takes the samples; `warm_up`, `one_sample`
-and `timing_of` are its three steps, for a runner that interleaves the samples of several calls
+measured on launch and synchronization latency), and takes the samples; `time_calls` times MLX work
+blocking or queued with the suites' sample sizes; `warm_up`, `one_sample` and `timing_of` are
+`time_fn`'s three steps, for a runner that interleaves the samples of several calls
 (`metal_attn.bench.core.measure_interleaved`).
 """
 
@@ -92,6 +93,21 @@ def time_fn(
     _check_timing_args(warmup, iters, max_inner)
     inner = warm_up(fn, sync, warmup, min_sample_s, max_inner)
     return timing_of([one_sample(fn, sync, inner) for _ in range(iters)], inner)
+
+
+def time_calls(compute: Callable[[], Any], *, pipelined: bool, warmup: int = 3, iters: int = 10) -> Timing:
+    """Per-call timing of the MLX work ``compute()`` returns, measured as the suites measure it: every
+    call waited for (``mx.eval``, samples of at least `MIN_SAMPLE_S`), or with ``pipelined`` every call
+    queued (``mx.async_eval``) and each sample waited for once, samples of at least
+    `PIPELINED_MIN_SAMPLE_S` so the wait at a sample's end is a small part of it. The probes and
+    sweeps that time queued calls go through here, so their figures compare with ``--pipelined``
+    suite runs."""
+    if type(pipelined) is not bool:
+        raise ValueError(f"pipelined={pipelined!r} (allowed: True or False)")
+    if pipelined:
+        return time_fn(lambda: mx.async_eval(compute()), warmup=warmup, iters=iters,
+                       min_sample_s=PIPELINED_MIN_SAMPLE_S)
+    return time_fn(lambda: mx.eval(compute()), warmup=warmup, iters=iters)
 
 
 def _check_timing_args(warmup: int, iters: int, max_inner: int) -> None:
