@@ -63,6 +63,7 @@ from metal_attn.device import DeviceInfo
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.settings import override_settings
 from metal_attn.testing.fake_cuda import FakeChain, FakeChains, FakeCuda, FakeKernel, fake_chains, fake_cuda
+from metal_attn.testing.overrides import opened_sdpa_prefill_rule
 
 LAYERS = 32
 
@@ -75,11 +76,16 @@ class Case:
     label: str
     shape: Shape
     gpu_cores: int | None = None  # None: the H200's 132; fewer moves the split gate (unsplit route)
+    route_opened: bool = False  # SDPA_PREFILL_RULES opened on CUDA: the gathered route below its pairs bound
 
     def device(self) -> DeviceInfo:
         """The probed device of the case: the H200 preset, with ``gpu_cores`` when given."""
         dev = DeviceInfo.preset("h200")
         return dev.replace(gpu_cores=self.gpu_cores) if self.gpu_cores else dev
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The rule overrides the case runs under (`opened_sdpa_prefill_rule` for ``route_opened``)."""
+        return opened_sdpa_prefill_rule("cuda") if self.route_opened else contextlib.nullcontext()
 
 
 def cases() -> list[Case]:
@@ -95,6 +101,7 @@ def cases() -> list[Case]:
         Case("mixed 8x1@4096 + 256@1024", mixed),
         Case("mixed 32x1@1024 + 256@1024 + 256@2048", mixed2),
         Case("chunk 64@2112", chunk),
+        Case("chunk 64@2112 (sdpa_prefill rule opened)", chunk, route_opened=True),
     ]
 
 
@@ -158,6 +165,7 @@ def bound_case(case: Case, plugins: bool = False, chains: bool = True) -> Iterat
             stack.enter_context(override_settings(cuda_chains=False))
         fake_chain_objects = stack.enter_context(fake_chains())
         fake = stack.enter_context(fake_cuda(case.device(), sdpa="zeros"))
+        stack.enter_context(case.scope())
         b = bind(case, fake, fake_chain_objects)
         fake.record = fake_chain_objects.record = False
         yield b

@@ -51,9 +51,10 @@ def test_the_script_times_the_built_in_providers_and_names_each_case_s_provider_
         expected = {}
         for case in cases():
             s = case.shape
-            chosen = metal_attn.explain(q_lens=list(s.q_lens), seq_lens=list(s.seq_lens), device=case.device(),
-                                        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_size=s.head_size,
-                                        dtype=s.dtype, block_size=s.block_size).chosen
+            with case.scope():
+                chosen = metal_attn.explain(q_lens=list(s.q_lens), seq_lens=list(s.seq_lens), device=case.device(),
+                                            num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                                            head_size=s.head_size, dtype=s.dtype, block_size=s.block_size).chosen
             expected[case.label] = (chosen.name, chosen.plan.route)
     with override_settings(plugin_autoload=True):
         host_cost_python.main(["--calls", "1", "--samples", "1"])
@@ -75,6 +76,10 @@ def test_the_cases_take_the_chained_route_unless_told_not_to():
         assert (b.launches, b.chain_calls, b.sdpa_calls) == (0, 1, 0)
     with bound_case(mixed) as b:
         assert (b.launches, b.chain_calls, b.sdpa_calls) == (0, 3, 2)  # and MLX's SDPA once a run of chunks
+    with bound_case(by_label["chunk 64@2112"]) as b:  # below the route's pairs bound: the split tiles' one chain
+        assert (b.provider, b.launches, b.chain_calls, b.sdpa_calls) == ("tiled_prefill", 0, 1, 0)
+    with bound_case(by_label["chunk 64@2112 (sdpa_prefill rule opened)"]) as b:  # the gathers, cuDNN, the finishes
+        assert (b.provider, b.launches, b.chain_calls, b.sdpa_calls) == ("sdpa_prefill", 0, 2, 1)
     with bound_case(decode, chains=False) as b:
         assert (b.launches, b.chain_calls) == (2, 0)  # the split kernel and its reducer
     with bound_case(mixed, chains=False) as b:

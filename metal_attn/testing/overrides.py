@@ -29,17 +29,17 @@ def forced_mixed_threshold(value: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def opened_sdpa_prefill_rule() -> Iterator[None]:
-    """``SDPA_PREFILL_RULES`` admitting every chunk, mixed or not, on this backend for the block
-    (to measure the route below its rule); a new dispatch epoch and no cached selections on entry
-    and exit, so no plan or selection made under one rule serves the other."""
+def opened_sdpa_prefill_rule(backend: str | None = None) -> Iterator[None]:
+    """``SDPA_PREFILL_RULES`` admitting every chunk, mixed or not, on ``backend`` (default: this
+    machine's) for the block (to measure the route below its rule); a new dispatch epoch and no cached
+    selections on entry and exit, so no plan or selection made under one rule serves the other."""
     from metal_attn import _epoch
     from metal_attn.device import current_device
     from metal_attn.plugins import get_registry
     from metal_attn.providers import sdpa_prefill as sp
 
     rules = dict(sp.SDPA_PREFILL_RULES)
-    backend = current_device().backend
+    backend = backend or current_device().backend
     rules[backend] = dataclasses.replace(rules[backend], min_chunk_rows=1, min_chunk_pairs=0, mixed=())
     try:
         with mock.patch.object(sp, "SDPA_PREFILL_RULES", rules):
