@@ -119,10 +119,10 @@ SDPA_PREFILL_RULES: Mapping[str, SdpaRule] = MappingProxyType({
         "after 2K: 2.04/2.01x, 1.61/1.99x; 512 after 1K 1.11/1.08x; two chunks of 256 1.16/1.11x; but 32 or 64 "
         "rows after 1K 0.95/1.14x, 0.96/0.86x: so from 4K of decode context chunks need 32 rows, below it 128. "
         "Forty-fifth session (H100, queued, probe_tiled_split.py --pipelined, three readings): the pairs bound holds. "
-        "Below it the split tiles win by wall time (32-128 rows after 2K: 45-85 us a call against the route's "
-        "83-177) though the route's GPU time is lower (37-40 us against 38-75): its three queued operations a call "
-        "cost the host more than the tiles' one; from 524K pairs the route wins (128 rows after 4K: 83-139 against "
-        "140-142 us; 64 after 8K: 137-140 against 151-153; 256 after 4K: 94-154 against 267-276)",
+        "Below it the tiles (their split rule) win by wall time (32-128 rows after 2K: 48-85 us a call against the "
+        "route's 83-177) though the route's GPU time is lower (37-40 us against 41-75): its three queued operations "
+        "a call cost the host more than the tiles' one; from 516K pairs the route wins (128 rows after 4K: 83-139 "
+        "against 140-142 us; 64 after 8K: 137-140 against 151-153; 256 after 4K: 94-154 against 267-276)",
         min_chunk_pairs=500_000, mixed=(MixedRow(4096, 32), MixedRow(0, 128))),
     "metal": SdpaRule(None, "not measured on Apple hardware: the rule stays upstream's (tiled_prefill, NAX on M5)"),
     "cpu": SdpaRule(None, "2-core CPU: gathered SDPA is 27x slower than classic's native prefill "

@@ -47,8 +47,8 @@
 #            since the forty-fourth session): the chain's bitwise GPU test and the tiled GPU suite, then the prefill
 #            suite's tiles-routed chunk and mixed batches, chains on and off in one interleaved run, then short
 #            chunks after context through the tiles and through sdpa_prefill with its rule opened, queued
-#            (benchmarks/probe_tiled_split.py: SDPA_PREFILL_RULES' min_chunk_pairs, last measured in the tenth
-#            session, before the route's chains and in-place finish)
+#            (benchmarks/probe_tiled_split.py: SDPA_PREFILL_RULES' min_chunk_pairs; measured in the tenth
+#            session, confirmed on an H100 in the forty-fifth)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100)
 #   partition the per-token kernel at forced partition sizes, powers of two and the sizes between them,
