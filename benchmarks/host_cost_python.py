@@ -77,15 +77,19 @@ class Case:
     shape: Shape
     gpu_cores: int | None = None  # None: the H200's 132; fewer moves the split gate (unsplit route)
     route_opened: bool = False  # SDPA_PREFILL_RULES opened on CUDA: the gathered route below its pairs bound
+    settings: tuple[tuple[str, Any], ...] = ()  # settings the case runs under (an A/B of a setting)
 
     def device(self) -> DeviceInfo:
         """The probed device of the case: the H200 preset, with ``gpu_cores`` when given."""
         dev = DeviceInfo.preset("h200")
         return dev.replace(gpu_cores=self.gpu_cores) if self.gpu_cores else dev
 
-    def scope(self) -> contextlib.AbstractContextManager:
-        """The rule overrides the case runs under (`opened_sdpa_prefill_rule` for ``route_opened``)."""
-        return opened_sdpa_prefill_rule("cuda") if self.route_opened else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """The overrides the case runs under: its ``settings``, and `opened_sdpa_prefill_rule` for ``route_opened``."""
+        with (override_settings(**dict(self.settings)),
+              opened_sdpa_prefill_rule("cuda") if self.route_opened else contextlib.nullcontext()):
+            yield
 
 
 def cases() -> list[Case]:
@@ -100,6 +104,8 @@ def cases() -> list[Case]:
         Case("b8 L4096 unsplit (gpu_cores=1)", dec(8), gpu_cores=1),
         Case("mixed 8x1@4096 + 256@1024", mixed),
         Case("mixed 32x1@1024 + 256@1024 + 256@2048", mixed2),
+        Case("mixed 32x1@1024 + 256@1024 + 256@2048 (decode rows in the gather chain)", mixed2,
+             settings=(("cuda_decode_rows_in_gather", True),)),
         Case("chunk 64@2112", chunk),
         Case("chunk 64@2112 (sdpa_prefill rule opened)", chunk, route_opened=True),
     ]

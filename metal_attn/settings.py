@@ -267,6 +267,17 @@ class Settings(BaseSettings):
         ),
     )
 
+    cuda_decode_rows_in_gather: bool = Field(
+        False,
+        validation_alias=_env("cuda_decode_rows_in_gather"),
+        description=(
+            "CUDA chains, the sdpa_prefill route: a mixed batch's decode rows run inside the gather chain (the "
+            "per-token kernel and its reducer among the gathers, its output the finish's lead rows), one MLX "
+            "operation a batch fewer, the same kernels and bytes. Off by default until a GPU run shows it faster "
+            "queued (docs/bench-h200-prefill.md); 1: on (for A/B runs)."
+        ),
+    )
+
     cuda_tiled_chains: bool = Field(
         True,
         validation_alias=_env("cuda_tiled_chains"),

@@ -41,7 +41,7 @@ dtype holds, or past FLT_MAX / log2(e), would turn its head NaN: finite sinks ar
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -202,6 +202,8 @@ class SdpaPrefillProvider(Provider):
         if request.phase is Phase.MIXED:
             decode_spec, partition, note = gc.decode_rows_part(request, device, settings)
             notes.append(note)
+            if device.backend == "cuda":
+                notes.append(decode_rows_in_gather_note(settings, decode_spec.side_stream))
         return Plan(
             provider=self.name,
             route=SPLIT_ROUTE if decode_spec else ROUTE,
@@ -240,8 +242,8 @@ class SdpaPrefillProvider(Provider):
         decode_spec = plan.specialization[-1]
         md = inputs.metadata
         n_dec = md.num_decode_seqs if decode_spec else 0
-        decode = gc.run_decode_rows(inputs, decode_spec) if n_dec else None
-        parts = prefill_rows(inputs, md, first_seq=n_dec, backend=plan.specialization[1], lead=decode)
+        parts = prefill_rows(inputs, md, first_seq=n_dec, backend=plan.specialization[1],
+                             decode_rows=decode_spec if n_dec else None)
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
     # -- source checks ----------------------------------------------------------------------------
@@ -285,6 +287,25 @@ class SdpaPrefillProvider(Provider):
         first = CudaSource("first_flagged", "first_flagged", FINISH_FILES, *FIRST_SIGNATURE,
                            (("THREADS", FIRST_THREADS),))
         return [*gathers, *finishes, first]
+
+
+def decode_rows_in_gather(backend: str | None, spec: gc.DecodeRowsSpec) -> bool:
+    """Whether a mixed batch's decode rows run inside the gather chain: CUDA chains, the rows on the
+    default stream and ``cuda_decode_rows_in_gather`` on (the batch must be chained too: `run_launches`)."""
+    from metal_attn.settings import get_settings
+
+    return (backend == "cuda" and not spec.side_stream and get_settings().cuda_decode_rows_in_gather
+            and gc.cuda_chains_enabled())
+
+
+def decode_rows_in_gather_note(settings: Settings, side_stream: bool) -> str:
+    """``explain``'s line on where a mixed batch's decode rows run on CUDA chains."""
+    if side_stream:
+        return "decode rows: a chain of their own on the second stream (not inside the gather chain)"
+    if settings.cuda_decode_rows_in_gather:
+        return ("decode rows: inside the gather chain where the batch is chained "
+                "(METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER=1; one MLX operation fewer)")
+    return "decode rows: a chain of their own beside the gather chain (METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER=0)"
 
 
 def _runs(md: AttentionMetadata, first_seq: int) -> list[tuple[int, int, int, int]]:
@@ -339,18 +360,27 @@ class ChainedRuns:
     grids and parameters of the ``mx.fast`` launches: ``gather`` runs each run's ``gather_kv`` then
     its ``first_flagged`` (the flags are scratch), ``finish`` each run's ``sdpa_finish`` into one
     output, the lead rows in front (each launch's ``out_row0`` says where its rows go). So a batch
-    of any number of runs is two of our operations, plus one fused SDPA call per run."""
+    of any number of runs is two of our operations, plus one fused SDPA call per run. With
+    ``decode`` (``cuda_decode_rows_in_gather``) the gather chain also runs a mixed batch's decode
+    rows, whose output is the finish's lead rows: one operation fewer."""
 
     gather: gc.ChainLaunch
     finish: gc.ChainLaunch
     #: The gather chain's inputs after the pools and the table: each run's gather and
     #: first_flagged parameters.
     gather_params: tuple[Any, ...]
+    #: The decode rows' per-token launches inside the gather chain (their inputs follow
+    #: ``gather_params``, less the pools and the table; their output is the chain's last), or ``None``.
+    decode: gc.PerTokenChainPart | None = None
 
-    def gather_flagged(self, k_cache: Any, v_cache: Any, block_tables: Any) -> list[tuple[Any, Any, Any]]:
-        """Each run's contiguous K and V and first flagged positions, in one operation."""
-        out = self.gather([k_cache, v_cache, block_tables, *self.gather_params])
-        return [tuple(out[i:i + 3]) for i in range(0, len(out), 3)]
+    def gather_flagged(self, k_cache: Any, v_cache: Any, block_tables: Any,
+                       decode_inputs: list[Any] | None = None) -> tuple[list[tuple[Any, Any, Any]], Any]:
+        """Each run's contiguous K and V and first flagged positions, in one operation, and the decode
+        rows (``None`` without `decode`) from ``decode_inputs`` (`PerTokenChainPart.inputs`' list)."""
+        tail = [] if self.decode is None else [decode_inputs[0], *decode_inputs[4:]]  # the pools and table are ours
+        out = self.gather([k_cache, v_cache, block_tables, *self.gather_params, *tail])
+        lead = out.pop() if self.decode is not None else None
+        return [tuple(out[i:i + 3]) for i in range(0, len(out), 3)], lead
 
     def finish_rows(self, runs: tuple[RunLaunch, ...], outs: list[Any], q_rows: list[Any], firsts: list[Any],
                     lead: Any) -> Any:
@@ -368,12 +398,14 @@ class RunPlan:
 
 
 def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
-                 dtype: Any, cache_dtype: Any, lead_rows: int, backend: str | None) -> RunPlan:
+                 dtype: Any, cache_dtype: Any, lead_rows: int, backend: str | None,
+                 decode: Callable[[], gc.PerTokenChainPart] | None = None) -> RunPlan:
     """The fused calls of `prefill_rows` for the batch ``md`` from sequence ``first_seq`` on, with a
     query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` in ``cache_dtype`` and ``lead_rows``
     lead rows; with a GPU ``backend`` each carries its kernels' parameters and launches (on CUDA
     with chains, where every run has pages to read and the lead rows fit the first launch, the batch's
-    two chains instead). Built once per metadata (`gc.cached_launch`), so the layers of a step share it."""
+    two chains instead, the gather chain running the lead rows' launches ``decode()`` where given).
+    Built once per metadata (`gc.cached_launch`), so the layers of a step share it."""
     import mlx.core as mx
 
     from metal_attn import kernels
@@ -435,15 +467,18 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
     runs_t = tuple(out)
     if not chained:
         return RunPlan(runs_t)
-    return RunPlan(runs_t, chained_runs(runs_t, kvh, head, lead_rows, num_heads, dtype, cache_dtype, in_place))
+    return RunPlan(runs_t, chained_runs(runs_t, kvh, head, lead_rows, num_heads, dtype, cache_dtype, in_place,
+                                        decode() if decode is not None else None))
 
 
 def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_rows: int, num_heads: int,
-                 dtype: Any, cache_dtype: Any, in_place: bool = False) -> ChainedRuns:
+                 dtype: Any, cache_dtype: Any, in_place: bool = False,
+                 decode: gc.PerTokenChainPart | None = None) -> ChainedRuns:
     """The batch's `ChainedRuns` for ``runs`` (the first takes the ``lead_rows``). ``in_place`` (one
     run, no lead rows, its finish parameters saying so): the finish chain's output starts as the fused
     kernel's output, in that output's buffer where MLX allows it, and ``sdpa_finish`` writes only the
-    NaN rows."""
+    NaN rows. ``decode``: the lead rows' launches, run by the gather chain before its own; they share
+    no buffer with the gathers, so MLX's CUDA graph runs them side by side as it ran the two chains."""
     import mlx.core as mx
 
     from metal_attn import cuda_ops
@@ -456,21 +491,37 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     first_fn = cuda_ops.kernel_function("first_flagged", FINISH_FILES, None, FIRST_SIGNATURE[0], FIRST_SIGNATURE[1],
                                         [("THREADS", FIRST_THREADS)])
     # Gather chain buffers: inputs k_cache 0, v_cache 1, block_tables 2, then run i's gather and
-    # first params at 3 + 2i, 4 + 2i; outputs: run i's K, V, first at o + 3i ..; scratch: run i's
-    # flags at o + 3 * count + i.
-    o = 3 + 2 * count
-    outputs, scratch, launches = [], [], []
+    # first params at 3 + 2i, 4 + 2i, then the decode part's inputs but its pools and table; outputs:
+    # run i's K, V, first at o + 3i .., then the decode rows; scratch: run i's flags at f + i, then the
+    # decode part's.
+    in_dtypes = [cache_dtype, cache_dtype, mx.int32, *[mx.int32] * (2 * count)]
+    part = decode.part if decode is not None else None
+    if part is not None:
+        base = len(in_dtypes)
+        # Where the part's inputs are: the query, the pools and the table (ours: 0, 1, 2), then the rest.
+        at = [base, 0, 1, 2, *range(base + 1, base + len(part.input_dtypes) - 3)]
+        in_dtypes += [part.input_dtypes[0], *part.input_dtypes[4:]]
+    o = len(in_dtypes)
+    f = o + 3 * count + (part is not None)
+    launches, state = [], []
+    if part is not None:
+        launches += part.launches_at(at, [o + 3 * count], range(f + count, f + count + len(part.scratch)))
+        state = [at[i] for i in part.state]
+    outputs, scratch = [], []
     for i, r in enumerate(runs):
         kv = ((r.n, kv_heads, r.seq_len, head), cache_dtype)
         outputs += [kv, kv, ((r.n * kv_heads,), mx.int32)]
         scratch.append(((r.n, kv_heads, r.seq_len), mx.int32))
-        k, v, first, bad = o + 3 * i, o + 3 * i + 1, o + 3 * i + 2, o + 3 * count + i
+        k, v, first, bad = o + 3 * i, o + 3 * i + 1, o + 3 * i + 2, f + i
         launches += [
             (gather_fn, cuda_ops.threadgroups((r.n * r.seq_len * kv_heads * SIMD_WIDTH, 1, 1), (GATHER_THREADS, 1, 1)),
              (GATHER_THREADS, 1, 1), [0, 1, 2, 3 + 2 * i, k, v, bad], 4),
             (first_fn, (r.n * kv_heads, 1, 1), (FIRST_THREADS, 1, 1), [bad, 4 + 2 * i, first], 2)]
-    gather = cuda_ops.chain("metal_attn.gather_kv", [cache_dtype, cache_dtype, mx.int32, *[mx.int32] * (2 * count)],
-                            outputs, scratch, launches)
+    if part is not None:
+        outputs += part.outputs
+        scratch += part.scratch
+    gather = cuda_ops.chain("metal_attn.gather_kv" + ("_decode" if part is not None else ""), in_dtypes, outputs,
+                            scratch, launches, state=state)
     # Finish chain buffers: run i's o, q rows, first, params at 4i .. 4i + 3; the lead rows at
     # 4 * count; the output after them.
     f_in, f_out = finish_signature(dn)
@@ -483,7 +534,7 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     finish = cuda_ops.chain("metal_attn.sdpa_finish", [*[dtype, dtype, mx.int32, mx.int32] * count, dtype],
                             [((total, num_heads, head), dtype)], [], finishes, initial=[(0, 0)] if in_place else ())
     return ChainedRuns(gc.ChainLaunch(gather), gc.ChainLaunch(finish),
-                       tuple(p for r in runs for p in (r.gather_params, r.first_params)))
+                       tuple(p for r in runs for p in (r.gather_params, r.first_params)), decode)
 
 
 #: The largest finite sink MLX SDPA is given, by query dtype: what the dtype holds and MLX's float32
@@ -505,12 +556,15 @@ def sinks_for_mlx(sinks: mx.array, dtype: mx.Dtype) -> mx.array:
 
 
 def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: int = 0, backend: str | None = None,
-                 force_fused: bool = True, lead: mx.array | None = None) -> list[mx.array]:
+                 force_fused: bool = True, lead: mx.array | None = None,
+                 decode_rows: gc.DecodeRowsSpec | None = None) -> list[mx.array]:
     """Outputs of sequences ``first_seq..`` in batch order: one ``[rows, H, D]`` array per run of
     equal-length sequences, each its pages gathered then one fused SDPA call (`run_launches`), or on
     CUDA with chains one array for the whole batch. ``lead`` (``[lead_rows, H, D]``, a mixed batch's
     decode rows) goes in front of the first output: its ``sdpa_finish`` writes it, so no
-    concatenation is needed.
+    concatenation is needed. ``decode_rows`` instead (a mixed batch's decode-rows sub-plan, its rows
+    the first ``first_seq`` sequences): the lead rows are computed here, inside the gather chain where
+    `decode_rows_in_gather` says so and the batch is chained, else by `gc.run_decode_rows`.
 
     On a GPU ``backend`` the pages go through the ``gather_kv`` kernel (one pass: the copy, V's
     non-finite elements zeroed, the flags of the NaN contract), and the contract is applied in one
@@ -521,16 +575,28 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
 
     from metal_attn import _epoch
 
+    if lead is not None and decode_rows is not None:
+        raise ValueError("prefill_rows: lead and decode_rows were both given (allowed: one of them, or neither)")
     q, kc, vc = inputs.q, inputs.k_cache, inputs.v_cache
     num_heads, head = q.shape[1], kc.shape[3]
     sinks = sinks_for_mlx(inputs.sinks, q.dtype) if inputs.sinks is not None else None
     gpu = backend in ("cuda", "metal")
-    lead_rows = 0 if lead is None else lead.shape[0]
+    lead_rows = first_seq if decode_rows is not None else (0 if lead is None else lead.shape[0])
+    # What decode rows inside the gather chain depend on besides the batch and the shapes: their plan and the
+    # call's scalars (whether they go there is the settings', which the epoch follows).
+    decode_key = ((decode_rows.per_token, inputs.scale, inputs.softcap, inputs.sliding_window,
+                   inputs.sinks is not None) if decode_rows is not None else None)
     key = (_epoch.current(), ROUTE, backend if gpu else None, first_seq, q.shape, kc.shape, q.dtype, kc.dtype,
-           lead_rows)
-    plan = gc.cached_launch(md, key, lambda: run_launches(md, first_seq, q.shape, kc.shape, q.dtype, kc.dtype,
-                                                          lead_rows, backend if gpu else None))
+           lead_rows, decode_key)
+    plan = md._launches.get(key)
+    if plan is None:
+        in_gather = decode_rows is not None and decode_rows_in_gather(backend, decode_rows)
+        plan = gc.cached_launch(md, key, lambda: run_launches(
+            md, first_seq, q.shape, kc.shape, q.dtype, kc.dtype, lead_rows, backend if gpu else None,
+            (lambda: gc.plan_chain_part(inputs, decode_rows.per_token, rows=lead_rows)) if in_gather else None))
     runs, chained = plan.runs, plan.chained
+    if decode_rows is not None and (chained is None or chained.decode is None):
+        lead = gc.run_decode_rows(inputs, decode_rows)
 
     def fused(r: RunLaunch, q_rows: mx.array, k: mx.array, v: mx.array) -> mx.array:
         # The fused kernel writes its output in the query's layout, so this is packed row order
@@ -544,7 +610,9 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     # contract), whatever the fused kernel's arithmetic does with it (an infinite query can give
     # -inf scores everywhere: a silent 0).
     if chained is not None:
-        gathered = chained.gather_flagged(kc, vc, md.block_tables)
+        decode_inputs = None if chained.decode is None else chained.decode.inputs(q, kc, vc, md, inputs.sinks)
+        gathered, decoded = chained.gather_flagged(kc, vc, md.block_tables, decode_inputs)
+        lead = decoded if decoded is not None else lead
         q_rows = [q[r.row0:r.row0 + r.rows] for r in runs]
         outs = [fused(r, qr, k, v) for r, qr, (k, v, _) in zip(runs, q_rows, gathered)]
         ahead = lead if lead is not None else gc.placeholder(q.dtype)

@@ -282,7 +282,8 @@ def test_a_chained_batch_passes_its_inputs_in_the_kernels_order(fake_chains, mon
     runs, ch = plan.runs, plan.chained
     kc, vc = mx.zeros((25, 16, 2, 128), mx.bfloat16), mx.ones((25, 16, 2, 128), mx.bfloat16)
     bt = mx.zeros((5, 5), mx.int32)
-    gathered = ch.gather_flagged(kc, vc, bt)
+    gathered, decoded = ch.gather_flagged(kc, vc, bt)
+    assert decoded is None  # the lead rows come from the caller
     (got,) = ch.gather.chain.calls
     want = [kc, vc, bt, runs[0].gather_params, runs[0].first_params, runs[1].gather_params, runs[1].first_params]
     assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
@@ -534,3 +535,88 @@ def test_tiled_chains_follow_their_setting(on):
     assert got[7].dtype == mx.float32 and got[7].shape == (8,)
     assert [a.dtype for a in got] == chain.input_dtypes
     assert out.shape == q_shape
+
+
+def _mixed_calls(in_gather: bool, route: str, fused: bool):
+    """A mixed batch (three decode rows, then chunks of 200 rows after 600 and 900 tokens: two runs) through
+    ``sdpa_prefill`` twice on faked CUDA and chains: the second call's chain calls, ``{chain name: (chain, its
+    inputs)}``, the spec of a kernel function by its handle, and the call's query, pool and metadata."""
+    import metal_attn as ma
+    from metal_attn.testing.overrides import forced_per_token_route
+
+    seq_lens, q_lens = [300, 1000, 17, 600, 900], [1, 1, 1, 200, 200]
+    width = max(-(-s // 16) for s in seq_lens)
+    md = AttentionMetadata.build(np.arange(5 * width, dtype=np.int32).reshape(5, width), seq_lens,
+                                 np.concatenate([[0], np.cumsum(q_lens)]))
+    q, pool = mx.zeros((403, 8, 128), mx.bfloat16), mx.zeros((5 * width, 16, 2, 128), mx.bfloat16)
+    sinks = mx.zeros((8,), mx.float32)
+    with (fake_cuda_chains() as fake, fake_cuda(sdpa="zeros"),
+          override_settings(cuda_decode_rows_in_gather=in_gather, cuda_fused_reduce=fused),
+          forced_per_token_route(route)):
+        for _ in range(2):
+            before = {id(c): len(c.calls) for c in fake.chains}
+            out = ma.paged_attention(q, pool, pool, metadata=md, scale=0.1, sinks=sinks, provider="sdpa_prefill")
+        assert out.shape == (403, 8, 128)
+        calls = [(c, call) for c in fake.chains for call in c.calls[before.get(id(c), 0):]]
+        assert len({c.name for c, _ in calls}) == len(calls)  # each chain called once
+        named = {c.name: (c, call) for c, call in calls}
+        return named, (lambda fn: fake.functions[fn - 1000]), (q, pool, md)
+
+
+@pytest.mark.parametrize(("route", "fused"), [("per_token_ps0", False), ("per_token_ps64", False),
+                                              ("per_token_ps64", True)])
+def test_a_mixed_batch_s_decode_rows_run_inside_the_gather_chain_when_asked(route, fused):
+    # METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER=1: the decode rows' per-token launches (and reducer) become the
+    # gather chain's first launches, the same functions, grids and parameters as their chain of its own, its
+    # buffers mapped into the gather chain's; the finish takes their output as its lead rows. Two chain
+    # calls a batch instead of three.
+    off, spec_off, _ = _mixed_calls(False, route, fused)
+    on, spec_on, (q, pool, md) = _mixed_calls(True, route, fused)
+    per_token = next(name for name in off if name.startswith("metal_attn.per_token_ps"))
+    assert sorted(off) == sorted(["metal_attn.gather_kv", "metal_attn.sdpa_finish", per_token])
+    assert sorted(on) == ["metal_attn.gather_kv_decode", "metal_attn.sdpa_finish"]
+    (alone, alone_in), (plain, plain_in) = off[per_token], off["metal_attn.gather_kv"]
+    finish_off_in = off["metal_attn.sdpa_finish"][1]
+    (gather, gather_in), (finish, finish_in) = on["metal_attn.gather_kv_decode"], on["metal_attn.sdpa_finish"]
+    assert alone.name.endswith("_fused") == fused and alone.state == ([len(gc.PA_INPUTS)] if fused else [])
+    # The gather chain's inputs: the plain gather chain's, then the per-token chain's less its pools and table.
+    assert len(gather_in) == len(plain_in) + len(alone_in) - 3
+    assert all(a is b for a, b in zip(gather_in[:3], (pool, pool, md.block_tables)))
+    tail = gather_in[len(plain_in):]
+    assert tail[0] is q and tail[1] is md.seq_lens and tail[2] is md.cu_seqlens_q
+    for got, want in zip(tail[3:], alone_in[6:]):  # sinks, params, fparams, the reducer's params or counters
+        assert got.dtype == want.dtype and np.array_equal(np.array(got), np.array(want))
+    assert gather.input_dtypes == [*plain.input_dtypes, alone.input_dtypes[0], *alone.input_dtypes[4:]]
+    # Its launches: the per-token chain's, then the plain gather chain's, at the mapped buffer indices.
+    n_in, n_pa = len(gather_in), len(alone.launches)
+    scratch0 = n_in + len(gather.outputs)  # the gather chain's first scratch buffer
+    where = [len(plain_in), 0, 1, 2, *range(len(plain_in) + 1, n_in),  # the part's inputs
+             n_in + len(plain.outputs),  # its output: after the gathers' outputs
+             *range(scratch0 + len(plain.scratch), scratch0 + len(gather.scratch))]  # its scratch: after theirs
+    for (fn, g, b, args, reads), (fn0, g0, b0, args0, reads0) in zip(gather.launches[:n_pa], alone.launches):
+        assert (spec_on(fn), g, b, reads) == (spec_off(fn0), g0, b0, reads0) and args == [where[a] for a in args0]
+    assert gather.state == [where[i] for i in alone.state]
+    assert gather.outputs[-1] == alone.outputs[0] and [tuple(s) for s, _ in gather.outputs[-1:]] == [(3, 8, 128)]
+    assert gather.scratch == [*plain.scratch, *alone.scratch]
+    shift = len(gather_in) - len(plain_in)  # the plain gathers' outputs and scratch moved by the new inputs
+    for (fn, g, b, args, reads), (fn0, g0, b0, args0, reads0) in zip(gather.launches[n_pa:], plain.launches):
+        moved = [a if a < len(plain_in) else a + shift + (a >= len(plain_in) + len(plain.outputs)) for a in args0]
+        assert (spec_on(fn), g, b, reads, args) == (spec_off(fn0), g0, b0, reads0, moved)
+    # The finish: unchanged, its lead rows the gather chain's last output.
+    finish_off = off["metal_attn.sdpa_finish"][0]
+    assert [(spec_on(fn), *rest) for fn, *rest in finish.launches] == [
+        (spec_off(fn), *rest) for fn, *rest in finish_off.launches]
+    lead_at = len(finish_in) - 1
+    assert finish_in[lead_at] is gather._zeros[-1] and finish_off_in[lead_at] is alone._zeros[0]
+
+
+def test_decode_rows_in_the_gather_chain_say_so_in_explain():
+    from metal_attn.api import explain
+
+    fields = dict(q_lens=[1] * 8 + [512], seq_lens=[1024] * 8 + [2048], num_heads=32, num_kv_heads=8, head_size=128,
+                  dtype="bfloat16", block_size=16)
+    for on in (False, True):
+        with override_settings(cuda_decode_rows_in_gather=on):
+            row = next(r for r in explain(device="h200", **fields).rows if r.name == "sdpa_prefill")
+        note = next(n for n in row.plan.notes if n.startswith("decode rows: ") and "gather chain" in n)
+        assert f"METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER={int(on)}" in note

@@ -9,7 +9,8 @@ concept, and all of them are re-exported here:
   (`pack_int32`, `pack_scale`); launch descriptors (`KernelLaunch`, `kernel_launch`, `ChainLaunch`,
   and `cached_launch`, which builds one per metadata so the layers of a step share it); which CUDA
   chains start an idle GPU (`IDLE_COMMIT_RULE`, `commit_when_idle`); eager compilation for
-  ``Provider.prepare`` (`tiny_batch`, `compile_eagerly`).
+  ``Provider.prepare`` (`tiny_batch`, `compile_eagerly`); `ChainPart`: launches that run as a CUDA
+  chain of their own or inside another.
 - `reducer`: the split-KV reducer (``paged_attention_v2_reduce``) of every kernel that writes the
   split contract: `reduce_partitions`, `reduce_launch`, `reducer_template`, `REDUCE_INPUTS`,
   `NUM_THREADS`, its partition slices (`REDUCER_SLICE_RULES`, `reducer_slices`, `launch_slices`: data, as
@@ -21,7 +22,8 @@ concept, and all of them are re-exported here:
   (`split_decision`), the partition size (`PARTITION_RULES`, `partition_choice`), `plan_per_token`,
   and its launches (`launch_paged`, `run_per_token`, `prepare_per_token`; on CUDA with
   `metal_attn._cuda_ops` built, `ChainedPerTokenLaunch`: the kernel and its reducer as one MLX
-  operation, `cuda_chains_enabled`).
+  operation, `cuda_chains_enabled`; `PerTokenChainPart` and `plan_chain_part`: those launches as a
+  piece another chain runs among its own).
 - `decode_rows`: the decode-rows sub-plan of a mixed batch (its decode rows through the per-token
   kernel, its prefill rows through the provider's own kernel): `mixed_split`, `decode_request`,
   `plan_decode_rows`, `decode_rows_part`, `decode_rows_reasons`, `tiles_decode_part`, `prepare_decode_rows`,
@@ -57,6 +59,7 @@ from metal_attn.providers.gpu_common.launches import (
     IDLE_COMMIT_RULE,
     MAX_LAUNCHES_PER_METADATA,
     ChainLaunch,
+    ChainPart,
     IdleCommitRule,
     KernelLaunch,
     TinyBatch,
@@ -84,8 +87,8 @@ from metal_attn.providers.gpu_common.per_token import (
     PER_TOKEN_PARTITION_SIZES,
     ChainedPerTokenLaunch,
     PartitionRule,
+    PerTokenChainPart,
     PerTokenLaunch,
-    chained_per_token_launch,
     fused_counters,
     fused_reduce_enabled,
     launch_geometry,
@@ -93,10 +96,12 @@ from metal_attn.providers.gpu_common.per_token import (
     paged_defines,
     paged_template,
     partition_choice,
+    per_token_chain_part,
     per_token_kernel,
     per_token_launch,
     per_token_route,
     per_token_signature,
+    plan_chain_part,
     plan_per_token,
     prepare_per_token,
     run_per_token,
@@ -173,6 +178,7 @@ __all__ = [
     "THREADGROUP_BYTES_LIMIT",
     "THREAD_CHOICES",
     "ChainLaunch",
+    "ChainPart",
     "ChainedPerTokenLaunch",
     "DecodeRowsPlan",
     "DecodeRowsSpec",
@@ -181,6 +187,7 @@ __all__ = [
     "IdleCommitRule",
     "KernelLaunch",
     "PartitionRule",
+    "PerTokenChainPart",
     "PerTokenLaunch",
     "ReduceLaunch",
     "SliceRule",
@@ -189,7 +196,6 @@ __all__ = [
     "TinyBatch",
     "availability_reasons",
     "cached_launch",
-    "chained_per_token_launch",
     "chained_split_reduce",
     "commit_when_idle",
     "compile_eagerly",
@@ -220,12 +226,14 @@ __all__ = [
     "paged_template",
     "partition_choice",
     "per_token",
+    "per_token_chain_part",
     "per_token_geometry",
     "per_token_kernel",
     "per_token_launch",
     "per_token_route",
     "per_token_signature",
     "placeholder",
+    "plan_chain_part",
     "plan_decode_rows",
     "plan_geometry",
     "plan_per_token",

@@ -111,6 +111,41 @@ class ChainLaunch:
         return self.chain(inputs)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChainPart:
+    """Launches of our kernels that run as a CUDA chain of their own (`build`) or inside another chain
+    (`launches_at`). Buffer indices are the part's own, numbered as `metal_attn.cuda_ops.chain` numbers
+    a chain's buffers: its inputs, then its outputs, then its scratch. ``input_shapes``: what a chain of
+    its own checks each call against (empty: no check); ``state``: inputs the launches update in place."""
+
+    name: str
+    input_dtypes: tuple[Any, ...]
+    outputs: tuple[tuple[tuple[int, ...], Any], ...]
+    scratch: tuple[tuple[tuple[int, ...], Any], ...]
+    launches: tuple[tuple[int, tuple[int, int, int], tuple[int, int, int], tuple[int, ...], int], ...]
+    input_shapes: tuple[tuple[int, ...], ...] = ()
+    state: tuple[int, ...] = ()
+
+    def build(self, **options: Any) -> Any:
+        """The part as a chain of its own (``options``: `metal_attn.cuda_ops.chain`'s keywords)."""
+        from metal_attn import cuda_ops
+
+        return cuda_ops.chain(self.name, self.input_dtypes, self.outputs, self.scratch, self.launches,
+                              self.input_shapes, self.state, **options)
+
+    def launches_at(self, inputs: Sequence[int], outputs: Sequence[int],
+                    scratch: Sequence[int]) -> list[tuple[int, tuple[int, int, int], tuple[int, int, int], list[int],
+                                                          int]]:
+        """The launches inside a host chain, each buffer index replaced by its place there: the part's
+        input ``i`` at ``inputs[i]``, output ``j`` at ``outputs[j]``, scratch buffer ``k`` at ``scratch[k]``."""
+        if (len(inputs), len(outputs), len(scratch)) != (len(self.input_dtypes), len(self.outputs), len(self.scratch)):
+            raise ValueError(f"ChainPart {self.name}: places for {len(inputs)} inputs, {len(outputs)} outputs and "
+                             f"{len(scratch)} scratch buffers (it has {len(self.input_dtypes)}, {len(self.outputs)} "
+                             f"and {len(self.scratch)})")
+        where = [*inputs, *outputs, *scratch]
+        return [(fn, grid, block, [where[a] for a in args], reads) for fn, grid, block, args, reads in self.launches]
+
+
 def kernel_launch(kernel: Any, *, template: list, grid: tuple[int, ...], threadgroup: tuple[int, ...],
                   output_shapes: list, output_dtypes: list) -> KernelLaunch:
     """A `KernelLaunch` of ``kernel`` with these arguments."""

@@ -2,7 +2,8 @@
 the mixed splits run for their decode rows: the occupancy gate (`split_decision`), the partition
 size (`PARTITION_RULES`, `partition_choice`), the plan (`plan_per_token`) and the launches
 (`launch_paged`, `run_per_token`, `prepare_per_token`; on CUDA with `metal_attn._cuda_ops` built,
-`ChainedPerTokenLaunch`: the kernel and its reducer as one MLX operation).
+`ChainedPerTokenLaunch`: the kernel and its reducer as one MLX operation, built from a
+`PerTokenChainPart`, which another chain may also run among its launches: `plan_chain_part`).
 
 Per-token routes: ``per_token_ps0`` (one pass per query row and head) and ``per_token_psP``
 (split-KV: ``P``-token partitions, then the reducer), chosen by the occupancy gate
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from metal_attn.providers.gpu_common.launches import (
+    ChainPart,
     KernelLaunch,
     TinyBatch,
     cached_launch,
@@ -399,12 +401,14 @@ class PerTokenLaunch:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ChainedPerTokenLaunch:
-    """`PerTokenLaunch` as one MLX operation on CUDA (`metal_attn.cuda_ops`): the per-token kernel
-    and, when split, the reducer, with the partials as the chain's scratch. Same kernel texts,
-    grids and parameters; called the same way."""
+class PerTokenChainPart:
+    """A per-token launch on CUDA chains as a `ChainPart` (the kernel and, when split, the reducer, the
+    partials its scratch) with the arrays it takes besides the call's: a chain of its own
+    (`ChainedPerTokenLaunch`) or a piece of another (a mixed batch's decode rows inside ``sdpa_prefill``'s
+    gather chain). The part's inputs are `PA_INPUTS`, then ``extra`` when there is one; its one output
+    is the attention output."""
 
-    chain: Any
+    part: ChainPart
     params: mx.array
     fparams: mx.array
     zero_sinks: mx.array
@@ -412,38 +416,74 @@ class ChainedPerTokenLaunch:
     #: counters (`fused_counters`), or nothing (unsplit).
     extra: mx.array | None
 
-    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
-                 sinks: mx.array | None) -> mx.array:
+    def inputs(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
+               sinks: mx.array | None) -> list[mx.array]:
+        """The part's inputs for a call, in its order."""
         sinks = reducer_sinks(sinks, self.zero_sinks)  # float32, as the reducer always took them
         inputs = [q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, sinks, self.params,
                   self.fparams]
         if self.extra is not None:
             inputs.append(self.extra)
-        return self.chain(inputs)[0]
+        return inputs
 
 
-def chained_per_token_launch(
-    dtype: Any, pool_dtype: Any, total: int, num_heads: int, head: int, block_size: int, max_parts: int,
-    partition_size: int, geo: Geometry, prefetch: int, params: mx.array, fparams: mx.array,
-    reduce_params: mx.array | None, shapes: tuple[tuple[int, ...], ...], fused: bool = False,
-    idle_commit: bool = False, direct_when_idle: int = 0,
-) -> ChainedPerTokenLaunch:
-    """The `ChainedPerTokenLaunch` of a per-token launch (`per_token_launch` builds both kinds);
-    ``shapes``: the query's, the pools' and the metadata's (``q``, ``k``, ``v``, ``block_tables``,
-    ``seq_lens``, ``cu_seqlens_q``), which every call of the chain checks. ``fused`` (split only):
-    one launch, the partials reduced by the last threadgroup of each (row, head group). ``idle_commit``: the
-    chain launches MLX's encoded graph when it finds the GPU idle (`commit_when_idle`); ``direct_when_idle``:
-    the chains that launch straight onto MLX's stream from there (``cuda_idle_direct_chains``)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChainedPerTokenLaunch:
+    """`PerTokenLaunch` as one MLX operation on CUDA (`metal_attn.cuda_ops`): the per-token kernel
+    and, when split, the reducer, with the partials as the chain's scratch. Same kernel texts,
+    grids and parameters; called the same way."""
+
+    chain: Any
+    launch: PerTokenChainPart
+
+    @property
+    def params(self) -> mx.array:
+        return self.launch.params
+
+    @property
+    def fparams(self) -> mx.array:
+        return self.launch.fparams
+
+    @property
+    def zero_sinks(self) -> mx.array:
+        return self.launch.zero_sinks
+
+    @property
+    def extra(self) -> mx.array | None:
+        return self.launch.extra
+
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
+                 sinks: mx.array | None) -> mx.array:
+        return self.chain(self.launch.inputs(q, k_cache, v_cache, md, sinks))[0]
+
+
+def per_token_chain_part(
+    q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...], md: AttentionMetadata, *, scale: float,
+    use_sinks: bool, sliding_window: int | None, softcap: float | None, partition_size: int, geo: Geometry,
+    prefetch: int, rows: int | None, pool_dtype: Any = None,
+) -> PerTokenChainPart:
+    """`per_token_launch`'s launch on CUDA chains as a `PerTokenChainPart`, not yet a chain (the same
+    arguments but ``backend``). Split (``partition_size`` > 0): the reducer fused into the kernel's one
+    launch where ``cuda_fused_reduce`` says so (the partials reduced by the last threadgroup of each
+    (row, head group)), else a launch of its own. A chain of its own checks each call's query, pools
+    and metadata against the shapes given here."""
     from metal_attn import cuda_ops
     from metal_attn.api import dtype_name
 
+    total, num_heads, head = q_shape
+    total = rows or total
+    _, block_size, num_kv_heads, _ = k_shape
     split = partition_size > 0
-    if fused and not split:
-        raise ValueError(f"fused=True needs a split launch (partition_size={partition_size}; allowed: > 0)")
+    fused = split and fused_reduce_enabled()
+    max_parts = _max_parts(md, partition_size, rows)
+    params = _params(md, num_heads, num_kv_heads, sliding_window, max_parts, use_sinks)
+    fparams = pack_scale(scale, softcap)
     dn = dtype_name(dtype)
-    sig = per_token_signature(dn, dtype_name(pool_dtype))
-    in_dtypes = [getattr(mx, t) for _, t in sig]
-    in_shapes = [*shapes, (num_heads,), tuple(params.shape), tuple(fparams.shape)]
+    sig = per_token_signature(dn, dtype_name(pool_dtype or dtype))
+    in_dtypes = tuple(getattr(mx, t) for _, t in sig)
+    in_shapes = (tuple(q_shape), tuple(k_shape), tuple(k_shape), tuple(md.block_tables.shape),
+                 tuple(md.seq_lens.shape), tuple(md.cu_seqlens_q.shape), (num_heads,), tuple(params.shape),
+                 tuple(fparams.shape))
     outputs = [(n, "float32" if split else dn) for n in PA_OUTPUTS[int(split)]]
     if fused:  # the output and the arrival counters after the partials
         outputs += [(PA_FUSED_OUTPUTS[0], dn), (PA_FUSED_OUTPUTS[1], "int32")]
@@ -451,31 +491,32 @@ def chained_per_token_launch(
         "paged_attention", PAGED_FILES, paged_defines(split, geo, fused), sig, outputs,
         paged_template(dn, head, block_size, partition_size, geo, prefetch))
     grid = cuda_ops.threadgroups((geo.grid_x(num_heads), total, max_parts), (geo.threads, 1, 1))
-    out_spec = [((total, num_heads, head), dtype)]
+    block = (geo.threads, 1, 1)
+    out_spec = (((total, num_heads, head), dtype),)
     n_pa = len(PA_INPUTS)
+    zero_sinks = zeros_f32(num_heads)
     if not split:  # buffer indices: the inputs, then the output
-        ch = cuda_ops.chain("metal_attn.per_token_ps0", in_dtypes, out_spec, [],
-                            [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), n_pa], n_pa)], in_shapes,
-                            commit_when_idle=idle_commit, direct_when_idle=direct_when_idle)
-        return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), None)
+        part = ChainPart("metal_attn.per_token_ps0", in_dtypes, out_spec, (),
+                         ((per_token, grid, block, (*range(n_pa), n_pa), n_pa),), in_shapes)
+        return PerTokenChainPart(part, params, fparams, zero_sinks, None)
     if fused:
         scratch_spec = split_scratch(total, num_heads, max_parts, head)
-        scratch = list(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"]))
+        scratch = tuple(zip(scratch_spec["output_shapes"], scratch_spec["output_dtypes"]))
         # Buffer indices: the per-token inputs, the counters (state), the output, the partials.
         counters, out = n_pa, n_pa + 1
-        partials = [out + 1, out + 2, out + 3]
+        partials = (out + 1, out + 2, out + 3)
         arrivals = fused_counters(total * grid[0])  # one per (row, head group)
-        ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}_fused", [*in_dtypes, mx.int32], out_spec,
-                            scratch, [(per_token, grid, (geo.threads, 1, 1), [*range(n_pa), *partials, out, counters],
-                                       n_pa)], [*in_shapes, tuple(arrivals.shape)], state=[counters],
-                            commit_when_idle=idle_commit, direct_when_idle=direct_when_idle)
-        return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), arrivals)
-    launches, scratch = chained_split_reduce((per_token, grid, (geo.threads, 1, 1)), PA_INPUTS, dn, head,
-                                             partition_size, total, num_heads, max_parts)
-    ch = cuda_ops.chain(f"metal_attn.per_token_ps{partition_size}", [*in_dtypes, mx.int32], out_spec, scratch,
-                        launches, [*in_shapes, tuple(reduce_params.shape)], commit_when_idle=idle_commit,
-                        direct_when_idle=direct_when_idle)
-    return ChainedPerTokenLaunch(ch, params, fparams, zeros_f32(num_heads), reduce_params)
+        part = ChainPart(f"metal_attn.per_token_ps{partition_size}_fused", (*in_dtypes, mx.int32), out_spec, scratch,
+                         ((per_token, grid, block, (*range(n_pa), *partials, out, counters), n_pa),),
+                         (*in_shapes, tuple(arrivals.shape)), state=(counters,))
+        return PerTokenChainPart(part, params, fparams, zero_sinks, arrivals)
+    reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks)))
+    launches, scratch = chained_split_reduce((per_token, grid, block), PA_INPUTS, dn, head, partition_size, total,
+                                             num_heads, max_parts)
+    part = ChainPart(f"metal_attn.per_token_ps{partition_size}", (*in_dtypes, mx.int32), out_spec, tuple(scratch),
+                     tuple((fn, g, b, tuple(a), r) for fn, g, b, a, r in launches),
+                     (*in_shapes, tuple(reduce_params.shape)))
+    return PerTokenChainPart(part, params, fparams, zero_sinks, reduce_params)
 
 
 def per_token_launch(
@@ -489,25 +530,21 @@ def per_token_launch(
     total, num_heads, head = q_shape
     total = rows or total
     _, block_size, num_kv_heads, _ = k_shape
-    split = partition_size > 0
-    max_parts = _max_parts(md, partition_size, rows)
-    params = pack_int32((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq, int(sliding_window or 0),
-                         max_parts, int(use_sinks)))
     if backend == "cuda" and cuda_chains_enabled():
         from metal_attn.settings import get_settings
 
-        fused = split and fused_reduce_enabled()
-        reduce_params = pack_int32((md.num_seqs, num_heads, max_parts, int(use_sinks))) if split and not fused else None
+        launch = per_token_chain_part(q_shape, dtype, k_shape, md, scale=scale, use_sinks=use_sinks,
+                                      sliding_window=sliding_window, softcap=softcap, partition_size=partition_size,
+                                      geo=geo, prefetch=prefetch, rows=rows, pool_dtype=pool_dtype)
         # Whether the chain is the whole call (rows: a mixed batch's decode rows, which its prefill work follows).
         kv_bytes = kv_bytes_read(md.seq_lens_host, sliding_window, num_kv_heads, head, (pool_dtype or dtype).size)
         idle_commit = commit_when_idle(kv_bytes, rows is None, get_settings())
-        return chained_per_token_launch(dtype, pool_dtype or dtype, total, num_heads, head, block_size, max_parts,
-                                        partition_size, geo, prefetch, params, pack_scale(scale, softcap),
-                                        reduce_params, (tuple(q_shape), tuple(k_shape), tuple(k_shape),
-                                                        tuple(md.block_tables.shape), tuple(md.seq_lens.shape),
-                                                        tuple(md.cu_seqlens_q.shape)), fused=fused,
-                                        idle_commit=idle_commit,
-                                        direct_when_idle=get_settings().cuda_idle_direct_chains if idle_commit else 0)
+        chain = launch.part.build(commit_when_idle=idle_commit,
+                                  direct_when_idle=get_settings().cuda_idle_direct_chains if idle_commit else 0)
+        return ChainedPerTokenLaunch(chain, launch)
+    split = partition_size > 0
+    max_parts = _max_parts(md, partition_size, rows)
+    params = _params(md, num_heads, num_kv_heads, sliding_window, max_parts, use_sinks)
     out = (split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     launch = kernel_launch(per_token_kernel(backend, split, geo),
@@ -516,6 +553,13 @@ def per_token_launch(
     reduce = (reduce_launch((total, num_heads, max_parts, head), mx.float32, dtype, md, use_sinks, partition_size,
                             backend) if split else None)
     return PerTokenLaunch(launch, params, pack_scale(scale, softcap), zeros_f32(num_heads), reduce)
+
+
+def _params(md: AttentionMetadata, num_heads: int, num_kv_heads: int, sliding_window: int | None, max_parts: int,
+            use_sinks: bool) -> mx.array:
+    """The per-token kernel's integer parameters for the batch ``md``."""
+    return pack_int32((md.num_seqs, num_heads, num_kv_heads, md.max_blocks_per_seq, int(sliding_window or 0),
+                       max_parts, int(use_sinks)))
 
 
 def paged_template(dtype, head_size: int, block_size: int, partition_size: int, geo: Geometry,
@@ -538,13 +582,26 @@ def run_per_token(inputs: AttentionInputs, specialization: tuple, rows: int | No
            inputs.softcap, inputs.sliding_window, inputs.sinks is not None)
     launch = md._launches.get(key)
     if launch is None:
-        backend = specialization[0]
         launch = cached_launch(md, key, lambda: per_token_launch(
-            q.shape, q.dtype, k_cache.shape, md, scale=inputs.scale, use_sinks=inputs.sinks is not None,
-            sliding_window=inputs.sliding_window, softcap=inputs.softcap, partition_size=specialization[4],
-            backend=backend, geo=plan_geometry(specialization), prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows,
-            pool_dtype=k_cache.dtype))
+            q.shape, q.dtype, k_cache.shape, md, backend=specialization[0],
+            **_plan_launch_args(inputs, specialization, rows)))
     return launch(q, k_cache, inputs.v_cache, md, inputs.sinks)
+
+
+def plan_chain_part(inputs: AttentionInputs, specialization: tuple, rows: int | None = None) -> PerTokenChainPart:
+    """A per-token plan's specialization over ``inputs`` as a `PerTokenChainPart` (CUDA chains), for a
+    host chain to run among its own launches: `run_per_token`'s launch, not built as a chain of its own."""
+    return per_token_chain_part(inputs.q.shape, inputs.q.dtype, inputs.k_cache.shape, inputs.metadata,
+                                **_plan_launch_args(inputs, specialization, rows))
+
+
+def _plan_launch_args(inputs: AttentionInputs, specialization: tuple, rows: int | None) -> dict[str, Any]:
+    """What a plan's specialization and the call's ``inputs`` give `per_token_launch` (and
+    `per_token_chain_part`) besides the shapes, the metadata and the backend."""
+    backend = specialization[0]
+    return dict(scale=inputs.scale, use_sinks=inputs.sinks is not None, sliding_window=inputs.sliding_window,
+                softcap=inputs.softcap, partition_size=specialization[4], geo=plan_geometry(specialization),
+                prefetch=PREFETCH_NEXT.get(backend, 0), rows=rows, pool_dtype=inputs.k_cache.dtype)
 
 
 def prepare_per_token(plan: Plan, device: DeviceInfo) -> None:

@@ -482,3 +482,34 @@ def test_the_tiled_chain_equals_the_mx_fast_route_bit_for_bit_and_matches_the_or
     assert not any(k.startswith("metal_attn.tiled_prefill") for k in built[False]), built
     np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"{case.label} {routes[True]}")
     assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {routes[True]} chain")
+
+
+MIXED_GATHER_CASES = [
+    dict(q_lens=[1, 1, 1, 200, 200], seq_lens=[300, 1000, 17, 600, 900], num_heads=32, num_kv_heads=8,
+         head_size=128, block_size=16, dtype="bfloat16", sinks=True, label="3 rows, two runs, sinks"),
+    dict(q_lens=[1] * 8 + [256], seq_lens=[4096] * 8 + [2048], num_heads=16, num_kv_heads=2, head_size=64,
+         block_size=32, dtype="float16", label="8 rows at 4K, one chunk, fp16"),
+]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+@pytest.mark.parametrize("route", ["per_token_ps0", "per_token_ps64"])
+@pytest.mark.parametrize("spec", MIXED_GATHER_CASES, ids=[c["label"] for c in MIXED_GATHER_CASES])
+def test_decode_rows_inside_the_gather_chain_give_the_same_bytes(spec, route, fused):
+    # METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER=1: the decode rows' launches run inside sdpa_prefill's gather chain,
+    # the same kernels, grids and parameters as their chain of their own: the same bytes, and the oracle.
+    from metal_attn.testing.overrides import rule_opened_for
+
+    case = _case(spec, seed=23)
+    outs, built = {}, {}
+    with rule_opened_for("sdpa_prefill"):
+        for on in (True, False):
+            before = dict(cuda_ops.chains_built)
+            with (override_settings(cuda_decode_rows_in_gather=on, cuda_fused_reduce=fused),
+                  forced_per_token_route(route)):
+                outs[on] = run_case(case, provider="sdpa_prefill")
+                assert diagnostics.last_dispatch().route == "sdpa_prefill_decode"
+            built[on] = {k for k, v in cuda_ops.chains_built.items() if v != before.get(k, 0)}
+    assert "metal_attn.gather_kv_decode" in built[True] and "metal_attn.gather_kv_decode" not in built[False], built
+    np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"{case.label} {route} fused={fused}")
+    assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {route} in the gather chain")
