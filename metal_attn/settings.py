@@ -267,14 +267,15 @@ class Settings(BaseSettings):
         ),
     )
 
-    cuda_decode_rows_in_gather: bool = Field(
+    cuda_decode_rows_in_chain: bool = Field(
         False,
-        validation_alias=_env("cuda_decode_rows_in_gather"),
+        validation_alias=_env("cuda_decode_rows_in_chain"),
         description=(
-            "CUDA chains, the sdpa_prefill route: a mixed batch's decode rows run inside the gather chain (the "
-            "per-token kernel and its reducer among the gathers, its output the finish's lead rows), one MLX "
-            "operation a batch fewer, the same kernels and bytes. Off by default until a GPU run shows it faster "
-            "queued (docs/bench-h200-prefill.md); 1: on (for A/B runs)."
+            "CUDA chains, mixed batches: the decode rows' per-token launches run inside the prefill route's chain "
+            "instead of a chain of their own (sdpa_prefill: its gather chain, their output the finish's lead rows; "
+            "tiled_prefill: its tiled chain, writing the output's first rows, no concatenation). The same kernels "
+            "and bytes, one or two MLX operations a batch fewer. Off by default until a GPU run shows it faster "
+            "queued (docs/cuda-ops.md); 1: on (for A/B runs)."
         ),
     )
 

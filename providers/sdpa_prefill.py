@@ -203,7 +203,7 @@ class SdpaPrefillProvider(Provider):
             decode_spec, partition, note = gc.decode_rows_part(request, device, settings)
             notes.append(note)
             if device.backend == "cuda":
-                notes.append(decode_rows_in_gather_note(settings, decode_spec.side_stream))
+                notes.append(gc.decode_rows_in_chain_note(settings, decode_spec.side_stream, "gather chain"))
         return Plan(
             provider=self.name,
             route=SPLIT_ROUTE if decode_spec else ROUTE,
@@ -289,25 +289,6 @@ class SdpaPrefillProvider(Provider):
         return [*gathers, *finishes, first]
 
 
-def decode_rows_in_gather(backend: str | None, spec: gc.DecodeRowsSpec) -> bool:
-    """Whether a mixed batch's decode rows run inside the gather chain: CUDA chains, the rows on the
-    default stream and ``cuda_decode_rows_in_gather`` on (the batch must be chained too: `run_launches`)."""
-    from metal_attn.settings import get_settings
-
-    return (backend == "cuda" and not spec.side_stream and get_settings().cuda_decode_rows_in_gather
-            and gc.cuda_chains_enabled())
-
-
-def decode_rows_in_gather_note(settings: Settings, side_stream: bool) -> str:
-    """``explain``'s line on where a mixed batch's decode rows run on CUDA chains."""
-    if side_stream:
-        return "decode rows: a chain of their own on the second stream (not inside the gather chain)"
-    if settings.cuda_decode_rows_in_gather:
-        return ("decode rows: inside the gather chain where the batch is chained "
-                "(METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER=1; one MLX operation fewer)")
-    return "decode rows: a chain of their own beside the gather chain (METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER=0)"
-
-
 def _runs(md: AttentionMetadata, first_seq: int) -> list[tuple[int, int, int, int]]:
     """Consecutive sequences with equal ``(q_len, seq_len)``: ``(first_seq, count, q_len, seq_len)``."""
     runs: list[tuple[int, int, int, int]] = []
@@ -361,7 +342,7 @@ class ChainedRuns:
     its ``first_flagged`` (the flags are scratch), ``finish`` each run's ``sdpa_finish`` into one
     output, the lead rows in front (each launch's ``out_row0`` says where its rows go). So a batch
     of any number of runs is two of our operations, plus one fused SDPA call per run. With
-    ``decode`` (``cuda_decode_rows_in_gather``) the gather chain also runs a mixed batch's decode
+    ``decode`` (``cuda_decode_rows_in_chain``) the gather chain also runs a mixed batch's decode
     rows, whose output is the finish's lead rows: one operation fewer."""
 
     gather: gc.ChainLaunch
@@ -564,7 +545,7 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     decode rows) goes in front of the first output: its ``sdpa_finish`` writes it, so no
     concatenation is needed. ``decode_rows`` instead (a mixed batch's decode-rows sub-plan, its rows
     the first ``first_seq`` sequences): the lead rows are computed here, inside the gather chain where
-    `decode_rows_in_gather` says so and the batch is chained, else by `gc.run_decode_rows`.
+    `gc.decode_rows_in_chain` says so and the batch is chained, else by `gc.run_decode_rows`.
 
     On a GPU ``backend`` the pages go through the ``gather_kv`` kernel (one pass: the copy, V's
     non-finite elements zeroed, the flags of the NaN contract), and the contract is applied in one
@@ -590,7 +571,7 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
            lead_rows, decode_key)
     plan = md._launches.get(key)
     if plan is None:
-        in_gather = decode_rows is not None and decode_rows_in_gather(backend, decode_rows)
+        in_gather = decode_rows is not None and gc.decode_rows_in_chain(backend, decode_rows)
         plan = gc.cached_launch(md, key, lambda: run_launches(
             md, first_seq, q.shape, kc.shape, q.dtype, kc.dtype, lead_rows, backend if gpu else None,
             (lambda: gc.plan_chain_part(inputs, decode_rows.per_token, rows=lead_rows)) if in_gather else None))

@@ -15,7 +15,7 @@ from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 from metal_attn.providers import gpu_common as gc
 
-from metal_attn import cuda_ops
+from metal_attn import cuda_ops, diagnostics
 from metal_attn.metadata import AttentionMetadata
 from metal_attn.settings import Settings, override_settings
 from metal_attn.testing.fake_cuda import fake_chains as fake_cuda_chains
@@ -537,9 +537,9 @@ def test_tiled_chains_follow_their_setting(on):
     assert out.shape == q_shape
 
 
-def _mixed_calls(in_gather: bool, route: str, fused: bool):
+def _mixed_calls(in_chain: bool, route: str, fused: bool, provider: str = "sdpa_prefill"):
     """A mixed batch (three decode rows, then chunks of 200 rows after 600 and 900 tokens: two runs) through
-    ``sdpa_prefill`` twice on faked CUDA and chains: the second call's chain calls, ``{chain name: (chain, its
+    ``provider`` twice on faked CUDA and chains: the second call's chain calls, ``{chain name: (chain, its
     inputs)}``, the spec of a kernel function by its handle, and the call's query, pool and metadata."""
     import metal_attn as ma
     from metal_attn.testing.overrides import forced_per_token_route
@@ -551,11 +551,12 @@ def _mixed_calls(in_gather: bool, route: str, fused: bool):
     q, pool = mx.zeros((403, 8, 128), mx.bfloat16), mx.zeros((5 * width, 16, 2, 128), mx.bfloat16)
     sinks = mx.zeros((8,), mx.float32)
     with (fake_cuda_chains() as fake, fake_cuda(sdpa="zeros"),
-          override_settings(cuda_decode_rows_in_gather=in_gather, cuda_fused_reduce=fused),
+          override_settings(cuda_decode_rows_in_chain=in_chain, cuda_fused_reduce=fused),
           forced_per_token_route(route)):
         for _ in range(2):
             before = {id(c): len(c.calls) for c in fake.chains}
-            out = ma.paged_attention(q, pool, pool, metadata=md, scale=0.1, sinks=sinks, provider="sdpa_prefill")
+            out = ma.paged_attention(q, pool, pool, metadata=md, scale=0.1, sinks=sinks, provider=provider)
+        assert diagnostics.last_dispatch().route.endswith("_decode")  # the decode rows split off
         assert out.shape == (403, 8, 128)
         calls = [(c, call) for c in fake.chains for call in c.calls[before.get(id(c), 0):]]
         assert len({c.name for c, _ in calls}) == len(calls)  # each chain called once
@@ -566,7 +567,7 @@ def _mixed_calls(in_gather: bool, route: str, fused: bool):
 @pytest.mark.parametrize(("route", "fused"), [("per_token_ps0", False), ("per_token_ps64", False),
                                               ("per_token_ps64", True)])
 def test_a_mixed_batch_s_decode_rows_run_inside_the_gather_chain_when_asked(route, fused):
-    # METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER=1: the decode rows' per-token launches (and reducer) become the
+    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: the decode rows' per-token launches (and reducer) become the
     # gather chain's first launches, the same functions, grids and parameters as their chain of its own, its
     # buffers mapped into the gather chain's; the finish takes their output as its lead rows. Two chain
     # calls a batch instead of three.
@@ -610,13 +611,51 @@ def test_a_mixed_batch_s_decode_rows_run_inside_the_gather_chain_when_asked(rout
     assert finish_in[lead_at] is gather._zeros[-1] and finish_off_in[lead_at] is alone._zeros[0]
 
 
-def test_decode_rows_in_the_gather_chain_say_so_in_explain():
+@pytest.mark.parametrize(("route", "fused"), [("per_token_ps0", False), ("per_token_ps64", False),
+                                              ("per_token_ps64", True)])
+def test_a_mixed_batch_s_decode_rows_run_inside_the_tiled_chain_when_asked(route, fused):
+    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1 on the tiles' mixed route: the decode rows' launches run first in
+    # the tiled chain, into its output's first rows (which the tiles leave unwritten): one chain call a batch,
+    # no concatenation, the same launches as the two chains.
+    from metal_attn.providers import tiled_prefill as tp
+
+    assert gc.PA_INPUTS[:tp.DECODE_SHARED] == tp.KERNEL_INPUTS[:tp.DECODE_SHARED]
+    off, spec_off, _ = _mixed_calls(False, route, fused, "tiled_prefill")
+    on, spec_on, (q, pool, md) = _mixed_calls(True, route, fused, "tiled_prefill")
+    per_token = next(name for name in off if name.startswith("metal_attn.per_token_ps"))
+    assert sorted(off) == sorted(["metal_attn.tiled_prefill", per_token])
+    assert list(on) == ["metal_attn.tiled_prefill_decode"]
+    (alone, alone_in), (plain, plain_in) = off[per_token], off["metal_attn.tiled_prefill"]
+    chain, chain_in = on["metal_attn.tiled_prefill_decode"]
+    shared, n_plain = tp.DECODE_SHARED, len(plain_in)
+    assert len(chain_in) == n_plain + len(alone_in) - shared
+    assert all(a is b for a, b in zip(chain_in[:shared], (q, pool, pool, md.block_tables, md.seq_lens,
+                                                          md.cu_seqlens_q)))
+    for got, want in [*zip(chain_in[shared:n_plain], plain_in[shared:]), *zip(chain_in[n_plain:], alone_in[shared:])]:
+        assert got.dtype == want.dtype and np.array_equal(np.array(got), np.array(want))
+    assert chain.input_dtypes == [*plain.input_dtypes, *alone.input_dtypes[shared:]]
+    assert chain.input_shapes == [*plain.input_shapes, *alone.input_shapes[shared:]]
+    n_in = len(chain_in)
+    where = [*range(shared), *range(n_plain, n_in), n_in, *range(n_in + 1, n_in + 1 + len(alone.scratch))]
+    *decode_launches, (fn, g, b, args, reads) = chain.launches
+    assert len(decode_launches) == len(alone.launches)
+    for (fn1, g1, b1, args1, reads1), (fn0, g0, b0, args0, reads0) in zip(decode_launches, alone.launches):
+        assert (spec_on(fn1), g1, b1, reads1) == (spec_off(fn0), g0, b0, reads0) and args1 == [where[a] for a in args0]
+    ((fn0, g0, b0, args0, reads0),) = plain.launches
+    assert (spec_on(fn), g, b, reads) == (spec_off(fn0), g0, b0, reads0)
+    assert args == [*range(n_plain), n_in] and args0 == [*range(n_plain), n_plain]  # one output, both write it
+    assert chain.outputs == plain.outputs and [tuple(s) for s, _ in chain.outputs] == [(403, 8, 128)]
+    assert chain.scratch == alone.scratch and chain.state == [where[i] for i in alone.state]
+
+
+@pytest.mark.parametrize(("provider", "chain"), [("sdpa_prefill", "gather chain"), ("tiled_prefill", "tiled chain")])
+def test_decode_rows_in_the_route_s_chain_say_so_in_explain(provider, chain):
     from metal_attn.api import explain
 
     fields = dict(q_lens=[1] * 8 + [512], seq_lens=[1024] * 8 + [2048], num_heads=32, num_kv_heads=8, head_size=128,
                   dtype="bfloat16", block_size=16)
     for on in (False, True):
-        with override_settings(cuda_decode_rows_in_gather=on):
-            row = next(r for r in explain(device="h200", **fields).rows if r.name == "sdpa_prefill")
-        note = next(n for n in row.plan.notes if n.startswith("decode rows: ") and "gather chain" in n)
-        assert f"METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER={int(on)}" in note
+        with override_settings(cuda_decode_rows_in_chain=on):
+            row = next(r for r in explain(device="h200", **fields).rows if r.name == provider)
+        note = next(n for n in row.plan.notes if n.startswith("decode rows: ") and chain in n)
+        assert note.endswith(f"(METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN={int(on)})"), note

@@ -73,7 +73,7 @@ def test_the_profiler_driver_runs_our_side_on_any_backend(tmp_path):
 
 #: Every phase of session.sh, in its order (the dry-run test checks the script lists no other).
 DRY_RUN_PHASES = ("tests", "decode", "prefill", "streams", "stalls", "finish", "idle", "direct", "wait", "staged",
-                  "engine", "baseline", "queued", "tiles", "gathered", "fuzz", "ncu", "partition", "kernels")
+                  "engine", "baseline", "queued", "tiles", "inchain", "fuzz", "ncu", "partition", "kernels")
 
 
 def _dry_run(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:

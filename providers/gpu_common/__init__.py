@@ -27,7 +27,8 @@ concept, and all of them are re-exported here:
 - `decode_rows`: the decode-rows sub-plan of a mixed batch (its decode rows through the per-token
   kernel, its prefill rows through the provider's own kernel): `mixed_split`, `decode_request`,
   `plan_decode_rows`, `decode_rows_part`, `decode_rows_reasons`, `tiles_decode_part`, `prepare_decode_rows`,
-  `run_decode_rows`; `DECODE_ROWS_PROVIDER` names the provider whose kernel they use;
+  `run_decode_rows`, `decode_rows_in_chain` (the rows inside the prefill route's chain) and its
+  `decode_rows_in_chain_note`; `DECODE_ROWS_PROVIDER` names the provider whose kernel they use;
   `DECODE_ROWS_STREAM_RULES` and `decode_rows_stream` whether the rows run on a second GPU stream
   (`side_stream`), overlapping the chunks.
 
@@ -45,6 +46,8 @@ from metal_attn.providers.gpu_common.decode_rows import (
     DecodeRowsSpec,
     StreamRule,
     decode_request,
+    decode_rows_in_chain,
+    decode_rows_in_chain_note,
     decode_rows_part,
     decode_rows_reasons,
     decode_rows_stream,
@@ -202,6 +205,8 @@ __all__ = [
     "cuda_chains_enabled",
     "decode_request",
     "decode_rows",
+    "decode_rows_in_chain",
+    "decode_rows_in_chain_note",
     "decode_rows_part",
     "decode_rows_reasons",
     "decode_rows_stream",

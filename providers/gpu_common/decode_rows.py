@@ -2,7 +2,8 @@
 kernel, the prefill rows through the provider's own kernel. `mixed_split` decides it for the tiled
 kernels (by `MIXED_DECODE_MIN_CONTEXT`); a provider keeps the sub-plan's specialization in its own
 plan (`decode_rows_part`, `tiles_decode_part`) and runs it with `run_decode_rows`, on a second
-stream of the GPU where `DECODE_ROWS_STREAM_RULES` (or ``METAL_ATTN_DECODE_ROWS_STREAM``) says so."""
+stream of the GPU where `DECODE_ROWS_STREAM_RULES` (or ``METAL_ATTN_DECODE_ROWS_STREAM``) says so, or
+inside its own CUDA chain where `decode_rows_in_chain` says so (``METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
+from metal_attn.providers.gpu_common.launches import cuda_chains_enabled
 from metal_attn.providers.gpu_common.per_token import plan_per_token, prepare_per_token, run_per_token
 
 from metal_attn.constants import KERNEL_BLOCK_SIZES, MIXED_DECODE_MIN_CONTEXT
@@ -177,6 +179,27 @@ def tiles_decode_part(request: AttentionRequest, backend: str, device: DeviceInf
 def prepare_decode_rows(spec: DecodeRowsSpec, device: DeviceInfo) -> None:
     """Compile the decode rows' specialization (from `decode_rows_part`) now; `KernelCompileError` on failure."""
     prepare_per_token(Plan(DECODE_ROWS_PROVIDER, "decode rows", specialization=spec.per_token), device)
+
+
+def decode_rows_in_chain(backend: str | None, spec: DecodeRowsSpec) -> bool:
+    """Whether a mixed batch's decode rows may run inside its prefill route's CUDA chain (`plan_chain_part`)
+    instead of a chain of their own: CUDA chains, the rows on the default stream, ``cuda_decode_rows_in_chain``
+    on. The route decides the rest (whether its own launches are a chain)."""
+    from metal_attn.settings import get_settings
+
+    return (backend == "cuda" and not spec.side_stream and get_settings().cuda_decode_rows_in_chain
+            and cuda_chains_enabled())
+
+
+def decode_rows_in_chain_note(settings: Settings, side_stream: bool, chain: str) -> str:
+    """``explain``'s line on where a mixed batch's decode rows run on CUDA chains (``chain``: the prefill
+    route's chain that takes them)."""
+    if side_stream:
+        return f"decode rows: a chain of their own on the second stream (not inside the {chain})"
+    if settings.cuda_decode_rows_in_chain:
+        return (f"decode rows: inside the {chain} where the route chains its launches "
+                "(METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1)")
+    return f"decode rows: a chain of their own beside the {chain} (METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=0)"
 
 
 def run_decode_rows(inputs: AttentionInputs, spec: DecodeRowsSpec) -> mx.array:

@@ -492,24 +492,27 @@ MIXED_GATHER_CASES = [
 ]
 
 
+@pytest.mark.parametrize("provider", ["sdpa_prefill", "tiled_prefill"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
 @pytest.mark.parametrize("route", ["per_token_ps0", "per_token_ps64"])
 @pytest.mark.parametrize("spec", MIXED_GATHER_CASES, ids=[c["label"] for c in MIXED_GATHER_CASES])
-def test_decode_rows_inside_the_gather_chain_give_the_same_bytes(spec, route, fused):
-    # METAL_ATTN_CUDA_DECODE_ROWS_IN_GATHER=1: the decode rows' launches run inside sdpa_prefill's gather chain,
-    # the same kernels, grids and parameters as their chain of their own: the same bytes, and the oracle.
+def test_decode_rows_inside_the_route_s_chain_give_the_same_bytes(spec, route, fused, provider):
+    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: a mixed batch's decode rows run inside sdpa_prefill's gather chain,
+    # or first in tiled_prefill's chain (into the output's first rows), the same kernels, grids and parameters as
+    # their chain of their own: the same bytes, and the oracle.
     from metal_attn.testing.overrides import rule_opened_for
 
     case = _case(spec, seed=23)
+    folded = {"sdpa_prefill": "metal_attn.gather_kv_decode", "tiled_prefill": "metal_attn.tiled_prefill_decode"}
     outs, built = {}, {}
-    with rule_opened_for("sdpa_prefill"):
+    with rule_opened_for(provider):
         for on in (True, False):
             before = dict(cuda_ops.chains_built)
-            with (override_settings(cuda_decode_rows_in_gather=on, cuda_fused_reduce=fused),
+            with (override_settings(cuda_decode_rows_in_chain=on, cuda_fused_reduce=fused),
                   forced_per_token_route(route)):
-                outs[on] = run_case(case, provider="sdpa_prefill")
-                assert diagnostics.last_dispatch().route == "sdpa_prefill_decode"
+                outs[on] = run_case(case, provider=provider)
+                assert diagnostics.last_dispatch().route.endswith("_decode")  # the decode rows split off
             built[on] = {k for k, v in cuda_ops.chains_built.items() if v != before.get(k, 0)}
-    assert "metal_attn.gather_kv_decode" in built[True] and "metal_attn.gather_kv_decode" not in built[False], built
+    assert folded[provider] in built[True] and folded[provider] not in built[False], built
     np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"{case.label} {route} fused={fused}")
-    assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {route} in the gather chain")
+    assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {route} {provider} chain")
