@@ -404,9 +404,9 @@ class PerTokenLaunch:
 class PerTokenChainPart:
     """A per-token launch on CUDA chains as a `ChainPart` (the kernel and, when split, the reducer, the
     partials its scratch) with the arrays it takes besides the call's: a chain of its own
-    (`ChainedPerTokenLaunch`) or a piece of another (a mixed batch's decode rows inside ``sdpa_prefill``'s
-    gather chain). The part's inputs are `PA_INPUTS`, then ``extra`` when there is one; its one output
-    is the attention output."""
+    (`ChainedPerTokenLaunch`) or a piece of another (a mixed batch's decode rows inside its prefill route's
+    chain, ``cuda_decode_rows_in_chain``). The part's inputs are `PA_INPUTS`, then ``extra`` when there is
+    one; its one output is the attention output."""
 
     part: ChainPart
     params: mx.array
