@@ -76,14 +76,9 @@ def test_the_cases_take_the_chained_route_unless_told_not_to():
         assert (b.launches, b.chain_calls, b.sdpa_calls) == (0, 1, 0)
     with bound_case(mixed) as b:
         assert (b.launches, b.chain_calls, b.sdpa_calls) == (0, 3, 2)  # and MLX's SDPA once a run of chunks
-    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: the decode rows inside the gather chain, one chain call fewer
-    with bound_case(by_label["mixed 32x1@1024 + 256@1024 + 256@2048 (decode rows in the gather chain)"]) as b:
+    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: the decode rows inside the finish chain, one chain call fewer
+    with bound_case(by_label["mixed 32x1@1024 + 256@1024 + 256@2048 (decode rows in the finish chain)"]) as b:
         assert (b.provider, b.launches, b.chain_calls, b.sdpa_calls) == ("sdpa_prefill", 0, 2, 2)
-    # A short chunk stays on the tiles: the decode rows' chain and the tiled chain, or the tiled chain alone.
-    with bound_case(by_label["mixed 32x1@1024 + 64@2112"]) as b:
-        assert (b.provider, b.route, b.launches, b.chain_calls) == ("tiled_prefill", "mixed_prefill_decode", 0, 2)
-    with bound_case(by_label["mixed 32x1@1024 + 64@2112 (decode rows in the tiled chain)"]) as b:
-        assert (b.provider, b.route, b.launches, b.chain_calls) == ("tiled_prefill", "mixed_prefill_decode", 0, 1)
     with bound_case(by_label["chunk 64@2112"]) as b:  # below the route's pairs bound: the split tiles' one chain
         assert (b.provider, b.launches, b.chain_calls, b.sdpa_calls) == ("tiled_prefill", 0, 1, 0)
     with bound_case(by_label["chunk 64@2112 (sdpa_prefill rule opened)"]) as b:  # the gathers, cuDNN, the finishes

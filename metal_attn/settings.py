@@ -271,10 +271,9 @@ class Settings(BaseSettings):
         False,
         validation_alias=_env("cuda_decode_rows_in_chain"),
         description=(
-            "CUDA chains, mixed batches: the decode rows' per-token launches run inside the prefill route's chain "
-            "instead of a chain of their own (sdpa_prefill: its gather chain, their output the finish's lead rows; "
-            "tiled_prefill: its tiled chain, writing the output's first rows, no concatenation). The same kernels "
-            "and bytes, one or two MLX operations a batch fewer. Off by default until a GPU run shows it faster "
+            "CUDA chains, the sdpa_prefill route: a mixed batch's decode rows run inside the finish chain, straight "
+            "into the output's first rows, instead of a chain of their own whose output the finish copies in. The "
+            "same kernels and bytes, one MLX operation a batch fewer. Off by default until a GPU run shows it faster "
             "queued (docs/cuda-ops.md); 1: on (for A/B runs)."
         ),
     )

@@ -203,7 +203,7 @@ class SdpaPrefillProvider(Provider):
             decode_spec, partition, note = gc.decode_rows_part(request, device, settings)
             notes.append(note)
             if device.backend == "cuda":
-                notes.append(gc.decode_rows_in_chain_note(settings, decode_spec.side_stream, "gather chain"))
+                notes.append(gc.decode_rows_in_chain_note(settings, decode_spec.side_stream, "finish chain"))
         return Plan(
             provider=self.name,
             route=SPLIT_ROUTE if decode_spec else ROUTE,
@@ -342,32 +342,29 @@ class ChainedRuns:
     its ``first_flagged`` (the flags are scratch), ``finish`` each run's ``sdpa_finish`` into one
     output, the lead rows in front (each launch's ``out_row0`` says where its rows go). So a batch
     of any number of runs is two of our operations, plus one fused SDPA call per run. With
-    ``decode`` (``cuda_decode_rows_in_chain``) the gather chain also runs a mixed batch's decode
-    rows, whose output is the finish's lead rows: one operation fewer."""
+    ``decode`` (``cuda_decode_rows_in_chain``) the finish chain also runs a mixed batch's decode
+    rows, straight into the output's first rows: one operation and one copy fewer."""
 
     gather: gc.ChainLaunch
     finish: gc.ChainLaunch
     #: The gather chain's inputs after the pools and the table: each run's gather and
     #: first_flagged parameters.
     gather_params: tuple[Any, ...]
-    #: The decode rows' per-token launches inside the gather chain (their inputs follow
-    #: ``gather_params``, less the pools and the table; their output is the chain's last), or ``None``.
+    #: The decode rows' per-token launches inside the finish chain (their inputs follow the lead rows'
+    #: place), or ``None`` (the caller gives the lead rows).
     decode: gc.PerTokenChainPart | None = None
 
-    def gather_flagged(self, k_cache: Any, v_cache: Any, block_tables: Any,
-                       decode_inputs: list[Any] | None = None) -> tuple[list[tuple[Any, Any, Any]], Any]:
-        """Each run's contiguous K and V and first flagged positions, in one operation, and the decode
-        rows (``None`` without `decode`) from ``decode_inputs`` (`PerTokenChainPart.inputs`' list)."""
-        tail = [] if self.decode is None else [decode_inputs[0], *decode_inputs[4:]]  # the pools and table are ours
-        out = self.gather([k_cache, v_cache, block_tables, *self.gather_params, *tail])
-        lead = out.pop() if self.decode is not None else None
-        return [tuple(out[i:i + 3]) for i in range(0, len(out), 3)], lead
+    def gather_flagged(self, k_cache: Any, v_cache: Any, block_tables: Any) -> list[tuple[Any, Any, Any]]:
+        """Each run's contiguous K and V and first flagged positions, in one operation."""
+        out = self.gather([k_cache, v_cache, block_tables, *self.gather_params])
+        return [tuple(out[i:i + 3]) for i in range(0, len(out), 3)]
 
     def finish_rows(self, runs: tuple[RunLaunch, ...], outs: list[Any], q_rows: list[Any], firsts: list[Any],
-                    lead: Any) -> Any:
-        """The batch's output: the lead rows, then each run's rows under the NaN contract."""
+                    lead: Any, decode_inputs: list[Any] | None = None) -> Any:
+        """The batch's output: the lead rows (``lead``, or with `decode` the rows computed from
+        ``decode_inputs``, `PerTokenChainPart.inputs`' list), then each run's rows under the NaN contract."""
         per_run = [a for i, r in enumerate(runs) for a in (outs[i], q_rows[i], firsts[i], r.finish_params)]
-        return self.finish([*per_run, lead])[0]
+        return self.finish([*per_run, lead, *(decode_inputs or ())])[0]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -385,7 +382,7 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
     query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` in ``cache_dtype`` and ``lead_rows``
     lead rows; with a GPU ``backend`` each carries its kernels' parameters and launches (on CUDA
     with chains, where every run has pages to read and the lead rows fit the first launch, the batch's
-    two chains instead, the gather chain running the lead rows' launches ``decode()`` where given).
+    two chains instead, the finish chain running the lead rows' launches ``decode()`` where given).
     Built once per metadata (`gc.cached_launch`), so the layers of a step share it."""
     import mlx.core as mx
 
@@ -410,14 +407,16 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
     chained = (backend == "cuda" and gc.cuda_chains_enabled() and bool(runs) and (lead_fits or not lead_rows)
                and not any(r.table_short for r in runs))
     in_place = chained and len(runs) == 1 and not lead_rows and get_settings().cuda_finish_in_place
+    # With the lead rows' launches in the finish chain, they write the output's first rows themselves.
+    decode_in_chain = chained and decode is not None
     out: list[RunLaunch] = []
     for i, run in enumerate(runs):
         if run.table_short:
             out.append(run)
             continue
-        lead = lead_rows if i == 0 and lead_fits else 0
+        lead = lead_rows if i == 0 and lead_fits and not decode_in_chain else 0
         # With chains every run's finish writes the batch's one output, the lead rows in front.
-        out_row0 = (lead_rows + run.row0 - base) if chained and i else 0
+        out_row0 = (lead_rows + run.row0 - base) if chained and (i or decode_in_chain) else 0
         per, finish_threads = finish_launch((lead + run.rows) * num_heads)
         run = dataclasses.replace(
             run, takes_lead=lead > 0,
@@ -449,7 +448,7 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
     if not chained:
         return RunPlan(runs_t)
     return RunPlan(runs_t, chained_runs(runs_t, kvh, head, lead_rows, num_heads, dtype, cache_dtype, in_place,
-                                        decode() if decode is not None else None))
+                                        decode() if decode_in_chain else None))
 
 
 def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_rows: int, num_heads: int,
@@ -458,8 +457,10 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     """The batch's `ChainedRuns` for ``runs`` (the first takes the ``lead_rows``). ``in_place`` (one
     run, no lead rows, its finish parameters saying so): the finish chain's output starts as the fused
     kernel's output, in that output's buffer where MLX allows it, and ``sdpa_finish`` writes only the
-    NaN rows. ``decode``: the lead rows' launches, run by the gather chain before its own; they share
-    no buffer with the gathers, so MLX's CUDA graph runs them side by side as it ran the two chains."""
+    NaN rows. ``decode``: the lead rows' launches, run by the finish chain before its own, into the
+    output's first rows (the runs' finish parameters then place every run after them and copy no lead
+    rows). They read no buffer the gathers or MLX's SDPA write, so MLX's CUDA graph runs them beside
+    those, as it ran their chain of their own; the finishes, writing the same output, come after them."""
     import mlx.core as mx
 
     from metal_attn import cuda_ops
@@ -472,48 +473,44 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     first_fn = cuda_ops.kernel_function("first_flagged", FINISH_FILES, None, FIRST_SIGNATURE[0], FIRST_SIGNATURE[1],
                                         [("THREADS", FIRST_THREADS)])
     # Gather chain buffers: inputs k_cache 0, v_cache 1, block_tables 2, then run i's gather and
-    # first params at 3 + 2i, 4 + 2i, then the decode part's inputs but its pools and table; outputs:
-    # run i's K, V, first at o + 3i .., then the decode rows; scratch: run i's flags at f + i, then the
-    # decode part's.
-    in_dtypes = [cache_dtype, cache_dtype, mx.int32, *[mx.int32] * (2 * count)]
-    part = decode.part if decode is not None else None
-    if part is not None:
-        base = len(in_dtypes)
-        # Where the part's inputs are: the query, the pools and the table (ours: 0, 1, 2), then the rest.
-        at = [base, 0, 1, 2, *range(base + 1, base + len(part.input_dtypes) - 3)]
-        in_dtypes += [part.input_dtypes[0], *part.input_dtypes[4:]]
-    o = len(in_dtypes)
-    f = o + 3 * count + (part is not None)
-    launches, state = [], []
-    if part is not None:
-        launches += part.launches_at(at, [o + 3 * count], range(f + count, f + count + len(part.scratch)))
-        state = [at[i] for i in part.state]
-    outputs, scratch = [], []
+    # first params at 3 + 2i, 4 + 2i; outputs: run i's K, V, first at o + 3i ..; scratch: run i's
+    # flags at o + 3 * count + i.
+    o = 3 + 2 * count
+    outputs, scratch, launches = [], [], []
     for i, r in enumerate(runs):
         kv = ((r.n, kv_heads, r.seq_len, head), cache_dtype)
         outputs += [kv, kv, ((r.n * kv_heads,), mx.int32)]
         scratch.append(((r.n, kv_heads, r.seq_len), mx.int32))
-        k, v, first, bad = o + 3 * i, o + 3 * i + 1, o + 3 * i + 2, f + i
+        k, v, first, bad = o + 3 * i, o + 3 * i + 1, o + 3 * i + 2, o + 3 * count + i
         launches += [
             (gather_fn, cuda_ops.threadgroups((r.n * r.seq_len * kv_heads * SIMD_WIDTH, 1, 1), (GATHER_THREADS, 1, 1)),
              (GATHER_THREADS, 1, 1), [0, 1, 2, 3 + 2 * i, k, v, bad], 4),
             (first_fn, (r.n * kv_heads, 1, 1), (FIRST_THREADS, 1, 1), [bad, 4 + 2 * i, first], 2)]
-    if part is not None:
-        outputs += part.outputs
-        scratch += part.scratch
-    gather = cuda_ops.chain("metal_attn.gather_kv" + ("_decode" if part is not None else ""), in_dtypes, outputs,
-                            scratch, launches, state=state)
+    gather = cuda_ops.chain("metal_attn.gather_kv", [cache_dtype, cache_dtype, mx.int32, *[mx.int32] * (2 * count)],
+                            outputs, scratch, launches)
     # Finish chain buffers: run i's o, q rows, first, params at 4i .. 4i + 3; the lead rows at
-    # 4 * count; the output after them.
+    # 4 * count; then the decode part's inputs; the output after them; then the decode part's scratch.
     f_in, f_out = finish_signature(dn)
     fin = cuda_ops.kernel_function("sdpa_finish", FINISH_FILES, None, f_in, f_out, finish_template(dn, head))
-    lead_at, out_at = 4 * count, 4 * count + 1
+    lead_at = 4 * count
+    in_dtypes = [*[dtype, dtype, mx.int32, mx.int32] * count, dtype]
+    part = decode.part if decode is not None else None
+    at = range(len(in_dtypes), len(in_dtypes) + len(part.input_dtypes)) if part is not None else range(0)
+    in_dtypes += part.input_dtypes if part is not None else ()
+    out_at = len(in_dtypes)
+    finishes, state, decode_scratch = [], [], ()
+    if part is not None:  # first: the finishes then write after them (MLX orders two writers of one buffer)
+        decode_scratch = part.scratch
+        finishes += part.launches_at(at, [out_at], range(out_at + 1, out_at + 1 + len(decode_scratch)))
+        state = [at[i] for i in part.state]
     total = lead_rows + sum(r.rows for r in runs)
-    finishes = [(fin, cuda_ops.threadgroups((r.finish_threads, 1, 1), (FINISH_THREADS, 1, 1)), (FINISH_THREADS, 1, 1),
-                 [out_at if in_place else 4 * i, 4 * i + 1, 4 * i + 2, lead_at, 4 * i + 3, out_at], 5)
-                for i, r in enumerate(runs)]
-    finish = cuda_ops.chain("metal_attn.sdpa_finish", [*[dtype, dtype, mx.int32, mx.int32] * count, dtype],
-                            [((total, num_heads, head), dtype)], [], finishes, initial=[(0, 0)] if in_place else ())
+    finishes += [(fin, cuda_ops.threadgroups((r.finish_threads, 1, 1), (FINISH_THREADS, 1, 1)),
+                  (FINISH_THREADS, 1, 1),
+                  [out_at if in_place else 4 * i, 4 * i + 1, 4 * i + 2, lead_at, 4 * i + 3, out_at], 5)
+                 for i, r in enumerate(runs)]
+    finish = cuda_ops.chain("metal_attn.sdpa_finish" + ("_decode" if decode is not None else ""), in_dtypes,
+                            [((total, num_heads, head), dtype)], decode_scratch, finishes, state=state,
+                            initial=[(0, 0)] if in_place else ())
     return ChainedRuns(gc.ChainLaunch(gather), gc.ChainLaunch(finish),
                        tuple(p for r in runs for p in (r.gather_params, r.first_params)), decode)
 
@@ -544,7 +541,7 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     CUDA with chains one array for the whole batch. ``lead`` (``[lead_rows, H, D]``, a mixed batch's
     decode rows) goes in front of the first output: its ``sdpa_finish`` writes it, so no
     concatenation is needed. ``decode_rows`` instead (a mixed batch's decode-rows sub-plan, its rows
-    the first ``first_seq`` sequences): the lead rows are computed here, inside the gather chain where
+    the first ``first_seq`` sequences): the lead rows are computed here, inside the finish chain where
     `gc.decode_rows_in_chain` says so and the batch is chained, else by `gc.run_decode_rows`.
 
     On a GPU ``backend`` the pages go through the ``gather_kv`` kernel (one pass: the copy, V's
@@ -563,7 +560,7 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     sinks = sinks_for_mlx(inputs.sinks, q.dtype) if inputs.sinks is not None else None
     gpu = backend in ("cuda", "metal")
     lead_rows = first_seq if decode_rows is not None else (0 if lead is None else lead.shape[0])
-    # What decode rows inside the gather chain depend on besides the batch and the shapes: their plan and the
+    # What decode rows inside the finish chain depend on besides the batch and the shapes: their plan and the
     # call's scalars (whether they go there is the settings', which the epoch follows).
     decode_key = ((decode_rows.per_token, inputs.scale, inputs.softcap, inputs.sliding_window,
                    inputs.sinks is not None) if decode_rows is not None else None)
@@ -571,10 +568,10 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
            lead_rows, decode_key)
     plan = md._launches.get(key)
     if plan is None:
-        in_gather = decode_rows is not None and gc.decode_rows_in_chain(backend, decode_rows)
+        in_chain = decode_rows is not None and gc.decode_rows_in_chain(backend, decode_rows)
         plan = gc.cached_launch(md, key, lambda: run_launches(
             md, first_seq, q.shape, kc.shape, q.dtype, kc.dtype, lead_rows, backend if gpu else None,
-            (lambda: gc.plan_chain_part(inputs, decode_rows.per_token, rows=lead_rows)) if in_gather else None))
+            (lambda: gc.plan_chain_part(inputs, decode_rows.per_token, rows=lead_rows)) if in_chain else None))
     runs, chained = plan.runs, plan.chained
     if decode_rows is not None and (chained is None or chained.decode is None):
         lead = gc.run_decode_rows(inputs, decode_rows)
@@ -591,13 +588,12 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     # contract), whatever the fused kernel's arithmetic does with it (an infinite query can give
     # -inf scores everywhere: a silent 0).
     if chained is not None:
-        decode_inputs = None if chained.decode is None else chained.decode.inputs(q, kc, vc, md, inputs.sinks)
-        gathered, decoded = chained.gather_flagged(kc, vc, md.block_tables, decode_inputs)
-        lead = decoded if decoded is not None else lead
+        gathered = chained.gather_flagged(kc, vc, md.block_tables)
         q_rows = [q[r.row0:r.row0 + r.rows] for r in runs]
         outs = [fused(r, qr, k, v) for r, qr, (k, v, _) in zip(runs, q_rows, gathered)]
         ahead = lead if lead is not None else gc.placeholder(q.dtype)
-        return [chained.finish_rows(runs, outs, q_rows, [f for _, _, f in gathered], ahead)]
+        decode_inputs = None if chained.decode is None else chained.decode.inputs(q, kc, vc, md, inputs.sinks)
+        return [chained.finish_rows(runs, outs, q_rows, [f for _, _, f in gathered], ahead, decode_inputs)]
     parts: list[mx.array] = []
     for r in runs:
         if r.table_short:  # a table too short for seq_len (only with validation off): nothing to read

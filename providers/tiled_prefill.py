@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -119,9 +119,6 @@ KERNEL_FILES = ("paged_common.h", "tiled_prefill.metal")
 KERNEL_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "tiles", "sinks", "params",
                  "fparams")
 KERNEL_OUTPUTS = ("out",)
-#: How many of the per-token kernel's first inputs (`gc.PA_INPUTS`) are the tiled kernel's first: the query,
-#: the pools and the metadata. A chain running a mixed batch's decode rows before the tiles shares them.
-DECODE_SHARED = 6
 #: The split launch's outputs: the split-KV contract's partials (`gpu_common.split_scratch`).
 SPLIT_OUTPUTS = ("max_logits", "exp_sums", "tmp_out")
 #: The partition sizes a split launch may take (multiples of every table's BKV).
@@ -239,8 +236,6 @@ class TiledPrefillProvider(Provider):
                  f"{cfg.threadgroup_bytes(request.head_size, ITEMSIZE[request.dtype])} bytes of threadgroup memory"
                  + (f" ({tile_note})" if tile_note else ""),
                  *split_notes, *([split_note] if split_note else [])]
-        if decode_spec and device.backend == "cuda":
-            notes.append(gc.decode_rows_in_chain_note(settings, decode_spec.side_stream, "tiled chain"))
         parts = request.partitions(kv_split) if kv_split else 1
         return Plan(
             provider=self.name,
@@ -271,13 +266,10 @@ class TiledPrefillProvider(Provider):
         _, backend, _, _, _, tile, decode_spec, kv_split = plan.specialization
         md = inputs.metadata
         n_dec = md.num_decode_seqs if decode_spec else 0
-        q, kc, vc, sinks = inputs.q, inputs.k_cache, inputs.v_cache, inputs.sinks
-        tiled = _descriptor(q, kc, md, scale=inputs.scale, use_sinks=sinks is not None,
-                            sliding_window=inputs.sliding_window, softcap=inputs.softcap, backend=backend,
-                            config=_tile(tile), first_seq=n_dec, partition_size=kv_split,
-                            decode_rows=(inputs, decode_spec) if n_dec else None)
-        prefill = tiled(q, kc, vc, md, sinks)
-        if not n_dec or (isinstance(tiled, ChainedTiledLaunch) and tiled.decode is not None):  # all rows written
+        prefill = _launch(inputs.q, inputs.k_cache, inputs.v_cache, md, scale=inputs.scale, sinks=inputs.sinks,
+                          sliding_window=inputs.sliding_window, softcap=inputs.softcap, backend=backend,
+                          config=_tile(tile), first_seq=n_dec, partition_size=kv_split)
+        if not decode_spec:
             return prefill
         import mlx.core as mx
 
@@ -498,35 +490,17 @@ def launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: Attentio
 def _launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, metadata: AttentionMetadata, *, scale: float,
             sinks: mx.array | None, sliding_window: int | None, softcap: float | None, backend: str,
             config: TileConfig, first_seq: int, partition_size: int = 0) -> mx.array:
-    """`launch` after its checks, through the batch's launch descriptor (`_descriptor`)."""
-    tiled = _descriptor(q, k_cache, metadata, scale=scale, use_sinks=sinks is not None, sliding_window=sliding_window,
-                        softcap=softcap, backend=backend, config=config, first_seq=first_seq,
-                        partition_size=partition_size)
-    return tiled(q, k_cache, v_cache, metadata, sinks)
-
-
-def _descriptor(q: mx.array, k_cache: mx.array, metadata: AttentionMetadata, *, scale: float, use_sinks: bool,
-                sliding_window: int | None, softcap: float | None, backend: str, config: TileConfig, first_seq: int,
-                partition_size: int = 0, decode_rows: tuple[AttentionInputs, gc.DecodeRowsSpec] | None = None,
-                ) -> TiledLaunch | ChainedTiledLaunch:
-    """The batch's tiled launch descriptor (`gc.cached_launch`: the layers of a step share it).
-    ``decode_rows``: a mixed batch's call and decode-rows sub-plan (the first ``first_seq`` sequences); where
-    `gc.decode_rows_in_chain` says so and the launch is a chain, the chain runs them too (its ``decode``),
-    so a call returns every row."""
-    decode_key = (decode_rows[1].per_token if decode_rows is not None else None)
+    """`launch` after its checks, through the batch's launch descriptor (`gc.cached_launch`: the
+    layers of a step share it)."""
     key = (_epoch.current(), ROUTE, backend, config, first_seq, partition_size, q.shape, q.dtype, k_cache.shape,
-           scale, softcap, sliding_window, use_sinks, decode_key)
+           scale, softcap, sliding_window, sinks is not None)
     got = metadata._launches.get(key)
     if got is None:
-        decode = None
-        if decode_rows is not None and not partition_size and gc.decode_rows_in_chain(backend, decode_rows[1]):
-            inputs, spec = decode_rows
-            decode = lambda: gc.plan_chain_part(inputs, spec.per_token, rows=first_seq)  # noqa: E731
         got = gc.cached_launch(metadata, key, lambda: tiled_launch(
-            q.shape, q.dtype, k_cache.shape, metadata, scale=scale, use_sinks=use_sinks,
+            q.shape, q.dtype, k_cache.shape, metadata, scale=scale, use_sinks=sinks is not None,
             sliding_window=sliding_window, softcap=softcap, backend=backend, config=config, first_seq=first_seq,
-            partition_size=partition_size, decode=decode))
-    return got
+            partition_size=partition_size))
+    return got(q, k_cache, v_cache, metadata, sinks)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -552,13 +526,11 @@ class TiledLaunch:
 
 def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...], metadata: AttentionMetadata, *,
                  scale: float, use_sinks: bool, sliding_window: int | None, softcap: float | None, backend: str,
-                 config: TileConfig, first_seq: int, partition_size: int = 0,
-                 decode: Callable[[], gc.PerTokenChainPart] | None = None) -> TiledLaunch | ChainedTiledLaunch:
+                 config: TileConfig, first_seq: int, partition_size: int = 0) -> TiledLaunch | ChainedTiledLaunch:
     """The tiled kernel's launch for a query of ``q_shape`` in ``dtype`` over pools of ``k_shape`` and
     the batch ``metadata``, from sequence ``first_seq`` on (``config`` and ``partition_size`` checked by
     `launch`); split into partitions of ``partition_size`` keys when it is > 0. On CUDA with chains and
-    ``cuda_tiled_chains`` on, the same launches as one chain (`chained_tiled_launch`), which runs the
-    rows before ``first_seq`` too through ``decode()``'s launches where given (unsplit only)."""
+    ``cuda_tiled_chains`` on, the same launches as one chain (`chained_tiled_launch`)."""
     import mlx.core as mx
 
     total, num_heads, head = q_shape
@@ -579,7 +551,7 @@ def tiled_launch(q_shape: tuple[int, ...], dtype: Any, k_shape: tuple[int, ...],
                       tuple(metadata.seq_lens.shape), tuple(metadata.cu_seqlens_q.shape))
             return chained_tiled_launch(dtype, total, num_heads, head, block_size, config, partition_size,
                                         max_parts, tiles, params, gc.pack_scale(scale, softcap), reduce_params,
-                                        shapes, decode() if decode is not None and not split else None)
+                                        shapes)
     out = (gc.split_scratch(total, num_heads, max_parts, head) if split
            else {"output_shapes": [(total, num_heads, head)], "output_dtypes": [dtype]})
     kernel = gc.kernel_launch(kernel_object(backend, config, split),
@@ -605,9 +577,6 @@ class ChainedTiledLaunch:
     zero_sinks: mx.array
     #: The reducer's parameters after the kernel's inputs (split), else ``None``.
     reduce_params: mx.array | None
-    #: A mixed batch's decode rows, run by the chain before the tiles into the output's first rows (their
-    #: inputs after the kernel's, less the query, the pools and the metadata), or ``None``.
-    decode: gc.PerTokenChainPart | None = None
 
     def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, md: AttentionMetadata,
                  sinks: mx.array | None) -> mx.array:
@@ -615,20 +584,16 @@ class ChainedTiledLaunch:
                   gc.reducer_sinks(sinks, self.zero_sinks), self.params, self.fparams]
         if self.reduce_params is not None:
             inputs.append(self.reduce_params)
-        if self.decode is not None:
-            inputs += self.decode.inputs(q, k_cache, v_cache, md, sinks)[DECODE_SHARED:]
         return self.chain(inputs)[0]
 
 
 def chained_tiled_launch(dtype: Any, total: int, num_heads: int, head: int, block_size: int, config: TileConfig,
                          partition_size: int, max_parts: int, tiles: mx.array, params: mx.array, fparams: mx.array,
-                         reduce_params: mx.array | None, shapes: tuple[tuple[int, ...], ...],
-                         decode: gc.PerTokenChainPart | None = None) -> ChainedTiledLaunch:
+                         reduce_params: mx.array | None,
+                         shapes: tuple[tuple[int, ...], ...]) -> ChainedTiledLaunch:
     """The `ChainedTiledLaunch` of a tiled launch (`tiled_launch` builds both kinds) over ``total`` query
     rows; ``shapes``: the query's, the pools' and the metadata's (``q``, ``k``, ``v``, ``block_tables``,
-    ``seq_lens``, ``cu_seqlens_q``), which every call of the chain checks. ``decode`` (unsplit only): the
-    per-token launches of the rows before the tiles' first sequence, run first into the same output (the
-    kernel leaves those rows unwritten; MLX orders the two writers of one buffer), so no concatenation."""
+    ``seq_lens``, ``cu_seqlens_q``), which every call of the chain checks."""
     import mlx.core as mx
 
     from metal_attn import cuda_ops
@@ -648,17 +613,6 @@ def chained_tiled_launch(dtype: Any, total: int, num_heads: int, head: int, bloc
     out_spec = [((total, num_heads, head), dtype)]
     n_in = len(KERNEL_INPUTS)
     zero_sinks = gc.zeros_f32(num_heads)
-    if not split and decode is not None:
-        # Buffer indices: the kernel's inputs, the decode part's own inputs (its query, pools and metadata are
-        # the kernel's: the first DECODE_SHARED), the output, the part's scratch.
-        part = decode.part
-        out = n_in + len(part.input_dtypes) - DECODE_SHARED
-        at = [*range(DECODE_SHARED), *range(n_in, out)]
-        launches = part.launches_at(at, [out], range(out + 1, out + 1 + len(part.scratch)))
-        ch = cuda_ops.chain(f"metal_attn.{ROUTE}_decode", [*in_dtypes, *part.input_dtypes[DECODE_SHARED:]],
-                            out_spec, part.scratch, [*launches, (kernel, grid, block, [*range(n_in), out], n_in)],
-                            [*in_shapes, *part.input_shapes[DECODE_SHARED:]], [at[i] for i in part.state])
-        return ChainedTiledLaunch(ch, tiles, params, fparams, zero_sinks, None, decode)
     if not split:  # buffer indices: the inputs, then the output
         ch = cuda_ops.chain(f"metal_attn.{ROUTE}", in_dtypes, out_spec, [],
                             [(kernel, grid, block, [*range(n_in), n_in], n_in)], in_shapes)

@@ -282,8 +282,7 @@ def test_a_chained_batch_passes_its_inputs_in_the_kernels_order(fake_chains, mon
     runs, ch = plan.runs, plan.chained
     kc, vc = mx.zeros((25, 16, 2, 128), mx.bfloat16), mx.ones((25, 16, 2, 128), mx.bfloat16)
     bt = mx.zeros((5, 5), mx.int32)
-    gathered, decoded = ch.gather_flagged(kc, vc, bt)
-    assert decoded is None  # the lead rows come from the caller
+    gathered = ch.gather_flagged(kc, vc, bt)
     (got,) = ch.gather.chain.calls
     want = [kc, vc, bt, runs[0].gather_params, runs[0].first_params, runs[1].gather_params, runs[1].first_params]
     assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
@@ -566,96 +565,65 @@ def _mixed_calls(in_chain: bool, route: str, fused: bool, provider: str = "sdpa_
 
 @pytest.mark.parametrize(("route", "fused"), [("per_token_ps0", False), ("per_token_ps64", False),
                                               ("per_token_ps64", True)])
-def test_a_mixed_batch_s_decode_rows_run_inside_the_gather_chain_when_asked(route, fused):
+def test_a_mixed_batch_s_decode_rows_run_inside_the_finish_chain_when_asked(route, fused):
     # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: the decode rows' per-token launches (and reducer) become the
-    # gather chain's first launches, the same functions, grids and parameters as their chain of its own, its
-    # buffers mapped into the gather chain's; the finish takes their output as its lead rows. Two chain
-    # calls a batch instead of three.
+    # finish chain's first launches, the same functions, grids and parameters as their chain of its own, its
+    # buffers mapped into the finish chain's and its output the batch's; the finishes copy no lead rows and
+    # place the first run after them. Two chain calls a batch instead of three.
+    from metal_attn.providers import sdpa_prefill as sp
+
     off, spec_off, _ = _mixed_calls(False, route, fused)
     on, spec_on, (q, pool, md) = _mixed_calls(True, route, fused)
     per_token = next(name for name in off if name.startswith("metal_attn.per_token_ps"))
     assert sorted(off) == sorted(["metal_attn.gather_kv", "metal_attn.sdpa_finish", per_token])
-    assert sorted(on) == ["metal_attn.gather_kv_decode", "metal_attn.sdpa_finish"]
-    (alone, alone_in), (plain, plain_in) = off[per_token], off["metal_attn.gather_kv"]
-    finish_off_in = off["metal_attn.sdpa_finish"][1]
-    (gather, gather_in), (finish, finish_in) = on["metal_attn.gather_kv_decode"], on["metal_attn.sdpa_finish"]
+    assert sorted(on) == ["metal_attn.gather_kv", "metal_attn.sdpa_finish_decode"]
+    (alone, alone_in), (plain, plain_in) = off[per_token], off["metal_attn.sdpa_finish"]
+    chain, chain_in = on["metal_attn.sdpa_finish_decode"]
     assert alone.name.endswith("_fused") == fused and alone.state == ([len(gc.PA_INPUTS)] if fused else [])
-    # The gather chain's inputs: the plain gather chain's, then the per-token chain's less its pools and table.
-    assert len(gather_in) == len(plain_in) + len(alone_in) - 3
-    assert all(a is b for a, b in zip(gather_in[:3], (pool, pool, md.block_tables)))
-    tail = gather_in[len(plain_in):]
-    assert tail[0] is q and tail[1] is md.seq_lens and tail[2] is md.cu_seqlens_q
-    for got, want in zip(tail[3:], alone_in[6:]):  # sinks, params, fparams, the reducer's params or counters
+    # The gathers are unchanged.
+    g_on, g_off = on["metal_attn.gather_kv"][0], off["metal_attn.gather_kv"][0]
+    assert [(spec_on(fn), *rest) for fn, *rest in g_on.launches] == [(spec_off(fn), *rest) for fn, *rest in
+                                                                      g_off.launches]
+    # The finish chain's inputs: the plain finish chain's (the lead rows' place a placeholder), then the
+    # per-token chain's, all of them, in order.
+    n_plain = len(plain_in)
+    assert len(chain_in) == n_plain + len(alone_in)
+    assert plain_in[n_plain - 1] is alone._zeros[0] and chain_in[n_plain - 1].size == 1  # no lead rows to copy
+    assert all(a is b for a, b in zip(chain_in[n_plain:n_plain + 6], (q, pool, pool, md.block_tables, md.seq_lens,
+                                                                     md.cu_seqlens_q)))
+    for got, want in zip(chain_in[n_plain + 6:], alone_in[6:]):  # sinks, params, fparams, the reducer's or counters
         assert got.dtype == want.dtype and np.array_equal(np.array(got), np.array(want))
-    assert gather.input_dtypes == [*plain.input_dtypes, alone.input_dtypes[0], *alone.input_dtypes[4:]]
-    # Its launches: the per-token chain's, then the plain gather chain's, at the mapped buffer indices.
-    n_in, n_pa = len(gather_in), len(alone.launches)
-    scratch0 = n_in + len(gather.outputs)  # the gather chain's first scratch buffer
-    where = [len(plain_in), 0, 1, 2, *range(len(plain_in) + 1, n_in),  # the part's inputs
-             n_in + len(plain.outputs),  # its output: after the gathers' outputs
-             *range(scratch0 + len(plain.scratch), scratch0 + len(gather.scratch))]  # its scratch: after theirs
-    for (fn, g, b, args, reads), (fn0, g0, b0, args0, reads0) in zip(gather.launches[:n_pa], alone.launches):
+    assert chain.input_dtypes == [*plain.input_dtypes, *alone.input_dtypes]
+    # Its launches: the per-token chain's first, into the output (buffer n_in), then the finishes.
+    n_in, n_pa = len(chain_in), len(alone.launches)
+    where = [*range(n_plain, n_in), n_in, *range(n_in + 1, n_in + 1 + len(alone.scratch))]
+    for (fn, g, b, args, reads), (fn0, g0, b0, args0, reads0) in zip(chain.launches[:n_pa], alone.launches):
         assert (spec_on(fn), g, b, reads) == (spec_off(fn0), g0, b0, reads0) and args == [where[a] for a in args0]
-    assert gather.state == [where[i] for i in alone.state]
-    assert gather.outputs[-1] == alone.outputs[0] and [tuple(s) for s, _ in gather.outputs[-1:]] == [(3, 8, 128)]
-    assert gather.scratch == [*plain.scratch, *alone.scratch]
-    shift = len(gather_in) - len(plain_in)  # the plain gathers' outputs and scratch moved by the new inputs
-    for (fn, g, b, args, reads), (fn0, g0, b0, args0, reads0) in zip(gather.launches[n_pa:], plain.launches):
-        moved = [a if a < len(plain_in) else a + shift + (a >= len(plain_in) + len(plain.outputs)) for a in args0]
-        assert (spec_on(fn), g, b, reads, args) == (spec_off(fn0), g0, b0, reads0, moved)
-    # The finish: unchanged, its lead rows the gather chain's last output.
-    finish_off = off["metal_attn.sdpa_finish"][0]
-    assert [(spec_on(fn), *rest) for fn, *rest in finish.launches] == [
-        (spec_off(fn), *rest) for fn, *rest in finish_off.launches]
-    lead_at = len(finish_in) - 1
-    assert finish_in[lead_at] is gather._zeros[-1] and finish_off_in[lead_at] is alone._zeros[0]
-
-
-@pytest.mark.parametrize(("route", "fused"), [("per_token_ps0", False), ("per_token_ps64", False),
-                                              ("per_token_ps64", True)])
-def test_a_mixed_batch_s_decode_rows_run_inside_the_tiled_chain_when_asked(route, fused):
-    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1 on the tiles' mixed route: the decode rows' launches run first in
-    # the tiled chain, into its output's first rows (which the tiles leave unwritten): one chain call a batch,
-    # no concatenation, the same launches as the two chains.
-    from metal_attn.providers import tiled_prefill as tp
-
-    assert gc.PA_INPUTS[:tp.DECODE_SHARED] == tp.KERNEL_INPUTS[:tp.DECODE_SHARED]
-    off, spec_off, _ = _mixed_calls(False, route, fused, "tiled_prefill")
-    on, spec_on, (q, pool, md) = _mixed_calls(True, route, fused, "tiled_prefill")
-    per_token = next(name for name in off if name.startswith("metal_attn.per_token_ps"))
-    assert sorted(off) == sorted(["metal_attn.tiled_prefill", per_token])
-    assert list(on) == ["metal_attn.tiled_prefill_decode"]
-    (alone, alone_in), (plain, plain_in) = off[per_token], off["metal_attn.tiled_prefill"]
-    chain, chain_in = on["metal_attn.tiled_prefill_decode"]
-    shared, n_plain = tp.DECODE_SHARED, len(plain_in)
-    assert len(chain_in) == n_plain + len(alone_in) - shared
-    assert all(a is b for a, b in zip(chain_in[:shared], (q, pool, pool, md.block_tables, md.seq_lens,
-                                                          md.cu_seqlens_q)))
-    for got, want in [*zip(chain_in[shared:n_plain], plain_in[shared:]), *zip(chain_in[n_plain:], alone_in[shared:])]:
-        assert got.dtype == want.dtype and np.array_equal(np.array(got), np.array(want))
-    assert chain.input_dtypes == [*plain.input_dtypes, *alone.input_dtypes[shared:]]
-    assert chain.input_shapes == [*plain.input_shapes, *alone.input_shapes[shared:]]
-    n_in = len(chain_in)
-    where = [*range(shared), *range(n_plain, n_in), n_in, *range(n_in + 1, n_in + 1 + len(alone.scratch))]
-    *decode_launches, (fn, g, b, args, reads) = chain.launches
-    assert len(decode_launches) == len(alone.launches)
-    for (fn1, g1, b1, args1, reads1), (fn0, g0, b0, args0, reads0) in zip(decode_launches, alone.launches):
-        assert (spec_on(fn1), g1, b1, reads1) == (spec_off(fn0), g0, b0, reads0) and args1 == [where[a] for a in args0]
-    ((fn0, g0, b0, args0, reads0),) = plain.launches
-    assert (spec_on(fn), g, b, reads) == (spec_off(fn0), g0, b0, reads0)
-    assert args == [*range(n_plain), n_in] and args0 == [*range(n_plain), n_plain]  # one output, both write it
+    assert chain.state == [where[i] for i in alone.state] and chain.scratch == alone.scratch
     assert chain.outputs == plain.outputs and [tuple(s) for s, _ in chain.outputs] == [(403, 8, 128)]
-    assert chain.scratch == alone.scratch and chain.state == [where[i] for i in alone.state]
+    finishes = chain.launches[n_pa:]
+    assert len(finishes) == len(plain.launches) == 2
+    for (fn, _, b, args, reads), (fn0, _, b0, args0, reads0) in zip(finishes, plain.launches):
+        assert (spec_on(fn), b, reads) == (spec_off(fn0), b0, reads0)
+        assert args == [n_in if a == n_plain else a for a in args0]  # the output moved after the new inputs
+    assert finishes[1][1] == plain.launches[1][1]  # the second run's grid; the first's has no lead rows now
+    # The finish parameters: no lead rows; the first run's rows after the decode rows, as the second's already were.
+    params = [list(np.array(p)) for p in chain_in[3:n_plain - 1:4]]
+    params_off = [list(np.array(p)) for p in plain_in[3:n_plain - 1:4]]
+    assert [p[5:7] for p in params_off] == [[3, 0], [0, 3 + 200]]  # lead, out_row0 with the rows' own chain
+    assert [p[5:7] for p in params] == [[0, 3], [0, 3 + 200]]
+    assert [p[:5] for p in params] == [p[:5] for p in params_off]
+    per, threads = sp.finish_launch(200 * 8)
+    assert params[0][8] == per and finishes[0][1] == cuda_ops.threadgroups((threads, 1, 1), (sp.FINISH_THREADS, 1, 1))
 
 
-@pytest.mark.parametrize(("provider", "chain"), [("sdpa_prefill", "gather chain"), ("tiled_prefill", "tiled chain")])
-def test_decode_rows_in_the_route_s_chain_say_so_in_explain(provider, chain):
+def test_decode_rows_in_the_finish_chain_say_so_in_explain():
     from metal_attn.api import explain
 
     fields = dict(q_lens=[1] * 8 + [512], seq_lens=[1024] * 8 + [2048], num_heads=32, num_kv_heads=8, head_size=128,
                   dtype="bfloat16", block_size=16)
     for on in (False, True):
         with override_settings(cuda_decode_rows_in_chain=on):
-            row = next(r for r in explain(device="h200", **fields).rows if r.name == provider)
-        note = next(n for n in row.plan.notes if n.startswith("decode rows: ") and chain in n)
+            row = next(r for r in explain(device="h200", **fields).rows if r.name == "sdpa_prefill")
+        note = next(n for n in row.plan.notes if n.startswith("decode rows: ") and "finish chain" in n)
         assert note.endswith(f"(METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN={int(on)})"), note

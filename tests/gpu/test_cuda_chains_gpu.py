@@ -484,7 +484,7 @@ def test_the_tiled_chain_equals_the_mx_fast_route_bit_for_bit_and_matches_the_or
     assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {routes[True]} chain")
 
 
-MIXED_GATHER_CASES = [
+MIXED_CHAIN_CASES = [
     dict(q_lens=[1, 1, 1, 200, 200], seq_lens=[300, 1000, 17, 600, 900], num_heads=32, num_kv_heads=8,
          head_size=128, block_size=16, dtype="bfloat16", sinks=True, label="3 rows, two runs, sinks"),
     dict(q_lens=[1] * 8 + [256], seq_lens=[4096] * 8 + [2048], num_heads=16, num_kv_heads=2, head_size=64,
@@ -492,27 +492,26 @@ MIXED_GATHER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("provider", ["sdpa_prefill", "tiled_prefill"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
 @pytest.mark.parametrize("route", ["per_token_ps0", "per_token_ps64"])
-@pytest.mark.parametrize("spec", MIXED_GATHER_CASES, ids=[c["label"] for c in MIXED_GATHER_CASES])
-def test_decode_rows_inside_the_route_s_chain_give_the_same_bytes(spec, route, fused, provider):
-    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: a mixed batch's decode rows run inside sdpa_prefill's gather chain,
-    # or first in tiled_prefill's chain (into the output's first rows), the same kernels, grids and parameters as
-    # their chain of their own: the same bytes, and the oracle.
+@pytest.mark.parametrize("spec", MIXED_CHAIN_CASES, ids=[c["label"] for c in MIXED_CHAIN_CASES])
+def test_decode_rows_inside_the_finish_chain_give_the_same_bytes(spec, route, fused):
+    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: a mixed batch's decode rows run inside sdpa_prefill's finish chain,
+    # straight into the output's first rows, the same kernels, grids and parameters as their chain of their own:
+    # the same bytes, and the oracle.
     from metal_attn.testing.overrides import rule_opened_for
 
     case = _case(spec, seed=23)
-    folded = {"sdpa_prefill": "metal_attn.gather_kv_decode", "tiled_prefill": "metal_attn.tiled_prefill_decode"}
     outs, built = {}, {}
-    with rule_opened_for(provider):
+    with rule_opened_for("sdpa_prefill"):
         for on in (True, False):
             before = dict(cuda_ops.chains_built)
             with (override_settings(cuda_decode_rows_in_chain=on, cuda_fused_reduce=fused),
                   forced_per_token_route(route)):
-                outs[on] = run_case(case, provider=provider)
-                assert diagnostics.last_dispatch().route.endswith("_decode")  # the decode rows split off
+                outs[on] = run_case(case, provider="sdpa_prefill")
+                assert diagnostics.last_dispatch().route == "sdpa_prefill_decode"
             built[on] = {k for k, v in cuda_ops.chains_built.items() if v != before.get(k, 0)}
-    assert folded[provider] in built[True] and folded[provider] not in built[False], built
+    assert "metal_attn.sdpa_finish_decode" in built[True], built
+    assert "metal_attn.sdpa_finish_decode" not in built[False], built
     np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"{case.label} {route} fused={fused}")
-    assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {route} {provider} chain")
+    assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {route} in the finish chain")
