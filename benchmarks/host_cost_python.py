@@ -97,7 +97,7 @@ def cases() -> list[Case]:
     mixed = Shape.mix([Rows(8, 1, 4096), Rows(1, 256, 1024)], 32, 8, 128)
     mixed2 = Shape.mix([Rows(32, 1, 1024), Rows(1, 256, 1024), Rows(1, 256, 2048)], 32, 8, 128)  # two runs
     chunk = Shape(1, 32, 8, 128, 2112, "bfloat16", q_len=64)  # the prefill suite's chunk after 2K: split tiles
-    in_chain = (("cuda_decode_rows_in_chain", True),)
+    own_chain = (("cuda_decode_rows_in_chain", False),)
     return [
         Case("b1 L4096 split", dec(1)),
         Case("b8 L4096 split", dec(8)),
@@ -105,7 +105,7 @@ def cases() -> list[Case]:
         Case("b8 L4096 unsplit (gpu_cores=1)", dec(8), gpu_cores=1),
         Case("mixed 8x1@4096 + 256@1024", mixed),
         Case("mixed 32x1@1024 + 256@1024 + 256@2048", mixed2),
-        Case("mixed 32x1@1024 + 256@1024 + 256@2048 (decode rows in the finish chain)", mixed2, settings=in_chain),
+        Case("mixed 32x1@1024 + 256@1024 + 256@2048 (decode rows in their own chain)", mixed2, settings=own_chain),
         Case("chunk 64@2112", chunk),
         Case("chunk 64@2112 (sdpa_prefill rule opened)", chunk, route_opened=True),
     ]

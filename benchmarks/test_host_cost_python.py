@@ -68,17 +68,17 @@ def test_the_script_times_the_built_in_providers_and_names_each_case_s_provider_
 
 
 def test_the_cases_take_the_chained_route_unless_told_not_to():
-    """As on an H200 with the chains' module built, a decode call is one chain call and a mixed batch three (the
-    decode rows, the gathers, the finishes); with chains off they are the mx.fast route's kernel launches."""
+    """As on an H200 with the chains' module built, a decode call is one chain call and a mixed batch two (the
+    gathers, then the decode rows and the finishes); with chains off they are the mx.fast route's kernel launches."""
     by_label = {c.label: c for c in cases()}
     decode, mixed = by_label["b8 L4096 split"], by_label["mixed 32x1@1024 + 256@1024 + 256@2048"]
     with bound_case(decode) as b:
         assert (b.launches, b.chain_calls, b.sdpa_calls) == (0, 1, 0)
-    with bound_case(mixed) as b:
-        assert (b.launches, b.chain_calls, b.sdpa_calls) == (0, 3, 2)  # and MLX's SDPA once a run of chunks
-    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: the decode rows inside the finish chain, one chain call fewer
-    with bound_case(by_label["mixed 32x1@1024 + 256@1024 + 256@2048 (decode rows in the finish chain)"]) as b:
-        assert (b.provider, b.launches, b.chain_calls, b.sdpa_calls) == ("sdpa_prefill", 0, 2, 2)
+    with bound_case(mixed) as b:  # the decode rows inside the finish chain (cuda_decode_rows_in_chain)
+        assert (b.launches, b.chain_calls, b.sdpa_calls) == (0, 2, 2)  # and MLX's SDPA once a run of chunks
+    # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=0: the decode rows in a chain of their own, one chain call more
+    with bound_case(by_label["mixed 32x1@1024 + 256@1024 + 256@2048 (decode rows in their own chain)"]) as b:
+        assert (b.provider, b.launches, b.chain_calls, b.sdpa_calls) == ("sdpa_prefill", 0, 3, 2)
     with bound_case(by_label["chunk 64@2112"]) as b:  # below the route's pairs bound: the split tiles' one chain
         assert (b.provider, b.launches, b.chain_calls, b.sdpa_calls) == ("tiled_prefill", 0, 1, 0)
     with bound_case(by_label["chunk 64@2112 (sdpa_prefill rule opened)"]) as b:  # the gathers, cuDNN, the finishes

@@ -49,11 +49,11 @@
 #            chunks after context through the tiles and through sdpa_prefill with its rule opened, queued
 #            (benchmarks/probe_tiled_split.py: SDPA_PREFILL_RULES' min_chunk_pairs; measured in the tenth
 #            session, confirmed on an H100 in the forty-fifth)
-#   inchain  a mixed batch's decode rows inside sdpa_prefill's finish chain (METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN, off
-#            by default): the chain and sdpa_prefill GPU tests with it on (the same bytes as the rows' own chain, the
-#            oracle), the prefill suite's mixed batches with it on and off and MLX SDPA, queued and interleaved,
-#            five repeats, then a queued call's host time with it off and on (benchmarks/probe_mixed_host.py)
-#            (issue #18)
+#   inchain  a mixed batch's decode rows inside sdpa_prefill's finish chain (METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN, on
+#            by default since the forty-sixth session): the chain and sdpa_prefill GPU tests with it on (the same
+#            bytes as the rows' own chain, the oracle), the prefill suite's mixed batches with it on and off and MLX
+#            SDPA, queued and interleaved, five repeats, then a queued call's host time with it off and on
+#            (benchmarks/probe_mixed_host.py) (issue #18)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100)
 #   partition the per-token kernel at forced partition sizes, powers of two and the sizes between them,
@@ -269,8 +269,9 @@ run_phase() {
       step pytest "$STEP_LIMIT" env METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1 python3 -m pytest -q -rfEx $(xdist) \
         tests/gpu/test_cuda_chains_gpu.py tests/gpu/test_sdpa_prefill_gpu.py
       step suite "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --interleave --shapes mixed --repeat 5 \
-        --quiet --markdown --json "$dir/inchain.json" --candidates "auto,auto[cuda_decode_rows_in_chain=1],mlx_sdpa"
-      step host-off "$STEP_LIMIT" python3 benchmarks/probe_mixed_host.py "$dir/host-off.json"
+        --quiet --markdown --json "$dir/inchain.json" --candidates "auto,auto[cuda_decode_rows_in_chain=0],mlx_sdpa"
+      step host-off "$STEP_LIMIT" env METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=0 python3 benchmarks/probe_mixed_host.py \
+        "$dir/host-off.json"
       step host-on "$STEP_LIMIT" env METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1 python3 benchmarks/probe_mixed_host.py \
         "$dir/host-on.json" ;;
     partition)
