@@ -536,9 +536,9 @@ def test_tiled_chains_follow_their_setting(on):
     assert out.shape == q_shape
 
 
-def _mixed_calls(in_chain: bool, route: str, fused: bool, provider: str = "sdpa_prefill"):
+def _mixed_calls(in_chain: bool, route: str, fused: bool):
     """A mixed batch (three decode rows, then chunks of 200 rows after 600 and 900 tokens: two runs) through
-    ``provider`` twice on faked CUDA and chains: the second call's chain calls, ``{chain name: (chain, its
+    ``sdpa_prefill`` twice on faked CUDA and chains: the second call's chain calls, ``{chain name: (chain, its
     inputs)}``, the spec of a kernel function by its handle, and the call's query, pool and metadata."""
     import metal_attn as ma
     from metal_attn.testing.overrides import forced_per_token_route
@@ -554,8 +554,8 @@ def _mixed_calls(in_chain: bool, route: str, fused: bool, provider: str = "sdpa_
           forced_per_token_route(route)):
         for _ in range(2):
             before = {id(c): len(c.calls) for c in fake.chains}
-            out = ma.paged_attention(q, pool, pool, metadata=md, scale=0.1, sinks=sinks, provider=provider)
-        assert diagnostics.last_dispatch().route.endswith("_decode")  # the decode rows split off
+            out = ma.paged_attention(q, pool, pool, metadata=md, scale=0.1, sinks=sinks, provider="sdpa_prefill")
+        assert diagnostics.last_dispatch().route == "sdpa_prefill_decode"  # the decode rows split off
         assert out.shape == (403, 8, 128)
         calls = [(c, call) for c in fake.chains for call in c.calls[before.get(id(c), 0):]]
         assert len({c.name for c, _ in calls}) == len(calls)  # each chain called once

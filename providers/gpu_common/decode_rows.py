@@ -3,7 +3,8 @@ kernel, the prefill rows through the provider's own kernel. `mixed_split` decide
 kernels (by `MIXED_DECODE_MIN_CONTEXT`); a provider keeps the sub-plan's specialization in its own
 plan (`decode_rows_part`, `tiles_decode_part`) and runs it with `run_decode_rows`, on a second
 stream of the GPU where `DECODE_ROWS_STREAM_RULES` (or ``METAL_ATTN_DECODE_ROWS_STREAM``) says so, or
-inside its own CUDA chain where `decode_rows_in_chain` says so (``METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN``)."""
+inside one of the route's own CUDA chains where `decode_rows_in_chain` says so
+(``METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN``; ``sdpa_prefill``'s finish chain)."""
 
 from __future__ import annotations
 
