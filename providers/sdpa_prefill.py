@@ -203,7 +203,7 @@ class SdpaPrefillProvider(Provider):
             decode_spec, partition, note = gc.decode_rows_part(request, device, settings)
             notes.append(note)
             if device.backend == "cuda":
-                notes.append(gc.decode_rows_in_chain_note(settings, decode_spec.side_stream, "finish chain"))
+                notes.append(gc.decode_rows_in_chain_note(settings, decode_spec.side_stream))
         return Plan(
             provider=self.name,
             route=SPLIT_ROUTE if decode_spec else ROUTE,

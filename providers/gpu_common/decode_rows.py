@@ -192,15 +192,14 @@ def decode_rows_in_chain(backend: str | None, spec: DecodeRowsSpec) -> bool:
             and cuda_chains_enabled())
 
 
-def decode_rows_in_chain_note(settings: Settings, side_stream: bool, chain: str) -> str:
-    """``explain``'s line on where a mixed batch's decode rows run on CUDA chains (``chain``: the prefill
-    route's chain that takes them)."""
+def decode_rows_in_chain_note(settings: Settings, side_stream: bool) -> str:
+    """``explain``'s line on where a mixed batch's decode rows run on CUDA chains (`decode_rows_in_chain`)."""
     if side_stream:
-        return f"decode rows: a chain of their own on the second stream (not inside the {chain})"
+        return "decode rows: a chain of their own on the second stream (not inside the finish chain)"
     if settings.cuda_decode_rows_in_chain:
-        return (f"decode rows: inside the {chain} where the route chains its launches "
+        return ("decode rows: inside the finish chain where the batch is chained "
                 "(METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1)")
-    return f"decode rows: a chain of their own beside the {chain} (METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=0)"
+    return "decode rows: a chain of their own beside the finish chain (METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=0)"
 
 
 def run_decode_rows(inputs: AttentionInputs, spec: DecodeRowsSpec) -> mx.array:
