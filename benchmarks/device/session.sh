@@ -54,6 +54,9 @@
 #            bytes as the rows' own chain, the oracle), the prefill suite's mixed batches with it on and off and MLX
 #            SDPA, queued and interleaved, five repeats, then a queued call's host time with it off and on
 #            (benchmarks/probe_mixed_host.py) (issue #18)
+#   cudnn    cuDNN's SDPA reading our K/V pools in place through page tables, against cuDNN on contiguous K/V, on
+#            the prefill suite's chunks (benchmarks/probe_cudnn_paged.py; torch and cuDNN's Python frontend, whose
+#            wheel travels in .device/extra/) (issue #18: the route without the gather's and the finish's copies)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100)
 #   partition the per-token kernel at forced partition sizes, powers of two and the sizes between them,
@@ -85,7 +88,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline queued tiles inchain fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline queued tiles inchain cudnn fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -288,6 +291,19 @@ run_phase() {
         --candidates auto,torch_sdpa,ceiling --json "$dir/calls.json"
       step calls-no-graphs "$STEP_LIMIT" env MLX_USE_CUDA_GRAPHS=0 "${BENCH[@]}" --suite decode-gpu --pipelined \
         --quiet --markdown --shapes "decode b" --candidates auto,torch_sdpa,ceiling --json "$dir/calls-no-graphs.json" ;;
+    cudnn)
+      # cuDNN's frontend is not in the bundle: its wheel travels in .device/extra/ (benchmarks/device/README.md).
+      local wheel site=$HOME/cudnn-frontend
+      wheel=$(ls .device/extra/nvidia_cudnn_frontend-*-cp312-*.whl 2>/dev/null | head -n 1)
+      if [ "$DRY_RUN" != 1 ]; then
+        if [ -z "$wheel" ] || ! python3 -m pip install -q --no-deps --no-compile --target "$site" "$wheel"; then
+          say "cudnn: no .device/extra/nvidia_cudnn_frontend-*-cp312-*.whl installed (benchmarks/device/README.md)"
+          failed+=("cudnn (no frontend)")
+          return
+        fi
+      fi
+      step probe "$STEP_LIMIT" env PYTHONPATH="$site:${PYTHONPATH:-}" python3 benchmarks/probe_cudnn_paged.py \
+        "$dir/probe.json" ;;
     ncu)
       local ncu=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)}
       [ "$DRY_RUN" != 1 ] || ncu=${ncu:-ncu}  # a dry run checks the profiled script only
