@@ -8,8 +8,8 @@ carries the wheel: benchmarks/device/README.md). It uses no MLX and none of meta
 whether cuDNN (the kernel MLX SDPA calls) can run our route's chunks straight from the pools, and at what
 cost, before anything is built on it.
 
-For each prefill chunk shape (``n`` sequences, ``q_len`` new rows ending ``seq_len`` tokens, GQA heads,
-head 128, bf16, 16-token pages), in one process:
+For each chunk shape (four of the prefill-gpu suite's and the third mixed batch's chunk: ``n`` sequences,
+``q_len`` new rows ending ``seq_len`` tokens, GQA heads, head 128, bf16, 16-token pages), in one process:
 
 - ``paged``: one cuDNN SDPA graph whose K and V are the pools in metal-attn's layout
   (``[num_blocks, block_size, kv_heads, head]``, seen by cuDNN as ``[num_blocks, kv_heads, block_size,
@@ -93,6 +93,7 @@ def time_ms(torch, fn, iters: int) -> float:
     out = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()  # queued ahead of the first event, so the GPU is busy when the timed calls' host work starts
         a.record()
         for _ in range(INNER):
             fn()
@@ -157,7 +158,7 @@ def run_shape(torch, cudnn, handle, label, n, q_len, seq_len, heads, kvh, iters)
             g, t = build_graph(cudnn, handle, tensors, scale, paged, pages * BLOCK)
         except Exception as exc:  # a probe reports what cuDNN refused
             row[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
-            print(f"{label:34s} {name:10s} refused: {row[name]['error'][:300]}", flush=True)
+            print(f"{label:34s} {name:16s} refused: {row[name]['error'][:300]}", flush=True)
             continue
         ws = torch.empty(max(1, g.get_workspace_size()), device=dev, dtype=torch.uint8)
         pack = {t[k]: v for k, v in tensors.items()}
@@ -171,7 +172,7 @@ def run_shape(torch, cudnn, handle, label, n, q_len, seq_len, heads, kvh, iters)
         err = (out_rows.float() - ref_rows).abs().max().item()
         ms = time_ms(torch, call, iters)
         row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "max_abs_err": err, "workspace": g.get_workspace_size()}
-        print(f"{label:34s} {name:10s} {ms * 1e3:9.1f} us {flops / ms / 1e9:7.1f} TFLOP/s  max|err| {err:.3g}",
+        print(f"{label:34s} {name:16s} {ms * 1e3:9.1f} us {flops / ms / 1e9:7.1f} TFLOP/s  max|err| {err:.3g}",
               flush=True)
     for name in ("paged", "paged_hnd", "contiguous_nopad"):
         if "ms" in row.get(name, {}) and "ms" in row.get("contiguous", {}):

@@ -55,10 +55,11 @@
 #            SDPA, queued and interleaved, five repeats, then a queued call's host time with it off and on
 #            (benchmarks/probe_mixed_host.py) (issue #18)
 #   cudnn    cuDNN's SDPA reading our K/V pools in place through page tables, against cuDNN on contiguous K/V, on
-#            the prefill suite's chunks (benchmarks/probe_cudnn_paged.py; torch and cuDNN's Python frontend, whose
+#            four of the prefill suite's shapes and the third mixed batch's chunk (benchmarks/probe_cudnn_paged.py; torch and cuDNN's Python frontend, whose
 #            wheel travels in .device/extra/) (issue #18: the route without the gather's and the finish's copies)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
-#            without xdist on an H100)
+#            without xdist on an H100; with -n 14, 751 seeds filled the old 300 s limit in the forty-seventh
+#            session, so the fuzz now takes up to 540 s: a range of 1,000 in one call)
 #   partition the per-token kernel at forced partition sizes, powers of two and the sizes between them,
 #            on the shapes issue #17 misses or nearly misses (single calls, pipelined, torch in the run)
 #   ncu      ncu (speed of light, occupancy, warp stalls, memory) of our decode call and torch SDPA's on the
@@ -69,10 +70,10 @@
 #            the same shapes' calls (decode-gpu, pipelined) with and without MLX's CUDA graphs: how much of a
 #            call is its kernels (issue #17; about 2 minutes)
 #
-# Each step runs under its own time limit (STEP_LIMIT seconds, default 300; the GPU tests and decode-step 420), cut to
-# what is left of BUDGET (seconds for the whole command, default 570: a device call holds 600), so a
-# slow step leaves the others their time and the command ends before the device tool's limit; a step
-# with under 30 s left is skipped. A progress line with the elapsed seconds goes before and after each.
+# Each step runs under its own time limit (STEP_LIMIT seconds, default 300; the GPU tests and decode-step 420,
+# the fuzz 540), cut to what is left of BUDGET (seconds for the whole command, default 570: a device call
+# holds 600), so a slow step leaves the others their time and the command ends before the device tool's
+# limit; a step with under 30 s left is skipped. A progress line with the elapsed seconds goes before and after each.
 # Steps that fail or are skipped are listed at the end and the script exits 1; the others' files are there.
 #
 # DRY_RUN=1 checks every step on any machine, in seconds, before device time is spent on it: the bench
@@ -163,7 +164,7 @@ run_phase() {
       step pytest 420 python3 -m pytest -q -rfEx $(xdist) tests/gpu --ignore=tests/gpu/test_fuzz_gpu.py ;;
     fuzz)
       # shellcheck disable=SC2046
-      step fuzz "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) $(xdist_groups) tests/gpu/test_fuzz_gpu.py ;;
+      step fuzz 540 python3 -m pytest -q -rfEx $(xdist) $(xdist_groups) tests/gpu/test_fuzz_gpu.py ;;
     decode)
       step decode-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --pipelined --quiet --markdown \
         --candidates "auto,auto[cuda_fused_reduce=1],auto[mma_key_rows=0],torch_sdpa,mlx_sdpa,ceiling" \
@@ -302,7 +303,7 @@ run_phase() {
           return
         fi
       fi
-      step probe "$STEP_LIMIT" env PYTHONPATH="$site:${PYTHONPATH:-}" python3 benchmarks/probe_cudnn_paged.py \
+      step probe "$STEP_LIMIT" env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/probe_cudnn_paged.py \
         "$dir/probe.json" ;;
     ncu)
       local ncu=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)}
