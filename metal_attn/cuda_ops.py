@@ -238,7 +238,8 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
           scratch: Sequence[tuple[tuple[int, ...], Any]],
           launches: Sequence[tuple[int, tuple[int, int, int], tuple[int, int, int], Sequence[int], int]],
           input_shapes: Sequence[tuple[int, ...]] = (), state: Sequence[int] = (),
-          initial: Sequence[tuple[int, int]] = (), commit_when_idle: bool = False, direct_when_idle: int = 0) -> Any:
+          initial: Sequence[tuple[int, int]] = (), commit_when_idle: bool = False, direct_when_idle: int = 0,
+          after: Sequence[tuple[int, int]] = ()) -> Any:
     """A ``_cuda_ops.Chain``: call it with the inputs (a list of arrays in ``input_dtypes``, and of
     ``input_shapes`` when given: each call checks both) for its outputs. ``launches``: ``(function,
     grid in threadgroups, threadgroup, argument buffer indices (inputs, then outputs, then scratch),
@@ -252,7 +253,9 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
     chain launches the CUDA graph MLX has encoded so far when the GPU has no work left (`idle_commits`);
     ``direct_when_idle`` (with it): the chain that finds the GPU idle and the next ``direct_when_idle - 1`` such
     chains launch their kernels straight onto MLX's stream, after launching what MLX has encoded, instead of as
-    graph nodes (0: never)."""
+    graph nodes (0: never). ``after``: ``(launch, input)`` pairs, the launch waiting for the input's writer
+    without reading the input (ordering only: which kernel reaches the GPU's cores first where MLX's graph
+    could start two at once)."""
     from metal_attn.settings import get_settings
 
     mod = native()
@@ -262,7 +265,8 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
     return mod.Chain(name, list(input_dtypes), [(list(s), d) for s, d in outputs], [(list(s), d) for s, d in scratch],
                      [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches],
                      [list(x) for x in input_shapes], list(state), get_settings().cuda_chain_pool,
-                     [tuple(p) for p in initial], commit_when_idle, direct_when_idle)
+                     [tuple(p) for p in initial], commit_when_idle, direct_when_idle,
+                     **({"after": [tuple(p) for p in after]} if after else {}))  # a module built before it takes none
 
 
 def pool_stats() -> dict[str, int] | None:

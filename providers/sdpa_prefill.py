@@ -448,19 +448,26 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
     if not chained:
         return RunPlan(runs_t)
     return RunPlan(runs_t, chained_runs(runs_t, kvh, head, lead_rows, num_heads, dtype, cache_dtype, in_place,
-                                        decode() if decode_in_chain else None))
+                                        decode() if decode_in_chain else None, get_settings().cuda_decode_rows_wait))
+
+
+#: What a mixed batch's decode rows in the finish chain wait for (``cuda_decode_rows_wait``), as the finish
+#: chain's input they wait on: the first run's ``first_flagged`` output (written after its gather, so its
+#: fused SDPA call is ready at the same time) or its fused SDPA output; ``None``: nothing but their inputs.
+DECODE_ROWS_WAIT_INPUT: Mapping[str, int | None] = MappingProxyType({"none": None, "gathers": 2, "sdpa": 0})
 
 
 def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_rows: int, num_heads: int,
                  dtype: Any, cache_dtype: Any, in_place: bool = False,
-                 decode: gc.PerTokenChainPart | None = None) -> ChainedRuns:
+                 decode: gc.PerTokenChainPart | None = None, decode_wait: str = "none") -> ChainedRuns:
     """The batch's `ChainedRuns` for ``runs`` (the first takes the ``lead_rows``). ``in_place`` (one
     run, no lead rows, its finish parameters saying so): the finish chain's output starts as the fused
     kernel's output, in that output's buffer where MLX allows it, and ``sdpa_finish`` writes only the
     NaN rows. ``decode``: the lead rows' launches, run by the finish chain before its own, into the
     output's first rows (the runs' finish parameters then place every run after them and copy no lead
     rows). They read no buffer the gathers or MLX's SDPA write, so MLX's CUDA graph runs them beside
-    those, as it ran their chain of their own; the finishes, writing the same output, come after them."""
+    those, as it ran their chain of their own; the finishes, writing the same output, come after them.
+    ``decode_wait`` (`DECODE_ROWS_WAIT_INPUT`): what else the rows' launches wait for, ordering only."""
     import mlx.core as mx
 
     from metal_attn import cuda_ops
@@ -498,11 +505,13 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     at = range(len(in_dtypes), len(in_dtypes) + len(part.input_dtypes)) if part is not None else range(0)
     in_dtypes += part.input_dtypes if part is not None else ()
     out_at = len(in_dtypes)
-    finishes, state, decode_scratch = [], [], ()
+    finishes, state, decode_scratch, after = [], [], (), []
     if part is not None:  # first: the finishes then write after them (MLX orders two writers of one buffer)
         decode_scratch = part.scratch
         finishes += part.launches_at(at, [out_at], range(out_at + 1, out_at + 1 + len(decode_scratch)))
         state = [at[i] for i in part.state]
+        wait = DECODE_ROWS_WAIT_INPUT[decode_wait]  # run 0's buffers sit at 0..3 (o, q rows, first, params)
+        after = [(launch, wait) for launch in range(len(finishes))] if wait is not None else []
     total = lead_rows + sum(r.rows for r in runs)
     finishes += [(fin, cuda_ops.threadgroups((r.finish_threads, 1, 1), (FINISH_THREADS, 1, 1)),
                   (FINISH_THREADS, 1, 1),
@@ -510,7 +519,7 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
                  for i, r in enumerate(runs)]
     finish = cuda_ops.chain("metal_attn.sdpa_finish" + ("_decode" if decode is not None else ""), in_dtypes,
                             [((total, num_heads, head), dtype)], decode_scratch, finishes, state=state,
-                            initial=[(0, 0)] if in_place else ())
+                            initial=[(0, 0)] if in_place else (), after=after)
     return ChainedRuns(gc.ChainLaunch(gather), gc.ChainLaunch(finish),
                        tuple(p for r in runs for p in (r.gather_params, r.first_params)), decode)
 

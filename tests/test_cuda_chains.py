@@ -536,10 +536,11 @@ def test_tiled_chains_follow_their_setting(on):
     assert out.shape == q_shape
 
 
-def _mixed_calls(in_chain: bool, route: str, fused: bool):
+def _mixed_calls(in_chain: bool, route: str, fused: bool, wait: str = "none"):
     """A mixed batch (three decode rows, then chunks of 200 rows after 600 and 900 tokens: two runs) through
-    ``sdpa_prefill`` twice on faked CUDA and chains: the second call's chain calls, ``{chain name: (chain, its
-    inputs)}``, the spec of a kernel function by its handle, and the call's query, pool and metadata."""
+    ``sdpa_prefill`` twice on faked CUDA and chains (``wait``: ``cuda_decode_rows_wait``): the second call's
+    chain calls, ``{chain name: (chain, its inputs)}``, the spec of a kernel function by its handle, and the
+    call's query, pool and metadata."""
     import metal_attn as ma
     from metal_attn.testing.overrides import forced_per_token_route
 
@@ -550,7 +551,7 @@ def _mixed_calls(in_chain: bool, route: str, fused: bool):
     q, pool = mx.zeros((403, 8, 128), mx.bfloat16), mx.zeros((5 * width, 16, 2, 128), mx.bfloat16)
     sinks = mx.zeros((8,), mx.float32)
     with (fake_cuda_chains() as fake, fake_cuda(sdpa="zeros"),
-          override_settings(cuda_decode_rows_in_chain=in_chain, cuda_fused_reduce=fused),
+          override_settings(cuda_decode_rows_in_chain=in_chain, cuda_fused_reduce=fused, cuda_decode_rows_wait=wait),
           forced_per_token_route(route)):
         for _ in range(2):
             before = {id(c): len(c.calls) for c in fake.chains}
@@ -617,6 +618,29 @@ def test_a_mixed_batch_s_decode_rows_run_inside_the_finish_chain_when_asked(rout
     assert params[0][8] == per and finishes[0][1] == cuda_ops.threadgroups((threads, 1, 1), (sp.FINISH_THREADS, 1, 1))
 
 
+@pytest.mark.parametrize(("route", "fused"), [("per_token_ps0", False), ("per_token_ps64", True)])
+def test_the_decode_rows_in_the_finish_chain_wait_for_what_the_setting_names(route, fused):
+    # METAL_ATTN_CUDA_DECODE_ROWS_WAIT: the rows' launches (not the finishes) wait for the first run's flags
+    # (the gather chain's output) or its fused SDPA output; the chain is otherwise the same, and by default
+    # they wait for nothing but their inputs.
+    base, _, _ = _mixed_calls(True, route, fused)
+    chain0, in0 = base["metal_attn.sdpa_finish_decode"]
+    assert chain0.after == []
+    n_rows = len(chain0.launches) - 2  # the two runs' finishes come last
+    for wait, at in (("gathers", 2), ("sdpa", 0)):
+        got, _, _ = _mixed_calls(True, route, fused, wait=wait)
+        chain, chain_in = got["metal_attn.sdpa_finish_decode"]
+        assert chain.after == [(launch, at) for launch in range(n_rows)]
+        assert (chain.launches, chain.state, chain.scratch, chain.outputs) == (chain0.launches, chain0.state,
+                                                                               chain0.scratch, chain0.outputs)
+        assert [a.shape for a in chain_in] == [a.shape for a in in0]
+        gather, _ = got["metal_attn.gather_kv"]
+        if wait == "gathers":  # the first run's first flagged positions, as the gather chain returned them
+            assert chain_in[at] is gather._zeros[2]
+        else:  # the first run's fused SDPA output, in packed rows
+            assert chain_in[at].shape == (200, 8, 128)
+
+
 def test_decode_rows_in_the_finish_chain_say_so_in_explain():
     from metal_attn.api import explain
 
@@ -627,3 +651,7 @@ def test_decode_rows_in_the_finish_chain_say_so_in_explain():
             row = next(r for r in explain(device="h200", **fields).rows if r.name == "sdpa_prefill")
         note = next(n for n in row.plan.notes if n.startswith("decode rows: ") and "finish chain" in n)
         assert note.endswith(f"(METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN={int(on)})"), note
+    with override_settings(cuda_decode_rows_wait="gathers"):
+        row = next(r for r in explain(device="h200", **fields).rows if r.name == "sdpa_prefill")
+    note = next(n for n in row.plan.notes if n.startswith("decode rows: ") and "finish chain" in n)
+    assert note.endswith("waiting for the first run's gathers (METAL_ATTN_CUDA_DECODE_ROWS_WAIT=gathers)"), note

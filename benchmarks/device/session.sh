@@ -57,6 +57,11 @@
 #   cudnn    cuDNN's SDPA reading our K/V pools in place through page tables, against cuDNN on contiguous K/V, on
 #            four of the prefill suite's shapes and the third mixed batch's chunk (benchmarks/probe_cudnn_paged.py; torch and cuDNN's Python frontend, whose
 #            wheel travels in .device/extra/) (issue #18: the route without the gather's and the finish's copies)
+#   rowswait what a mixed batch's decode rows in the finish chain wait for (METAL_ATTN_CUDA_DECODE_ROWS_WAIT, built in
+#            the forty-seventh session, not yet measured): its chain GPU tests (the same bytes whatever they wait
+#            for), the prefill suite's mixed batches waiting for nothing, the gathers and the fused SDPA output
+#            against MLX SDPA, queued and interleaved, five repeats, then where the mixed batches' GPU time goes
+#            (benchmarks/profile_mixed.py) waiting for nothing and for the gathers (issue #18)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100; with -n 14, 751 seeds filled the old 300 s limit in the forty-seventh
 #            session, so the fuzz now takes up to 540 s: a range of 1,000 in one call)
@@ -89,7 +94,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline queued tiles inchain cudnn fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline queued tiles inchain cudnn rowswait fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -278,6 +283,17 @@ run_phase() {
         "$dir/host-off.json"
       step host-on "$STEP_LIMIT" env METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1 python3 benchmarks/probe_mixed_host.py \
         "$dir/host-on.json" ;;
+    rowswait)
+      # shellcheck disable=SC2046
+      step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) tests/gpu/test_cuda_chains_gpu.py \
+        -k "finish_chain or refused_when_built"
+      step suite "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --interleave --shapes mixed --repeat 5 \
+        --quiet --markdown --json "$dir/rowswait.json" \
+        --candidates "auto,auto[cuda_decode_rows_wait=gathers],auto[cuda_decode_rows_wait=sdpa],mlx_sdpa"
+      step profile-none "$STEP_LIMIT" env METAL_ATTN_CUDA_DECODE_ROWS_WAIT=none python3 benchmarks/profile_mixed.py \
+        "$dir/profile-none.json"
+      step profile-gathers "$STEP_LIMIT" env METAL_ATTN_CUDA_DECODE_ROWS_WAIT=gathers \
+        python3 benchmarks/profile_mixed.py "$dir/profile-gathers.json" ;;
     partition)
       local p cands=auto
       for p in 192 256 384 512 768 1024 1536 2048 3072 4096; do cands+=",auto[partition_size=$p]"; done

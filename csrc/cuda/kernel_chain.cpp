@@ -269,6 +269,13 @@ void ChainSpec::validate() const {
       }
     }
   }
+  for (const auto& [l, i] : after) {
+    if (l < 0 || l >= static_cast<int>(launches.size()) || i < 0 || i >= n_in) {
+      throw std::invalid_argument("chain " + name + ": after pair (" + std::to_string(l) + ", " + std::to_string(i) +
+                                  ") (allowed: a launch index 0.." + std::to_string(launches.size() - 1) +
+                                  " and an input index 0.." + std::to_string(n_in - 1) + ")");
+    }
+  }
   // Data flow: inputs are never written (MLX arrays may share them); scratch is written before it is
   // read; every output is written by some launch.
   std::vector<bool> written(n, false);
@@ -354,7 +361,8 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
   }
   std::vector<CUdeviceptr> pointers;
   std::vector<void*> params;
-  for (const auto& launch : spec.launches) {
+  for (size_t l = 0; l < spec.launches.size(); ++l) {
+    const Launch& launch = spec.launches[l];
     const size_t n = launch.args.size();
     pointers.resize(n);
     params.resize(n);
@@ -367,6 +375,11 @@ void KernelChain::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
         enc.set_input_array(b);
       } else {
         enc.set_output_array(b);  // also a dependency on the buffer's last writer (a state input's)
+      }
+    }
+    if (!direct) {  // stream order already puts a direct launch after every writer
+      for (const auto& [al, ai] : spec.after) {
+        if (al == static_cast<int>(l)) enc.set_input_array(buffers[ai]);
       }
     }
     launch_kernel(enc, direct, launch.function, dim3(launch.grid[0], launch.grid[1], launch.grid[2]),

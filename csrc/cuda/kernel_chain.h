@@ -53,6 +53,10 @@ struct ChainSpec {
   std::vector<std::pair<int, int>> initial;
   std::vector<Buffer> scratch;
   std::vector<Launch> launches;
+  // (launch, input) pairs: the launch waits for the input's writer without reading the input (its
+  // graph node comes after that writer's, as if it read it). For ordering only: which kernel reaches
+  // the GPU's cores first when MLX's graph could start both at once.
+  std::vector<std::pair<int, int>> after;
   // Outputs, scratch and input copies from our device memory pool (device_memory.h); false: MLX's
   // allocator (unified memory), for A/B runs.
   bool pooled = true;
@@ -70,9 +74,10 @@ struct ChainSpec {
   int direct_when_idle = 0;
 
   // Checks every index and size, that no launch writes an input other than a state input, that
-  // every output is written, that no scratch buffer is read before a launch writes it and that each
+  // every output is written, that no scratch buffer is read before a launch writes it, that each
   // initial pair names an output once and an input of the output's dtype (and element count, when
-  // input shapes are given); throws std::invalid_argument naming what is wrong.
+  // input shapes are given) and that each after pair names a launch and an input; throws
+  // std::invalid_argument naming what is wrong.
   void validate() const;
 };
 

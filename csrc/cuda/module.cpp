@@ -54,7 +54,7 @@ Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dt
                  const std::vector<BufferSpec>& outputs, const std::vector<BufferSpec>& scratch,
                  const std::vector<LaunchSpec>& launches, const std::vector<std::vector<int>>& input_shapes,
                  const std::vector<int>& state, bool pooled, const std::vector<std::pair<int, int>>& initial,
-                 bool commit_when_idle, int direct_when_idle) {
+                 bool commit_when_idle, int direct_when_idle, const std::vector<std::pair<int, int>>& after) {
   auto spec = std::make_shared<mac::ChainSpec>();
   spec->name = name;
   spec->input_dtypes = input_dtypes;
@@ -64,6 +64,7 @@ Chain make_chain(const std::string& name, const std::vector<mx::Dtype>& input_dt
   spec->initial = initial;
   spec->commit_when_idle = commit_when_idle;
   spec->direct_when_idle = direct_when_idle;
+  spec->after = after;
   spec->outputs = buffers(outputs);
   spec->scratch = buffers(scratch);
   for (const auto& [fn, grid, block, args, reads] : launches) {
@@ -151,6 +152,7 @@ NB_MODULE(_cuda_ops, m) {
       .def(nb::new_(&make_chain), "name"_a, "input_dtypes"_a, "outputs"_a, "scratch"_a, "launches"_a,
            "input_shapes"_a = std::vector<std::vector<int>>{}, "state"_a = std::vector<int>{}, "pooled"_a = true,
            "initial"_a = std::vector<std::pair<int, int>>{}, "commit_when_idle"_a = false, "direct_when_idle"_a = 0,
+           "after"_a = std::vector<std::pair<int, int>>{},
            "input_shapes: one per input (checked at each call), or none; outputs and scratch: (shape, dtype) pairs; launches: (function, grid, block, args, reads), grid in "
            "threadgroups, args as buffer indices (inputs, then outputs, then scratch), the first `reads` read; state: the input "
            "indices launches may write in place (row-contiguous buffers they leave as they found them); pooled: outputs, "
@@ -158,7 +160,8 @@ NB_MODULE(_cuda_ops, m) {
            "input) pairs, the output starting as the input's values (its buffer where no other array holds it, else a "
            "copy), for launches that update it in place; commit_when_idle: after encoding, launch MLX's encoded graph when its "
            "stream has no work left (the GPU is idle); direct_when_idle: with commit_when_idle, the chain that finds the GPU idle "
-           "and the next direct_when_idle - 1 after it launch straight onto MLX's stream, after committing what MLX encoded.")
+           "and the next direct_when_idle - 1 after it launch straight onto MLX's stream, after committing what MLX encoded; "
+           "after: (launch, input) pairs, the launch waiting for the input's writer without reading it (ordering only).")
       .def("__call__", [](const Chain& c, const std::vector<mx::array>& inputs) { return mac::run_chain(c.spec, inputs); },
            "inputs"_a, "The chain's outputs over inputs (lazy).")
       .def_prop_ro("name", [](const Chain& c) { return c.spec->name; });

@@ -151,6 +151,7 @@ class FakeChain:
     initial: list = dataclasses.field(default_factory=list)
     commit_when_idle: bool = False
     direct_when_idle: int = 0
+    after: list = dataclasses.field(default_factory=list)
     owner: FakeChains | None = dataclasses.field(default=None, repr=False)
     calls: list = dataclasses.field(default_factory=list)
     _zeros: list = dataclasses.field(default_factory=list, repr=False)
@@ -200,9 +201,9 @@ def fake_chains() -> Iterator[FakeChains]:
         @staticmethod
         def Chain(name: str, input_dtypes: list, outputs: list, scratch: list, launches: list,
                   input_shapes: list, state: list, pooled: bool, initial: list,
-                  commit_when_idle: bool, direct_when_idle: int = 0) -> FakeChain:
+                  commit_when_idle: bool, direct_when_idle: int = 0, after: list | None = None) -> FakeChain:
             c = FakeChain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, pooled, initial,
-                          commit_when_idle, direct_when_idle, owner=fake)
+                          commit_when_idle, direct_when_idle, list(after or ()), owner=fake)
             fake.chains.append(c)
             return c
 

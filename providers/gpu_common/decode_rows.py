@@ -197,8 +197,11 @@ def decode_rows_in_chain_note(settings: Settings, side_stream: bool) -> str:
     if side_stream:
         return "decode rows: a chain of their own on the second stream (not inside the finish chain)"
     if settings.cuda_decode_rows_in_chain:
+        wait = settings.cuda_decode_rows_wait
+        waits = "" if wait == "none" else (f", waiting for the first run's {wait} "
+                                           f"(METAL_ATTN_CUDA_DECODE_ROWS_WAIT={wait})")
         return ("decode rows: inside the finish chain where the batch is chained "
-                "(METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1)")
+                f"(METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1){waits}")
     return "decode rows: a chain of their own beside the finish chain (METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=0)"
 
 

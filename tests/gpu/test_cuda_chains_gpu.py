@@ -168,6 +168,10 @@ def test_a_chain_whose_data_flow_is_wrong_is_refused_when_built():
         (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 7], 1)]), r"argument 7 \(allowed: buffer indices 0..2\)"),
         (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 1], 1)], state=[3]),
          r"state input 3 \(allowed: input indices 0..0\)"),
+        (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 1], 1)], after=[(1, 0)]),
+         r"after pair \(1, 0\) \(allowed: a launch index 0..0 and an input index 0..0\)"),
+        (dict(launches=[(fake_fn, (1, 1, 1), (32, 1, 1), [0, 1], 1)], after=[(0, 1)]),
+         r"after pair \(0, 1\)"),
     ]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -492,13 +496,14 @@ MIXED_CHAIN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("wait", ["none", "gathers", "sdpa"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
 @pytest.mark.parametrize("route", ["per_token_ps0", "per_token_ps64"])
 @pytest.mark.parametrize("spec", MIXED_CHAIN_CASES, ids=[c["label"] for c in MIXED_CHAIN_CASES])
-def test_decode_rows_inside_the_finish_chain_give_the_same_bytes(spec, route, fused):
+def test_decode_rows_inside_the_finish_chain_give_the_same_bytes(spec, route, fused, wait):
     # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: a mixed batch's decode rows run inside sdpa_prefill's finish chain,
     # straight into the output's first rows, the same kernels, grids and parameters as their chain of their own:
-    # the same bytes, and the oracle.
+    # the same bytes, and the oracle; whatever the rows wait for (METAL_ATTN_CUDA_DECODE_ROWS_WAIT).
     from metal_attn.testing.overrides import rule_opened_for
 
     case = _case(spec, seed=23)
@@ -506,12 +511,12 @@ def test_decode_rows_inside_the_finish_chain_give_the_same_bytes(spec, route, fu
     with rule_opened_for("sdpa_prefill"):
         for on in (True, False):
             before = dict(cuda_ops.chains_built)
-            with (override_settings(cuda_decode_rows_in_chain=on, cuda_fused_reduce=fused),
+            with (override_settings(cuda_decode_rows_in_chain=on, cuda_fused_reduce=fused, cuda_decode_rows_wait=wait),
                   forced_per_token_route(route)):
                 outs[on] = run_case(case, provider="sdpa_prefill")
                 assert diagnostics.last_dispatch().route == "sdpa_prefill_decode"
             built[on] = {k for k, v in cuda_ops.chains_built.items() if v != before.get(k, 0)}
     assert "metal_attn.sdpa_finish_decode" in built[True], built
     assert "metal_attn.sdpa_finish_decode" not in built[False], built
-    np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"{case.label} {route} fused={fused}")
+    np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"{case.label} {route} fused={fused} wait={wait}")
     assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {route} in the finish chain")
