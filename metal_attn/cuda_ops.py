@@ -262,11 +262,19 @@ def chain(name: str, input_dtypes: Sequence[Any], outputs: Sequence[tuple[tuple[
     if mod is None:
         raise RuntimeError(f"CUDA chains are not available: {unavailable_reason()}")
     chains_built[name] += 1
-    return mod.Chain(name, list(input_dtypes), [(list(s), d) for s, d in outputs], [(list(s), d) for s, d in scratch],
-                     [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches],
-                     [list(x) for x in input_shapes], list(state), get_settings().cuda_chain_pool,
-                     [tuple(p) for p in initial], commit_when_idle, direct_when_idle,
-                     **({"after": [tuple(p) for p in after]} if after else {}))  # a module built before it takes none
+    # Passed only when given, so that a module built before `after` existed still builds every other chain.
+    extra = {"after": [tuple(p) for p in after]} if after else {}
+    try:
+        return mod.Chain(name, list(input_dtypes), [(list(s), d) for s, d in outputs],
+                         [(list(s), d) for s, d in scratch],
+                         [(fn, tuple(g), tuple(b), list(a), r) for fn, g, b, a, r in launches],
+                         [list(x) for x in input_shapes], list(state), get_settings().cuda_chain_pool,
+                         [tuple(p) for p in initial], commit_when_idle, direct_when_idle, **extra)
+    except TypeError as exc:
+        if extra and "after" in str(exc):
+            raise RuntimeError(f"chain {name!r} needs after={list(after)}, which the built metal_attn._cuda_ops module "
+                               "predates: rebuild it (benchmarks/device/build_cuda_ops.sh)") from exc
+        raise
 
 
 def pool_stats() -> dict[str, int] | None:

@@ -283,13 +283,14 @@ class Settings(BaseSettings):
         "none",
         validation_alias=_env("cuda_decode_rows_wait"),
         description=(
-            "CUDA chains, the sdpa_prefill route with the decode rows in the finish chain: what the rows' launches "
-            "wait for besides their own inputs. none: nothing, so MLX's graph may start them at once with the "
-            "gathers; gathers: the first run's flags (after its gather, when its fused SDPA call is ready to start), "
-            "so the persistent cuDNN kernel may take the GPU first and the rows fill its tail, as MLX SDPA's two "
-            "calls overlap on the suite's GPU-bound mixed batch; sdpa: the first run's fused SDPA output (the rows "
-            "after it). The same kernels and bytes either way. Built for an A/B, not yet measured "
-            "(docs/cuda-ops.md, forty-seventh session): none, as before, by default."
+            "CUDA chains, the sdpa_prefill route with the decode rows in the finish chain: what the rows' first "
+            "launch waits for besides its own inputs. none: nothing, so MLX's graph may start the rows with the "
+            "gathers; gathers: the first run's first flagged positions (first_flagged, just after that run's gather, "
+            "when its fused SDPA call becomes ready), so that the persistent cuDNN kernel may take the GPU first and "
+            "the rows run in its tail (a guess from CUPTI's interval sums on the suite's GPU-bound mixed batch); "
+            "sdpa: the first run's fused SDPA output (the rows after it). The same kernels and bytes either way. "
+            "Built for an A/B, not yet measured on a GPU (docs/cuda-ops.md, forty-seventh session): none, as "
+            "before, by default. gathers and sdpa need the CUDA module rebuilt since."
         ),
     )
 

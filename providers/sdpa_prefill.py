@@ -467,7 +467,7 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     output's first rows (the runs' finish parameters then place every run after them and copy no lead
     rows). They read no buffer the gathers or MLX's SDPA write, so MLX's CUDA graph runs them beside
     those, as it ran their chain of their own; the finishes, writing the same output, come after them.
-    ``decode_wait`` (`DECODE_ROWS_WAIT_INPUT`): what else the rows' launches wait for, ordering only."""
+    ``decode_wait`` (`DECODE_ROWS_WAIT_INPUT`): what else the rows' first launch waits for, ordering only."""
     import mlx.core as mx
 
     from metal_attn import cuda_ops
@@ -511,7 +511,7 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
         finishes += part.launches_at(at, [out_at], range(out_at + 1, out_at + 1 + len(decode_scratch)))
         state = [at[i] for i in part.state]
         wait = DECODE_ROWS_WAIT_INPUT[decode_wait]  # run 0's buffers sit at 0..3 (o, q rows, first, params)
-        after = [(launch, wait) for launch in range(len(finishes))] if wait is not None else []
+        after = [(0, wait)] if wait is not None else []  # the rows' first launch; the others follow it anyway
     total = lead_rows + sum(r.rows for r in runs)
     finishes += [(fin, cuda_ops.threadgroups((r.finish_threads, 1, 1), (FINISH_THREADS, 1, 1)),
                   (FINISH_THREADS, 1, 1),

@@ -626,19 +626,21 @@ def test_the_decode_rows_in_the_finish_chain_wait_for_what_the_setting_names(rou
     base, _, _ = _mixed_calls(True, route, fused)
     chain0, in0 = base["metal_attn.sdpa_finish_decode"]
     assert chain0.after == []
-    n_rows = len(chain0.launches) - 2  # the two runs' finishes come last
-    for wait, at in (("gathers", 2), ("sdpa", 0)):
+    first_finish = chain0.launches[-2]  # the first run's sdpa_finish: args o, q rows, first, lead, params, out
+    for wait, arg in (("gathers", 2), ("sdpa", 0)):
         got, _, _ = _mixed_calls(True, route, fused, wait=wait)
         chain, chain_in = got["metal_attn.sdpa_finish_decode"]
-        assert chain.after == [(launch, at) for launch in range(n_rows)]
+        # The rows' first launch waits for the input the first run's finish reads as `first` (or `o`).
+        ((launch, at),) = chain.after
+        assert launch == 0 and at == first_finish[3][arg]
         assert (chain.launches, chain.state, chain.scratch, chain.outputs) == (chain0.launches, chain0.state,
                                                                                chain0.scratch, chain0.outputs)
         assert [a.shape for a in chain_in] == [a.shape for a in in0]
         gather, _ = got["metal_attn.gather_kv"]
         if wait == "gathers":  # the first run's first flagged positions, as the gather chain returned them
             assert chain_in[at] is gather._zeros[2]
-        else:  # the first run's fused SDPA output, in packed rows
-            assert chain_in[at].shape == (200, 8, 128)
+        else:  # the first run's fused SDPA output, in packed rows (not its query rows, the next input)
+            assert chain_in[at].shape == (200, 8, 128) and chain_in[at] is not chain_in[at + 1]
 
 
 def test_decode_rows_in_the_finish_chain_say_so_in_explain():
@@ -655,3 +657,19 @@ def test_decode_rows_in_the_finish_chain_say_so_in_explain():
         row = next(r for r in explain(device="h200", **fields).rows if r.name == "sdpa_prefill")
     note = next(n for n in row.plan.notes if n.startswith("decode rows: ") and "finish chain" in n)
     assert note.endswith("waiting for the first run's gathers (METAL_ATTN_CUDA_DECODE_ROWS_WAIT=gathers)"), note
+
+
+def test_a_chain_that_needs_after_names_the_rebuild_when_the_module_predates_it(monkeypatch):
+    # A module built before chains took `after` refuses the keyword (nanobind's TypeError): the call says what
+    # to do instead; without `after` such a module still builds the chain.
+    class OldModule:
+        @staticmethod
+        def Chain(name, input_dtypes, outputs, scratch, launches, input_shapes, state, pooled, initial,
+                  commit_when_idle, direct_when_idle):
+            return name
+
+    monkeypatch.setattr(cuda_ops, "native", lambda: OldModule)
+    launch = [(1, (1, 1, 1), (32, 1, 1), [0, 1], 1)]
+    assert cuda_ops.chain("old", [mx.float32], [((4,), mx.float32)], [], launch) == "old"
+    with pytest.raises(RuntimeError, match=r"needs after=\[\(0, 0\)\].*predates: rebuild it"):
+        cuda_ops.chain("old", [mx.float32], [((4,), mx.float32)], [], launch, after=[(0, 0)])

@@ -496,11 +496,10 @@ MIXED_CHAIN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("wait", ["none", "gathers", "sdpa"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
 @pytest.mark.parametrize("route", ["per_token_ps0", "per_token_ps64"])
 @pytest.mark.parametrize("spec", MIXED_CHAIN_CASES, ids=[c["label"] for c in MIXED_CHAIN_CASES])
-def test_decode_rows_inside_the_finish_chain_give_the_same_bytes(spec, route, fused, wait):
+def test_decode_rows_inside_the_finish_chain_give_the_same_bytes(spec, route, fused):
     # METAL_ATTN_CUDA_DECODE_ROWS_IN_CHAIN=1: a mixed batch's decode rows run inside sdpa_prefill's finish chain,
     # straight into the output's first rows, the same kernels, grids and parameters as their chain of their own:
     # the same bytes, and the oracle; whatever the rows wait for (METAL_ATTN_CUDA_DECODE_ROWS_WAIT).
@@ -509,14 +508,17 @@ def test_decode_rows_inside_the_finish_chain_give_the_same_bytes(spec, route, fu
     case = _case(spec, seed=23)
     outs, built = {}, {}
     with rule_opened_for("sdpa_prefill"):
-        for on in (True, False):
+        for key in ("own chain", "none", "gathers", "sdpa"):
+            on, wait = key != "own chain", "none" if key == "own chain" else key
             before = dict(cuda_ops.chains_built)
             with (override_settings(cuda_decode_rows_in_chain=on, cuda_fused_reduce=fused, cuda_decode_rows_wait=wait),
                   forced_per_token_route(route)):
-                outs[on] = run_case(case, provider="sdpa_prefill")
+                outs[key] = run_case(case, provider="sdpa_prefill")
                 assert diagnostics.last_dispatch().route == "sdpa_prefill_decode"
-            built[on] = {k for k, v in cuda_ops.chains_built.items() if v != before.get(k, 0)}
-    assert "metal_attn.sdpa_finish_decode" in built[True], built
-    assert "metal_attn.sdpa_finish_decode" not in built[False], built
-    np.testing.assert_array_equal(outs[True], outs[False], err_msg=f"{case.label} {route} fused={fused} wait={wait}")
-    assert_close_to_oracle(outs[True], case.oracle(), case.dtype, label=f"{case.label} {route} in the finish chain")
+            built[key] = {k for k, v in cuda_ops.chains_built.items() if v != before.get(k, 0)}
+    assert "metal_attn.sdpa_finish_decode" not in built["own chain"], built
+    for key in ("none", "gathers", "sdpa"):
+        assert "metal_attn.sdpa_finish_decode" in built[key], (key, built)
+        np.testing.assert_array_equal(outs[key], outs["own chain"],
+                                      err_msg=f"{case.label} {route} fused={fused} wait={key}")
+    assert_close_to_oracle(outs["none"], case.oracle(), case.dtype, label=f"{case.label} {route} in the finish chain")
