@@ -286,7 +286,7 @@ run_phase() {
     rowswait)
       # shellcheck disable=SC2046
       step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) tests/gpu/test_cuda_chains_gpu.py \
-        -k "finish_chain or refused_when_built"
+        -k "finish_chain or refused_when_built or after_an_input"
       step suite "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --interleave --shapes mixed --repeat 5 \
         --quiet --markdown --json "$dir/rowswait.json" \
         --candidates "auto,auto[cuda_decode_rows_wait=gathers],auto[cuda_decode_rows_wait=sdpa],mlx_sdpa"

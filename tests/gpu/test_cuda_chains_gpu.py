@@ -181,6 +181,51 @@ def test_a_chain_whose_data_flow_is_wrong_is_refused_when_built():
     assert ok.name == "state"
 
 
+#: Two one-thread kernels that stamp the GPU's global timer (ns): the first spins 2 ms, then writes when it
+#: ended; the second writes when it started.
+_TIMER_SOURCE = r"""
+namespace mlx::core::cu {
+__device__ unsigned long long ma_test_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__global__ void ma_test_spin_2ms(const float* x, unsigned long long* end) {
+  const unsigned long long t0 = ma_test_now();
+  unsigned long long t = t0;
+  while (t - t0 < 2000000ull) t = ma_test_now();
+  end[0] = t;
+}
+__global__ void ma_test_stamp(const float* y, unsigned long long* start) {
+  start[0] = ma_test_now();
+}
+}
+"""
+
+
+def test_a_launch_after_an_input_starts_when_its_writer_has_ended():
+    # `after`: a launch waits for an input's writer without reading the input (METAL_ATTN_CUDA_DECODE_ROWS_WAIT
+    # is built on it). The stamp reads only y; with after=[(0, 0)] it must start after the 2 ms spin that
+    # wrote `end` has ended. Without it the two may run at once (MLX's graph links nodes by the buffers they
+    # name), which is what makes the edge worth having: that run is reported, not asserted.
+    spin = cuda_ops.compile_function("ma_test_spin_2ms", _TIMER_SOURCE)
+    stamp = cuda_ops.compile_function("ma_test_stamp", _TIMER_SOURCE)
+    one = ((1, 1, 1), (1, 1, 1))
+    writer = cuda_ops.chain("test_spin", [mx.float32], [((1,), mx.uint64)], [], [(spin, *one, [0, 1], 1)])
+    starts = {}
+    for waits in (True, False):
+        reader = cuda_ops.chain("test_stamp", [mx.uint64, mx.float32], [((1,), mx.uint64)], [],
+                                [(stamp, *one, [1, 2], 1)], after=[(0, 0)] if waits else ())
+        (end,) = writer([mx.zeros((1,), mx.float32)])
+        (start,) = reader([end, mx.zeros((1,), mx.float32)])
+        mx.eval(start, end)
+        starts[waits] = (int(np.array(start)[0]), int(np.array(end)[0]))
+    started, ended = starts[True]
+    assert started >= ended, f"the launch started {ended - started} ns before its input's writer ended"
+    started, ended = starts[False]
+    print(f"without after: the stamp started {(ended - started) / 1e3:.0f} µs before the spin ended")
+
+
 def test_an_input_of_another_shape_is_refused_by_name():
     case, launch, inputs = _built_chain()
     with pytest.raises(ValueError, match=r"input 0 has shape .* \(it was built for"):
