@@ -4,7 +4,7 @@ measurement behind issue #18's next route.
     python3 benchmarks/probe_cudnn_paged.py OUT.json [--iters N]
 
 Needs a CUDA GPU, torch and cuDNN's Python frontend (``pip install nvidia-cudnn-frontend``; the device
-carries the wheel: benchmarks/device/README.md). It uses no MLX and none of metal-attn's kernels: it asks
+carries the wheel: benchmarks/device/README.md). It runs no MLX and none of metal-attn's kernels: it asks
 whether cuDNN (the kernel MLX SDPA calls) can run our route's chunks straight from the pools, and at what
 cost, before anything is built on it.
 
@@ -35,6 +35,8 @@ import json
 import statistics
 import sys
 
+from metal_attn.bench.shapes import Shape
+
 #: (label, n, q_len, seq_len, heads, kv_heads): the prefill-gpu suite's chunks, and the third mixed
 #: batch's chunk.
 SHAPES = (
@@ -46,12 +48,6 @@ SHAPES = (
 )
 HEAD = 128
 BLOCK = 16
-
-
-def pairs(q_len: int, seq_len: int) -> int:
-    """Attended (query, key) pairs of one sequence under the bottom-right causal mask."""
-    ctx = seq_len - q_len
-    return q_len * ctx + q_len * (q_len + 1) // 2
 
 
 def build_graph(cudnn, handle, tensors: dict, scale: float, paged: bool, max_kv: int):
@@ -130,7 +126,7 @@ def run_shape(torch, cudnn, handle, label, n, q_len, seq_len, heads, kvh, iters)
     v_cont = v_pool[flat].reshape(n, pages * BLOCK, kvh, HEAD)[:, :seq_len].permute(0, 2, 1, 3).contiguous()
     row = {"shape": label, "n": n, "q_len": q_len, "seq_len": seq_len, "heads": heads, "kv_heads": kvh,
            "head": HEAD, "block_size": BLOCK}
-    flops = 4 * heads * HEAD * n * pairs(q_len, seq_len)
+    flops = Shape(n, heads, kvh, HEAD, seq_len, "bfloat16", block_size=BLOCK, q_len=q_len).flops  # the suite's
 
     # Reference: torch SDPA in float32 on the gathered K/V, explicit bottom-right mask.
     qi = torch.arange(q_len, device=dev)[:, None]
