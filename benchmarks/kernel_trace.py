@@ -12,7 +12,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +79,45 @@ def summarise(events: list[dict], calls: int, kv_bytes: int) -> dict:
         })
     kernels.sort(key=lambda k: -k["us_per_call"])
     return {"gpu_us_per_call": total_us, "gbps_gpu_time": kv_bytes / (total_us * 1e-6) / 1e9 if total_us else None,
-            "busy_us_per_call": busy_us(events) / calls, "kernels": kernels}
+            "busy_us_per_call": busy_us(events) / calls, "kernels": kernels, "timeline": timeline(events, calls)}
+
+
+def timeline(events: list[dict], calls: int) -> list[dict] | None:
+    """When each launch of one call runs, relative to the call's first kernel: per launch (its kernel's name
+    and ``launch``, its place among that kernel's launches in the call), the median ``start_us`` and
+    ``end_us`` over the ``calls`` traced calls, ordered by start. Which kernels ran side by side, and
+    which waited for which, shows here where `busy_us` only gives the union.
+
+    The calls are told apart by order (`trace` waits for each call): the events sorted by start, cut into
+    ``calls`` equal groups. ``None`` where that cannot hold: the events do not divide evenly, or a launch is
+    missing from some call (the calls launched different kernels)."""
+    if calls <= 0 or not events or len(events) % calls:
+        return None
+    ordered = sorted(events, key=lambda e: float(e["ts"]))
+    per_call = len(ordered) // calls
+    spans: dict[tuple[str, int], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for c in range(calls):
+        group = ordered[c * per_call:(c + 1) * per_call]
+        t0 = float(group[0]["ts"])
+        seen: Counter[str] = Counter()
+        for e in group:
+            key = (e["name"], seen[e["name"]])
+            seen[e["name"]] += 1
+            starts, ends = spans[key]
+            starts.append(float(e["ts"]) - t0)
+            ends.append(float(e["ts"]) + float(e["dur"]) - t0)
+    if any(len(starts) != calls for starts, _ in spans.values()):
+        return None
+    rows = [{"name": name[:90], "launch": i, "start_us": statistics.median(starts), "end_us": statistics.median(ends)}
+            for (name, i), (starts, ends) in spans.items()]
+    return sorted(rows, key=lambda r: (r["start_us"], r["end_us"]))
+
+
+def timeline_lines(row: dict, width: int) -> list[str]:
+    """`timeline` of a `summarise` row as text, a launch a line (``[]`` where it is ``None``)."""
+    return [f"    {t['start_us']:7.1f} -> {t['end_us']:7.1f} us  {t['name'][:width]}"
+            + (f" #{t['launch'] + 1}" if t["launch"] else "")
+            for t in row.get("timeline") or []]
 
 
 def kernel_us(kernels: list[dict]) -> float:

@@ -16,7 +16,9 @@ graph, and the GPU time of every kernel it launches (CUPTI, `kernel_trace`), for
 ``gpu`` sums the kernels' durations; ``busy`` is the union of their intervals (MLX's CUDA graphs run
 kernels without a data dependency at once: the tiles' route runs its per-token and tiled kernels
 side by side). A route slower than the peer on wall time but not on busy time pays in launches and
-host time; one slower on busy time pays in its kernels.
+host time; one slower on busy time pays in its kernels. Under each row, its ``timeline``: every launch of
+one call with its median start and end after the call's first kernel, which shows what ran beside what
+(whether a batch's decode rows hide in the chunk kernel's tail, as the peer's seem to, or wait for it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import contextlib
 import json
 import sys
 
-from kernel_trace import profile_call, top_kernels
+from kernel_trace import profile_call, timeline_lines, top_kernels
 
 import metal_attn
 from metal_attn.bench.peers import MlxSdpa
@@ -67,6 +69,8 @@ def main() -> None:
             print(f"{shape.label:46s} {label:13s} wall {row['wall_ms']:7.3f} ms ({row['gbps_wall']:5.0f} GB/s) "
                   f"build {build:>6s} ms gpu {row['gpu_us_per_call']:6.0f} us "
                   f"busy {row['busy_us_per_call']:6.0f} us | {top_kernels(row, 5, 34)}", flush=True)
+            for line in timeline_lines(row, 60):
+                print(line, flush=True)
         del case
     with open(args.out, "w") as f:
         json.dump({"device": current_device().describe(), "results": results}, f, indent=1, default=str)

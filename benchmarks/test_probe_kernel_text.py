@@ -66,3 +66,34 @@ def test_a_version_may_run_under_settings_of_its_own():
     for bad in ("s1", "s1:reducer_slices", ":x=1", "s1:=1"):
         with pytest.raises(argparse.ArgumentTypeError, match="allowed: NAME:SETTING=VALUE"):
             pk.parse_set(bad)
+
+
+def _event(name: str, ts: float, dur: float) -> dict:
+    return {"name": name, "ts": ts, "dur": dur, "cat": "kernel"}
+
+
+def test_a_timeline_gives_each_launch_its_median_offsets_from_the_calls_first_kernel():
+    import kernel_trace
+
+    # two blocking calls, 1,000 us apart: rows and chunk side by side, then the finish, launched twice
+    calls = [[_event("rows", t, 50.0), _event("chunk", t + 2.0, 190.0), _event("finish", t + 192.0, 10.0),
+              _event("finish", t + 203.0, 4.0)] for t in (0.0, 1000.0)]
+    calls[1][1]["dur"] = 194.0  # the second call's chunk ran 4 us longer
+    events = [e for call in reversed(calls) for e in reversed(call)]  # the order given must not matter
+    rows = kernel_trace.timeline(events, 2)
+    assert [(r["name"], r["launch"]) for r in rows] == [("rows", 0), ("chunk", 0), ("finish", 0), ("finish", 1)]
+    assert rows[1]["start_us"] == 2.0 and rows[1]["end_us"] == 194.0  # median of 192 and 196
+    assert rows[3]["start_us"] == 203.0 and rows[3]["end_us"] == 207.0
+    lines = kernel_trace.timeline_lines({"timeline": rows}, 10)
+    assert lines[0] == "        0.0 ->    50.0 us  rows"
+    assert lines[3].endswith("finish #2")
+
+
+def test_a_timeline_is_none_when_the_calls_launched_different_kernels():
+    import kernel_trace
+
+    assert kernel_trace.timeline([_event("a", 0, 1), _event("b", 5, 1), _event("a", 100, 1)], 2) is None
+    assert kernel_trace.timeline([_event("a", 0, 1), _event("b", 5, 1), _event("a", 100, 1),
+                                  _event("a", 105, 1)], 2) is None
+    assert kernel_trace.timeline([], 3) is None
+    assert kernel_trace.timeline_lines({"timeline": None}, 10) == []
