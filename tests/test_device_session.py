@@ -73,8 +73,8 @@ def test_the_profiler_driver_runs_our_side_on_any_backend(tmp_path):
 
 #: Every phase of session.sh, in its order (the dry-run test checks the script lists no other).
 DRY_RUN_PHASES = ("tests", "decode", "prefill", "streams", "stalls", "finish", "idle", "direct", "wait", "staged",
-                  "engine", "baseline", "queued", "tiles", "inchain", "cudnn", "rowswait", "fuzz", "ncu", "partition",
-                  "kernels")
+                  "engine", "baseline", "queued", "tiles", "inchain", "cudnn", "rowswait", "mixblock", "fuzz", "ncu",
+                  "partition", "kernels")
 
 
 def _dry_run(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -95,7 +95,8 @@ def test_a_dry_run_checks_every_step_of_every_phase(tmp_path):
     script_phases = next(line for line in SCRIPT.read_text().splitlines() if line.startswith("PHASES=("))
     assert script_phases == f"PHASES=({' '.join(DRY_RUN_PHASES)})", "a phase the dry run does not check"
     checked = [line for line in got.stdout.splitlines() if "[dry run: " in line]
-    assert len(checked) == 65  # 1 + 3 + 4 + 4 + 4 + 3 + 4 + 5 + 2 + 2 + 2 + 2 + 3 + 3 + 4 + 1 + 4 + 1 + 8 + 1 + 4 steps
+    # steps per phase: 1 + 3 + 4 + 4 + 4 + 3 + 4 + 5 + 2 + 2 + 2 + 2 + 3 + 3 + 4 + 1 + 4 + 2 + 1 + 8 + 1 + 4
+    assert len(checked) == 67
     # A step run under `env NAME=VALUE` is checked too (its command after the variables, with --dry-run).
     assert any("env MLX_USE_CUDA_GRAPHS=0 python3 -m metal_attn.bench.cli" in line
                and line.endswith("[dry run: --dry-run]") for line in checked)

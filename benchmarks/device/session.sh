@@ -62,6 +62,11 @@
 #            for), the prefill suite's mixed batches waiting for nothing, the gathers and the fused SDPA output
 #            against MLX SDPA, queued and interleaved, five repeats, then where the mixed batches' GPU time goes
 #            (benchmarks/profile_mixed.py) waiting for nothing and for the gathers (issue #18)
+#   mixblock the decode-gpu suite's mixed batches blocking, as the H200 baseline measures them (the first read 29-39%
+#            under the baseline in the forty-eighth session, within its margin): the decode rows in the finish chain
+#            and in their own chain, waiting for the gathers, classic, torch SDPA and MLX SDPA, interleaved, three
+#            repeats; then benchmarks/profile_mixed.py, whose rows now print each call's timeline (where the peer's
+#            decode kernel runs beside its chunk kernel) (issue #18)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100; with -n 14, 751 seeds filled the old 300 s limit in the forty-seventh
 #            session, so the fuzz now takes up to 540 s: a range of 1,000 in one call)
@@ -94,7 +99,7 @@ BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
 b1:24:4:256:65536,b16:16:2:128:16384,b128:32:8:128:1024
-PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline queued tiles inchain cudnn rowswait fuzz ncu partition kernels)
+PHASES=(tests decode prefill streams stalls finish idle direct wait staged engine baseline queued tiles inchain cudnn rowswait mixblock fuzz ncu partition kernels)
 start=$(date +%s)
 failed=()
 
@@ -294,6 +299,11 @@ run_phase() {
         "$dir/profile-none.json"
       step profile-gathers "$STEP_LIMIT" env METAL_ATTN_CUDA_DECODE_ROWS_WAIT=gathers \
         python3 benchmarks/profile_mixed.py "$dir/profile-gathers.json" ;;
+    mixblock)
+      step suite "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --interleave --shapes mixed --repeat 3 --quiet \
+        --markdown --json "$dir/mixblock.json" \
+        --candidates "auto,auto[cuda_decode_rows_in_chain=0],auto[cuda_decode_rows_wait=gathers],classic,torch_sdpa,mlx_sdpa"
+      step profile "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile.json" ;;
     partition)
       local p cands=auto
       for p in 192 256 384 512 768 1024 1536 2048 3072 4096; do cands+=",auto[partition_size=$p]"; done
