@@ -114,20 +114,33 @@ def test_dispatch_figure_equals_docs_bench_cpu():
     assert f"about {m.group(1)} µs added per `paged_attention` call by the registry" in _measured()
 
 
-def test_h200_decode_step_figures_equal_the_compiled_step_table():
-    """The decode-step bullet: the span of every reading of the thirtieth session's chained-step table, and
-    the shapes where the compiled step was at or below torch's time in every reading."""
+def test_h200_decode_step_figures_equal_the_forty_eighth_session_table():
+    """The decode-step bullet, recomputed from the forty-eighth session's queued table: the span of the
+    step's ratios to torch where it is at or below torch's time, the shapes where it is not, and the single
+    calls' share of the ceiling (512 MiB of K+V or more, the two 256 MiB shapes, b8 L4096)."""
     doc = (ROOT / "docs" / "bench-h200-decode-step.md").read_text()
-    header, *rows = _table_after(doc, "## Thirtieth session (2026-12-06): the chained step on the H200")
+    header, *rows = _table_after(doc, "## Forty-eighth session (2026-12-07): the H200 at last")
     assert len(rows) == 8, rows
-    readings = lambda col: [[x.strip() for x in r[header.index(col)].split(",")] for r in rows]  # noqa: E731
-    compiled = readings("torch / `auto_compiled` (4 readings)")
-    eager = readings("torch / `auto`, eager (3)")
-    every = sum(min(float(x) for x in row) >= 1.0 for row in compiled)
-    phrase = (f"compiled (`auto_compiled`) {_span([x for row in compiled for x in row])}x torch SDPA on "
-              f"contiguous K/V over four readings, at or below torch's time in every reading on {every} of "
-              f"{len(rows)} shapes; eager {_span([x for row in eager for x in row])}x")
-    assert phrase in _measured(), f"README's decode-step bullet should say {phrase!r}"
+    step = {r[0]: _num(r[header.index("the step: ours / torch SDPA (time)")], r"^\**(\d\.\d\d)") for r in rows}
+    call = {r[0]: _num(r[header.index("one call: ours %, torch %, MLX SDPA %")], r"^\**(\d+)") for r in rows}
+    kv = {r[0]: r[header.index("K+V")] for r in rows}
+    met = [v for v in step.values() if float(v) >= 1.0]
+    short = lambda shape: re.sub(r" \d+/\d+(?:/\d+)?", "", shape).replace(", 18 layers", "")  # noqa: E731
+    missed = ", ".join(f"{v}x on {short(k)}" for k, v in step.items() if float(v) < 1.0)
+    large = _span([call[k] for k in rows_named(kv, ("512 MiB", "1 GiB", "2 GiB"))])
+    (b1,) = [k for k in kv if k.startswith("b1 24/4/256")]
+    (b16,) = [k for k in kv if k.startswith("b16 16/2")]
+    (b8,) = [k for k in kv if k.startswith("b8 32/8 L4096")]
+    phrases = [f"{_span(met)}x torch SDPA on contiguous K/V on {len(met)} of the {len(rows)} shapes, {missed},",
+               f"Single calls at {large}% of the ceiling where K+V is 512 MiB or more",
+               f"b1 24/4/256 and b16 16/2 ({kv[b1]}) at {call[b1]}% and {call[b16]}%, b8 L4096 at {call[b8]}%"]
+    for phrase in phrases:
+        assert phrase in _measured(), f"README's decode-step bullet should say {phrase!r}"
+
+
+def rows_named(kv: dict[str, str], sizes: tuple[str, ...]) -> list[str]:
+    """The shapes of a ``{shape: K+V}`` table whose K+V is one of ``sizes``."""
+    return [k for k, v in kv.items() if v in sizes]
 
 
 def test_h200_serving_ratios_equal_the_generate_tables():
@@ -171,23 +184,22 @@ def test_h200_serving_ratios_equal_the_generate_tables():
     assert said[7:] == [round(prefix[0], 1), round(prefix[-1], 1)], (said[7:], prefix)
 
 
-def test_h200_prefill_figures_equal_the_prefill_table():
-    """The README's prefill bullet, recomputed from docs/bench-h200-prefill.md's tenth-session suite
-    table: `auto` against MLX SDPA (the range, and the shapes at 60% or more), the 64-row chunk, and
-    the mixed batches (each cell's first figure: this run's)."""
+def test_h200_prefill_figures_equal_the_forty_eighth_session_table():
+    """The README's prefill bullet, recomputed from docs/bench-h200-prefill.md's forty-eighth-session suite
+    table: `auto` against MLX SDPA on the prefill shapes (the range, in percent), `auto` ahead of torch SDPA
+    on each, and the mixed batches' ratios in the table's order."""
     doc = (ROOT / "docs" / "bench-h200-prefill.md").read_text()
-    header, *rows = _table_after(doc, "**The suite** (`python3 -m metal_attn.bench.cli --suite prefill-gpu")
-    col = header.index("auto / MLX SDPA")
+    header, *rows = _table_after(doc, "## Forty-eighth session (2026-12-07): the suite on the H200 again")
+    col = header.index("`auto` / MLX SDPA (time)")
     prefill = [r for r in rows if not r[0].startswith("mixed")]
     mixed = [r for r in rows if r[0].startswith("mixed")]
-    pct = [_num(r[col], r"^\**(\d+)%") for r in prefill]
-    met = [p for p in pct if int(p) >= 60]
-    chunk = next(_num(r[col], r"^\**(\d+)%") for r in prefill if r[0] == "q64 after 2K")
-    mix = [_num(r[col], r"^(\d\.\d\d)x") for r in mixed]
-    phrases = [f"`auto` at {_span(pct)}% of MLX SDPA on contiguous K/V on the {len(prefill)} prefill shapes, "
-               f"{len(met)} of them at 60% or more",
-               f"the 64-row chunk after 2K went from 45% to {chunk}%",
-               f"mixed batches at {_span(mix)}x MLX SDPA contiguous"]
+    pct = [str(round(100 * float(_num(r[col], r"^\**(\d\.\d\d)")))) for r in prefill]
+    figure = lambda cell: float(cell.replace(",", ""))  # noqa: E731
+    ahead = all(figure(r[header.index("`auto`")]) > figure(r[header.index("torch SDPA")]) for r in prefill)
+    mix = [_num(r[col], r"^\**(\d\.\d\d)") for r in mixed]
+    assert ahead, "the README says `auto` is ahead of torch SDPA on every prefill shape"
+    phrases = [f"`auto` at {_span(pct)}% of MLX SDPA on contiguous K/V on all {len(prefill)} prefill shapes",
+               f"mixed batches at {mix[0]}x, {mix[1]}x and {mix[2]}x MLX SDPA contiguous in that reading"]
     for phrase in phrases:
         assert phrase in _measured(), f"README's prefill bullet should say {phrase!r}"
 
