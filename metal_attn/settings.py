@@ -287,10 +287,10 @@ class Settings(BaseSettings):
             "launch waits for besides its own inputs. none: nothing, so MLX's graph may start the rows with the "
             "gathers; gathers: the first run's first flagged positions (first_flagged, just after that run's gather, "
             "when its fused SDPA call becomes ready), so that the persistent cuDNN kernel may take the GPU first and "
-            "the rows run in its tail (a guess from CUPTI's interval sums on the suite's GPU-bound mixed batch); "
-            "sdpa: the first run's fused SDPA output (the rows after it). The same kernels and bytes either way. "
-            "Built for an A/B, not yet measured on a GPU (docs/cuda-ops.md, forty-seventh session): none, as "
-            "before, by default. gathers and sdpa need the CUDA module rebuilt since."
+            "the rows run in its tail; sdpa: the first run's fused SDPA output (the rows after it). The same kernels "
+            "and bytes either way. H200, five interleaved readings: gathers 1.03x none on the suite's GPU-bound "
+            "mixed batch and 0.98x on the first, sdpa 0.93x and 0.97x (docs/cuda-ops.md, forty-eighth session), "
+            "so none by default. gathers and sdpa need the CUDA module built since the forty-seventh session."
         ),
     )
 
