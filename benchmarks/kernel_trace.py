@@ -83,33 +83,41 @@ def summarise(events: list[dict], calls: int, kv_bytes: int) -> dict:
 
 
 def timeline(events: list[dict], calls: int) -> list[dict] | None:
-    """When each launch of one call runs, relative to the call's first kernel: per launch (its kernel's name
-    and ``launch``, its place among that kernel's launches in the call), the median ``start_us`` and
-    ``end_us`` over the ``calls`` traced calls, ordered by start. Which kernels ran side by side, and
-    which waited for which, shows here where `busy_us` only gives the union.
+    """When each launch of one call runs, relative to the call's first event: per launch (its kernel's or
+    copy's name and ``launch``, its place by start among that name's launches in the call), the median
+    ``start_us`` and the median duration over the ``calls`` traced calls (``end_us`` is their sum), ordered
+    by start. Which kernels ran side by side, and which waited for which, shows here where `busy_us` only
+    gives the union. Two launches of one name that run side by side may swap places between calls; their
+    rows then mix the two.
 
-    The calls are told apart by order (`trace` waits for each call): the events sorted by start, cut into
-    ``calls`` equal groups. ``None`` where that cannot hold: the events do not divide evenly, or a launch is
-    missing from some call (the calls launched different kernels)."""
-    if calls <= 0 or not events or len(events) % calls:
+    The calls are told apart by the GPU's idle time (`trace` waits for each call): the ``calls - 1``
+    longest gaps in which nothing ran cut the events into calls. ``None`` where that cannot hold: fewer
+    events than calls, or calls that launched different kernels (a stray copy, an extra memset)."""
+    if calls <= 0 or len(events) < calls:
         return None
     ordered = sorted(events, key=lambda e: float(e["ts"]))
-    per_call = len(ordered) // calls
+    gaps, end = [], float("-inf")
+    for i, e in enumerate(ordered):
+        if i:
+            gaps.append((float(e["ts"]) - end, i))
+        end = max(end, float(e["ts"]) + float(e["dur"]))
+    cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:calls - 1])
+    groups = [ordered[a:b] for a, b in zip([0, *cuts], [*cuts, len(ordered)])]
+    if len({tuple(sorted(e["name"] for e in g)) for g in groups}) != 1:
+        return None
     spans: dict[tuple[str, int], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-    for c in range(calls):
-        group = ordered[c * per_call:(c + 1) * per_call]
+    for group in groups:
         t0 = float(group[0]["ts"])
         seen: Counter[str] = Counter()
         for e in group:
-            key = (e["name"], seen[e["name"]])
+            starts, durs = spans[(e["name"], seen[e["name"]])]
             seen[e["name"]] += 1
-            starts, ends = spans[key]
             starts.append(float(e["ts"]) - t0)
-            ends.append(float(e["ts"]) + float(e["dur"]) - t0)
-    if any(len(starts) != calls for starts, _ in spans.values()):
-        return None
-    rows = [{"name": name[:90], "launch": i, "start_us": statistics.median(starts), "end_us": statistics.median(ends)}
-            for (name, i), (starts, ends) in spans.items()]
+            durs.append(float(e["dur"]))
+    rows = []
+    for (name, i), (starts, durs) in spans.items():
+        start = statistics.median(starts)
+        rows.append({"name": name[:90], "launch": i, "start_us": start, "end_us": start + statistics.median(durs)})
     return sorted(rows, key=lambda r: (r["start_us"], r["end_us"]))
 
 

@@ -17,7 +17,7 @@ graph, and the GPU time of every kernel it launches (CUPTI, `kernel_trace`), for
 kernels without a data dependency at once: the tiles' route runs its per-token and tiled kernels
 side by side). A route slower than the peer on wall time but not on busy time pays in launches and
 host time; one slower on busy time pays in its kernels. Under each row, its ``timeline``: every launch of
-one call with its median start and end after the call's first kernel, which shows what ran beside what
+one call with its median start and duration after the call's first event, which shows what ran beside what
 (whether a batch's decode rows hide in the chunk kernel's tail, as the peer's seem to, or wait for it).
 """
 

@@ -72,21 +72,35 @@ def _event(name: str, ts: float, dur: float) -> dict:
     return {"name": name, "ts": ts, "dur": dur, "cat": "kernel"}
 
 
-def test_a_timeline_gives_each_launch_its_median_offsets_from_the_calls_first_kernel():
+def test_a_timeline_gives_each_launch_its_median_offsets_from_the_calls_first_event():
     import kernel_trace
 
-    # two blocking calls, 1,000 us apart: rows and chunk side by side, then the finish, launched twice
+    # three blocking calls, 1,000 us apart: rows and chunk side by side, then the finish, launched twice
     calls = [[_event("rows", t, 50.0), _event("chunk", t + 2.0, 190.0), _event("finish", t + 192.0, 10.0),
-              _event("finish", t + 203.0, 4.0)] for t in (0.0, 1000.0)]
-    calls[1][1]["dur"] = 194.0  # the second call's chunk ran 4 us longer
+              _event("finish", t + 203.0, 4.0)] for t in (0.0, 1000.0, 2000.0)]
+    calls[1][1]["dur"] = 194.0  # the second call's chunk ran 4 us longer, the third's 8
+    calls[2][1]["dur"] = 198.0
+    calls[2][0]["ts"] += 1.0  # and the third's rows started 1 us late (its first event still)
     events = [e for call in reversed(calls) for e in reversed(call)]  # the order given must not matter
-    rows = kernel_trace.timeline(events, 2)
+    rows = kernel_trace.timeline(events, 3)
     assert [(r["name"], r["launch"]) for r in rows] == [("rows", 0), ("chunk", 0), ("finish", 0), ("finish", 1)]
-    assert rows[1]["start_us"] == 2.0 and rows[1]["end_us"] == 194.0  # median of 192 and 196
+    assert rows[1]["start_us"] == 2.0 and rows[1]["end_us"] == 196.0  # start 2, median duration 194
     assert rows[3]["start_us"] == 203.0 and rows[3]["end_us"] == 207.0
     lines = kernel_trace.timeline_lines({"timeline": rows}, 10)
     assert lines[0] == "        0.0 ->    50.0 us  rows"
     assert lines[3].endswith("finish #2")
+
+
+def test_a_timeline_tells_calls_apart_by_the_gpus_idle_time_not_by_counting():
+    import kernel_trace
+
+    # the first call's copy makes five events for two calls: counting would cut through the second call
+    first = [_event("copy", 0.0, 3.0), _event("rows", 5.0, 50.0), _event("chunk", 6.0, 190.0)]
+    second = [_event("rows", 1000.0, 50.0), _event("chunk", 1001.0, 190.0)]
+    assert kernel_trace.timeline(first + second, 2) is None  # the calls launched different kernels
+    third = [_event("copy", 2000.0, 3.0), _event("rows", 2005.0, 50.0), _event("chunk", 2006.0, 190.0)]
+    rows = kernel_trace.timeline(first + third, 2)
+    assert [(r["name"], r["start_us"]) for r in rows] == [("copy", 0.0), ("rows", 5.0), ("chunk", 6.0)]
 
 
 def test_a_timeline_is_none_when_the_calls_launched_different_kernels():
@@ -95,5 +109,6 @@ def test_a_timeline_is_none_when_the_calls_launched_different_kernels():
     assert kernel_trace.timeline([_event("a", 0, 1), _event("b", 5, 1), _event("a", 100, 1)], 2) is None
     assert kernel_trace.timeline([_event("a", 0, 1), _event("b", 5, 1), _event("a", 100, 1),
                                   _event("a", 105, 1)], 2) is None
+    assert kernel_trace.timeline([_event("a", 0, 1)], 2) is None
     assert kernel_trace.timeline([], 3) is None
     assert kernel_trace.timeline_lines({"timeline": None}, 10) == []

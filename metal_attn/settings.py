@@ -288,8 +288,9 @@ class Settings(BaseSettings):
             "gathers; gathers: the first run's first flagged positions (first_flagged, just after that run's gather, "
             "when its fused SDPA call becomes ready), so that the persistent cuDNN kernel may take the GPU first and "
             "the rows run in its tail; sdpa: the first run's fused SDPA output (the rows after it). The same kernels "
-            "and bytes either way. H200, five interleaved readings: gathers 1.03x none on the suite's GPU-bound "
-            "mixed batch and 0.98x on the first, sdpa 0.93x and 0.97x (docs/cuda-ops.md, forty-eighth session), "
+            "and bytes either way. H200, medians of five interleaved readings: gathers 1.03x none on the suite's "
+            "GPU-bound mixed batch and 0.98x on its first mixed batch, sdpa 0.93x and 0.97x (docs/cuda-ops.md, "
+            "forty-eighth session), "
             "so none by default. gathers and sdpa need the CUDA module built since the forty-seventh session."
         ),
     )

@@ -58,15 +58,15 @@
 #            four of the prefill suite's shapes and the third mixed batch's chunk (benchmarks/probe_cudnn_paged.py; torch and cuDNN's Python frontend, whose
 #            wheel travels in .device/extra/) (issue #18: the route without the gather's and the finish's copies)
 #   rowswait what a mixed batch's decode rows in the finish chain wait for (METAL_ATTN_CUDA_DECODE_ROWS_WAIT, built in
-#            the forty-seventh session, not yet measured): its chain GPU tests (the same bytes whatever they wait
+#            the forty-seventh session, measured on the H200 in the forty-eighth): its chain GPU tests (the same bytes whatever they wait
 #            for), the prefill suite's mixed batches waiting for nothing, the gathers and the fused SDPA output
 #            against MLX SDPA, queued and interleaved, five repeats, then where the mixed batches' GPU time goes
 #            (benchmarks/profile_mixed.py) waiting for nothing and for the gathers (issue #18)
-#   mixblock the decode-gpu suite's mixed batches blocking, as the H200 baseline measures them (the first read 29-39%
-#            under the baseline in the forty-eighth session, within its margin): the decode rows in the finish chain
-#            and in their own chain, waiting for the gathers, classic, torch SDPA and MLX SDPA, interleaved, three
-#            repeats; then benchmarks/profile_mixed.py, whose rows now print each call's timeline (where the peer's
-#            decode kernel runs beside its chunk kernel) (issue #18)
+#   mixblock the decode-gpu suite's mixed batches with blocking calls, the baseline's candidates among them (the first
+#            batch read 29-39% under the H200 baseline in the forty-eighth session, within its margin): the decode
+#            rows in the finish chain and in their own chain, waiting for the gathers, classic, gather + SDPA, torch
+#            SDPA, MLX SDPA and the ceiling, interleaved (the baseline's run was not), three repeats; then
+#            benchmarks/profile_mixed.py, whose rows now print each call's timeline (what runs beside what) (issue #18)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100; with -n 14, 751 seeds filled the old 300 s limit in the forty-seventh
 #            session, so the fuzz now takes up to 540 s: a range of 1,000 in one call)
@@ -302,7 +302,8 @@ run_phase() {
     mixblock)
       step suite "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --interleave --shapes mixed --repeat 3 --quiet \
         --markdown --json "$dir/mixblock.json" \
-        --candidates "auto,auto[cuda_decode_rows_in_chain=0],auto[cuda_decode_rows_wait=gathers],classic,torch_sdpa,mlx_sdpa"
+        --candidates "auto,auto[cuda_decode_rows_in_chain=0],auto[cuda_decode_rows_wait=gathers],classic,gather_sdpa,\
+torch_sdpa,mlx_sdpa,ceiling"
       step profile "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile.json" ;;
     partition)
       local p cands=auto
