@@ -49,6 +49,20 @@ def test_steps_the_budget_cannot_hold_are_skipped_and_named(tmp_path):
     assert not list((tmp_path / "out" / "decode").iterdir())  # nothing ran
 
 
+def test_pack_leaves_one_archive_of_every_phases_folder(tmp_path):
+    """PACK=1 (the device tool brings back at most eight files a call): the phases' folders go into one archive,
+    failed or skipped steps and all, and nothing else is left under OUT."""
+    import tarfile
+
+    got = _run("decode", "queued", tmp_path=tmp_path, BUDGET="0", PACK="1")
+    assert got.returncode == 1  # every step skipped: still packed, still a failure
+    assert "packed decode queued into" in got.stdout
+    out = tmp_path / "out"
+    assert [p.name for p in out.iterdir()] == ["session.tar.gz"]
+    with tarfile.open(out / "session.tar.gz") as archive:
+        assert {m.name for m in archive.getmembers() if m.isdir()} == {"decode", "queued"}
+
+
 @pytest.mark.skipif(bool(list(Path("/usr/local").glob("cuda*/bin/ncu"))), reason="this machine has ncu")
 def test_the_ncu_phase_without_ncu_says_so(tmp_path):
     got = _run("ncu", tmp_path=tmp_path, NCU="", PATH="/usr/bin:/bin")
@@ -75,6 +89,13 @@ def test_the_profiler_driver_runs_our_side_on_any_backend(tmp_path):
 DRY_RUN_PHASES = ("tests", "decode", "prefill", "streams", "stalls", "finish", "idle", "direct", "wait", "staged",
                   "engine", "baseline", "queued", "tiles", "inchain", "cudnn", "rowswait", "mixblock", "fuzz", "ncu",
                   "partition", "kernels")
+
+
+def test_the_device_readme_describes_every_phase():
+    """benchmarks/device/README.md's phase table has a row for each phase the script runs."""
+    readme = (ROOT / "benchmarks" / "device" / "README.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in readme.splitlines() if line.startswith("| `")}
+    assert set(DRY_RUN_PHASES) <= rows, f"phases without a row: {sorted(set(DRY_RUN_PHASES) - rows)}"
 
 
 def _dry_run(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:

@@ -86,6 +86,10 @@
 # limit; a step with under 30 s left is skipped. A progress line with the elapsed seconds goes before and after each.
 # Steps that fail or are skipped are listed at the end and the script exits 1; the others' files are there.
 #
+# PACK=1 packs the phases' folders into $OUT/session.tar.gz at the end, whether the steps passed or not, and
+# removes them: the device tool brings back at most eight files a call, and a call of two phases can write more
+# (the forty-eighth session lost five of rowswait's seven that way). Unpack with `tar -xzf session.tar.gz`.
+#
 # DRY_RUN=1 checks every step on any machine, in seconds, before device time is spent on it: the bench
 # commands run with --dry-run (every flag, suite, shape and candidate name checked), pytest collects
 # only, and a script is imported without running its main (its imports and names resolve).
@@ -95,6 +99,7 @@ OUT=${OUT:-$PWD/device-out}
 STEP_LIMIT=${STEP_LIMIT:-300}
 BUDGET=${BUDGET:-570}
 DRY_RUN=${DRY_RUN:-0}
+PACK=${PACK:-0}
 BENCH=(python3 -m metal_attn.bench.cli)
 # The decode-gpu suite's eight decode shapes, as benchmarks/probe_kernel_text.py takes them.
 DECODE_SHAPES=b1:32:8:128:32768,b8:32:8:128:4096,b32:32:8:128:4096,b64:32:8:128:8192,b8:32:8:128:32768,\
@@ -371,6 +376,14 @@ for phase in "$@"; do
   say "phase $phase -> $dir"
   run_phase
 done
+if [ "$PACK" = 1 ] && [ "$DRY_RUN" != 1 ]; then
+  if tar -czf "$OUT/session.tar.gz" -C "$OUT" "$@"; then
+    (cd "$OUT" && rm -rf -- "$@")
+    say "packed $* into $OUT/session.tar.gz"
+  else
+    say "packing failed: the phases' folders stay under $OUT"
+  fi
+fi
 if [ ${#failed[@]} -gt 0 ]; then
   say "failed: ${failed[*]}"
   exit 1
