@@ -66,7 +66,9 @@
 #            batch read 29-39% under the H200 baseline in the forty-eighth session, within its margin): the decode
 #            rows in the finish chain and in their own chain, waiting for the gathers, classic, gather + SDPA, torch
 #            SDPA, MLX SDPA and the ceiling, interleaved (the baseline's run was not), three repeats; then
-#            benchmarks/profile_mixed.py, whose rows now print each call's timeline (what runs beside what) (issue #18)
+#            benchmarks/profile_mixed.py, whose rows now print each call's timeline (what runs beside what); then
+#            whether one masked SDPA call can stand in for the second batch's two runs (benchmarks/probe_sdpa_bias.py:
+#            cuDNN's bias path against a causal call per run) (issue #18)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100; with -n 14, 751 seeds filled the old 300 s limit in the forty-seventh
 #            session, so the fuzz now takes up to 540 s: a range of 1,000 in one call)
@@ -309,7 +311,8 @@ run_phase() {
         --markdown --json "$dir/mixblock.json" \
         --candidates "auto,auto[cuda_decode_rows_in_chain=0],auto[cuda_decode_rows_wait=gathers],classic,gather_sdpa,\
 torch_sdpa,mlx_sdpa,ceiling"
-      step profile "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile.json" ;;
+      step profile "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile.json"
+      step bias "$STEP_LIMIT" python3 benchmarks/probe_sdpa_bias.py "$dir/bias.json" ;;
     partition)
       local p cands=auto
       for p in 192 256 384 512 768 1024 1536 2048 3072 4096; do cands+=",auto[partition_size=$p]"; done
