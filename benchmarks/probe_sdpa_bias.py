@@ -9,16 +9,20 @@ CUDA SDPA hands an array mask to cuDNN as its bias tensor (upstream's ``sdpa_cud
 ``BIAS`` name), so runs of one query length could be one call: their keys and values padded with zeros to
 the longest context, the mask keeping each run's own bottom-right causal pairs. One MLX operation a run
 fewer, against a mask to read and the padded pairs to compute. Before building that, this measures it
-on random bf16 data, in one process:
+on random bf16 data, in one process, with the queries as the route holds them (packed rows, each call taking
+a view of them and giving its output back as packed rows):
 
 - ``per_run``: one causal call per run (what `providers/sdpa_prefill.py` does);
-- ``additive``: one call over the runs stacked, the mask 0 where a pair is attended and -inf elsewhere;
-- ``boolean``: the same with a boolean mask (True: attended).
+- ``masked``: one call over the runs stacked, with an additive mask, 0 where a pair is attended and -inf
+  elsewhere, broadcast over the heads and evaluated once outside the timed calls (as a route would build it
+  once per metadata). A boolean mask is not probed: on CUDA, MLX turns it into an additive one of the full
+  ``[runs, heads, rows, keys]`` shape on every call.
 
-Per variant: the largest difference from ``per_run`` over every row, the blocking and the queued time of a
-call (`metal_attn.bench.timing.time_calls`, as the suites time them), and CUPTI's kernels (`kernel_trace`:
-which kernel cuDNN chose, the GPU's busy time). The masks are built once, outside the timed calls, as a
-route would build them once per metadata.
+Both go through ``force_fused`` (as the route does), so a configuration cuDNN refuses is an error here, not
+MLX's unfused fallback timed by mistake. Per variant, in ``--rounds`` interleaved rounds: the blocking and
+the queued time of a call (`metal_attn.bench.timing.time_calls`, as the suites time them), and once
+CUPTI's kernels (`kernel_trace`: which kernel cuDNN chose, the GPU's busy time) and the host's build time.
+The largest difference from ``per_run`` over every row is checked: above `TOLERANCE` the probe exits 1.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import mlx.core as mx
 from kernel_trace import profile_call, top_kernels
 
 from metal_attn.bench.timing import time_calls
+
+#: The largest difference from ``per_run`` the masked call may show (bf16 outputs of magnitude below 1).
+TOLERANCE = 2e-2
 
 
 def parse_runs(text: str) -> list[tuple[int, int]]:
@@ -78,58 +85,85 @@ def operands(runs: list[tuple[int, int]], heads: int, kv_heads: int, head: int):
     return (qs, ks, vs), stacked
 
 
-def variants(runs: list[tuple[int, int]], heads: int, kv_heads: int, head: int):
-    """(label, fn) for the three variants, and the K+V bytes the runs read."""
-    (qs, ks, vs), (q_all, k_all, v_all) = operands(runs, heads, kv_heads, head)
-    keep = attended(runs)
-    additive = mx.where(keep, mx.array(0.0, mx.bfloat16), mx.array(-float("inf"), mx.bfloat16))
-    mx.eval(*qs, *ks, *vs, q_all, k_all, v_all, keep, additive)
+def variants(runs: list[tuple[int, int]], heads: int, kv_heads: int, head: int, *, force_fused: bool = True):
+    """(label, fn) for the two variants, each giving packed rows (``per_run`` a list, one array a run), and the
+    K+V bytes the runs read. ``force_fused=False`` lets MLX's CPU backend run them (the tests)."""
+    (_, ks, vs), (q_all, k_all, v_all) = operands(runs, heads, kv_heads, head)
+    rows = runs[0][0]
+    packed = mx.contiguous(q_all.transpose(0, 2, 1, 3)).reshape(len(runs) * rows, heads, head)
+    mask = attended(runs)
+    additive = mx.broadcast_to(mx.where(mask, mx.array(0.0, mx.bfloat16), mx.array(-float("inf"), mx.bfloat16)),
+                               (len(runs), heads, rows, mask.shape[-1]))
+    mx.eval(*ks, *vs, k_all, v_all, packed, additive)
     scale = head ** -0.5
 
-    def per_run():  # a list, as the route's calls are: no concatenation timed
-        return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
-                for q, k, v in zip(qs, ks, vs)]
+    def sdpa(q, k, v, mask):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, force_fused=force_fused)
 
-    def masked(mask):
-        return lambda: mx.fast.scaled_dot_product_attention(q_all, k_all, v_all, scale=scale, mask=mask)
+    def per_run():  # the route's calls: a view of each run's rows in, its rows out, no concatenation
+        return [sdpa(packed[i * rows:(i + 1) * rows].reshape(1, rows, heads, head).transpose(0, 2, 1, 3),
+                     k, v, "causal").transpose(0, 2, 1, 3).reshape(rows, heads, head)
+                for i, (k, v) in enumerate(zip(ks, vs))]
+
+    def masked():
+        q = packed.reshape(len(runs), rows, heads, head).transpose(0, 2, 1, 3)
+        return sdpa(q, k_all, v_all, additive).transpose(0, 2, 1, 3).reshape(len(runs) * rows, heads, head)
 
     kv_bytes = sum(2 * kv_heads * k * head * 2 for _, k in runs)
-    return [("per_run", per_run), ("additive", masked(additive)), ("boolean", masked(keep))], kv_bytes
+    return [("per_run", per_run), ("masked", masked)], kv_bytes
 
 
 def stacked_output(out) -> mx.array:
-    """A variant's output as ``[runs, H, rows, D]`` (``per_run`` gives one array a run)."""
+    """A variant's output as one ``[runs * rows, H, D]`` array of packed rows (``per_run`` gives one a run)."""
     return mx.concatenate(out, axis=0) if isinstance(out, list) else out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--runs", default="256@1024,256@2048", help="ROWS@KEYS per run, one query length (default: "
                                                                 "the suite's second mixed batch)")
     ap.add_argument("--heads", default="32/8", help="query heads / KV heads (default 32/8)")
-    ap.add_argument("--head", type=int, default=128, help="head size (default 128)")
+    ap.add_argument("--head", type=int, default=128, help="head size, a multiple of 8 (default 128)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     args = ap.parse_args(argv)
     try:
         runs = parse_runs(args.runs)
         heads, kv_heads = parse_heads(args.heads)
     except ValueError as exc:
         ap.error(str(exc))
+    if args.head < 8 or args.head % 8:
+        ap.error(f"--head {args.head} (allowed: a positive multiple of 8, as cuDNN's SDPA takes)")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds} (allowed: 1 or more)")
     fns, kv_bytes = variants(runs, heads, kv_heads, args.head)
     ref = stacked_output(fns[0][1]()).astype(mx.float32)
     mx.eval(ref)
-    results = []
+    results = {}
     for label, fn in fns:
         diff = float(mx.max(mx.abs(stacked_output(fn()).astype(mx.float32) - ref)).item())
-        queued = time_calls(fn, pipelined=True).median_s
-        row = {"variant": label, "max_abs_diff_vs_per_run": diff, "queued_us": queued * 1e6,
-               **profile_call(fn, kv_bytes)}
-        results.append(row)
-        print(f"{label:>9}: queued {queued * 1e6:7.1f} us, blocking {row['wall_ms'] * 1e3:7.1f} us, build "
-              f"{row['build_ms'] * 1e3:5.1f} us, busy {row['busy_us_per_call']:6.1f} us, diff {diff:.3g}; "
-              f"{top_kernels(row, 3, 60)}", flush=True)
+        results[label] = {"variant": label, "max_abs_diff_vs_per_run": diff, "blocking_us": [], "queued_us": [],
+                          **profile_call(fn, kv_bytes)}
+    for r in range(args.rounds):  # interleaved, the order turned each round
+        for label, fn in fns[::-1] if r % 2 else fns:
+            results[label]["blocking_us"].append(time_calls(fn, pipelined=False).median_s * 1e6)
+            results[label]["queued_us"].append(time_calls(fn, pipelined=True).median_s * 1e6)
+    for row in results.values():
+        print(f"{row['variant']:>8}: queued {_us(row['queued_us'])}, blocking {_us(row['blocking_us'])}, build "
+              f"{row['build_ms'] * 1e3:5.1f} us, busy {row['busy_us_per_call']:6.1f} us, diff "
+              f"{row['max_abs_diff_vs_per_run']:.3g}; {top_kernels(row, 3, 60)}", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"runs": args.runs, "heads": args.heads, "head": args.head, "results": results}, f, indent=1)
+        json.dump({"runs": args.runs, "heads": args.heads, "head": args.head, "tolerance": TOLERANCE,
+                   "results": list(results.values())}, f, indent=1)
+    bad = [row["variant"] for row in results.values() if not row["max_abs_diff_vs_per_run"] <= TOLERANCE]
+    if bad:
+        print(f"probe_sdpa_bias: {', '.join(bad)} differs from per_run by more than {TOLERANCE}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _us(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values) + " us"
 
 
 if __name__ == "__main__":

@@ -50,17 +50,30 @@ def test_steps_the_budget_cannot_hold_are_skipped_and_named(tmp_path):
 
 
 def test_pack_leaves_one_archive_of_every_phases_folder(tmp_path):
-    """PACK=1 (the device tool brings back at most eight files a call): the phases' folders go into one archive,
-    failed or skipped steps and all, and nothing else is left under OUT."""
+    """PACK=1 (the device tool brings back at most eight files a call): the phases' folders go into one archive
+    with their logs, failed steps and all, each folder once, and nothing else is left under OUT."""
     import tarfile
 
-    got = _run("decode", "queued", tmp_path=tmp_path, BUDGET="0", PACK="1")
-    assert got.returncode == 1  # every step skipped: still packed, still a failure
-    assert "packed decode queued into" in got.stdout
+    # Run from tmp_path, the `wait` phase's script and test path do not exist: both steps fail at once, with logs.
+    got = _run("wait", "wait", tmp_path=tmp_path, PACK="1", BUDGET="40")
+    assert got.returncode == 1  # the failures are still reported
+    assert "packed wait into" in got.stdout and "failed: wait/probe wait/pytest" in got.stdout
     out = tmp_path / "out"
     assert [p.name for p in out.iterdir()] == ["session.tar.gz"]
     with tarfile.open(out / "session.tar.gz") as archive:
-        assert {m.name for m in archive.getmembers() if m.isdir()} == {"decode", "queued"}
+        names = [m.name for m in archive.getmembers()]
+    assert sorted(names) == ["wait", "wait/probe.log", "wait/pytest.log"]
+
+
+def test_a_pack_that_fails_keeps_the_folders_and_fails_the_session(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "tar").write_text("#!/bin/sh\necho 'tar: no space left' >&2\nexit 2\n")
+    (fake / "tar").chmod(0o755)
+    got = _run("decode", tmp_path=tmp_path, PACK="1", BUDGET="0", PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    assert got.returncode == 1
+    assert "packing failed" in got.stdout and "pack" in got.stdout.splitlines()[-1]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["decode"]
 
 
 @pytest.mark.skipif(bool(list(Path("/usr/local").glob("cuda*/bin/ncu"))), reason="this machine has ncu")
@@ -95,7 +108,8 @@ def test_the_device_readme_describes_every_phase():
     """benchmarks/device/README.md's phase table has a row for each phase the script runs."""
     readme = (ROOT / "benchmarks" / "device" / "README.md").read_text()
     rows = {line.split("|")[1].strip().strip("`") for line in readme.splitlines() if line.startswith("| `")}
-    assert set(DRY_RUN_PHASES) <= rows, f"phases without a row: {sorted(set(DRY_RUN_PHASES) - rows)}"
+    phases = set(DRY_RUN_PHASES)
+    assert rows == phases, f"phases without a row: {sorted(phases - rows)}; rows of no phase: {sorted(rows - phases)}"
 
 
 def _dry_run(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:

@@ -380,11 +380,17 @@ for phase in "$@"; do
   run_phase
 done
 if [ "$PACK" = 1 ] && [ "$DRY_RUN" != 1 ]; then
-  if tar -czf "$OUT/session.tar.gz" -C "$OUT" "$@"; then
-    (cd "$OUT" && rm -rf -- "$@")
-    say "packed $* into $OUT/session.tar.gz"
+  packed=()
+  for phase in "$@"; do  # each folder once, in order (a phase named twice ran twice into one folder)
+    [[ " ${packed[*]} " == *" $phase "* ]] || [ ! -d "$OUT/$phase" ] || packed+=("$phase")
+  done
+  if tar -czf "$OUT/session.tar.gz" -C "$OUT" "${packed[@]}"; then
+    (cd "$OUT" && rm -rf -- "${packed[@]}") || say "packed, but the folders could not all be removed"
+    say "packed ${packed[*]} into $OUT/session.tar.gz"
   else
+    rm -f "$OUT/session.tar.gz"
     say "packing failed: the phases' folders stay under $OUT"
+    failed+=("pack")
   fi
 fi
 if [ ${#failed[@]} -gt 0 ]; then
