@@ -127,7 +127,7 @@ def test_h200_decode_step_figures_equal_the_forty_eighth_session_table():
     met = [v for v in step.values() if float(v) >= 1.0]
     short = lambda shape: re.sub(r" \d+/\d+(?:/\d+)?", "", shape).replace(", 18 layers", "")  # noqa: E731
     missed = ", ".join(f"{v}x on {short(k)}" for k, v in step.items() if float(v) < 1.0)
-    large = _span([call[k] for k in rows_named(kv, ("512 MiB", "1 GiB", "2 GiB"))])
+    large = _span([call[k] for k, size in kv.items() if size in ("512 MiB", "1 GiB", "2 GiB")])
     (b1,) = [k for k in kv if k.startswith("b1 24/4/256")]
     (b16,) = [k for k in kv if k.startswith("b16 16/2")]
     (b8,) = [k for k in kv if k.startswith("b8 32/8 L4096")]
@@ -136,11 +136,6 @@ def test_h200_decode_step_figures_equal_the_forty_eighth_session_table():
                f"b1 24/4/256 and b16 16/2 ({kv[b1]}) at {call[b1]}% and {call[b16]}%, b8 L4096 at {call[b8]}%"]
     for phrase in phrases:
         assert phrase in _measured(), f"README's decode-step bullet should say {phrase!r}"
-
-
-def rows_named(kv: dict[str, str], sizes: tuple[str, ...]) -> list[str]:
-    """The shapes of a ``{shape: K+V}`` table whose K+V is one of ``sizes``."""
-    return [k for k, v in kv.items() if v in sizes]
 
 
 def test_h200_serving_ratios_equal_the_generate_tables():
