@@ -46,7 +46,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "decode-gpu on GPUs")
     group.addoption("--bench-candidates", default=None, metavar="A,B,...",
                     help="candidates instead of the suite's (providers by name, auto, gather_sdpa, mlx_sdpa, "
-                         "torch_sdpa; NAME[setting=value;...] for NAME under those settings)")
+                         "mlx_sdpa_packed, torch_sdpa; NAME[setting=value;...] for NAME under those settings)")
     group.addoption("--bench-shapes", default=None, metavar="PATTERN,...",
                     help="only shapes whose label contains a pattern (or matches a glob)")
 
@@ -100,8 +100,8 @@ def _requested(config: pytest.Config) -> tuple[suites.Suite, tuple[shapes.Shape,
         # The ceiling is a reference line of `metal-attn bench`, not a kernel whose history is tracked.
         raise pytest.UsageError(
             f"--bench-candidates {untimed[0]!r} is measured by `metal-attn bench`, not timed by pytest-benchmark "
-            "(allowed: providers by name, auto, and the peers gather_sdpa, mlx_sdpa, torch_sdpa; the ceiling's "
-            "time for each shape is in every benchmark's extra_info as ceiling_s)")
+            "(allowed: providers by name, auto, and the peers gather_sdpa, mlx_sdpa, mlx_sdpa_packed, torch_sdpa; the "
+            "ceiling's time for each shape is in every benchmark's extra_info as ceiling_s)")
     return suite, chosen, [c.name for c in cands if _timed(c)]
 
 

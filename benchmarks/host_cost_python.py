@@ -34,6 +34,11 @@ per-metadata cache), per layer; ``write`` is one cache write. One sample is ``--
 row (the lazy outputs are kept and freed outside the timed span); the figure is the median of
 ``--samples`` samples. ``--profile LABEL`` prints a cProfile of the steady-state call instead.
 
+After the cases, ``peers of`` lines give the same figure for MLX SDPA's calls on each mixed batch (the
+SDPA stand-in again, ``net`` without its cost): ``mlx_sdpa`` on per-group queries made beforehand, as the
+benchmark's peer runs, and ``mlx_sdpa_packed`` from and to the packed rows a paged call takes and returns
+(`metal_attn.bench.peers`). Their difference is what the packed layout costs MLX SDPA's graph building.
+
 The built-in providers are timed: third-party plugins are not loaded (an installed decode plugin, such as
 the example one CI installs, would otherwise take the decode cases) unless ``--plugins`` is given. Each
 line names the provider and route its case ran.
@@ -58,6 +63,7 @@ import numpy as np
 import metal_attn
 from metal_attn import diagnostics
 from metal_attn.api import write_checked
+from metal_attn.bench.peers import sdpa_packed, sdpa_per_group
 from metal_attn.bench.shapes import Rows, Shape, build_case
 from metal_attn.device import DeviceInfo
 from metal_attn.metadata import AttentionMetadata
@@ -225,6 +231,17 @@ def fake_sdpa_us(calls: int, samples: int) -> float:
                            calls, samples)
 
 
+def peer_build_us(shape: Shape, calls: int, samples: int) -> dict[str, float]:
+    """The graph building of the MLX SDPA peers on ``shape``, µs a call with the SDPA stand-in
+    (`metal_attn.bench.peers`: ``mlx_sdpa`` on ready-made per-group queries, ``mlx_sdpa_packed`` from and to
+    the packed rows the paged API takes and returns)."""
+    with fake_cuda(sdpa="zeros") as fake:
+        fake.record = False
+        case = build_case(shape)
+        return {name: per_call_us(build(case), calls, samples)
+                for name, build in (("mlx_sdpa", sdpa_per_group), ("mlx_sdpa_packed", sdpa_packed))}
+
+
 def run(calls: int, samples: int, profile: str | None, plugins: bool = False, chains: bool = True) -> None:
     print("providers: " + ("the built-in ones and the third-party ones the settings load" if plugins
                            else "the built-in ones only (--plugins: also the third-party ones)")
@@ -258,6 +275,14 @@ def run(calls: int, samples: int, profile: str | None, plugins: bool = False, ch
         print(f"{case.label:{width}s} {b.provider:14s} {b.route:22s} launches {b.launches} chains {b.chain_calls} "
               f"sdpa {b.sdpa_calls}  attn {attn:6.1f}  net {net:6.1f}  step/32 {step:6.1f}  write {write:6.1f}  µs",
               flush=True)
+    if profile:
+        return
+    # one line per mixed shape (two cases may share one, as an A/B of a setting)
+    for label, shape in {c.shape.label: c.shape for c in cases() if c.shape.phase == "mixed"}.items():
+        groups = len(shape.rows)
+        peers = ", ".join(f"{name} {us:.1f} (net {us - groups * sdpa_us:.1f})"
+                          for name, us in peer_build_us(shape, calls, samples).items())
+        print(f"peers of {label}: {peers} µs", flush=True)
 
 
 def main(argv: list[str]) -> None:

@@ -4,7 +4,8 @@
 
 A mixed batch of the ``prefill-gpu`` suite through ``paged_attention`` (the registry's choice) is
 host-bound where its peer, MLX SDPA on contiguous K/V, is not (docs/bench-h200-prefill.md, twenty-sixth
-session: 0.20 ms a queued call for 90 us of GPU work). For ``auto`` and the peer, in one process:
+session: 0.20 ms a queued call for 90 us of GPU work). For ``auto`` and the peer, MLX SDPA on contiguous K/V
+per group of sequences (``mlx_sdpa``) and from and to packed rows (``mlx_sdpa_packed``), in one process:
 
 - ``build_us``: building one call's graph (Python and MLX's graph building), median;
 - ``encode_us``: ``mx.async_eval`` of that graph (MLX's evaluation: its CUDA graphs, cuDNN, our
@@ -25,6 +26,7 @@ import mlx.core as mx
 from kernel_trace import trace_events
 
 import metal_attn
+from metal_attn.bench.peers import sdpa_packed, sdpa_per_group
 from metal_attn.bench.shapes import build_case
 from metal_attn.bench.suites import get_suite
 
@@ -33,19 +35,11 @@ API_CATS = ("cuda_runtime", "cuda_driver")
 
 
 def builders(case):
-    """(label, fn building one call's graph) for ``auto`` and the peer."""
-    kv = case.contiguous_kv()
-    qs = case.group_queries()
-    masks = ["causal" if g.rows.q_len > 1 else None for g in case.groups]
-
+    """(label, fn building one call's graph) for ``auto`` and the peers, MLX SDPA per group and from packed rows."""
     def auto():
         return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata, scale=case.scale)
 
-    def peer():
-        return [mx.fast.scaled_dot_product_attention(q, k, v, scale=case.scale, mask=m)
-                for q, (k, v), m in zip(qs, kv, masks)]
-
-    return [("auto", auto), ("mlx_sdpa", peer)]
+    return [("auto", auto), ("mlx_sdpa", sdpa_per_group(case)), ("mlx_sdpa_packed", sdpa_packed(case))]
 
 
 def host_split(fn, calls: int, sync_every: int = 20) -> tuple[float, float]:
@@ -99,7 +93,7 @@ def main() -> None:
             results.append({"shape": shape.label, "candidate": label, "build_us": build_us, "encode_us": encode_us,
                             "api": api})
             top = ", ".join(f"{r['name']} {r['calls_per_call']:g}x {r['us_per_call']:.1f}us" for r in api[:6])
-            print(f"{shape.label[:40]:40} {label:9} build {build_us:6.1f} us  encode {encode_us:6.1f} us | "
+            print(f"{shape.label[:40]:40} {label:15} build {build_us:6.1f} us  encode {encode_us:6.1f} us | "
                   f"{top}", flush=True)
         case.release()
     with open(args.out, "w") as f:

@@ -27,6 +27,7 @@ import time
 import mlx.core as mx
 
 import metal_attn
+from metal_attn.bench.peers import sdpa_per_group
 from metal_attn.bench.shapes import Shape, build_case
 
 
@@ -186,15 +187,11 @@ def main() -> None:
     if args.calls is None:
         args.calls = 13 if args.trace else 4
     case = build_case(Shape(args.batch, 32, 8, 128, args.q_len, q_len=args.q_len))
-    kv = case.contiguous_kv()
-
     def ours(provider=None):
         return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata, scale=case.scale,
                                           provider=provider)
 
-    def peer():
-        return [mx.fast.scaled_dot_product_attention(q, k, v, scale=case.scale, mask="causal")
-                for q, (k, v) in zip(case.group_queries(), kv)]
+    peer = sdpa_per_group(case)
 
     if args.trace:
         result = {"device": mx.device_info().get("device_name"), "shape": case.shape.label,

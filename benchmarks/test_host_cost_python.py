@@ -65,6 +65,11 @@ def test_the_script_times_the_built_in_providers_and_names_each_case_s_provider_
         assert tuple(line[len(label):].split()[:2]) == (provider, route), line
         assert provider in builtin
     assert "providers: the built-in ones only" in out
+    # then MLX SDPA's graph building on each mixed batch: per group (the benchmark's peer) and from packed rows
+    mixed = {c.shape.label for c in cases() if c.shape.phase == "mixed"}
+    peer_lines = [x for x in out.splitlines() if x.startswith("peers of ")]
+    assert {x.split(": ")[0].removeprefix("peers of ") for x in peer_lines} == mixed
+    assert all(" mlx_sdpa " in x and " mlx_sdpa_packed " in x for x in peer_lines)
 
 
 def test_the_cases_take_the_chained_route_unless_told_not_to():

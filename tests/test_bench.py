@@ -121,7 +121,7 @@ def _f32(x: mx.array) -> np.ndarray:
 
 
 @pytest.mark.parametrize("shape", SMOKE.shapes, ids=[s.label for s in SMOKE.shapes])
-@pytest.mark.parametrize("name", ["reference", "gather_sdpa", "mlx_sdpa"])
+@pytest.mark.parametrize("name", ["reference", "gather_sdpa", "mlx_sdpa", "mlx_sdpa_packed"])
 def test_candidates_compute_paged_attention(shape: Shape, name: str) -> None:
     """Every timed candidate computes the same attention as the float64 oracle, on the same data."""
     case = shapes.build_case(shape, seed=1)

@@ -223,7 +223,7 @@ def test_from_json_refuses_the_seed_and_its_note_has_margin_and_ratios(tmp_path,
                                                "auto, auto_compiled or auto_staged among the candidates"),
     (["--candidates", "auto[validate_metadata=0],mlx_sdpa"], "no candidate whose ratios a baseline stores"),
     (["--candidates", "auto,classic"], "no ratio a provider could carry (allowed: a peer among gather_sdpa, "
-                                       "mlx_sdpa, torch_sdpa, or the ceiling on shapes with GB/s"),
+                                       "mlx_sdpa, mlx_sdpa_packed, torch_sdpa, or the ceiling on shapes with GB/s"),
     (["--candidates", "auto,mlx_sdpa", "--ratios", "ceiling_*"], "no ratio matching --ratios ceiling_* a provider"),
     (["--shapes", "prefill", "--candidates", "auto,ceiling"], "no ratio a provider could carry"),  # no GB/s there
 ])

@@ -41,8 +41,9 @@
 #            and 64 requests (issue #15)
 #   baseline the H200 baselines' candidates, saved with --json for --write-baseline (benchmarks/README.md)
 #   queued   the pipelined suites with queued samples of 50 ms (forty-second session), interleaved: single decode
-#            calls (the per-call targets), the 32-layer step queued, and the prefill suite (issues #17 and #18;
-#            about 4 minutes on an H100)
+#            calls (the per-call targets), the 32-layer step queued, and the prefill suite, then the compiled
+#            step's host time a layer on an idle GPU (benchmarks/probe_step_host.py: #17's 10 µs target) (issues
+#            #17 and #18; about 4 minutes on an H100)
 #   tiles    the tiled kernel (and its split reducer) as one CUDA chain (METAL_ATTN_CUDA_TILED_CHAINS, on by default
 #            since the forty-fourth session): the chain's bitwise GPU test and the tiled GPU suite, then the prefill
 #            suite's tiles-routed chunk and mixed batches, chains on and off in one interleaved run, then short
@@ -65,10 +66,12 @@
 #   mixblock the decode-gpu suite's mixed batches with blocking calls, the baseline's candidates among them (the first
 #            batch read 29-39% under the H200 baseline in the forty-eighth session, within its margin): the decode
 #            rows in the finish chain and in their own chain, waiting for the gathers, classic, gather + SDPA, torch
-#            SDPA, MLX SDPA and the ceiling, interleaved (the baseline's run was not), three repeats; then
+#            SDPA, MLX SDPA (also from and to packed rows: mlx_sdpa_packed) and the ceiling, interleaved (the
+#            baseline's run was not), three repeats; then
 #            benchmarks/profile_mixed.py, whose rows now print each call's timeline (what runs beside what); then
 #            whether one masked SDPA call can stand in for the second batch's two runs (benchmarks/probe_sdpa_bias.py:
-#            cuDNN's bias path against a causal call per run) (issue #18)
+#            cuDNN's bias path against a causal call per run); then a queued call's host time, building and
+#            queueing, for auto and both MLX SDPA peers (benchmarks/probe_mixed_host.py) (issue #18)
 #   fuzz     the GPU fuzz (2,000 seeds; MA_TEST_FUZZ_GPU_SEED / _CASES pick a range: 847 seeds took 330 s
 #            without xdist on an H100; with -n 14, 751 seeds filled the old 300 s limit in the forty-seventh
 #            session, so the fuzz now takes up to 540 s: a range of 1,000 in one call)
@@ -275,7 +278,8 @@ run_phase() {
       step decode-step "$STEP_LIMIT" "${BENCH[@]}" --suite decode-step --pipelined --interleave --quiet --markdown \
         --candidates auto_compiled,torch_sdpa,mlx_sdpa,ceiling --json "$dir/decode-step.json"
       step prefill-gpu "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --interleave --quiet --markdown \
-        --json "$dir/prefill-gpu.json" ;;
+        --json "$dir/prefill-gpu.json"
+      step step-host "$STEP_LIMIT" python3 benchmarks/probe_step_host.py ;;
     tiles)
       # shellcheck disable=SC2046
       step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) \
@@ -310,9 +314,10 @@ run_phase() {
       step suite "$STEP_LIMIT" "${BENCH[@]}" --suite decode-gpu --interleave --shapes mixed --repeat 3 --quiet \
         --markdown --json "$dir/mixblock.json" \
         --candidates "auto,auto[cuda_decode_rows_in_chain=0],auto[cuda_decode_rows_wait=gathers],classic,gather_sdpa,\
-torch_sdpa,mlx_sdpa,ceiling"
+torch_sdpa,mlx_sdpa,mlx_sdpa_packed,ceiling"
       step profile "$STEP_LIMIT" python3 benchmarks/profile_mixed.py "$dir/profile.json"
-      step bias "$STEP_LIMIT" python3 benchmarks/probe_sdpa_bias.py "$dir/bias.json" ;;
+      step bias "$STEP_LIMIT" python3 benchmarks/probe_sdpa_bias.py "$dir/bias.json"
+      step host "$STEP_LIMIT" python3 benchmarks/probe_mixed_host.py "$dir/host.json" ;;
     partition)
       local p cands=auto
       for p in 192 256 384 512 768 1024 1536 2048 3072 4096; do cands+=",auto[partition_size=$p]"; done

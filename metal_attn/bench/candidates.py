@@ -178,6 +178,11 @@ def pipelined_median_s(compute: Callable[[], Any], *, warmup: int = 3, iters: in
     return time_calls(compute, pipelined=True, warmup=warmup, iters=iters).median_s
 
 
+def f32_rows(out: mx.array) -> np.ndarray:
+    """Packed ``[total_q_tokens, heads, head]`` output rows as float32 numpy (a `Prepared`'s ``to_rows``)."""
+    return np.array(out.astype(mx.float32))
+
+
 def mlx_prepared(compute: Callable[[], Any], to_rows: Callable[[Any], np.ndarray], route: str) -> Prepared:
     """`Prepared` for an MLX computation: ``run`` evaluates it (``mx.eval``), ``launch`` queues it
     (``mx.async_eval``)."""
@@ -374,7 +379,7 @@ class ProviderCandidate(TimedCandidate):
         def compute() -> mx.array:
             return metal_attn.paged_attention(q, k, v, metadata=md, scale=scale, provider=forced)
 
-        return mlx_prepared(compute, lambda out: np.array(out.astype(mx.float32)), route)
+        return mlx_prepared(compute, f32_rows, route)
 
     def route_after(self, prep: Prepared) -> str | None:
         rec = metal_attn.diagnostics.last_dispatch()

@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "printed as it completes")
     parser.add_argument("--candidates", metavar="A,B,...",
                         help="providers by name (auto = the registry's choice) and peers (gather_sdpa, mlx_sdpa, "
-                             "torch_sdpa, ceiling); default: the suite's")
+                             "mlx_sdpa_packed: not in decode-step, torch_sdpa, ceiling); default: the suite's")
     parser.add_argument("--shapes", metavar="PATTERN,...",
                         help="only shapes whose label contains a pattern (or matches a glob), case-insensitive")
     parser.add_argument("--warmup", type=int_flag(0), metavar="N",

@@ -3,6 +3,11 @@
 - ``mlx_sdpa``: MLX's own ``mx.fast.scaled_dot_product_attention`` on contiguous
   ``[batch, kv_heads, context, head]`` K/V (GQA through its native support,
   ``mask="causal"`` for prefill rows, which MLX aligns to the end of the context);
+- ``mlx_sdpa_packed``: the same calls from and to packed rows: each group's query rows sliced
+  from the batch's ``[total_q_tokens, heads, head]`` query, one SDPA call per group, and the outputs
+  put back into that packed layout, which the paged API takes and returns (``mlx_sdpa`` gets its
+  per-group queries ready-made and leaves its outputs per group, so on a host-bound batch the
+  difference between the two is what the packed layout costs MLX SDPA);
 - ``gather_sdpa``: the naive paged path, gathering pages with ``mx.take`` through
   the block table inside the timed call, then MLX SDPA;
 - ``torch_sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -38,6 +43,7 @@ from metal_attn.bench.candidates import (
     ProviderCandidate,
     Skip,
     TimedCandidate,
+    f32_rows,
     mlx_prepared,
 )
 from metal_attn.bench.core import is_gpu
@@ -46,7 +52,7 @@ from metal_attn.bench.timing import Timing, time_fn
 from metal_attn.device import current_device
 
 #: Names that are peers, not providers (a provider of the same name is shadowed).
-PEER_NAMES: tuple[str, ...] = ("gather_sdpa", "mlx_sdpa", "torch_sdpa", "ceiling")
+PEER_NAMES: tuple[str, ...] = ("gather_sdpa", "mlx_sdpa", "mlx_sdpa_packed", "torch_sdpa", "ceiling")
 
 #: Size of the GPU copy-bandwidth buffer (bytes), well beyond any GPU's last-level cache.
 GPU_COPY_BYTES = 1 << 30
@@ -55,27 +61,61 @@ GPU_COPY_BYTES = 1 << 30
 def mlx_rows(outs: list[mx.array]) -> np.ndarray:
     """Per-group ``[n, heads, q_len, head]`` outputs -> float32 ``[total_q_tokens, heads, head]``."""
     flat = [o.transpose(0, 2, 1, 3).reshape(-1, o.shape[1], o.shape[3]) for o in outs]
-    out = flat[0] if len(flat) == 1 else mx.concatenate(flat, axis=0)
-    return np.array(out.astype(mx.float32))
+    return f32_rows(flat[0] if len(flat) == 1 else mx.concatenate(flat, axis=0))
+
+
+def sdpa_per_group(case: Case) -> Callable[[], list[mx.array]]:
+    """``mlx_sdpa``'s call on ``case``: a function building one MLX SDPA call per group on its contiguous
+    K/V and ready-made ``[count, heads, q_len, head]`` queries, returning the outputs per group (lazy)."""
+    kv = case.contiguous_kv()
+    qs = case.group_queries()
+    masks = ["causal" if g.rows.q_len > 1 else None for g in case.groups]
+    scale = case.scale
+
+    def compute() -> list[mx.array]:
+        return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
+                for q, (k, v), m in zip(qs, kv, masks)]
+
+    return compute
+
+
+def sdpa_packed(case: Case) -> Callable[[], mx.array]:
+    """``mlx_sdpa_packed``'s call on ``case``: a function building the same SDPA calls, each group's
+    queries a view of ``case.q``'s packed ``[total_q_tokens, heads, head]`` rows, and returning the
+    outputs in that layout (lazy)."""
+    kv = case.contiguous_kv()
+    s, q, scale = case.shape, case.q, case.scale
+    runs = [(g.tokens, g.rows.count, g.rows.q_len) for g in case.groups]
+
+    def compute() -> mx.array:
+        outs = []
+        for (tokens, n, q_len), (k, v) in zip(runs, kv):
+            qg = q[tokens].reshape(n, q_len, s.num_heads, s.head_size).transpose(0, 2, 1, 3)
+            o = mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask="causal" if q_len > 1 else None)
+            outs.append(o.transpose(0, 2, 1, 3).reshape(n * q_len, s.num_heads, s.head_size))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+    return compute
 
 
 class MlxSdpa(TimedCandidate):
-    """MLX SDPA on contiguous K/V, one call per group of identical sequences."""
+    """MLX SDPA on contiguous K/V, one call per group of identical sequences (`sdpa_per_group`)."""
 
     name = "mlx_sdpa"
     kind = "peer"
 
     def prepare(self, case: Case) -> Prepared:
-        kv = case.contiguous_kv()
-        qs = case.group_queries()
-        masks = ["causal" if g.rows.q_len > 1 else None for g in case.groups]
-        scale = case.scale
+        return mlx_prepared(sdpa_per_group(case), mlx_rows, "contiguous K/V + mx.fast SDPA")
 
-        def compute() -> list[mx.array]:
-            return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
-                    for q, (k, v), m in zip(qs, kv, masks)]
 
-        return mlx_prepared(compute, mlx_rows, "contiguous K/V + mx.fast SDPA")
+class MlxSdpaPacked(TimedCandidate):
+    """MLX SDPA on contiguous K/V from and to packed rows (`sdpa_packed`; the module docstring says why)."""
+
+    name = "mlx_sdpa_packed"
+    kind = "peer"
+
+    def prepare(self, case: Case) -> Prepared:
+        return mlx_prepared(sdpa_packed(case), f32_rows, "packed rows + contiguous K/V + mx.fast SDPA")
 
 
 class GatherSdpa(TimedCandidate):
@@ -310,8 +350,8 @@ def cpu_read_ceiling(nbytes: int, *, warmup: int, iters: int) -> CandidateResult
                                     "threads": threads})
 
 
-PEERS: dict[str, type] = {"mlx_sdpa": MlxSdpa, "gather_sdpa": GatherSdpa, "torch_sdpa": TorchSdpa,
-                          "ceiling": Ceiling}
+PEERS: dict[str, type] = {"mlx_sdpa": MlxSdpa, "mlx_sdpa_packed": MlxSdpaPacked, "gather_sdpa": GatherSdpa,
+                          "torch_sdpa": TorchSdpa, "ceiling": Ceiling}
 
 
 def timed(names: Sequence[str]) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ One convention for every ratio, so that "fell below its baseline" always means "
 - **higher is better**, and every key ends in ``ratio``;
 - ``speedup_vs_<peer>_ratio`` = ``t_peer / t_candidate`` (above 1: faster than the peer), for
   every peer of `SPEEDUP_PEERS` that ran in the same run (``gather_sdpa``, ``mlx_sdpa``,
-  ``torch_sdpa``);
+  ``mlx_sdpa_packed``, ``torch_sdpa``);
 - ``ceiling_fraction_ratio`` = ``t_ceiling / t_candidate``, with ``t_ceiling`` = the K+V bytes
   read once / the copy (GPU) or read (CPU) bandwidth measured in the same run; equal to
   ``GB/s / ceiling GB/s``, at most about 1 (decode and mixed shapes only).
@@ -26,7 +26,7 @@ from typing import Any
 SUFFIX = "ratio"
 
 #: Peers a candidate's speedup is taken against, in display order.
-SPEEDUP_PEERS: tuple[str, ...] = ("gather_sdpa", "mlx_sdpa", "torch_sdpa")
+SPEEDUP_PEERS: tuple[str, ...] = ("gather_sdpa", "mlx_sdpa", "mlx_sdpa_packed", "torch_sdpa")
 
 #: ``t_ceiling / t_candidate``: the fraction of the same run's bandwidth ceiling reached.
 CEILING_RATIO = "ceiling_fraction_ratio"

@@ -134,7 +134,7 @@ SUITES: dict[str, Suite] = {
             "of 2,048, chunks after 2K, 7K and 32K of context, the two mixed batches and one with a 2,048-row chunk",
             "gpu",
             _PREFILL + _MIXED + (Shape.mix((Rows(8, 1, 4096), Rows(1, 2048, 4096)), 32, 8, 128),),
-            ("auto", "sdpa_prefill", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "torch_sdpa"),
+            ("auto", "sdpa_prefill", "tiled_prefill", "gather_sdpa", "mlx_sdpa", "mlx_sdpa_packed", "torch_sdpa"),
             warmup=2,
             iters=10,
             runtime=_GPU_ONLY,
