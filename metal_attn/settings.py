@@ -290,8 +290,8 @@ class Settings(BaseSettings):
             "the rows run in its tail; sdpa: the first run's fused SDPA output (the rows after it). The same kernels "
             "and bytes either way. H200, medians of five interleaved readings: gathers 1.03x none on the suite's "
             "GPU-bound mixed batch and 0.98x on its first mixed batch, sdpa 0.93x and 0.97x (docs/cuda-ops.md, "
-            "forty-eighth session), "
-            "so none by default. gathers and sdpa need the CUDA module built since the forty-seventh session."
+            "forty-eighth session), so none by default. gathers and sdpa need the CUDA module built since the "
+            "forty-seventh session."
         ),
     )
 
