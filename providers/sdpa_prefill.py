@@ -45,14 +45,14 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
 from metal_attn.providers import gpu_common as gc
 
+from metal_attn import _epoch
 from metal_attn.provider import Plan, Provider
 from metal_attn.request import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
-    import mlx.core as mx
-
     from metal_attn.device import DeviceInfo
     from metal_attn.metadata import AttentionMetadata
     from metal_attn.provider import AttentionInputs
@@ -237,8 +237,6 @@ class SdpaPrefillProvider(Provider):
             gc.prepare_decode_rows(decode_spec, device)
 
     def run(self, inputs: AttentionInputs, plan: Plan) -> mx.array:
-        import mlx.core as mx
-
         decode_spec = plan.specialization[-1]
         md = inputs.metadata
         n_dec = md.num_decode_seqs if decode_spec else 0
@@ -384,8 +382,6 @@ def run_launches(md: AttentionMetadata, first_seq: int, q_shape: tuple[int, ...]
     with chains, where every run has pages to read and the lead rows fit the first launch, the batch's
     two chains instead, the finish chain running the lead rows' launches ``decode()`` where given).
     Built once per metadata (`gc.cached_launch`), so the layers of a step share it."""
-    import mlx.core as mx
-
     from metal_attn import kernels
     from metal_attn.kernels import SIMD_WIDTH
     from metal_attn.settings import get_settings
@@ -468,8 +464,6 @@ def chained_runs(runs: tuple[RunLaunch, ...], kv_heads: int, head: int, lead_row
     rows). They read no buffer the gathers or MLX's SDPA write, so MLX's CUDA graph runs them beside
     those, as it ran their chain of their own; the finishes, writing the same output, come after them.
     ``decode_wait`` (`DECODE_ROWS_WAIT_INPUT`): what else the rows' first launch waits for, ordering only."""
-    import mlx.core as mx
-
     from metal_attn import cuda_ops
     from metal_attn.api import dtype_name
     from metal_attn.kernels import SIMD_WIDTH
@@ -535,8 +529,6 @@ SINK_LIMITS: Mapping[str, float] = MappingProxyType({"float32": 2.3e38, "bfloat1
 def sinks_for_mlx(sinks: mx.array, dtype: mx.Dtype) -> mx.array:
     """``sinks`` in ``dtype`` as MLX SDPA takes them: finite ones clipped to ``SINK_LIMITS``; -inf (no
     sink), +inf and NaN as they are (the NaN contract: +inf and NaN make their heads NaN)."""
-    import mlx.core as mx
-
     limit = SINK_LIMITS[str(dtype).removeprefix("mlx.core.")]
     finite = mx.isfinite(sinks)
     return mx.where(finite, mx.clip(sinks, -limit, limit), sinks).astype(dtype)
@@ -558,10 +550,6 @@ def prefill_rows(inputs: AttentionInputs, md: AttentionMetadata, *, first_seq: i
     pass after the fused kernel (``first_flagged`` and ``sdpa_finish``); without one (the CPU
     tests) MLX ops compute the same (`gather_with_mlx_ops`, `poisoned_rows`). ``force_fused=False``
     lets MLX use its unfused SDPA (the CPU tests; the provider never does)."""
-    import mlx.core as mx
-
-    from metal_attn import _epoch
-
     if lead is not None and decode_rows is not None:
         raise ValueError("prefill_rows: lead and decode_rows were both given (allowed: one of them, or neither)")
     q, kc, vc = inputs.q, inputs.k_cache, inputs.v_cache
@@ -705,8 +693,6 @@ def finish_template(dtype: Any, head_size: int) -> list[tuple[str, Any]]:
 def poisoned_rows(bad: mx.array, q_len: int, num_heads: int) -> mx.array:
     """``[n, num_heads, q_len]``: the query rows whose range ``[0, seq_len - q_len + r + 1)`` holds
     a flagged position of their KV head (prefix counts of ``bad`` ``[n, KVH, seq_len]``)."""
-    import mlx.core as mx
-
     kvh, seq_len = bad.shape[1], bad.shape[2]
     counts = mx.cumsum(bad, axis=2)
     ends = mx.arange(q_len) + (seq_len - q_len)  # the last position row r attends
@@ -717,8 +703,6 @@ def poisoned_rows(bad: mx.array, q_len: int, num_heads: int) -> mx.array:
 def gather_with_mlx_ops(k_cache: mx.array, v_cache: mx.array, table: mx.array,
                         seq_len: int) -> tuple[mx.array, mx.array, mx.array]:
     """What ``gather_kv`` computes, with MLX ops in several passes (the path without a GPU)."""
-    import mlx.core as mx
-
     nb = k_cache.shape[0]
     bad_ids = ((table < 0) | (table >= nb)).any(axis=1).astype(mx.int32)  # [n]
     table = mx.clip(table, 0, nb - 1)
@@ -734,8 +718,6 @@ def gather_with_mlx_ops(k_cache: mx.array, v_cache: mx.array, table: mx.array,
 def gather_pages(pool: mx.array, table: mx.array, seq_len: int) -> mx.array:
     """The first ``seq_len`` tokens of the sequences whose page ids are ``table`` (``[n, pages]``),
     as ``[n, seq_len, kv_heads, head]``: one gather of whole pages (``mx.take``), then a view."""
-    import mlx.core as mx
-
     n, pages = table.shape
     _, block_size, kvh, head = pool.shape
     return mx.take(pool, table, axis=0).reshape(n, pages * block_size, kvh, head)[:, :seq_len]
