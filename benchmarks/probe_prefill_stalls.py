@@ -4,7 +4,9 @@ collections and MLX's allocator figures, under MLX's default buffer
 cache, one sample of each in turn with MLX SDPA on contiguous K/V (the peer), and with
 ``mx.set_cache_limit`` raised (does the allocator free and re-allocate?).
 
-Usage (GPU): ``python benchmarks/probe_prefill_stalls.py OUT.json [--batch 4 --q-len 2048]``.
+Usage (GPU): ``python benchmarks/probe_prefill_stalls.py OUT.json [--batch 4 --q-len 2048 | --shape PATTERN]``.
+``--shape`` takes one shape of the ``prefill-gpu`` suite by its label instead (e.g. ``"mixed 32x1"``, the
+host-bound mixed batch of issue #18).
 
 ``--trace`` instead takes the bench's own sampling (``--calls 13``: the pipelined bench's calibrated
 count at b4 q2048) for ``auto``, ``sdpa_prefill`` forced (as the bench's named candidate calls it) and
@@ -29,6 +31,7 @@ import mlx.core as mx
 import metal_attn
 from metal_attn.bench.peers import sdpa_per_group
 from metal_attn.bench.shapes import Shape, build_case
+from metal_attn.bench.suites import get_suite
 
 
 def samples(fn, n: int, calls: int) -> list[dict]:
@@ -172,11 +175,25 @@ def trace_main(args, ours, peer) -> dict:
     return result
 
 
+def suite_shape(pattern: str) -> Shape:
+    """The one shape of the ``prefill-gpu`` suite whose label matches ``pattern`` (`Suite.select`'s matching);
+    `ValueError` naming the pattern and the labels where none or several match."""
+    suite = get_suite("prefill-gpu")
+    hits = suite.select([pattern])
+    if len(hits) != 1:
+        found = "no shape" if not hits else f"{len(hits)} shapes"
+        labels = "; ".join(s.label for s in (hits or suite.shapes))
+        raise ValueError(f"--shape {pattern!r} matches {found} of the prefill-gpu suite (allowed: a pattern "
+                         f"matching exactly one of: {labels})")
+    return hits[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--q-len", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=None, help="prompts of the prefill batch (default 4)")
+    ap.add_argument("--q-len", type=int, default=None, help="tokens a prompt (default 2048)")
+    ap.add_argument("--shape", default=None, help="instead of --batch/--q-len: a prefill-gpu suite shape by label")
     ap.add_argument("--samples", type=int, default=40)
     ap.add_argument("--calls", type=int, default=None, help="queued calls a sample (4; 13 with --trace)")
     ap.add_argument("--trace", action="store_true", help="the bench's sampling, traced (module docstring)")
@@ -186,7 +203,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.calls is None:
         args.calls = 13 if args.trace else 4
-    case = build_case(Shape(args.batch, 32, 8, 128, args.q_len, q_len=args.q_len))
+    if args.shape is not None:
+        if args.batch is not None or args.q_len is not None:
+            ap.error(f"--shape {args.shape!r} with --batch or --q-len (allowed: one or the other)")
+        try:
+            shape = suite_shape(args.shape)
+        except ValueError as exc:
+            ap.error(str(exc))
+    else:
+        batch, q_len = args.batch or 4, args.q_len or 2048
+        shape = Shape(batch, 32, 8, 128, q_len, q_len=q_len)
+    case = build_case(shape)
     def ours(provider=None):
         return metal_attn.paged_attention(case.q, case.k_pool, case.v_pool, metadata=case.metadata, scale=case.scale,
                                           provider=provider)

@@ -4,6 +4,7 @@ torch.profiler's chrome-trace form)."""
 from __future__ import annotations
 
 import probe_prefill_stalls as ps
+import pytest
 
 
 def mark(i, ts, dur):
@@ -55,3 +56,11 @@ def test_callers_are_reported_only_with_stacks():
 
 def test_spans_merge_where_they_overlap_or_touch():
     assert ps.union_spans([(5, 7), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 7)]
+
+
+def test_suite_shape_takes_exactly_one_prefill_gpu_shape():
+    assert ps.suite_shape("mixed 32x1").label.startswith("mixed 32x1@1024")
+    with pytest.raises(ValueError, match=r"--shape 'nothing' matches no shape of the prefill-gpu suite"):
+        ps.suite_shape("nothing")
+    with pytest.raises(ValueError, match=r"--shape 'mixed' matches 3 shapes"):
+        ps.suite_shape("mixed")

@@ -130,8 +130,8 @@ def test_a_dry_run_checks_every_step_of_every_phase(tmp_path):
     script_phases = next(line for line in SCRIPT.read_text().splitlines() if line.startswith("PHASES=("))
     assert script_phases == f"PHASES=({' '.join(DRY_RUN_PHASES)})", "a phase the dry run does not check"
     checked = [line for line in got.stdout.splitlines() if "[dry run: " in line]
-    # steps per phase: 1 + 3 + 4 + 4 + 4 + 3 + 4 + 5 + 2 + 2 + 2 + 2 + 4 + 3 + 4 + 1 + 4 + 4 + 1 + 8 + 1 + 4
-    assert len(checked) == 70
+    # steps per phase: 1 + 3 + 4 + 4 + 5 + 3 + 4 + 5 + 2 + 2 + 2 + 2 + 4 + 3 + 4 + 1 + 4 + 4 + 1 + 8 + 1 + 4
+    assert len(checked) == 71
     # A step run under `env NAME=VALUE` is checked too (its command after the variables, with --dry-run).
     assert any("env MLX_USE_CUDA_GRAPHS=0 python3 -m metal_attn.bench.cli" in line
                and line.endswith("[dry run: --dry-run]") for line in checked)

@@ -209,7 +209,10 @@ run_phase() {
         "$dir/probe-q4096.json"
       step bench-b4 "$STEP_LIMIT" "${BENCH[@]}" --suite prefill-gpu --pipelined --shapes "b4 q2048" --repeat 4 \
         --quiet --markdown --candidates auto,sdpa_prefill,mlx_sdpa --json "$dir/bench-b4.json"
-      step trace-b4 "$STEP_LIMIT" python3 benchmarks/probe_prefill_stalls.py --trace "$dir/trace-b4.json" ;;
+      step trace-b4 "$STEP_LIMIT" python3 benchmarks/probe_prefill_stalls.py --trace "$dir/trace-b4.json"
+      # The host-bound mixed batch (#18): GPU busy, idle gaps and the host's calls in them, queued as the bench does.
+      step trace-mixed "$STEP_LIMIT" python3 benchmarks/probe_prefill_stalls.py --trace --shape "mixed 32x1" \
+        "$dir/trace-mixed.json" ;;
     finish)
       # shellcheck disable=SC2046
       step pytest "$STEP_LIMIT" python3 -m pytest -q -rfEx $(xdist) tests/gpu/test_cuda_chains_gpu.py \
