@@ -211,7 +211,8 @@ def main() -> None:
         except ValueError as exc:
             ap.error(str(exc))
     else:
-        batch, q_len = args.batch or 4, args.q_len or 2048
+        batch = 4 if args.batch is None else args.batch
+        q_len = 2048 if args.q_len is None else args.q_len
         shape = Shape(batch, 32, 8, 128, q_len, q_len=q_len)
     case = build_case(shape)
     def ours(provider=None):
