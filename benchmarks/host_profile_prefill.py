@@ -17,10 +17,10 @@ import cProfile
 import pstats
 
 import mlx.core as mx
+from probe_args import prefill_suite_shape
 
 import metal_attn
 from metal_attn.bench.shapes import build_case
-from metal_attn.bench.suites import get_suite
 
 
 def main() -> None:
@@ -31,7 +31,10 @@ def main() -> None:
     ap.add_argument("--pipelined", action="store_true")
     args = ap.parse_args()
     provider = None if args.provider == "auto" else args.provider
-    shape = get_suite("prefill-gpu").select([args.shape])[0]
+    try:
+        shape = prefill_suite_shape(args.shape)
+    except ValueError as exc:
+        ap.error(str(exc))
     case = build_case(shape)
 
     def call():

@@ -27,11 +27,11 @@ import json
 import time
 
 import mlx.core as mx
+from probe_args import prefill_suite_shape
 
 import metal_attn
 from metal_attn.bench.peers import sdpa_per_group
 from metal_attn.bench.shapes import Shape, build_case
-from metal_attn.bench.suites import get_suite
 
 
 def samples(fn, n: int, calls: int) -> list[dict]:
@@ -175,19 +175,6 @@ def trace_main(args, ours, peer) -> dict:
     return result
 
 
-def suite_shape(pattern: str) -> Shape:
-    """The one shape of the ``prefill-gpu`` suite whose label matches ``pattern`` (`Suite.select`'s matching);
-    `ValueError` naming the pattern and the labels where none or several match."""
-    suite = get_suite("prefill-gpu")
-    hits = suite.select([pattern])
-    if len(hits) != 1:
-        found = "no shape" if not hits else f"{len(hits)} shapes"
-        labels = "; ".join(s.label for s in (hits or suite.shapes))
-        raise ValueError(f"--shape {pattern!r} matches {found} of the prefill-gpu suite (allowed: a pattern "
-                         f"matching exactly one of: {labels})")
-    return hits[0]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json")
@@ -207,7 +194,7 @@ def main() -> None:
         if args.batch is not None or args.q_len is not None:
             ap.error(f"--shape {args.shape!r} with --batch or --q-len (allowed: one or the other)")
         try:
-            shape = suite_shape(args.shape)
+            shape = prefill_suite_shape(args.shape)
         except ValueError as exc:
             ap.error(str(exc))
     else:

@@ -3,6 +3,7 @@ torch.profiler's chrome-trace form)."""
 
 from __future__ import annotations
 
+import probe_args
 import probe_prefill_stalls as ps
 import pytest
 
@@ -59,8 +60,8 @@ def test_spans_merge_where_they_overlap_or_touch():
 
 
 def test_suite_shape_takes_exactly_one_prefill_gpu_shape():
-    assert ps.suite_shape("mixed 32x1").label.startswith("mixed 32x1@1024")
+    assert probe_args.prefill_suite_shape("mixed 32x1").label.startswith("mixed 32x1@1024")
     with pytest.raises(ValueError, match=r"--shape 'nothing' matches no shape of the prefill-gpu suite"):
-        ps.suite_shape("nothing")
+        probe_args.prefill_suite_shape("nothing")
     with pytest.raises(ValueError, match=r"--shape 'mixed' matches 3 shapes"):
-        ps.suite_shape("mixed")
+        probe_args.prefill_suite_shape("mixed")
